@@ -1,0 +1,582 @@
+"""Model configuration as data: frozen dataclasses for the whole Kimi family (SPEC §1–7).
+
+One `ModelConfig` describes Kimi K3.1 Pro, Kimi K3, Kimi-Linear and DeepSeek-V3.2; every architectural
+difference is a field here, never a flag checked somewhere in the modules. `from_hf_config` parses a Hugging Face
+`config.json`; `PRESETS` holds the full-size models and small ones for CPU.
+
+Layer lists in Hugging Face configs are 1-indexed; everything in this module is 0-indexed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+GateForm = Literal["lower_bound", "plain"]
+Activation = Literal["situ", "swiglu", "clamped_swiglu"]
+LayerKind = Literal["kda", "mla"]
+
+
+class ConfigError(ValueError):
+    """A configuration that this package does not understand (bad architecture, inconsistent sizes)."""
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (SPEC §4)."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    gate_form: GateForm = "lower_bound"  # K3/GLM: lower_bound*sigmoid(...); Kimi-Linear: -exp(A)*softplus(...)
+    gate_lower_bound: float = -5.0
+    output_gate_rank: Optional[int] = None  # None: full-rank g_proj (K3); int: low-rank g_a/g_b (Kimi-Linear)
+    a_log_checkpoint_size: Optional[int] = None  # K3 stores A_log padded to 128; only num_heads entries are real
+    chunk_size: int = 64
+    conv_activation: str = "silu"
+    o_norm_eps: float = 1e-5
+
+    @property
+    def proj_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding for the DeepSeek MLA variant (interleaved pairs), with optional YaRN scaling."""
+
+    theta: float = 10000.0
+    interleaved: bool = True
+    yarn_factor: Optional[float] = None
+    original_max_positions: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (SPEC §5). `rope is None` means NoPE (K3, Kimi-Linear)."""
+
+    num_heads: int
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    output_gate: bool = False  # K3: attn *= sigmoid(x @ Wg) before o_proj
+    rope: Optional[RopeConfig] = None
+    q_norm_eps: float = 1e-6
+    kv_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.rope is not None and self.rope.yarn_factor and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.yarn_factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    import math
+
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """DSA lightning indexer (SPEC §6)."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    rope_dims: int = 0  # DeepSeek-V3.2: RoPE (half-split) on the first 64 dims; K3.1: none
+    norm_eps: float = 1e-5
+    hadamard_rotate: bool = False  # (unverified for K3.1) rotate q and k before FP8 scoring
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts with shared experts (SPEC §7)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int = 1
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    latent_size: Optional[int] = None  # K3 latent MoE: routed experts run at this width
+    latent_norm: bool = False
+    bias_in_weights: bool = False  # quirk of some published Kimi-Linear copies; transformers 5.23 does not
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.intermediate_size * self.num_shared_experts
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT3d (SPEC §9); carried for parameter counts and conversion."""
+
+    patch_size: int = 14
+    hidden_size: int = 1024
+    num_layers: int = 27
+    num_heads: int = 12
+    head_dim: int = 128
+    intermediate_size: int = 4096
+    merge: int = 2
+    pos_table: int = 64
+    projector_hidden: int = 4096
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One whole model. `layer_kinds[i]` is 'kda' or 'mla'; `dense_layers` use the dense FFN, the rest the MoE."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_kinds: tuple[LayerKind, ...]
+    dense_layers: tuple[int, ...]
+    dense_intermediate_size: int
+    mla: MLAConfig
+    moe: MoEConfig
+    kda: Optional[KDAConfig] = None
+    indexer: Optional[IndexerConfig] = None
+    attn_res_block_size: Optional[int] = None  # None: plain residual stream
+    activation: Activation = "swiglu"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 1 << 20
+    vision: Optional[VisionConfig] = None
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        if any(k not in ("kda", "mla") for k in self.layer_kinds):
+            raise ConfigError(f"layer kinds must be 'kda' or 'mla', got {sorted(set(self.layer_kinds))}")
+        if "kda" in self.layer_kinds and self.kda is None:
+            raise ConfigError("config has KDA layers but no kda block")
+        if self.moe.num_experts % self.moe.num_groups:
+            raise ConfigError(f"{self.moe.num_experts} experts do not split into {self.moe.num_groups} groups")
+        if self.kda is not None and self.kda.a_log_checkpoint_size is not None:
+            if self.kda.a_log_checkpoint_size < self.kda.num_heads:
+                raise ConfigError("A_log checkpoint size is smaller than the KDA head count")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mla")
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "kda")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- serialisation -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        sub = {"mla": MLAConfig, "moe": MoEConfig, "kda": KDAConfig, "indexer": IndexerConfig, "vision": VisionConfig}
+        for key, typ in sub.items():
+            if d.get(key) is not None:
+                inner = dict(d[key])
+                if key == "mla" and inner.get("rope") is not None:
+                    inner["rope"] = RopeConfig(**inner["rope"])
+                d[key] = typ(**inner)
+        d["layer_kinds"] = tuple(d["layer_kinds"])
+        d["dense_layers"] = tuple(d["dense_layers"])
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------------------
+
+def k3_layer_kinds(num_layers: int = 93) -> tuple[LayerKind, ...]:
+    """K3: MLA at 0-indexed 3, 7, …, and the last layer; KDA elsewhere."""
+    kinds = ["kda"] * num_layers
+    for i in range(3, num_layers, 4):
+        kinds[i] = "mla"
+    kinds[num_layers - 1] = "mla"
+    return tuple(kinds)
+
+
+def _kimi_k3(with_indexer: bool) -> ModelConfig:
+    return ModelConfig(
+        architecture="kimi_k31" if with_indexer else "kimi_k3",
+        vocab_size=163840,
+        hidden_size=7168,
+        layer_kinds=k3_layer_kinds(93),
+        dense_layers=(0,),
+        dense_intermediate_size=33792,
+        kda=KDAConfig(num_heads=96, head_dim=128, gate_form="lower_bound", gate_lower_bound=-5.0,
+                      output_gate_rank=None, a_log_checkpoint_size=128),
+        mla=MLAConfig(num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, output_gate=True, rope=None, q_norm_eps=1e-5, kv_norm_eps=1e-5),
+        indexer=IndexerConfig(num_heads=32, head_dim=128, topk=2048, rope_dims=0, norm_eps=1e-5) if with_indexer else None,
+        moe=MoEConfig(num_experts=896, top_k=16, intermediate_size=3072, num_shared_experts=2, num_groups=1,
+                      topk_groups=1, renormalize=True, routed_scaling_factor=1.0, latent_size=3584, latent_norm=True),
+        attn_res_block_size=12,
+        activation="situ",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1 << 20,
+        vision=VisionConfig(),
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+    )
+
+
+def _kimi_linear_48b() -> ModelConfig:
+    full = (4, 8, 12, 16, 20, 24, 27)  # 1-indexed, as in the released config.json
+    kinds = tuple("mla" if (i + 1) in full else "kda" for i in range(27))
+    return ModelConfig(
+        architecture="kimi_linear",
+        vocab_size=163840,
+        hidden_size=2304,
+        layer_kinds=kinds,
+        dense_layers=(0,),
+        dense_intermediate_size=9216,
+        kda=KDAConfig(num_heads=32, head_dim=128, gate_form="plain", output_gate_rank=128),
+        mla=MLAConfig(num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, output_gate=False, rope=None),
+        moe=MoEConfig(num_experts=256, top_k=8, intermediate_size=1024, num_shared_experts=1,
+                      routed_scaling_factor=2.446),
+        activation="swiglu",
+        rms_norm_eps=1e-5,
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+    )
+
+
+def _deepseek_v32() -> ModelConfig:
+    return ModelConfig(
+        architecture="deepseek_v32",
+        vocab_size=129280,
+        hidden_size=7168,
+        layer_kinds=("mla",) * 61,
+        dense_layers=(0, 1, 2),
+        dense_intermediate_size=18432,
+        mla=MLAConfig(num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, output_gate=False,
+                      rope=RopeConfig(theta=10000.0, interleaved=True, yarn_factor=40.0, original_max_positions=4096,
+                                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+        indexer=IndexerConfig(num_heads=64, head_dim=128, topk=2048, rope_dims=64, norm_eps=1e-6),
+        moe=MoEConfig(num_experts=256, top_k=8, intermediate_size=2048, num_shared_experts=1, num_groups=8,
+                      topk_groups=4, routed_scaling_factor=2.5),
+        activation="swiglu",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=163840,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def _tiny() -> ModelConfig:
+    """K3.1 architecture with every feature on and small dims (CPU tests, the default served model)."""
+    return ModelConfig(
+        architecture="kimi_k31",
+        vocab_size=1024,
+        hidden_size=64,
+        layer_kinds=k3_layer_kinds(8),  # KDA 0,1,2,4,5,6; MLA 3,7
+        dense_layers=(0,),
+        dense_intermediate_size=128,
+        kda=KDAConfig(num_heads=2, head_dim=16, gate_form="lower_bound", gate_lower_bound=-5.0,
+                      output_gate_rank=None, a_log_checkpoint_size=4),
+        mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16, output_gate=True, rope=None, q_norm_eps=1e-5, kv_norm_eps=1e-5),
+        indexer=IndexerConfig(num_heads=2, head_dim=16, topk=8, rope_dims=0, norm_eps=1e-5),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2, latent_size=48,
+                      latent_norm=True, routed_scaling_factor=1.0),
+        attn_res_block_size=3,  # blocks close at layers 0, 3, 6: three stored blocks + the partial sum
+        activation="situ",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        bos_token_id=1000,
+        eos_token_id=1002,
+        pad_token_id=1023,
+    )
+
+
+PRESETS = {
+    "kimi-k3.1-pro": lambda: _kimi_k3(True),
+    "kimi-k3": lambda: _kimi_k3(False),
+    "kimi-linear-48b": _kimi_linear_48b,
+    "deepseek-v3.2": _deepseek_v32,
+    "tiny": _tiny,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hugging Face config.json parsing
+# ---------------------------------------------------------------------------------------------------------------------
+
+SUPPORTED_HF_TYPES = ("kimi_k3", "kimi_linear", "deepseek_v32")
+
+
+def _layer_kinds_from_lists(n: int, full_1idx, linear_1idx) -> tuple[LayerKind, ...]:
+    kinds: list[Optional[str]] = [None] * n
+    for i in full_1idx:
+        if not 1 <= i <= n:
+            raise ConfigError(f"full_attn_layers entry {i} is outside 1..{n} (the list is 1-indexed)")
+        kinds[i - 1] = "mla"
+    for i in linear_1idx:
+        if not 1 <= i <= n:
+            raise ConfigError(f"kda_layers entry {i} is outside 1..{n} (the list is 1-indexed)")
+        if kinds[i - 1] == "mla":
+            raise ConfigError(f"layer {i} (1-indexed) is listed both as KDA and as full attention")
+        kinds[i - 1] = "kda"
+    missing = [i + 1 for i, k in enumerate(kinds) if k is None]
+    if missing:
+        raise ConfigError(f"layers {missing} (1-indexed) are in neither kda_layers nor full_attn_layers")
+    return tuple(kinds)  # type: ignore[return-value]
+
+
+def _activation(hf: dict) -> Activation:
+    act = hf.get("hidden_act", "silu")
+    if act == "situ":
+        return "situ"
+    if act in ("silu", "swish"):
+        return "swiglu"
+    raise ConfigError(f"unsupported hidden_act {act!r} (expected 'situ' or 'silu')")
+
+
+def _dense_layers(hf: dict, n: int) -> tuple[int, ...]:
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types:
+        return tuple(i for i, t in enumerate(mlp_types) if t == "dense")
+    k = int(hf.get("first_k_dense_replace", 1))
+    return tuple(range(min(k, n)))
+
+
+def _kimi_from_hf(hf: dict, top: dict) -> ModelConfig:
+    n = int(hf["num_hidden_layers"])
+    lin = hf.get("linear_attn_config") or {}
+    if hf.get("layer_types"):
+        kinds = tuple("mla" if t == "full_attention" else "kda" for t in hf["layer_types"])
+    elif "full_attn_layers" in lin and "kda_layers" in lin:
+        kinds = _layer_kinds_from_lists(n, lin["full_attn_layers"], lin["kda_layers"])
+    else:
+        raise ConfigError("kimi config has neither layer_types nor linear_attn_config.{kda_layers,full_attn_layers}")
+    is_k3 = top.get("model_type") == "kimi_k3" or hf.get("hidden_act") == "situ" or "attn_res_block_size" in hf
+    heads = int(lin.get("num_heads", hf.get("linear_num_heads", 32)))
+    head_dim = int(lin.get("head_dim", hf.get("linear_head_dim", 128)))
+    full_rank_gate = bool(lin.get("use_full_rank_gate", is_k3))
+    lower_bound = lin.get("gate_lower_bound")
+    kda = KDAConfig(
+        num_heads=heads,
+        head_dim=head_dim,
+        conv_kernel=int(lin.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4))),
+        gate_form="lower_bound" if lower_bound is not None else "plain",
+        gate_lower_bound=float(lower_bound) if lower_bound is not None else -5.0,
+        output_gate_rank=None if full_rank_gate else head_dim,
+        a_log_checkpoint_size=int(lin["a_log_size"]) if "a_log_size" in lin else (128 if is_k3 else None),
+        o_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+    )
+    eps = float(hf.get("rms_norm_eps", 1e-5))
+    mla_eps = eps if is_k3 else 1e-6
+    mla = MLAConfig(
+        num_heads=int(hf["num_attention_heads"]),
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(hf.get("v_head_dim", 128)),
+        output_gate=bool(hf.get("mla_use_output_gate", False)),
+        rope=None,
+        q_norm_eps=mla_eps,
+        kv_norm_eps=mla_eps,
+    )
+    indexer = None
+    dsa = hf.get("dsa_config") or top.get("dsa_config")
+    if dsa:
+        indexer = IndexerConfig(
+            num_heads=int(dsa.get("index_n_heads", dsa.get("num_heads", 32))),
+            head_dim=int(dsa.get("index_head_dim", dsa.get("head_dim", 128))),
+            topk=int(dsa.get("index_topk", dsa.get("topk", 2048))),
+            rope_dims=0,
+            norm_eps=float(dsa.get("norm_eps", eps)),
+            hadamard_rotate=bool(dsa.get("hadamard_rotate", False)),
+        )
+    n_experts = int(hf.get("num_experts", hf.get("num_local_experts", hf.get("n_routed_experts", 256))))
+    moe = MoEConfig(
+        num_experts=n_experts,
+        top_k=int(hf.get("num_experts_per_token", hf.get("num_experts_per_tok", 8))),
+        intermediate_size=int(hf["moe_intermediate_size"]),
+        num_shared_experts=int(hf.get("num_shared_experts", hf.get("n_shared_experts", 1))),
+        num_groups=int(hf.get("num_expert_group", hf.get("n_group", 1)) or 1),
+        topk_groups=int(hf.get("topk_group", 1) or 1),
+        renormalize=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        latent_size=hf.get("routed_expert_hidden_size"),
+        latent_norm=bool(hf.get("latent_moe_use_norm", False)),
+    )
+    if "mla_use_nope" in hf and not hf["mla_use_nope"]:
+        raise ConfigError("kimi MLA with RoPE (mla_use_nope=false) is not a released configuration")
+    arch = "kimi_linear"
+    if top.get("model_type") == "kimi_k3" or is_k3:
+        arch = "kimi_k31" if indexer is not None else "kimi_k3"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        layer_kinds=kinds,
+        dense_layers=_dense_layers(hf, n),
+        dense_intermediate_size=int(hf["intermediate_size"]),
+        kda=kda,
+        mla=mla,
+        indexer=indexer,
+        moe=moe,
+        attn_res_block_size=hf.get("attn_res_block_size"),
+        activation=_activation(hf),
+        situ_beta=float(hf.get("activation_situ_beta", 4.0)),
+        situ_linear_beta=float(hf.get("activation_situ_linear_beta", 25.0)),
+        rms_norm_eps=eps,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("model_max_length", 1 << 20))),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=_first(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) else x
+
+
+def _deepseek_from_hf(hf: dict) -> ModelConfig:
+    n = int(hf["num_hidden_layers"])
+    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r} for deepseek_v32 (expected 'default' or 'yarn')")
+    yarn = rope_type == "yarn"
+    rope = RopeConfig(
+        theta=theta,
+        interleaved=bool(hf.get("rope_interleave", True)),
+        yarn_factor=float(rp["factor"]) if yarn else None,
+        original_max_positions=int(rp.get("original_max_position_embeddings", 4096)),
+        beta_fast=float(rp.get("beta_fast", 32.0)),
+        beta_slow=float(rp.get("beta_slow", 1.0)),
+        mscale=float(rp.get("mscale", 1.0)),
+        mscale_all_dim=float(rp.get("mscale_all_dim", 0.0)),
+    )
+    eps = float(hf.get("rms_norm_eps", 1e-6))
+    return ModelConfig(
+        architecture="deepseek_v32",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        layer_kinds=("mla",) * n,
+        dense_layers=_dense_layers(hf, n),
+        dense_intermediate_size=int(hf["intermediate_size"]),
+        mla=MLAConfig(
+            num_heads=int(hf["num_attention_heads"]),
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            v_head_dim=int(hf["v_head_dim"]),
+            rope=rope,
+            q_norm_eps=eps,
+            kv_norm_eps=eps,
+        ),
+        indexer=IndexerConfig(
+            num_heads=int(hf.get("index_n_heads", 64)),
+            head_dim=int(hf.get("index_head_dim", 128)),
+            topk=int(hf.get("index_topk", 2048)),
+            rope_dims=int(hf.get("qk_rope_head_dim", 64)),
+            norm_eps=1e-6,
+        ),
+        moe=MoEConfig(
+            num_experts=int(hf.get("n_routed_experts", 256)),
+            top_k=int(hf.get("num_experts_per_tok", 8)),
+            intermediate_size=int(hf["moe_intermediate_size"]),
+            num_shared_experts=int(hf.get("n_shared_experts", 1)),
+            num_groups=int(hf.get("n_group", 1) or 1),
+            topk_groups=int(hf.get("topk_group", 1) or 1),
+            renormalize=bool(hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        ),
+        activation=_activation(hf),
+        rms_norm_eps=eps,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 163840)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=_first(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def from_hf_config(hf_top: dict) -> ModelConfig:
+    """Parse a Hugging Face `config.json` dict (kimi_k3 with `text_config`, kimi_linear, deepseek_v32)."""
+    model_type = hf_top.get("model_type")
+    if model_type == "kimi_k3":
+        text = hf_top.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("kimi_k3 config.json has no text_config block")
+        cfg = _kimi_from_hf(text, hf_top)
+        if hf_top.get("vision_config") is not None:
+            cfg = cfg.replace(vision=VisionConfig())
+        return cfg
+    if model_type == "kimi_linear":
+        return _kimi_from_hf(hf_top, hf_top)
+    if model_type == "deepseek_v32":
+        return _deepseek_from_hf(hf_top)
+    raise ConfigError(
+        f"unknown architecture: model_type={model_type!r}; supported: {', '.join(SUPPORTED_HF_TYPES)}")
+
+
+def load_config(path_or_preset: str) -> ModelConfig:
+    """A preset name, a kimi_jax checkpoint dir (`kimi_jax_config.json`) or a Hugging Face dir (`config.json`)."""
+    if path_or_preset in PRESETS:
+        return get_preset(path_or_preset)
+    if os.path.isdir(path_or_preset):
+        ours = os.path.join(path_or_preset, "kimi_jax_config.json")
+        if os.path.exists(ours):
+            with open(ours) as f:
+                return ModelConfig.from_dict(json.load(f))
+        hf = os.path.join(path_or_preset, "config.json")
+        if os.path.exists(hf):
+            with open(hf) as f:
+                return from_hf_config(json.load(f))
+        raise ConfigError(f"{path_or_preset} holds neither kimi_jax_config.json nor config.json")
+    raise ConfigError(f"{path_or_preset!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")

@@ -1,0 +1,157 @@
+"""The public Python interface: `load_model`, `Model.logits`, `Model.generate` (DESIGN.md)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig, PRESETS, get_preset, load_config
+from .modules.decoder import KimiForCausalLM, ModelCache
+
+log = logging.getLogger("kimi_jax")
+
+# Presets that are meant to be materialised with random weights on one host; the rest are abstract-only.
+MAX_RANDOM_PARAMS = 2_000_000_000
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """Every parameter's `jax.ShapeDtypeStruct`, keyed by its path ("layers.3.self_attn.q_b_proj.kernel").
+
+    Shapes come from `nnx.eval_shape` of the real modules, nothing is materialised. Layers are traced once per
+    distinct (kind, FFN) signature and the result reused, since tracing all 93 layers of the full model in one graph
+    is needlessly slow.
+    """
+    from .modules.decoder import DecoderLayer
+
+    out = {}
+    top_cfg = cfg.replace(layer_kinds=(), dense_layers=())
+    top = nnx.state(nnx.eval_shape(lambda: KimiForCausalLM(top_cfg, rngs=nnx.Rngs(0), dtype=dtype)), nnx.Param)
+    out.update(_flat(top))
+    by_signature = {}
+    for i, kind in enumerate(cfg.layer_kinds):
+        sig = (kind, cfg.is_moe_layer(i))
+        if sig not in by_signature:
+            layer = nnx.eval_shape(lambda: DecoderLayer(cfg, i, rngs=nnx.Rngs(0), dtype=dtype))
+            by_signature[sig] = _flat(nnx.state(layer, nnx.Param))
+        out.update({f"layers.{i}.{k}": v for k, v in by_signature[sig].items()})
+    return out
+
+
+def _flat(state) -> dict:
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        parts = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", "")))) for p in path)
+        name = ".".join(x for x in parts if x and x != "value")
+        flat[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return flat
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Total parameters (elements) from abstract shapes; nothing is materialised."""
+    return sum(int(np.prod(x.shape)) for x in abstract_params(cfg).values())
+
+
+def _sample(logits_bv, temperature, key):
+    if temperature <= 0.0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits_bv / temperature, axis=-1).astype(jnp.int32)
+
+
+class Model:
+    """A loaded model: config, parameters and jitted forward / prefill / decode functions."""
+
+    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32):
+        self.config: ModelConfig = module.cfg
+        self.dtype = dtype
+        self.graphdef, self.params = nnx.split(module)
+
+        def forward(params, ids, cache, mla_form="absorbed"):
+            m = nnx.merge(self.graphdef, params)
+            return m(ids, cache, mla_form=mla_form)
+
+        self._forward = jax.jit(forward, static_argnames=("mla_form",))
+        self._step = jax.jit(forward, donate_argnums=(2,))
+
+    @property
+    def module(self) -> KimiForCausalLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    def new_cache(self, batch: int, max_len: int) -> ModelCache:
+        return ModelCache.zeros(self.config, batch, max_len, self.dtype)
+
+    def logits(self, input_ids, *, mla_form: str = "absorbed") -> np.ndarray:
+        """Full causal forward. input_ids int `[B, T]` -> float32 numpy `[B, T, vocab]`."""
+        ids = _as_ids(input_ids, self.config)
+        out, _ = self._forward(self.params, ids, None, mla_form=mla_form)
+        return np.asarray(out, np.float32)
+
+    def prefill(self, input_ids, max_len: int):
+        """Run the prompt into a fresh cache of `max_len` tokens. Returns (logits `[B, T, V]`, cache)."""
+        ids = _as_ids(input_ids, self.config)
+        if ids.shape[1] > max_len:
+            raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit a cache of {max_len}")
+        return self._forward(self.params, ids, self.new_cache(ids.shape[0], max_len))
+
+    def decode_step(self, cache: ModelCache, token_ids_b):
+        """One token per sequence. Returns (logits `[B, V]`, cache). The cache passed in is donated."""
+        logits, cache = self._step(self.params, jnp.asarray(token_ids_b, jnp.int32)[:, None], cache)
+        return logits[:, 0], cache
+
+    def generate(self, input_ids, max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+        """Greedy (temperature 0) or seeded sampling. input_ids int `[B, T]` -> numpy int `[B, T + n]`."""
+        ids = _as_ids(input_ids, self.config)
+        B, T = ids.shape
+        if max_new_tokens <= 0:
+            return np.asarray(ids)
+        if T + max_new_tokens > self.config.max_position_embeddings:
+            raise ValueError(f"{T} + {max_new_tokens} tokens exceed max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        key = jax.random.PRNGKey(seed)
+        logits, cache = self.prefill(ids, T + max_new_tokens)
+        out = []
+        tok = _sample(logits[:, -1], temperature, jax.random.fold_in(key, 0))
+        out.append(tok)
+        for step in range(1, max_new_tokens):
+            logits_b, cache = self.decode_step(cache, tok)
+            tok = _sample(logits_b, temperature, jax.random.fold_in(key, step))
+            out.append(tok)
+        return np.concatenate([np.asarray(ids), np.stack([np.asarray(t) for t in out], axis=1)], axis=1)
+
+
+def _as_ids(input_ids, cfg: ModelConfig):
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    return jnp.asarray(ids, jnp.int32)
+
+
+def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Model:
+    n = param_count(cfg)
+    if n > MAX_RANDOM_PARAMS:
+        raise ValueError(
+            f"{cfg.architecture} has {n / 1e9:.1f}B parameters: too large to materialise with random weights. "
+            "Use `python -m kimi_jax.plan` or jax.eval_shape for the full-size presets, or load a checkpoint.")
+    return Model(KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype), dtype)
+
+
+def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0) -> Model:
+    """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir."""
+    dtype = jnp.dtype(dtype) if dtype is not None else None
+    if path_or_preset in PRESETS:
+        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32)
+    if not os.path.isdir(path_or_preset):
+        load_config(path_or_preset)  # raises a clear ConfigError
+    from . import checkpoint
+
+    return checkpoint.load(path_or_preset, mesh=mesh, dtype=dtype)

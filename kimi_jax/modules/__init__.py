@@ -1,0 +1,1 @@
+"""Flax NNX modules of the Kimi family; one concept per file."""

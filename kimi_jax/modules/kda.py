@@ -1,0 +1,95 @@
+"""KDA layer (SPEC §4): projections, short causal convs, per-channel gated delta rule, gated per-head norm.
+
+Cache per sequence (`KDACache`): recurrent state `[B, H, dk, dv]` float32 and the conv tails of q, k, v
+(`[B, K−1, P]` each). Prefill (T > 1) runs the chunked op, decode (T == 1) the recurrent op; both are the ops of
+`pallas_kernels.kda`, so swapping in a kernel changes nothing here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.kda import reference as kda_ops
+
+from ..config import KDAConfig
+from .layers import Linear, normal_init
+
+
+class KDACache(NamedTuple):
+    state_bhkv: jax.Array  # float32
+    q_tail_bkp: jax.Array
+    k_tail_bkp: jax.Array
+    v_tail_bkp: jax.Array
+
+    @staticmethod
+    def zeros(batch: int, cfg: KDAConfig, dtype) -> "KDACache":
+        H, d, K = cfg.num_heads, cfg.head_dim, cfg.conv_kernel
+        tail = jnp.zeros((batch, K - 1, H * d), dtype)
+        return KDACache(jnp.zeros((batch, H, d, d), jnp.float32), tail, tail, tail)
+
+
+class KimiDeltaAttention(nnx.Module):
+    def __init__(self, hidden: int, cfg: KDAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        H, d, K = cfg.num_heads, cfg.head_dim, cfg.conv_kernel
+        P = H * d
+        self.q_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
+        # conv kernels `[K, P]`, tap K−1 = current token (checkpoints store [P, 1, K]); float32 as released
+        self.q_conv1d = nnx.Param(normal_init(rngs, (K, P), K ** -0.5, jnp.float32))
+        self.k_conv1d = nnx.Param(normal_init(rngs, (K, P), K ** -0.5, jnp.float32))
+        self.v_conv1d = nnx.Param(normal_init(rngs, (K, P), K ** -0.5, jnp.float32))
+        self.f_a_proj = Linear(hidden, d, rngs=rngs, dtype=dtype)
+        self.f_b_proj = Linear(d, P, rngs=rngs, dtype=dtype)
+        self.b_proj = Linear(hidden, H, rngs=rngs, dtype=dtype)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(jax.random.normal(rngs.params(), (P,), jnp.float32) * 0.5 - 2.0)
+        self.o_norm = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (d,))).astype(jnp.float32))
+        if cfg.output_gate_rank is None:
+            self.g_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
+        else:
+            self.g_a_proj = Linear(hidden, cfg.output_gate_rank, rngs=rngs, dtype=dtype)
+            self.g_b_proj = Linear(cfg.output_gate_rank, P, rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(P, hidden, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x_btd, cache: Optional[KDACache] = None, *, use_chunk: Optional[bool] = None):
+        """x `[B, T, D]` (after input_layernorm) -> (out `[B, T, D]`, new KDACache)."""
+        cfg = self.cfg
+        B, T, _ = x_btd.shape
+        H, d = cfg.num_heads, cfg.head_dim
+        if cache is None:
+            cache = KDACache.zeros(B, cfg, x_btd.dtype)
+
+        def branch(proj, conv_w, tail):
+            y, new_tail = kda_ops.causal_conv(proj(x_btd), conv_w[...], tail)
+            return jax.nn.silu(y).reshape(B, T, H, d), new_tail
+
+        q, q_tail = branch(self.q_proj, self.q_conv1d, cache.q_tail_bkp)
+        k, k_tail = branch(self.k_proj, self.k_conv1d, cache.k_tail_bkp)
+        v, v_tail = branch(self.v_proj, self.v_conv1d, cache.v_tail_bkp)
+        q, k = kda_ops.l2norm(q), kda_ops.l2norm(k)
+        f = self.f_b_proj(self.f_a_proj(x_btd), out_dtype=jnp.float32).reshape(B, T, H, d)
+        g = kda_ops.gate(f, self.A_log[...][:H], self.dt_bias[...].reshape(H, d), cfg.gate_form,
+                         cfg.gate_lower_bound)
+        beta = jax.nn.sigmoid(self.b_proj(x_btd, out_dtype=jnp.float32))
+        if use_chunk is None:
+            use_chunk = T > 1
+        if use_chunk:
+            o, state = kda_ops.chunk(q, k, v, g, beta, cache.state_bhkv, chunk_size=cfg.chunk_size)
+        else:
+            o, state = kda_ops.recurrent(q, k, v, g, beta, cache.state_bhkv)
+        # gated per-head RMSNorm, float32
+        o = o.astype(jnp.float32)
+        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.o_norm_eps) * self.o_norm[...]
+        if cfg.output_gate_rank is None:
+            gate = self.g_proj(x_btd, out_dtype=jnp.float32)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x_btd), out_dtype=jnp.float32)
+        o = o * jax.nn.sigmoid(gate.reshape(B, T, H, d))
+        out = self.o_proj(o.reshape(B, T, H * d).astype(x_btd.dtype))
+        return out, KDACache(state, q_tail, k_tail, v_tail)

@@ -1,0 +1,89 @@
+"""Small building blocks: Linear (kernel `[in, out]`), RMSNorm, LayerNorm, activations.
+
+Initialisation gives a usable random model (std in^-0.5, norm weights near 1) so tiny random instances produce
+non-degenerate logits; real weights come from checkpoints.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def normal_init(rngs: nnx.Rngs, shape, std: float, dtype):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel `[in, out]` (torch stores `[out, in]`). Accumulates in float32, returns x.dtype."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32, std=None):
+        std = in_features ** -0.5 if std is None else std
+        self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), std, dtype))
+
+    def __call__(self, x, out_dtype=None):
+        y = jnp.dot(x.astype(self.kernel.dtype), self.kernel[...], preferred_element_type=jnp.float32)
+        return y.astype(out_dtype or x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """weight · x / sqrt(mean(x²) + eps), statistics in float32, result in x.dtype (weight applied after the cast,
+    as the reference implementations do)."""
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
+
+    def __call__(self, x):
+        return rmsnorm(x, self.weight[...], self.eps)
+
+
+def rmsnorm(x, weight, eps: float):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias, float32 statistics."""
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
+        self.bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        mu = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def situ(g, u, beta: float = 4.0, linear_beta: float = 25.0):
+    """SiTU (K3): [β·tanh(g/β)·sigmoid(g)] · [β_lin·tanh(u/β_lin)], float32."""
+    g = g.astype(jnp.float32)
+    u = u.astype(jnp.float32)
+    return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
+
+
+def swiglu(g, u):
+    g = g.astype(jnp.float32)
+    return jax.nn.silu(g) * u.astype(jnp.float32)
+
+
+def clamped_swiglu(g, u, limit: float = 10.0):
+    g = g.astype(jnp.float32)
+    return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u.astype(jnp.float32), -limit, limit)
+
+
+def activation_fn(cfg):
+    """The gated activation `act(gate, up)` named by a ModelConfig."""
+    if cfg.activation == "situ":
+        return lambda g, u: situ(g, u, cfg.situ_beta, cfg.situ_linear_beta)
+    if cfg.activation == "swiglu":
+        return swiglu
+    if cfg.activation == "clamped_swiglu":
+        return clamped_swiglu
+    raise ValueError(f"unknown activation {cfg.activation!r}")

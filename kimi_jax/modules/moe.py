@@ -1,0 +1,88 @@
+"""FFNs (SPEC §7): the dense gated MLP, the sigmoid router with a selection-only bias, and the (latent) MoE."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.moe import reference as moe_ops
+
+from ..config import MoEConfig
+from .layers import Linear, RMSNorm, normal_init
+
+
+class DenseMLP(nnx.Module):
+    """down(act(gate(x), up(x)))."""
+
+    def __init__(self, hidden: int, intermediate: int, act, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.act = act
+        self.gate_proj = Linear(hidden, intermediate, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(hidden, intermediate, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x):
+        h = self.act(self.gate_proj(x, out_dtype=jnp.float32), self.up_proj(x, out_dtype=jnp.float32))
+        return self.down_proj(h.astype(x.dtype))
+
+
+def route(x_nd, router_de, bias_e, cfg: MoEConfig):
+    """Sigmoid router (SPEC §7). Returns (weights `[N, k]` float32, expert ids `[N, k]` int32).
+
+    Selection uses s + bias (with expert groups: keep the `topk_groups` groups with the largest sum of their top-2
+    biased scores); the weights are the UNBIASED s of the chosen experts, renormalised, times the scaling factor.
+    Ties go to the lower expert id (`jax.lax.top_k`).
+    """
+    logits = jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    s = jax.nn.sigmoid(logits)
+    choice = s + bias_e.astype(jnp.float32)
+    E, G = cfg.num_experts, cfg.num_groups
+    if G > 1:
+        grouped = choice.reshape(-1, G, E // G)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+        _, best_groups = jax.lax.top_k(group_score, cfg.topk_groups)
+        keep_group = jnp.zeros(group_score.shape, bool).at[
+            jnp.arange(group_score.shape[0])[:, None], best_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep_group, E // G, axis=-1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, cfg.top_k)
+    w = jnp.take_along_axis(choice if cfg.bias_in_weights else s, idx, axis=-1)
+    if cfg.renormalize:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared experts; with `latent_size`, routed experts run in a latent space (K3)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.act = act
+        E, F = cfg.num_experts, cfg.intermediate_size
+        width = cfg.latent_size or hidden
+        self.gate = nnx.Param(normal_init(rngs, (hidden, E), hidden ** -0.5, jnp.float32))  # router, [D, E]
+        self.e_score_correction_bias = nnx.Param(normal_init(rngs, (E,), 0.05, jnp.float32))
+        self.w1 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # gate
+        self.w3 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # up
+        self.w2 = nnx.Param(normal_init(rngs, (E, F, width), F ** -0.5, dtype))  # down
+        if cfg.latent_size:
+            self.routed_expert_down_proj = Linear(hidden, width, rngs=rngs, dtype=dtype)
+            self.routed_expert_up_proj = Linear(width, hidden, rngs=rngs, dtype=dtype)
+            self.routed_expert_norm = RMSNorm(width, eps, rngs=rngs, dtype=dtype) if cfg.latent_norm else None
+        self.shared_experts = (DenseMLP(hidden, cfg.shared_intermediate_size, act, rngs=rngs, dtype=dtype)
+                               if cfg.num_shared_experts else None)
+
+    def __call__(self, x_btd):
+        cfg = self.cfg
+        B, T, D = x_btd.shape
+        x = x_btd.reshape(B * T, D)
+        w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
+        xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
+        y = moe_ops.expert_ffn(xr, idx, w, self.w1[...], self.w3[...], self.w2[...], self.act).astype(x.dtype)
+        if cfg.latent_size:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.reshape(B, T, D)

@@ -1,0 +1,131 @@
+"""KDA (Kimi Delta Attention) reference ops in plain jnp: the definition every kernel is tested against (SPEC §4).
+
+Layout: q, k `[B, T, H, dk]`, v `[B, T, H, dv]`, g `[B, T, H, dk]` (log-decay, ≤ 0), beta `[B, T, H]`,
+state `[B, H, dk, dv]` float32. q and k arrive L2-normalised; `scale` (default dk^-0.5) multiplies q here.
+All math is float32; outputs are cast back to v's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+
+def _zeros_state(q, v):
+    B, _, H, dk = q.shape
+    return jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
+
+
+def recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv=None, scale=None):
+    """Token-by-token delta rule. Returns (o `[B, T, H, dv]` in v.dtype, final state `[B, H, dk, dv]` float32).
+
+    Per head: S ← S·diag(exp g_t); S ← S + β_t k_t ⊗ (v_t − Sᵀk_t); o_t = Sᵀ q_t (read after the update).
+    """
+    dk = q_bthk.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    S0 = _zeros_state(q_bthk, v_bthv) if initial_state_bhkv is None else initial_state_bhkv.astype(jnp.float32)
+    f32 = lambda a: jnp.moveaxis(a.astype(jnp.float32), 1, 0)  # time-major for scan
+    xs = (f32(q_bthk) * scale, f32(k_bthk), f32(v_bthv), f32(g_bthk), f32(beta_bth))
+
+    def step(S_bhkv, x):
+        q_bhk, k_bhk, v_bhv, g_bhk, b_bh = x
+        S_bhkv = S_bhkv * jnp.exp(g_bhk)[..., None]
+        kS_bhv = jnp.einsum("bhk,bhkv->bhv", k_bhk, S_bhkv)
+        S_bhkv = S_bhkv + jnp.einsum("bhk,bhv->bhkv", k_bhk, b_bh[..., None] * (v_bhv - kS_bhv))
+        o_bhv = jnp.einsum("bhk,bhkv->bhv", q_bhk, S_bhkv)
+        return S_bhkv, o_bhv
+
+    S, o_tbhv = jax.lax.scan(step, S0, xs)
+    return jnp.moveaxis(o_tbhv, 0, 1).astype(v_bthv.dtype), S
+
+
+def chunk(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv=None, scale=None, chunk_size=64):
+    """Chunked (WY) form of `recurrent`, equal to it up to rounding. Same arguments and returns.
+
+    Within a chunk, Γ = inclusive cumsum of g. Every decay factor is formed as exp(Γ_r − Γ_c) with c ≤ r (or
+    exp(Γ_last − Γ_c)), so each exponent is ≤ 0 and nothing overflows under strong decay.
+    """
+    B, T, H, dk = q_bthk.shape
+    dv = v_bthv.shape[-1]
+    C = chunk_size
+    scale = dk ** -0.5 if scale is None else scale
+    S0 = _zeros_state(q_bthk, v_bthv) if initial_state_bhkv is None else initial_state_bhkv.astype(jnp.float32)
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def to_chunks(a):  # [B, T, H, ...] -> [N, B, H, C, ...]; padded steps have g = 0, beta = 0, k = v = 0
+        a = a.astype(jnp.float32)
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(B, N, C, *a.shape[2:])
+        a = jnp.moveaxis(a, 3, 2)  # [B, N, H, C, ...]
+        return jnp.moveaxis(a, 1, 0)
+
+    q, k, v, g, beta = map(to_chunks, (q_bthk * scale, k_bthk, v_bthv, g_bthk, beta_bth))
+    row = jnp.arange(C)
+    strictly_lower = row[:, None] > row[None, :]
+    lower = row[:, None] >= row[None, :]
+    eye = jnp.eye(C, dtype=jnp.float32)
+
+    def step(S_bhkv, x):
+        q_bhck, k_bhck, v_bhcv, g_bhck, b_bhc = x
+        G = jnp.cumsum(g_bhck, axis=-2)  # Γ
+        # pairwise decays exp(Γ_r − Γ_c), masked to c ≤ r BEFORE the exp so no positive exponent is ever taken
+        diff_bhcck = G[..., :, None, :] - G[..., None, :, :]
+        decay = jnp.exp(jnp.where(lower[:, :, None], diff_bhcck, -jnp.inf))
+        Akk = jnp.einsum("bhrk,bhck,bhrck->bhrc", k_bhck, k_bhck, decay) * b_bhc[..., :, None]
+        Akk = jnp.where(strictly_lower, Akk, 0.0)
+        Aqk = jnp.where(lower, jnp.einsum("bhrk,bhck,bhrck->bhrc", q_bhck, k_bhck, decay), 0.0)
+        unit_lower = Akk + eye  # T = (I + Akk)^-1, applied by a triangular solve
+        eG = jnp.exp(G)
+        W = solve_triangular(unit_lower, b_bhc[..., None] * k_bhck * eG, lower=True, unit_diagonal=True)
+        U = solve_triangular(unit_lower, b_bhc[..., None] * v_bhcv, lower=True, unit_diagonal=True)
+        Vn = U - jnp.einsum("bhck,bhkv->bhcv", W, S_bhkv)
+        O = jnp.einsum("bhck,bhkv->bhcv", q_bhck * eG, S_bhkv) + jnp.einsum("bhrc,bhcv->bhrv", Aqk, Vn)
+        G_last = G[..., -1:, :]  # [B, H, 1, dk]
+        S_new = jnp.exp(G_last[..., 0, :])[..., None] * S_bhkv + jnp.einsum(
+            "bhck,bhcv->bhkv", k_bhck * jnp.exp(G_last - G), Vn)
+        return S_new, O
+
+    S, O_nbhcv = jax.lax.scan(step, S0, (q, k, v, g, beta))
+    O = jnp.moveaxis(O_nbhcv, 0, 1)  # [B, N, H, C, dv]
+    O = jnp.moveaxis(O, 2, 3).reshape(B, N * C, H, dv)[:, :T]
+    return O.astype(v_bthv.dtype), S
+
+
+def gate(f_bthk, A_log_h, dt_bias_hk, form: str, lower_bound: float = -5.0):
+    """Per-channel log-decay g `[B, T, H, dk]` float32 from the raw forget projection f (SPEC §4).
+
+    lower_bound: g = lb · sigmoid(exp(A_log[h]) · (f + dt_bias))   (K3, GLM; g ∈ (lb, 0))
+    plain:       g = −exp(A_log[h]) · softplus(f + dt_bias)        (Kimi-Linear; softplus threshold 20)
+    """
+    x = f_bthk.astype(jnp.float32) + dt_bias_hk.astype(jnp.float32)
+    a_h1 = jnp.exp(A_log_h.astype(jnp.float32))[:, None]
+    if form == "lower_bound":
+        return lower_bound * jax.nn.sigmoid(a_h1 * x)
+    if form == "plain":
+        softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+        return -a_h1 * softplus
+    raise ValueError(f"unknown KDA gate form {form!r}")
+
+
+def l2norm(x, eps: float = 1e-6):
+    """x / sqrt(Σx² + eps) over the last axis, float32 (eps inside the sqrt, as fla does)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(x_btp, w_kp, tail_bkp=None):
+    """Causal depthwise conv, float32 accumulate. Tap K−1 multiplies the current token.
+
+    x `[B, T, P]`, w `[K, P]`, tail `[B, K−1, P]` (the previous K−1 inputs; zeros at a sequence start).
+    Returns (out `[B, T, P]` float32, new tail `[B, K−1, P]` in x.dtype).
+    """
+    K = w_kp.shape[0]
+    B, T, P = x_btp.shape
+    if tail_bkp is None:
+        tail_bkp = jnp.zeros((B, K - 1, P), x_btp.dtype)
+    xx = jnp.concatenate([tail_bkp.astype(x_btp.dtype), x_btp], axis=1)  # [B, T+K-1, P]
+    w = w_kp.astype(jnp.float32)
+    out = sum(xx[:, j:j + T].astype(jnp.float32) * w[j] for j in range(K))
+    return out, xx[:, T:]

@@ -1,0 +1,47 @@
+"""MLA attention reference ops in plain jnp (SPEC §5): the naive per-head form and the absorbed latent form.
+
+Masks are boolean `[B, T, S]` (True = attend). Softmax is float32; a row with no allowed key returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _masked_softmax_stats(logits_bhts, mask_bts):
+    logits = jnp.where(mask_bts[:, None], logits_bhts, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    lse = jnp.where(denom > 0, jnp.log(jnp.maximum(denom, 1e-38)) + m, -jnp.inf)[..., 0]
+    return p / jnp.maximum(denom, 1e-38), lse
+
+
+def attention(q_bthd, k_bshd, v_bshv, mask_bts, scale: float):
+    """Dense multi-head attention. q `[B,T,H,d]`, k `[B,S,H,d]`, v `[B,S,H,dv]` -> o `[B,T,H,dv]` in v.dtype."""
+    logits = jnp.einsum("bthd,bshd->bhts", q_bthd.astype(jnp.float32), k_bshd.astype(jnp.float32)) * scale
+    p, _ = _masked_softmax_stats(logits, mask_bts)
+    return jnp.einsum("bhts,bshv->bthv", p, v_bshv.astype(jnp.float32)).astype(v_bshv.dtype)
+
+
+def absorbed(q_bthc, kv_bsc, mask_bts, scale: float, value_dim: int):
+    """MQA over the latent cache: keys are the full rows `[latent | k_rope]` (c = R + rope), values the first
+    `value_dim` (= R) columns. q `[B,T,H,c]` is the absorbed query `[q_nope·W_UK | q_rope]`.
+
+    Returns (o_lat `[B,T,H,R]` float32, lse `[B,T,H]` float32) — the log-sum-exp lets partial results over
+    disjoint key sets be merged exactly (decode context parallelism).
+    """
+    logits = jnp.einsum("bthc,bsc->bhts", q_bthc.astype(jnp.float32), kv_bsc.astype(jnp.float32)) * scale
+    p, lse_bht = _masked_softmax_stats(logits, mask_bts)
+    o = jnp.einsum("bhts,bsr->bthr", p, kv_bsc[..., :value_dim].astype(jnp.float32))
+    return o, jnp.moveaxis(lse_bht, 1, 2)
+
+
+def merge_partials(o_parts, lse_parts):
+    """Merge attention outputs computed over disjoint key sets: o `[P, ..., R]`, lse `[P, ...]` -> (o, lse)."""
+    lse = jax.nn.logsumexp(lse_parts, axis=0)
+    w = jnp.exp(lse_parts - jnp.where(jnp.isfinite(lse), lse, 0.0))
+    w = jnp.where(jnp.isfinite(lse_parts), w, 0.0)
+    return jnp.sum(w[..., None] * o_parts, axis=0), lse
