@@ -20,7 +20,8 @@ LayerCache = Union[KDACache, MLACache]
 
 
 class ModelCache(NamedTuple):
-    """Inference state of a batch: `length` tokens already cached (int32 scalar) and one entry per layer."""
+    """Inference state of a batch: `length` `[B]` int32, the tokens each sequence has cached, and one entry per
+    layer. Sequences advance independently (continuous batching): each writes and attends at its own length."""
 
     length: jax.Array
     layers: tuple
@@ -31,7 +32,16 @@ class ModelCache(NamedTuple):
             KDACache.zeros(batch, cfg.kda, dtype) if kind == "kda"
             else MLACache.zeros(batch, max_len, cfg.mla, cfg.indexer, dtype)
             for kind in cfg.layer_kinds)
-        return ModelCache(jnp.zeros((), jnp.int32), layers)
+        return ModelCache(jnp.zeros((batch,), jnp.int32), layers)
+
+    def insert(self, slot, one: "ModelCache") -> "ModelCache":
+        """Copy a batch-1 cache (e.g. a fresh prefill) into row `slot` of this batch cache."""
+        put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0].astype(dst.dtype), slot, 0)
+        return jax.tree.map(put, self, one)
+
+    def take(self, slot) -> "ModelCache":
+        """Row `slot` as a batch-1 cache."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=True), self)
 
     @property
     def max_len(self) -> int:

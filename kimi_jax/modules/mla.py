@@ -35,6 +35,12 @@ class MLACache(NamedTuple):
         return MLACache(jnp.zeros((batch, max_len, c), dtype), jnp.zeros((batch, max_len, di), dtype))
 
 
+def _write_rows(buf_bsc, rows_btc, starts_b):
+    """Write each sequence's new rows at its own offset: buf[b, starts[b] + t] = rows[b, t]."""
+    write = lambda buf, rows, s: jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), (s, 0))
+    return jax.vmap(write)(buf_bsc, rows_btc, starts_b)
+
+
 class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-k earlier tokens every head may attend to."""
 
@@ -92,7 +98,7 @@ class MultiHeadLatentAttention(nnx.Module):
             self.indexer = None
 
     def __call__(self, x_btd, cache: Optional[MLACache], start, *, form: str = "absorbed"):
-        """x `[B, T, D]` (after input_layernorm) at positions start…start+T−1.
+        """x `[B, T, D]` (after input_layernorm) at positions start…start+T−1 (`start`: scalar or `[B]`).
 
         `cache` buffers are written at `start` and attended up to start+T; without a cache the new rows alone are
         the keys. Returns (out `[B, T, D]`, new cache or None).
@@ -110,7 +116,7 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         ckv = self.kv_a_proj_with_mqa(x_btd)
         lat, k_rope = self.kv_a_layernorm(ckv[..., :R]), ckv[..., R:]
-        positions = start + jnp.arange(T)[None, :].repeat(B, 0)
+        positions = jnp.broadcast_to(start, (B,))[:, None] + jnp.arange(T)[None, :]  # [B, T]
         cos_sin = None
         if cfg.rope is not None:
             cos_sin = rope_cos_sin(positions, rope_d, cfg.rope)
@@ -123,10 +129,11 @@ class MultiHeadLatentAttention(nnx.Module):
             kv_bsc, keys = row, index_k
             new_cache = None
         else:
-            kv_bsc = jax.lax.dynamic_update_slice(cache.kv_bsc, row.astype(cache.kv_bsc.dtype), (0, start, 0))
+            starts_b = jnp.broadcast_to(start, (B,))
+            kv_bsc = _write_rows(cache.kv_bsc, row, starts_b)
             keys = cache.index_k_bsd
             if index_k is not None:
-                keys = jax.lax.dynamic_update_slice(keys, index_k.astype(keys.dtype), (0, start, 0))
+                keys = _write_rows(keys, index_k, starts_b)
             new_cache = MLACache(kv_bsc, keys)
         S = kv_bsc.shape[1]
         allowed = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # causal, and nothing past the cache end
