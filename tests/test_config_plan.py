@@ -1,0 +1,117 @@
+"""Configs, presets, Hugging Face config parsing and the capacity planner (SPEC §2, §10; DESIGN.md plan interface)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kimi_jax import config as C
+from kimi_jax.cache import CacheLayout, index_key_bytes_per_token, latent_bytes_per_token
+from kimi_jax.plan import count_params, plan
+
+
+def k3_hf_config(with_dsa=True):
+    """A kimi_k3 config.json as released: text part under text_config, 1-indexed layer lists."""
+    n = 93
+    full = [i + 1 for i, kind in enumerate(C.k3_layer_kinds(n)) if kind == "mla"]
+    text = {
+        "model_type": "kimi_linear", "hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": n,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+        "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+                               "kda_layers": [i for i in range(1, n + 1) if i not in full],
+                               "full_attn_layers": full},
+        "num_attention_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True, "mla_use_output_gate": True,
+        "attn_res_block_size": 12, "intermediate_size": 33792, "first_k_dense_replace": 1,
+        "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
+        "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "routed_scaling_factor": 1.0,
+        "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+        "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+    }
+    top = {"model_type": "kimi_k3", "text_config": text, "vision_config": {"patch_size": 14}}
+    if with_dsa:
+        text["dsa_config"] = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+                              "index_layers": full}
+    return top
+
+
+def test_k3_layer_pattern_is_24_mla_including_the_last():
+    kinds = C.k3_layer_kinds(93)
+    mla = [i for i, k in enumerate(kinds) if k == "mla"]
+    assert len(mla) == 24 and mla[:3] == [3, 7, 11] and mla[-2:] == [91, 92]
+    assert kinds.count("kda") == 69
+
+
+def test_hf_k31_config_parses_to_the_preset():
+    parsed = C.from_hf_config(k3_hf_config())
+    preset = C.get_preset("kimi-k3.1-pro")
+    assert parsed.layer_kinds == preset.layer_kinds
+    assert parsed.indexer == preset.indexer
+    assert parsed.kda == preset.kda and parsed.moe == preset.moe
+    assert parsed.attn_res_block_size == 12 and parsed.activation == "situ"
+    assert parsed.architecture == "kimi_k31"
+    assert C.from_hf_config(k3_hf_config(with_dsa=False)).architecture == "kimi_k3"
+
+
+def test_config_round_trips_through_json():
+    for name in C.PRESETS:
+        cfg = C.get_preset(name)
+        assert C.ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_unknown_architecture_and_bad_layer_lists_are_clear_errors():
+    with pytest.raises(C.ConfigError, match="unknown architecture.*llama"):
+        C.from_hf_config({"model_type": "llama"})
+    bad = k3_hf_config()
+    bad["text_config"]["linear_attn_config"]["full_attn_layers"].append(94)
+    with pytest.raises(C.ConfigError, match="1-indexed"):
+        C.from_hf_config(bad)
+    with pytest.raises(C.ConfigError, match="unknown preset"):
+        C.get_preset("kimi-k9")
+
+
+def test_param_counts_of_k31_pro_from_abstract_shapes():
+    counts = count_params(C.get_preset("kimi-k3.1-pro"))
+    assert abs(counts["params_total"] / 2.8e12 - 1) <= 0.02
+    assert abs(counts["params_active"] / 104e9 - 1) <= 0.03
+    # routed experts alone: 896 x 92 x 3 x 3584 x 3072
+    assert counts["routed_params"] == 896 * 92 * 3 * 3584 * 3072
+
+
+def test_cache_bytes_match_spec_section_10():
+    assert latent_bytes_per_token(512, 64, "bf16") == 1152
+    assert latent_bytes_per_token(512, 64, "fp8") == 576
+    assert latent_bytes_per_token(512, 64, "nvfp4") == 352
+    assert index_key_bytes_per_token(128, "fp8") == 132
+    assert index_key_bytes_per_token(128, "mxfp4") == 68
+    k3, k31 = C.get_preset("kimi-k3"), C.get_preset("kimi-k3.1-pro")
+    assert CacheLayout(k3, kv_dtype="fp8").kv_bytes_per_token == 13_824
+    assert CacheLayout(k31, kv_dtype="fp8", index_dtype="fp8").kv_bytes_per_token == 16_992
+    assert CacheLayout(k31, kv_dtype="nvfp4", index_dtype="mxfp4").kv_bytes_per_token == 10_080
+    # KDA recurrent state: 96 x 128 x 128 fp32 = 6 MiB per layer, 69 layers
+    assert CacheLayout(k31).kda_state_bytes_per_layer >= 6 * 2**20
+    assert 414 * 2**20 <= CacheLayout(k31).state_bytes_per_sequence < 440 * 2**20
+
+
+def test_dcp_holds_more_tokens_than_tp():
+    cfg = C.get_preset("kimi-k3.1-pro")
+    tp = plan(cfg, mesh=(8, 1), hbm_gb=288)
+    dcp = plan(cfg, mesh=(8, 1), dcp=8, hbm_gb=288, kv_dtype="nvfp4", index_dtype="mxfp4")
+    assert tp["fits"] and dcp["fits"]
+    assert dcp["max_cached_tokens"] > 8 * tp["max_cached_tokens"]
+    assert dcp["max_1m_sequences"] > 5 * tp["max_1m_sequences"] >= 5
+
+
+def test_plan_cli_json_keys():
+    out = subprocess.run([sys.executable, "-m", "kimi_jax.plan", "--config", "kimi-k3.1-pro", "--mesh", "8x1",
+                          "--hbm-gb", "288", "--dcp", "8", "--json"], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout)
+    for key in ("params_total", "params_active", "kv_bytes_per_token", "state_bytes_per_sequence",
+                "max_cached_tokens", "max_1m_sequences"):
+        assert key in r
+    assert r["kv_bytes_per_token"] == 16_992
+    bad = subprocess.run([sys.executable, "-m", "kimi_jax.plan", "--config", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "neither a preset" in bad.stderr
