@@ -67,10 +67,15 @@ def _sample(logits_bv, temperature, key):
 class Model:
     """A loaded model: config, parameters and jitted forward / prefill / decode functions."""
 
-    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32):
+    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32, mesh=None):
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(module)
+        if mesh is not None:
+            from sharding.rules import shard_params
+
+            self.params = shard_params(self.params, mesh)
 
         def forward(params, ids, cache, mla_form="absorbed"):
             m = nnx.merge(self.graphdef, params)
@@ -136,20 +141,33 @@ def _as_ids(input_ids, cfg: ModelConfig):
     return jnp.asarray(ids, jnp.int32)
 
 
-def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Model:
+def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=None) -> Model:
     n = param_count(cfg)
     if n > MAX_RANDOM_PARAMS:
         raise ValueError(
             f"{cfg.architecture} has {n / 1e9:.1f}B parameters: too large to materialise with random weights. "
             "Use `python -m kimi_jax.plan` or jax.eval_shape for the full-size presets, or load a checkpoint.")
-    return Model(KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype), dtype)
+    return Model(KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype), dtype, mesh=_mesh(mesh))
+
+
+def _mesh(mesh):
+    """Accept a Mesh, a `--mesh` string such as "8x1", or None."""
+    if mesh is None or not isinstance(mesh, (str, dict)):
+        return mesh
+    from sharding.mesh import make_mesh
+
+    return make_mesh(mesh)
 
 
 def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0) -> Model:
-    """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir."""
+    """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir.
+
+    `mesh`: a `jax.sharding.Mesh` with axes ("data", "model"), or a `--mesh` string such as "8x1"; parameters are
+    placed by `sharding.rules` (heads, experts and vocab over "model").
+    """
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path_or_preset in PRESETS:
-        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32)
+        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32, mesh=mesh)
     if not os.path.isdir(path_or_preset):
         load_config(path_or_preset)  # raises a clear ConfigError
     from . import checkpoint

@@ -1,0 +1,64 @@
+"""Mesh parsing, partition rules, and: every layout gives the logits and greedy tokens of one device
+(8 fake CPU devices, in a subprocess so the flag does not leak into other tests)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sharding import MeshError, make_mesh, param_partition_spec, parse_mesh_spec
+
+
+def test_mesh_spec_forms():
+    assert parse_mesh_spec("8x1") == {"data": 1, "model": 8}
+    assert parse_mesh_spec("model=4,data=2") == {"data": 2, "model": 4}
+    for bad in ("8", "0x1", "axb", "model=2,pipe=2"):
+        with pytest.raises(MeshError):
+            parse_mesh_spec(bad)
+
+
+def test_too_few_devices_says_how_to_fake_them():
+    n = len(jax.devices()) + 1
+    with pytest.raises(MeshError, match=f"xla_force_host_platform_device_count={n}"):
+        make_mesh(f"{n}x1")
+
+
+def test_rules_split_heads_experts_and_vocab():
+    assert param_partition_spec("layers.1.self_attn.q_proj.kernel", (64, 96 * 128), 8) == P(None, "model")
+    assert param_partition_spec("layers.1.self_attn.o_proj.kernel", (96 * 128, 64), 8) == P("model", None)
+    assert param_partition_spec("layers.3.self_attn.k_up_proj", (512, 96, 128), 8) == P(None, "model", None)
+    assert param_partition_spec("layers.3.block_sparse_moe.w1", (896, 3584, 3072), 8) == P("model", None, None)
+    assert param_partition_spec("embed_tokens", (163840, 7168), 8) == P("model", None)
+    assert param_partition_spec("layers.3.self_attn.indexer.wq_b.kernel", (1536, 4096), 8) == P()
+    assert param_partition_spec("layers.3.self_attn.kv_a_proj_with_mqa.kernel", (7168, 576), 8) == P()
+    # a dimension the axis does not divide stays replicated instead of failing
+    assert param_partition_spec("layers.1.self_attn.A_log", (2,), 8) == P()
+
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np, kimi_jax
+    ids = np.random.RandomState(0).randint(0, 1000, (2, 20))
+    ref = kimi_jax.load_model("tiny")
+    r, g = ref.logits(ids), ref.generate(ids[:, :6], 3)
+    for mesh in ("2x4", "8x1"):
+        m = kimi_jax.load_model("tiny", mesh=mesh)
+        assert len(m.params["embed_tokens"][...].sharding.device_set) == 8
+        l = m.logits(ids)
+        err = float(np.abs(l - r).max() / r.std())
+        assert err < 1e-4 and (l.argmax(-1) == r.argmax(-1)).all(), (mesh, err)
+        if mesh == "2x4":
+            assert (m.generate(ids[:, :6], 3) == g).all(), mesh
+        print(mesh, "ok", err)
+""")
+
+
+@pytest.mark.slow
+def test_sharded_layouts_match_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2x4 ok" in out.stdout and "8x1 ok" in out.stdout
