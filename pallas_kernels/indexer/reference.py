@@ -23,7 +23,9 @@ def topk_mask(scores_bts, allowed_bts, topk: int):
     S = scores_bts.shape[-1]
     if S <= topk:
         return allowed_bts
-    _, idx_btk = jax.lax.top_k(scores_bts, topk)
+    # map -0.0 to +0.0: top_k orders by a total order in which -0.0 < +0.0, which would break the
+    # "equal scores: earlier position wins" rule
+    _, idx_btk = jax.lax.top_k(jnp.where(scores_bts == 0, 0.0, scores_bts), topk)
     keep = jnp.zeros(scores_bts.shape, bool)
     b, t = jnp.meshgrid(jnp.arange(scores_bts.shape[0]), jnp.arange(scores_bts.shape[1]), indexing="ij")
     keep = keep.at[b[..., None], t[..., None], idx_btk].set(True)

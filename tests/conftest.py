@@ -1,0 +1,36 @@
+"""Shared pytest setup.
+
+* ``tests/`` goes on ``sys.path`` so tests can ``import np_reference as ref`` and ``import weights_np``.
+* JAX runs on CPU unless ``JAX_PLATFORMS`` is already set in the environment (set it, e.g. to ``cuda``, to run
+  device tests); this must happen before anything imports jax.
+* Session-scoped fixtures: ``tiny_model`` (``kimi_jax.load_model("tiny")``, built once: ~25 s) and
+  ``tiny_np_weights`` (its parameters as the float64 checkpoint-layout dict of ``weights_np.tiny_numpy_weights``).
+  Reuse them: every distinct input shape fed to the tiny model costs a fresh XLA compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    import kimi_jax
+
+    return kimi_jax.load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_np_weights(tiny_model):
+    from weights_np import tiny_numpy_weights
+
+    return tiny_numpy_weights(tiny_model)
