@@ -9,6 +9,10 @@ Per token per MLA layer (latent R = 512, rope 64 at full size):
   index key fp8    d + 4 (one fp32 scale per 128 values)     =  132 B
   index key mxfp4  d/2 + d/32 (one E8M0 scale per 32)        =   68 B
 Per sequence per KDA layer: state H·d·d fp32 plus conv tails of (K−1) tokens × 3P in the activation dtype.
+
+The paged cache (`kimi_jax.paged_cache`) allocates MLA rows in pages of PAGE_TOKENS tokens; a sequence of n tokens
+holds ceil(n / PAGE_TOKENS) pages in every MLA layer (`blocks_for_tokens`, `sequence_bytes`). The concrete storage
+formats (`kimi_jax.quant`) are checked against the figures here, never the other way round.
 """
 
 from __future__ import annotations
@@ -87,4 +91,27 @@ class CacheLayout:
 
     @property
     def page_bytes(self) -> int:
+        """One page (PAGE_TOKENS tokens) in every MLA layer together."""
         return PAGE_TOKENS * self.kv_bytes_per_token
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """One token in one MLA layer: latent row + index key."""
+        return self.latent_bytes_per_token_layer + self.index_bytes_per_token_layer
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """One page in one MLA layer's pool."""
+        return PAGE_TOKENS * self.layer_bytes_per_token
+
+    @staticmethod
+    def blocks_for_tokens(tokens: int) -> int:
+        """Pages a sequence of `tokens` tokens occupies in each MLA layer."""
+        if tokens < 0:
+            raise ValueError(f"token count must be >= 0, got {tokens}")
+        return -(-tokens // PAGE_TOKENS)
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """Everything one sequence of `tokens` tokens holds: its MLA pages (rounded up to whole pages) plus the
+        fixed KDA state."""
+        return self.blocks_for_tokens(tokens) * self.page_bytes + self.state_bytes_per_sequence

@@ -15,8 +15,9 @@ def _masked_softmax_stats(logits_bhts, mask_bts):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    lse = jnp.where(denom > 0, jnp.log(jnp.maximum(denom, 1e-38)) + m, -jnp.inf)[..., 0]
-    return p / jnp.maximum(denom, 1e-38), lse
+    lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m, -jnp.inf)[..., 0]
+    # a row with no allowed key has denom 0: return zero weights (not 0/0 = NaN)
+    return jnp.where(denom > 0, p / jnp.where(denom > 0, denom, 1.0), 0.0), lse
 
 
 def attention(q_bthd, k_bshd, v_bshv, mask_bts, scale: float):

@@ -1,0 +1,168 @@
+"""Sparse MLA (DSA) over the paged latent cache: absorbed attention over each query's top-k latent rows (SPEC §5–6).
+
+For every query (b, t), keys are the gathered rows `kv[idx[b,t,j]]` = `[lat (R) | k_rope]` (c = R + rope = 576 at full
+size, shared by all heads: MQA) and values their first R = `value_dim` columns:
+
+    o[b,t,h] = Σ_j softmax_j(scale · q[b,t,h]·kv_j) · kv_j[:R],     lse[b,t,h] = log Σ_j exp(scale · q·kv_j)
+
+Entries idx < 0 are empty slots (no key). A query with no key gets o = 0 and lse = −inf (what
+`pallas_kernels.mla.reference.absorbed` documents; on CPU that reference actually yields NaN there, see
+tests/test_dsa_ops.py). Softmax is float32 and online over key blocks of `block_k` indices: per block
+the rows are gathered from the pool in their stored form and dequantised (`fmt.dequantize(parts, layer_scale)`, e.g.
+`kimi_jax.quant.LatentFormat`), so the full `[B, T, k, c]` float32 set is never built. Prefill handles queries in
+chunks of `q_chunk` (default: as many as keep one block's gathered rows + logits, `[B, Tq, block_k, c + H]` float32,
+under `max_block_bytes`).
+
+(o, lse) over disjoint key sets merge exactly with `reference.merge_partials` — what decode context parallelism
+uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` picks the implementation:
+"reference" (this jnp code), "pallas_tpu" (the Mosaic TPU decode kernel, `sparse_tpu.py`), "interpret" (that kernel
+in TPU interpret mode, for CPU tests), "auto" (the TPU kernel on a TPU for decode with bf16 / fp8 rows, else the
+reference).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from ..paged import gather_parts
+
+BACKENDS = ("auto", "reference", "pallas_tpu", "interpret")
+DEFAULT_BLOCK_K = 64
+DEFAULT_MAX_BLOCK_BYTES = 64 << 20
+_HI = jax.lax.Precision.HIGHEST
+
+
+def online_softmax_attention(q_bthc, fetch, idx_btk, *, scale: float, value_dim: int, block_k: int = DEFAULT_BLOCK_K):
+    """The core: q `[B, T, H, c]`, `fetch(idx [B, T, bk]) -> float32 rows [B, T, bk, c]`, idx `[B, T, k]` int.
+    Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32)."""
+    B, T, H, c = q_bthc.shape
+    k = idx_btk.shape[-1]
+    bk = max(1, min(block_k, k))
+    n = -(-k // bk)
+    idx = jnp.pad(jnp.asarray(idx_btk, jnp.int32), ((0, 0), (0, 0), (0, n * bk - k)), constant_values=-1)
+    idx = jnp.moveaxis(idx.reshape(B, T, n, bk), 2, 0)  # [n, B, T, bk]
+    q = q_bthc.astype(jnp.float32)
+
+    def step(carry, idx_blk):
+        m, l, acc = carry  # [B,T,H], [B,T,H], [B,T,H,R]
+        ok = idx_blk >= 0
+        rows = jnp.where(ok[..., None], fetch(idx_blk).astype(jnp.float32), 0.0)  # [B, T, bk, c]; empty slots 0
+        valid = ok[:, :, None, :]
+        s = jnp.einsum("bthc,btjc->bthj", q, rows, precision=_HI) * scale
+        s = jnp.where(valid, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(valid, jnp.exp(s - m_use[..., None]), 0.0)
+        corr = jnp.exp(m - m_use)  # m = −inf -> 0
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bthj,btjr->bthr", p, rows[..., :value_dim], precision=_HI)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((B, T, H), -jnp.inf, jnp.float32), jnp.zeros((B, T, H), jnp.float32),
+            jnp.zeros((B, T, H, value_dim), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(step, init, idx)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def _chunked(q_bthc, idx_btk, q_chunk: int, fn):
+    """Apply fn(q, idx) over query chunks of `q_chunk` rows, one chunk at a time."""
+    B, T = q_bthc.shape[:2]
+    if q_chunk >= T:
+        return fn(q_bthc, idx_btk)
+    n = -(-T // q_chunk)
+    pad = n * q_chunk - T
+    q = jnp.pad(q_bthc, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    idx = jnp.pad(idx_btk, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+    split = lambda x: jnp.moveaxis(x.reshape((B, n, q_chunk) + x.shape[2:]), 1, 0)
+    o, lse = jax.lax.map(lambda a: fn(*a), (split(q), split(idx)))
+    join = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, n * q_chunk) + x.shape[3:])[:, :T]
+    return join(o), join(lse)
+
+
+def default_q_chunk(B: int, H: int, c: int, block_k: int, T: int,
+                    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> int:
+    """Queries per chunk so one key block's gathered rows and logits `[B, Tq, block_k, c + H]` float32 fit."""
+    per_query = B * block_k * (c + H) * 4
+    return int(max(1, min(T, max_block_bytes // max(1, per_query))))
+
+
+@partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_k", "q_chunk"))
+def _reference_paged(q_bthc, kv_parts, block_tables, idx_btk, layer_scale, *, fmt, scale, value_dim, block_k, q_chunk):
+    def fn(q, idx):
+        fetch = lambda i: fmt.dequantize(gather_parts(kv_parts, block_tables, i), layer_scale)
+        return online_softmax_attention(q, fetch, idx, scale=scale, value_dim=value_dim, block_k=block_k)
+
+    return _chunked(q_bthc, idx_btk, q_chunk, fn)
+
+
+def _pick_backend(backend: str, fmt, T: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sparse MLA backend {backend!r}; choose one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    from . import sparse_tpu
+
+    if jax.default_backend() == "tpu" and T == 1 and sparse_tpu.supports(fmt):
+        return "pallas_tpu"
+    return "reference"
+
+
+def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
+               block_k: int = DEFAULT_BLOCK_K, q_chunk=None, backend: str = "auto"):
+    """Sparse absorbed attention over the paged latent cache.
+
+    q `[B, T, H, c]` (absorbed query `[q_nope·W_UK | q_rope]`), kv_parts: the layer pool's latent parts
+    `[num_blocks, page, w]`, block_tables `[B, max_blocks]`, idx `[B, T, k]` sequence positions (−1 = empty).
+    Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32).
+    """
+    B, T, H, c = q_bthc.shape
+    which = _pick_backend(backend, fmt, T)
+    if which in ("pallas_tpu", "interpret"):
+        from . import sparse_tpu
+
+        if T != 1:
+            raise ValueError(f"the {which} sparse MLA kernel is decode-only (T = 1), got T = {T}")
+        o, lse = sparse_tpu.decode(q_bthc[:, 0], kv_parts, block_tables, idx_btk[:, 0], fmt=fmt,
+                                   layer_scale=layer_scale, scale=scale, value_dim=value_dim,
+                                   block_k=block_k, interpret=which == "interpret")
+        return o[:, None], lse[:, None]
+    if q_chunk is None:
+        q_chunk = default_q_chunk(B, H, c, min(block_k, idx_btk.shape[-1]), T)
+    return _reference_paged(q_bthc, tuple(kv_parts), block_tables, idx_btk, layer_scale, fmt=fmt, scale=scale,
+                            value_dim=value_dim, block_k=block_k, q_chunk=q_chunk)
+
+
+def decode(q_bhc, kv_parts, block_tables, idx_bk, **kw):
+    """One query per sequence: q `[B, H, c]`, idx `[B, k]` -> (o `[B, H, R]`, lse `[B, H]`)."""
+    o, lse = sparse_mla(q_bhc[:, None], kv_parts, block_tables, idx_bk[:, None], **kw)
+    return o[:, 0], lse[:, 0]
+
+
+def prefill(q_bthc, kv_parts, block_tables, idx_btk, **kw):
+    """T queries per sequence, each with its own top-k set: q `[B, T, H, c]`, idx `[B, T, k]`."""
+    return sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, **kw)
+
+
+@partial(jax.jit, static_argnames=("scale", "value_dim", "block_k", "q_chunk"))
+def sparse_absorbed_dense(q_bthc, kv_bsc, idx_btk, *, scale: float, value_dim: int, block_k: int = DEFAULT_BLOCK_K,
+                          q_chunk=None):
+    """The same op over a contiguous cache `[B, S, c]` (any float dtype; the model's `MLACache` layout)."""
+    B, T, H, c = q_bthc.shape
+    S = kv_bsc.shape[1]
+
+    def fn(q, idx):
+        def fetch(i):
+            flat = jnp.clip(i, 0, S - 1).reshape(B, -1)
+            rows = jnp.take_along_axis(kv_bsc, flat[..., None], axis=1)
+            return rows.reshape(i.shape + (c,)).astype(jnp.float32)
+
+        return online_softmax_attention(q, fetch, idx, scale=scale, value_dim=value_dim, block_k=block_k)
+
+    if q_chunk is None:
+        q_chunk = default_q_chunk(B, H, c, min(block_k, idx_btk.shape[-1]), T)
+    return _chunked(q_bthc, jnp.asarray(idx_btk, jnp.int32), q_chunk, fn)

@@ -1,0 +1,133 @@
+"""Pallas Mosaic-TPU kernel: sparse MLA decode over the paged latent cache (one query per sequence).
+
+Same contract as `sparse.sparse_mla` with T = 1, for single-part row formats (bf16, fp8 e4m3 with a per-layer scale).
+Grid (B, k / block_k): for each sequence and block of top-k slots the kernel reads the slot positions from SMEM
+(scalar prefetch: flattened block tables and indices), DMAs the block_k selected rows `[c]` from the HBM pool into a
+VMEM buffer (one row per DMA, all started before the first wait), and runs an fp32 online softmax over blocks in
+VMEM scratch (m, l `[H, 1]`, acc `[H, R]`). Empty slots (idx < 0) get an additive −inf bias. The per-layer fp8
+scale is folded outside the kernel: logits use q·(scale·s) and the output is multiplied by s.
+
+Checked on CPU in TPU interpret mode (`interpret=True` -> `pltpu.InterpretParams()`) against the jnp reference.
+Not yet run on TPU hardware: block_k, the per-row DMAs (c = 576 is not a multiple of 128 lanes) and the SMEM footprint
+of the prefetched tables (4·B·(k + max_blocks) B) need tuning there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+SUPPORTED = ("bf16", "fp8")
+
+
+def supports(fmt) -> bool:
+    return getattr(fmt, "kv_dtype", None) in SUPPORTED
+
+
+def _kernel(bt_ref, idx_ref, q_ref, bias_ref, pool_hbm, o_ref, lse_ref, rows_vmem, sems, m_sc, l_sc, acc_sc, *,
+            block_k: int, k_pad: int, max_blocks: int, page: int, value_dim: int):
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    def row_copy(i, slot):
+        return pltpu.make_async_copy(pool_hbm.at[pl.ds(slot, 1)], rows_vmem.at[pl.ds(i, 1)], sems.at[i])
+
+    def start(i, carry):
+        pos = jnp.maximum(idx_ref[b * k_pad + j * block_k + i], 0)
+        blk = bt_ref[b * max_blocks + jnp.minimum(pos // page, max_blocks - 1)]
+        row_copy(i, blk * page + pos % page).start()
+        return carry
+
+    def wait(i, carry):
+        row_copy(i, 0).wait()  # a wait needs only the semaphore and the destination shape
+        return carry
+
+    jax.lax.fori_loop(0, block_k, start, 0)
+    jax.lax.fori_loop(0, block_k, wait, 0)
+
+    rows = rows_vmem[...].astype(jnp.float32)  # [bk, c]
+    q = q_ref[0].astype(jnp.float32)  # [H, c], already times scale·layer_scale
+    s = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+    s = s + bias_ref[0, 0]  # [H, bk] + [1, bk]
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use)
+    corr = jnp.exp(m_prev - m_use)
+    l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=-1, keepdims=True)
+    acc_sc[...] = acc_sc[...] * corr + jax.lax.dot_general(
+        p, rows[:, :value_dim], (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32)
+    m_sc[...] = m_new
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish():
+        l = l_sc[...]
+        ok = l > 0
+        o_ref[0] = acc_sc[...] / jnp.where(ok, l, 1.0)
+        lse_ref[0] = jnp.where(ok, m_sc[...] + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_k", "interpret"))
+def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
+           block_k: int = 128, interpret: bool = False):
+    """q `[B, H, c]`, kv_parts `(rows [num_blocks, page, c],)`, block_tables `[B, max_blocks]`, idx `[B, k]`
+    -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32)."""
+    if not supports(fmt):
+        raise ValueError(f"the TPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
+    (pool,) = kv_parts
+    nblocks, page, c = pool.shape
+    B, H, _ = q_bhc.shape
+    k = idx_bk.shape[-1]
+    bk = max(1, min(block_k, k))
+    n = -(-k // bk)
+    k_pad = n * bk
+    idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, k_pad - k)), constant_values=-1)
+    bias = jnp.where(idx >= 0, 0.0, -jnp.inf).astype(jnp.float32).reshape(B, n, 1, bk)
+    bt = jnp.asarray(block_tables, jnp.int32)
+    max_blocks = bt.shape[1]
+    ls = jnp.asarray(layer_scale if fmt.kv_dtype == "fp8" else 1.0, jnp.float32)  # bf16 rows are unscaled
+    q = q_bhc.astype(jnp.float32) * (scale * ls)
+
+    kernel = functools.partial(_kernel, block_k=bk, k_pad=k_pad, max_blocks=max_blocks, page=page,
+                               value_dim=value_dim)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(B, n),
+        in_specs=[
+            pl.BlockSpec((1, H, c), lambda b, j, *_: (b, 0, 0)),
+            pl.BlockSpec((1, 1, 1, bk), lambda b, j, *_: (b, j, 0, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, H, value_dim), lambda b, j, *_: (b, 0, 0)),
+            pl.BlockSpec((1, H, 1), lambda b, j, *_: (b, 0, 0)),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((bk, c), pool.dtype),
+            pltpu.SemaphoreType.DMA((bk,)),
+            pltpu.VMEM((H, 1), jnp.float32),
+            pltpu.VMEM((H, 1), jnp.float32),
+            pltpu.VMEM((H, value_dim), jnp.float32),
+        ],
+    )
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((B, H, value_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((B, H, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(bt.reshape(-1), idx.reshape(-1), q, bias, pool.reshape(nblocks * page, c))
+    return o * ls, lse[..., 0]
