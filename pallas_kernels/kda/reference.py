@@ -129,3 +129,54 @@ def causal_conv(x_btp, w_kp, tail_bkp=None):
     w = w_kp.astype(jnp.float32)
     out = sum(xx[:, j:j + T].astype(jnp.float32) * w[j] for j in range(K))
     return out, xx[:, T:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Additions for the kernels' interface (varlen prefill, slot-addressed decode). The functions above are unchanged.
+# ---------------------------------------------------------------------------------------------------------------
+
+def recurrent_varlen(q_1thk, k_1thk, v_1thv, g_1thk, beta_1th, cu_seqlens_n1, initial_state_nhkv=None, scale=None):
+    """Token-by-token delta rule over N packed sequences in one `[1, Ttot, ...]` batch.
+
+    `cu_seqlens` `[N+1]` int (0 = cu[0] ≤ cu[1] ≤ … ≤ cu[N] = Ttot; empty sequences allowed). The state restarts from
+    `initial_state[n]` (zeros when None) at each sequence start. Returns (o `[1, Ttot, H, dv]` in v.dtype,
+    final states `[N, H, dk, dv]` float32; an empty sequence returns its initial state).
+    """
+    _, T, H, dk = q_1thk.shape
+    dv = v_1thv.shape[-1]
+    cu = jnp.asarray(cu_seqlens_n1, jnp.int32)
+    N = cu.shape[0] - 1
+    scale = dk ** -0.5 if scale is None else scale
+    S0 = (jnp.zeros((N, H, dk, dv), jnp.float32) if initial_state_nhkv is None
+          else initial_state_nhkv.astype(jnp.float32))
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq_t = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, max(N - 1, 0))  # sequence of each token
+    start_t = t == cu[seq_t]
+    last_t = t == cu[seq_t + 1] - 1
+    f32 = lambda a: a[0].astype(jnp.float32)
+    xs = (f32(q_1thk) * scale, f32(k_1thk), f32(v_1thv), f32(g_1thk), f32(beta_1th), seq_t, start_t, last_t)
+
+    def step(carry, x):
+        S_hkv, finals = carry
+        q_hk, k_hk, v_hv, g_hk, b_h, n, start, last = x
+        S_hkv = jnp.where(start, S0[n], S_hkv)
+        S_hkv = S_hkv * jnp.exp(g_hk)[..., None]
+        kS_hv = jnp.einsum("hk,hkv->hv", k_hk, S_hkv)
+        S_hkv = S_hkv + jnp.einsum("hk,hv->hkv", k_hk, b_h[:, None] * (v_hv - kS_hv))
+        o_hv = jnp.einsum("hk,hkv->hv", q_hk, S_hkv)
+        finals = jnp.where(last, finals.at[n].set(S_hkv), finals)
+        return (S_hkv, finals), o_hv
+
+    init = (jnp.zeros((H, dk, dv), jnp.float32), S0)
+    (_, finals), o_thv = jax.lax.scan(step, init, xs)
+    return o_thv[None].astype(v_1thv.dtype), finals
+
+
+def recurrent_slots(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, state_pool_shkv, slot_ids_b, scale=None):
+    """Decode against a state pool: sequence b uses (and updates) `state_pool[slot_ids[b]]`.
+
+    Returns (o `[B, T, H, dv]`, the updated pool `[S, H, dk, dv]` float32). Slot ids must be distinct.
+    """
+    S_bhkv = state_pool_shkv[slot_ids_b]
+    o, S_bhkv = recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, S_bhkv, scale=scale)
+    return o, state_pool_shkv.astype(jnp.float32).at[slot_ids_b].set(S_bhkv)

@@ -1,0 +1,263 @@
+"""KDA kernels for NVIDIA GPUs (Pallas with the Triton lowering): chunked prefill and slot-addressed decode.
+
+Imports on CPU (jax 0.10.2) and on the GPU host (jax 0.11.2): both expose `jax.experimental.pallas.triton` with
+`CompilerParams(num_warps, num_stages)`, `load(ref, mask=, other=)` and `store(ref, val, mask=)`. The Triton backend
+is chosen by passing its CompilerParams (jax's default GPU backend is Mosaic GPU). On CPU the kernels run through
+`interpret=True`.
+
+Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned to sequence starts):
+  A `intra`  grid (chunks, H), fully parallel: Γ, Akk/Aqk with 16-row sub-blocks, (I+Akk)^-1 by blocks,
+             W = T(β k e^Γ), U = T(β v), kg = k e^{Γ_last−Γ}, qg = q e^Γ; writes them in the input dtype.
+  B `state`  grid (dv/BV, H, sequences), sequential over the sequence's chunks with the state [dk, BV] in registers:
+             Vn = U − W S;  O = qg S + Aqk Vn;  S ← e^{Γ_last} S + kgᵀ Vn.
+Decode = one launch, grid (B, H, dv/BV): the state slice is read from and written back to the pool at the slot id
+(aliased, so it is in place under donation); the gate can be computed in-kernel from raw f, A_log and dt_bias.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # present in jax 0.10.x and 0.11.x
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a jax without the Triton lowering
+    pltriton = None
+
+from . import chunk_math as M
+
+C = 64
+SUB = M.SUB
+HP = jax.lax.Precision.HIGHEST
+
+
+def available() -> bool:
+    return pltriton is not None
+
+
+def _params(num_warps, num_stages=None):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _load(ref, mask=None, other=0.0):
+    if mask is None:
+        return pltriton.load(ref)
+    return pltriton.load(ref, mask=mask, other=other)
+
+
+def _store(ref, val, mask=None):
+    if mask is None:
+        pltriton.store(ref, val)
+    else:
+        pltriton.store(ref, val, mask=mask)
+
+
+def _precision(dtype):
+    # fp32 inputs: IEEE fp32 products (1e-4 bar); bf16/fp16 inputs: TF32 tensor cores inside kernel A
+    return HP if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# prefill kernel A: intra-chunk
+# ------------------------------------------------------------------------------------------------------------------
+
+def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref,
+                  w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gl_ref, *, scale, precision, gate_form, lower_bound):
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    st = start_ref[j]
+    L = len_ref[j]
+    dk = q_ref.shape[-1]
+    dv = v_ref.shape[-1]
+    NS = C // SUB
+    r16 = jnp.arange(SUB, dtype=jnp.int32)
+    dot = M.make_dot(precision)
+    exact_dot = M.make_dot(HP)
+    if gate_form is not None:
+        a_h = jnp.exp(_load(a_ref.at[h]).astype(jnp.float32))
+        dtb = _load(dtb_ref.at[h, :]).astype(jnp.float32)[None, :]
+
+    qb, kb, vb, gb, bb, masks = [], [], [], [], [], []
+    for i in range(NS):
+        rows = pl.ds(st + i * SUB, SUB)
+        valid = (i * SUB + r16) < L
+        mk = jnp.broadcast_to(valid[:, None], (SUB, dk))
+        mv = jnp.broadcast_to(valid[:, None], (SUB, dv))
+        masks.append((valid, mk, mv))
+        qb.append(_load(q_ref.at[rows, h, :], mk).astype(jnp.float32) * scale)
+        kb.append(_load(k_ref.at[rows, h, :], mk).astype(jnp.float32))
+        vb.append(_load(v_ref.at[rows, h, :], mv).astype(jnp.float32))
+        g = _load(g_ref.at[rows, h, :], mk).astype(jnp.float32)
+        if gate_form is not None:
+            g = jnp.where(mk, M.gate_value(g, a_h, dtb, gate_form, lower_bound), 0.0)
+        gb.append(g)
+        bb.append(_load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None])
+
+    it = M.intra_chunk(qb, kb, vb, gb, bb, dot=dot, cumsum0=lambda x: jnp.cumsum(x, axis=0), exact_dot=exact_dot)
+    for i in range(NS):
+        rows = pl.ds(st + i * SUB, SUB)
+        valid, mk, mv = masks[i]
+        _store(w_ref.at[rows, h, :], it.W[i].astype(w_ref.dtype), mk)
+        _store(u_ref.at[rows, h, :], it.U[i].astype(u_ref.dtype), mv)
+        _store(kg_ref.at[rows, h, :], it.kg[i].astype(kg_ref.dtype), mk)
+        _store(qg_ref.at[rows, h, :], it.qg[i].astype(qg_ref.dtype), mk)
+        ma = jnp.broadcast_to(valid[:, None], (SUB, SUB))
+        for jj in range(NS):
+            blk = it.Aqk[i, jj] if jj <= i else jnp.zeros((SUB, SUB), jnp.float32)
+            _store(aqk_ref.at[rows, h, pl.ds(jj * SUB, SUB)], blk.astype(aqk_ref.dtype), ma)
+    _store(gl_ref.at[j, h, :], it.g_last[0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# prefill kernel B: state recurrence over chunks (+ output)
+# ------------------------------------------------------------------------------------------------------------------
+
+def _state_kernel(chunk0_ref, nch_ref, start_ref, len_ref, w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gl_ref, s0_ref,
+                  o_ref, sf_ref, *, BV, precision, mm_dtype, has_init):
+    vb = pl.program_id(0)
+    h = pl.program_id(1)
+    n = pl.program_id(2)
+    dk = w_ref.shape[-1]
+    cols = pl.ds(vb * BV, BV)
+    c0 = chunk0_ref[n]
+    nc = nch_ref[n]
+    r64 = jnp.arange(C, dtype=jnp.int32)
+    dot = M.make_dot(precision)
+    if has_init:
+        S = _load(s0_ref.at[n, h, :, cols]).astype(jnp.float32)
+    else:
+        S = jnp.zeros((dk, BV), jnp.float32)
+
+    def body(c, S):
+        j = c0 + c
+        st = start_ref[j]
+        valid = r64 < len_ref[j]
+        rows = pl.ds(st, C)
+        mk = jnp.broadcast_to(valid[:, None], (C, dk))
+        mv = jnp.broadcast_to(valid[:, None], (C, BV))
+        ma = jnp.broadcast_to(valid[:, None], (C, C))
+        W = _load(w_ref.at[rows, h, :], mk).astype(mm_dtype)
+        U = _load(u_ref.at[rows, h, cols], mv).astype(jnp.float32)
+        kg = _load(kg_ref.at[rows, h, :], mk).astype(mm_dtype)
+        qg = _load(qg_ref.at[rows, h, :], mk).astype(mm_dtype)
+        A = _load(aqk_ref.at[rows, h, :], ma).astype(mm_dtype)
+        gl = _load(gl_ref.at[j, h, :]).astype(jnp.float32)
+        Sm = S.astype(mm_dtype)
+        Vn = U - dot(W, Sm)
+        Vm = Vn.astype(mm_dtype)
+        O = dot(qg, Sm) + dot(A, Vm)
+        _store(o_ref.at[rows, h, cols], O.astype(o_ref.dtype), mv)
+        return S * jnp.exp(gl)[:, None] + dot(kg, Vm, trans_a=True)
+
+    S = jax.lax.fori_loop(0, nc, body, S)
+    _store(sf_ref.at[n, h, :, cols], S)
+
+
+def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log=None, dt_bias=None,
+          gate_form=None, lower_bound=-5.0, interpret=False, block_v=64):
+    """Packed prefill on GPU. q, k, g `[1, Ttot, H, dk]`, v `[1, Ttot, H, dv]`, beta `[1, Ttot, H]`.
+
+    With `gate_form` set, `g` is the raw forget projection f and the gate is computed inside kernel A.
+    Returns (o `[1, Ttot, H, dv]` in v.dtype, final states `[N, H, dk, dv]` float32). dk, dv: powers of two ≥ 16.
+    """
+    _, Tt, H, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    tab = M.chunk_table(cu_seqlens, Tt, C)
+    N = tab.seq_chunk0.shape[0]
+    NCH = tab.n_chunks
+    idt = v.dtype if jnp.dtype(v.dtype) != jnp.float32 else jnp.float32
+    prec = _precision(idt)
+    if gate_form is None:
+        a = jnp.zeros((H,), jnp.float32)
+        dtb = jnp.zeros((H, dk), jnp.float32)
+    else:
+        a = jnp.asarray(A_log, jnp.float32).reshape(H)
+        dtb = jnp.asarray(dt_bias, jnp.float32).reshape(H, dk)
+    out_a = [jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt),
+             jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
+             jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)]
+    W, U, kg, qg, Aqk, gl = pl.pallas_call(
+        functools.partial(_intra_kernel, scale=scale, precision=prec, gate_form=gate_form, lower_bound=lower_bound),
+        grid=(NCH, H),
+        out_shape=out_a,
+        compiler_params=_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="kda_intra",
+    )(tab.start, tab.length, q[0], k[0], v[0], g[0], beta[0], a, dtb)
+
+    BV = min(block_v, dv)
+    has_init = initial_state is not None
+    s0 = initial_state.astype(jnp.float32) if has_init else jnp.zeros((1, 1, 1, 1), jnp.float32)
+    o, sf = pl.pallas_call(
+        functools.partial(_state_kernel, BV=BV, precision=prec, mm_dtype=idt, has_init=has_init),
+        grid=(dv // BV, H, N),
+        out_shape=[jax.ShapeDtypeStruct((Tt, H, dv), v.dtype), jax.ShapeDtypeStruct((N, H, dk, dv), jnp.float32)],
+        compiler_params=_params(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="kda_state",
+    )(tab.seq_chunk0, tab.seq_nchunks, tab.start, tab.length, W, U, kg, qg, Aqk, gl, s0)
+    return o[None], sf
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# decode
+# ------------------------------------------------------------------------------------------------------------------
+
+def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, pool_ref, o_ref, pool_out_ref, *,
+                   BV, scale, n_steps, gate_form, lower_bound):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    cols = pl.ds(pl.program_id(2) * BV, BV)
+    slot = slot_ref[b]
+    S = _load(pool_ref.at[slot, h, :, cols])
+    if gate_form is not None:
+        a_h = jnp.exp(_load(a_ref.at[h]).astype(jnp.float32))
+        dtb = _load(dtb_ref.at[h, :]).astype(jnp.float32)
+    for t_static in range(n_steps):
+        t = jnp.int32(t_static)  # a traced index (interpret mode's discharge rule wants one)
+        q = _load(q_ref.at[b, t, h, :]).astype(jnp.float32) * scale
+        k = _load(k_ref.at[b, t, h, :]).astype(jnp.float32)
+        v = _load(v_ref.at[b, t, h, cols]).astype(jnp.float32)
+        g = _load(g_ref.at[b, t, h, :]).astype(jnp.float32)
+        if gate_form is not None:
+            g = M.gate_value(g, a_h, dtb, gate_form, lower_bound)
+        beta = _load(b_ref.at[b, t, h]).astype(jnp.float32)
+        S = S * jnp.exp(g)[:, None]
+        kS = jnp.sum(k[:, None] * S, axis=0)
+        S = S + k[:, None] * (beta * (v - kS))[None, :]
+        _store(o_ref.at[b, t, h, cols], jnp.sum(q[:, None] * S, axis=0).astype(o_ref.dtype))
+    _store(pool_out_ref.at[slot, h, :, cols], S)
+
+
+def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None, dt_bias=None, gate_form=None,
+              lower_bound=-5.0, interpret=False, block_v=32):
+    """Decode T tokens (T small, unrolled) for B sequences against `state_pool[slot_ids]` `[S, H, dk, dv]` fp32.
+
+    The pool is aliased to the second output: donate it under jit for an in-place update.
+    """
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    BV = min(block_v, dv)
+    if gate_form is None:
+        a = jnp.zeros((H,), jnp.float32)
+        dtb = jnp.zeros((H, dk), jnp.float32)
+    else:
+        a = jnp.asarray(A_log, jnp.float32).reshape(H)
+        dtb = jnp.asarray(dt_bias, jnp.float32).reshape(H, dk)
+    o, pool = pl.pallas_call(
+        functools.partial(_decode_kernel, BV=BV, scale=scale, n_steps=T, gate_form=gate_form,
+                          lower_bound=lower_bound),
+        grid=(B, H, dv // BV),
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, dv), v.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+        input_output_aliases={8: 1},
+        compiler_params=_params(num_warps=4 if dk * BV >= 4096 else 2, num_stages=1),
+        interpret=interpret,
+        name="kda_decode",
+    )(slot_ids.astype(jnp.int32), q, k, v, g, beta, a, dtb, state_pool.astype(jnp.float32))
+    return o, pool

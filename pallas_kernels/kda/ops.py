@@ -1,0 +1,164 @@
+"""Public entry point of the KDA ops: `chunk` (prefill, optionally varlen) and `recurrent` (decode against a state
+pool). Both pick a backend in one place (`resolve_backend`):
+
+  "auto"       → the GPU kernel (Pallas Triton) on a GPU, the TPU kernel (Pallas Mosaic TPU) on a TPU, else the
+                 jnp reference;
+  "gpu", "tpu", "reference"   → that path; "gpu_interpret", "tpu_interpret" → the kernel in Pallas interpret mode
+                 (CPU tests).
+
+Layout as in `reference.py`: q, k `[B, T, H, dk]` (L2-normalised), v `[B, T, H, dv]`, g `[B, T, H, dk]` log-decay ≤ 0,
+beta `[B, T, H]`, states `[., H, dk, dv]` float32; `scale` (default dk^-0.5) multiplies q.
+Gate fusion: pass `gate_form` ("lower_bound" | "plain") with `A_log [H]` and `dt_bias [H*dk]`; `g` is then the raw
+forget projection f and the decay is computed inside the kernel (reference.gate is the definition).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import chunk_math
+from . import reference
+
+BACKENDS = ("reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
+_PLATFORM_TO_BACKEND = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """The single place where a backend is chosen."""
+    if backend == "auto":
+        platform = jax.default_backend()
+        backend = _PLATFORM_TO_BACKEND.get(platform, "reference")
+        if backend == "gpu":
+            from . import gpu
+            if not gpu.available():
+                backend = "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown KDA backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    return backend
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and (n & (n - 1)) == 0
+
+
+def _gpu_shapes_ok(dk: int, dv: int) -> bool:
+    return _pow2(dk) and _pow2(dv)
+
+
+def _check(q, k, v, g, beta):
+    B, T, H, dk = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share shape [B, T, H, dk]; got {q.shape}, {k.shape}, {g.shape}")
+    if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, dv] and beta [B, T, H]; got {v.shape}, {beta.shape}")
+
+
+def _gate_kwargs(A_log, dt_bias, gate_form, lower_bound):
+    if gate_form is None:
+        return {}
+    if A_log is None or dt_bias is None:
+        raise ValueError("gate_form needs A_log [H] and dt_bias [H*dk]")
+    return dict(A_log=A_log, dt_bias=dt_bias, gate_form=gate_form, lower_bound=lower_bound)
+
+
+def _reference_gate(g, H, dk, A_log, dt_bias, gate_form, lower_bound):
+    if gate_form is None:
+        return g
+    return reference.gate(g, jnp.asarray(A_log).reshape(H), jnp.asarray(dt_bias).reshape(H, dk), gate_form,
+                          lower_bound)
+
+
+def reference_varlen(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
+    """The varlen definition (token recurrence with restarts); see reference.recurrent_varlen."""
+    return reference.recurrent_varlen(q, k, v, g, beta, cu_seqlens, initial_state, scale=scale)
+
+
+def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, backend: str = "auto", *,
+          A_log=None, dt_bias=None, gate_form: Optional[str] = None, lower_bound: float = -5.0):
+    """Chunked prefill.
+
+    Without `cu_seqlens`: B independent sequences of length T; `initial_state` `[B, H, dk, dv]` or None; returns
+    (o `[B, T, H, dv]` in v.dtype, final state `[B, H, dk, dv]` float32).
+    With `cu_seqlens` `[N+1]` (B must be 1; sequences packed along T; state restarts at each start): `initial_state`
+    `[N, H, dk, dv]` or None; returns (o `[1, T, H, dv]`, final states `[N, H, dk, dv]`). cu_seqlens may be a numpy
+    array (exact chunk count) or a traced array (static upper bound on chunks).
+    """
+    _check(q, k, v, g, beta)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    be = resolve_backend(backend)
+    if be.startswith("gpu") and not _gpu_shapes_ok(dk, dv):
+        be = "reference"
+    if cu_seqlens is None:
+        cu = chunk_math.uniform_cu_seqlens(B, T)
+        flat = lambda a: a.reshape((1, B * T) + a.shape[2:])
+        args = tuple(map(flat, (q, k, v, g, beta)))
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs the packed layout with B = 1; got B = {B}")
+        cu = cu_seqlens
+        args = (q, k, v, g, beta)
+
+    if be == "reference":
+        gg = _reference_gate(g, H, dk, A_log, dt_bias, gate_form, lower_bound)
+        if cu_seqlens is None:
+            return reference.chunk(q, k, v, gg, beta, initial_state, scale=scale)
+        return reference.recurrent_varlen(q, k, v, gg, beta, cu, initial_state, scale=scale)
+
+    interpret = be.endswith("_interpret")
+    if be.startswith("gpu"):
+        from . import gpu
+        o, s = gpu.chunk(*args, cu, initial_state, scale, interpret=interpret,
+                         **_gate_kwargs(A_log, dt_bias, gate_form, lower_bound))
+    else:
+        from . import tpu
+        qq, kk, vv, gg, bb = args
+        gg = _reference_gate(gg, H, dk, A_log, dt_bias, gate_form, lower_bound)  # XLA fuses it into the gather
+        o, s = tpu.chunk(qq, kk, vv, gg, bb, cu, initial_state, scale, interpret=interpret)
+    if cu_seqlens is None:
+        o = o.reshape(B, T, H, dv)
+    return o, s
+
+
+def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str = "auto", *,
+              A_log=None, dt_bias=None, gate_form: Optional[str] = None, lower_bound: float = -5.0):
+    """Recurrent decode of T (usually 1) tokens for B sequences.
+
+    `slot_ids` `[B]` int: sequence b reads and writes `state[slot_ids[b]]` of a pool `[S, H, dk, dv]` float32 (ids must
+    be distinct); without slot ids `state` is `[B, H, dk, dv]`. Returns (o `[B, T, H, dv]`, updated state/pool). The
+    kernels alias the pool to the output: call under `jax.jit(..., donate_argnames="state")` (see
+    `recurrent_donated`) for a true in-place update.
+    """
+    _check(q, k, v, g, beta)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    if slot_ids is None:
+        if state.shape[0] != B:
+            raise ValueError(f"state must be [B={B}, H, dk, dv] without slot_ids; got {state.shape}")
+        slot_ids = jnp.arange(B, dtype=jnp.int32)
+    if state.shape[1:] != (H, dk, dv):
+        raise ValueError(f"state must be [S, {H}, {dk}, {dv}]; got {state.shape}")
+    be = resolve_backend(backend)
+    if be.startswith("gpu") and not _gpu_shapes_ok(dk, dv):
+        be = "reference"
+    if be == "reference":
+        gg = _reference_gate(g, H, dk, A_log, dt_bias, gate_form, lower_bound)
+        return reference.recurrent_slots(q, k, v, gg, beta, state, slot_ids, scale=scale)
+    interpret = be.endswith("_interpret")
+    kw = _gate_kwargs(A_log, dt_bias, gate_form, lower_bound)
+    if be.startswith("gpu"):
+        from . import gpu
+        return gpu.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
+    from . import tpu
+    return tpu.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
+
+
+# Decode step with the pool donated: the update happens in place on GPU/TPU.
+recurrent_donated = jax.jit(recurrent, static_argnames=("scale", "backend", "gate_form", "lower_bound"),
+                            donate_argnames=("state",))
+
+__all__ = ["chunk", "recurrent", "recurrent_donated", "reference_varlen", "resolve_backend", "BACKENDS"]
