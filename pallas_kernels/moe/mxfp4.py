@@ -1,0 +1,143 @@
+"""MXFP4 expert weights (SPEC §7) as the kernels take them, and their exact jnp decoding.
+
+Layout (torch `[out, in]` orientation, as stored in the checkpoint): `packed` uint8 `[E, N, K/2]`, two e2m1 codes per
+byte, the LOW nibble holding the even input element; `scale` uint8 E8M0 `[E, N, K/32]`, value = e2m1 · 2^(s − 127).
+Here K is the matmul's contraction (the layer's input width) and N its output width, so one expert computes
+`y[m, n] = Σ_k x[m, k] · W[n, k]`.
+
+Two decodings live here:
+* `dequantize` — exact, table-based, whole tensor: the definition, used by the reference backend and the tests.
+* `decode_lo_hi_f16` / `decode_lo_hi_f32` — what the kernels run on one tile of packed bytes. The f16 form builds
+  the code's bits straight into a half-precision number (the e=0 codes become f16 subnormals, which conversion
+  to f32 keeps exactly) and folds the 2^14 it is off by into the scale: ~8 integer/float ops per element. The f32
+  form uses only int32/f32 arithmetic and selects (no f16 on the vector unit), for Mosaic TPU.
+Scales: 2^(s−127) is built from the bits `s << 23`; that is exact for s ∈ [1, 254]. s = 0 (2^−127, a subnormal)
+decodes as 0 and s = 255 (NaN) as inf in the kernels; both are absent from real checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUP = 32  # elements per E8M0 scale
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+class MXFP4Weight(NamedTuple):
+    """A stack of MXFP4 expert matrices: packed `[E, N, K/2]` uint8 and scale `[E, N, K/32]` uint8 (E8M0)."""
+
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def num_experts(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def in_features(self) -> int:  # K
+        return self.packed.shape[-1] * 2
+
+    @property
+    def out_features(self) -> int:  # N
+        return self.packed.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.packed.shape)) + int(np.prod(self.scale.shape))
+
+
+def as_mxfp4(w, w_scale=None):
+    """`MXFP4Weight` from (packed, scale), a pair, or an existing `MXFP4Weight`; None when `w` is a dense array."""
+    if isinstance(w, MXFP4Weight):
+        return w
+    if isinstance(w, (tuple, list)):
+        if len(w) != 2:
+            raise ValueError(f"an MXFP4 weight is a (packed, scale) pair, got {len(w)} arrays")
+        w, w_scale = w
+    if w_scale is None:
+        if jnp.dtype(w.dtype) == jnp.uint8:
+            raise ValueError("uint8 weights are MXFP4 packed codes and need w_scale (E8M0, [E, N, K/32])")
+        return None
+    E, N, K2 = w.shape
+    if jnp.dtype(w.dtype) != jnp.uint8 or jnp.dtype(w_scale.dtype) != jnp.uint8:
+        raise ValueError(f"MXFP4 packed and scale must be uint8, got {w.dtype} and {w_scale.dtype}")
+    if tuple(w_scale.shape) != (E, N, 2 * K2 // GROUP) or (2 * K2) % GROUP:
+        raise ValueError(f"MXFP4 tensors do not fit: packed {list(w.shape)} (expected [E, N, K/2]) and scale "
+                         f"{list(w_scale.shape)} (expected [E, N, K/{GROUP}] = {[E, N, 2 * K2 // GROUP]})")
+    return MXFP4Weight(w, w_scale)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def dequantize(w: MXFP4Weight, dtype=jnp.float32):
+    """Exact decoding to `[E, K, N]` (the orientation of dense expert weights). Whole tensor: reference only."""
+    p = w.packed
+    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)  # [E, N, K]
+    vals = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+    e = w.scale.astype(jnp.int32) - 127
+    mult = jnp.where(w.scale == 255, jnp.nan, jnp.ldexp(jnp.float32(1.0), e))
+    vals = vals.reshape(*w.scale.shape, GROUP) * mult[..., None]
+    return jnp.swapaxes(vals.reshape(codes.shape), -1, -2).astype(dtype)
+
+
+def quantize(w_ekn) -> MXFP4Weight:
+    """Quantise dense `[E, K, N]` weights to MXFP4 (NumPy, via `convert.quant.mxfp4_quant`; tests and benches)."""
+    from convert.quant import mxfp4_quant
+
+    packed, scale = mxfp4_quant(np.swapaxes(np.asarray(w_ekn, np.float32), -1, -2))
+    return MXFP4Weight(jnp.asarray(packed), jnp.asarray(scale))
+
+
+# ----------------------------------------------------------------------------------------------- in-kernel decoding
+
+def scale_f32(s_u8, extra_exp: int = 0):
+    """E8M0 codes -> float32 2^(s−127+extra_exp) from the exponent bits (s = 0 gives 0; overflow gives inf)."""
+    v = jax.lax.bitcast_convert_type(s_u8.astype(jnp.int32) << 23, jnp.float32)
+    return v * (2.0 ** extra_exp) if extra_exp else v
+
+
+def expand_scale(s_f32, per: int = GROUP // 2):
+    """`[bn, g]` scales -> `[bn, g·per]`: each scale covers `per` bytes (= 32 elements, 16 of each nibble)."""
+    bn, g = s_f32.shape
+    return jnp.broadcast_to(s_f32[:, :, None], (bn, g, per)).reshape(bn, g * per)
+
+
+def decode_lo_hi_f16(p_u8):
+    """Packed bytes -> (even, odd) element values · 2^−14 as float32, via f16 bit patterns (GPU kernels)."""
+    p = p_u8.astype(jnp.uint16)
+    lo = ((p & 0x07) << 9) | ((p & 0x08) << 12)
+    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    f16 = lambda b: jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)  # noqa: E731
+    return f16(lo), f16(hi)
+
+
+F16_TRICK_EXP = 14  # decode_lo_hi_f16 values are 2^−14 times the e2m1 value
+
+
+def _e2m1_f32(code):
+    c3 = code & 7
+    normal = jax.lax.bitcast_convert_type((c3 << 22) + (126 << 23), jnp.float32)  # 2^(e−1)·(1 + m/2), e ≥ 1
+    mag = jnp.where(c3 < 2, c3.astype(jnp.float32) * 0.5, normal)
+    return jnp.where(code >= 8, -mag, mag)
+
+
+def decode_lo_hi_f32(p_u8):
+    """Packed bytes -> (even, odd) e2m1 values as float32 with int32/f32 ops and selects (TPU kernels)."""
+    p = p_u8.astype(jnp.int32)
+    return _e2m1_f32(p & 0x0F), _e2m1_f32(p >> 4)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def random_weight(key, num_experts: int, in_features: int, out_features: int, scale_exp=(118, 126)) -> MXFP4Weight:
+    """Random codes and E8M0 scales in `scale_exp` (weights of magnitude ~2^-9..2^-1): benches and tests."""
+    kp, ks = jax.random.split(key)
+    packed = jax.random.randint(kp, (num_experts, out_features, in_features // 2), 0, 256, jnp.int32)
+    scale = jax.random.randint(ks, (num_experts, out_features, in_features // GROUP), scale_exp[0],
+                               scale_exp[1] + 1, jnp.int32)
+    return MXFP4Weight(packed.astype(jnp.uint8), scale.astype(jnp.uint8))

@@ -1,0 +1,203 @@
+"""Public MoE ops: grouped matmul and the dropless expert FFN, with the backend chosen in one place.
+
+    grouped_matmul(x [M, K], w, group_sizes [E], *, w_scale=None, backend="auto", out_dtype=float32)
+    expert_ffn(x [N, D], expert_idx [N, k], weight [N, k], w_gate, w_up, w_down, activation, *, backend="auto")
+    routed_experts(x, router [D, E], bias [E], cfg, w_gate, w_up, w_down, activation, *, backend="auto")
+
+Weights are dense `[E, K, N]` (K = input width, N = output width) or MXFP4: `MXFP4Weight(packed [E, N, K/2],
+scale [E, N, K/32])`, a `(packed, scale)` pair, or `w=packed, w_scale=scale` — the checkpoint's torch `[out, in]`
+orientation, decoded inside the kernels tile by tile.
+
+Backends: "reference" (jax.lax.ragged_dot, fp32 accumulation; MXFP4 is dequantised whole — a definition, not a
+fast path), "gpu" (Pallas → Triton, `gpu.py`), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
+(Pallas Mosaic TPU, `tpu.py`). "auto" picks by the default device's platform through `GPU_CHOICE` / TPU / else
+reference. `interpret=True` runs the Pallas kernels through their interpreters (GPU: the generic Pallas
+interpreter; TPU: `pltpu.InterpretParams()`), which is how CPU tests check them.
+
+Determinism: routing is a stable sort of (token, slot) pairs by expert; the combine gathers each token's k expert
+outputs back into (token, slot) order and sums the k slots in order — no scatter-add, so no atomics on any
+backend: the same input gives the same bits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import gpu as _gpu
+from . import mxfp4 as mx
+from . import reference
+from . import tpu as _tpu
+
+BACKENDS = ("reference", "gpu", "mgpu", "tpu")
+
+# The GPU kernel used by backend="auto", per weight kind; chosen by measurement (bench/moe.py, bench/RESULTS.md):
+# at K3 shapes on an H200 the Pallas→Triton kernel ran 389 TFLOP/s, JAX's ragged_dot_mgpu 270 (best of 4 configs).
+GPU_CHOICE = {"bf16": "gpu", "mxfp4": "gpu"}
+
+# Whether expert_ffn runs gate and up as one kernel with the activation in its epilogue, per backend. GPU: measured
+# 2.20 ms fused vs 2.02 ms for two 128x256-tile matmuls + XLA activation (H200, K3 shapes) -> off. TPU: unmeasured;
+# on paper the fused kernel saves writing and re-reading two fp32 [rows, F] tensors and keeps one x DMA per step.
+FUSE_GATE_UP = {"gpu": False, "tpu": True, "mgpu": False, "reference": False}
+
+
+def resolve_backend(backend: str = "auto", *, quantized: bool = False) -> str:
+    if backend == "auto":
+        platform = jax.default_backend()
+        if platform == "tpu":
+            return "tpu"
+        if platform in ("gpu", "cuda"):
+            return GPU_CHOICE["mxfp4" if quantized else "bf16"]
+        return "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'")
+    if backend == "mgpu" and quantized:
+        return "gpu"  # the bundled Mosaic GPU kernel has no MXFP4 path
+    return backend
+
+
+def _as_weight(w, w_scale=None):
+    q = mx.as_mxfp4(w, w_scale)
+    return q if q is not None else w
+
+
+def _check(x, w, group_sizes):
+    M, K = x.shape
+    if isinstance(w, mx.MXFP4Weight):
+        E, Kw = w.num_experts, w.in_features
+    else:
+        if w.ndim != 3:
+            raise ValueError(f"expert weights must be [E, K, N], got shape {list(w.shape)}")
+        E, Kw = w.shape[0], w.shape[1]
+    if Kw != K:
+        raise ValueError(f"x has K={K} columns but the expert weights take K={Kw}")
+    if group_sizes.shape != (E,):
+        raise ValueError(f"group_sizes must be [E] = [{E}], got {list(group_sizes.shape)}")
+
+
+def _reference_gmm(x, weights, group_sizes, activation, out_dtype):
+    ws = [mx.dequantize(w, x.dtype) if isinstance(w, mx.MXFP4Weight) else w for w in weights]
+    outs = [reference.grouped_matmul(x, w, group_sizes) for w in ws]
+    out = activation(*outs) if len(outs) == 2 else outs[0]
+    return out.astype(out_dtype)
+
+
+def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.float32, interpret=False,
+         config=None, fill_uncovered=True):
+    quantized = isinstance(weights[0], mx.MXFP4Weight)
+    b = resolve_backend(backend, quantized=quantized)
+    if b == "reference":
+        return _reference_gmm(x, weights, group_sizes, activation, out_dtype)
+    if b == "gpu":
+        return _gpu.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
+                                   config=config, interpret=interpret, fill_uncovered=fill_uncovered)
+    if b == "tpu":
+        return _tpu.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
+                                   config=config, interpret=interpret)
+    # mgpu: one matmul per weight, activation in XLA
+    outs = [_gpu.mgpu_grouped_matmul(x, w, group_sizes, out_dtype=jnp.float32, config=config) for w in weights]
+    return (activation(*outs) if len(outs) == 2 else outs[0]).astype(out_dtype)
+
+
+def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", out_dtype=jnp.float32,
+                   interpret: bool = False, config=None):
+    """Rows of `x [M, K]` sorted by group; rows [off_e, off_e + size_e) multiply expert e. Returns `[M, N]`.
+
+    `w`: dense `[E, K, N]`, or MXFP4 (`MXFP4Weight`, `(packed, scale)`, or `w=packed` uint8 `[E, N, K/2]` with
+    `w_scale` uint8 E8M0 `[E, N, K/32]`). Rows past Σ group_sizes are zeros (as `jax.lax.ragged_dot`).
+    `config`: block shapes for the chosen kernel (`gpu.GpuConfig`, `gpu.MgpuConfig`, `tpu.TpuConfig`).
+    """
+    w = _as_weight(w, w_scale)
+    _check(x, w, group_sizes)
+    return _gmm(x, (w,), group_sizes, backend=backend, out_dtype=out_dtype, interpret=interpret, config=config)
+
+
+def gated_grouped_matmul(x, w_gate, w_up, group_sizes, activation, *, backend: str = "auto",
+                         out_dtype=jnp.bfloat16, interpret: bool = False, config=None):
+    """`activation(x @ Wg[e], x @ Wu[e])` per row, with the activation fused after the two fp32 accumulators
+    (one kernel, h stored once) on the Pallas backends."""
+    w_gate, w_up = _as_weight(w_gate), _as_weight(w_up)
+    _check(x, w_gate, group_sizes)
+    _check(x, w_up, group_sizes)
+    return _gmm(x, (w_gate, w_up), group_sizes, backend=backend, activation=resolve_activation(activation),
+                out_dtype=out_dtype, interpret=interpret, config=config)
+
+
+def resolve_activation(activation):
+    """A callable `act(g, u)` on fp32, or one of the names "situ", "swiglu", "clamped_swiglu" (SPEC §7)."""
+    if callable(activation):
+        return activation
+    from kimi_jax.modules.layers import clamped_swiglu, situ, swiglu
+
+    table = {"situ": situ, "swiglu": swiglu, "clamped_swiglu": clamped_swiglu}
+    if activation not in table:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(table)} or pass a callable")
+    return table[activation]
+
+
+def sort_tokens(expert_idx_nk, num_experts: int):
+    """Dropless dispatch plan (reference stable sort): (order [N·k], token_of_row [N·k], group_sizes [E])."""
+    return reference.sort_by_expert(expert_idx_nk, num_experts)
+
+
+def combine(y_rows, order, weight_nk):
+    """Sorted expert outputs `[N·k, D]` -> `Σ_k weight[n, k] · y` `[N, D]` float32, in slot order (deterministic).
+
+    Rows may be masked beforehand (e.g. zeroed where a pair's expert lives elsewhere)."""
+    N, k = weight_nk.shape
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    y = y_rows[inv].astype(jnp.float32).reshape(N, k, -1)
+    return jnp.sum(y * weight_nk.astype(jnp.float32)[:, :, None], axis=1)
+
+
+def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, backend: str = "auto",
+                      interpret: bool = False, fuse: bool | None = None, h_dtype=None, fill_uncovered: bool = True,
+                      configs=None):
+    """The expert FFN on rows already sorted by expert: `down(act(gate x, up x))` `[rows, D]` float32.
+
+    `fuse=True` runs gate and up in one kernel with the activation in its epilogue (Pallas backends); None takes
+    `FUSE_GATE_UP[backend]`. `h_dtype`:
+    the dtype h is stored in (default: the down weight's dtype, bf16 for MXFP4 — as the reference casts).
+    `configs`: optional (gate/up config, down config)."""
+    act = resolve_activation(activation)
+    w_gate, w_up, w_down = _as_weight(w_gate), _as_weight(w_up), _as_weight(w_down)
+    if h_dtype is None:
+        h_dtype = x_rows.dtype if isinstance(w_down, mx.MXFP4Weight) else w_down.dtype
+    c_up, c_down = configs or (None, None)
+    b = resolve_backend(backend, quantized=isinstance(w_gate, mx.MXFP4Weight))
+    if fuse is None:
+        fuse = FUSE_GATE_UP[b]
+    if fuse and b in ("gpu", "tpu"):
+        h = _gmm(x_rows, (w_gate, w_up), group_sizes, backend=b, activation=act, out_dtype=h_dtype,
+                 interpret=interpret, config=c_up, fill_uncovered=fill_uncovered)
+    else:
+        g = _gmm(x_rows, (w_gate,), group_sizes, backend=b, interpret=interpret, config=c_up,
+                 fill_uncovered=fill_uncovered)
+        u = _gmm(x_rows, (w_up,), group_sizes, backend=b, interpret=interpret, config=c_up,
+                 fill_uncovered=fill_uncovered)
+        h = act(g, u).astype(h_dtype)
+    return _gmm(h, (w_down,), group_sizes, backend=b, interpret=interpret, config=c_down,
+                fill_uncovered=fill_uncovered)
+
+
+def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *, backend: str = "auto",
+               interpret: bool = False, fuse: bool | None = None, configs=None):
+    """Σ_k weight[n,k] · down_e(act(gate_e x, up_e x)) for e = expert_idx[n,k]; `[N, D]` float32.
+
+    Drop-in for `reference.expert_ffn` (same arguments and result) with a backend choice. Dropless: every
+    (token, slot) pair is computed, whatever the load per expert. Deterministic on every backend."""
+    w_gate = _as_weight(w_gate)
+    E = w_gate.num_experts if isinstance(w_gate, mx.MXFP4Weight) else w_gate.shape[0]
+    order, token_of_row, sizes = sort_tokens(expert_idx_nk, E)
+    y = expert_ffn_sorted(x_nd[token_of_row], sizes, w_gate, w_up, w_down, activation, backend=backend,
+                          interpret=interpret, fuse=fuse, configs=configs)
+    return combine(y, order, weight_nk)
+
+
+def routed_experts(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, backend: str = "auto",
+                   interpret: bool = False):
+    """Route (`kimi_jax.modules.moe.route`, SPEC §7) then `expert_ffn`. Returns `[N, D]` float32."""
+    from kimi_jax.modules.moe import route
+
+    weight, idx = route(x_nd, router_de, bias_e, cfg)
+    return expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret)

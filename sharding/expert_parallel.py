@@ -1,0 +1,218 @@
+"""Expert parallelism: routed experts split over the mesh's "model" axis (as `sharding.rules` places w1/w2/w3),
+tokens split over ("data", "model"), the expert FFN run where the expert lives. Two dispatch methods:
+
+* "ragged" — each device sorts its own (token, slot) pairs by expert and sends each expert's rows to the device that
+  owns it with `jax.lax.ragged_all_to_all`, one slice per expert (slice e goes to device e // E_local). The receive
+  offsets are computed from an all-gather of the per-expert counts so that rows arrive grouped by local expert
+  (and by source device within an expert): the receive buffer is already in grouped-matmul order, no second sort.
+  The results travel back the same way, landing in the sender's sorted order; the combine is local. Traffic per
+  device: its own N_local·k rows out and back. The receive buffer is sized for the worst case (every pair of every
+  device on one device: model·N_local·k rows), so dispatch is dropless; the grouped matmul only computes the rows
+  that arrived (its tile schedule skips the rest).
+* "allgather" — all-gather the tokens (and routing) over "model", run the local experts on the pairs routed to them
+  (rows of other devices' experts form the uncovered tail that the kernels skip), weight and sum each token's local
+  slots, and reduce-scatter (`psum_scatter`) the partial sums back to token shards. Traffic per device: the
+  gathered tokens in, a full fp32 partial sum out; no data-dependent sizes. Also the fallback where
+  `ragged_all_to_all` does not lower (XLA:CPU), and the only choice when the tokens do not split over "model"
+  (then they stay replicated over "model" and the partial sums are `psum`-ed).
+
+"auto" picks by bytes moved: all-gather while the model axis is smaller than top_k (measured on 2 H200s, k = 8:
+all-gather 2.26 ms, ragged 2.86 ms, one GPU 3.67 ms — bench/RESULTS.md), ragged beyond.
+
+Both are deterministic for a fixed mesh: sorts are stable, combines sum slots in a fixed order, collectives move
+data (psum_scatter sums a fixed number of partials in the collective's fixed order). Results equal the one-device
+`expert_ffn` up to that fp32 summation order.
+
+Entry points: `ep_expert_ffn` (routing given, as `ops.expert_ffn`) and `ep_moe` (routes with
+`kimi_jax.modules.moe.route` inside the shard_map first). Inputs are global arrays; outputs are global `[N, D]`
+float32 arrays sharded like the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels.moe import mxfp4 as mx
+from pallas_kernels.moe import ops
+
+MODEL, DATA = "model", "data"
+METHODS = ("auto", "ragged", "allgather")
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # older JAX
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _num_experts(w):
+    return w.num_experts if isinstance(w, mx.MXFP4Weight) else w.shape[0]
+
+
+def _excl_cumsum(a, axis):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all` built from all-gathers (for backends where it does not lower, e.g. XLA:CPU);
+    same contract. Costs a full all-gather of `operand`: for tests, not for speed."""
+    del recv_sizes  # implied by the senders' sizes
+    m = jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name)
+    spd = input_offsets.shape[0] // m
+    ops_all = jax.lax.all_gather(operand, axis_name)  # [m, rows, ...]
+    io, ss, oo = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+    io, ss, oo = (jax.lax.dynamic_slice_in_dim(a, me * spd, spd, axis=1) for a in (io, ss, oo))  # [m, spd]
+    r = jnp.arange(output.shape[0])[:, None, None]
+    hit = (r >= oo[None]) & (r < oo[None] + ss[None])  # [rows, m, spd]
+    any_hit = jnp.any(hit, axis=(1, 2))
+    src = jnp.argmax(jnp.any(hit, axis=2), axis=1)
+    src_row = jnp.sum(jnp.where(hit, io[None] + r - oo[None], 0), axis=(1, 2))
+    got = ops_all[src, src_row]
+    mask = any_hit.reshape((-1,) + (1,) * (output.ndim - 1))
+    return jnp.where(mask, got, output)
+
+
+def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpret, a2a):
+    """Per device: x [n, D] local tokens, idx/wt [n, k]; expert weights hold this device's E_l experts."""
+    m = jax.lax.axis_size(MODEL)
+    me = jax.lax.axis_index(MODEL)
+    E_l = _num_experts(w_gate)
+    E = E_l * m
+    n, k = idx.shape
+    order, token_of_row, sizes = ops.sort_tokens(idx, E)  # sizes [E]: rows this device sends to expert e
+    x_rows = x[token_of_row]
+    counts = jax.lax.all_gather(sizes, MODEL)  # [m, E]: counts[src, e]
+    tot = jnp.sum(counts, axis=0)  # rows expert e receives
+    blk = _excl_cumsum(tot.reshape(m, E_l), axis=1)  # start of local expert l's rows on its owner
+    before = _excl_cumsum(counts, axis=0)  # [m, E]: rows of lower-ranked sources, per expert
+    send_off = _excl_cumsum(sizes, axis=0)
+    out_off = blk.reshape(E) + before[me]
+    recv = jax.lax.dynamic_slice_in_dim(counts, me * E_l, E_l, axis=1)  # [m, E_l]: from src, for my expert l
+    cap = m * n * k
+    buf = a2a(x_rows, jnp.zeros((cap,) + x_rows.shape[1:], x_rows.dtype), send_off.astype(jnp.int32),
+              sizes.astype(jnp.int32), out_off.astype(jnp.int32), recv.reshape(E).astype(jnp.int32),
+              axis_name=MODEL)
+    local_sizes = jax.lax.dynamic_slice_in_dim(tot, me * E_l, E_l)
+    y = ops.expert_ffn_sorted(buf, local_sizes, w_gate, w_up, w_down, act, backend=backend, interpret=interpret,
+                              fill_uncovered=False)
+    # send back: slice (src, l) sits at blk[me, l] + before[src, me·E_l + l] and goes to src, where it lands at
+    # the start of expert (me·E_l + l) in src's sorted rows.
+    my_blk = jax.lax.dynamic_index_in_dim(blk, me, axis=0, keepdims=False)  # [E_l]
+    ret_in = my_blk[None, :] + jax.lax.dynamic_slice_in_dim(before, me * E_l, E_l, axis=1)  # [m, E_l]
+    src_off = _excl_cumsum(counts, axis=1)  # [m, E]: where expert e starts in src's sorted rows
+    ret_out = jax.lax.dynamic_slice_in_dim(src_off, me * E_l, E_l, axis=1)
+    y_back = a2a(y, jnp.zeros((n * k,) + y.shape[1:], y.dtype), ret_in.reshape(E).astype(jnp.int32),
+                 recv.reshape(E).astype(jnp.int32), ret_out.reshape(E).astype(jnp.int32),
+                 sizes.astype(jnp.int32), axis_name=MODEL)
+    return ops.combine(y_back, order, wt)
+
+
+def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpret, split):
+    """Per device: tokens split over "model" when `split` (gathered here), else replicated over it."""
+    if split:
+        x, idx, wt = (jax.lax.all_gather(a, MODEL, tiled=True) for a in (x, idx, wt))
+    me = jax.lax.axis_index(MODEL)
+    E_l = _num_experts(w_gate)
+    lo = me * E_l
+    local = (idx >= lo) & (idx < lo + E_l)
+    lid = jnp.where(local, idx - lo, E_l)  # other devices' experts -> one trailing group, never computed
+    order, token_of_row, sizes = ops.sort_tokens(lid, E_l + 1)
+    y = ops.expert_ffn_sorted(x[token_of_row], sizes[:E_l], w_gate, w_up, w_down, act, backend=backend,
+                              interpret=interpret, fill_uncovered=False)
+    y = jnp.where(local.reshape(-1)[order][:, None], y, 0.0)  # uncovered rows were not written
+    part = ops.combine(y, order, wt)
+    if split:
+        return jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(part, MODEL)
+
+
+def _token_spec(mesh, n_tokens: int):
+    d, m = mesh.shape.get(DATA, 1), mesh.shape[MODEL]
+    if n_tokens % (d * m) == 0:
+        return P((DATA, MODEL)), True
+    if n_tokens % d == 0:
+        return P(DATA), False
+    return P(), False
+
+
+def resolve_method(method: str, split: bool, model_size: int = 2, top_k: int = 8) -> str:
+    """"auto": by bytes moved per device. With n local tokens of width D over m devices, all-gather + reduce-scatter
+    moves ≈ (m−1)·n·D·(2 + 4) bytes (bf16 tokens in, fp32 partial sums out); ragged all-to-all moves
+    ≈ (m−1)/m·n·k·D·(2 + 4) (bf16 rows out, fp32 results back). All-gather is cheaper while m < k — measured on
+    two H200s at K3 shapes (k = 8): all-gather 2.26 ms, ragged 2.86 ms (bench/RESULTS.md). XLA:CPU has no
+    ragged_all_to_all, so CPU always takes all-gather."""
+    if method not in METHODS:
+        raise ValueError(f"unknown expert-parallel method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "auto":
+        ragged_ok = split and jax.default_backend() in ("gpu", "cuda", "tpu")
+        return "ragged" if ragged_ok and model_size >= top_k else "allgather"
+    if method == "ragged" and not split:
+        raise ValueError("method='ragged' needs the token count to split over data×model devices; "
+                         "pad the tokens or use method='allgather'")
+    return method
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(mesh, method, split, tok_spec, act, backend, interpret, emulate_a2a):
+    if method == "ragged":
+        a2a = emulated_ragged_all_to_all if emulate_a2a else jax.lax.ragged_all_to_all
+        local = functools.partial(_ragged_local, act=act, backend=backend, interpret=interpret, a2a=a2a)
+    else:
+        local = functools.partial(_allgather_local, act=act, backend=backend, interpret=interpret, split=split)
+    w_spec = P(MODEL)
+    return jax.jit(_shard_map(local, mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
+                              out_specs=tok_spec))
+
+
+def place_experts(w, mesh):
+    """Put expert weights (dense or MXFP4) on `mesh`, split over "model" on dim 0 (as `sharding.rules` does)."""
+    w = ops._as_weight(w)
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(MODEL))), w)
+
+
+def place_tokens(a, mesh):
+    """Put a per-token array (`[N, ...]`) on `mesh` the way `ep_expert_ffn` splits tokens."""
+    spec, _ = _token_spec(mesh, a.shape[0])
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def ep_expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *, mesh, method: str = "auto",
+                  backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False):
+    """Expert-parallel `ops.expert_ffn`: same arguments plus `mesh` (axes "data", "model"); `[N, D]` float32.
+
+    Expert weights (dense `[E, K, N]` or MXFP4) are split over "model" on dim 0 (E must divide); arrays already
+    placed that way (`place_experts`, `place_tokens`) are not moved. `emulate_a2a` swaps `ragged_all_to_all` for an
+    all-gather emulation (tests on CPU, where it does not lower)."""
+    w_gate, w_up, w_down = (ops._as_weight(w) for w in (w_gate, w_up, w_down))
+    E, m = _num_experts(w_gate), mesh.shape[MODEL]
+    if E % m:
+        raise ValueError(f"{E} experts do not split over a 'model' axis of {m} devices")
+    tok_spec, split = _token_spec(mesh, x_nd.shape[0])
+    method = resolve_method(method, split, m, expert_idx_nk.shape[1])
+    f = _compiled(mesh, method, split, tok_spec, ops.resolve_activation(activation), backend, interpret,
+                  emulate_a2a)
+    toks = [place_tokens(a, mesh) for a in (x_nd, expert_idx_nk, weight_nk)]
+    return f(*toks, *(place_experts(w, mesh) for w in (w_gate, w_up, w_down)))
+
+
+def ep_moe(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, mesh, method: str = "auto",
+           backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False):
+    """Route (SPEC §7, `kimi_jax.modules.moe.route`, per token — the same on any split) then `ep_expert_ffn`."""
+    from kimi_jax.modules.moe import route
+
+    tok_spec, _ = _token_spec(mesh, x_nd.shape[0])
+    routed = jax.jit(_shard_map(lambda x, r, b: route(x, r, b, cfg), mesh, in_specs=(tok_spec, P(), P()),
+                                out_specs=(tok_spec, tok_spec)))
+    weight, idx = routed(jax.device_put(x_nd, NamedSharding(mesh, tok_spec)),
+                         jax.device_put(router_de, NamedSharding(mesh, P())),
+                         jax.device_put(bias_e, NamedSharding(mesh, P())))
+    return ep_expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, mesh=mesh, method=method,
+                         backend=backend, interpret=interpret, emulate_a2a=emulate_a2a)
