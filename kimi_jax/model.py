@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig, PRESETS, get_preset, load_config
+from .kernels import KernelConfig
 from .modules.decoder import KimiForCausalLM, ModelCache
 
 log = logging.getLogger("kimi_jax")
@@ -141,13 +142,15 @@ def _as_ids(input_ids, cfg: ModelConfig):
     return jnp.asarray(ids, jnp.int32)
 
 
-def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=None) -> Model:
+def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=None,
+                 kernels: Optional[KernelConfig] = None) -> Model:
     n = param_count(cfg)
     if n > MAX_RANDOM_PARAMS:
         raise ValueError(
             f"{cfg.architecture} has {n / 1e9:.1f}B parameters: too large to materialise with random weights. "
             "Use `python -m kimi_jax.plan` or jax.eval_shape for the full-size presets, or load a checkpoint.")
-    return Model(KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype), dtype, mesh=_mesh(mesh))
+    module = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, kernels=kernels or KernelConfig())
+    return Model(module, dtype, mesh=_mesh(mesh))
 
 
 def _mesh(mesh):
@@ -159,15 +162,18 @@ def _mesh(mesh):
     return make_mesh(mesh)
 
 
-def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0) -> Model:
+def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0,
+               kernels: Optional[KernelConfig] = None) -> Model:
     """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir.
 
     `mesh`: a `jax.sharding.Mesh` with axes ("data", "model"), or a `--mesh` string such as "8x1"; parameters are
-    placed by `sharding.rules` (heads, experts and vocab over "model").
+    placed by `sharding.rules` (heads, experts and vocab over "model"). `kernels`: which kernel implementation each
+    op family runs (`KernelConfig`; default "auto": Pallas kernels on TPU/GPU, the jnp reference on CPU).
     """
     dtype = jnp.dtype(dtype) if dtype is not None else None
     if path_or_preset in PRESETS:
-        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32, mesh=mesh)
+        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32, mesh=mesh,
+                            kernels=kernels)
     if not os.path.isdir(path_or_preset):
         load_config(path_or_preset)  # raises a clear ConfigError
     from . import checkpoint

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
+from ..kernels import KernelConfig
 from .attn_res import AttnResMix
 from .kda import KDACache, KimiDeltaAttention
 from .layers import Linear, RMSNorm, activation_fn, normal_init
@@ -52,18 +53,19 @@ class ModelCache(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 kernels: KernelConfig = KernelConfig()):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = cfg.layer_kinds[layer]
         self.input_layernorm = RMSNorm(D, eps, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(D, eps, rngs=rngs, dtype=dtype)
         if self.kind == "kda":
-            self.self_attn = KimiDeltaAttention(D, cfg.kda, rngs=rngs, dtype=dtype)
+            self.self_attn = KimiDeltaAttention(D, cfg.kda, rngs=rngs, dtype=dtype, kernels=kernels)
         else:
             self.self_attn = MultiHeadLatentAttention(D, cfg.mla, cfg.indexer, rngs=rngs, dtype=dtype)
         act = activation_fn(cfg)
         if cfg.is_moe_layer(layer):
-            self.block_sparse_moe = MoE(D, cfg.moe, act, eps, rngs=rngs, dtype=dtype)
+            self.block_sparse_moe = MoE(D, cfg.moe, act, eps, rngs=rngs, dtype=dtype, kernels=kernels)
             self.mlp = None
         else:
             self.mlp = DenseMLP(D, cfg.dense_intermediate_size, act, rngs=rngs, dtype=dtype)
@@ -86,11 +88,13 @@ class DecoderLayer(nnx.Module):
 class KimiForCausalLM(nnx.Module):
     """The whole text model. `__call__(ids, cache, start)` -> (logits float32 `[B, T, V]`, new cache)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 kernels: KernelConfig = KernelConfig()):
         self.cfg = cfg
         D = cfg.hidden_size
         self.embed_tokens = nnx.Param(normal_init(rngs, (cfg.vocab_size, D), 1.0, dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels)
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         if cfg.attn_res_block_size:
             self.output_attn_res = AttnResMix(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)

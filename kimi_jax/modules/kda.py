@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.kda import ops as kda_kernels
 from pallas_kernels.kda import reference as kda_ops
 
 from ..config import KDAConfig
+from ..kernels import KernelConfig
 from .layers import Linear, normal_init
 
 
@@ -33,8 +35,10 @@ class KDACache(NamedTuple):
 
 
 class KimiDeltaAttention(nnx.Module):
-    def __init__(self, hidden: int, cfg: KDAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, hidden: int, cfg: KDAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 kernels: KernelConfig = KernelConfig()):
         self.cfg = cfg
+        self.backend = kernels.kda
         H, d, K = cfg.num_heads, cfg.head_dim, cfg.conv_kernel
         P = H * d
         self.q_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
@@ -80,9 +84,9 @@ class KimiDeltaAttention(nnx.Module):
         if use_chunk is None:
             use_chunk = T > 1
         if use_chunk:
-            o, state = kda_ops.chunk(q, k, v, g, beta, cache.state_bhkv, chunk_size=cfg.chunk_size)
+            o, state = kda_kernels.chunk(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
         else:
-            o, state = kda_ops.recurrent(q, k, v, g, beta, cache.state_bhkv)
+            o, state = kda_kernels.recurrent(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
         # gated per-head RMSNorm, float32
         o = o.astype(jnp.float32)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.o_norm_eps) * self.o_norm[...]

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.moe import reference as moe_ops
+from pallas_kernels.moe import ops as moe_ops
 
 from ..config import MoEConfig
+from ..kernels import KernelConfig
 from .layers import Linear, RMSNorm, normal_init
 
 
@@ -55,8 +56,11 @@ def route(x_nd, router_de, bias_e, cfg: MoEConfig):
 class MoE(nnx.Module):
     """Routed experts + shared experts; with `latent_size`, routed experts run in a latent space (K3)."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 kernels: KernelConfig = KernelConfig()):
         self.cfg = cfg
+        self.backend = kernels.moe
+        self.interpret = kernels.moe_interpret
         self.act = act
         E, F = cfg.num_experts, cfg.intermediate_size
         width = cfg.latent_size or hidden
@@ -78,7 +82,8 @@ class MoE(nnx.Module):
         x = x_btd.reshape(B * T, D)
         w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
         xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
-        y = moe_ops.expert_ffn(xr, idx, w, self.w1[...], self.w3[...], self.w2[...], self.act).astype(x.dtype)
+        y = moe_ops.expert_ffn(xr, idx, w, self.w1[...], self.w3[...], self.w2[...], self.act,
+                               backend=self.backend, interpret=self.interpret).astype(x.dtype)
         if cfg.latent_size:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

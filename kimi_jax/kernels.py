@@ -1,0 +1,21 @@
+"""Which kernel implementation each op family runs: execution policy as data, separate from the architecture.
+
+"auto" picks per platform inside each op family's entry point (`pallas_kernels.<family>.ops.resolve_backend`):
+the Pallas TPU kernel on TPU, the GPU kernel on GPU, the plain-jnp reference elsewhere (CPU). "reference" forces
+the jnp definition everywhere. The interpret variants run a kernel's code on CPU (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    kda: str = "auto"  # pallas_kernels.kda.ops: auto | reference | gpu | tpu | gpu_interpret | tpu_interpret
+    moe: str = "auto"  # pallas_kernels.moe.ops: auto | reference | gpu | mgpu | tpu
+    moe_interpret: bool = False  # run the chosen MoE kernel through the Pallas interpreter (CPU tests)
+
+    @staticmethod
+    def reference() -> "KernelConfig":
+        return KernelConfig(kda="reference", moe="reference")
