@@ -56,6 +56,11 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # YaRN cos/sin scale ("attention factor"). None: the transformers rule, m(f, mscale) / m(f, mscale_all_dim) when
+    # BOTH are non-zero, else m(f) (a lone `mscale` is ignored); a number (HF `attention_factor`) overrides it.
+    # DeepSeek's own inference code never scales cos/sin; with the released mscale = mscale_all_dim = 1 both give 1.
+    attention_factor: Optional[float] = None
+    truncate: bool = True  # YaRN correction range rounded to whole dims (HF `truncate`, default True)
 
 
 @dataclass(frozen=True)
@@ -490,15 +495,22 @@ def _deepseek_from_hf(hf: dict) -> ModelConfig:
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"unsupported rope_type {rope_type!r} for deepseek_v32 (expected 'default' or 'yarn')")
     yarn = rope_type == "yarn"
+    orig = int(rp.get("original_max_position_embeddings", 4096))
+    factor = rp.get("factor")
+    if yarn and factor is None:  # transformers: max_position_embeddings / original_max_position_embeddings
+        factor = float(hf.get("max_position_embeddings", orig)) / orig
     rope = RopeConfig(
         theta=theta,
         interleaved=bool(hf.get("rope_interleave", True)),
-        yarn_factor=float(rp["factor"]) if yarn else None,
-        original_max_positions=int(rp.get("original_max_position_embeddings", 4096)),
-        beta_fast=float(rp.get("beta_fast", 32.0)),
-        beta_slow=float(rp.get("beta_slow", 1.0)),
-        mscale=float(rp.get("mscale", 1.0)),
-        mscale_all_dim=float(rp.get("mscale_all_dim", 0.0)),
+        yarn_factor=float(factor) if yarn else None,
+        original_max_positions=orig,
+        beta_fast=float(rp.get("beta_fast") or 32.0),
+        beta_slow=float(rp.get("beta_slow") or 1.0),
+        # absent keys stay 0 ("unset"): the attention-factor rule distinguishes unset from 1
+        mscale=float(rp.get("mscale") or 0.0),
+        mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0),
+        attention_factor=float(rp["attention_factor"]) if rp.get("attention_factor") is not None else None,
+        truncate=bool(rp.get("truncate", True)),
     )
     eps = float(hf.get("rms_norm_eps", 1e-6))
     return ModelConfig(
@@ -516,8 +528,10 @@ def _deepseek_from_hf(hf: dict) -> ModelConfig:
             qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
             v_head_dim=int(hf["v_head_dim"]),
             rope=rope,
-            q_norm_eps=eps,
-            kv_norm_eps=eps,
+            # q_a_layernorm / kv_a_layernorm: 1e-6 whatever rms_norm_eps says (transformers and DeepSeek's own code
+            # both construct them with the RMSNorm default); the release has rms_norm_eps 1e-6 anyway
+            q_norm_eps=1e-6,
+            kv_norm_eps=1e-6,
         ),
         indexer=IndexerConfig(
             num_heads=int(hf.get("index_n_heads", 64)),

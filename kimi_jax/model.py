@@ -178,4 +178,4 @@ def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0,
         load_config(path_or_preset)  # raises a clear ConfigError
     from . import checkpoint
 
-    return checkpoint.load(path_or_preset, mesh=mesh, dtype=dtype)
+    return checkpoint.load(path_or_preset, mesh=mesh, dtype=dtype, kernels=kernels)

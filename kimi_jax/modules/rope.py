@@ -18,8 +18,10 @@ def _yarn_inv_freq(dim: int, rc: RopeConfig):
     def correction_dim(num_rot):
         return (dim * math.log(rc.original_max_positions / (num_rot * 2 * math.pi))) / (2 * math.log(rc.theta))
 
-    low = max(math.floor(correction_dim(rc.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rc.beta_slow)), dim - 1)
+    low, high = correction_dim(rc.beta_fast), correction_dim(rc.beta_slow)
+    if rc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
@@ -31,13 +33,21 @@ def rope_cos_sin(positions_bt, dim: int, rc: RopeConfig):
     """cos, sin `[B, T, dim/2]` float32. YaRN's attention factor is applied to both (as the references do)."""
     inv = _yarn_inv_freq(dim, rc)
     ang = positions_bt.astype(jnp.float32)[..., None] * inv
-    att = 1.0
-    if rc.yarn_factor:
-        from ..config import yarn_mscale
-
-        att = yarn_mscale(rc.yarn_factor, rc.mscale) / yarn_mscale(rc.yarn_factor, rc.mscale_all_dim) \
-            if rc.mscale_all_dim else yarn_mscale(rc.yarn_factor, rc.mscale)
+    att = attention_factor(rc)
     return jnp.cos(ang) * att, jnp.sin(ang) * att
+
+
+def attention_factor(rc: RopeConfig) -> float:
+    """YaRN's cos/sin scale, by the transformers rule (see RopeConfig.attention_factor)."""
+    from ..config import yarn_mscale
+
+    if rc.attention_factor is not None:
+        return rc.attention_factor
+    if not rc.yarn_factor:
+        return 1.0
+    if rc.mscale and rc.mscale_all_dim:
+        return yarn_mscale(rc.yarn_factor, rc.mscale) / yarn_mscale(rc.yarn_factor, rc.mscale_all_dim)
+    return yarn_mscale(rc.yarn_factor, 1.0)
 
 
 def apply_rope(x_bt_hd, cos_bt, sin_bt, interleaved: bool):

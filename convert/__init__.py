@@ -1,0 +1,14 @@
+"""Checkpoint conversion: Hugging Face safetensors <-> kimi_jax checkpoints (Orbax).
+
+    python -m convert SRC DST [--dtype bf16|fp8|keep] [--architecture auto|kimi_k3|kimi_k31|kimi_linear|deepseek_v32]
+    python -m convert --export DST OUT
+
+Python: `convert(src, dst, ...)`, `export(dst, out, ...)`; errors are `ConvertError` with a message naming the
+file / tensor at fault. See `store.py` for the checkpoint layout and `entries.py` for the layout changes.
+"""
+
+from .errors import ConvertError
+from .exporter import export
+from .importer import DTYPE_POLICIES, convert
+
+__all__ = ["ConvertError", "convert", "export", "DTYPE_POLICIES"]

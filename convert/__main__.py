@@ -1,0 +1,74 @@
+"""`python -m convert SRC DST [...]` and `python -m convert --export DST OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion never needs an accelerator
+
+EPILOG = """\
+Sharding: conversion writes a mesh-independent checkpoint, so there is no --mesh option here; placing parameters
+on a device mesh at load time (kimi_jax.load_model(path, mesh=...)) is the sharding issue's work.
+Loading: kimi_jax.load_model(DST) or kimi_jax.load_model(SRC) (a Hugging Face directory is converted in memory).
+MXFP4 experts stay packed in the checkpoint and are dequantised when a model is loaded."""
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 5GB)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    mult = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+            "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m convert",
+        description="Convert a Hugging Face safetensors checkpoint (Kimi K3 / K3.1, Kimi-Linear, DeepSeek-V3.2) "
+                    "into a kimi_jax checkpoint (Orbax), or with --export write one back as safetensors.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs=2, metavar="PATH", help="SRC DST (convert) or DST OUT (with --export)")
+    ap.add_argument("--export", action="store_true", help="export the kimi_jax checkpoint DST to safetensors in OUT")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8", "keep"),
+                    help="bf16 (default): bfloat16 weights, FP8 dequantised; keep: every tensor as stored (lossless, "
+                         "FP8 stays FP8); fp8: projection/expert weights as FP8 e4m3 with 128x128 scales. MXFP4 "
+                         "experts stay packed in every mode")
+    ap.add_argument("--architecture", default="auto",
+                    choices=("auto", "kimi_k3", "kimi_k31", "kimi_linear", "deepseek_v32"),
+                    help="default: detected from config.json (an explicit value must agree with it)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    ap.add_argument("--part-size", type=_size, default="1GiB",
+                    help="approximate size of each Orbax part of the checkpoint (bounds memory; default 1GiB)")
+    ap.add_argument("--shard-size", type=_size, default="5GiB", help="--export: maximum safetensors shard size")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    for noisy in ("absl", "jax", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from . import ConvertError, convert, export
+
+    try:
+        if args.export:
+            export(args.paths[0], args.paths[1], overwrite=args.overwrite, shard_bytes=args.shard_size,
+                   progress=not args.quiet)
+        else:
+            convert(args.paths[0], args.paths[1], dtype=args.dtype, architecture=args.architecture,
+                    overwrite=args.overwrite, progress=not args.quiet, part_bytes=args.part_size)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""The conversion plan of a Hugging Face checkpoint directory: config, name map, and every source tensor checked
+(present, expected shape and dtype, nothing unexpected left over) before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_jax.config import ModelConfig
+
+from . import archs, quant
+from .entries import Entry, resolve
+from .errors import ConvertError, listing
+from .safetensors_io import SourceSet
+
+
+@dataclass
+class Plan:
+    src: str
+    hf_config: dict
+    cfg: ModelConfig
+    sources: SourceSet
+    entries: list[Entry]
+    shapes: dict  # parameter path -> shape
+    fp8_block: tuple
+
+    @property
+    def architecture(self) -> str:
+        return self.cfg.architecture
+
+    def target_shapes(self, entry: Entry) -> list:
+        return [self.shapes[t] for t in entry.targets] if entry.kind != "extra" else []
+
+    def entry_bytes(self, entry: Entry) -> int:
+        return sum(self.sources.info(n).nbytes for n in entry.all_src_names())
+
+
+def read_hf_config(src: str) -> dict:
+    path = os.path.join(src, "config.json")
+    if not os.path.isfile(path):
+        raise ConvertError(f"{src} has no config.json (expected a Hugging Face checkpoint directory)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path} is not valid JSON ({e})") from None
+
+
+def fp8_block_of(hf: dict) -> tuple:
+    for d in (hf, hf.get("text_config") or {}):
+        qc = d.get("quantization_config") or {}
+        if isinstance(qc, dict) and qc.get("weight_block_size"):
+            b = qc["weight_block_size"]
+            return (int(b[0]), int(b[1]))
+    return quant.FP8_BLOCK
+
+
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    from kimi_jax.model import abstract_params
+
+    return {k: tuple(v.shape) for k, v in abstract_params(cfg, dtype).items()}
+
+
+def param_dtypes(cfg: ModelConfig, dtype) -> dict:
+    from kimi_jax.model import abstract_params
+
+    return {k: np.dtype(v.dtype) for k, v in abstract_params(cfg, dtype).items()}
+
+
+def make_plan(src: str, architecture: str = "auto") -> Plan:
+    if not os.path.isdir(src):
+        raise ConvertError(f"source {src} is not a directory")
+    hf = read_hf_config(src)
+    cfg = archs.detect(hf, architecture, where=os.path.join(src, "config.json"))
+    sources = SourceSet(src)
+    names = set(sources.names())
+    entries, is_extra = archs.name_map(cfg, names)
+    shapes = param_shapes(cfg)
+    produced = [t for e in entries for t in e.targets]
+    if sorted(produced) != sorted(shapes):
+        raise ConvertError(f"internal: the {cfg.architecture} name map does not cover the model's parameters "
+                           f"(extra {listing(set(produced) - set(shapes))}; "
+                           f"uncovered {listing(set(shapes) - set(produced))})")
+    block = fp8_block_of(hf)
+    missing, claimed = [], set()
+    for e in entries:
+        missing += resolve(e, sources, [shapes[t] for t in e.targets], block)
+        claimed.update(n for n in e.all_src_names() if n in names)
+    leftover = names - claimed
+    extras = sorted(n for n in leftover if is_extra(n))
+    unexpected = sorted(leftover - set(extras))
+    problems = []
+    if missing:
+        problems.append(f"missing tensor(s) {listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensor(s) {listing(unexpected)}")
+    if problems:
+        raise ConvertError(f"{src} does not match its {cfg.architecture} config.json: " + "; ".join(problems))
+    for n in extras:
+        e = Entry("extra", n, ("extra." + n,))
+        resolve(e, sources, [], block)
+        entries.append(e)
+    return Plan(src, hf, cfg, sources, entries, shapes, block)

@@ -1,0 +1,224 @@
+"""The kimi_jax checkpoint directory: Orbax parts, metadata, atomic directory replacement.
+
+Layout of a converted checkpoint `DST/`:
+
+    kimi_jax_config.json        ModelConfig.to_json()
+    kimi_jax_checkpoint.json    format version, architecture, dtype policy, one record per entry (HF source name,
+                                kind, form, HF shape/dtype, stored arrays and the part holding them), copied files
+    params/part_00000/ …        Orbax checkpoints (PyTreeCheckpointHandler, zarr3, OCDBT, uncompressed). Each holds
+                                a nested dict of numpy arrays keyed by the parameter path split on "."
+                                ("layers" → "3" → "self_attn" → "q_b_proj" → "kernel"); carried-through tensors
+                                live under "extra" + their HF name. Any part restores on its own with
+                                `orbax.checkpoint.StandardCheckpointer().restore(path)`.
+    config.json, tiktoken.model, tokenizer_config.json, …   copied from the source
+
+Arrays are grouped into parts of about `part_bytes` (default 1 GiB) so that conversion holds at most one part plus
+the array being built in memory, while one Orbax save per array would mean thousands of tiny directories.
+All arrays of one entry share a part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from .errors import ConvertError
+
+META_NAME = "kimi_jax_checkpoint.json"
+CONFIG_NAME = "kimi_jax_config.json"
+PARAMS_DIR = "params"
+FORMAT = "kimi_jax_checkpoint"
+FORMAT_VERSION = 1
+DEFAULT_PART_BYTES = 1 << 30
+RESERVED = {META_NAME, CONFIG_NAME, PARAMS_DIR}
+
+log = logging.getLogger("convert")
+
+
+def _checkpointer():
+    import jax
+
+    # numpy leaves; no defensive deep copy of each array (we keep them alive until the save returns);
+    # no compression (weights barely compress and zstd would dominate the conversion time)
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))
+    handler = ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False, type_handler_registry=registry)
+    return ocp.Checkpointer(handler)
+
+
+def nest(flat: dict) -> dict:
+    """{"a.b.c": x} -> {"a": {"b": {"c": x}}}, refusing names that would be both a leaf and a branch."""
+    tree: dict = {}
+    for name, value in flat.items():
+        keys = name.split(".")
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConvertError(f"array name {name} collides with another array's name")
+        if keys[-1] in node:
+            raise ConvertError(f"array name {name} collides with another array's name")
+        node[keys[-1]] = value
+    return tree
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+class PartWriter:
+    """Collects arrays and saves them as numbered Orbax parts of about `budget` bytes."""
+
+    def __init__(self, root: str, budget: int = DEFAULT_PART_BYTES):
+        self.dir = os.path.join(root, PARAMS_DIR)
+        os.makedirs(self.dir, exist_ok=True)
+        self.budget = max(1, int(budget))
+        self.parts: list[str] = []
+        self._cur: dict = {}
+        self._cur_bytes = 0
+        self._ck = _checkpointer()
+
+    def reserve(self, nbytes: int) -> None:
+        """Call before building an entry of about `nbytes`: saves the current part first if the entry would not fit,
+        so the part in memory and the entry being built never exceed ~max(budget, entry) together."""
+        if self._cur and self._cur_bytes + nbytes > self.budget:
+            self.flush()
+
+    def add(self, arrays: dict) -> int:
+        """Queue one entry's arrays; returns the index of the part that will hold them."""
+        nbytes = sum(a.nbytes for a in arrays.values())
+        if self._cur and self._cur_bytes + nbytes > self.budget:
+            self.flush()
+        self._cur.update(arrays)
+        self._cur_bytes += nbytes
+        idx = len(self.parts)
+        if self._cur_bytes >= self.budget:
+            self.flush()
+        return idx
+
+    def flush(self) -> None:
+        if not self._cur:
+            return
+        rel = os.path.join(PARAMS_DIR, f"part_{len(self.parts):05d}")
+        path = os.path.join(os.path.dirname(self.dir), rel)
+        # ocdbt_target_data_file_size=0: one chunk per array. Orbax otherwise splits arrays over 2 GB along their
+        # largest axis, and chunks that are not contiguous in memory (e.g. lm_head [D, V] split along V) make
+        # TensorStore copy the whole array while writing.
+        self._ck.save(path, args=ocp.args.PyTreeSave(item=nest(self._cur), ocdbt_target_data_file_size=0))
+        log.debug("wrote %s (%d arrays, %.1f MiB)", rel, len(self._cur), self._cur_bytes / 2**20)
+        self.parts.append(rel)
+        self._cur, self._cur_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        self.flush()
+        return self.parts
+
+
+class PartReader:
+    """Restores parts on demand, keeping the most recent one."""
+
+    def __init__(self, root: str, parts: list[str]):
+        self.root, self.parts = root, parts
+        self._ck = _checkpointer()
+        self._idx, self._arrays = None, None
+
+    def get(self, idx: int) -> dict:
+        if idx != self._idx:
+            self._arrays = None  # free the previous part first
+            path = os.path.join(self.root, self.parts[idx])
+            if not os.path.isdir(path):
+                raise ConvertError(f"checkpoint part {path} is missing")
+            try:
+                self._arrays = flatten(self._ck.restore(path))
+            except Exception as e:  # orbax / tensorstore errors on damaged parts
+                raise ConvertError(f"cannot read checkpoint part {path}: {e}") from None
+            self._idx = idx
+        return self._arrays
+
+
+def read_meta(path: str) -> dict:
+    meta_path = os.path.join(path, META_NAME)
+    if not os.path.isfile(meta_path):
+        raise ConvertError(f"{path} is not a converted kimi_jax checkpoint (no {META_NAME})")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{meta_path} is not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise ConvertError(f"{meta_path}: unsupported checkpoint format {meta.get('format')!r} "
+                           f"version {meta.get('version')!r} (expected {FORMAT} {FORMAT_VERSION})")
+    return meta
+
+
+def check_destination(dst: str, overwrite: bool, *, sources=()) -> None:
+    """Refuse an existing destination without `overwrite`, and any destination inside / equal to a source."""
+    for s in sources:
+        s = os.path.realpath(s)
+        d = os.path.realpath(dst)
+        if d == s or d.startswith(s + os.sep) or s.startswith(d + os.sep):
+            raise ConvertError(f"destination {dst} overlaps the source {s}; choose another directory")
+    if os.path.lexists(dst) and not overwrite:
+        raise ConvertError(f"destination {dst} already exists; pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: str, overwrite: bool):
+    """Yield a fresh temporary directory beside `dst`; on success rename it to `dst` (replacing an existing one only
+    with `overwrite`), on any error or interrupt remove it, leaving nothing behind."""
+    dst = os.path.abspath(dst)
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.lexists(dst):
+            if not overwrite:
+                raise ConvertError(f"destination {dst} already exists; pass --overwrite to replace it")
+            old = tmp + ".old"
+            os.rename(dst, old)
+            try:
+                os.rename(tmp, dst)
+            except BaseException:
+                os.rename(old, dst)
+                raise
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.unlink(old)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def copy_side_files(src: str, dst: str, skip=()) -> list[str]:
+    """Copy the non-weight top-level files (config.json, tiktoken.model, tokenizer_config.json, …)."""
+    copied = []
+    for name in sorted(os.listdir(src)):
+        p = os.path.join(src, name)
+        if (name.startswith(".") or not os.path.isfile(p) or name.endswith(WEIGHT_SUFFIXES)
+                or name == "model.safetensors.index.json" or name in RESERVED or name in skip):
+            continue
+        shutil.copy2(p, os.path.join(dst, name))
+        copied.append(name)
+    return copied
