@@ -30,8 +30,8 @@ class KDACache(NamedTuple):
     @staticmethod
     def zeros(batch: int, cfg: KDAConfig, dtype) -> "KDACache":
         H, d, K = cfg.num_heads, cfg.head_dim, cfg.conv_kernel
-        tail = jnp.zeros((batch, K - 1, H * d), dtype)
-        return KDACache(jnp.zeros((batch, H, d, d), jnp.float32), tail, tail, tail)
+        tail = lambda: jnp.zeros((batch, K - 1, H * d), dtype)  # three distinct buffers (the cache is donated)
+        return KDACache(jnp.zeros((batch, H, d, d), jnp.float32), tail(), tail(), tail())
 
 
 class KimiDeltaAttention(nnx.Module):
