@@ -1,0 +1,502 @@
+"""The serving engine: a request queue, continuous batching over a fixed set of cache slots, one background thread.
+
+Life of a request (``submit`` -> ``RequestStream``):
+
+1. **Queue.**  ``submit`` validates and puts the request on an inbox; the engine thread moves it to ``waiting``
+   (first come, first served; a request of ``n`` sequences waits until ``n`` slots are free together).
+2. **Prefill.**  One request at a time.  Its prompt minus the last token is run into a fresh batch-1 cache in
+   chunks whose sizes come from the fixed set ``prefill_chunk_sizes`` (largest first) -- exact tokens, never
+   padding, since padding would enter the KDA recurrent state.  While sequences are decoding, each engine iteration
+   spends at most ``prefill_token_budget`` prompt tokens on prefill before the next decode step, so a long prompt
+   does not stall the others.  The leftover (< smallest chunk) and the prompt's last token are fed through the
+   decode steps ("tail" tokens; their sampled outputs are ignored), so prefill needs no program per leftover
+   length.  The finished batch-1 cache is inserted into the request's slots (all ``n`` share that one prefill).
+3. **Decode.**  Every iteration runs ONE compiled step of fixed shape ``[max_num_seqs]`` for all slots: running
+   rows feed their next token (a prompt tail token or the last sampled token), free rows a dummy token that is
+   ignored.  Sampling (``sampler.py``) is fused into the step with per-row parameters.  Steady-state serving never
+   compiles anything (``compile_watch`` counts it; ``stats()["compilations"]``).
+4. **Stop.**  A sequence ends on an end-of-turn / ``stop_token_ids`` token (unless ``ignore_eos``), a stop string
+   (``detok.OutputText``), its guide finishing (``guide.py``), ``max_tokens``, or the cache end (``max_model_len``);
+   or on ``abort``.  Its slot is freed at once.  Text and control tokens go out as ``SeqEvent`` pieces.
+
+Choosing ``prefill_chunk_sizes``: the KDA chunked op works in blocks of ``kda.chunk_size`` (64) and pads every call
+to whole blocks, so a 16-token call costs as much as a 64-token one; T = 1 takes the cheap recurrent path.  Useful
+sets are therefore multiples of 64 plus 1 (default ``(64, 1)``; on accelerators ``(1024, 256, 64, 1)``).  Without 1
+in the set, the leftover tokens ride the decode steps instead (no extra program, one token per step).
+
+Seams for what comes next:
+
+* **Prefix caching** -- ``_start_prefill`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot and
+  ``_finish_prefill`` stores one (``prefix_cache.py`` explains why snapshots, not pages, for KDA models).
+* **Speculative decoding** -- ``_decode`` is the only place that advances running sequences.  A speculative variant
+  replaces its one-token step by: proposer (draft model / DSpark) -> k draft tokens per row -> one verify step of
+  shape ``[B, k+1]`` through the same model (the modules already take T > 1 against per-row cache lengths) ->
+  acceptance per SPEC §12 (``spec_decode.accept``) -> ``_emit`` for each accepted token.  Rejected drafts need the
+  cache rolled back: MLA rows by resetting ``length``; KDA state by keeping the per-position states of the verify
+  pass (not implemented yet).  Everything downstream of ``_emit`` (stop logic, streams, metrics) is unchanged.
+* **Multi-device** -- ``runner.py`` owns every device program; sharded parameters and caches (``--mesh``) only
+  change how ``ModelRunner`` lowers them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from . import compile_watch
+from .detok import OutputText
+from .guide import Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .prefix_cache import PrefixCache
+from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
+from .runner import ModelRunner, resolve_kv_dtype
+from .sampler import Controls, RowParams, empty_controls
+from .sampling_params import ParamError, SamplingParams
+
+log = logging.getLogger("kimi_jax.engine")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    prefill_chunk_sizes: tuple[int, ...] = (64, 1)  # see the note on chunk sizes above
+    prefill_token_budget: int = 256
+    kv_dtype: Optional[str] = None  # None / "auto": the model's dtype; "bf16"
+    prefix_cache_entries: int = 0
+    parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
+
+
+@dataclass
+class _Seq:
+    req: "_Request"
+    index: int
+    slot: int
+    pending: deque  # tokens still to feed; emission starts once only one is left
+    text: OutputText
+    guide: Optional[Guide]
+    output_ids: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list
+    params: SamplingParams
+    n: int
+    stream: RequestStream
+    guide_factory: Optional[Callable[[], Guide]]
+    seed: int
+    arrival: float
+    slots: list = field(default_factory=list)
+    seqs: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)  # prefill chunk sizes still to run
+    pos: int = 0  # prompt tokens already in cache1
+    prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
+    cache1: object = None
+    cached_tokens: int = 0
+    first_token_time: Optional[float] = None
+    aborted: bool = False
+    done: bool = False
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None, *,
+                 runner: Optional[ModelRunner] = None, **overrides):
+        """``runner``: reuse the compiled programs of another engine with the same model and shapes (a restart
+        after a failure, a second front end) instead of compiling again."""
+        cfg = config or EngineConfig()
+        if overrides:
+            cfg = EngineConfig(**{**cfg.__dict__, **overrides})
+        self.config = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        if cfg.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
+        if not 2 <= cfg.max_model_len <= mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [2, {mcfg.max_position_embeddings}] "
+                             f"(the model's max_position_embeddings), got {cfg.max_model_len}")
+        if tokenizer.vocab_size > self.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {self.vocab_size}")
+        self.B = cfg.max_num_seqs
+        self.max_model_len = cfg.max_model_len
+        self.stop_ids = frozenset(tokenizer.stop_ids)
+        stop_mask = np.zeros(self.vocab_size, bool)
+        stop_mask[list(self.stop_ids)] = True
+        self.class_masks = vocab_class_masks(tokenizer, self.vocab_size)
+        if runner is None:
+            runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
+                                 prefill_chunk_sizes=cfg.prefill_chunk_sizes,
+                                 kv_dtype=resolve_kv_dtype(cfg.kv_dtype), class_masks=self.class_masks,
+                                 stop_mask=stop_mask)
+        elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
+              or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))):
+            raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len and "
+                             "prefill chunk sizes")
+        self.runner = runner
+        self.prefix_cache = PrefixCache(cfg.prefix_cache_entries, self.runner.copy_cache1)
+        self.rows = RowParams(self.B, self.vocab_size)
+        self.listeners: list = []  # objects with on_request_done(RequestDone) (metrics), called on the engine thread
+
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._waiting: deque = deque()
+        self._prefilling: Optional[_Request] = None
+        self._requests: dict[str, _Request] = {}
+        self._free: list[int] = list(range(self.B - 1, -1, -1))  # pop() gives slot 0 first
+        self._running: dict[int, _Seq] = {}  # slot -> sequence
+        self._state = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._seed_rng = random.SystemRandom()
+        self.error: Optional[BaseException] = None
+        self.started = False
+        # counters (written by the engine thread, read anywhere)
+        self.num_steps = 0
+        self.num_prefill_chunks = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished = 0
+        self.compile_seconds = 0.0
+        self.compilations_at_start: Optional[int] = None
+
+    # ================================================================================================ lifecycle
+    def start(self) -> "Engine":
+        """Compile every program, allocate the batch state and start the engine thread."""
+        if self.started:
+            return self
+        compile_watch.install()
+        t = self.runner.compile(parallel=self.config.parallel_compile)
+        self.compile_seconds = t
+        self._state = self.runner.new_state()
+        self.compilations_at_start = compile_watch.compile_count()
+        log.info("engine ready: %d slots x %d tokens, prefill chunks %s, %d programs compiled in %.1fs",
+                 self.B, self.max_model_len, list(self.runner.chunk_sizes), len(self.runner.program_names), t)
+        self._thread = threading.Thread(target=self._loop, name="kimi-jax-engine", daemon=True)
+        self.started = True
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.started and self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ================================================================================================ public API
+    def submit(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, n: int = 1,
+               request_id: Optional[str] = None, guide_factory: Optional[Callable[[], Guide]] = None,
+               loop=None) -> RequestStream:
+        """Queue a request; returns its stream.  Raises ``ParamError`` for bad input, ``EngineDeadError`` if the
+        engine is not running."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine died: {self.error!r}")
+        if not self.alive:
+            raise EngineDeadError("engine is not running (not started, or shut down)")
+        params = (params or SamplingParams()).validate(self.vocab_size)
+        ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise ParamError("the prompt is empty", "prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ParamError(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise ParamError(f"the prompt has {len(ids)} tokens; this server's max_model_len is "
+                             f"{self.max_model_len} (prompt + at least one generated token)", "messages")
+        if not isinstance(n, int) or not 1 <= n <= self.B:
+            raise ParamError(f"n must be an integer in [1, {self.B}] (max_num_seqs), got {n!r}", "n")
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._requests:
+            raise ParamError(f"request id {rid!r} is already in use", "request_id")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        stream = RequestStream(rid, loop)
+        req = _Request(rid, ids, params, n, stream, guide_factory, seed, time.monotonic())
+        self._requests[rid] = req
+        self._inbox.put(("submit", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (queued, prefilling or running); its slots are freed on the next iteration."""
+        self._inbox.put(("abort", request_id))
+
+    def generate(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, n: int = 1,
+                 guide_factory=None) -> list[SequenceOutput]:
+        """Blocking convenience: submit and collect the ``n`` finished sequences."""
+        outs, _ = self.submit(prompt_ids, params, n=n, guide_factory=guide_factory).collect(n)
+        return outs
+
+    def stats(self) -> dict:
+        running_reqs = {s.req.request_id for s in list(self._running.values())}
+        pre = self._prefilling
+        return {
+            "alive": self.alive,
+            "max_num_seqs": self.B,
+            "max_model_len": self.max_model_len,
+            "free_slots": len(self._free),
+            "running_seqs": len(self._running),
+            "num_requests_running": len(running_reqs),
+            "num_requests_waiting": len(self._waiting) + self._inbox.qsize() + (1 if pre is not None else 0),
+            "num_steps": self.num_steps,
+            "num_prefill_chunks": self.num_prefill_chunks,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "requests_finished": self.requests_finished,
+            "compilations": compile_watch.compile_count(),
+            "compilations_at_start": self.compilations_at_start,
+            "compile_seconds": round(self.compile_seconds, 2),
+            "prefix_cache_entries": len(self.prefix_cache),
+            "prefix_cache_hits": self.prefix_cache.hits,
+            "prefill_chunk_sizes": list(self.runner.chunk_sizes),
+            "error": None if self.error is None else repr(self.error),
+        }
+
+    # ================================================================================================ the loop
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._intake(block=not (self._running or self._waiting or self._prefilling))
+                if self._stop.is_set():
+                    break
+                self._prefill_some()
+                if self._running:
+                    self._decode()
+        except BaseException as e:  # noqa: BLE001 -- the engine must report, not vanish
+            self.error = e
+            log.exception("engine loop died")
+            self._fail_all(EngineDeadError(f"engine died: {e!r}"))
+            return
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    def _fail_all(self, err: EngineDeadError) -> None:
+        for req in list(self._requests.values()):
+            req.stream.put(err)
+        self._requests.clear()
+
+    def _intake(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                if payload.aborted:
+                    self._finish_request(payload)
+                else:
+                    self._waiting.append(payload)
+            elif kind == "abort":
+                self._abort(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.done:
+            return
+        req.aborted = True
+        if req in self._waiting:
+            self._waiting.remove(req)
+            self._finish_request(req)
+        elif req is self._prefilling:
+            self._prefilling = None
+            self._free.extend(req.slots)
+            req.slots = []
+            req.cache1 = None
+            self._finish_request(req)
+        elif req.seqs:
+            for seq in req.seqs:
+                if seq.finish_reason is None:
+                    self._end_seq(seq, "abort", None, [])
+        # else: still in the inbox; dropped when it is taken out
+
+    # ------------------------------------------------------------------------------------------------ prefill
+    def _prefill_some(self) -> None:
+        """Prefill waiting requests.  Once any sequence is decoding, stop after ``prefill_token_budget`` prompt
+        tokens (at least one chunk) so that the decode step runs again; the rest continues next iteration."""
+        budget = self.config.prefill_token_budget
+        spent = 0
+        while True:
+            req = self._prefilling
+            if req is None:
+                if not self._waiting or len(self._free) < self._waiting[0].n:
+                    return
+                if self._running and spent >= budget:
+                    return
+                req = self._waiting.popleft()
+                self._start_prefill(req)
+            while req.chunks:
+                size = req.chunks[0]
+                if self._running and spent > 0 and spent + size > budget:
+                    return  # resume next iteration, after a decode step
+                ids = np.asarray(req.prompt_ids[req.pos: req.pos + size], np.int32)
+                req.cache1 = self.runner.prefill(req.cache1, ids)
+                req.chunks.pop(0)
+                req.pos += size
+                spent += size
+                self.num_prefill_chunks += 1
+            self._finish_prefill(req)
+
+    def _start_prefill(self, req: _Request) -> None:
+        req.slots = [self._free.pop() for _ in range(req.n)]
+        self._prefilling = req
+        prefill_ids = req.prompt_ids[:-1]
+        chunks, _ = self.runner.plan_chunks(len(prefill_ids))
+        req.prefill_len = sum(chunks)
+        hit = self.prefix_cache.lookup(prefill_ids[: req.prefill_len])
+        if hit is not None:
+            req.pos, req.cache1 = hit
+            req.cached_tokens = req.pos
+            chunks, _ = self.runner.plan_chunks(req.prefill_len - req.pos)
+        else:
+            req.pos, req.cache1 = 0, self.runner.new_cache1()
+        req.chunks = chunks
+
+    def _finish_prefill(self, req: _Request) -> None:
+        self._prefilling = None
+        if req.prefill_len:
+            self.prefix_cache.store(req.prompt_ids[: req.prefill_len], req.cache1)
+        mask_row = np.zeros(self.vocab_size, bool)
+        mask_row[req.prompt_ids] = True
+        tail = req.prompt_ids[req.pos:]
+        self.prompt_tokens_total += len(req.prompt_ids)
+        for i, slot in enumerate(req.slots):
+            self._state = self.runner.insert(self._state, req.cache1, slot, mask_row)
+            self.rows.set(slot, req.params, req.seed, i)
+            guide = req.guide_factory() if req.guide_factory is not None else None
+            text = OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
+            seq = _Seq(req, i, slot, deque(tail), text, guide)
+            req.seqs.append(seq)
+            self._running[slot] = seq
+        req.cache1 = None
+
+    # ------------------------------------------------------------------------------------------------ decode
+    def _decode(self) -> None:
+        B, V = self.B, self.vocab_size
+        tokens = np.zeros(B, np.int32)
+        active = np.zeros(B, bool)
+        c = empty_controls(B, V)
+        failed = []
+        for slot, seq in self._running.items():
+            emit = len(seq.pending) == 1
+            if emit and seq.guide is not None:
+                try:
+                    con = seq.guide.constraint()
+                    if con is not None and len(con.ids) > MAX_ALLOWED_IDS:
+                        raise ValueError(f"a guide allowed {len(con.ids)} explicit ids; at most {MAX_ALLOWED_IDS}")
+                except Exception:  # noqa: BLE001 -- one request's guide must not take the engine down
+                    log.exception("guide of request %s failed; aborting that sequence", seq.req.request_id)
+                    failed.append(seq)
+                    continue
+                if con is not None:
+                    c["allow_class"][slot] = con.vocab_class
+                    c["allow_ids"][slot, : len(con.ids)] = con.ids
+            tokens[slot] = seq.pending[0]
+            active[slot] = True
+            c["emit"][slot] = emit
+            c["gen_step"][slot] = len(seq.output_ids)
+        for seq in failed:
+            self._end_seq(seq, "abort", None, seq.text.finish())
+        if not self._running:
+            return
+        ctl = Controls(**c)
+        self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl)
+        out = out._asdict()
+        out = {k: np.asarray(v) for k, v in out.items()}
+        self.num_steps += 1
+        now = time.monotonic()
+        for slot, seq in list(self._running.items()):
+            seq.pending.popleft()
+            if c["emit"][slot]:
+                self._emit(seq, int(out["tokens"][slot]), float(out["logprob"][slot]),
+                           out["top_ids"][slot], out["top_logprobs"][slot], now)
+
+    def _emit(self, seq: _Seq, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
+        req, p = seq.req, seq.req.params
+        seq.output_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        guide_failed = False
+        if seq.guide is not None:
+            try:
+                seq.guide.advance(tok)
+            except Exception:  # noqa: BLE001 -- one request's guide must not take the engine down
+                log.exception("guide of request %s failed; aborting that sequence", req.request_id)
+                guide_failed = True
+        logprobs = None
+        if p.logprobs:
+            k = min(p.top_logprobs, len(top_ids))
+            logprobs = [TokenLogprob(tok, lp, [(int(top_ids[j]), float(top_lps[j])) for j in range(k)])]
+        finish, stop_reason, pieces = None, None, []
+        is_stop_tok = tok in p.stop_token_ids or (tok in self.stop_ids and not p.ignore_eos)
+        if is_stop_tok:
+            pieces = seq.text.finish()
+            if self.tokenizer.is_special(tok):
+                pieces.append(tok)
+            finish = "stop"
+            stop_reason = None if tok in self.stop_ids else tok
+        else:
+            pieces, hit = seq.text.push(tok)
+            if hit is not None:
+                finish, stop_reason = "stop", hit
+            elif guide_failed:
+                finish = "abort"
+            elif seq.guide is not None and seq.guide.finished:
+                finish = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
+                finish = "length"
+            if finish is not None and hit is None:
+                pieces += seq.text.finish()
+        if finish is None:
+            seq.pending.append(tok)
+            req.stream.put(SeqEvent(seq.index, [tok], pieces, logprobs))
+        else:
+            self._end_seq(seq, finish, stop_reason, pieces, [tok], logprobs)
+
+    def _end_seq(self, seq: _Seq, reason: str, stop_reason, pieces, token_ids=(), logprobs=None) -> None:
+        seq.finish_reason = reason
+        req = seq.req
+        req.stream.put(SeqEvent(seq.index, list(token_ids), pieces, logprobs, reason, stop_reason))
+        if self._running.get(seq.slot) is seq:
+            del self._running[seq.slot]
+            self._free.append(seq.slot)
+        if all(s.finish_reason is not None for s in req.seqs):
+            self._finish_request(req)
+
+    def _finish_request(self, req: _Request) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._requests.pop(req.request_id, None)
+        self.requests_finished += 1
+        reasons = [s.finish_reason or "abort" for s in req.seqs] or ["abort"] * req.n
+        done = RequestDone(req.request_id, len(req.prompt_ids), req.cached_tokens,
+                           [len(s.output_ids) for s in req.seqs] or [0] * req.n, reasons, req.arrival,
+                           req.first_token_time, time.monotonic())
+        for lst in self.listeners:
+            try:
+                lst.on_request_done(done)
+            except Exception:  # noqa: BLE001 -- metrics must not kill the engine
+                log.exception("request listener failed")
+        req.stream.put(done)

@@ -1,0 +1,191 @@
+"""`python -m kimi_jax.serve`: the OpenAI-compatible server (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+DESCRIPTION = """\
+Serve a kimi_jax model over an OpenAI-compatible HTTP API.
+
+Without --checkpoint it serves the built-in `tiny` preset (Kimi K3.1 architecture, every feature on, random
+weights from --seed, the built-in 1024-id tokenizer) -- enough to exercise the whole stack on a laptop CPU.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
+GET /health (503 once the engine died), GET /metrics (Prometheus, vLLM metric names), GET /stats (engine JSON).
+
+The engine batches up to --max-num-seqs sequences in fixed cache slots of --max-model-len tokens each and runs one
+compiled decode step for all of them; prompts are prefilled in chunks of --prefill-chunk-sizes tokens.  Every XLA
+program is compiled once at start-up (logged); serving never compiles again.
+"""
+
+EPILOG = """\
+examples:
+  python -m kimi_jax.serve                                  # tiny model on 127.0.0.1:8000
+  python -m kimi_jax.serve --port 9000 --max-num-seqs 8 --max-model-len 1024 --api-key sk-local
+  python -m kimi_jax.serve --checkpoint /ckpt/kimi-linear   # a converted or Hugging Face checkpoint dir
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
+
+--mesh AxB is A-way model parallel x B-way data parallel over A*B devices.  Multi-device placement is not
+implemented in the server yet (it comes with the sharding work); only 1x1 is accepted today.  To fake N devices on a
+CPU-only machine: XLA_FLAGS=--xla_force_host_platform_device_count=N python -m kimi_jax.serve ...
+"""
+
+log = logging.getLogger("kimi_jax.serve")
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kimi_jax", "jax_cache")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..config import PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m kimi_jax.serve", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="a converted kimi_jax checkpoint or a Hugging Face checkpoint directory (with tiktoken.model)")
+    src.add_argument("--model", metavar="PRESET", default=None,
+                     help=f"a preset with random weights (default: tiny); presets: {', '.join(sorted(PRESETS))} "
+                          "(the full-size ones are too large to materialise; serve checkpoints for them)")
+    p.add_argument("--mesh", default="1x1", metavar="AxB",
+                   help="device mesh: A-way model parallel x B-way data parallel (default 1x1; only 1x1 is "
+                        "implemented in the server so far)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
+                   help="cache slots = sequences decoded together in one step (default 32)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="tokens per sequence, prompt + output (default: min(model's max_position_embeddings, 2048)); "
+                        "longer prompts get a 400")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32", "fp8", "nvfp4"],
+                   help="storage dtype of the MLA latent cache: auto = the model's dtype (default); bf16; fp32.  "
+                        "fp8 / nvfp4 are planned (the planner models them) and rejected for now")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="parameter / activation dtype (default: float32 for presets, the checkpoint's otherwise)")
+    p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        "(default: $KIMI_JAX_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="model id in the API (default: the preset name or the checkpoint path)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset (default 0)")
+    p.add_argument("--prefill-chunk-sizes", default="64,1", metavar="C1,C2,...",
+                   help="prefill chunk sizes, one compiled program each (default 64,1); a prompt is run in the "
+                        "largest chunks that fit, a remainder smaller than every size rides the decode steps.  KDA "
+                        "pads each call to whole 64-token blocks, so use multiples of 64 plus 1 (on accelerators "
+                        "e.g. 1024,256,64,1)")
+    p.add_argument("--prefill-token-budget", type=int, default=256, metavar="N",
+                   help="prompt tokens prefilled between two decode steps while sequences are running (default 256)")
+    p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
+                   help="keep N prefill snapshots for prompts that share a prefix (default 0 = off; each costs one "
+                        "sequence's cache)")
+    p.add_argument("--guided-string-max-tokens", type=int, default=256, metavar="N",
+                   help="with tool_choice 'required' or a named tool, cap each string argument at N tokens in case the "
+                        "model never closes it (default 256)")
+    p.add_argument("--compilation-cache", metavar="DIR",
+                   default=os.environ.get("KIMI_JAX_COMPILATION_CACHE", DEFAULT_COMPILATION_CACHE),
+                   help="JAX persistent compilation cache: restarts load compiled programs instead of compiling "
+                        "again (default: $KIMI_JAX_COMPILATION_CACHE, else ~/.cache/kimi_jax/jax_cache; 'none' "
+                        "turns it off)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level (default info)")
+    return p
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"--mesh must look like AxB with positive integers (e.g. 1x1, 8x1), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        a, b = parse_mesh(args.mesh)
+        chunk_sizes = tuple(int(x) for x in args.prefill_chunk_sizes.split(",") if x.strip())
+    except ValueError as e:
+        return _fail(str(e) if "mesh" in str(e) else f"--prefill-chunk-sizes: {e}")
+    if args.max_num_seqs < 1:
+        return _fail("--max-num-seqs must be at least 1")
+    from ..engine.runner import resolve_kv_dtype
+
+    try:
+        resolve_kv_dtype(args.kv_dtype)
+    except ValueError as e:
+        return _fail(f"--kv-dtype: {e}")
+
+    import jax
+
+    devices = jax.devices()
+    need = a * b
+    if need > len(devices):
+        return _fail(f"--mesh {args.mesh} needs {need} devices but only {len(devices)} {devices[0].platform} "
+                     f"device(s) are visible. On a CPU-only machine you can fake devices: "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={need} python -m kimi_jax.serve "
+                     f"--mesh {args.mesh} ...")
+    if need > 1:
+        return _fail(f"--mesh {args.mesh}: multi-device placement is not implemented in the server yet (it comes "
+                     "with the sharding work); serve with --mesh 1x1 for now")
+    if args.compilation_cache and args.compilation_cache.lower() != "none":
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        log.info("persistent compilation cache: %s", args.compilation_cache)
+    from .. import __version__
+    log.info("kimi_jax %s, JAX %s: %d %s device(s) visible, using %s (mesh 1x1)", __version__, jax.__version__,
+             len(devices), devices[0].platform, devices[0])
+
+    from ..engine import Engine, EngineConfig
+    from .app import build_app
+    from .server import load_for_serving
+
+    what = args.checkpoint or f"preset {args.model or 'tiny'} (random weights, seed {args.seed})"
+    log.info("loading %s ...", what)
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer, name = load_for_serving(args.checkpoint, args.model, dtype=args.dtype, seed=args.seed)
+    except (ValueError, FileNotFoundError, OSError, ImportError) as e:
+        return _fail(f"cannot load {what}: {e}")
+    cfg = model.config
+    log.info("loaded %s (%s, %d layers, vocab %d) in %.1fs; tokenizer %s", what, cfg.architecture, cfg.num_layers,
+             cfg.vocab_size, time.perf_counter() - t0, tokenizer)
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(
+            max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
+            prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype,
+            prefix_cache_entries=args.prefix_cache_entries))
+    except ValueError as e:
+        return _fail(str(e))
+    log.info("compiling the engine programs (%d slots x %d tokens, prefill chunks %s) ...", args.max_num_seqs,
+             max_len, list(engine.runner.chunk_sizes))
+    engine.start()
+    served = args.served_model_name or name
+    app = build_app(engine, tokenizer, model_name=served, api_key=args.api_key,
+                    guided_string_max_tokens=args.guided_string_max_tokens)
+    fmt = app.state.kimi.chat_format
+    log.info("chat format: %s; api key: %s", fmt.name if fmt else "none (completions only)",
+             "required" if args.api_key else "off")
+    log.info("serving %r at http://%s:%d  (OpenAI base_url http://%s:%d/v1)", served, args.host, args.port,
+             args.host, args.port)
+
+    import uvicorn
+
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,556 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an ``Engine``.
+
+Endpoints
+  POST /v1/chat/completions   chat (stream or not); reasoning as ``reasoning_content`` (alias ``reasoning``); tool calls
+                              parsed into ``tool_calls`` (streamed as deltas); ``tool_choice`` none / auto / required /
+                              a named function (the last two guided, K3 format); n, logprobs, top_logprobs, seed,
+                              stop, logit_bias, penalties; ``stream_options.include_usage``
+  POST /v1/completions        text completion: prompt as a string, a list of strings, token ids or lists of ids
+  GET  /v1/models             the served model
+  POST /tokenize, /detokenize vLLM-style helpers (a prompt string or chat messages -> ids; ids -> text)
+  GET  /health                200 while the engine runs, 503 once it died
+  GET  /metrics               Prometheus text (``metrics.py``)
+  GET  /stats                 the engine's counters as JSON (free slots, compilations, ...)
+
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, bad parameters
+and prompts longer than the context; 401 for a missing / wrong bearer key when the server has one (``/v1/*``,
+``/tokenize``, ``/detokenize``); 404 for an unknown model or route; 503 when the engine is dead.
+
+A client that disconnects stops its request: streaming responses watch for the disconnect and abort the engine
+request (its slots are freed on the next engine iteration); non-streaming requests poll for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import EngineDeadError, ParamError, RequestDone
+from ..engine.request import SequenceOutput, apply_event
+from .errors import APIError, bad_request, error_body
+from .formats import ChatFormat, chat_format_for
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .parsers import merge_deltas
+from .protocol import (check_response_format, opt_bool, parse_common, parse_json_body, parse_tools)
+from .tool_guide import K3ToolCallGuideBuilder
+
+log = logging.getLogger("kimi_jax.serve")
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    chat_format: Optional[ChatFormat]
+    api_key: Optional[str]
+    metrics: ServerMetrics
+    created: int
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always listens for the client's disconnect and cancels the body iterator then
+    (whatever ASGI spec version the server speaks), so the iterator's ``finally`` runs at once."""
+
+    async def __call__(self, scope, receive, send):
+        async with anyio.create_task_group() as tg:
+            async def run():
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                finally:
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _with_alias(delta: dict) -> dict:
+    if "reasoning_content" in delta:
+        delta = dict(delta)
+        delta["reasoning"] = delta["reasoning_content"]
+    return delta
+
+
+def _feed(parser, pieces) -> list[dict]:
+    out = []
+    for p in pieces:
+        out += parser.feed_text(p) if isinstance(p, str) else parser.feed_control(p)
+    return out
+
+
+def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = None,
+              chat_format: Optional[ChatFormat] = None, guided_string_max_tokens: int = 256) -> FastAPI:
+    """The FastAPI app for a started engine.  ``guided_string_max_tokens`` caps a string argument of a forced tool
+    call (``tool_choice`` required / named) in case the model never closes it."""
+    fmt = chat_format if chat_format is not None else chat_format_for(engine.model.config.architecture, tokenizer)
+    st = ServerState(engine, tokenizer, model_name, fmt, api_key or None, ServerMetrics(engine, model_name),
+                     int(time.time()))
+    app = FastAPI(title="kimi_jax", description="OpenAI-compatible server for kimi_jax models", version="0.1.0")
+    app.state.kimi = st
+
+    # -------------------------------------------------------------------------------------------- errors
+    @app.exception_handler(APIError)
+    async def _api_error(_req, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error", None, code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, e: Exception):
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal server error: {e!r}", "server_error", None, None), status_code=500)
+
+    async def require_key(request: Request):
+        if st.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(dependencies=[Depends(require_key)])
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def check_model(body: dict) -> None:
+        m = body.get("model")
+        if m is not None and m != st.model_name:
+            raise APIError(404, f"The model `{m}` does not exist. This server serves `{st.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_alive() -> None:
+        if not engine.alive:
+            raise APIError(503, f"the engine is not running: {engine.error!r}", code="engine_dead")
+
+    def fit_max_tokens(c, prompt_len: int, explicit: bool, what: str):
+        L = engine.max_model_len
+        if prompt_len >= L:
+            raise bad_request(f"This model's maximum context length is {L} tokens. However, your {what} resulted in "
+                              f"{prompt_len} tokens. Please reduce the length of the {what}.", what,
+                              "context_length_exceeded")
+        room = L - prompt_len
+        mt = c.max_tokens if (explicit and c.max_tokens is not None) else None
+        if mt is not None and mt > room:
+            raise bad_request(f"This model's maximum context length is {L} tokens. However, you requested "
+                              f"{prompt_len + mt} tokens ({prompt_len} in the {what}, {mt} in the completion). "
+                              f"Please reduce the length of the {what} or completion.", "max_tokens",
+                              "context_length_exceeded")
+        if mt is None:
+            mt = min(c.max_tokens, room) if c.max_tokens is not None else room
+        if c.params.min_tokens > mt:
+            raise bad_request(f"min_tokens ({c.params.min_tokens}) exceeds max_tokens ({mt})", "min_tokens")
+        return c.params.replace(max_tokens=mt)
+
+    def submit(ids, params, n, rid, guide_factory=None):
+        check_alive()
+        try:
+            return engine.submit(ids, params, n=n, request_id=rid, guide_factory=guide_factory,
+                                 loop=asyncio.get_running_loop())
+        except ParamError as e:
+            raise bad_request(str(e), e.param) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from None
+
+    async def watch_disconnect(request: Request, rids: list[str]):
+        try:
+            while True:
+                await asyncio.sleep(0.25)
+                if await request.is_disconnected():
+                    for rid in rids:
+                        engine.abort(rid)
+                    return
+        except asyncio.CancelledError:
+            pass
+
+    def token_str(tid: int) -> str:
+        name = tokenizer.special_name(tid)
+        return name if name is not None else tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
+
+    def token_bytes(tid: int) -> list[int]:
+        return list(tokenizer.token_bytes(tid))
+
+    def chat_logprobs(lps) -> list[dict]:
+        return [{"token": token_str(x.token_id), "logprob": x.logprob, "bytes": token_bytes(x.token_id),
+                 "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": token_bytes(t)} for t, lp in x.top]}
+                for x in lps]
+
+    def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # -------------------------------------------------------------------------------------------- plain routes
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse(error_body(f"engine is not running: {engine.error!r}", "server_error", None,
+                                           "engine_dead"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    async def stats():
+        return engine.stats()
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
+
+    @v1.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != st.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return model_card()
+
+    def model_card():
+        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kimi_jax",
+                "root": st.model_name, "parent": None, "max_model_len": engine.max_model_len}
+
+    # -------------------------------------------------------------------------------------------- tokenize
+    @v1.post("/tokenize")
+    async def tokenize(request: Request):
+        body = parse_json_body(await request.body())
+        check_model(body)
+        if "messages" in body:
+            if st.chat_format is None:
+                raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
+            tools, _ = parse_tools(body)
+            opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+            ids = encode_messages(body.get("messages"), tools, opts,
+                                  opt_bool(body, "add_generation_prompt", True))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad_request("'prompt' must be a string (or send 'messages')", "prompt", "invalid_type")
+            ids = tokenizer.encode(prompt)
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if opt_bool(body, "return_token_strs", False):
+            out["token_strs"] = [token_str(t) for t in ids]
+        return out
+
+    @v1.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse_json_body(await request.body())
+        check_model(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
+        if ids and (min(ids) < 0 or max(ids) >= engine.vocab_size):
+            raise bad_request(f"token ids must lie in [0, {engine.vocab_size})", "tokens")
+        return {"prompt": tokenizer.decode(ids)}
+
+    def encode_messages(messages, tools, opts, add_generation_prompt=True) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
+        try:
+            return st.chat_format.encode(messages, tools, opts, add_generation_prompt=add_generation_prompt)
+        except (ValueError, KeyError, TypeError) as e:
+            raise bad_request(f"messages: {e}", "messages") from None
+
+    # -------------------------------------------------------------------------------------------- chat
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_json_body(await request.body())
+        check_model(body)
+        fmt = st.chat_format
+        if fmt is None:
+            raise bad_request(f"{engine.model.config.architecture} has no chat format here; use /v1/completions",
+                              "messages", "unsupported")
+        c = parse_common(body, vocab_size=engine.vocab_size, chat=True, max_n=engine.B)
+        check_response_format(body)
+        tools, tool_choice = parse_tools(body)
+        opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+        ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts)
+        params = fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
+        guide_factory = None
+        if tool_choice == "required" or isinstance(tool_choice, dict):
+            if fmt.name != "k3":
+                raise bad_request(f"tool_choice {tool_choice!r} (guided tool calls) is only supported for the K3 "
+                                  "chat format; use 'auto'", "tool_choice", "unsupported")
+            builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
+                                             escape_attributes=opts.escape_attributes,
+                                             max_string_tokens=guided_string_max_tokens)
+            name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+            guide_factory = lambda: builder.build(name)  # noqa: E731
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        stream = submit(ids, params, c.n, rid, guide_factory)
+        if c.stream:
+            return SSEResponse(chat_stream(stream, rid, created, c, opts, len(ids)), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await chat_full(request, stream, rid, created, c, opts)
+
+    async def chat_stream(stream, rid, created, c, opts, prompt_len):
+        n = c.n
+        parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
+        done: Optional[RequestDone] = None
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name}
+        extra = {"usage": None} if c.include_usage else {}
+
+        def chunk(i, delta, logprobs=None, finish_reason=None, **more):
+            ch = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **more}
+            return _sse({**base, "choices": [ch], **extra})
+
+        try:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for ev in stream:
+                if isinstance(ev, RequestDone):
+                    done = ev
+                    break
+                i, p = ev.index, parsers[ev.index]
+                deltas = _feed(p, ev.pieces)
+                if ev.finish_reason is not None:
+                    deltas = merge_deltas(deltas + p.finish("length" if ev.finish_reason == "length" else "stop"))
+                lp = {"content": chat_logprobs(ev.logprobs)} if ev.logprobs else None
+                for j, d in enumerate(deltas):
+                    yield chunk(i, _with_alias(d), lp if j == 0 else None)
+                if not deltas and lp is not None:
+                    yield chunk(i, {}, lp)
+                if ev.finish_reason is not None:
+                    reason = "abort" if ev.finish_reason == "abort" else p.result().finish_reason
+                    yield chunk(i, {}, None, reason, stop_reason=ev.stop_reason)
+            if done is not None and c.include_usage:
+                yield _sse({**base, "choices": [], "usage": usage(done.num_prompt_tokens, done.num_generated_total,
+                                                                  done.num_cached_tokens)})
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
+        finally:
+            if done is None:
+                engine.abort(rid)
+
+    async def chat_full(request, stream, rid, created, c, opts):
+        n = c.n
+        parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
+        outs = [SequenceOutput(i) for i in range(n)]
+        done = None
+        watcher = asyncio.create_task(watch_disconnect(request, [rid]))
+        try:
+            async for ev in stream:
+                if isinstance(ev, RequestDone):
+                    done = ev
+                    break
+                apply_event(outs[ev.index], ev)
+                _feed(parsers[ev.index], ev.pieces)
+                if ev.finish_reason is not None:
+                    parsers[ev.index].finish("length" if ev.finish_reason == "length" else "stop")
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from None
+        finally:
+            watcher.cancel()
+            if done is None:
+                engine.abort(rid)
+        choices = []
+        for i in range(n):
+            res = parsers[i].result()
+            msg = res.to_openai()
+            msg.setdefault("reasoning_content", None)
+            msg["reasoning"] = msg["reasoning_content"]
+            reason = "abort" if outs[i].finish_reason == "abort" else res.finish_reason
+            choices.append({"index": i, "message": msg,
+                            "logprobs": {"content": chat_logprobs(outs[i].logprobs)} if c.params.logprobs else None,
+                            "finish_reason": reason, "stop_reason": outs[i].stop_reason})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+                "choices": choices,
+                "usage": usage(done.num_prompt_tokens, done.num_generated_total, done.num_cached_tokens)}
+
+    # -------------------------------------------------------------------------------------------- completions
+    @v1.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_json_body(await request.body())
+        check_model(body)
+        c = parse_common(body, vocab_size=engine.vocab_size, chat=False, max_n=engine.B)
+        prompts = parse_prompts(body.get("prompt"))
+        echo = opt_bool(body, "echo", False)
+        if body.get("suffix") is not None:
+            raise bad_request("suffix is not supported", "suffix", "unsupported")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != c.n:
+            raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
+        if echo and c.params.logprobs:
+            raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
+        skip_special = opt_bool(body, "skip_special_tokens", True)
+        explicit = body.get("max_tokens") is not None
+        plans = [(ids, fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
+        rid = "cmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        streams = [submit(ids, params, c.n, f"{rid}-{k}") for k, (ids, params) in enumerate(plans)]
+        rids = [f"{rid}-{k}" for k in range(len(streams))]
+        echo_texts = [tokenizer.decode(ids, skip_special=skip_special) if echo else "" for ids, _ in plans]
+        if c.stream:
+            return SSEResponse(completion_stream(streams, rids, rid, created, c, echo_texts, skip_special),
+                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await completion_full(request, streams, rids, rid, created, c, echo_texts, skip_special)
+
+    def parse_prompts(prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [tokenizer.encode(prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return [tokenizer.encode(p) for p in prompt]
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+                return [check_ids(prompt)]
+            if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                   for p in prompt):
+                return [check_ids(p) for p in prompt]
+        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists "
+                          "(non-empty)", "prompt", "invalid_type")
+
+    def check_ids(ids):
+        if min(ids) < 0 or max(ids) >= engine.vocab_size:
+            raise bad_request(f"prompt token ids must lie in [0, {engine.vocab_size})", "prompt")
+        return list(ids)
+
+    def piece_text(pieces, skip_special):
+        if skip_special:
+            return "".join(p for p in pieces if isinstance(p, str))
+        return "".join(p if isinstance(p, str) else (tokenizer.special_name(p) or "") for p in pieces)
+
+    def legacy_logprobs(lps, offset0: int, texts: list[str]):
+        offsets, pos = [], offset0
+        for t in texts:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": [token_str(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{token_str(t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
+
+    async def merged(streams):
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k, s):
+            try:
+                async for ev in s:
+                    await q.put((k, ev))
+            except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+                await q.put((k, e))
+
+        tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+        left = len(streams)
+        try:
+            while left:
+                k, ev = await q.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                if isinstance(ev, RequestDone):
+                    left -= 1
+                yield k, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def completion_stream(streams, rids, rid, created, c, echo_texts, skip_special):
+        n = c.n
+        dones: dict[int, RequestDone] = {}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+        extra = {"usage": None} if c.include_usage else {}
+        text_len: dict[int, int] = {}
+        try:
+            if any(echo_texts):
+                for k, t in enumerate(echo_texts):
+                    for i in range(n):
+                        text_len[k * n + i] = len(t)
+                        yield _sse({**base, "choices": [{"index": k * n + i, "text": t, "logprobs": None,
+                                                         "finish_reason": None}], **extra})
+            async for k, ev in merged(streams):
+                if isinstance(ev, RequestDone):
+                    dones[k] = ev
+                    continue
+                idx = k * n + ev.index
+                text = piece_text(ev.pieces, skip_special)
+                lp = None
+                if ev.logprobs:
+                    lp = legacy_logprobs(ev.logprobs, text_len.get(idx, 0), [text] + [""] * (len(ev.logprobs) - 1))
+                text_len[idx] = text_len.get(idx, 0) + len(text)
+                if text or lp or ev.finish_reason is None:
+                    yield _sse({**base, "choices": [{"index": idx, "text": text, "logprobs": lp,
+                                                     "finish_reason": None}], **extra})
+                if ev.finish_reason is not None:
+                    yield _sse({**base, "choices": [{"index": idx, "text": "", "logprobs": None,
+                                                     "finish_reason": ev.finish_reason,
+                                                     "stop_reason": ev.stop_reason}], **extra})
+            if c.include_usage:
+                yield _sse({**base, "choices": [], "usage": usage(
+                    sum(d.num_prompt_tokens for d in dones.values()), sum(d.num_generated_total for d in dones.values()),
+                    sum(d.num_cached_tokens for d in dones.values()))})
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
+        finally:
+            for k, r in enumerate(rids):
+                if k not in dones:
+                    engine.abort(r)
+
+    async def completion_full(request, streams, rids, rid, created, c, echo_texts, skip_special):
+        n = c.n
+        outs = {k * n + i: SequenceOutput(i) for k in range(len(streams)) for i in range(n)}
+        texts: dict[int, list[str]] = {idx: [] for idx in outs}  # text of each generated token
+        extra_text: dict[int, str] = {idx: "" for idx in outs}  # text flushed by a final event without a token
+        dones: dict[int, RequestDone] = {}
+        watcher = asyncio.create_task(watch_disconnect(request, rids))
+        try:
+            async for k, ev in merged(streams):
+                if isinstance(ev, RequestDone):
+                    dones[k] = ev
+                    continue
+                idx = k * n + ev.index
+                apply_event(outs[idx], ev)
+                if ev.token_ids:
+                    texts[idx].append(piece_text(ev.pieces, skip_special))
+                else:
+                    extra_text[idx] += piece_text(ev.pieces, skip_special)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from None
+        finally:
+            watcher.cancel()
+            for k, r in enumerate(rids):
+                if k not in dones:
+                    engine.abort(r)
+        choices = []
+        for idx in sorted(outs):
+            k = idx // n
+            o = outs[idx]
+            lp = None
+            if c.params.logprobs:
+                lp = legacy_logprobs(o.logprobs, len(echo_texts[k]), texts[idx])
+            choices.append({"index": idx, "text": echo_texts[k] + "".join(texts[idx]) + extra_text[idx],
+                            "logprobs": lp,
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": choices,
+                "usage": usage(sum(d.num_prompt_tokens for d in dones.values()),
+                               sum(d.num_generated_total for d in dones.values()),
+                               sum(d.num_cached_tokens for d in dones.values()))}
+
+    app.include_router(v1)
+    return app
