@@ -3,6 +3,7 @@
 * ``tests/`` goes on ``sys.path`` so tests can ``import np_reference as ref`` and ``import weights_np``.
 * JAX runs on CPU unless ``JAX_PLATFORMS`` is already set in the environment (set it, e.g. to ``cuda``, to run
   device tests); this must happen before anything imports jax.
+* Compiled programs are cached on disk (``JAX_COMPILATION_CACHE_DIR``), which roughly halves a repeated run.
 * Session-scoped fixtures: ``tiny_model`` (``kimi_jax.load_model("tiny")``, built once: ~25 s) and
   ``tiny_np_weights`` (its parameters as the float64 checkpoint-layout dict of ``weights_np.tiny_numpy_weights``).
   Reuse them: every distinct input shape fed to the tiny model costs a fresh XLA compile.
@@ -14,6 +15,10 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Persistent XLA compilation cache, shared with the subprocess tests through the environment: a second run (or a
+# subprocess compiling the same program) loads executables instead of recompiling them.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/kimi_jax/jax_cache_tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:

@@ -24,7 +24,11 @@ from . import chunk_math
 from . import reference
 
 BACKENDS = ("reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
-_PLATFORM_TO_BACKEND = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+# GPU: "auto" stays on the XLA reference for now. The Triton kernels pass their op-level checks on the H200, but
+# with fp32 inputs their error is 3e-4 (TF32-level, above the 1e-4 fp32 bar), and the tiny model's logits through
+# them differ from the reference path by up to 0.31 (max, relative to the largest logit; bench/gpu_check.py,
+# 2026-11-30). Until that is explained, the kernel is opt-in: backend="gpu" / KernelConfig(kda="gpu").
+_PLATFORM_TO_BACKEND = {"gpu": "reference", "cuda": "reference", "tpu": "tpu"}
 
 
 def resolve_backend(backend: str = "auto") -> str:
