@@ -36,9 +36,13 @@ sys.path.insert(0, ROOT)
 
 
 def _early_smoke_env():
-    """Before jax is imported: `--smoke` runs on CPU with 2 fake devices."""
+    """Before jax is imported: `--smoke` runs on CPU with 2 fake devices, pinned to one CPU — jaxlib 0.10.2 can
+    deadlock when fake devices run batched LAPACK solves (the KDA reference's solve_triangular) concurrently on
+    a small intra-op pool; with one CPU the solve runs inline (see tests/test_context_parallel.py)."""
     if "--smoke" in sys.argv:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=2").strip()
@@ -300,7 +304,8 @@ def bench_decode(mesh, s, ctx, batch, dtype, args, info):
                               latent_row_bytes=c * isz, index_row_bytes=s.idx_dim * isz)
     info["decode_comm_bytes"] = cb
     row("decode comm recv / device / step (KB)", f"B={batch}, ctx={ctx}", cb["recv_dcp"] / 1e3, 0.0, float("nan"),
-        f"naive score rows {cb['recv_naive_scores'] / 1e3:.1f} KB, naive latents {cb['recv_naive_latents'] / 1e6:.1f} MB")
+        f"naive score rows {cb['recv_naive_scores'] / 1e3:.1f} KB, "
+        f"naive latents {cb['recv_naive_latents'] / 1e6:.1f} MB")
     k31 = cp.decode_comm_bytes(n=8, batch=1, heads=96, value_dim=512, seq_len=1 << 20, topk=2048)
     info["decode_comm_bytes_k31_dcp8_1m"] = k31
     row("K3.1 DCP8 1M ctx comm recv / device / layer (KB)", "B=1, fp8 rows", k31["recv_dcp"] / 1e3, 0.0,
