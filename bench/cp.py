@@ -36,13 +36,10 @@ sys.path.insert(0, ROOT)
 
 
 def _early_smoke_env():
-    """Before jax is imported: `--smoke` runs on CPU with 2 fake devices, pinned to one CPU — jaxlib 0.10.2 can
-    deadlock when fake devices run batched LAPACK solves (the KDA reference's solve_triangular) concurrently on
-    a small intra-op pool; with one CPU the solve runs inline (see tests/test_context_parallel.py)."""
+    """Before jax is imported: `--smoke` runs on CPU with 2 fake devices (the KDA op is then the token recurrence,
+    see `context_parallel.resolve_kda_backend`)."""
     if "--smoke" in sys.argv:
         os.environ["JAX_PLATFORMS"] = "cpu"
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=2").strip()
@@ -55,7 +52,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.kda import ops as kda_ops  # noqa: E402
 from pallas_kernels.kda import reference as kda_ref  # noqa: E402
 from sharding import context_parallel as cp  # noqa: E402
 
@@ -164,7 +160,7 @@ def kda_layer(p, x, s: Shapes, mode: str, backend: str):
     if mode == "token":
         o, _ = cp.kda_token_split_shard(q, k, v, f, beta, None, axis=AX, backend=backend, **gk)
     else:
-        o, _ = kda_ops.chunk(q, k, v, f, beta, None, backend=backend, **gk)
+        o, _ = cp.kda_local_op(q, k, v, f, beta, None, backend=backend, **gk)
     o = _rms(o.astype(jnp.float32)).reshape(B, T, Hl * d) * jax.nn.sigmoid((h @ p["wg_kda"]).astype(jnp.float32))
     out = o.astype(dt) @ p["wo_kda"]
     return out if mode == "token" else jax.lax.psum(out, AX)
@@ -354,7 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-batch", type=int, default=None, help="sequences per decode step (default 8)")
     ap.add_argument("--layout", default="contiguous", choices=cp.LAYOUTS, help="DCP token layout")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median; default 5, smoke 1)")
-    ap.add_argument("--backend", default="auto", help="KDA op backend (default auto: GPU kernel on a GPU)")
+    ap.add_argument("--backend", default="auto", choices=cp.KDA_BACKENDS,
+                    help="KDA op per shard (default auto: the GPU kernel on a GPU, the token recurrence on CPU)")
     ap.add_argument("--chunk-mb", type=int, default=None, help="MLA/indexer per-query-chunk buffer (default 4096)")
     ap.add_argument("--hbm-gb", type=float, default=141.0, help="memory per device for the capacity plan")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: prefill,decode,capacity")

@@ -107,6 +107,35 @@ def _pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+KDA_BACKENDS = ("auto", "recurrent") + tuple(kda_ops.BACKENDS)
+
+
+def resolve_kda_backend(backend: str = "auto") -> str:
+    """The KDA op used per shard. "auto" → `kda_ops.resolve_backend` on GPU/TPU, but "recurrent" (the token-by-token
+    jnp reference) on CPU: the chunked reference's batched LAPACK triangular solve can deadlock jaxlib 0.10.2's
+    XLA:CPU intra-op pool when several (fake) devices run it at once — every pool thread ends up blocked in
+    `ParallelBatchMap` waiting for batch tasks queued behind the others (seen on a 2-core box; 0.11 builds compile
+    that path out). "reference" forces the chunked jnp reference anyway."""
+    if backend not in KDA_BACKENDS:
+        raise ValueError(f"unknown KDA backend {backend!r}; expected one of {KDA_BACKENDS}")
+    if backend == "auto":
+        return "recurrent" if jax.default_backend() == "cpu" else kda_ops.resolve_backend("auto")
+    return backend
+
+
+def kda_local_op(q, k, v, g, beta, initial_state=None, *, scale=None, backend: str = "auto", **gate_kw):
+    """`pallas_kernels.kda.chunk` for one shard, or the token recurrence for backend "recurrent" (see
+    `resolve_kda_backend`). Same arguments (gate fusion included) and returns (o in v.dtype, state f32)."""
+    be = resolve_kda_backend(backend)
+    if be != "recurrent":
+        return kda_ops.chunk(q, k, v, g, beta, initial_state, scale=scale, backend=be, **gate_kw)
+    if gate_kw.get("gate_form") is not None:
+        H, dk = q.shape[2], q.shape[3]
+        g = kda_ref.gate(g, jnp.asarray(gate_kw["A_log"]).reshape(H), jnp.asarray(gate_kw["dt_bias"]).reshape(H, dk),
+                         gate_kw["gate_form"], gate_kw.get("lower_bound", -5.0))
+    return kda_ref.recurrent(q, k, v, g, beta, initial_state, scale=scale)
+
+
 def kda_local_transition(q, k, v, g, beta, *, scale=None, backend: str = "auto", fuse: Optional[bool] = None,
                          **gate_kw):
     """A token slice run from a zero state, plus its affine transition. No collectives.
@@ -115,7 +144,8 @@ def kda_local_transition(q, k, v, g, beta, *, scale=None, backend: str = "auto",
     such that, for any incoming state S_in:  outputs = o_loc + q̃ S_in,  final state = M S_in + S_loc.
     `fuse` (default: when dk + dv is a power of two, which the GPU kernel needs) computes everything in one chunk
     call with dv + dk value columns; otherwise two calls (values from zero; zero values from the identity).
-    `gate_kw` (gate_form, A_log, dt_bias, lower_bound) pass through to `pallas_kernels.kda.chunk`.
+    `gate_kw` (gate_form, A_log, dt_bias, lower_bound) pass through to `pallas_kernels.kda.chunk`; `backend` as in
+    `resolve_kda_backend`.
     """
     B, T, H, dk = q.shape
     dv = v.shape[-1]
@@ -126,10 +156,10 @@ def kda_local_transition(q, k, v, g, beta, *, scale=None, backend: str = "auto",
     if fuse:
         v_aug = jnp.concatenate([v, zeros_v], axis=-1)
         s0 = jnp.concatenate([jnp.zeros((B, H, dk, dv), jnp.float32), eye], axis=-1)
-        o_aug, s_aug = kda_ops.chunk(q, k, v_aug, g, beta, s0, scale=scale, backend=backend, **gate_kw)
+        o_aug, s_aug = kda_local_op(q, k, v_aug, g, beta, s0, scale=scale, backend=backend, **gate_kw)
         return o_aug[..., :dv], o_aug[..., dv:], s_aug[..., :dv], s_aug[..., dv:]
-    o_loc, s_loc = kda_ops.chunk(q, k, v, g, beta, None, scale=scale, backend=backend, **gate_kw)
-    q_eff, m = kda_ops.chunk(q, k, zeros_v, g, beta, eye, scale=scale, backend=backend, **gate_kw)
+    o_loc, s_loc = kda_local_op(q, k, v, g, beta, None, scale=scale, backend=backend, **gate_kw)
+    q_eff, m = kda_local_op(q, k, zeros_v, g, beta, eye, scale=scale, backend=backend, **gate_kw)
     return o_loc, q_eff, s_loc, m
 
 
@@ -209,7 +239,7 @@ def _kda_fn(mesh, axis, mode, scale, backend, fuse, batch_axis, static_items, ar
         if mode == "token":
             return kda_token_split_shard(q, k, v, g, beta, s0, axis=axis, scale=scale, backend=backend, fuse=fuse,
                                          **kw)
-        return kda_ops.chunk(q, k, v, g, beta, s0, scale=scale, backend=backend, **kw)
+        return kda_local_op(q, k, v, g, beta, s0, scale=scale, backend=backend, **kw)
 
     return jax.jit(_shard_map(body, mesh, (tok,) * 5 + (state,) + (arr_spec,) * len(array_names), (tok, state)))
 
@@ -639,7 +669,7 @@ def prefill_comm_bytes(*, n: int, batch: int, tokens: int, kda_heads: int, dk: i
 
 
 __all__ = [
-    "CONTEXT", "LAYOUTS", "make_context_mesh",
+    "CONTEXT", "LAYOUTS", "KDA_BACKENDS", "make_context_mesh", "resolve_kda_backend", "kda_local_op",
     "kda_local_transition", "combine_transitions", "apply_incoming_state", "kda_token_split_shard",
     "kda_prefill_token_split", "kda_prefill_head_split", "conv_token_split_shard", "conv_token_split",
     "index_scores", "select_topk", "mla_attend", "mla_query_chunk", "mla_token_split_shard", "mla_head_split_shard",
