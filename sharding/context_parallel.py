@@ -34,18 +34,19 @@ Shapes: q, k `[B, T, H, dk]`, v `[B, T, H, dv]`, g `[B, T, H, dk]`, β `[B, T, H
 absorbed MLA query `[B, T, H, c]` (c = R + rope), latent rows `[B, S, c]`, values their first R = value_dim columns;
 indexer query `[B, T, Hi, d]`, keys `[B, S, d]`, weights `[B, T, Hi]` (Hi^-0.5·d^-0.5 folded in by the caller).
 Functions named `*_shard` run inside a `shard_map` over `axis`; the others take global arrays and a mesh.
+The per-shard KDA op is `pallas_kernels.kda.chunk` (the GPU/TPU kernels under backend "auto"); on CPU "auto" means the
+token recurrence instead (`resolve_kda_backend`: jaxlib 0.10.2's batched LAPACK solve can deadlock with fake devices).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_ref
