@@ -33,3 +33,31 @@ def gather_pages(parts, block_tables):
     block_tables = jnp.asarray(block_tables, jnp.int32)
     B, nb = block_tables.shape
     return tuple(p[block_tables].reshape(B, nb * p.shape[1], p.shape[-1]) for p in parts)
+
+
+# ------------------------------------------------------------------------------------------------ backend choice
+
+# Implementations of the paged DSA ops (pallas_kernels.indexer.paged, pallas_kernels.mla.sparse):
+#   "reference"                 plain jnp (every platform, every shape)
+#   "gpu" / "tpu"               the Pallas kernel for that platform (Triton lowering / Mosaic TPU)
+#   "gpu_interpret" / "tpu_interpret"   that kernel in Pallas interpret mode (CPU tests)
+#   "auto"                      the platform's kernel when it supports the call (decode, a format it reads), else
+#                               the reference
+# "pallas_tpu" and "interpret" are the older names of "tpu" and "tpu_interpret".
+DSA_BACKENDS = ("auto", "reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret", "pallas_tpu", "interpret")
+_ALIASES = {"pallas_tpu": "tpu", "interpret": "tpu_interpret"}
+_PLATFORM_KERNEL = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+
+
+def resolve_dsa_backend(backend: str, *, op: str, supported) -> str:
+    """The one place the DSA ops pick an implementation. `supported(kind) -> bool` says whether the kernel of kind
+    "gpu" / "tpu" handles this call; "auto" falls back to "reference" when it does not (or on CPU). Explicit kernel
+    names are returned as asked (the caller raises if the call does not fit)."""
+    if backend not in DSA_BACKENDS:
+        raise ValueError(f"unknown {op} backend {backend!r}; choose one of {DSA_BACKENDS}")
+    if backend != "auto":
+        return _ALIASES.get(backend, backend)
+    import jax
+
+    kind = _PLATFORM_KERNEL.get(jax.default_backend())
+    return kind if kind is not None and supported(kind) else "reference"

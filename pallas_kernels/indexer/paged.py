@@ -16,8 +16,12 @@ Memory: the keys of the batch, `[B, max_blocks·page, d]` float32, plus per quer
 Tc = max(1, max_score_bytes // (B·Hi·S·4)) rows, one chunk at a time, so the buffer stays ≤ max_score_bytes
 (a single query row larger than the bound is still processed, one row at a time). Decode is one chunk.
 
-`topk_indices` is the one public entry point; `backend="auto"` picks the implementation (only the jnp reference
-exists so far, used on every platform).
+`topk_indices` is the one public entry point; `backend` picks the implementation in one place
+(`pallas_kernels.paged.resolve_dsa_backend`): "reference" (the jnp path above), "gpu" (`gpu.py`, Pallas Triton
+lowering), "tpu" (`tpu.py`, Mosaic TPU), "gpu_interpret" / "tpu_interpret" (those kernels in Pallas interpret mode,
+CPU tests), "auto" (the platform's kernel for decode, T = 1, else the reference). The kernels write the decode score
+row `[B, S]` (keys dequantised in-kernel); top-k then runs in XLA over that row (`select_topk`: `lax.top_k`, in two
+exact stages when the row is long). Prefill (T > 1) always takes the reference path.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..paged import gather_pages
+from ..paged import DSA_BACKENDS, gather_pages, resolve_dsa_backend
 from . import reference
 
 DEFAULT_MAX_SCORE_BYTES = 256 << 20
-BACKENDS = ("auto", "reference")
+BACKENDS = DSA_BACKENDS
+TOPK_GROUP = 16
 
 
 def query_chunk(batch: int, heads: int, keys: int, queries: int, max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES) -> int:
@@ -67,13 +72,76 @@ def _reference(q_bthd, w_bth, key_parts, block_tables, pos_bt, *, fmt, topk: int
     return jnp.moveaxis(out, 0, 1).reshape(B, n * tc, topk)[:, :T]
 
 
+@partial(jax.jit, static_argnames=("topk", "group"))
+def select_topk(s_bs, topk: int, group: int = TOPK_GROUP):
+    """Top-k positions of score rows `[B, S]` (−inf = not allowed) -> int32 `[B, topk]`, best first, −1 past the
+    allowed keys. Same selection and tie rule as `lax.top_k` on the row (equal scores: the earlier position wins;
+    +0.0 and −0.0 are equal), but in two stages when S is long (S / group > topk):
+      1. m[g] = max of each group of `group` consecutive scores; keep the topk groups with the largest m (ties: the
+         earlier group) — the k-th largest score overall is ≥ the k-th largest group max t, so every selected key
+         lies in a group with max ≥ t, i.e. in a kept group or in a later group tied at t whose keys lose the
+         earlier-position tie-break to the kept groups' keys;
+      2. `lax.top_k` over the kept groups' topk·group scores, laid out in position order.
+    So XLA sorts S/group + topk·group values instead of S (at S = 1M, k = 2048: 98K instead of 1M)."""
+    s = jnp.where(s_bs == 0, 0.0, s_bs.astype(jnp.float32))
+    B, S = s.shape
+    if S < topk:
+        s = jnp.pad(s, ((0, 0), (0, topk - S)), constant_values=-jnp.inf)
+        S = topk
+    if S % group or S // group <= topk:
+        vals, idx = jax.lax.top_k(s, topk)
+        return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+    sg = s.reshape(B, S // group, group)
+    _, gid = jax.lax.top_k(jnp.max(sg, axis=-1), topk)  # [B, topk]
+    gid = jnp.sort(gid, axis=-1)  # position order, so stage 2's lower-index tie rule = earlier position
+    cand = jnp.take_along_axis(sg, gid[..., None], axis=1).reshape(B, topk * group)
+    vals, j = jax.lax.top_k(cand, topk)
+    pos = jnp.take_along_axis(gid, j // group, axis=1) * group + j % group
+    return jnp.where(vals > -jnp.inf, pos, -1).astype(jnp.int32)
+
+
+def _kernel_supports(kind: str, fmt, q_shape) -> bool:
+    B, T, Hi, d = q_shape
+    if T != 1:
+        return False
+    if kind == "gpu":
+        from . import gpu
+
+        return gpu.available() and gpu.fits(fmt, Hi, d)
+    from . import tpu
+
+    return tpu.supports(fmt)
+
+
+def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: str, **kernel_kw):
+    """The decode score row `[B, max_blocks·page]` from a kernel backend ("gpu", "tpu", "*_interpret")."""
+    if backend.startswith("gpu"):
+        from . import gpu
+
+        return gpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
+                          interpret=backend == "gpu_interpret", **kernel_kw)
+    from . import tpu
+
+    return tpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
+                      interpret=backend == "tpu_interpret", **kernel_kw)
+
+
 def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, fmt,
-                 max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, backend: str = "auto"):
+                 max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, backend: str = "auto", kernel_kw=None):
     """Top-k cached positions per query: q `[B, T, Hi, d]`, w `[B, T, Hi]` (scales folded in), pos `[B, T]` int
-    (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown indexer backend {backend!r}; choose one of {BACKENDS}")
-    return _reference(q_bthd, w_bth, tuple(key_parts), block_tables, jnp.asarray(pos_bt, jnp.int32), fmt=fmt,
+    (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`.
+    Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n)."""
+    T = q_bthd.shape[1]
+    which = resolve_dsa_backend(backend, op="indexer",
+                                supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape))
+    pos_bt = jnp.asarray(pos_bt, jnp.int32)
+    if which != "reference":
+        if T != 1:
+            raise ValueError(f"the {which} indexer kernel is decode-only (T = 1), got T = {T}")
+        s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which,
+                          **(kernel_kw or {}))
+        return select_topk(s, topk)[:, None]
+    return _reference(q_bthd, w_bth, tuple(key_parts), block_tables, pos_bt, fmt=fmt,
                       topk=topk, max_score_bytes=max_score_bytes)
 
 

@@ -14,10 +14,13 @@ chunks of `q_chunk` (default: as many as keep one block's gathered rows + logits
 under `max_block_bytes`).
 
 (o, lse) over disjoint key sets merge exactly with `reference.merge_partials` — what decode context parallelism
-uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` picks the implementation:
-"reference" (this jnp code), "pallas_tpu" (the Mosaic TPU decode kernel, `sparse_tpu.py`), "interpret" (that kernel
-in TPU interpret mode, for CPU tests), "auto" (the TPU kernel on a TPU for decode with bf16 / fp8 rows, else the
-reference).
+uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` picks the implementation, in one place
+(`pallas_kernels.paged.resolve_dsa_backend`): "reference" (this jnp code), "tpu" (the Mosaic TPU decode kernel,
+`sparse_tpu.py`; bf16 / fp8 rows), "gpu" (the Pallas-Triton decode kernel, `sparse_gpu.py`; bf16 / fp8 / nvfp4 rows),
+"tpu_interpret" / "gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "auto" (the platform's
+kernel for decode (T = 1) when it reads the format, else the reference). "pallas_tpu" / "interpret" are kept as the
+older names of "tpu" / "tpu_interpret". Kernel-only keyword arguments go through `kernel_kw` (e.g. the GPU kernel's
+`block_h`, `splits`, `exact`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..paged import gather_parts
+from ..paged import DSA_BACKENDS, gather_parts, resolve_dsa_backend
 
-BACKENDS = ("auto", "reference", "pallas_tpu", "interpret")
+BACKENDS = DSA_BACKENDS
 DEFAULT_BLOCK_K = 64
 DEFAULT_MAX_BLOCK_BYTES = 64 << 20
 _HI = jax.lax.Precision.HIGHEST
@@ -100,36 +103,48 @@ def _reference_paged(q_bthc, kv_parts, block_tables, idx_btk, layer_scale, *, fm
     return _chunked(q_bthc, idx_btk, q_chunk, fn)
 
 
-def _pick_backend(backend: str, fmt, T: int) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown sparse MLA backend {backend!r}; choose one of {BACKENDS}")
-    if backend != "auto":
-        return backend
+def _kernel_supports(kind: str, fmt, T: int) -> bool:
+    if T != 1:
+        return False
+    if kind == "gpu":
+        from . import sparse_gpu
+
+        return sparse_gpu.available() and sparse_gpu.fits(fmt)
     from . import sparse_tpu
 
-    if jax.default_backend() == "tpu" and T == 1 and sparse_tpu.supports(fmt):
-        return "pallas_tpu"
-    return "reference"
+    return sparse_tpu.supports(fmt)
+
+
+def _pick_backend(backend: str, fmt, T: int) -> str:
+    return resolve_dsa_backend(backend, op="sparse MLA", supported=lambda kind: _kernel_supports(kind, fmt, T))
 
 
 def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
-               block_k: int = DEFAULT_BLOCK_K, q_chunk=None, backend: str = "auto"):
+               block_k: int = DEFAULT_BLOCK_K, q_chunk=None, backend: str = "auto", kernel_kw=None):
     """Sparse absorbed attention over the paged latent cache.
 
     q `[B, T, H, c]` (absorbed query `[q_nope·W_UK | q_rope]`), kv_parts: the layer pool's latent parts
     `[num_blocks, page, w]`, block_tables `[B, max_blocks]`, idx `[B, T, k]` sequence positions (−1 = empty).
     Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32).
+    `block_k` is the key block of the reference and TPU kernel (the GPU kernel takes its own via kernel_kw).
     """
     B, T, H, c = q_bthc.shape
     which = _pick_backend(backend, fmt, T)
-    if which in ("pallas_tpu", "interpret"):
-        from . import sparse_tpu
-
+    kernel_kw = dict(kernel_kw or {})
+    if which != "reference":
         if T != 1:
             raise ValueError(f"the {which} sparse MLA kernel is decode-only (T = 1), got T = {T}")
-        o, lse = sparse_tpu.decode(q_bthc[:, 0], kv_parts, block_tables, idx_btk[:, 0], fmt=fmt,
-                                   layer_scale=layer_scale, scale=scale, value_dim=value_dim,
-                                   block_k=block_k, interpret=which == "interpret")
+        common = dict(fmt=fmt, layer_scale=layer_scale, scale=scale, value_dim=value_dim)
+        if which.startswith("tpu"):
+            from . import sparse_tpu
+
+            o, lse = sparse_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], block_k=block_k,
+                                       interpret=which == "tpu_interpret", **common, **kernel_kw)
+        else:
+            from . import sparse_gpu
+
+            o, lse = sparse_gpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],
+                                       interpret=which == "gpu_interpret", **common, **kernel_kw)
         return o[:, None], lse[:, None]
     if q_chunk is None:
         q_chunk = default_q_chunk(B, H, c, min(block_k, idx_btk.shape[-1]), T)

@@ -1,0 +1,401 @@
+"""DSA decode kernels on a GPU (issue #5): the indexer's score kernel and the sparse-MLA decode kernel (Pallas, Triton
+lowering) vs the plain jnp path, in one run.
+
+    python3 bench/dsa.py            # H200: context {32K, 128K, 1M} tokens per layer × batch {1, 32}
+    python3 bench/dsa.py --smoke    # tiny shapes on CPU, kernels in Pallas interpret mode (runs the code, no bars)
+
+Per (context, batch), on random pools with shuffled pages (every sequence owns context/64 pages of one big pool):
+  indexer   K3.1 shapes (Hi = 32, d = 128, FP8 keys, 132 B/token): one decode query per sequence at the last position.
+            Bar: index-key bytes scanned per second by the score kernel (B·context·132 B / time) ≥ 70% of the measured
+            copy bandwidth. Also timed: the whole decode op (scores + `select_topk`, XLA top-k in two exact stages)
+            vs the jnp reference path (gather pages, dequantise, einsum, `lax.top_k`).
+  sparse    absorbed MLA over the indexer's top-2048 (FP8 latent, 576 B/token), H = 96 (a whole layer on one GPU)
+  MLA       and H = 12 (the per-GPU heads under 8-way tensor parallelism; padded to the kernel's 16-head block).
+            Bar: latent bytes gathered per second (B·2048·576 B / time) ≥ 60% of copy bandwidth. Peer: the jnp
+            reference (`sparse.decode(backend="reference")`). Roofline note: the op does 2·H·2048·(576 + 512) FLOPs
+            per query (×2 in the kernel's exact hi/lo split), i.e. ≈ 360·(H/96) FLOP per gathered byte: at H = 96 it is
+            tensor-core bound, not bandwidth bound, so the byte bar is only reachable at per-device head counts.
+  extra     one MXFP4-key indexer row and one NVFP4-latent sparse-MLA row (info).
+Correctness is checked before timing on the same inputs: kernel scores vs a float32 (Precision.HIGHEST) jnp score
+of sequence 0, its top-k set vs the exact top-k of those scores (near-ties tolerated within 1e-5 of the cut), and the
+sparse-MLA output vs the reference (relative RMS ≤ 1e-4). Times: median of 3 rounds of back-to-back calls.
+Prints `name, shape, ours, peer, ratio, bar, pass/fail` last; writes $OUT/dsa.json when OUT is set.
+Memory at 1M × 32: index pool 4.4 GB, latent pool 19 GB, the jnp indexer's dequantised keys 17 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpret-mode kernels), no bars")
+ap.add_argument("--contexts", default=None, help="comma-separated tokens per sequence (default 32768,131072,1048576)")
+ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32)")
+ap.add_argument("--no-tune", action="store_true", help="skip the small block-size sweep (GPU)")
+ap.add_argument("--ix-kw", default=None, help='JSON kernel_kw for the indexer kernel, e.g. {"block_n": 256}')
+ap.add_argument("--mla-kw", default=None, help='JSON kernel_kw for the sparse MLA kernel, e.g. {"block_k": 64}')
+ARGS = ap.parse_args()
+if ARGS.smoke:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kimi_jax import quant as Q  # noqa: E402
+from pallas_kernels.indexer import paged as ipaged  # noqa: E402
+from pallas_kernels.mla import sparse  # noqa: E402
+
+PAGE = 64
+TOPK = 2048
+ROWS = []
+INFO = {}
+HI_ = jax.lax.Precision.HIGHEST
+
+if ARGS.smoke:
+    GEOM = dict(hi=4, d=64, R=64, rope=16, heads=(4,), topk=64, contexts=(1024, 2048), batches=(1, 2),
+                backend="gpu_interpret", ix_kw=dict(block_n=64, tokens_per_program=256),
+                mla_kw=dict(block_k=32))
+else:
+    GEOM = dict(hi=32, d=128, R=512, rope=64, heads=(96, 12), topk=TOPK, contexts=(32768, 131072, 1 << 20),
+                batches=(1, 32), backend="gpu", ix_kw={}, mla_kw={})
+if ARGS.ix_kw:
+    GEOM["ix_kw"] = json.loads(ARGS.ix_kw)
+if ARGS.mla_kw:
+    GEOM["mla_kw"] = json.loads(ARGS.mla_kw)
+if ARGS.contexts:
+    GEOM["contexts"] = tuple(int(x) for x in ARGS.contexts.split(","))
+if ARGS.batches:
+    GEOM["batches"] = tuple(int(x) for x in ARGS.batches.split(","))
+
+
+def row(name, shape, ours, peer, ratio, bar, ok):
+    if ARGS.smoke and ok is not None:
+        bar, ok = f"{bar} (smoke: not judged)", None
+    ROWS.append(dict(name=name, shape=shape, ours=ours, peer=peer, ratio=ratio, bar=bar,
+                     result=("pass" if ok else "FAIL") if ok is not None else "info"))
+
+
+def rel_rms(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+def time_jax(fn, *args, budget_s=0.25):
+    """Seconds per call: back-to-back dispatches then one sync, median of 3 rounds (reps sized to ~budget_s)."""
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    est = max(time.perf_counter() - t, 1e-6)
+    reps = int(max(3, min(200, budget_s / est)))
+    if ARGS.smoke:
+        reps = 2
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        ts.append((time.perf_counter() - t) / reps)
+    return statistics.median(ts)
+
+
+def copy_bandwidth():
+    """Bytes read + written per second of a plain device copy of 2 GiB (torch `copy_` when available: the
+    ≈ 4.3 TB/s anchor of BENCHMARKS.md; else an XLA copy kernel)."""
+    n = (1 << 31) if not ARGS.smoke else (1 << 24)
+    if not ARGS.smoke:
+        try:
+            import torch
+
+            a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(20):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                b.copy_(a)
+                e.record()
+                e.synchronize()
+                ts.append(s.elapsed_time(e) / 1e3)
+            INFO["copy_method"] = "torch copy_ 2 GiB"
+            del a, b
+            return 2 * n / statistics.median(ts)
+        except Exception as e:  # noqa: BLE001
+            INFO["copy_torch_error"] = repr(e)
+    x = jax.random.bits(jax.random.PRNGKey(0), (n // 4,), jnp.uint32)
+    f = jax.jit(lambda v: v ^ jnp.uint32(1))  # a read + write pass XLA cannot elide
+    INFO["copy_method"] = "XLA elementwise pass"
+    return 2 * n / time_jax(f, x)
+
+
+def random_fp8(key, shape):
+    """e4m3 codes with random sign, exponent ≤ 7, mantissa: |x| ≤ 1.875, never NaN (bit 6 cleared)."""
+    bits = jax.random.bits(key, shape, jnp.uint8) & jnp.uint8(0xBF)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+
+
+def make_tables(key, B, ctx):
+    nb = B * (ctx // PAGE) + 1  # + the null block 0
+    perm = jax.random.permutation(key, jnp.arange(1, nb, dtype=jnp.int32))
+    return nb, perm.reshape(B, ctx // PAGE)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "nb"))
+def index_pool(key, *, fmt, nb):
+    k1, k2 = jax.random.split(key)
+    d = fmt.dim
+    if fmt.index_dtype == "fp8":
+        codes = random_fp8(k1, (nb, PAGE, d))
+        sc = jnp.exp2(jax.random.randint(k2, (nb, PAGE, 1), -6, -1).astype(jnp.float32))
+        return codes, sc
+    packed = jax.random.bits(k1, (nb, PAGE, d // 2), jnp.uint8)
+    e8 = jax.random.randint(k2, (nb, PAGE, d // 32), 120, 126).astype(jnp.uint8)
+    return packed, e8
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "nb"))
+def latent_pool(key, *, fmt, nb):
+    k1, k2, k3 = jax.random.split(key, 3)
+    if fmt.kv_dtype == "fp8":
+        return (random_fp8(k1, (nb, PAGE, fmt.width)),)
+    packed = jax.random.bits(k1, (nb, PAGE, fmt.latent // 2), jnp.uint8)
+    s16 = random_fp8(k2, (nb, PAGE, fmt.latent // 16))
+    return packed, s16, random_fp8(k3, (nb, PAGE, fmt.rope))
+
+
+def check_topk(idx_k, s_row, topk, tol=1e-5):
+    """(mismatched keys, all mismatches within tol·max|s| of the cut) for one sequence's selection."""
+    s_row = np.asarray(s_row, np.float64)
+    n_ok = int(np.isfinite(s_row).sum())
+    kk = min(topk, n_ok)
+    order = np.argsort(-s_row, kind="stable")[:kk]
+    want = set(order.tolist())
+    got = set(int(i) for i in np.asarray(idx_k) if i >= 0)
+    diff = got ^ want
+    if not diff:
+        return 0, True
+    cut = s_row[order[-1]]
+    scale = np.abs(s_row[np.isfinite(s_row)]).max()
+    return len(diff), bool(all(abs(s_row[i] - cut) <= tol * scale for i in diff if np.isfinite(s_row[i])))
+
+
+def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
+    g = GEOM
+    fmt = Q.IndexKeyFormat(index_dtype, g["d"])
+    nb, bt = make_tables(key, B, ctx)
+    parts = index_pool(jax.random.fold_in(key, 1), fmt=fmt, nb=nb)
+    r = np.random.default_rng(ctx + B)
+    q = jnp.asarray(r.standard_normal((B, g["hi"], g["d"])), jnp.float32)
+    w = jnp.asarray(r.standard_normal((B, g["hi"])) * (g["hi"] * g["d"]) ** -0.5, jnp.float32)
+    pos = jnp.full((B,), ctx - 1, jnp.int32)
+    seq_lens = pos + 1
+    kw = dict(fmt=fmt, backend=g["backend"], **g["ix_kw"])
+    scores = jax.jit(lambda q, w, parts, bt, pos: ipaged.kernel_scores(q, w, parts, bt, pos, **kw))
+    ours = jax.jit(lambda q, w, parts, bt, sl: ipaged.decode(q, w, parts, bt, sl, g["topk"], fmt=fmt,
+                                                                 backend=g["backend"], kernel_kw=g["ix_kw"]))
+    peer = jax.jit(lambda q, w, parts, bt, sl: ipaged.decode(q, w, parts, bt, sl, g["topk"], fmt=fmt,
+                                                                 backend="reference"))
+    # correctness: sequence 0 against a float32 HIGHEST-precision score of the dequantised keys
+    s = scores(q, w, parts, bt, pos)
+    idx = ours(q, w, parts, bt, seq_lens)
+    keys0 = fmt.dequantize(tuple(p[bt[0]].reshape(ctx, p.shape[-1]) for p in parts))  # [ctx, d]
+    dots = jnp.einsum("hd,sd->hs", q[0], keys0, precision=HI_)
+    s_ref = np.asarray(jnp.einsum("h,hs->s", w[0], jax.nn.relu(dots), precision=HI_))
+    err = rel_rms(np.asarray(s[0]), s_ref)
+    n_diff, near = check_topk(np.asarray(idx[0]), s_ref, g["topk"])
+    ok_c = err <= 1e-5 and near
+    INFO[f"indexer_{index_dtype}_ctx{ctx}_B{B}"] = dict(score_rel_rms=err, topk_mismatches=n_diff,
+                                                         mismatches_are_near_ties=near)
+    del keys0, dots
+    t_s = time_jax(scores, q, w, parts, bt, pos)
+    t_o = time_jax(ours, q, w, parts, bt, seq_lens)
+    try:
+        t_p = time_jax(peer, q, w, parts, bt, seq_lens)
+    except Exception:  # noqa: BLE001  (the jnp path materialises the dequantised keys: may not fit)
+        traceback.print_exc()
+        t_p = float("nan")
+    key_bytes = B * ctx * fmt.bytes_per_token
+    ach = key_bytes / t_s
+    shape = f"ctx={ctx} B={B} Hi={g['hi']} d={g['d']} {index_dtype} keys"
+    row("indexer score kernel: key bytes/s vs copy (TB/s)", shape, ach / 1e12, bw / 1e12, ach / bw,
+        ">= 0.70" if judged else "info", (ach / bw >= 0.70 and ok_c) if judged else None)
+    row("indexer decode (scores + top-k) vs jnp path (ms)", shape + f" k={g['topk']}", t_o * 1e3, t_p * 1e3,
+        t_p / t_o, "info", None)
+    print(f"indexer {shape}: scores {t_s * 1e6:.1f} us ({ach / 1e12:.2f} TB/s), +top-k {t_o * 1e6:.1f} us, "
+          f"jnp {t_p * 1e6:.1f} us; score rel rms {err:.1e}, top-k mismatches {n_diff} (near ties: {near})",
+          flush=True)
+    return idx, (nb, bt)
+
+
+def bench_sparse(ctx, B, bw, key, idx, tables, heads, kv_dtype="fp8", judged=True):
+    g = GEOM
+    fmt = Q.LatentFormat(kv_dtype, g["R"], g["rope"])
+    nb, bt = tables
+    parts = latent_pool(jax.random.fold_in(key, 2), fmt=fmt, nb=nb)
+    r = np.random.default_rng(ctx + B + heads)
+    q = jnp.asarray(r.standard_normal((B, heads, fmt.width)), jnp.float32)
+    kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=g["R"])
+    kernel_kw = dict(g["mla_kw"])
+    bh = kernel_kw.get("block_h", 16)
+    while bh > 16 and heads % bh:  # e.g. H = 12: 16-head blocks, not 32 (less padding)
+        bh //= 2
+    if "block_h" in kernel_kw:
+        kernel_kw["block_h"] = bh
+    ours = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend=g["backend"],
+                                                           kernel_kw=kernel_kw, **kw))
+    peer = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend="reference", **kw))
+    o, lse = ours(q, parts, bt, idx)
+    o_r, lse_r = peer(q, parts, bt, idx)
+    err = max(rel_rms(o, o_r), rel_rms(lse, lse_r))
+    INFO[f"sparse_{kv_dtype}_ctx{ctx}_B{B}_H{heads}_rel_rms"] = err
+    t_o = time_jax(ours, q, parts, bt, idx)
+    t_p = time_jax(peer, q, parts, bt, idx)
+    k = idx.shape[-1]
+    lat_bytes = B * k * fmt.bytes_per_token
+    ach = lat_bytes / t_o
+    flops = 2 * B * heads * k * (fmt.width + fmt.latent)
+    shape = f"ctx={ctx} B={B} H={heads} k={k} {kv_dtype} latent" + ("" if kernel_kw.get("exact", True) else
+                                                                     " bf16 q/p (exact=False)")
+    row("sparse MLA decode: latent bytes/s vs copy (TB/s)", shape, ach / 1e12, bw / 1e12, ach / bw,
+        ">= 0.60" if judged else "info", (ach / bw >= 0.60 and err <= 1e-4) if judged else None)
+    row("sparse MLA decode vs jnp reference (us)", shape, t_o * 1e6, t_p * 1e6, t_p / t_o, "info", None)
+    print(f"sparse MLA {shape}: {t_o * 1e6:.1f} us ({ach / 1e12:.2f} TB/s, {flops / t_o / 1e12:.0f} TFLOP/s "
+          f"useful), jnp {t_p * 1e6:.1f} us; rel rms {err:.1e}", flush=True)
+    del parts
+
+
+def tune(bw, key):
+    """A small sweep of the kernels' block sizes at one mid shape (ctx 128K, the largest batch); the fastest
+    correct setting is used for every row. Recorded in the JSON (`tuning`)."""
+    g = GEOM
+    ctx, B = (g["contexts"][0] if ARGS.smoke else 131072), g["batches"][-1]
+    few = (lambda xs: xs[:2]) if ARGS.smoke else (lambda xs: xs)  # smoke: exercise the code, two settings
+    fmt = Q.IndexKeyFormat("fp8", g["d"])
+    nb, bt = make_tables(key, B, ctx)
+    parts = index_pool(jax.random.fold_in(key, 1), fmt=fmt, nb=nb)
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.standard_normal((B, g["hi"], g["d"])), jnp.float32)
+    w = jnp.asarray(r.standard_normal((B, g["hi"])), jnp.float32)
+    pos = jnp.full((B,), ctx - 1, jnp.int32)
+    res, ref = {}, None
+    for bn, tpp, nw in few(((128, 1024, 4), (64, 1024, 4), (256, 1024, 8), (128, 4096, 4), (256, 2048, 4))):
+        kw = dict(block_n=bn, tokens_per_program=tpp, num_warps=nw)
+        try:
+            f = jax.jit(lambda q, w, p, bt, pos, kw=kw: ipaged.kernel_scores(q, w, p, bt, pos, fmt=fmt,
+                                                                             backend=g["backend"], **kw))
+            s = np.asarray(f(q, w, parts, bt, pos)[0])
+            ref = s if ref is None else ref
+            if rel_rms(s, ref) > 1e-5:
+                raise AssertionError("disagrees with the first setting")
+            res[json.dumps(kw)] = time_jax(f, q, w, parts, bt, pos, budget_s=0.1)
+        except Exception as e:  # noqa: BLE001
+            res[json.dumps(kw)] = repr(e)[:200]
+    INFO["tuning_indexer_s"] = res
+    good = {k: v for k, v in res.items() if isinstance(v, float)}
+    if good and not ARGS.ix_kw:
+        g["ix_kw"] = json.loads(min(good, key=good.get))
+    del parts
+    fmt = Q.LatentFormat("fp8", g["R"], g["rope"])
+    lp = latent_pool(jax.random.fold_in(key, 2), fmt=fmt, nb=nb)
+    idx = jnp.asarray(np.sort(r.permutation(ctx)[: B * g["topk"]].reshape(B, g["topk"]), axis=-1), jnp.int32)
+    res, ref = {}, None
+    for heads in g["heads"][:1]:
+        qq = jnp.asarray(r.standard_normal((B, heads, fmt.width)), jnp.float32)
+        for bh, bk, nw, ns in few(((16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (16, 32, 8, 3), (64, 32, 8, 2))):
+            kw = dict(block_h=bh, block_k=bk, num_warps=nw, num_stages=ns)
+            try:
+                f = jax.jit(lambda q, p, bt, idx, kw=kw: sparse.decode(q, p, bt, idx, fmt=fmt, scale=192 ** -0.5,
+                                                                       value_dim=g["R"], layer_scale=jnp.float32(1),
+                                                                       backend=g["backend"], kernel_kw=kw))
+                o = np.asarray(f(qq, lp, bt, idx)[0])
+                ref = o if ref is None else ref
+                if rel_rms(o, ref) > 1e-4:
+                    raise AssertionError("disagrees with the first setting")
+                res[json.dumps(kw)] = time_jax(f, qq, lp, bt, idx, budget_s=0.1)
+            except Exception as e:  # noqa: BLE001
+                res[json.dumps(kw)] = repr(e)[:200]
+    INFO["tuning_sparse_mla_s"] = res
+    good = {k: v for k, v in res.items() if isinstance(v, float)}
+    if good and not ARGS.mla_kw:
+        g["mla_kw"] = json.loads(min(good, key=good.get))
+    INFO["kernel_kw"] = dict(indexer=g["ix_kw"], sparse_mla=g["mla_kw"])
+    print("tuning:", json.dumps({k: INFO[k] for k in ("tuning_indexer_s", "tuning_sparse_mla_s", "kernel_kw")}),
+          flush=True)
+
+
+def main():
+    t0 = time.time()
+    INFO["devices"] = [str(d) for d in jax.devices()]
+    INFO["jax"] = jax.__version__
+    try:
+        import triton
+
+        INFO["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    bw = copy_bandwidth()
+    INFO["copy_bandwidth_TBps"] = bw / 1e12
+    print(json.dumps(INFO), flush=True)
+    key = jax.random.PRNGKey(0)
+    if not ARGS.no_tune:
+        try:
+            tune(bw, jax.random.fold_in(key, 99))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    for ctx in GEOM["contexts"]:
+        for B in GEOM["batches"]:
+            kk = jax.random.fold_in(key, ctx * 64 + B)
+            try:
+                idx, tables = bench_indexer(ctx, B, bw, kk)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                row("indexer", f"ctx={ctx} B={B}", float("nan"), float("nan"), float("nan"), "-", False)
+                continue
+            for heads in GEOM["heads"]:
+                try:
+                    bench_sparse(ctx, B, bw, kk, idx, tables, heads)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+                    row("sparse MLA", f"ctx={ctx} B={B} H={heads}", float("nan"), float("nan"), float("nan"), "-",
+                        False)
+            del idx, tables
+    # extra formats (info): MXFP4 keys, NVFP4 latent, at the largest context and batch
+    ctx, B = GEOM["contexts"][-1], GEOM["batches"][-1]
+    try:
+        kk = jax.random.fold_in(key, 7)
+        idx, tables = bench_indexer(ctx, B, bw, kk, index_dtype="mxfp4", judged=False)
+        bench_sparse(ctx, B, bw, kk, idx, tables, GEOM["heads"][-1], kv_dtype="nvfp4", judged=False)
+        GEOM["mla_kw"] = dict(GEOM["mla_kw"], exact=False)  # bf16 q and p (FlashMLA-like), error ≈ 1e-3
+        bench_sparse(ctx, B, bw, kk, idx, tables, GEOM["heads"][0], kv_dtype="fp8", judged=False)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    INFO["wall_s"] = time.time() - t0
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "dsa.json"), "w") as f:
+            json.dump(dict(info=INFO, rows=ROWS), f, indent=1, default=str)
+    print("\nname, shape, ours, peer, ratio, bar, pass/fail")
+    for r in ROWS:
+        fmt = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)
+        print(", ".join(fmt(r[k]) for k in ("name", "shape", "ours", "peer", "ratio", "bar", "result")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Pallas (Triton lowering) GPU kernel: sparse MLA decode over the paged latent cache (one query per sequence).
+
+Same contract as `sparse.sparse_mla` with T = 1, for every latent format (bf16, fp8 e4m3, nvfp4), dequantised inside
+the kernel. The reference is `sparse.online_softmax_attention` over `fmt.dequantize` rows (`sparse.sparse_mla(...,
+backend="reference")`).
+
+Grid (B, H / BH, NS): sequence b, a block of BH heads, and one of NS splits of the k selected slots (flash-decoding:
+with few sequences the k axis gives the parallelism). A program walks its k / NS slots in blocks of BK: it reads the
+slot positions, maps them through the block table to pool rows (`table[pos // page]·page + pos % page`), gathers the
+BK rows `[BK, c]` straight from the pool, dequantises them and runs an fp32 online softmax (m, l `[BH]`,
+acc `[BH, R]`). Partial results over the NS disjoint slot sets are merged outside with their log-sum-exps
+(`reference.merge_partials`, exact).
+
+Precision. Every stored row is exactly representable in bf16 (fp8 and bf16 trivially; nvfp4 = e2m1 (2 significant
+bits) × e4m3 scale (4 bits) = ≤ 6 bits), so the bf16 tensor-core dots are exact in the key/value operand. The fp32
+operand (q for QKᵀ, the probabilities p for PV) is split as x = hi + lo, hi = bf16(x), lo = bf16(x − hi) (16 bits of
+mantissa), and both halves are multiplied with fp32 accumulation: ≈ 1e-5 relative error, inside the 1e-4 fp32 bar,
+at the cost of 2× the MMA work. `exact=False` drops the lo halves (FlashMLA-like bf16 q and p, ≈ 1e-3).
+The hi/lo halves of q are stacked along heads (rows [0, BH) = hi, [BH, 2BH) = lo) so QKᵀ is one dot with M = 2BH.
+
+NVFP4 rows: the packed byte j holds latent elements 2j (low nibble) and 2j + 1 (high nibble), both in scale group
+j // 8 of the R/16 e4m3 block scales. The kernel never interleaves: q's latent columns are permuted outside into
+[even | odd], the two nibble planes are dotted separately, and the output comes back as [even | odd] halves that are
+interleaved outside. The per-layer scale s is folded outside (q·(scale·s), o·s), as in the TPU kernel.
+
+Shapes must be powers of two per loaded block (Triton): R, rope, and the head block BH (H is zero-padded up to a
+multiple of BH; padded heads are dropped). K3.1: R = 512, rope = 64, H = 96 (BH = 16 -> 6 head blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # present in jax 0.10.x and 0.11.x
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a jax without the Triton lowering
+    pltriton = None
+
+from .reference import merge_partials
+
+SUPPORTED = ("bf16", "fp8", "nvfp4")
+NVFP4_GROUP = 16
+
+
+def available() -> bool:
+    return pltriton is not None
+
+
+def supports(fmt) -> bool:
+    return getattr(fmt, "kv_dtype", None) in SUPPORTED
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def fits(fmt) -> bool:
+    """Whether the kernel compiles for this latent geometry on a GPU: power-of-two R and rope, every tensor-core dot
+    dimension ≥ 16 (rope, and R/2 for the nvfp4 planes). "auto" falls back to the reference otherwise (e.g. the tiny
+    preset: rope = 8)."""
+    R, rope = getattr(fmt, "latent", 0), getattr(fmt, "rope", 0)
+    return supports(fmt) and _pow2(R) and _pow2(rope) and rope >= 16 and R >= 32
+
+
+def e2m1_value(code_i32):
+    """4-bit e2m1 codes (int32, 0..15) -> float32 values by arithmetic (no table): bit 3 sign, bits 2..1 exponent
+    e (bias 1), bit 0 mantissa m: e = 0 -> 0.5·m, else 2^(e−1)·(1 + m/2)."""
+    mag = code_i32 & 7
+    e = mag >> 1
+    m = (mag & 1).astype(jnp.float32)
+    pow2 = ((1 << e) >> 1).astype(jnp.float32)  # e = 1, 2, 3 -> 1, 2, 4 (e = 0 -> 0, replaced below)
+    v = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+    return jnp.where((code_i32 & 8) != 0, -v, v)
+
+
+def _split_bf16(x_f32, exact: bool):
+    hi = x_f32.astype(jnp.bfloat16)
+    if not exact:
+        return hi, None
+    return hi, (x_f32 - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _dot_nt(a, b):
+    """a [M, K] · b [N, K]ᵀ -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    """a [M, K] · b [K, N] -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _kernel(bt_ref, idx_ref, q_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
+            page: int, max_blocks: int, exact: bool):
+    """One (sequence, head block, split). q_ref `[B, HB, QR, cq]` bf16 (QR = 2·BH rows hi|lo, or BH);
+    pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
+    lse `[NS, B, Hp]` f32."""
+    *pool_refs, o_ref, lse_ref = refs
+    b = pl.program_id(0)
+    hb = pl.program_id(1)
+    sp = pl.program_id(2)
+    QR = 2 * BH if exact else BH
+    nv = kv_dtype == "nvfp4"
+    half = R // 2
+
+    # q pieces, loaded once: the latent columns (nvfp4: even | odd planes) and the rope columns
+    if nv:
+        q_pieces = [q_ref[b, hb, :, pl.ds(0, half)], q_ref[b, hb, :, pl.ds(half, half)]]
+    else:
+        q_pieces = [q_ref[b, hb, :, pl.ds(0, R)]]
+    q_rope = q_ref[b, hb, :, pl.ds(R, rope)]
+
+    def rows_of(slot):
+        """Dequantised bf16 pieces of the gathered rows: (value planes [BK, R or R/2]..., rope [BK, rope])."""
+        if not nv:
+            (pool,) = pool_refs
+            lat = pool[slot, pl.ds(0, R)].astype(jnp.bfloat16)
+            rp = pool[slot, pl.ds(R, rope)].astype(jnp.bfloat16)
+            return [lat], rp
+        packed_ref, scale_ref, rope_ref = pool_refs
+        packed = packed_ref[slot, :].astype(jnp.int32)  # [BK, R/2]
+        s16 = scale_ref[slot, :].astype(jnp.float32)  # [BK, R/16]
+        # byte j is in scale group j // 8: repeat each scale 8 times along the byte axis
+        s_b = jnp.broadcast_to(s16[:, :, None], (BK, R // NVFP4_GROUP, NVFP4_GROUP // 2)).reshape(BK, half)
+        even = (e2m1_value(packed & 0xF) * s_b).astype(jnp.bfloat16)  # exact: ≤ 6 significant bits
+        odd = (e2m1_value(packed >> 4) * s_b).astype(jnp.bfloat16)
+        rp = rope_ref[slot, :].astype(jnp.bfloat16)
+        return [even, odd], rp
+
+    def step(j, carry):
+        m, l, accs = carry  # [BH, 1], [BH, 1], list of [BH, R or R/2]
+        base = (sp * n_blk + j) * BK
+        pos_raw = idx_ref[b, pl.ds(base, BK)]  # [BK] int32, −1 = empty slot
+        ok = pos_raw >= 0
+        pos = jnp.maximum(pos_raw, 0)
+        blk = bt_ref[b, jnp.minimum(pos // page, max_blocks - 1)]  # [BK] page ids (gather from the table row)
+        slot = blk * page + pos % page
+        vals, rp = rows_of(slot)
+        s2 = _dot_nt(q_rope, rp)
+        for qp, v in zip(q_pieces, vals):
+            s2 = s2 + _dot_nt(qp, v)  # [QR, BK]
+        s = s2.reshape(QR // BH, BH, BK).sum(axis=0) if exact else s2  # hi + lo
+        s = jnp.where(ok[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_use)  # [BH, BK]; −inf -> 0
+        corr = jnp.exp(m - m_use)
+        l = l * corr + jnp.sum(p, axis=1, keepdims=True)
+        p_hi, p_lo = _split_bf16(p, exact)
+        new = []
+        for acc, v in zip(accs, vals):
+            pv = _dot_nn(p_hi, v)
+            if exact:
+                pv = pv + _dot_nn(p_lo, v)
+            new.append(acc * corr + pv)
+        return m_new, l, new
+
+    width = half if nv else R
+    init = (jnp.full((BH, 1), -jnp.inf, jnp.float32), jnp.zeros((BH, 1), jnp.float32),
+            [jnp.zeros((BH, width), jnp.float32) for _ in q_pieces])
+    m, l, accs = jax.lax.fori_loop(0, n_blk, step, init)
+    good = l > 0
+    inv = 1.0 / jnp.where(good, l, 1.0)
+    heads = pl.ds(hb * BH, BH)
+    for i, acc in enumerate(accs):
+        o_ref[sp, b, heads, pl.ds(i * width, width)] = acc * inv
+    lse = jnp.where(good, m + jnp.log(jnp.where(good, l, 1.0)), -jnp.inf)
+    lse_ref[sp, b, heads] = lse.reshape(BH)
+
+
+def _prep_q(q_bhc, fmt, qscale, BH: int, exact: bool):
+    """q `[B, H, c]` -> bf16 `[B, HB, QR, c]`: scaled by qscale, heads padded to HB·BH, nvfp4 latent columns
+    permuted to [even | odd], hi/lo halves stacked per head block."""
+    B, H, c = q_bhc.shape
+    R = fmt.latent
+    q = q_bhc.astype(jnp.float32) * qscale
+    if fmt.kv_dtype == "nvfp4":
+        q = jnp.concatenate([q[..., 0:R:2], q[..., 1:R:2], q[..., R:]], axis=-1)
+    HB = -(-H // BH)
+    q = jnp.pad(q, ((0, 0), (0, HB * BH - H), (0, 0))).reshape(B, HB, BH, c)
+    hi, lo = _split_bf16(q, exact)
+    return jnp.concatenate([hi, lo], axis=2) if exact else hi
+
+
+def _pick_splits(B: int, HB: int, n_total: int, target_programs: int = 264) -> int:
+    """Splits of the k axis (a power of two, at most the block count) so B·HB·NS ≈ 2 programs per SM (H200: 132)."""
+    ns = 1
+    while B * HB * ns < target_programs and 2 * ns <= n_total:
+        ns *= 2
+    return ns
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
+                                             "interpret", "num_warps", "num_stages"))
+def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
+           block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
+           num_warps: int = 4, num_stages: int = 2):
+    """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
+    block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
+    -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32)."""
+    if not supports(fmt):
+        raise ValueError(f"the GPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
+    R, rope = fmt.latent, fmt.rope
+    if value_dim != R:
+        raise ValueError(f"value_dim must be the latent width {R}, got {value_dim}")
+    if not (_pow2(R) and _pow2(rope) and _pow2(block_h) and _pow2(block_k)):
+        raise ValueError(f"latent {R}, rope {rope}, block_h {block_h}, block_k {block_k} must be powers of two")
+    B, H, c = q_bhc.shape
+    nblocks, page = kv_parts[0].shape[:2]
+    bt = jnp.asarray(block_tables, jnp.int32)
+    max_blocks = bt.shape[1]
+    k = idx_bk.shape[-1]
+    BK = max(1, min(block_k, 1 << (k - 1).bit_length()))
+    n_total = -(-k // BK)
+    BH = block_h
+    HB = -(-H // BH)
+    NS = max(1, min(_pick_splits(B, HB, n_total) if splits is None else splits, n_total))
+    n_blk = -(-n_total // NS)  # key blocks per split; the slot list is padded with empty (−1) slots
+    idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
+    ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
+    q = _prep_q(q_bhc, fmt, scale * ls, BH, exact)
+    flat = [p.reshape(nblocks * page, p.shape[-1]) for p in kv_parts]
+
+    kernel = functools.partial(_kernel, kv_dtype=fmt.kv_dtype, R=R, rope=rope, BH=BH, BK=BK, n_blk=n_blk,
+                               page=page, max_blocks=max_blocks, exact=exact)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(B, HB, NS),
+        out_shape=[jax.ShapeDtypeStruct((NS, B, HB * BH, R), jnp.float32),
+                   jax.ShapeDtypeStruct((NS, B, HB * BH), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_mla_decode",
+    )(bt, idx, q, *flat)
+    o, lse = (o[0], lse[0]) if NS == 1 else merge_partials(o, lse)
+    o, lse = o[:, :H], lse[:, :H]
+    if fmt.kv_dtype == "nvfp4":  # [even | odd] -> interleaved
+        o = jnp.stack([o[..., : R // 2], o[..., R // 2:]], axis=-1).reshape(B, H, R)
+    return o * ls, lse
