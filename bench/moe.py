@@ -283,13 +283,17 @@ def bench_bf16(args):
 
 # ------------------------------------------------------------------------------------------------ MXFP4 section
 
-Q_SWEEP = [  # run 1: 2d decode, bm=16: bn=64/bk=256 no swap 1.04 TB/s; swapped variants 0.83-0.91
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="3d"),
+Q_SWEEP = [  # 8 rows/expert. 2026-11-30 (f16-trick decode): "2d" 16x64x256 w4 best at 489 us; 3d, swap_ab, wider
+    # or deeper tiles and 8 warps slower. Now the PTX byte-permute decode ("asm", the default) against it.
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=4, num_stages=3, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=4, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=32, bk=512, num_warps=4, num_stages=3, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=8, num_stages=3, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="asm"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="bf16"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="2d"),
-    moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=4, num_stages=3, dequant="3d"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="3d"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=8, num_stages=3, dequant="3d"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="3d"),
 ]
 
 
@@ -315,7 +319,7 @@ def bench_mxfp4(args, copy_bw):
             sweep = Q_SWEEP
         else:
             d = moe_gpu.default_config(m, E, K, N, True)
-            sweep = [d, dataclasses.replace(d, dequant="2d")]
+            sweep = [d, dataclasses.replace(d, bn=64, bk=256), dataclasses.replace(d, dequant="2d")]
         best = (None, None)
         for cfg in sweep:
             if left(args.budget) < 25:

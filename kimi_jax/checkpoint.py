@@ -5,9 +5,11 @@ The model is built abstractly (`nnx.eval_shape`, nothing allocated, nothing rand
 leaf is then filled from the checkpoint, checked against the abstract shape, cast to the abstract dtype (the model
 keeps some parameters in float32 whatever `dtype` says) and placed on its devices one array at a time.
 
-Quantised weights: FP8 block weights kept by `--dtype keep` and MXFP4-packed routed experts are dequantised here
-into the model's plain expert / projection arrays. This is a stopgap until the MoE kernel consumes packed experts;
-until then a loaded model holds experts at full `dtype` width.
+Quantised weights: MXFP4-packed routed experts stay packed (DESIGN.md "No weight copies"): the MoE modules of the
+abstract model switch to MXFP4 parameters (`MoE.use_mxfp4_experts`; `layers.L.block_sparse_moe.w1_packed` uint8
+`[E, N, K/2]` + `w1_scale` E8M0 uint8 `[E, N, K/32]`, the checkpoint's own layout) and the stored arrays are placed as
+they are; the MoE kernels decode them tile by tile. `mxfp4_experts="dequantize"` loads them as plain `dtype` arrays
+instead (tests, comparisons). FP8 block weights kept by `--dtype keep` are dequantised here into the plain arrays.
 
 With `mesh`, each parameter is placed as it is filled, with the partition spec of `sharding.param_partition_spec`
 (the sharding package's rules; a mesh without a "model" axis replicates), so no host ever holds a second copy.
@@ -29,13 +31,21 @@ from .config import ConfigError, ModelConfig, load_config
 log = logging.getLogger("kimi_jax")
 
 
-def load(path, mesh=None, dtype=None, kernels=None):
+MXFP4_MODES = ("packed", "dequantize")
+
+
+def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed"):
     """A converted kimi_jax checkpoint dir or a Hugging Face checkpoint dir -> `Model`.
 
     dtype: parameter dtype of the model (None: the checkpoint's, i.e. that of its embedding table).
     mesh: None, a `jax.sharding.Mesh` with a "model" axis, or a `--mesh` string such as "8x1".
     kernels: a `KernelConfig` (default: "auto").
+    mxfp4_experts: "packed" (default) keeps MXFP4 routed experts packed as model parameters; "dequantize" expands
+    them to `dtype` at load time (a full-width copy: for comparisons only).
     """
+    if mxfp4_experts not in MXFP4_MODES:
+        raise ValueError(f"mxfp4_experts must be one of {MXFP4_MODES}, got {mxfp4_experts!r}")
+    keep = mxfp4_experts == "packed"
     from convert import store
     from convert.errors import ConvertError
 
@@ -46,7 +56,8 @@ def load(path, mesh=None, dtype=None, kernels=None):
         meta = store.read_meta(path)
         cfg = load_config(path)
         default = np.dtype(meta["param_dtype"])
-        arrays = lambda shapes, dtypes: _converted_arrays(path, meta, shapes, dtypes)
+        packed = _mxfp4_expert_targets(meta["entries"]) if keep else set()
+        arrays = lambda shapes, dtypes: _converted_arrays(path, meta, shapes, dtypes, packed)
     elif os.path.isfile(os.path.join(path, "config.json")):
         from convert.plan import make_plan
 
@@ -54,17 +65,54 @@ def load(path, mesh=None, dtype=None, kernels=None):
         cfg = plan.cfg
         embed = next(e for e in plan.entries if e.targets == ("embed_tokens",))
         default = plan.sources.info(embed.src).np_dtype
-        arrays = lambda shapes, dtypes: _hf_arrays(plan, dtypes)
+        packed = _mxfp4_expert_targets(plan.entries) if keep else set()
+        arrays = lambda shapes, dtypes: _hf_arrays(plan, dtypes, packed)
     else:
         raise ConvertError(f"{path} holds neither a kimi_jax checkpoint ({store.META_NAME}) nor a Hugging Face "
                            f"checkpoint (config.json)")
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(default)
-    return assemble(cfg, arrays, dtype=dtype, mesh=mesh, kernels=kernels, where=path)
+    return assemble(cfg, arrays, dtype=dtype, mesh=mesh, kernels=kernels, where=path, mxfp4_experts=packed)
 
 
-def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where: str = "checkpoint"):
+def _mxfp4_expert_targets(entries) -> set:
+    """Parameter paths (`layers.L.block_sparse_moe.w1`) of routed-expert entries stored / found as MXFP4."""
+    out = set()
+    for e in entries:
+        kind, form, targets = (e["kind"], e["form"], e["targets"]) if isinstance(e, dict) else (e.kind, e.form,
+                                                                                                 e.targets)
+        if kind == "experts" and form == "mxfp4":
+            out.add(targets[0])
+    # whole MoE layers only: a layer with some experts' weights plain keeps plain arrays (the MXFP4 ones dequantised)
+    from .modules.moe import EXPERT_WEIGHTS
+
+    prefixes = {t.rsplit(".", 1)[0] for t in out}
+    whole = {p for p in prefixes if all(f"{p}.{w}" in out for w in EXPERT_WEIGHTS)}
+    return {t for t in out if t.rsplit(".", 1)[0] in whole}
+
+
+def _packed_modules(module, targets: set) -> set:
+    """Switch every MoE module whose three expert weights are all in `targets` to MXFP4 parameters (see
+    `MoE.use_mxfp4_experts`). Returns the expert targets that were switched."""
+    from .modules.moe import EXPERT_WEIGHTS, MoE
+
+    switched = set()
+    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
+    for path, m in iter_modules(module):
+        if not isinstance(m, MoE):
+            continue
+        prefix = ".".join(str(p) for p in path)
+        names = {f"{prefix}.{w}" for w in EXPERT_WEIGHTS}
+        if names <= targets:
+            m.use_mxfp4_experts()
+            switched |= names
+    return switched
+
+
+def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where: str = "checkpoint",
+             mxfp4_experts=frozenset()):
     """Build the model abstractly and fill its parameters from `arrays(shapes, dtypes)`, an iterator of
-    (parameter path, numpy array)."""
+    (parameter path, numpy array). `mxfp4_experts`: expert parameter paths whose MoE modules hold MXFP4
+    parameters (`<path>_packed`, `<path>_scale`) instead of the plain array; the iterator yields those names."""
     from convert.errors import ConvertError
 
     from .kernels import KernelConfig
@@ -73,7 +121,17 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
 
     mesh = _mesh(mesh)
     kernels = kernels or KernelConfig()
-    abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels))
+
+    def build():
+        m = KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)
+        if mxfp4_experts:
+            switched = _packed_modules(m, set(mxfp4_experts))
+            if switched != set(mxfp4_experts):
+                raise ConvertError(f"{where}: MXFP4 experts {sorted(set(mxfp4_experts) - switched)[:3]} are not "
+                                   "the w1/w3/w2 of MoE layers of this model")
+        return m
+
+    abstract = nnx.eval_shape(build)
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree_util.tree_leaves(rest):
         raise ConfigError("internal: the model holds non-parameter state that a checkpoint cannot fill")
@@ -124,7 +182,13 @@ def _sharding(name, shape, mesh) -> Optional[jax.sharding.Sharding]:
     return NamedSharding(mesh, spec)
 
 
-def _converted_arrays(path, meta, shapes, dtypes) -> Iterator[tuple[str, np.ndarray]]:
+def _as_u8(a) -> np.ndarray:
+    """E8M0 scales may be stored as float8_e8m0fnu: keep the bits (a value cast would change them)."""
+    a = np.asarray(a)
+    return a if a.dtype == np.uint8 else a.view(np.uint8)
+
+
+def _converted_arrays(path, meta, shapes, dtypes, packed=frozenset()) -> Iterator[tuple[str, np.ndarray]]:
     from convert import store
     from convert.entries import from_json, to_params
 
@@ -140,6 +204,9 @@ def _converted_arrays(path, meta, shapes, dtypes) -> Iterator[tuple[str, np.ndar
 
                 raise ConvertError(f"{path}: array {n} is missing from {meta['parts'][entry.extra['part']]}")
             stored[n] = part[n]
+        if entry.form == "mxfp4" and entry.targets[0] in packed:  # stored in the HF layout = the parameter layout
+            yield from ((n, _as_u8(stored[n])) for n in entry.stored_quant_names())
+            continue
         try:
             tshapes = [shapes[t] for t in entry.targets]
         except KeyError as e:
@@ -150,12 +217,13 @@ def _converted_arrays(path, meta, shapes, dtypes) -> Iterator[tuple[str, np.ndar
         yield from out.items()
 
 
-def _hf_arrays(plan, dtypes) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_arrays(plan, dtypes, packed=frozenset()) -> Iterator[tuple[str, np.ndarray]]:
     from convert.entries import build
 
     for entry in plan.entries:
         if entry.kind == "extra":
             continue
-        arrays, _ = build(entry, plan.sources, plan.target_shapes(entry), dtypes=[dtypes[t] for t in entry.targets],
-                          keep_quant=False, fp8_block=plan.fp8_block)
-        yield from arrays.items()
+        keep = entry.form == "mxfp4" and entry.targets[0] in packed
+        arrays, _ = build(entry, plan.sources, plan.target_shapes(entry),
+                          dtypes=[dtypes.get(t) for t in entry.targets], keep_quant=keep, fp8_block=plan.fp8_block)
+        yield from ((n, _as_u8(a) if keep else a) for n, a in arrays.items())

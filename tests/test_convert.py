@@ -203,14 +203,11 @@ def _expected_k3(hf: dict, cfg) -> dict:
                 rows = w[h * (n_ + v_):(h + 1) * (n_ + v_)]
                 k_up[:, h, :], v_up[:, h, :] = rows[:n_].T, rows[n_:].T
             want[base + "k_up_proj"], want[base + "v_up_proj"] = k_up, v_up
-        elif ".experts." in t:
+        elif ".experts." in t:  # MXFP4 experts load packed, stacked in the HF [E, out, in/2] / [E, out, in/32] layout
             pre, rest = t.split(".experts.")
             e, which, kind = rest.split(".")
-            if kind != "weight_packed":
-                continue
-            scale = hf[name.replace("weight_packed", "weight_scale")]
-            key = pre + "." + which
-            want.setdefault(key, {})[int(e)] = _mxfp4(w, scale).T
+            suffix = {"weight_packed": "_packed", "weight_scale": "_scale"}[kind]
+            want.setdefault(pre + "." + which + suffix, {})[int(e)] = w
         elif t.endswith("block_sparse_moe.gate.weight"):
             want[t[: -len(".weight")]] = w.T
         elif t.endswith("e_score_correction_bias"):

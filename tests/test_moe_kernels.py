@@ -123,6 +123,73 @@ def test_weight_forms_and_errors():
     assert ops.resolve_backend("mgpu", quantized=True) == "gpu"
 
 
+def _run_ptx(ptx: str, regs: dict) -> dict:
+    """A NumPy model of the few PTX instructions `mx.DECODE_PTX` uses (mov, and, shr, prmt in its default mode,
+    lop3, fma.rn.bf16x2), run over its text: checks the tables, selectors and operand numbering without a GPU."""
+    import ml_dtypes
+
+    def val(t):
+        return regs[t] if t in regs else int(t, 0)
+
+    def bf(u16):
+        return float(np.array([u16], np.uint16).view(ml_dtypes.bfloat16)[0])
+
+    for line in ptx.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            r = val(a[1])
+        elif op == "and.b32":
+            r = val(a[1]) & val(a[2])
+        elif op == "shr.u32":
+            r = val(a[1]) >> val(a[2])
+        elif op == "prmt.b32":  # output byte i = pool[sel_i & 7], or its sign replicated when sel_i & 8
+            pool = [(val(a[1]) >> 8 * i) & 255 for i in range(4)] + [(val(a[2]) >> 8 * i) & 255 for i in range(4)]
+            r = 0
+            for i in range(4):
+                sel = (val(a[3]) >> 4 * i) & 15
+                b = pool[sel & 7]
+                r |= ((255 if b & 128 else 0) if sel & 8 else b) << 8 * i
+        elif op == "lop3.b32":
+            x, y, z, lut = (val(t) for t in a[1:])
+            r = sum(((lut >> ((((x >> i) & 1) << 2) | (((y >> i) & 1) << 1) | ((z >> i) & 1))) & 1) << i
+                    for i in range(32))
+        elif op == "fma.rn.bf16x2":
+            x, y, z = (val(t) for t in a[1:])
+            r = 0
+            for h in range(2):
+                f = bf((x >> 16 * h) & 0xFFFF) * bf((y >> 16 * h) & 0xFFFF) + bf((z >> 16 * h) & 0xFFFF)
+                r |= int(np.array([f], ml_dtypes.bfloat16).view(np.uint16)[0]) << 16 * h
+        else:
+            raise AssertionError(f"instruction {op} not modelled")
+        regs[a[0]] = r & 0xFFFFFFFF
+    return regs
+
+
+def test_mxfp4_ptx_decode_is_exact():
+    """`mx.DECODE_PTX` (modelled instruction by instruction) and its jnp twin give e2m1 · 2^(S−127) exactly for
+    every byte and E8M0 codes 2..248; in the PTX, $0..$3 = lo(b0,b1), lo(b2,b3), hi(b0,b1), hi(b2,b3)."""
+    scales = [2, 60, 100, 118, 127, 128, 140, 200, 248]
+    h = np.asarray(mx.scale_half_bf16(jnp.asarray(scales, jnp.uint8))).view(np.uint16).astype(np.int64)
+    for S, hs in zip(scales, h):
+        for w0 in range(0, 256, 4):
+            regs = _run_ptx(mx.DECODE_PTX, {"$4": w0 | (w0 + 1) << 8 | (w0 + 2) << 16 | (w0 + 3) << 24,
+                                            "$5": hs | hs << 16, "$6": hs | hs << 16})
+            got = np.array([regs[f"${i}"] for i in range(4)], np.uint32).view(np.uint16)
+            b = np.arange(w0, w0 + 4)
+            want = np.concatenate([mx.E2M1_VALUES[b & 15], mx.E2M1_VALUES[b >> 4]]) * 2.0 ** (S - 127)
+            np.testing.assert_array_equal(got.view(jnp.bfloat16).astype(np.float64), want, err_msg=f"S={S}")
+    p = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (len(scales), 1))
+    lo, hi = mx.decode_lo_hi_bf16_ref(p, jnp.broadcast_to(mx.scale_half_bf16(jnp.asarray(scales, jnp.uint8))[:, None],
+                                                           p.shape))
+    mult = 2.0 ** (np.asarray(scales)[:, None] - 127.0)
+    np.testing.assert_array_equal(np.asarray(lo, np.float64), mx.E2M1_VALUES[np.arange(256) & 15][None] * mult)
+    np.testing.assert_array_equal(np.asarray(hi, np.float64), mx.E2M1_VALUES[np.arange(256) >> 4][None] * mult)
+
+
 CONFIGS = {
     ("gpu", "bf16"): gpu.GpuConfig(bm=32, bn=64, bk=64),
     ("gpu", "mxfp4"): gpu.GpuConfig(bm=32, bn=128, bk=128, dequant="3d"),
@@ -154,7 +221,9 @@ def test_grouped_matmul_kernels_match_ragged_dot(backend, kind):
 
 
 @pytest.mark.parametrize("cfg", [gpu.GpuConfig(bm=16, bn=64, bk=256, swap_ab=True, dequant="2d"),
-                                 gpu.GpuConfig(bm=16, bn=32, bk=64, swap_ab=True, dequant="3d")])
+                                 gpu.GpuConfig(bm=16, bn=32, bk=64, swap_ab=True, dequant="3d"),
+                                 gpu.GpuConfig(bm=16, bn=32, bk=128, dequant="asm"),
+                                 gpu.GpuConfig(bm=16, bn=64, bk=64, swap_ab=True, dequant="bf16")])
 def test_gpu_kernel_variants_mxfp4(cfg):
     sizes = [20, 0, 30, 5]
     E, K, N, M = len(sizes), 256, 64, 64
@@ -307,3 +376,89 @@ def test_expert_parallel_on_8_devices_matches_one_device():
     for tag in ("2x4 allgather", "2x4 ragged", "8x1 allgather", "8x1 ragged", "8x1 allgather gpu-kernel",
                 "replicated tokens", "ep_moe"):
         assert f"{tag} ok" in out.stdout, out.stdout
+
+
+def test_mxfp4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
+    """A tiny K3.1 checkpoint with MXFP4 experts, converted (`--dtype keep`) and loaded: the routed experts stay
+    uint8 model parameters in the checkpoint's own layout (no dequantised copy), the plan's MXFP4 byte count is
+    what is held, and the logits equal those of the model loaded with the experts dequantised at load time — on
+    the reference backend (dequantise per call inside the jitted forward) and through the GPU kernel (interpreted).
+    Loading the Hugging Face directory directly keeps them packed as well."""
+    import dataclasses
+
+    from convert import convert
+    from convert.synthetic import write_k3_checkpoint
+    from kimi_jax import checkpoint
+    from kimi_jax.config import get_preset
+    from kimi_jax.kernels import KernelConfig
+    from kimi_jax.model import _flat, abstract_params
+    from kimi_jax.plan import count_params, weight_bytes
+
+    cfg = get_preset("tiny")
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, latent_size=64))  # MXFP4 groups of 32 divide the width
+    hf, conv = tmp_path / "hf", tmp_path / "jax"
+    write_k3_checkpoint(str(hf), cfg, seed=1, dtype="F32", shard_bytes=200_000)
+    convert(str(hf), str(conv), dtype="keep", progress=False)
+
+    ref = KernelConfig(moe="reference")  # bit-for-bit comparisons on any platform
+    packed = checkpoint.load(str(conv), kernels=ref)
+    plain = checkpoint.load(str(conv), mxfp4_experts="dequantize", kernels=ref)
+    flat_q, flat_p = _flat(packed.params), _flat(plain.params)
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    assert moe_layers
+    E, F, L = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.moe.latent_size
+    for i in moe_layers:
+        pre = f"layers.{i}.block_sparse_moe."
+        assert not any(k in flat_q for k in (pre + "w1", pre + "w2", pre + "w3"))
+        for w, (n, k) in (("w1", (F, L)), ("w3", (F, L)), ("w2", (L, F))):
+            assert flat_q[pre + w + "_packed"].dtype == jnp.uint8 and flat_q[pre + w + "_packed"].shape == (E, n, k // 2)
+            assert flat_q[pre + w + "_scale"].dtype == jnp.uint8 and flat_q[pre + w + "_scale"].shape == (E, n, k // 32)
+            assert flat_p[pre + w].dtype == jnp.float32
+    # abstract_params / param_count describe the logical (plain) model; the plan's "release" bytes for the routed
+    # experts are exactly the packed + scale bytes the loaded model holds
+    assert set(abstract_params(cfg)) == set(flat_p)
+    counts = count_params(cfg)
+    routed = {k: n for k, n in counts["sizes"].items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3")}
+    held = sum(v.size for k, v in flat_q.items() if k.endswith(("_packed", "_scale")))
+    assert weight_bytes(cfg, routed, "release") == held
+
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+    want = plain.logits(ids)
+    np.testing.assert_array_equal(packed.logits(ids), want)  # same values, same ragged_dot: same bits
+    direct = checkpoint.load(str(hf), kernels=ref)
+    assert _flat(direct.params)[f"layers.{moe_layers[0]}.block_sparse_moe.w1_packed"].dtype == jnp.uint8
+    np.testing.assert_array_equal(direct.logits(ids), want)
+    kern = checkpoint.load(str(conv), kernels=KernelConfig(moe="gpu", moe_interpret=True))
+    np.testing.assert_allclose(kern.logits(ids), want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+
+
+def _has_gpu():
+    try:
+        return any(d.platform in ("gpu", "cuda") for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cfg", [None, gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="asm"),
+                                 gpu.GpuConfig(bm=16, bn=64, bk=256, swap_ab=True, dequant="asm"),
+                                 gpu.GpuConfig(bm=64, bn=128, bk=128, dequant="asm"),
+                                 gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="bf16")])
+def test_gpu_mxfp4_decode_on_device(cfg):
+    """The PTX decode compiled for the GPU: MXFP4 grouped matmul (decode-sized and larger groups, an empty one,
+    uncovered tail rows) against ragged_dot on the exactly dequantised weights, and the model's expert FFN."""
+    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
+    E, K, N, M = len(sizes), 1024, 512, 160
+    x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
+    w = mx.random_weight(jax.random.key(12), E, K, N)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
+    got = jax.jit(lambda a, b, g: ops.grouped_matmul(a, b, g, backend="gpu", config=cfg))(x, w, gs)
+    assert _rel(got, want) < 1e-4
+    assert not np.asarray(got[sum(sizes):]).any()
+    if cfg is None:
+        xf, idx, wt, ws, ws_ref = _ffn_case("mxfp4")
+        ref = reference.expert_ffn(xf, idx, wt, *ws_ref, situ)
+        out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *ws)
+        assert _rel(out, ref) < 2e-2

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import ops as moe_ops
 
 from ..config import MoEConfig
@@ -53,8 +54,19 @@ def route(x_nd, router_de, bias_e, cfg: MoEConfig):
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down
+
+
 class MoE(nnx.Module):
-    """Routed experts + shared experts; with `latent_size`, routed experts run in a latent space (K3)."""
+    """Routed experts + shared experts; with `latent_size`, routed experts run in a latent space (K3).
+
+    Routed expert weights come in one of two formats (`expert_format`):
+    * "plain": `w1`, `w3` `[E, width, F]` and `w2` `[E, F, width]` in `dtype` (K-major, `[E, K, N]`);
+    * "mxfp4" (after `use_mxfp4_experts`, how a checkpoint with MXFP4 experts loads): `<w>_packed` uint8
+      `[E, N, K/2]` and `<w>_scale` uint8 E8M0 `[E, N, K/32]`, the checkpoint's own arrays. The forward hands them
+      to the MoE kernels, which decode them tile by tile (the reference backend dequantises per call inside the
+      jitted forward); no dequantised copy is ever stored.
+    """
 
     def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  kernels: KernelConfig = KernelConfig()):
@@ -69,6 +81,7 @@ class MoE(nnx.Module):
         self.w1 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # gate
         self.w3 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # up
         self.w2 = nnx.Param(normal_init(rngs, (E, F, width), F ** -0.5, dtype))  # down
+        self.expert_format = "plain"
         if cfg.latent_size:
             self.routed_expert_down_proj = Linear(hidden, width, rngs=rngs, dtype=dtype)
             self.routed_expert_up_proj = Linear(width, hidden, rngs=rngs, dtype=dtype)
@@ -76,13 +89,35 @@ class MoE(nnx.Module):
         self.shared_experts = (DenseMLP(hidden, cfg.shared_intermediate_size, act, rngs=rngs, dtype=dtype)
                                if cfg.num_shared_experts else None)
 
+    def use_mxfp4_experts(self):
+        """Swap the plain expert arrays for MXFP4 parameters (`<w>_packed` uint8 `[E, N, K/2]`, `<w>_scale` uint8
+        `[E, N, K/32]`), zero-filled. Meant for an abstract module (`nnx.eval_shape`) that a loader then fills;
+        the parameter paths equal the converted checkpoint's stored names (`layers.L.block_sparse_moe.w1_packed`)."""
+        if self.expert_format == "mxfp4":
+            return
+        for name in EXPERT_WEIGHTS:
+            E, K, N = getattr(self, name).shape
+            if K % mx.GROUP:
+                raise ValueError(f"MXFP4 experts need the input width of {name} ({K}) to be a multiple of {mx.GROUP}")
+            delattr(self, name)
+            setattr(self, name + "_packed", nnx.Param(jnp.zeros((E, N, K // 2), jnp.uint8)))
+            setattr(self, name + "_scale", nnx.Param(jnp.zeros((E, N, K // mx.GROUP), jnp.uint8)))
+        self.expert_format = "mxfp4"
+
+    def expert_weights(self):
+        """(gate, up, down): dense `[E, K, N]` arrays, or `mx.MXFP4Weight`s as the MoE ops take them."""
+        if self.expert_format == "mxfp4":
+            return tuple(mx.MXFP4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
+                         for n in EXPERT_WEIGHTS)
+        return tuple(getattr(self, n)[...] for n in EXPERT_WEIGHTS)
+
     def __call__(self, x_btd):
         cfg = self.cfg
         B, T, D = x_btd.shape
         x = x_btd.reshape(B * T, D)
         w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
         xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
-        y = moe_ops.expert_ffn(xr, idx, w, self.w1[...], self.w3[...], self.w2[...], self.act,
+        y = moe_ops.expert_ffn(xr, idx, w, *self.expert_weights(), self.act,
                                backend=self.backend, interpret=self.interpret).astype(x.dtype)
         if cfg.latent_size:
             if self.routed_expert_norm is not None:

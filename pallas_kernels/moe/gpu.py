@@ -11,7 +11,9 @@ store, so no load or store ever leaves the arrays and x needs no padding.
 
 Options:
 * Dense weights `[E, K, N]` (bf16) or MXFP4 (`MXFP4Weight`, packed `[E, N, K/2]` + E8M0 `[E, N, K/32]`): the packed
-  tile is decoded in registers (`mxfp4.decode_lo_hi_f16`), never the whole weight. x is split once (in XLA) into
+  tile is decoded in registers, never the whole weight — by default with inline PTX byte permutes straight to
+  scaled bf16 (`mxfp4.DECODE_PTX`, < 2 integer ops per element; the interpreter runs its jnp twin), or with the
+  older f16 bit trick (`dequant="2d"/"3d"`, `mxfp4.decode_lo_hi_f16`). x is split once (in XLA) into
   its even and odd input elements, so the nibbles need no interleaving: out += x_even @ W_lo^T + x_odd @ W_hi^T.
 * Two weights (gate, up) with `activation(g, u)` applied to the two fp32 accumulators before the single store:
   the gated FFN's first half in one kernel, h written once in bf16. On an H200 at K3 shapes this measured 0.92x
@@ -55,7 +57,13 @@ class GpuConfig:
     num_warps: int = 8
     num_stages: int = 3
     swap_ab: bool = False
-    dequant: str = "2d"  # MXFP4 tile decode: "2d" (scales expanded to the tile) or "3d" (broadcast, [bn, bk/32, 16])
+    # MXFP4 tile decode: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`), "bf16" (the same
+    # numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales broadcast [bn, bk/32, 16])
+    dequant: str = "asm"
+
+
+# The decode used by `default_config` for MXFP4 weights; "2d" was the default before the PTX decode (bench/RESULTS.md).
+MXFP4_DECODE = "asm"
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -71,16 +79,19 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
     bf16, ~146 rows per expert (K3 prefill): 128x256x64 tiles, 8 warps, 3 stages (389 TFLOP/s; 64-row tiles, 128x128
     and deeper pipelines were slower). Two weights (gate+up) hold two accumulators and two weight pipelines, so they
     get 128x128 tiles (the two-weight kernel measured 0.92x the two single matmuls; see `ops.FUSE_GATE_UP`).
-    MXFP4: the tile decode, not the MMA or HBM, is the limit, so one row tile covers a whole decode-sized group
-    (bm >= rows per expert, up to 64) and each weight tile is decoded once; "2d" decode, 64x256 weight tiles,
-    4 warps (1.34 TB/s at 8 rows per expert; 3d decode, wider/deeper tiles, 8 warps and swap_ab were slower)."""
+    MXFP4: the tile decode, not the MMA or HBM, was the limit, so one row tile covers a whole decode-sized group
+    (bm >= rows per expert, up to 64) and each weight tile is decoded once; 64x256 weight tiles, 4 warps (with the
+    f16-trick "2d" decode: 1.34 TB/s at 8 rows per expert; 3d decode, wider/deeper tiles, 8 warps and swap_ab were
+    slower). The decode is now `MXFP4_DECODE` ("asm": PTX byte permutes, ~4x fewer ops per element); its block
+    shapes are to be re-swept on the H200 (bench/moe.py --sweep)."""
     avg = m_rows / max(num_groups, 1)
     if quantized:
+        dq = MXFP4_DECODE
         if avg <= 32:
-            return GpuConfig(bm=_pow2_at_least(avg, 16, 32), bn=64, bk=256, num_warps=4, num_stages=3, dequant="2d")
+            return GpuConfig(bm=_pow2_at_least(avg, 16, 32), bn=64, bk=256, num_warps=4, num_stages=3, dequant=dq)
         if avg <= 64:
-            return GpuConfig(bm=64, bn=128, bk=128, num_warps=4, num_stages=3, dequant="2d")
-        return GpuConfig(bm=128, bn=128 if n_w == 1 else 64, bk=128, num_warps=8, num_stages=3, dequant="2d")
+            return GpuConfig(bm=64, bn=128, bk=128, num_warps=4, num_stages=3, dequant=dq)
+        return GpuConfig(bm=128, bn=128 if n_w == 1 else 64, bk=128, num_warps=8, num_stages=3, dequant=dq)
     if avg <= 32:  # bf16 decode: 4.26 TB/s of weights at 8 rows per expert
         return GpuConfig(bm=_pow2_at_least(avg, 16, 32), bn=64, bk=128, num_warps=4, num_stages=4, swap_ab=True)
     if n_w == 2:
@@ -107,10 +118,16 @@ def _dot_tt(a, b):  # a [k, m]ᵀ · b [n, k]ᵀ -> [m, n]
     return jax.lax.dot_general(a, b, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype):
+def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype, interpret: bool = False):
     """One expert's (bn, bk) weight tile from MXFP4, as (even, odd) element halves `[bn, bk/2]` in `dtype`."""
     bn, kh, ks = cfg.bn, cfg.bk // 2, cfg.bk // mx.GROUP
     sb = s_ref[g, pl.ds(n0, bn), pl.ds(kk * ks, ks)]
+    if cfg.dequant in ("asm", "bf16"):  # scaled bf16 straight from the codes; the interpreter runs the jnp twin
+        pb = p_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * kh, kh), kh)]
+        h = mx.expand_scale(mx.scale_half_bf16(sb))
+        dec = mx.decode_lo_hi_bf16_asm if cfg.dequant == "asm" and not interpret else mx.decode_lo_hi_bf16_ref
+        lo, hi = dec(pb, h)
+        return lo.astype(dtype), hi.astype(dtype)
     if cfg.dequant == "3d":  # packed viewed as [E, N, K/32, 16]: one scale per [.., 16] row, broadcast in registers
         pb = p_ref[g, pl.ds(n0, bn), pl.ds(kk * ks, ks), :]
         sc = mx.scale_f32(sb, mx.F16_TRICK_EXP)[:, :, None]
@@ -123,7 +140,7 @@ def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype):
 
 
 def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: int, M: int, K: int,
-            n_blocks: int, quantized: bool, n_w: int, activation, fill_uncovered: bool):
+            n_blocks: int, quantized: bool, n_w: int, activation, fill_uncovered: bool, interpret: bool = False):
     o_ref = refs[-1]
     x_refs = refs[:2] if quantized else refs[:1]  # MXFP4: x split into even / odd input elements
     w_refs = refs[len(x_refs):-1]
@@ -152,7 +169,7 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
                 xe = x_refs[0][pl.ds(ws, bm), pl.ds(k0, kh)]
                 xo = x_refs[1][pl.ds(ws, bm), pl.ds(k0, kh)]
                 for i in range(n_w):
-                    wl, wh = _decode_tile(w_refs[2 * i], w_refs[2 * i + 1], g, n0, kk, cfg, xe.dtype)
+                    wl, wh = _decode_tile(w_refs[2 * i], w_refs[2 * i + 1], g, n0, kk, cfg, xe.dtype, interpret)
                     if cfg.swap_ab:
                         new.append(accs[i] + _dot_nt(wl, xe) + _dot_nt(wh, xo))
                     else:
@@ -218,7 +235,8 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
     else:
         xs, arrays = [x], list(weights)
     kernel = functools.partial(_kernel, cfg=cfg, E=E, M=Mp, K=K, n_blocks=n_blocks, quantized=quantized,
-                               n_w=len(weights), activation=activation, fill_uncovered=fill_uncovered)
+                               n_w=len(weights), activation=activation, fill_uncovered=fill_uncovered,
+                               interpret=bool(interpret))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype),

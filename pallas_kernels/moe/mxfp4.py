@@ -133,6 +133,111 @@ def decode_lo_hi_f32(p_u8):
     return _e2m1_f32(p & 0x0F), _e2m1_f32(p >> 4)
 
 
+# ------------------------------------------------------------------------- fast GPU decode: byte permutes in PTX
+# Why: the jnp decode above costs ~8 integer/float ops per element in Triton plus f32 round trips; at decode-sized
+# groups that, not HBM, bounds the MXFP4 grouped matmul (bench/RESULTS.md). The PTX below turns one 32-bit word of
+# packed codes (8 elements) into four bf16x2 registers, already scaled, in 15 integer ops (and, shr, prmt, lop3) and
+# 6 bf16x2 FMAs — under 2 integer ops per element:
+#   1. a 16-entry signed lookup through `prmt` (a byte permute whose selector nibbles are the codes): bytes
+#      q = 64 + 2·v for the e2m1 value v (two 8-entry pools for ±, picked per byte by the sign bit, which prmt's
+#      sign-replicate mode turns into a 0x80 / 0xFF byte mask for `lop3`);
+#   2. a second `prmt` places q under the byte 0x43: the bf16 bits 0x43qq are exactly 128 + q = 192 + 2·v;
+#   3. one `fma.rn.bf16x2`: (192 + 2·v)·h − 192·h with h = 2^(S−128) (half the E8M0 scale) = v·2^(S−127), exact
+#      (v·2^(S−127) has at most 2 significant bits), with h and −192·h from the scale operand.
+# Outputs follow the jnp decoders: `lo` = low nibbles (even input elements), `hi` = high nibbles (odd).
+# Limits: E8M0 codes S ≤ 1 decode as 0 (as `scale_f32` does for 0) and S ≥ 249 overflow; real checkpoints hold
+# neither. The same numbers in jnp (`decode_lo_hi_bf16_ref`) serve the interpreter and the tests; a NumPy model of
+# the exact instruction sequence (tests/test_moe_kernels.py) checks the tables and selectors below.
+
+LUT_POS = (0x43424140, 0x4C484644)  # bytes 64 + 2·|v| for codes 0..7 (|v| = 0, .5, 1, 1.5, 2, 3, 4, 6)
+LUT_NEG = (0x3D3E3F40, 0x34383A3C)  # bytes 64 − 2·|v|
+SEL_LO, SEL_HI = 0x4240, 0x4341  # [q(lo0), 0x43, q(lo1), 0x43] and [q(hi0), 0x43, q(hi1), 0x43]
+BF16X2_M192 = 0xC340C340  # (−192, −192)
+
+DECODE_PTX = f"""{{
+.reg .b32 d4pa, d4pb, d4na, d4nb, d4c80, d4c43, d4k, d4z, d4m, d4mh, d4wh, d4p, d4n, d4sg, d4q, d4qh, d4c01, d4c23;
+mov.b32 d4pa, {LUT_POS[0]:#010x};
+mov.b32 d4pb, {LUT_POS[1]:#010x};
+mov.b32 d4na, {LUT_NEG[0]:#010x};
+mov.b32 d4nb, {LUT_NEG[1]:#010x};
+mov.b32 d4c80, 0x80808080;
+mov.b32 d4c43, 0x43434343;
+mov.b32 d4k, {BF16X2_M192:#010x};
+mov.b32 d4z, 0;
+and.b32 d4m, $4, 0x77777777;
+shr.u32 d4wh, $4, 16;
+shr.u32 d4mh, d4m, 16;
+prmt.b32 d4p, d4pa, d4pb, d4m;
+prmt.b32 d4n, d4na, d4nb, d4m;
+prmt.b32 d4sg, d4c80, d4c80, $4;
+lop3.b32 d4q, d4p, d4n, d4sg, 0xD8;
+prmt.b32 d4p, d4pa, d4pb, d4mh;
+prmt.b32 d4n, d4na, d4nb, d4mh;
+prmt.b32 d4sg, d4c80, d4c80, d4wh;
+lop3.b32 d4qh, d4p, d4n, d4sg, 0xD8;
+fma.rn.bf16x2 d4c01, $5, d4k, d4z;
+fma.rn.bf16x2 d4c23, $6, d4k, d4z;
+prmt.b32 $0, d4q, d4c43, {SEL_LO:#06x};
+prmt.b32 $1, d4qh, d4c43, {SEL_LO:#06x};
+prmt.b32 $2, d4q, d4c43, {SEL_HI:#06x};
+prmt.b32 $3, d4qh, d4c43, {SEL_HI:#06x};
+fma.rn.bf16x2 $0, $0, $5, d4c01;
+fma.rn.bf16x2 $1, $1, $6, d4c23;
+fma.rn.bf16x2 $2, $2, $5, d4c01;
+fma.rn.bf16x2 $3, $3, $6, d4c23;
+}}"""
+
+
+def scale_half_bf16(s_u8):
+    """E8M0 codes -> bfloat16 h = 2^(S−128) (half the scale) from the exponent bits; S ≤ 1 gives 0."""
+    e = jnp.maximum(s_u8.astype(jnp.int32), 1) - 1
+    return jax.lax.bitcast_convert_type((e << 7).astype(jnp.uint16), jnp.bfloat16)
+
+
+def decode_lo_hi_bf16_ref(p_u8, h_bf16):
+    """`decode_lo_hi_bf16_asm` in jnp, same bits: (lo, hi) = e2m1 · 2h in bfloat16. `h_bf16` has p_u8's shape."""
+    lo, hi = decode_lo_hi_f32(p_u8)
+    s2 = h_bf16.astype(jnp.float32) * 2.0
+    return (lo * s2).astype(jnp.bfloat16), (hi * s2).astype(jnp.bfloat16)
+
+
+def decode_lo_hi_bf16_asm(p_u8, h_bf16):
+    """Packed bytes `[..., n]` uint8 and h = `scale_half_bf16` broadcast to the same shape -> (lo, hi) bfloat16
+    values (e2m1 · 2^(S−127)), through `DECODE_PTX` (Pallas Triton on CUDA only). Elementwise: each output depends
+    on its own byte and h only, so the result does not depend on how Triton groups elements into registers."""
+    return _decode_asm_p().bind(p_u8, h_bf16)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_asm_p():
+    """A two-result inline-asm primitive for the Pallas Triton lowering. Why not `pallas.triton.
+    elementwise_inline_asm`: its lowering (jax 0.10) wraps a multi-result op's result list as one value, so two
+    results fail to lower; this rule returns them as a list. Uses JAX's Triton lowering registry (private API)."""
+    from jax._src import core as jax_core
+    from jax._src.lib.triton import dialect as tt_dialect
+    from jax._src.pallas.triton import lowering as tt_lowering
+    from jax.interpreters import mlir
+
+    prim = jax_core.Primitive("moe_mxfp4_decode_ptx")
+    prim.multiple_results = True
+
+    @prim.def_abstract_eval
+    def _abstract(p, h):
+        if p.shape != h.shape or p.dtype != jnp.uint8 or h.dtype != jnp.bfloat16:
+            raise ValueError(f"decode_lo_hi_bf16_asm takes uint8 codes and bfloat16 scales of one shape, got "
+                             f"{p.dtype}{list(p.shape)} and {h.dtype}{list(h.shape)}")
+        return [jax_core.ShapedArray(p.shape, jnp.bfloat16)] * 2
+
+    @tt_lowering.register_lowering(prim)
+    def _lower(ctx, p, h):
+        types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, a) for a in ctx.avals_out]
+        res = tt_dialect.elementwise_inline_asm(types, DECODE_PTX, constraints="=r,=r,=r,=r,r,r,r", pure=True,
+                                                packed_element=4, args=[p, h])
+        return list(res)
+
+    return prim
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def random_weight(key, num_experts: int, in_features: int, out_features: int, scale_exp=(118, 126)) -> MXFP4Weight:
     """Random codes and E8M0 scales in `scale_exp` (weights of magnitude ~2^-9..2^-1): benches and tests."""
