@@ -48,13 +48,17 @@ def rel(a, b):
 
 
 def time_jax(fn, *args, reps=20, warm=3):
+    """Seconds per call: `reps` back-to-back dispatches and one sync (host dispatch overlaps device work, as it
+    does in a serving loop), median of 3 such rounds."""
     for _ in range(warm):
         jax.block_until_ready(fn(*args))
     ts = []
-    for _ in range(reps):
+    for _ in range(3):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
+        for _ in range(reps):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        ts.append((time.perf_counter() - t) / reps)
     return statistics.median(ts)
 
 
@@ -220,7 +224,15 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--tuning", default=None, help="JSON file with a `best_tuning` dict (bench/kda_gpu_diag.py) "
+                    "applied to pallas_kernels.kda.gpu.TUNING before timing")
     a = ap.parse_args()
+    if a.tuning and os.path.exists(a.tuning):
+        from pallas_kernels.kda import gpu
+        with open(a.tuning) as f:
+            best = json.load(f).get("best_tuning", {})
+        gpu.TUNING.update({k: v for k, v in best.items() if k in gpu.TUNING})
+        INFO["tuning"] = dict(gpu.TUNING)
     INFO["devices"] = [str(d) for d in jax.devices()]
     INFO["jax"] = jax.__version__
     try:

@@ -96,6 +96,37 @@ def test_chunk_table_varlen_alignment():
     np.testing.assert_array_equal(traced[1][6:], 0)
 
 
+def test_unit_lower_inverse_is_exact_even_for_parallel_keys():
+    """The loop-free (I + L)^-1 (products of (I + Nⁿ) + one Newton step) against float64, including nearly parallel
+    keys (large cancelling terms) and the all-ones worst case."""
+    dot = chunk_math.make_dot(jax.lax.Precision.HIGHEST)
+    r = np.random.default_rng(0)
+    base = r.standard_normal(64)
+    k = base + 0.05 * r.standard_normal((16, 64))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    for L in (np.tril(k @ k.T, -1), np.tril(np.ones((16, 16)), -1),
+              np.tril(r.standard_normal((16, 16)) * 0.3, -1)):
+        X = np.asarray(chunk_math.unit_lower_inverse(jnp.asarray(L, jnp.float32), dot), np.float64)
+        X_t = np.linalg.inv(np.eye(16) + L)
+        assert np.abs(X - X_t).max() <= 1e-5 * np.abs(X_t).max()
+
+
+@pytest.mark.parametrize("g_lo", [-5.0, -30.0])  # −5: every diagonal sub-block takes the one-matmul path; −30: none
+def test_intra_chunk_fast_paths_equal_exact(g_lo):
+    dot = chunk_math.make_dot(jax.lax.Precision.HIGHEST)
+    r = np.random.default_rng(1)
+    blk = lambda *s: [jnp.asarray(r.standard_normal(s) * 0.3, jnp.float32) for _ in range(4)]
+    qb, kb, vb = blk(16, 32), blk(16, 32), blk(16, 16)
+    gb = [jnp.asarray(r.uniform(g_lo, 0.0, (16, 32)), jnp.float32) for _ in range(4)]
+    bb = [jnp.asarray(r.uniform(0.0, 1.0, (16, 1)), jnp.float32) for _ in range(4)]
+    cs = lambda x: jnp.cumsum(x, axis=0)
+    a = chunk_math.intra_chunk(qb, kb, vb, gb, bb, dot=dot, cumsum0=cs)
+    b = chunk_math.intra_chunk(qb, kb, vb, gb, bb, dot=dot, cumsum0=cs, fast_diag=True, fast_inverse=True)
+    for x, y in [(a.W, b.W), (a.U, b.U), (list(a.Aqk.values()), list(b.Aqk.values()))]:
+        for u, w in zip(x, y):
+            np.testing.assert_allclose(w, u, rtol=2e-5, atol=2e-6 * float(jnp.abs(u).max()) + 1e-30)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # chunked prefill kernels (interpret mode)
 # ------------------------------------------------------------------------------------------------------------------
@@ -115,6 +146,22 @@ def test_chunk_varlen_fp32_strong_decay(backend):
     assert rel_rms(o, o_r) < BARS[jnp.float32]
     assert rel_rms(sf, s_r) < BARS[jnp.float32]
     np.testing.assert_allclose(sf[2], s0[2])  # the empty sequence keeps its initial state
+
+
+@pytest.mark.parametrize("tuning", [dict(split_o=True, fast_inverse=True, state_bv=16, out_bv=16),
+                                    dict(fast_diag=False)])
+@pytest.mark.parametrize("g_lo,g_hi", [(-30.0, -5.0), (-4.0, -0.01)])
+def test_gpu_chunk_variants_fp32(tuning, g_lo, g_hi):
+    """The GPU kernel's launch variants (split output kernel, loop-free inverse, exact diagonal loop) on varlen fp32,
+    with strong decay (exact diagonal path) and K3-range decay (one-matmul diagonal path)."""
+    from pallas_kernels.kda import gpu
+    q, k, v, g, beta = inputs(16, 1, 150, 2, 32, 16, g_lo, g_hi, jnp.float32)
+    N = len(CU_MANY) - 1
+    s0 = jnp.asarray(np.random.default_rng(17).standard_normal((N, 2, 32, 16)), jnp.float32)
+    fn = lambda *a: gpu.chunk(*a[:5], CU_MANY, a[5], interpret=True, tuning=tuning)
+    o, sf = run_fast(fn, q, k, v, g, beta, s0)
+    o_r, s_r = R.recurrent_varlen(q, k, v, g, beta, CU_MANY, s0)
+    assert rel_rms(o, o_r) < BARS[jnp.float32] and rel_rms(sf, s_r) < BARS[jnp.float32]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -219,6 +266,8 @@ def test_gpu_kernels_lower_to_triton():
     f = lambda *a: gpu.chunk(*a[:5], cu, a[5], A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="lower_bound")
     txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("xla.gpu.triton") >= 2
+    f3 = lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=dict(split_o=True, fast_inverse=True))
+    assert jax.jit(f3).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 3
     dec = lambda *a: gpu.recurrent(*a[:5], a[5], a[6], A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="plain")
     dargs = (_sds((8, 1, H, d)),) * 3 + (_sds((8, 1, H, d)), _sds((8, 1, H)), _sds((16, H, d, d), jnp.float32),
                                          _sds((8,), jnp.int32))

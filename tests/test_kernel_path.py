@@ -1,10 +1,20 @@
-"""Model integration of the kernels: the tiny model's logits through the Pallas kernels (TPU kernels in interpret
-mode on CPU: KDA chunked prefill and the MoE grouped matmul) equal the jnp-reference path."""
+"""Model integration of the kernels: the tiny model's logits through the Pallas kernels (run in interpret mode on
+CPU) equal the jnp-reference path — prefill, prefill continued from a cache (KDA initial state), and step-by-step
+decode (slot-addressed recurrent kernel, cache donated)."""
 
 import numpy as np
+import pytest
 
 import kimi_jax
 from kimi_jax.kernels import KernelConfig
+
+BAR = 1e-4  # max |Δlogit| relative to max |logit| (fp32 model)
+
+
+def _close(kernels, reference):
+    err = float(np.abs(kernels - reference).max() / np.abs(reference).max())
+    assert err <= BAR, err
+    assert (kernels.argmax(-1) == reference.argmax(-1)).all()
 
 
 def test_tpu_kernel_path_logits_equal_reference_path(tiny_model):
@@ -12,6 +22,32 @@ def test_tpu_kernel_path_logits_equal_reference_path(tiny_model):
     reference = tiny_model.logits(ids)  # CPU: "auto" resolves to the jnp reference
     kernel_model = kimi_jax.load_model("tiny", kernels=KernelConfig(kda="tpu_interpret", moe="tpu",
                                                                      moe_interpret=True))
-    kernels = kernel_model.logits(ids)
-    assert np.abs(kernels - reference).max() <= 1e-4 * np.abs(reference).max()
-    assert (kernels.argmax(-1) == reference.argmax(-1)).all()
+    _close(kernel_model.logits(ids), reference)
+
+
+def _prefill_continue_decode(model, ids, n_first, n_second, n_decode):
+    """Logits of: prefill ids[:, :n_first]; prefill the next n_second tokens onto that cache; then n_decode
+    teacher-forced decode steps. Returns a list of float32 arrays."""
+    out = []
+    total = n_first + n_second + n_decode
+    lg, cache = model.prefill(ids[:, :n_first], total)
+    out.append(np.asarray(lg))
+    lg, cache = model.prefill(ids[:, n_first:n_first + n_second], cache=cache)
+    out.append(np.asarray(lg))
+    for t in range(n_first + n_second, total):
+        lg, cache = model.decode_step(cache, ids[:, t])
+        out.append(np.asarray(lg))
+    return out
+
+
+@pytest.mark.parametrize("kda", ["gpu_interpret"])
+def test_gpu_kda_kernel_path_equals_reference_path(tiny_model, kda):
+    """GPU (Pallas Triton) KDA kernels in interpret mode: T = 70 (not a multiple of 64, two chunks), a continued
+    prefill (initial state from the cache) and decode steps."""
+    ids = np.random.RandomState(1).randint(0, 1000, (2, 80))
+    kernel_model = kimi_jax.load_model("tiny", kernels=KernelConfig(kda=kda, moe="reference"))
+    _close(kernel_model.logits(ids[:, :70]), tiny_model.logits(ids[:, :70]))
+    ref = _prefill_continue_decode(tiny_model, ids, 11, 57, 3)
+    ker = _prefill_continue_decode(kernel_model, ids, 11, 57, 3)
+    for a, b in zip(ker, ref):
+        _close(a, b)

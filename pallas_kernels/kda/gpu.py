@@ -10,6 +10,13 @@ Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned t
              W = T(β k e^Γ), U = T(β v), kg = k e^{Γ_last−Γ}, qg = q e^Γ; writes them in the input dtype.
   B `state`  grid (dv/BV, H, sequences), sequential over the sequence's chunks with the state [dk, BV] in registers:
              Vn = U − W S;  O = qg S + Aqk Vn;  S ← e^{Γ_last} S + kgᵀ Vn.
+  Variants (`TUNING`, chosen by measurement, bench/kda_gpu_diag.py): `fast_diag` forms a diagonal 16×16 block with
+  one matmul around a midpoint reference row when its decay range is ≤ 80 (always for the K3 gate; a run-time
+  `lax.cond` keeps the exact loop otherwise); `fast_inverse` inverts diagonal blocks loop-free
+  (chunk_math.unit_lower_inverse); `split_o` moves O out of the serial kernel B into a parallel kernel
+  C  grid (chunks, H, dv/BV): B stores the state entering each chunk (h) and Vn, C computes O = qg h + Aqk Vn.
+Precision: fp32 inputs use Precision.HIGHEST dots, which the Triton lowering emits as IEEE fp32 (1e-4 bar); bf16
+inputs use the default (TF32 in kernel A, bf16 tensor cores with fp32 accumulation in B/C).
 Decode = one launch, grid (B, H, dv/BV): the state slice is read from and written back to the pool at the slot id
 (aliased, so it is in place under donation); the gate can be computed in-kernel from raw f, A_log and dt_bias.
 """
@@ -32,6 +39,30 @@ from . import chunk_math as M
 C = 64
 SUB = M.SUB
 HP = jax.lax.Precision.HIGHEST
+
+
+# Launch configuration, by measurement on the H200 (bench/kda_gpu_diag.py sweeps these; callers may override per call
+# through `tuning=`). intra_*: kernel A; state_*: kernel B; out_*: kernel C (only with split_o); dec_*: decode.
+TUNING = dict(
+    fast_diag=True,      # diagonal 16×16 blocks by one matmul when the decay range allows (chunk_math.FAST_DIAG_RANGE)
+    fast_inverse=False,  # diagonal blocks of (I+Akk)^-1 by chunk_math.unit_lower_inverse instead of substitution
+    intra_warps=4, intra_stages=1,
+    state_bv=64, state_warps=4, state_stages=2,
+    split_o=False,       # True: kernel B only carries the state (stores it per chunk + Vn); kernel C forms O in parallel
+    out_bv=64, out_warps=4, out_stages=2,
+    dec_bv=32, dec_warps=None,  # None: 4 warps for tiles of ≥ 4096 elements, else 2
+    intra_only=False,    # diagnostics: `chunk` returns kernel A's outputs (W, U, kg, qg, Aqk, Γ_last) and stops
+)
+
+
+def _tuning(overrides):
+    t = dict(TUNING)
+    if overrides:
+        unknown = set(overrides) - set(t)
+        if unknown:
+            raise ValueError(f"unknown KDA GPU tuning keys {sorted(unknown)}")
+        t.update(overrides)
+    return t
 
 
 def available() -> bool:
@@ -65,7 +96,8 @@ def _precision(dtype):
 # ------------------------------------------------------------------------------------------------------------------
 
 def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref,
-                  w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gl_ref, *, scale, precision, gate_form, lower_bound):
+                  w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gl_ref, *, scale, precision, gate_form, lower_bound,
+                  fast_diag, fast_inverse):
     j = pl.program_id(0)
     h = pl.program_id(1)
     st = start_ref[j]
@@ -96,7 +128,8 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, 
         gb.append(g)
         bb.append(_load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None])
 
-    it = M.intra_chunk(qb, kb, vb, gb, bb, dot=dot, cumsum0=lambda x: jnp.cumsum(x, axis=0), exact_dot=exact_dot)
+    it = M.intra_chunk(qb, kb, vb, gb, bb, dot=dot, cumsum0=lambda x: jnp.cumsum(x, axis=0), exact_dot=exact_dot,
+                       fast_diag=fast_diag, fast_inverse=fast_inverse)
     for i in range(NS):
         rows = pl.ds(st + i * SUB, SUB)
         valid, mk, mv = masks[i]
@@ -156,13 +189,75 @@ def _state_kernel(chunk0_ref, nch_ref, start_ref, len_ref, w_ref, u_ref, kg_ref,
     _store(sf_ref.at[n, h, :, cols], S)
 
 
+def _state_only_kernel(chunk0_ref, nch_ref, start_ref, len_ref, w_ref, u_ref, kg_ref, gl_ref, s0_ref,
+                       h_ref, vn_ref, sf_ref, *, BV, precision, mm_dtype, has_init):
+    """Kernel B of the split form: only the serial state chain. Per chunk j it stores the state entering the chunk
+    (h [NCH, H, dk, dv] in mm_dtype) and Vn = U − W S ([Ttot, H, dv]); kernel C forms O from them in parallel."""
+    vb = pl.program_id(0)
+    h = pl.program_id(1)
+    n = pl.program_id(2)
+    dk = w_ref.shape[-1]
+    cols = pl.ds(vb * BV, BV)
+    c0 = chunk0_ref[n]
+    nc = nch_ref[n]
+    r64 = jnp.arange(C, dtype=jnp.int32)
+    dot = M.make_dot(precision)
+    if has_init:
+        S = _load(s0_ref.at[n, h, :, cols]).astype(jnp.float32)
+    else:
+        S = jnp.zeros((dk, BV), jnp.float32)
+
+    def body(c, S):
+        j = c0 + c
+        st = start_ref[j]
+        valid = r64 < len_ref[j]
+        rows = pl.ds(st, C)
+        mk = jnp.broadcast_to(valid[:, None], (C, dk))
+        mv = jnp.broadcast_to(valid[:, None], (C, BV))
+        W = _load(w_ref.at[rows, h, :], mk).astype(mm_dtype)
+        U = _load(u_ref.at[rows, h, cols], mv).astype(jnp.float32)
+        kg = _load(kg_ref.at[rows, h, :], mk).astype(mm_dtype)
+        gl = _load(gl_ref.at[j, h, :]).astype(jnp.float32)
+        Sm = S.astype(mm_dtype)
+        _store(h_ref.at[j, h, :, cols], Sm.astype(h_ref.dtype))
+        Vm = (U - dot(W, Sm)).astype(mm_dtype)
+        _store(vn_ref.at[rows, h, cols], Vm.astype(vn_ref.dtype), mv)
+        return S * jnp.exp(gl)[:, None] + dot(kg, Vm, trans_a=True)
+
+    S = jax.lax.fori_loop(0, nc, body, S)
+    _store(sf_ref.at[n, h, :, cols], S)
+
+
+def _out_kernel(start_ref, len_ref, qg_ref, aqk_ref, vn_ref, h_ref, o_ref, *, BV, precision, mm_dtype):
+    """Kernel C of the split form, grid (chunks, H, dv/BV), fully parallel: O = qg S_j + Aqk Vn."""
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    cols = pl.ds(pl.program_id(2) * BV, BV)
+    dk = qg_ref.shape[-1]
+    st = start_ref[j]
+    valid = jnp.arange(C, dtype=jnp.int32) < len_ref[j]
+    rows = pl.ds(st, C)
+    mk = jnp.broadcast_to(valid[:, None], (C, dk))
+    mv = jnp.broadcast_to(valid[:, None], (C, BV))
+    ma = jnp.broadcast_to(valid[:, None], (C, C))
+    dot = M.make_dot(precision)
+    qg = _load(qg_ref.at[rows, h, :], mk).astype(mm_dtype)
+    A = _load(aqk_ref.at[rows, h, :], ma).astype(mm_dtype)
+    Vn = _load(vn_ref.at[rows, h, cols], mv).astype(mm_dtype)
+    Sm = _load(h_ref.at[j, h, :, cols]).astype(mm_dtype)
+    O = dot(qg, Sm) + dot(A, Vn)
+    _store(o_ref.at[rows, h, cols], O.astype(o_ref.dtype), mv)
+
+
 def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log=None, dt_bias=None,
-          gate_form=None, lower_bound=-5.0, interpret=False, block_v=64):
+          gate_form=None, lower_bound=-5.0, interpret=False, tuning=None):
     """Packed prefill on GPU. q, k, g `[1, Ttot, H, dk]`, v `[1, Ttot, H, dv]`, beta `[1, Ttot, H]`.
 
     With `gate_form` set, `g` is the raw forget projection f and the gate is computed inside kernel A.
     Returns (o `[1, Ttot, H, dv]` in v.dtype, final states `[N, H, dk, dv]` float32). dk, dv: powers of two ≥ 16.
+    `tuning`: overrides of `TUNING` (launch shapes, split_o, fast_diag).
     """
+    tune = _tuning(tuning)
     _, Tt, H, dk = q.shape
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
@@ -181,25 +276,51 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
              jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
              jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)]
     W, U, kg, qg, Aqk, gl = pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale, precision=prec, gate_form=gate_form, lower_bound=lower_bound),
+        functools.partial(_intra_kernel, scale=scale, precision=prec, gate_form=gate_form, lower_bound=lower_bound,
+                          fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
         grid=(NCH, H),
         out_shape=out_a,
-        compiler_params=_params(num_warps=4, num_stages=1),
+        compiler_params=_params(num_warps=tune["intra_warps"], num_stages=tune["intra_stages"]),
         interpret=interpret,
         name="kda_intra",
     )(tab.start, tab.length, q[0], k[0], v[0], g[0], beta[0], a, dtb)
+    if tune["intra_only"]:
+        return W, U, kg, qg, Aqk, gl
 
-    BV = min(block_v, dv)
+    BV = min(tune["state_bv"], dv)
     has_init = initial_state is not None
     s0 = initial_state.astype(jnp.float32) if has_init else jnp.zeros((1, 1, 1, 1), jnp.float32)
-    o, sf = pl.pallas_call(
-        functools.partial(_state_kernel, BV=BV, precision=prec, mm_dtype=idt, has_init=has_init),
+    state_params = _params(num_warps=tune["state_warps"], num_stages=tune["state_stages"])
+    if not tune["split_o"]:
+        o, sf = pl.pallas_call(
+            functools.partial(_state_kernel, BV=BV, precision=prec, mm_dtype=idt, has_init=has_init),
+            grid=(dv // BV, H, N),
+            out_shape=[jax.ShapeDtypeStruct((Tt, H, dv), v.dtype),
+                       jax.ShapeDtypeStruct((N, H, dk, dv), jnp.float32)],
+            compiler_params=state_params,
+            interpret=interpret,
+            name="kda_state",
+        )(tab.seq_chunk0, tab.seq_nchunks, tab.start, tab.length, W, U, kg, qg, Aqk, gl, s0)
+        return o[None], sf
+    # split form: B carries the state only; C (parallel over chunks) forms the output
+    hs, vn, sf = pl.pallas_call(
+        functools.partial(_state_only_kernel, BV=BV, precision=prec, mm_dtype=idt, has_init=has_init),
         grid=(dv // BV, H, N),
-        out_shape=[jax.ShapeDtypeStruct((Tt, H, dv), v.dtype), jax.ShapeDtypeStruct((N, H, dk, dv), jnp.float32)],
-        compiler_params=_params(num_warps=4, num_stages=2),
+        out_shape=[jax.ShapeDtypeStruct((NCH, H, dk, dv), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt),
+                   jax.ShapeDtypeStruct((N, H, dk, dv), jnp.float32)],
+        compiler_params=state_params,
         interpret=interpret,
-        name="kda_state",
-    )(tab.seq_chunk0, tab.seq_nchunks, tab.start, tab.length, W, U, kg, qg, Aqk, gl, s0)
+        name="kda_state_only",
+    )(tab.seq_chunk0, tab.seq_nchunks, tab.start, tab.length, W, U, kg, gl, s0)
+    BVo = min(tune["out_bv"], dv)
+    o = pl.pallas_call(
+        functools.partial(_out_kernel, BV=BVo, precision=prec, mm_dtype=idt),
+        grid=(NCH, H, dv // BVo),
+        out_shape=jax.ShapeDtypeStruct((Tt, H, dv), v.dtype),
+        compiler_params=_params(num_warps=tune["out_warps"], num_stages=tune["out_stages"]),
+        interpret=interpret,
+        name="kda_out",
+    )(tab.start, tab.length, qg, Aqk, vn, hs)
     return o[None], sf
 
 
@@ -234,11 +355,13 @@ def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, 
 
 
 def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None, dt_bias=None, gate_form=None,
-              lower_bound=-5.0, interpret=False, block_v=32):
+              lower_bound=-5.0, interpret=False, tuning=None):
     """Decode T tokens (T small, unrolled) for B sequences against `state_pool[slot_ids]` `[S, H, dk, dv]` fp32.
 
     The pool is aliased to the second output: donate it under jit for an in-place update.
     """
+    tune = _tuning(tuning)
+    block_v = tune["dec_bv"]
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
@@ -256,7 +379,7 @@ def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None,
         out_shape=[jax.ShapeDtypeStruct((B, T, H, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={8: 1},
-        compiler_params=_params(num_warps=4 if dk * BV >= 4096 else 2, num_stages=1),
+        compiler_params=_params(num_warps=tune["dec_warps"] or (4 if dk * BV >= 4096 else 2), num_stages=1),
         interpret=interpret,
         name="kda_decode",
     )(slot_ids.astype(jnp.int32), q, k, v, g, beta, a, dtb, state_pool.astype(jnp.float32))

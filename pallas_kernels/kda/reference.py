@@ -12,6 +12,15 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 
+# Products in true float32 on every platform: the definition must not inherit the platform's default matmul precision
+# (TF32 on Hopper GPUs: 3e-4 relative error, which the tiny model's top-k choices amplified to a 0.3 logit mismatch).
+PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _einsum(*operands):
+    return jnp.einsum(*operands, precision=PRECISION)
+
+
 def _zeros_state(q, v):
     B, _, H, dk = q.shape
     return jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
@@ -31,9 +40,9 @@ def recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv=None,
     def step(S_bhkv, x):
         q_bhk, k_bhk, v_bhv, g_bhk, b_bh = x
         S_bhkv = S_bhkv * jnp.exp(g_bhk)[..., None]
-        kS_bhv = jnp.einsum("bhk,bhkv->bhv", k_bhk, S_bhkv)
-        S_bhkv = S_bhkv + jnp.einsum("bhk,bhv->bhkv", k_bhk, b_bh[..., None] * (v_bhv - kS_bhv))
-        o_bhv = jnp.einsum("bhk,bhkv->bhv", q_bhk, S_bhkv)
+        kS_bhv = _einsum("bhk,bhkv->bhv", k_bhk, S_bhkv)
+        S_bhkv = S_bhkv + _einsum("bhk,bhv->bhkv", k_bhk, b_bh[..., None] * (v_bhv - kS_bhv))
+        o_bhv = _einsum("bhk,bhkv->bhv", q_bhk, S_bhkv)
         return S_bhkv, o_bhv
 
     S, o_tbhv = jax.lax.scan(step, S0, xs)
@@ -73,17 +82,17 @@ def chunk(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv=None, sca
         # pairwise decays exp(Γ_r − Γ_c), masked to c ≤ r BEFORE the exp so no positive exponent is ever taken
         diff_bhcck = G[..., :, None, :] - G[..., None, :, :]
         decay = jnp.exp(jnp.where(lower[:, :, None], diff_bhcck, -jnp.inf))
-        Akk = jnp.einsum("bhrk,bhck,bhrck->bhrc", k_bhck, k_bhck, decay) * b_bhc[..., :, None]
+        Akk = _einsum("bhrk,bhck,bhrck->bhrc", k_bhck, k_bhck, decay) * b_bhc[..., :, None]
         Akk = jnp.where(strictly_lower, Akk, 0.0)
-        Aqk = jnp.where(lower, jnp.einsum("bhrk,bhck,bhrck->bhrc", q_bhck, k_bhck, decay), 0.0)
+        Aqk = jnp.where(lower, _einsum("bhrk,bhck,bhrck->bhrc", q_bhck, k_bhck, decay), 0.0)
         unit_lower = Akk + eye  # T = (I + Akk)^-1, applied by a triangular solve
         eG = jnp.exp(G)
         W = solve_triangular(unit_lower, b_bhc[..., None] * k_bhck * eG, lower=True, unit_diagonal=True)
         U = solve_triangular(unit_lower, b_bhc[..., None] * v_bhcv, lower=True, unit_diagonal=True)
-        Vn = U - jnp.einsum("bhck,bhkv->bhcv", W, S_bhkv)
-        O = jnp.einsum("bhck,bhkv->bhcv", q_bhck * eG, S_bhkv) + jnp.einsum("bhrc,bhcv->bhrv", Aqk, Vn)
+        Vn = U - _einsum("bhck,bhkv->bhcv", W, S_bhkv)
+        O = _einsum("bhck,bhkv->bhcv", q_bhck * eG, S_bhkv) + _einsum("bhrc,bhcv->bhrv", Aqk, Vn)
         G_last = G[..., -1:, :]  # [B, H, 1, dk]
-        S_new = jnp.exp(G_last[..., 0, :])[..., None] * S_bhkv + jnp.einsum(
+        S_new = jnp.exp(G_last[..., 0, :])[..., None] * S_bhkv + _einsum(
             "bhck,bhcv->bhkv", k_bhck * jnp.exp(G_last - G), Vn)
         return S_new, O
 
@@ -161,9 +170,9 @@ def recurrent_varlen(q_1thk, k_1thk, v_1thv, g_1thk, beta_1th, cu_seqlens_n1, in
         q_hk, k_hk, v_hv, g_hk, b_h, n, start, last = x
         S_hkv = jnp.where(start, S0[n], S_hkv)
         S_hkv = S_hkv * jnp.exp(g_hk)[..., None]
-        kS_hv = jnp.einsum("hk,hkv->hv", k_hk, S_hkv)
-        S_hkv = S_hkv + jnp.einsum("hk,hv->hkv", k_hk, b_h[:, None] * (v_hv - kS_hv))
-        o_hv = jnp.einsum("hk,hkv->hv", q_hk, S_hkv)
+        kS_hv = _einsum("hk,hkv->hv", k_hk, S_hkv)
+        S_hkv = S_hkv + _einsum("hk,hv->hkv", k_hk, b_h[:, None] * (v_hv - kS_hv))
+        o_hv = _einsum("hk,hkv->hv", q_hk, S_hkv)
         finals = jnp.where(last, finals.at[n].set(S_hkv), finals)
         return (S_hkv, finals), o_hv
 

@@ -1,0 +1,339 @@
+"""One-shot GPU diagnostics for the KDA kernels (run on the H200 host before bench/kda.py; ≈ 3–4 min).
+
+    python3 bench/kda_gpu_diag.py [--budget SECONDS]
+
+Prints one compact line per check and writes $OUT/kda_diag.json (with the chosen tuning in `best_tuning`), so that
+`bench/kda.py --tuning $OUT/kda_diag.json` times the fastest measured configuration. Sections:
+
+  1. precision   tiny and K3 shapes, fp32: our kernel, the XLA reference (`reference.chunk`) with HIGHEST products
+                 (now) and at the platform default (the old reference: TF32 on Hopper), all against a float64 numpy
+                 recurrence (ground truth);
+                 compiled Triton kernel vs the same kernel in Pallas interpret mode on the device (lowering fidelity);
+                 decode with / without the pool donated.
+  2. model       tiny model logits, kernel path vs reference path, with the reference's products at the platform
+                 default (the old reference: TF32) and at HIGHEST (now); prefill → continued prefill → 3 decode steps.
+  3. prefill     T = 8K, H = 96, d = 128, bf16: kernel A alone, the whole op, for a small sweep of TUNING
+                 (fast_diag, intra_warps, split_o, state_bv, state_warps); the fastest is kept.
+  4. decode      B = 64 and 256: HLO copies around the aliased pool (donation check), time per step with pipelined
+                 dispatch, sweep of (dec_bv, dec_warps); state bytes/s vs a plain device copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.kda import gpu, ops, reference as R  # noqa: E402
+
+T0 = time.time()
+RES: dict = {}
+BUDGET = [330.0]
+
+
+def left():
+    return BUDGET[0] - (time.time() - T0)
+
+
+def say(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def rel(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(b, np.float64) if isinstance(b, np.ndarray) else np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+def section(name):
+    def deco(fn):
+        def run(*a, **k):
+            if left() < 20:
+                say(f"{name}: skipped (budget)")
+                RES[name] = "skipped"
+                return None
+            try:
+                return fn(*a, **k)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                RES[name + "_error"] = repr(e)[:400]
+        return run
+    return deco
+
+
+def np_recurrence(q, k, v, g, beta, s0=None, scale=None):
+    """float64 ground truth of SPEC §4 (uniform batch). Returns (o [B,T,H,dv], S [B,H,dk,dv])."""
+    q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, g, beta))
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    S = np.zeros((B, H, dk, dv)) if s0 is None else np.asarray(s0, np.float64).copy()
+    o = np.zeros((B, T, H, dv))
+    for t in range(T):
+        S = S * np.exp(g[:, t])[..., None]
+        kS = np.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + np.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t][..., None] * (v[:, t] - kS))
+        o[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
+    return o, S
+
+
+def make(seed, B, T, H, dk, dv, dtype=jnp.float32, lo=-5.0, hi=-0.01):
+    r = np.random.default_rng(seed)
+    q = R.l2norm(jnp.asarray(r.standard_normal((B, T, H, dk)), jnp.float32)).astype(dtype)
+    k = R.l2norm(jnp.asarray(r.standard_normal((B, T, H, dk)), jnp.float32)).astype(dtype)
+    v = jnp.asarray(r.standard_normal((B, T, H, dv)), jnp.float32).astype(dtype)
+    g = jnp.asarray(r.uniform(lo, hi, (B, T, H, dk)), jnp.float32)
+    beta = jnp.asarray(r.uniform(0.05, 1.0, (B, T, H)), jnp.float32)
+    return q, k, v, g, beta
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+@section("precision")
+def precision_checks():
+    out = {}
+    for label, (B, T, H, d) in {"tiny": (2, 70, 2, 16), "k3": (1, 300, 4, 128)}.items():
+        q, k, v, g, beta = make(1, B, T, H, d, d)
+        s0 = jnp.asarray(np.random.default_rng(2).standard_normal((B, H, d, d)) * 0.1, jnp.float32)
+        o_t, s_t = np_recurrence(q, k, v, g, beta, s0)
+        ker = jax.jit(lambda *a: ops.chunk(*a[:5], initial_state=a[5], backend="gpu"))
+        ref_c = jax.jit(lambda *a: R.chunk(*a[:5], a[5]))
+        ref_r = jax.jit(lambda *a: R.recurrent(*a[:5], a[5]))
+        args = (q, k, v, g, beta, s0)
+        o, s = ker(*args)
+        row = {"kernel": (rel(o, o_t), rel(s, s_t))}
+        o2, s2 = ref_c(*args)
+        row["ref_chunk"] = (rel(o2, o_t), rel(s2, s_t))
+        row["kernel_vs_ref_chunk"] = rel(o, np.asarray(o2, np.float64))
+        R.PRECISION = None  # the old reference: platform default matmul precision (TF32 on Hopper)
+        try:
+            o3, s3 = jax.jit(lambda *a: R.chunk(*a[:5], a[5]))(*args)
+        finally:
+            R.PRECISION = jax.lax.Precision.HIGHEST
+        row["ref_chunk_platform_default(old)"] = (rel(o3, o_t), rel(s3, s_t))
+        row["kernel_vs_old_ref_chunk"] = rel(o, np.asarray(o3, np.float64))
+        o5, s5 = ref_r(*args)
+        row["ref_recurrent_default"] = (rel(o5, o_t), rel(s5, s_t))
+        # compiled Triton vs the same kernel through the Pallas interpreter on this device
+        if T <= 100:
+            oi, si = jax.jit(lambda *a: ops.chunk(*a[:5], initial_state=a[5], backend="gpu_interpret"))(*args)
+            row["compiled_vs_interpret"] = (rel(o, np.asarray(oi, np.float64)), rel(s, np.asarray(si, np.float64)))
+        # fused-gate + split + exact-diag variants
+        for tn in (({"fast_diag": False}, {"split_o": True}, {"fast_inverse": True}) if label == "tiny" else ()):
+            o6, s6 = jax.jit(lambda *a, tn=tn: gpu.chunk(*[x.reshape((1, -1) + x.shape[2:]) for x in a[:5]],
+                                                        np.arange(B + 1) * T, a[5], tuning=tn))(*args)
+            row["kernel_" + ",".join(f"{a}={b}" for a, b in tn.items())] = (rel(o6[0].reshape(o_t.shape), o_t),
+                                                                             rel(s6, s_t))
+        out[label] = row
+        say(f"precision {label}: " + json.dumps(row, default=lambda x: f"{x:.2e}"))
+    # decode: donated vs not, vs float64
+    B, H, d = 8, 4, 128
+    q, k, v, g, beta = make(3, B, 2, H, d, d)
+    pool = jnp.asarray(np.random.default_rng(4).standard_normal((B + 3, H, d, d)) * 0.1, jnp.float32)
+    slots = jnp.asarray(np.random.default_rng(5).permutation(B + 3)[:B], jnp.int32)
+    o_t, s_t = np_recurrence(q, k, v, g, beta, np.asarray(pool)[np.asarray(slots)])
+    f = lambda *a: ops.recurrent(*a[:5], a[5], slot_ids=a[6], backend="gpu")
+    o1, p1 = jax.jit(f)(q, k, v, g, beta, pool, slots)
+    o2, p2 = jax.jit(f, donate_argnums=5)(q, k, v, g, beta, jnp.array(pool), slots)
+    out["decode"] = dict(plain=(rel(o1, o_t), rel(p1[slots], s_t)), donated=(rel(o2, o_t), rel(p2[slots], s_t)),
+                         untouched_equal=bool(np.array_equal(np.asarray(p2)[np.setdiff1d(np.arange(B + 3), slots)],
+                                                             np.asarray(pool)[np.setdiff1d(np.arange(B + 3), slots)])))
+    say("precision decode: " + json.dumps(out["decode"], default=lambda x: f"{x:.2e}"))
+    RES["precision"] = out
+
+
+@section("model")
+def model_checks():
+    import kimi_jax
+    from kimi_jax.kernels import KernelConfig
+    ids = np.random.RandomState(0).randint(0, 1000, (2, 80))
+
+    def seq(m):
+        lg = [np.asarray(m.logits(ids[:, :70]))]
+        l1, c = m.prefill(ids[:, :11], 80)
+        lg.append(np.asarray(l1))
+        l2, c = m.prefill(ids[:, 11:68], cache=c)
+        lg.append(np.asarray(l2))
+        for t in range(68, 71):
+            l3, c = m.decode_step(c, ids[:, t])
+            lg.append(np.asarray(l3))
+        return lg
+
+    out = {}
+    ker = kimi_jax.load_model("tiny", kernels=KernelConfig(kda="gpu", moe="reference"))
+    a = seq(ker)
+    for prec in ("old_reference_platform_default", "reference_highest"):
+        R.PRECISION = None if prec.startswith("old") else jax.lax.Precision.HIGHEST
+        try:
+            ref = kimi_jax.load_model("tiny", kernels=KernelConfig(kda="reference", moe="reference"))
+            b = seq(ref)
+        finally:
+            R.PRECISION = jax.lax.Precision.HIGHEST
+        errs = [float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b)]
+        agree = float((a[0].argmax(-1) == b[0].argmax(-1)).mean())
+        out[prec] = dict(max_rel_logit_err=[f"{e:.2e}" for e in errs], argmax_agree=agree)
+        say(f"model, kernel path vs {prec}: logits [2,70], prefill 11, +57, 3 decode steps: max rel err "
+            f"{[f'{e:.1e}' for e in errs]}, argmax agree {agree:.3f}")
+    RES["model"] = out
+
+
+def time_fn(fn, *args, n=10):
+    """Median-free pipelined timing: n back-to-back dispatches, one sync (dispatch overlaps execution)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(n):
+        r = fn(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t) / n
+
+
+@section("prefill")
+def prefill_sweep():
+    T, H, D = 8192, 96, 128
+    r = np.random.default_rng(0)
+    q = R.l2norm(jnp.asarray(r.standard_normal((1, T, H, D)), jnp.float32)).astype(jnp.bfloat16)
+    k = R.l2norm(jnp.asarray(r.standard_normal((1, T, H, D)), jnp.float32)).astype(jnp.bfloat16)
+    v = jnp.asarray(r.standard_normal((1, T, H, D)), jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(jnp.asarray(r.standard_normal((1, T, H, D)), jnp.float32) * 2.0 - 1.0)
+    beta = jax.nn.sigmoid(jnp.asarray(r.standard_normal((1, T, H)), jnp.float32))
+    cu = np.array([0, T])
+    o_ref, s_ref = jax.jit(lambda *a: R.chunk(*a))(q.astype(jnp.float32), k.astype(jnp.float32),
+                                                   v.astype(jnp.float32), g, beta)
+    results = []
+
+    def run(tn, intra_only=False):
+        tn = dict(tn, intra_only=intra_only)
+        f = jax.jit(lambda *a: gpu.chunk(*a, cu, None, tuning=tn))
+        t = time_fn(f, q, k, v, g, beta)
+        err = None
+        if not intra_only:
+            o, s = f(q, k, v, g, beta)
+            err = (rel(o, o_ref), rel(s, s_ref))
+        return t, err
+
+    base = dict(gpu.TUNING)
+    intra = [dict(fast_diag=False, fast_inverse=False, intra_warps=4),
+             dict(fast_diag=True, fast_inverse=False, intra_warps=4),
+             dict(fast_diag=True, fast_inverse=True, intra_warps=4),
+             dict(fast_diag=True, fast_inverse=True, intra_warps=8),
+             dict(fast_diag=True, fast_inverse=True, intra_warps=2)]
+    best_a, best_t = {}, 1e9
+    for tn in intra:
+        if left() < 60:
+            break
+        t, _ = run(tn, intra_only=True)
+        say(f"prefill 8K kernel A {tn}: {t * 1e3:.2f} ms")
+        results.append(dict(kernel="A", tuning=tn, ms=t * 1e3))
+        if t < best_t:
+            best_a, best_t = tn, t
+    whole = [dict(), dict(split_o=True), dict(state_bv=32), dict(split_o=True, state_bv=32),
+             dict(state_warps=8, state_bv=128), dict(split_o=True, state_bv=32, out_bv=128, out_warps=8)]
+    best, best_w = dict(best_a), 1e9
+    for tn in whole:
+        if left() < 40:
+            break
+        tt = dict(best_a, **tn)
+        t, err = run(tt)
+        ok = err[0] < 5e-3 and err[1] < 5e-3
+        say(f"prefill 8K whole {tt}: {t * 1e3:.2f} ms = {T / t / 1e6:.2f} M tok/s (A {best_t * 1e3:.2f} ms), "
+            f"rel err o {err[0]:.1e} state {err[1]:.1e}{'' if ok else ' FAIL'}")
+        results.append(dict(kernel="whole", tuning=tt, ms=t * 1e3, err=err))
+        if ok and t < best_w:
+            best, best_w = tt, t
+    RES["prefill"] = results
+    RES.setdefault("best_tuning", {}).update({k: v for k, v in best.items() if k in base})
+    say(f"prefill best: {best} {best_w * 1e3:.2f} ms")
+
+
+@section("decode")
+def decode_sweep():
+    H, D = 96, 128
+    out = []
+    best, best_t = {}, {}
+    for B in (64, 256):
+        q, k, v, g, beta = make(7, B, 1, H, D, D, jnp.bfloat16)
+        S = B + 3
+        pool = jax.random.normal(jax.random.PRNGKey(B), (S, H, D, D), jnp.float32) * 0.1
+        slots = jnp.asarray(np.random.default_rng(B).permutation(S)[:B], jnp.int32)
+        o_r, p_r = R.recurrent_slots(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g, beta,
+                                     pool, slots)
+        nbytes = 2 * B * H * D * D * 4
+        cp = jax.jit(lambda x: x * 1.0000001)  # an XLA elementwise pass over the same state bytes (read + write)
+        xs = pool[slots]
+        t_cp = time_fn(cp, xs, n=20)
+        say(f"decode B={B}: XLA elementwise pass over the {nbytes / 2e6:.0f} MB state: {t_cp * 1e6:.0f} us "
+            f"({nbytes / t_cp / 1e12:.2f} TB/s)")
+        cfgs = [dict(dec_bv=32, dec_warps=None), dict(dec_bv=16, dec_warps=1), dict(dec_bv=32, dec_warps=2),
+                dict(dec_bv=64, dec_warps=4), dict(dec_bv=128, dec_warps=8), dict(dec_bv=8, dec_warps=1)]
+        for tn in cfgs:
+            if left() < 25:
+                break
+            step = jax.jit(lambda q, k, v, g, b, p, s, tn=tn: gpu.recurrent(q, k, v, g, b, p, s, tuning=tn),
+                           donate_argnums=5)
+            if tn is cfgs[0]:
+                hlo = step.lower(q, k, v, g, beta, pool, slots).compile().as_text()
+                ncopy = sum(1 for line in hlo.splitlines() if " copy(" in line or "copy-start" in line)
+                say(f"decode B={B}: copies in the compiled step (donated pool): {ncopy}")
+                out.append(dict(B=B, hlo_copies=ncopy))
+            p = jnp.array(pool)
+            o, p = step(q, k, v, g, beta, p, slots)
+            err = max(rel(o, o_r), rel(p[slots], p_r[slots]))
+            st = {"p": p}
+
+            def one():
+                o, st["p"] = step(q, k, v, g, beta, st["p"], slots)
+                return o
+
+            one()
+            jax.block_until_ready(st["p"])
+            n = 30
+            t = time.perf_counter()
+            for _ in range(n):
+                one()
+            jax.block_until_ready(st["p"])
+            t = (time.perf_counter() - t) / n
+            say(f"decode B={B} {tn}: {t * 1e6:.0f} us = {nbytes / t / 1e12:.2f} TB/s, rel err {err:.1e}")
+            out.append(dict(B=B, tuning=tn, us=t * 1e6, TBps=nbytes / t / 1e12, err=err))
+            if err < 5e-3 and t < best_t.get(B, 1e9):
+                best_t[B], best[B] = t, tn
+            del p, st
+    RES["decode"] = out
+    if 64 in best:
+        RES.setdefault("best_tuning", {}).update(best[64])
+        say(f"decode best at B=64: {best[64]}; at B=256: {best.get(256)}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=330.0)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: precision,model,prefill,decode")
+    a = ap.parse_args()
+    BUDGET[0] = a.budget
+    skip = set(a.skip.split(","))
+    say("devices", jax.devices(), "jax", jax.__version__)
+    out = os.environ.get("OUT")
+    for name, fn in (("precision", precision_checks), ("model", model_checks), ("prefill", prefill_sweep),
+                     ("decode", decode_sweep)):
+        if name not in skip:
+            fn()
+        if out:  # after every section: a timeout later still leaves what was measured
+            with open(os.path.join(out, "kda_diag.json"), "w") as f:
+                json.dump(RES, f, indent=1, default=str)
+    say("best_tuning", json.dumps(RES.get("best_tuning", {})))
+
+
+if __name__ == "__main__":
+    main()

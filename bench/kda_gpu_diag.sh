@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# KDA on the H200 in one go (≈ 6 min): diagnostics + tuning sweep (bench/kda_gpu_diag.py), then bench/kda.py with
+# the fastest measured tuning. Run from the repository root:  bash bench/kda_gpu_diag.sh
+# Writes $OUT/kda_diag.json, $OUT/kda.json and the two logs.
+set -u
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/kda_out}; export OUT; mkdir -p "$OUT"
+python3 -c "import fla" 2>/dev/null || pip install --no-deps -q --target /tmp/site .whl/fla_core-0.6.0-py3-none-any.whl
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+filter() { grep -v -e "Warning" -e "warnings.warn" ; }
+timeout 235 python3 bench/kda_gpu_diag.py --budget 225 2>&1 | filter | tee "$OUT/diag.log"
+timeout 125 python3 bench/kda.py --tuning "$OUT/kda_diag.json" 2>&1 | filter | tee "$OUT/bench.log"
