@@ -1,16 +1,34 @@
-"""Serving benchmark: throughput and latency under N concurrent streaming clients.
+"""Serving benchmark: throughput and latency under N concurrent streaming ``openai`` clients, and decode tokens/s
+against the bytes-per-step roofline.
 
-    python bench/serve.py                          # starts the tiny model in-process (CPU), clients 1, 8, 32
+    python bench/serve.py                      # CPU: the tiny model served in-process, clients 1, 8, 32
     python bench/serve.py --clients 1,4,16 --max-tokens 64 --prompt-tokens 128
-    python bench/serve.py --url http://127.0.0.1:8000 --model tiny   # an already running server
+    python bench/serve.py --url http://127.0.0.1:8000 --model tiny    # an already running server
+    python bench/serve.py --gpu                # one GPU: `python -m kimi_jax.serve --model kimi-k3.1-reduced` (bf16)
+    python bench/serve.py --launch tiny --max-num-seqs 8 --clients 1,8  # the --gpu machinery on CPU, small
 
-Each of N clients runs a closed loop of ``--requests-per-client`` streaming /v1/completions requests (prompt of
-exactly ``--prompt-tokens`` token ids, ``--max-tokens`` output tokens with ``ignore_eos``, temperature 0.8).  Per
-request: TTFT = first streamed chunk - send; TPOT = (last token - first token) / (tokens - 1); E2E.  Per level:
-output tokens/s (all clients' tokens / wall time), requests/s, TTFT and TPOT p50 / p99.
+Load: each of N clients runs a closed loop of ``--requests-per-client`` streaming /v1/completions requests through
+``openai.AsyncOpenAI`` (a prompt of exactly ``--prompt-tokens`` random token ids, ``--max-tokens`` output tokens with
+``ignore_eos``, temperature 0.8).  Per request: TTFT = first streamed token - send; TPOT = (last token - first
+token) / (completion tokens - 1).  Per level: output tokens/s (all clients' tokens / wall time), requests/s, TTFT and
+TPOT p50 / p99.
 
-Prints a table and a JSON document, and appends a dated entry to bench/RESULTS.md (created with a header when
-missing; entries are only ever appended).  ``--no-results`` skips the file.
+Decode roofline (whenever the model is known: in-process, --launch, --gpu).  While the level with the most clients
+runs, /stats is polled; the longest stretch in which every slot decodes and no prefill runs gives the steady-state
+decode tokens/s.  The roofline is the bytes one decode step must move -- every weight it reads (all non-expert
+weights, plus the routed experts the batch touches: E·(1 - (1 - k/E)^B) per MoE layer under uniform routing) plus
+the cache traffic (KDA state read + written, conv tails, MLA latent rows and index keys read for the context,
+the new rows written) -- over the device's measured copy bandwidth (max of an XLA copy and an elementwise pass, in
+a separate process before the server starts).  Bar (bench/BENCHMARKS.md, end to end): ours >= 50% of the roofline.
+
+``--gpu`` serves ``kimi-k3.1-reduced`` (kimi_jax/config.py: K3.1 at full width -- hidden 7168, 96 heads of 128,
+expert width 3072, latent 3584, top-16 -- 4 layers KDA, KDA, KDA, MLA all MoE, 128 experts instead of 896, vocab
+1024) in bf16 with 32 slots, from the real server process (``python -m kimi_jax.serve``), within ~7 minutes on one
+H200 including compilation.
+
+Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail`` last; writes the JSON document to ``$OUT``
+(serve.json, plus the server log) when set and to ``--json FILE``; appends a dated entry to bench/RESULTS.md unless
+``--no-results``.
 """
 
 from __future__ import annotations
@@ -19,78 +37,285 @@ import argparse
 import asyncio
 import datetime as _dt
 import json
+import math
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # run as a script from a checkout: import this checkout's kimi_jax
+    sys.path.insert(0, str(ROOT))
 RESULTS = HERE / "RESULTS.md"
 HEADER = """# Benchmark results
 
 Dated entries appended by the scripts in bench/ (newest last). Each entry names the script, the commit, the machine
 and the exact settings; numbers are only comparable within one machine.
 """
+BAR = 0.5  # decode tokens/s >= 50% of the bytes-per-step roofline (BENCHMARKS.md, "end to end")
+
+GPU_DEFAULTS = {  # --gpu: sized to run in one go in < 7 minutes on one H200, compilation included
+    "launch": "kimi-k3.1-reduced", "dtype": "bfloat16", "max_num_seqs": 32, "max_model_len": 512,
+    # prompts of 129 tokens = one 128-token prefill chunk + the last token through the decode step: one prefill
+    # program to compile, and every request prefills the same way
+    "prefill_chunk_sizes": "128", "prompt_tokens": 129, "max_tokens": 256, "clients": "1,32",
+    "requests_per_client": 1, "startup_timeout": 360,
+}
 
 
-async def _one_request(client, url, model, prompt_ids, max_tokens, seed):
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+# ================================================================================================== load
+async def _one_request(client, model, prompt_ids, max_tokens, seed):
     t0 = time.perf_counter()
-    token_times, usage = [], None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for ch in obj.get("choices", []):
-                if ch.get("finish_reason") is None:
-                    token_times.append(time.perf_counter())
+    first = last = None
+    usage = None
+    stream = await client.completions.create(
+        model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0.8, seed=seed, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices:
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
     t_end = time.perf_counter()
-    n = usage["completion_tokens"] if usage else len(token_times)
-    ttft = token_times[0] - t0 if token_times else float("nan")
-    tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1 else float("nan")
+    n = usage.completion_tokens if usage is not None else 0
+    ttft = first - t0 if first is not None else float("nan")
+    # tokens may share a chunk (a character split over tokens is held back), so count them from usage
+    tpot = (last - first) / (n - 1) if first is not None and n > 1 else float("nan")
     return {"ttft": ttft, "tpot": tpot, "e2e": t_end - t0, "tokens": n}
 
 
-async def run_level(url, model, clients, requests_per_client, prompt_tokens, max_tokens, vocab):
-    import httpx
+def get_json(url: str, timeout: float = 30) -> dict:
+    """GET a JSON document with the standard library (the GPU host's image carries no httpx; urllib raises
+    OSError for connection errors and HTTP errors alike)."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class StatsPoller:
+    """Samples GET /stats every `period` seconds while a level runs (engine counters for the decode rate)."""
+
+    def __init__(self, base_url: str, period: float = 0.05):
+        self.base_url, self.period, self.samples = base_url, period, []
+        self._task = None
+
+    async def _run(self):
+        while True:
+            try:
+                s = await asyncio.to_thread(get_json, self.base_url + "/stats")
+                s["t"] = time.perf_counter()
+                self.samples.append(s)
+            except Exception:  # noqa: BLE001 -- a missed sample only shortens the window
+                pass
+            await asyncio.sleep(self.period)
+
+    def start(self):
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self):
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+def decode_window(samples: list, slots: int) -> dict | None:
+    """Steady-state decode from /stats samples: the longest run of consecutive samples in which every slot is
+    decoding, nothing waits and no prefill chunk runs (a prefill between two samples ends the run).  Returns tokens/s
+    and ms per step over it, or None when the counters are missing or no run of two samples exists."""
+    keys = ("running_seqs", "num_requests_waiting", "num_prefill_chunks", "num_steps", "generation_tokens_total")
+    if not samples or any(k not in samples[0] for k in keys):
+        return None
+    runs, run = [], []
+    for s in samples:
+        full = s["running_seqs"] == slots and s["num_requests_waiting"] == 0
+        if run and (not full or s["num_prefill_chunks"] != run[-1]["num_prefill_chunks"]):
+            runs.append(run)
+            run = []
+        if full:
+            run.append(s)
+    runs.append(run)
+    runs = [r for r in runs if len(r) >= 2]
+    if not runs:
+        return None
+    best = max(runs, key=lambda r: r[-1]["t"] - r[0]["t"])
+    a, b = best[0], best[-1]
+    dt, steps = b["t"] - a["t"], b["num_steps"] - a["num_steps"]
+    toks = b["generation_tokens_total"] - a["generation_tokens_total"]
+    if dt <= 0 or steps <= 0:
+        return None
+    return {"seconds": dt, "steps": steps, "tokens": toks, "tok_s": toks / dt, "step_ms": 1e3 * dt / steps,
+            "gen_start": a["generation_tokens_total"], "gen_end": b["generation_tokens_total"]}
+
+
+async def run_level(base_url, model, clients, requests_per_client, prompt_tokens, max_tokens, vocab, poll=False):
+    import openai
 
     rng = np.random.default_rng(clients)
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def worker(w):
-            out = []
-            for i in range(requests_per_client):
-                ids = rng.integers(0, vocab, prompt_tokens).tolist()
-                out.append(await _one_request(client, url, model, ids, max_tokens, seed=w * 1000 + i))
-            return out
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    poller = StatsPoller(base_url) if poll else None
 
-        t0 = time.perf_counter()
+    async def worker(w):
+        out = []
+        for i in range(requests_per_client):
+            ids = rng.integers(0, vocab, prompt_tokens).tolist()
+            out.append(await _one_request(client, model, ids, max_tokens, seed=w * 1000 + i))
+        return out
+
+    if poller:
+        poller.start()
+    t0 = time.perf_counter()
+    try:
         per = await asyncio.gather(*(worker(w) for w in range(clients)))
+    finally:
         wall = time.perf_counter() - t0
+        if poller:
+            await poller.stop()
+        await client.close()
     reqs = [r for p in per for r in p]
     ttft = np.array([r["ttft"] for r in reqs])
     tpot = np.array([r["tpot"] for r in reqs if np.isfinite(r["tpot"])])
     tokens = sum(r["tokens"] for r in reqs)
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
-    return {"clients": clients, "requests": len(reqs), "wall_s": wall, "output_tok_s": tokens / wall,
-            "req_s": len(reqs) / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "tpot_p50_ms": 1e3 * pct(tpot, 50), "tpot_p99_ms": 1e3 * pct(tpot, 99),
-            "e2e_p50_s": pct(np.array([r["e2e"] for r in reqs]), 50)}
+    row = {"clients": clients, "requests": len(reqs), "wall_s": wall, "output_tok_s": tokens / wall,
+           "req_s": len(reqs) / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+           "tpot_p50_ms": 1e3 * pct(tpot, 50), "tpot_p99_ms": 1e3 * pct(tpot, 99),
+           "e2e_p50_s": pct(np.array([r["e2e"] for r in reqs]), 50)}
+    if poller:
+        row["_samples"] = poller.samples
+    return row
 
 
+# ================================================================================================== roofline
+COPY_SNIPPET = r"""
+import json, time, jax, jax.numpy as jnp
+n = (1 << 30) if jax.devices()[0].platform != "cpu" else (1 << 26)   # bf16 elements: 2 GiB (GPU) / 128 MiB (CPU)
+x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(jnp.bfloat16)
+progs = {"copy": jax.jit(lambda a: jnp.copy(a)), "elementwise": jax.jit(lambda a: a * 2 + 1)}
+out = {"device": str(jax.devices()[0]), "bytes": 2 * x.nbytes}
+for name, f in progs.items():
+    y = f(x); y.block_until_ready()
+    assert bool(jnp.all(y[:8] == (x[:8] if name == "copy" else x[:8] * 2 + 1)))
+    del y
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter(); y = f(x); y.block_until_ready(); ts.append(time.perf_counter() - t); del y
+    ts.sort()
+    out[name + "_gb_s"] = out["bytes"] / ts[len(ts) // 2] / 1e9
+print("COPY_JSON " + json.dumps(out))
+"""
+
+
+def measure_copy_bandwidth(env: dict) -> dict:
+    """Device copy bandwidth (read + write bytes / median time), in its own process so that its memory is gone
+    before the server starts; returns {'device', 'copy_gb_s', 'elementwise_gb_s', 'gb_s': the larger}."""
+    r = subprocess.run([sys.executable, "-c", COPY_SNIPPET], env=env, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("COPY_JSON ")), None)
+    if r.returncode or line is None:
+        raise RuntimeError(f"copy-bandwidth probe failed ({r.returncode}): {r.stderr[-2000:]}")
+    out = json.loads(line[len("COPY_JSON "):])
+    out["gb_s"] = max(out["copy_gb_s"], out["elementwise_gb_s"])
+    return out
+
+
+def step_bytes(cfg, dtype, batch: int, context: float, kv_itemsize: int | None = None) -> dict:
+    """Bytes one decode step of `batch` sequences with `context` cached tokens each must move (see the module doc).
+
+    From the abstract parameter shapes (nothing is materialised) and the cache layout of the engine: KDA state in
+    float32 [B, H, d, d] read and written; q/k/v conv tails [B, K-1, H·d] read and written; MLA latent rows
+    (kv_lora_rank + rope) and index keys read for min(context, topk) / context positions and one row each written.
+    """
+    import jax.numpy as jnp
+
+    from kimi_jax.model import abstract_params
+
+    params = abstract_params(cfg, jnp.dtype(dtype))
+    nb = lambda a: int(np.prod(a.shape)) * a.dtype.itemsize
+    experts = {k: v for k, v in params.items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
+               and ".block_sparse_moe." in k}
+    E, k = cfg.moe.num_experts, cfg.moe.top_k
+    touched = E * (1.0 - (1.0 - k / E) ** batch)  # expected distinct experts per MoE layer, uniform routing
+    expert_bytes = sum(nb(v) for v in experts.values()) * touched / E
+    embed = params["embed_tokens"]
+    dense_bytes = sum(nb(v) for n, v in params.items() if n not in experts and n != "embed_tokens")
+    dense_bytes += batch * embed.shape[1] * embed.dtype.itemsize  # only the looked-up rows of the embedding
+    act = jnp.dtype(dtype).itemsize
+    kv = kv_itemsize or act
+    cache = 0.0
+    for kind in cfg.layer_kinds:
+        if kind == "kda":
+            H, d, K = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel
+            cache += 2 * batch * H * d * d * 4 + 2 * 3 * batch * (K - 1) * H * d * act
+        else:
+            row = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+            di = cfg.indexer.head_dim if cfg.indexer is not None else 0
+            attended = min(context, cfg.indexer.topk) if cfg.indexer is not None else context
+            cache += batch * (attended * row * kv + context * di * kv + (row + di) * kv)
+    return {"weights": dense_bytes + expert_bytes, "dense_weights": dense_bytes, "expert_weights": expert_bytes,
+            "experts_touched_per_layer": touched, "cache": cache, "total": dense_bytes + expert_bytes + cache}
+
+
+# ================================================================================================== server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    """`python -m kimi_jax.serve` in a subprocess, its log in a file; ready once /health answers 200."""
+
+    def __init__(self, args, env: dict, log_path: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "kimi_jax.serve", "--model", args.launch, "--port", str(self.port),
+               "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+               "--prefill-chunk-sizes", args.prefill_chunk_sizes, "--mesh", args.mesh]
+        if args.dtype:
+            cmd += ["--dtype", args.dtype]
+        cmd += args.server_arg
+        self.cmd = cmd
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.tail()}")
+            try:
+                get_json(self.url + "/health", timeout=2)
+                return time.perf_counter() - t0
+            except (OSError, ValueError):  # not listening yet, or 503 while it starts
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s; log tail:\n{self.tail()}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+# ================================================================================================== report
 def _table(rows) -> str:
     cols = [("clients", "{:d}"), ("requests", "{:d}"), ("output_tok_s", "{:.1f}"), ("req_s", "{:.2f}"),
             ("ttft_p50_ms", "{:.0f}"), ("ttft_p99_ms", "{:.0f}"), ("tpot_p50_ms", "{:.1f}"), ("tpot_p99_ms", "{:.1f}"),
@@ -99,6 +324,20 @@ def _table(rows) -> str:
     sep = "|" + "|".join("---:" for _ in cols) + "|"
     body = ["| " + " | ".join(f.format(r[c]) for c, f in cols) + " |" for r in rows]
     return "\n".join([head, sep] + body)
+
+
+def _si(x: float) -> str:
+    """1.23e10 -> '12.3 G' (bytes and bytes/s in the table)."""
+    for unit, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= f:
+            return f"{x / f:.3g} {unit}"
+    return f"{x:.3g} "
+
+
+def _bar_table(entries) -> str:
+    """BENCHMARKS.md's table: name, shape, ours, peer, ratio, bar, pass/fail."""
+    head = "| name | shape | ours | peer | ratio | bar | pass/fail |\n|---|---|---:|---:|---:|---:|---|"
+    return "\n".join([head] + ["| " + " | ".join(str(x) for x in e) + " |" for e in entries])
 
 
 def _git_rev() -> str:
@@ -121,29 +360,96 @@ def append_results(entry: str) -> None:
         f.write("\n" + entry.rstrip() + "\n")
 
 
-def main(argv=None) -> int:
+# ================================================================================================== main
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="benchmark a running server (default: start the tiny model in-process)")
-    p.add_argument("--model", default="tiny", help="model name to send (default tiny)")
-    p.add_argument("--clients", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)")
-    p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="in-process server: cache slots (default 32)")
-    p.add_argument("--max-model-len", type=int, default=512, help="in-process server: tokens per slot (default 512)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--url", help="benchmark a running server (no roofline: the model is unknown here)")
+    src.add_argument("--launch", metavar="PRESET",
+                     help="start `python -m kimi_jax.serve --model PRESET` in a subprocess and benchmark it")
+    src.add_argument("--gpu", action="store_true",
+                     help="the H200 run: --launch kimi-k3.1-reduced --dtype bfloat16 and the settings of GPU_DEFAULTS "
+                          "(explicit options still win)")
+    p.add_argument("--model", default=None, help="model name to send (default: the preset, else tiny)")
+    p.add_argument("--clients", default=None, help="comma-separated concurrency levels (default 1,8,32; --gpu 1,32)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="default 4 (--gpu: 1)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (--gpu: 129)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 32 (--gpu: 256)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="server cache slots (default 32)")
+    p.add_argument("--max-model-len", type=int, default=None, help="server tokens per slot (default 512)")
+    p.add_argument("--prefill-chunk-sizes", default=None, help="server prefill chunks (default: the server's; "
+                                                               "--gpu: 128)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="server parameter dtype")
+    p.add_argument("--mesh", default="1x1", help="--launch: the server's --mesh (default 1x1)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="--launch: one more argument for the server, e.g. --server-arg=--kv-dtype=fp8 (repeat the "
+                        "option for several)")
+    p.add_argument("--startup-timeout", type=float, default=None, help="--launch: seconds to wait for /health "
+                                                                        "(default 900; --gpu 360)")
     p.add_argument("--prompt-vocab", type=int, default=1000,
-                   help="with --url: prompts are random ids below this (default 1000, the tiny model's text ids)")
+                   help="prompts are random ids below this (default 1000: the built-in tokenizer's text ids)")
     p.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
     p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
-    args = p.parse_args(argv)
-    levels = [int(x) for x in args.clients.split(",") if x.strip()]
+    return p
 
-    server = engine = None
-    setup = {}
+
+def _resolve(args):
+    """Fill unset options: --gpu's defaults, then the CPU defaults."""
+    if args.gpu:
+        for k, v in GPU_DEFAULTS.items():
+            if getattr(args, k) in (None, False):
+                setattr(args, k, v)
+    cpu = {"clients": "1,8,32", "requests_per_client": 4, "prompt_tokens": 64, "max_tokens": 32, "max_num_seqs": 32,
+           "max_model_len": 512, "startup_timeout": 900}
+    for k, v in cpu.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.model is None:
+        args.model = args.launch or "tiny"
+    return args
+
+
+def main(argv=None) -> int:
+    args = _resolve(build_parser().parse_args(argv))
+    levels = [int(x) for x in args.clients.split(",") if x.strip()]
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    # This process only does host work (HTTP clients, abstract shapes): keep its JAX on the CPU so that it never
+    # takes accelerator memory from the server.  The server and the copy probe get the caller's environment.
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in child_env.get("PYTHONPATH", "").split(
+        os.pathsep) if x])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    t_start = time.perf_counter()
+
+    server = engine = launched = None
+    setup, copy_bw, cfg = {}, None, None
     if args.url:
-        url, vocab = args.url.rstrip("/"), args.prompt_vocab
+        url = args.url.rstrip("/")
+    elif args.launch:
+        from kimi_jax.config import get_preset
+
+        cfg = get_preset(args.launch)
+        print("measuring copy bandwidth ...", flush=True)
+        copy_bw = measure_copy_bandwidth(child_env)
+        print(f"copy bandwidth on {copy_bw['device']}: copy {copy_bw['copy_gb_s']:.0f} GB/s, elementwise "
+              f"{copy_bw['elementwise_gb_s']:.0f} GB/s", flush=True)
+        log_path = (out_dir or Path("/tmp")) / "serve_server.log"
+        launched = LaunchedServer(args, child_env, log_path)
+        print(f"starting: {' '.join(launched.cmd)}  (log: {log_path})", flush=True)
+        try:
+            ready_s = launched.wait_ready(args.startup_timeout)
+        except RuntimeError:
+            launched.stop()
+            raise
+        url = launched.url
+        setup = {"server_cmd": " ".join(launched.cmd[1:]), "ready_s": round(ready_s, 1),
+                 "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+                 "dtype": args.dtype or "float32", "device": copy_bw["device"]}
+        print(f"server ready in {ready_s:.0f} s (load + compile)", flush=True)
     else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # in-process tiny server on CPU (the original mode of this script)
         import jax
 
         from kimi_jax.engine import Engine, EngineConfig
@@ -153,54 +459,110 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model, tok, name = load_for_serving(None, args.model)
         t_load = time.perf_counter() - t0
-        engine = Engine(model, tok, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+        cfg = model.config
+        kw = {}
+        if args.prefill_chunk_sizes:
+            kw["prefill_chunk_sizes"] = tuple(int(x) for x in args.prefill_chunk_sizes.split(","))
+        engine = Engine(model, tok, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                                 **kw))
         engine.start()
         server = ServerThread(build_app(engine, tok, model_name=name)).start()
-        url, vocab = server.url, tok.num_ranks
+        url = server.url
+        copy_bw = measure_copy_bandwidth(child_env)
         setup = {"load_s": round(t_load, 1), "compile_s": round(engine.compile_seconds, 1),
                  "device": str(jax.devices()[0]), "max_num_seqs": args.max_num_seqs,
                  "max_model_len": args.max_model_len, "prefill_chunk_sizes": list(engine.runner.chunk_sizes)}
         print(f"in-process server {url}: load {t_load:.1f}s, compile {engine.compile_seconds:.1f}s", flush=True)
 
     try:
-        asyncio.run(run_level(url, args.model, 1, 1, args.prompt_tokens, 4, vocab))  # warm-up
+        asyncio.run(run_level(url, args.model, 1, 1, args.prompt_tokens, 4, args.prompt_vocab))  # warm-up
         rows = []
+        poll_level = max(levels)
         for n in levels:
             row = asyncio.run(run_level(url, args.model, n, args.requests_per_client, args.prompt_tokens,
-                                        args.max_tokens, vocab))
+                                        args.max_tokens, args.prompt_vocab, poll=cfg is not None and n == poll_level))
             rows.append(row)
             print(f"clients={n:3d}: {row['output_tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.0f} ms  "
                   f"TPOT p50 {row['tpot_p50_ms']:6.1f} ms", flush=True)
-        compiles = engine.stats()["compilations"] - engine.stats()["compilations_at_start"] if engine else None
+        stats1 = get_json(url + "/stats") if cfg is not None else None
+        compiles = (stats1["compilations"] - stats1["compilations_at_start"]) if stats1 else None
     finally:
         if server is not None:
             server.stop()
         if engine is not None:
             engine.shutdown()
+        if launched is not None:
+            launched.stop()
+
+    # ---------------------------------------------------------------------------------------- decode roofline
+    roof = None
+    bar_rows = []
+    poll_row = next((r for r in rows if r["clients"] == max(levels)), None)
+    samples = poll_row.pop("_samples", None) if poll_row else None
+    slots = min(args.max_num_seqs, max(levels))
+    if cfg is not None and copy_bw is not None:
+        win = decode_window(samples or [], slots)
+        if win is not None:
+            # mean context over the window: prompt + tokens each sequence has generated by the window's middle
+            # (sequences restart after max_tokens when a client sends several requests)
+            done = ((win["gen_start"] + win["gen_end"]) / 2 - samples[0]["generation_tokens_total"]) / slots
+            context = args.prompt_tokens + done % args.max_tokens
+            ours, how = win["tok_s"], f"/stats window {win['seconds']:.1f} s, {win['steps']} steps"
+        else:  # no clean window (or counters missing): every slot emits one token per TPOT
+            context = args.prompt_tokens + args.max_tokens / 2
+            ours, how = slots / (poll_row["tpot_p50_ms"] / 1e3), "slots / TPOT p50"
+        nbytes = step_bytes(cfg, args.dtype or "float32", slots, context)
+        bw = copy_bw["gb_s"] * 1e9
+        peer = slots / (nbytes["total"] / bw)
+        roof = {"decode_tok_s": ours, "measured_by": how, "window": win, "context_mean": context,
+                "step_bytes": nbytes, "copy_bandwidth": copy_bw, "roofline_tok_s": peer,
+                "roofline_step_ms": 1e3 * nbytes["total"] / bw, "ratio": ours / peer, "bar": BAR}
+        shape = (f"{args.model} {args.dtype or 'float32'}, B={slots}, ctx≈{context:.0f}, "
+                 f"{_si(nbytes['total'])}B/step @ {_si(copy_bw['gb_s'] * 1e9)}B/s")
+        # the bar is a GPU bar (BENCHMARKS.md); on a CPU the row is for information
+        verdict = ("pass" if ours / peer >= BAR else "FAIL") if "cpu" not in copy_bw["device"].lower() else "info (CPU)"
+        bar_rows.append(("decode tok/s vs bytes-per-step roofline", shape, f"{ours:.1f}", f"{peer:.1f}",
+                         f"{ours / peer:.2f}", f"≥ {BAR:.2f}", verdict))
+    for r in rows:
+        shp = f"{r['clients']} clients, prompt {args.prompt_tokens}, {args.max_tokens} out"
+        bar_rows += [(f"throughput (output tok/s)", shp, f"{r['output_tok_s']:.1f}", "", "", "", "info"),
+                     ("TTFT p50 / p99 (ms)", shp, f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", "", "", "",
+                      "info"),
+                     ("TPOT p50 / p99 (ms)", shp, f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}", "", "", "",
+                      "info")]
+
+    import jax
 
     doc = {"bench": "serve", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
            "commit": _git_rev(), "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-           "url": args.url or "in-process", "model": args.model, "prompt_tokens": args.prompt_tokens,
-           "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client, "setup": setup,
-           "compilations_during_run": compiles, "levels": rows}
+           "versions": f"python {platform.python_version()}, jax {jax.__version__}",
+           "url": args.url or ("launched" if args.launch else "in-process"), "model": args.model,
+           "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+           "requests_per_client": args.requests_per_client, "setup": setup, "compilations_during_run": compiles,
+           "levels": rows, "roofline": roof, "total_s": round(time.perf_counter() - t_start, 1)}
     table = _table(rows)
+    bars = _bar_table(bar_rows)
+    text = json.dumps(doc, indent=1, default=float)
     print()
-    print(table)
-    print()
-    print(json.dumps(doc, indent=1))
+    print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        Path(args.json).write_text(text, encoding="utf-8")
+    if out_dir:
+        (out_dir / "serve.json").write_text(text, encoding="utf-8")
     if not args.no_results:
         settings = (f"model `{args.model}` ({doc['url']}), prompt {args.prompt_tokens} tokens, {args.max_tokens} "
                     f"output tokens (ignore_eos, temperature 0.8), {args.requests_per_client} requests per client")
         if setup:
-            settings += (f"; {setup['max_num_seqs']} slots x {setup['max_model_len']} tokens, prefill chunks "
-                         f"{setup['prefill_chunk_sizes']}, device {setup['device']}, load {setup['load_s']} s, "
-                         f"compile {setup['compile_s']} s, compilations while serving: {compiles}")
+            settings += "; " + ", ".join(f"{k} {v}" for k, v in setup.items())
+        settings += f"; compilations while serving: {compiles}"
         entry = (f"## {doc['date'][:10]} bench/serve.py (commit {doc['commit']})\n\n"
-                 f"Host: {doc['host']}. Settings: {settings}.\n\n{table}\n")
+                 f"Host: {doc['host']}, {doc['versions']}. Settings: {settings}.\n\n{table}\n\n{bars}\n")
         append_results(entry)
         print(f"appended to {RESULTS}")
+    print()
+    print(table)
+    print()
+    print(bars)
     return 0
 
 

@@ -20,7 +20,7 @@ import re
 from kimi_jax.config import ModelConfig
 
 from ..entries import Entry
-from .kimi import cp, lin
+from . import cp, indexer_entries, lin, router_entries
 
 
 def entries(cfg: ModelConfig, names) -> list[Entry]:
@@ -42,14 +42,10 @@ def entries(cfg: ModelConfig, names) -> list[Entry]:
                       quantizable=True),
                 lin(a + "o_proj", ta + "o_proj")]
         if cfg.indexer is not None:
-            i, ti = a + "indexer.", ta + "indexer."
-            out += [lin(i + "wq_b", ti + "wq_b"), lin(i + "wk", ti + "wk"),
-                    cp(i + "k_norm.weight", ti + "k_norm.weight"), cp(i + "k_norm.bias", ti + "k_norm.bias"),
-                    lin(i + "weights_proj", ti + "weights_proj", quantizable=False)]
+            out += indexer_entries(a, ta)
         if cfg.is_moe_layer(L):
             b, tb = p + "mlp.", t + "block_sparse_moe."
-            out += [Entry("linear", b + "gate.weight", (tb + "gate",)),
-                    cp(b + "gate.e_score_correction_bias", tb + "e_score_correction_bias")]
+            out += router_entries(b, tb)
             if cfg.moe.num_shared_experts:
                 out += [lin(b + f"shared_experts.{n}", tb + f"shared_experts.{n}")
                         for n in ("gate_proj", "up_proj", "down_proj")]

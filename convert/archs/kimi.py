@@ -26,6 +26,7 @@ from __future__ import annotations
 from kimi_jax.config import ModelConfig
 
 from ..entries import Entry
+from . import cp, indexer_entries, lin, router_entries
 
 TEXT_PREFIXES = (("language_model.model.", "language_model.lm_head.weight"), ("model.", "lm_head.weight"))
 EXTRA_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -41,14 +42,6 @@ def text_prefix(cfg: ModelConfig, names) -> tuple[str, str]:
             return prefix, head
     # nothing found: report the name the architecture normally uses
     return TEXT_PREFIXES[0] if cfg.architecture in ("kimi_k3", "kimi_k31") else TEXT_PREFIXES[1]
-
-
-def lin(src, target, quantizable=True) -> Entry:
-    return Entry("linear", src + ".weight", (target + ".kernel",), quantizable=quantizable)
-
-
-def cp(src, target) -> Entry:
-    return Entry("copy", src, (target,))
 
 
 def entries(cfg: ModelConfig, names) -> list[Entry]:
@@ -96,14 +89,10 @@ def entries(cfg: ModelConfig, names) -> list[Entry]:
             if m.output_gate:
                 out.append(lin(a + "g_proj", ta + "g_proj"))
             if cfg.indexer is not None:
-                i, ti = a + "indexer.", ta + "indexer."
-                out += [lin(i + "wq_b", ti + "wq_b"), lin(i + "wk", ti + "wk"),
-                        cp(i + "k_norm.weight", ti + "k_norm.weight"), cp(i + "k_norm.bias", ti + "k_norm.bias"),
-                        lin(i + "weights_proj", ti + "weights_proj", quantizable=False)]
+                out += indexer_entries(a, ta)
         if cfg.is_moe_layer(L):
             b, tb = p + "block_sparse_moe.", t + "block_sparse_moe."
-            out += [Entry("linear", b + "gate.weight", (tb + "gate",)),
-                    cp(b + "gate.e_score_correction_bias", tb + "e_score_correction_bias")]
+            out += router_entries(b, tb)
             if cfg.moe.latent_size:
                 out += [lin(b + "routed_expert_down_proj", tb + "routed_expert_down_proj"),
                         lin(b + "routed_expert_up_proj", tb + "routed_expert_up_proj")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -27,12 +28,21 @@ examples:
   python -m kimi_jax.serve                                  # tiny model on 127.0.0.1:8000
   python -m kimi_jax.serve --port 9000 --max-num-seqs 8 --max-model-len 1024 --api-key sk-local
   python -m kimi_jax.serve --checkpoint /ckpt/kimi-linear   # a converted or Hugging Face checkpoint dir
+  python -m kimi_jax.serve --mesh 2x1                       # tiny model split 2 ways (fakes 2 CPU devices if needed)
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
 
---mesh AxB is A-way model parallel x B-way data parallel over A*B devices.  Multi-device placement is not
-implemented in the server yet (it comes with the sharding work); only 1x1 is accepted today.  To fake N devices on a
-CPU-only machine: XLA_FLAGS=--xla_force_host_platform_device_count=N python -m kimi_jax.serve ...
+--mesh AxB is A-way model parallel x B-way data parallel over A*B devices (the named forms of sharding.mesh, e.g.
+model=4,data=2, work too).  Parameters are placed by sharding/rules.py (KDA / MLA heads, routed experts and the
+vocabulary split over the model axis); the engine's caches and batch live replicated on the mesh, so the data axis
+adds devices but not yet throughput.  With fewer than A*B devices:
+  * the built-in tiny model on CPU (no --checkpoint, --model tiny) fakes the devices itself: it sets JAX's CPU
+    device count to A*B before JAX starts its backend and logs that it did;
+  * anything else stops with an error naming the fix, on a CPU-only machine:
+      XLA_FLAGS=--xla_force_host_platform_device_count=N python -m kimi_jax.serve --mesh ...
+Multi-host: with the standard JAX multi-process variables set (JAX_COORDINATOR_ADDRESS, ...), the server calls
+jax.distributed.initialize() first (sharding.mesh.initialize_distributed); serving across several processes is not
+implemented yet and stops with an error after initialising.
 """
 
 log = logging.getLogger("kimi_jax.serve")
@@ -51,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"a preset with random weights (default: tiny); presets: {', '.join(sorted(PRESETS))} "
                           "(the full-size ones are too large to materialise; serve checkpoints for them)")
     p.add_argument("--mesh", default="1x1", metavar="AxB",
-                   help="device mesh: A-way model parallel x B-way data parallel (default 1x1; only 1x1 is "
-                        "implemented in the server so far)")
+                   help="device mesh: A-way model parallel x B-way data parallel over A*B devices (default 1x1). "
+                        "Too few devices: the tiny model on CPU fakes them; otherwise an error naming "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N (see below)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
@@ -94,11 +105,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
-        raise ValueError(f"--mesh must look like AxB with positive integers (e.g. 1x1, 8x1), got {text!r}")
-    return int(parts[0]), int(parts[1])
+def mesh_device_count(text: str) -> int:
+    """Devices a `--mesh` spec needs (AxB or a named form of `sharding.mesh`); ValueError when malformed."""
+    from sharding.mesh import AXES, parse_mesh_spec
+
+    sizes = parse_mesh_spec(text)  # MeshError is a ValueError; its message shows the accepted forms (AxB, ...)
+    return math.prod(sizes[a] for a in AXES)
+
+
+FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def fake_cpu_devices(n: int) -> bool:
+    """Ask JAX for `n` CPU devices, if that can still take effect; returns whether it was set.
+
+    JAX reads the CPU device count once, when it starts its backends, so this must run before anything touches a
+    device.  `jax_num_cpu_devices` is the config form of XLA_FLAGS=--xla_force_host_platform_device_count=N (no
+    re-exec needed).  A count the user chose in XLA_FLAGS or in the config wins: we never override it.
+    """
+    import jax
+
+    if FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", "") or getattr(jax.config, "jax_num_cpu_devices", -1) > 0:
+        return False
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backends are already up (JAX refuses the change): too late in this process
+        return False
+    return True
 
 
 def _fail(msg: str) -> int:
@@ -106,15 +139,24 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, auto_devices: bool = False) -> int:
+    """Run the server; returns the exit status (2: bad arguments or a model that cannot be served).
+
+    ``auto_devices``: allowed to change the process's JAX CPU device count (fake devices for ``--mesh`` with the
+    tiny model).  Only the command line (``python -m kimi_jax.serve``), which owns its process, passes True; a
+    ``main([...])`` call inside a larger program never changes that program's JAX settings.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        a, b = parse_mesh(args.mesh)
+        need = mesh_device_count(args.mesh)
+    except ValueError as e:
+        return _fail(str(e))
+    try:
         chunk_sizes = tuple(int(x) for x in args.prefill_chunk_sizes.split(",") if x.strip())
     except ValueError as e:
-        return _fail(str(e) if "mesh" in str(e) else f"--prefill-chunk-sizes: {e}")
+        return _fail(f"--prefill-chunk-sizes: {e}")
     if args.max_num_seqs < 1:
         return _fail("--max-num-seqs must be at least 1")
     from ..engine.runner import resolve_kv_dtype
@@ -124,25 +166,51 @@ def main(argv=None) -> int:
     except ValueError as e:
         return _fail(f"--kv-dtype: {e}")
 
+    # Everything that configures JAX's backends comes before the first device query: multi-process initialisation,
+    # then the fake CPU device count.
+    from sharding.mesh import initialize_distributed
+
+    if initialize_distributed():
+        import jax
+
+        log.info("jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count())
+        if jax.process_count() > 1:
+            # Every process of a multi-controller JAX program must run the same programs in the same order; the
+            # engine schedules on one host and has no channel to replay its steps on the others yet.
+            return _fail(f"serving across {jax.process_count()} processes is not implemented yet (the engine would "
+                         "have to replay its schedule on every process); run one server per host")
+    tiny = args.checkpoint is None and (args.model or "tiny") == "tiny"
+    faked = auto_devices and tiny and need > 1 and fake_cpu_devices(need)
+
     import jax
 
     devices = jax.devices()
-    need = a * b
+    platform = devices[0].platform
+    if faked and platform == "cpu":
+        log.info("--mesh %s: faked %d CPU devices for the tiny model (jax_num_cpu_devices=%d, the same as "
+                 "XLA_FLAGS=%s=%d)", args.mesh, len(devices), need, FAKE_DEVICES_FLAG, need)
     if need > len(devices):
-        return _fail(f"--mesh {args.mesh} needs {need} devices but only {len(devices)} {devices[0].platform} "
-                     f"device(s) are visible. On a CPU-only machine you can fake devices: "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={need} python -m kimi_jax.serve "
-                     f"--mesh {args.mesh} ...")
+        hint = ""
+        if platform == "cpu":
+            hint = (f" On a CPU-only machine you can fake devices: XLA_FLAGS={FAKE_DEVICES_FLAG}={need} python -m "
+                    f"kimi_jax.serve --mesh {args.mesh} ... (the built-in tiny model does this by itself when "
+                    "started from the command line)")
+        return _fail(f"--mesh {args.mesh} needs {need} devices but only {len(devices)} {platform} device(s) are "
+                     f"visible.{hint}")
+    mesh = None
     if need > 1:
-        return _fail(f"--mesh {args.mesh}: multi-device placement is not implemented in the server yet (it comes "
-                     "with the sharding work); serve with --mesh 1x1 for now")
+        from sharding.mesh import make_mesh
+
+        mesh = make_mesh(args.mesh, devices)
     if args.compilation_cache and args.compilation_cache.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         log.info("persistent compilation cache: %s", args.compilation_cache)
     from .. import __version__
-    log.info("kimi_jax %s, JAX %s: %d %s device(s) visible, using %s (mesh 1x1)", __version__, jax.__version__,
-             len(devices), devices[0].platform, devices[0])
+    where = (f"mesh {args.mesh} = {dict(mesh.shape)} over {mesh.devices.size} devices" if mesh is not None
+             else f"{devices[0]} (mesh 1x1)")
+    log.info("kimi_jax %s, JAX %s: %d %s device(s) visible, using %s", __version__, jax.__version__,
+             len(devices), platform, where)
 
     from ..engine import Engine, EngineConfig
     from .app import build_app
@@ -152,7 +220,8 @@ def main(argv=None) -> int:
     log.info("loading %s ...", what)
     t0 = time.perf_counter()
     try:
-        model, tokenizer, name = load_for_serving(args.checkpoint, args.model, dtype=args.dtype, seed=args.seed)
+        model, tokenizer, name = load_for_serving(args.checkpoint, args.model, dtype=args.dtype, seed=args.seed,
+                                                  mesh=mesh)
     except (ValueError, FileNotFoundError, OSError, ImportError) as e:
         return _fail(f"cannot load {what}: {e}")
     cfg = model.config
@@ -163,9 +232,17 @@ def main(argv=None) -> int:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype,
-            prefix_cache_entries=args.prefix_cache_entries))
+            prefix_cache_entries=args.prefix_cache_entries,
+            # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
+            # CPU box XLA already keeps every core busy compiling one program
+            parallel_compile=platform != "cpu"))
     except ValueError as e:
         return _fail(str(e))
+    if mesh is not None and getattr(engine.runner, "mesh", None) is None:
+        # A runner that lowers its programs for one device would die on the first request with a sharding mismatch
+        # between the placed parameters and its caches: say so now instead.
+        return _fail(f"--mesh {args.mesh}: this engine's ModelRunner does not place its programs on a device mesh "
+                     "(it must take the mesh from model.mesh); serve with --mesh 1x1")
     log.info("compiling the engine programs (%d slots x %d tokens, prefill chunks %s) ...", args.max_num_seqs,
              max_len, list(engine.runner.chunk_sizes))
     engine.start()
@@ -188,4 +265,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(auto_devices=True))

@@ -11,26 +11,67 @@ from typing import Optional
 log = logging.getLogger("kimi_jax.serve")
 
 
-def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = None, *, dtype=None, seed: int = 0):
+def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = None, *, dtype=None, seed: int = 0,
+                     mesh=None):
     """(model, tokenizer, default served name).  No checkpoint: the ``preset`` (default ``tiny``) with random
-    weights; a preset whose vocabulary is the tiny one gets ``Tokenizer.tiny()``."""
+    weights; a preset whose vocabulary is the tiny one gets ``Tokenizer.tiny()``.  ``mesh``: a
+    ``jax.sharding.Mesh`` the parameters are placed on (``sharding.rules``), or None for one device."""
     from .. import load_model
+    from ..config import get_preset
     from ..tokenizer import Tokenizer
     from .formats import tokenizer_family
 
     if checkpoint:
-        model = load_model(checkpoint, dtype=dtype)
+        model = load_model(checkpoint, dtype=dtype, mesh=mesh)
         family = tokenizer_family(model.config.architecture)
         tokenizer = Tokenizer.from_dir(checkpoint, family=family)
         return model, tokenizer, checkpoint
     name = preset or "tiny"
-    model = load_model(name, dtype=dtype, seed=seed)
-    family = tokenizer_family(model.config.architecture)
-    tiny = Tokenizer.tiny(family)
-    if model.config.vocab_size != tiny.vocab_size:
-        raise ValueError(f"preset {name!r} has a {model.config.vocab_size}-token vocabulary and no tokenizer ships with "
+    cfg = get_preset(name)
+    tiny = Tokenizer.tiny(tokenizer_family(cfg.architecture))
+    if cfg.vocab_size != tiny.vocab_size:
+        raise ValueError(f"preset {name!r} has a {cfg.vocab_size}-token vocabulary and no tokenizer ships with "
                          "it; serve a checkpoint directory (with tiktoken.model) instead")
+    model = _random_preset(name, cfg, dtype=dtype, seed=seed, mesh=mesh)
     return model, tiny, name
+
+
+def _random_preset(name: str, cfg, *, dtype, seed: int, mesh):
+    """``load_model(preset)``, and beyond its cap on random-weight models when the weights fit the accelerator.
+
+    ``load_model`` refuses presets above ``MAX_RANDOM_PARAMS`` so that nobody materialises a 2.8T-parameter model
+    by accident.  The server can check the real limit instead: a benchmark model such as ``kimi-k3.1-reduced``
+    (full width, a few layers, ~18B parameters) fits one H200 comfortably.  The weights are drawn on the first
+    device (then placed on the mesh), so that device's memory is what must hold them, with a quarter spare for the
+    float32 draw of the largest tensor and the engine's caches.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from .. import load_model
+    from ..kernels import KernelConfig
+    from ..model import MAX_RANDOM_PARAMS, Model, abstract_params
+    from ..modules.decoder import KimiForCausalLM
+    from flax import nnx
+
+    dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+    shapes = abstract_params(cfg, dt)
+    count = sum(int(np.prod(a.shape)) for a in shapes.values())
+    if count <= MAX_RANDOM_PARAMS:
+        return load_model(name, dtype=dt, seed=seed, mesh=mesh)
+    nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in shapes.values())
+    stats = (jax.devices()[0].memory_stats() or {}) if jax.devices()[0].platform != "cpu" else {}
+    limit = stats.get("bytes_limit", 0)
+    if nbytes * 1.25 > limit:
+        where = f"{limit / 2**30:.0f} GiB of {jax.devices()[0]}" if limit else "a CPU host (no random models "\
+                f"above {MAX_RANDOM_PARAMS / 1e9:.0f}B parameters there)"
+        raise ValueError(f"preset {name!r} has {count / 1e9:.1f}B parameters ({nbytes / 2**30:.1f} GiB as {dt.name}): "
+                         f"too large for random weights on {where}; serve a checkpoint instead")
+    log.info("preset %s: %.1fB parameters (%.1f GiB as %s), above load_model's random-weight cap; drawing them on %s",
+             name, count / 1e9, nbytes / 2**30, dt.name, jax.devices()[0])
+    module = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dt, kernels=KernelConfig())
+    return Model(module, dt, mesh=mesh)
 
 
 class ServerThread:

@@ -1,0 +1,140 @@
+"""`python -m kimi_jax.serve --mesh AxB` beyond one device, through the official ``openai`` client.
+
+Two real server processes on 127.0.0.1 serve the tiny model with the same engine settings, one with ``--mesh 1x1``
+and one with ``--mesh 2x1`` (parameters split two ways over the "model" axis).  Neither gets XLA_FLAGS: the 2x1
+server must fake its two CPU devices by itself (and log that it did).  Both must return the same greedy text.
+A non-tiny model with too few devices must stop with an error that names the XLA_FLAGS fix.
+
+Subprocesses, because the CPU device count is fixed once per process when JAX starts its backend.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "256", "--prefill-chunk-sizes", "64,16",
+               "--log-level", "info"]
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+START_TIMEOUT_S = 900  # compiling the tiny model's programs on 2 busy CPU cores
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # the 2x1 server has to fake its devices itself
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m kimi_jax.serve` in a subprocess; its log goes to a file (a pipe nobody reads could fill up)."""
+
+    def __init__(self, tmp: Path, mesh: str):
+        self.port = _free_port()
+        self.log_path = tmp / f"serve_{mesh}.log"
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")
+        cmd = [sys.executable, "-m", "kimi_jax.serve", "--mesh", mesh, "--port", str(self.port),
+               "--compilation-cache", cache, *SERVER_ARGS]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_mesh")
+    started = {mesh: Server(tmp, mesh) for mesh in ("1x1", "2x1")}  # both compile at the same time
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for s in started.values():
+            s.wait_ready(deadline)
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.mark.slow
+def test_mesh_2x1_fakes_devices_and_matches_one_device(servers):
+    one, two = servers["1x1"], servers["2x1"]
+    log = two.log()
+    assert "faked 2 CPU devices" in log, log[-3000:]
+    assert "mesh 2x1" in log
+
+    prompts = ["Tell me about the sea.", "Zähle bis fünf: 1, 2,"]
+    for prompt in prompts:
+        texts = {}
+        for name, srv in servers.items():
+            r = _client(srv).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
+                extra_body=NO_THINK)
+            assert r.choices[0].finish_reason in ("stop", "length")
+            assert r.usage.completion_tokens > 0
+            texts[name] = r.choices[0].message.content
+        assert texts["2x1"] == texts["1x1"], (prompt, texts)
+
+    # streaming from the sharded server gives the same text as its non-streamed answer
+    stream = _client(two).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompts[0]}], max_tokens=12, temperature=0,
+        stream=True, extra_body=NO_THINK)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    ref = _client(one).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompts[0]}], max_tokens=12, temperature=0,
+        extra_body=NO_THINK).choices[0].message.content
+    assert streamed == ref
+
+    stats = httpx.get(two.base_url + "/stats", timeout=10).json()
+    assert stats["compilations"] == stats["compilations_at_start"], stats  # serving on the mesh never compiles
+
+
+def test_too_few_devices_for_a_non_tiny_model_names_the_fix():
+    """Only the tiny model fakes devices; anything else gets told how (and nothing is loaded)."""
+    r = subprocess.run([sys.executable, "-m", "kimi_jax.serve", "--model", "kimi-k3", "--mesh", "4x2"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "needs 8 devices" in r.stderr
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in r.stderr
