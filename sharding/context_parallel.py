@@ -34,12 +34,17 @@ Shapes: q, k `[B, T, H, dk]`, v `[B, T, H, dv]`, g `[B, T, H, dk]`, β `[B, T, H
 absorbed MLA query `[B, T, H, c]` (c = R + rope), latent rows `[B, S, c]`, values their first R = value_dim columns;
 indexer query `[B, T, Hi, d]`, keys `[B, S, d]`, weights `[B, T, Hi]` (Hi^-0.5·d^-0.5 folded in by the caller).
 Functions named `*_shard` run inside a `shard_map` over `axis`; the others take global arrays and a mesh.
+The WHOLE model (every layer, logits, cache, greedy decode) runs these through `prefill` / `decode_step` /
+`generate` below, implemented in `sharding.model_context`: the KDA and MLA modules read `active_context()` while
+that module traces a forward inside one shard_map.
 The per-shard KDA op is `pallas_kernels.kda.chunk` (the GPU/TPU kernels under backend "auto"); on CPU "auto" means the
 token recurrence instead (`resolve_kda_backend`: jaxlib 0.10.2's batched LAPACK solve can deadlock with fake devices).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Optional
 
@@ -200,10 +205,30 @@ def kda_token_split_shard(q, k, v, g, beta, initial_state=None, *, axis: str = C
     return apply_incoming_state(o_loc, q_eff, S_in), S_final
 
 
-def conv_token_split_shard(x_btp, w_kp, tail_bkp=None, *, axis: str = CONTEXT):
+def global_rows_shard(x_btp, positions, tail_bkp=None, *, axis: str = CONTEXT):
+    """Inside a shard_map over `axis` (contiguous token slices of Tl): rows of x at the static global `positions`
+    (ints, each < n·Tl), on every shard, by one owner-masked psum (exact: every row has one owner, the rest add
+    zeros). A negative position p reads `tail[:, K−1+p]` (the inputs before the slice; zeros when None).
+    Returns `[B, len(positions), P]` in x.dtype."""
+    Tl = x_btp.shape[1]
+    pos = jnp.asarray(np.asarray(positions, np.int32))
+    loc = pos - jax.lax.axis_index(axis) * Tl
+    mine = (loc >= 0) & (loc < Tl)
+    rows = jnp.take(x_btp, jnp.clip(loc, 0, Tl - 1), axis=1)
+    rows = jax.lax.psum(jnp.where(mine[None, :, None], rows, jnp.zeros_like(rows)), axis)
+    if tail_bkp is not None:
+        k1 = tail_bkp.shape[1]
+        before = jnp.take(tail_bkp.astype(rows.dtype), jnp.clip(pos + k1, 0, k1 - 1), axis=1)
+        rows = jnp.where((pos < 0)[None, :, None], before, rows)
+    return rows
+
+
+def conv_token_split_shard(x_btp, w_kp, tail_bkp=None, *, axis: str = CONTEXT, valid_len: Optional[int] = None):
     """Causal depthwise conv (`kda.reference.causal_conv`) on a contiguous token slice inside a shard_map: the
     previous shard's last K−1 inputs arrive by one `ppermute` (shard 0 gets `tail`, zeros when None).
-    Returns (out `[B, Tl, P]` f32, the whole sequence's new tail `[B, K−1, P]`, on every shard). Needs Tl ≥ K−1."""
+    Returns (out `[B, Tl, P]` f32, the whole sequence's new tail `[B, K−1, P]`, on every shard). Needs Tl ≥ K−1.
+    `valid_len` (static): only the first valid_len tokens of the n·Tl are real (the rest is padding at the end);
+    the new tail is then the K−1 inputs before position valid_len (`global_rows_shard`)."""
     K = w_kp.shape[0]
     n = _axis_size(axis)
     if x_btp.shape[1] < K - 1:
@@ -213,6 +238,8 @@ def conv_token_split_shard(x_btp, w_kp, tail_bkp=None, *, axis: str = CONTEXT):
     if tail_bkp is not None:
         halo = jnp.where(jax.lax.axis_index(axis) == 0, tail_bkp.astype(halo.dtype), halo)
     out, _ = kda_ref.causal_conv(x_btp, w_kp, halo)
+    if valid_len is not None and valid_len != n * x_btp.shape[1]:
+        return out, global_rows_shard(x_btp, range(valid_len - (K - 1), valid_len), tail_bkp, axis=axis)
     return out, jax.lax.all_gather(last, axis)[n - 1]
 
 
@@ -618,6 +645,52 @@ def head_split_decode(q_bhc, kv_bsc, seq_lens_b, qi_bhd=None, ki_bsd=None, w_bh=
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# model level: the active context-parallel mode while a whole-model forward is traced (sharding.model_context)
+# ----------------------------------------------------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kimi_jax_context_parallel", default=None)
+
+
+def active_context():
+    """The `sharding.model_context.ModelContext` of the whole-model forward being traced right now, or None (the
+    ordinary single-program path). The KDA and MLA modules read it to route their sequence-mixing steps (conv,
+    delta rule, attention over earlier keys, cache writes) through this module's collectives."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def using_context(ctx):
+    """Make `ctx` the active context while the body traces (set INSIDE the traced function, so a cached jit trace
+    can never run without it or leak it)."""
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)
+
+
+def prefill(model, input_ids, mesh, **kw):
+    """Model-level prefill split over the mesh's "context" axis; see `sharding.model_context.prefill`."""
+    from . import model_context
+
+    return model_context.prefill(model, input_ids, mesh, **kw)
+
+
+def decode_step(model, cache, token_ids, mesh, **kw):
+    """Model-level decode step (DCP or TP); see `sharding.model_context.decode_step`."""
+    from . import model_context
+
+    return model_context.decode_step(model, cache, token_ids, mesh, **kw)
+
+
+def generate(model, input_ids, max_new_tokens, mesh, **kw):
+    """Greedy generation with token-split prefill and DCP decode; see `sharding.model_context.generate`."""
+    from . import model_context
+
+    return model_context.generate(model, input_ids, max_new_tokens, mesh, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # communication accounting
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -676,5 +749,6 @@ __all__ = [
     "index_scores", "select_topk", "mla_attend", "mla_query_chunk", "mla_token_split_shard", "mla_head_split_shard",
     "mla_prefill_token_split", "mla_prefill_head_split",
     "dcp_positions", "dcp_place", "dcp_decode_shard", "dcp_decode", "head_split_decode_shard", "head_split_decode",
-    "decode_comm_bytes", "prefill_comm_bytes",
+    "decode_comm_bytes", "prefill_comm_bytes", "global_rows_shard", "active_context", "using_context",
+    "prefill", "decode_step", "generate",
 ]

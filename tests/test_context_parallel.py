@@ -1,6 +1,7 @@
-"""Context parallelism (sharding/context_parallel.py): the KDA shard-transition math on one device, the
-communication accounting, and — in ONE subprocess with 8 fake CPU devices — token-split / head-split prefill and
-DCP / TP decode against the single-device reference ops (fp32, ≤ 1e-4 relative)."""
+"""Context parallelism (sharding/context_parallel.py, sharding/model_context.py): the KDA shard-transition math on
+one device, the communication accounting, and — in subprocesses with 8 fake CPU devices — token-split / head-split
+prefill and DCP / TP decode against one device: first the ops, then the whole tiny model (every layer; logits,
+cache and greedy tokens; fp32, ≤ 1e-4 relative)."""
 
 from __future__ import annotations
 
@@ -273,3 +274,142 @@ def test_bench_cp_smoke():
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "prefill" in out.stdout and "decode" in out.stdout and "FAIL" not in out.stdout
+
+
+def test_model_decode_comm_bytes_k31():
+    """Whole K3.1 Pro model, DCP8 at 1M tokens: 24 MLA layers × (candidates + merge) vs the naive all-gathers."""
+    from kimi_jax.config import get_preset
+    from sharding.model_context import decode_comm_bytes_per_step
+
+    cfg = get_preset("kimi-k3.1-pro")
+    r = decode_comm_bytes_per_step(cfg, n=8, batch=1, seq_len=1 << 20, kv_dtype="fp8", index_dtype="fp8")
+    per = cp.decode_comm_bytes(n=8, batch=1, heads=96, value_dim=512, seq_len=1 << 20, topk=2048)
+    assert r["mla_layers"] == 24
+    assert r["recv_dcp"] == 24 * per["recv_dcp"] and r["payload_dcp"] == 24 * (16384 + 197376)
+    assert r["recv_naive_latents"] == 24 * 7 * 131072 * (576 + 132)
+    # the (score, index) merge moves ~a tenth of the naive score-row all-gather, ~1/1400 of gathering latents
+    assert 0.05 < r["recv_dcp"] / r["recv_naive_scores"] < 0.15
+    assert r["recv_naive_latents"] / r["recv_dcp"] > 1000
+
+
+def test_model_entry_points_reject_bad_meshes():
+    import kimi_jax
+    from sharding import make_mesh
+    from sharding import model_context as mc
+
+    m = kimi_jax.load_model("tiny")
+    with pytest.raises(ValueError, match="no 'context' axis"):
+        mc.prefill(m, np.zeros((1, 8), np.int32), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
+    with pytest.raises(ValueError, match="prefill mode"):
+        mc.prefill(m, np.zeros((1, 8), np.int32), make_mesh("context=1"), mode="zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        mc.prefill(m, np.zeros((1, 8), np.int32), make_mesh("context=1"), layout="zigzag")
+
+
+MODEL_SCRIPT = textwrap.dedent(r"""
+    import time, numpy as np, jax, jax.numpy as jnp
+    import kimi_jax
+    from sharding import make_mesh, context_parallel as cp
+    from sharding import model_context as mc
+    assert len(jax.devices()) == 8
+    T0 = [time.time()]
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+    def check(name, err, bar=1e-4):
+        assert err <= bar, (name, err)
+        print("OK", name, f"{err:.2e}", f"{time.time() - T0[0]:.1f}s", flush=True)
+        T0[0] = time.time()
+
+    def cache_err(c, r, T):
+        errs = []
+        for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(r)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.ndim >= 2 and a.shape[1] == b.shape[1] == S:  # MLA rows: the prompt's positions
+                a, b = a[:, :T], b[:, :T]
+            errs.append(float((a != b).any()) if a.dtype == np.int32 else rel(a, b))
+        return max(errs)
+
+    # one device: the tiny K3.1 model (6 KDA + 2 MLA/DSA layers, MoE, AttnRes), a 29-token prompt (does not divide
+    # over 8 or 4 devices: inert end padding), 3 greedy tokens
+    B, T, N, S = 2, 29, 3, 32
+    ids = np.random.RandomState(0).randint(0, 1000, (B, T))
+    ref = kimi_jax.load_model("tiny")
+    r_logits, r_cache = ref.prefill(ids, S)
+    tok, r_steps, r_tokens = jnp.argmax(r_logits[:, -1], -1), [], []
+    for _ in range(N):
+        r_tokens.append(np.asarray(tok))
+        lg, r_cache = ref.decode_step(r_cache, tok)
+        r_steps.append(np.asarray(lg))
+        tok = jnp.argmax(lg, -1)
+    r_prefill_cache = ref.prefill(ids, S)[1]
+    r_gen = ref.generate(ids, N)
+    assert (r_gen[:, T:] == np.stack(r_tokens, 1)).all()
+    check("one-device reference", 0.0)
+
+    # token-split prefill over context=8 (contiguous), then DCP8 decode; and tensor=2 (TP + EP under GSPMD) x
+    # context=4 with the round-robin layout
+    for spec, layout in (("context=8", "contiguous"), ("tensor=2,context=4", "round_robin")):
+        mesh = make_mesh(spec)
+        n = mesh.shape["context"]
+        logits, cache = mc.prefill(ref, ids, mesh, mode="token", max_len=S, layout=layout)
+        check(f"{spec} token-split prefill logits", rel(logits, r_logits))
+        assert (np.asarray(logits).argmax(-1) == np.asarray(r_logits).argmax(-1)).all()
+        assert len(cache.layers[3].kv_bsc.sharding.device_set) == 8
+        check(f"{spec} token-split prefill cache (KDA states + conv tails, MLA rows + index keys)",
+              cache_err(mc.to_position_order(cache, n, layout), r_prefill_cache, T))
+        tok, got = jnp.argmax(logits[:, -1], -1), []
+        for i in range(N):
+            got.append(np.asarray(tok))
+            lg, cache = mc.decode_step(ref, cache, tok, mesh, layout=layout)
+            check(f"{spec} DCP{n} decode step {i} logits ({layout})", rel(lg, r_steps[i]))
+            tok = jnp.argmax(lg, -1)
+        assert (np.stack(got, 1) == np.stack(r_tokens, 1)).all(), spec
+        assert (mc.generate(ref, ids, N, mesh, layout=layout) == r_gen).all(), spec
+        check(f"{spec} greedy tokens (prefill + DCP decode) == one device", 0.0)
+
+    # head split over 2 devices (tensor parallel), then one TP decode step
+    mesh = make_mesh("context=2")
+    logits, cache = mc.prefill(ref, ids, mesh, mode="head", max_len=S)
+    check("head-split prefill logits", rel(logits, r_logits))
+    check("head-split prefill cache", cache_err(cache, r_prefill_cache, T))
+    lg, _ = mc.decode_step(ref, cache, r_tokens[0], mesh, mode="tp")
+    check("TP decode step logits", rel(lg, r_steps[0]))
+
+    # the DCP step's traced collectives carry exactly decode_comm_bytes_per_step's payload
+    COLL = ("all_gather", "psum", "pmax", "ppermute", "all_to_all", "reduce_scatter")
+
+    def payload(jaxpr):
+        tot = 0
+        for e in jaxpr.eqns:
+            if any(e.primitive.name.startswith(p) for p in COLL):
+                tot += sum(int(np.prod(a.aval.shape)) * a.aval.dtype.itemsize for a in e.invars)
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if hasattr(sub, "eqns"):
+                        tot += payload(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        tot += payload(sub.jaxpr)
+        return tot
+
+    mesh = make_mesh("context=8")
+    f, cspec = mc._dcp_decode_fn(ref, mesh, "context", B, "contiguous")
+    _, cache = mc.prefill(ref, ids, mesh, mode="token", max_len=S)
+    traced = payload(jax.make_jaxpr(f)(mc._placed_params(ref, mesh), jnp.zeros((B, 1), jnp.int32), cache).jaxpr)
+    want = mc.decode_comm_bytes_per_step(ref.config, n=8, batch=B, seq_len=S)
+    assert traced == want["payload_dcp"], (traced, want)
+    print("OK DCP step collectives", traced, "B; naive latent all-gather", want["payload_naive_latents"], "B")
+    print("ALL DONE")
+""")
+
+
+def test_model_context_parallel_on_8_fake_devices():
+    """The whole tiny model: token-split prefill + DCP decode (context=8; tensor=2 x context=4, round-robin),
+    head-split prefill + TP decode, against one device: logits ≤ 1e-4, same cache, same greedy tokens."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", MODEL_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=1500, cwd=ROOT)
+    assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]

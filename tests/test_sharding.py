@@ -1,5 +1,7 @@
-"""Mesh parsing, partition rules, and: every layout gives the logits and greedy tokens of one device
-(8 fake CPU devices, in a subprocess so the flag does not leak into other tests)."""
+"""Mesh parsing (AxB and the named form with the expert overlay), partition rules, and: every GSPMD layout (TP,
+TP+EP, EP over context x tensor) gives the logits and greedy tokens of one device (8 fake CPU devices, in a
+subprocess so the flag does not leak into other tests). Token-split prefill and DCP decode:
+tests/test_context_parallel.py."""
 
 import os
 import subprocess
@@ -14,11 +16,27 @@ from sharding import MeshError, make_mesh, param_partition_spec, parse_mesh_spec
 
 
 def test_mesh_spec_forms():
-    assert parse_mesh_spec("8x1") == {"data": 1, "model": 8}
-    assert parse_mesh_spec("model=4,data=2") == {"data": 2, "model": 4}
-    for bad in ("8", "0x1", "axb", "model=2,pipe=2"):
+    assert parse_mesh_spec("8x1") == {"data": 1, "context": 1, "model": 8, "expert": 8}
+    assert parse_mesh_spec("model=4,data=2") == {"data": 2, "context": 1, "model": 4, "expert": 4}
+    # the issue's vLLM-style layout: attention token-split over 8 devices, experts 8-way over the same devices
+    assert parse_mesh_spec("expert=8,tensor=1,context=8") == {"data": 1, "context": 8, "model": 1, "expert": 8}
+    assert parse_mesh_spec("tensor=2, context=4") == {"data": 1, "context": 4, "model": 2, "expert": 2}
+    for bad in ("8", "0x1", "axb", "model=2,pipe=2", "tensor=2,model=2", "context=0"):
         with pytest.raises(MeshError):
             parse_mesh_spec(bad)
+    with pytest.raises(MeshError, match=r"expert=4 must equal tensor \(2.*context x tensor"):
+        parse_mesh_spec("expert=4,tensor=2,context=4")
+
+
+def test_named_mesh_axes_and_expert_overlay():
+    from sharding import expert_axes
+
+    m = make_mesh("context=1")
+    assert m.axis_names == ("data", "context", "model") and m.devices.size == 1
+    assert expert_axes(make_mesh("1x1")) == ("model",)
+    assert expert_axes(make_mesh("expert=1,tensor=1,context=1")) == ("model",)
+    with pytest.raises(MeshError, match="unknown mesh axes"):
+        make_mesh({"pipeline": 2})
 
 
 def test_too_few_devices_says_how_to_fake_them():
@@ -37,6 +55,28 @@ def test_rules_split_heads_experts_and_vocab():
     assert param_partition_spec("layers.3.self_attn.kv_a_proj_with_mqa.kernel", (7168, 576), 8) == P()
     # a dimension the axis does not divide stays replicated instead of failing
     assert param_partition_spec("layers.1.self_attn.A_log", (2,), 8) == P()
+    # KDA heads: convs, gates, A_log / dt_bias; MLA: q_b, the output gate; the dense FFN's intermediate width
+    assert param_partition_spec("layers.1.self_attn.k_conv1d", (4, 96 * 128), 8) == P(None, "model")
+    assert param_partition_spec("layers.1.self_attn.dt_bias", (96 * 128,), 8) == P("model")
+    assert param_partition_spec("layers.1.self_attn.b_proj.kernel", (7168, 96), 8) == P(None, "model")
+    assert param_partition_spec("layers.3.self_attn.q_b_proj.kernel", (1536, 96 * 192), 8) == P(None, "model")
+    assert param_partition_spec("layers.0.mlp.down_proj.kernel", (33792, 7168), 8) == P("model", None)
+    assert param_partition_spec("lm_head.kernel", (7168, 163840), 8) == P(None, "model")
+    assert param_partition_spec("layers.3.input_layernorm.weight", (7168,), 8) == P()
+
+
+def test_rules_experts_over_the_expert_axes():
+    """`expert=8,tensor=1,context=8`: experts split 8-way over (context, model) while heads stay whole."""
+    ax = (("context", 8), ("model", 1))
+    assert param_partition_spec("layers.3.block_sparse_moe.w2", (896, 3072, 3584), 1, expert_axes=ax) == \
+        P("context", None, None)
+    ax = (("context", 4), ("model", 2))
+    assert param_partition_spec("layers.3.block_sparse_moe.w1", (896, 3584, 3072), 2, expert_axes=ax) == \
+        P(("context", "model"), None, None)
+    assert param_partition_spec("layers.3.self_attn.q_b_proj.kernel", (1536, 96 * 192), 2, expert_axes=ax) == \
+        P(None, "model")
+    # 6 experts do not split 8 ways: replicated
+    assert param_partition_spec("layers.3.block_sparse_moe.w1", (6, 8, 8), 2, expert_axes=ax) == P()
 
 
 SCRIPT = textwrap.dedent("""
@@ -44,7 +84,7 @@ SCRIPT = textwrap.dedent("""
     ids = np.random.RandomState(0).randint(0, 1000, (2, 20))
     ref = kimi_jax.load_model("tiny")
     r, g = ref.logits(ids), ref.generate(ids[:, :6], 3)
-    for mesh in ("2x4", "8x1"):
+    for mesh in ("2x4", "8x1", "expert=8,tensor=1,context=8"):
         m = kimi_jax.load_model("tiny", mesh=mesh)
         assert len(m.params["embed_tokens"][...].sharding.device_set) == 8
         l = m.logits(ids)
@@ -61,4 +101,4 @@ def test_sharded_layouts_match_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "2x4 ok" in out.stdout and "8x1 ok" in out.stdout
+    assert "2x4 ok" in out.stdout and "8x1 ok" in out.stdout and "context=8 ok" in out.stdout

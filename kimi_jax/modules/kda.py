@@ -3,6 +3,13 @@
 Cache per sequence (`KDACache`): recurrent state `[B, H, dk, dv]` float32 and the conv tails of q, k, v
 (`[B, K−1, P]` each). Prefill (T > 1) runs the chunked op, decode (T == 1) the recurrent op; both are the ops of
 `pallas_kernels.kda`, so swapping in a kernel changes nothing here.
+
+Context parallelism (`sharding.context_parallel.active_context()`, set while `sharding.model_context` traces a
+forward inside a shard_map): in "token" mode this device holds a contiguous slice of the prompt — the convs take
+their K−1 halo from the previous device, padded tail tokens are made inert (g = 0, β = 0), and the delta rule runs
+`kda_token_split_shard` (local affine transition + prefix combination across devices: exact, every device ends
+with the whole prompt's state). In the other modes (head split, DCP decode) the layer runs as usual per device,
+with the prefill op from `context_parallel.kda_local_op` (which avoids the CPU solve deadlock with fake devices).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from flax import nnx
 
 from pallas_kernels.kda import ops as kda_kernels
 from pallas_kernels.kda import reference as kda_ops
+from sharding import context_parallel as cp
 
 from ..config import KDAConfig
 from ..kernels import KernelConfig
@@ -68,9 +76,15 @@ class KimiDeltaAttention(nnx.Module):
         H, d = cfg.num_heads, cfg.head_dim
         if cache is None:
             cache = KDACache.zeros(B, cfg, x_btd.dtype)
+        ctx = cp.active_context()
+        token_split = ctx is not None and ctx.mode == "token"
 
         def branch(proj, conv_w, tail):
-            y, new_tail = kda_ops.causal_conv(proj(x_btd), conv_w[...], tail)
+            if token_split:  # K−1 halo from the previous device; the tail of the whole (unpadded) prompt
+                y, new_tail = cp.conv_token_split_shard(proj(x_btd), conv_w[...], tail, axis=ctx.axis,
+                                                        valid_len=ctx.valid_len)
+            else:
+                y, new_tail = kda_ops.causal_conv(proj(x_btd), conv_w[...], tail)
             return jax.nn.silu(y).reshape(B, T, H, d), new_tail
 
         q, q_tail = branch(self.q_proj, self.q_conv1d, cache.q_tail_bkp)
@@ -83,7 +97,15 @@ class KimiDeltaAttention(nnx.Module):
         beta = jax.nn.sigmoid(self.b_proj(x_btd, out_dtype=jnp.float32))
         if use_chunk is None:
             use_chunk = T > 1
-        if use_chunk:
+        if token_split:
+            real_t = ctx.token_mask(T)  # [T] bool: False on the padding after the prompt
+            g = jnp.where(real_t[None, :, None, None], g, 0.0)  # inert steps: no decay, no write
+            beta = jnp.where(real_t[None, :, None], beta, 0.0)
+            o, state = cp.kda_token_split_shard(q, k, v, g, beta, cache.state_bhkv, axis=ctx.axis,
+                                                backend=self.backend)
+        elif ctx is not None and use_chunk:
+            o, state = cp.kda_local_op(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
+        elif use_chunk:
             o, state = kda_kernels.chunk(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
         else:
             o, state = kda_kernels.recurrent(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)

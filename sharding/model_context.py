@@ -1,0 +1,487 @@
+"""Context parallelism for the WHOLE model (issue #8): token-split prefill, head-split prefill, DCP decode.
+
+Entry points (also re-exported as `sharding.context_parallel.prefill / decode_step / generate`):
+
+    prefill(model, ids, mesh, mode="token" | "head", max_len=None, layout="contiguous", logits="all" | "last")
+        -> (logits float32 `[B, T, V]` (or `[B, 1, V]` with logits="last"), ModelCache)
+    decode_step(model, cache, token_ids, mesh, mode="dcp" | "tp", layout="contiguous") -> (logits `[B, V]`, cache)
+    generate(model, ids, max_new_tokens, mesh, prefill_mode="token", decode_mode="dcp") -> numpy int `[B, T + n]`
+    decode_comm_bytes_per_step(cfg, n=, batch=, seq_len=, kv_dtype=, index_dtype=) -> bytes for the whole model
+
+`mesh` has a "context" axis (`sharding.make_mesh("context=8")`, `"data=2,context=4"`, `"tensor=2,context=4"`):
+
+* token (prefill): the prompt is cut by tokens over "context" (device d holds tokens [d·Tl, (d+1)·Tl); a prompt
+  that does not divide is padded at the end, and the padding is inert). The whole forward runs inside ONE
+  shard_map: per-token parts (embeddings, norms, projections, MoE, AttnRes mixes, lm_head) run on the local slice
+  as they are; KDA layers take their conv halo from the previous device and combine per-device affine state
+  transitions by a prefix over devices (exact; `context_parallel.kda_token_split_shard`); MLA layers all-gather
+  the latent rows and index keys so every query sees all earlier keys at global positions
+  (`context_parallel.mla_attend`, query-chunked, top-k by the DSA indexer). The cache comes back with KDA states
+  replicated over "context" and the MLA rows + index keys split over "context" by tokens — already the DCP layout.
+* head (prefill, for comparison): the same devices as one tensor-parallel group (heads, experts and vocab split by
+  `sharding.rules`, activations replicated, GSPMD all-reduces); MLA uses the same query-chunked attention.
+* dcp (decode): every device runs the whole step for the new token (weights replicated over "context"), writes the
+  new latent row / index key on the device that owns its position, scores only its own keys, keeps a local top-k,
+  exchanges (score, position) candidates, attends over its share of the winners and merges the partial outputs
+  by log-sum-exp (`context_parallel.dcp_decode_shard`). Per-step traffic: `decode_comm_bytes_per_step`.
+* tp (decode, for comparison): the tensor-parallel step with the MLA cache replicated, the same sparse top-k
+  algorithm over all keys on every device (`context_parallel.head_split_decode_shard`).
+
+A "model" (tensor) axis of size > 1 combines with "context": it stays under GSPMD (partial-manual shard_map), so
+heads and experts split over it inside each context shard. A "data" axis splits the batch. Inside the CP programs
+the routed experts split over "model" only (a mesh whose experts overlay "context" has them gathered per context
+shard). K3-family NoPE MLA only (DeepSeek's RoPE would need global positions in the projection).
+
+MLA cache layouts ("contiguous": device d holds positions [d·L, (d+1)·L), i.e. the global array is in position
+order; "round_robin": position p on device p mod n, see `context_parallel.dcp_place`). `max_len` is rounded up to
+a multiple of the context size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import context_parallel as cp
+from .context_parallel import CONTEXT, DEFAULT_MAX_CHUNK_BYTES, LAYOUTS
+
+MODES_PREFILL = ("token", "head")
+MODES_DECODE = ("dcp", "tp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what the modules do while a CP forward traces (read through context_parallel.active_context())
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelContext:
+    """mode "token": this device holds contiguous tokens of a fresh prompt of `valid_len` real tokens;
+    "head": all tokens on every device (MLA still query-chunked); "dcp": one new token per sequence, the MLA cache
+    split over `axis` in `layout`."""
+
+    mode: str
+    axis: str = CONTEXT
+    n: int = 1
+    valid_len: int = 0
+    layout: str = "contiguous"
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+
+    @property
+    def splits_mla(self) -> bool:
+        return True
+
+    def token_mask(self, Tl: int):
+        """`[Tl]` bool: which of this device's tokens are real (not end padding)."""
+        pos = self._first_token(Tl) + jnp.arange(Tl, dtype=jnp.int32)
+        return pos < self.valid_len
+
+    def _first_token(self, Tl: int):
+        return jax.lax.axis_index(self.axis) * Tl if self.mode == "token" else 0
+
+    def slot_positions(self, L: int):
+        """`[L]` global position held by each of this device's L cache slots."""
+        if self.mode == "head":
+            return jnp.arange(L, dtype=jnp.int32)
+        d = jax.lax.axis_index(self.axis)
+        slot = jnp.arange(L, dtype=jnp.int32)
+        return d * L + slot if self.layout == "contiguous" else slot * self.n + d
+
+    def mla_attention(self, mod, x_btd, p, cache):
+        """The MLA module's attention step under this mode: (o_lat float32 `[B, T, H, R]`, new MLACache or None)."""
+        if self.mode == "dcp":
+            return _mla_dcp_decode(self, mod, x_btd, p, cache)
+        if self.mode == "tp":
+            return _mla_tp_decode(mod, x_btd, p, cache)
+        return _mla_prefill(self, mod, x_btd, p, cache)
+
+
+def _mla_prefill(ctx: ModelContext, mod, x_btd, p, cache):
+    from kimi_jax.modules.mla import MLACache
+
+    cfg = mod.cfg
+    B, Tl, _ = x_btd.shape
+    pos_t = ctx._first_token(Tl) + jnp.arange(Tl, dtype=jnp.int32)
+    gather = (lambda a: jax.lax.all_gather(a, ctx.axis, axis=1, tiled=True)) if ctx.mode == "token" else (lambda a: a)
+    kv_all = gather(p.row)  # [B, T_pad, R + rope]: every device sees every key row
+    kw = dict(scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, max_chunk_bytes=ctx.max_chunk_bytes)
+    ki_all = None
+    if mod.indexer is not None:
+        ki_all = gather(p.index_k)
+        qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
+        kw.update(qi_bthd=qi, ki_bsd=ki_all, w_bth=w, topk=mod.indexer.cfg.topk)
+    o_lat, _ = cp.mla_attend(mod.absorbed_query(p), kv_all, pos_t, **kw)
+    if cache is None:
+        return o_lat, None
+    kv = _fill_slots(ctx, cache.kv_bsc, kv_all)
+    ki = cache.index_k_bsd if ki_all is None else _fill_slots(ctx, cache.index_k_bsd, ki_all)
+    return o_lat, MLACache(kv, ki)
+
+
+def _fill_slots(ctx: ModelContext, buf_blc, rows_btc):
+    """This device's cache slots `[B, L, ·]` filled from the prompt rows `[B, T_pad, ·]` (positions 0…; only the
+    first valid_len are real)."""
+    L, T = buf_blc.shape[1], rows_btc.shape[1]
+    pos = ctx.slot_positions(L)
+    src = jnp.take(rows_btc, jnp.clip(pos, 0, T - 1), axis=1).astype(buf_blc.dtype)
+    return jnp.where((pos < ctx.valid_len)[None, :, None], src, buf_blc)
+
+
+def _write_owned(ctx: ModelContext, buf_blc, row_bc, pos_b):
+    """Write one row per sequence at global position pos_b on the device that owns it (one slot each, in place)."""
+    L = buf_blc.shape[1]
+    d = jax.lax.axis_index(ctx.axis)
+    if ctx.layout == "contiguous":
+        owner, slot = pos_b // L, pos_b % L
+    else:
+        owner, slot = pos_b % ctx.n, pos_b // ctx.n
+    mine = owner == d
+
+    def one(buf, row, s, m):
+        s = jnp.clip(s, 0, L - 1)
+        old = jax.lax.dynamic_slice_in_dim(buf, s, 1, 0)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(m, row[None].astype(buf.dtype), old), s, 0)
+
+    return jax.vmap(one)(buf_blc, row_bc, slot, mine)
+
+
+def _mla_dcp_decode(ctx: ModelContext, mod, x_btd, p, cache):
+    from kimi_jax.modules.mla import MLACache
+
+    if x_btd.shape[1] != 1:
+        raise ValueError(f"DCP decode runs one token per sequence, got {x_btd.shape[1]}")
+    cfg = mod.cfg
+    pos_b = p.positions[:, 0]
+    kv = _write_owned(ctx, cache.kv_bsc, p.row[:, 0], pos_b)
+    ki = cache.index_k_bsd
+    qi = w = None
+    topk = None
+    if mod.indexer is not None:
+        ki = _write_owned(ctx, ki, p.index_k[:, 0], pos_b)
+        qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
+        qi, w, topk = qi[:, 0], w[:, 0], mod.indexer.cfg.topk
+    o, _, _ = cp.dcp_decode_shard(mod.absorbed_query(p)[:, 0], kv, pos_b + 1, qi, ki, w, axis=ctx.axis,
+                                  layout=ctx.layout, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, topk=topk)
+    return o[:, None], MLACache(kv, ki)
+
+
+def _mla_tp_decode(mod, x_btd, p, cache):
+    """TP decode (GSPMD splits the heads; the cache is whole on every device): the same sparse algorithm as DCP —
+    index scores over all keys, top-k, gather, attend (`context_parallel.head_split_decode_shard`)."""
+    from kimi_jax.modules.mla import MLACache
+
+    if x_btd.shape[1] != 1:
+        raise ValueError(f"TP decode runs one token per sequence, got {x_btd.shape[1]}")
+    cfg = mod.cfg
+    pos_b = p.positions[:, 0]
+    put = jax.vmap(lambda buf, row, s: jax.lax.dynamic_update_slice_in_dim(buf, row[None].astype(buf.dtype), s, 0))
+    kv = put(cache.kv_bsc, p.row[:, 0], pos_b)
+    ki, qi, w, topk = cache.index_k_bsd, None, None, None
+    if mod.indexer is not None:
+        ki = put(ki, p.index_k[:, 0], pos_b)
+        qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
+        qi, w, topk = qi[:, 0], w[:, 0], mod.indexer.cfg.topk
+    o, _, _ = cp.head_split_decode_shard(mod.absorbed_query(p)[:, 0], kv, pos_b + 1, qi, ki, w,
+                                         scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, topk=topk)
+    return o[:, None], MLACache(kv, ki)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# programs
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check(model, mesh: Mesh, axis: str, layout: str):
+    cfg = model.config
+    if axis not in mesh.axis_names:
+        raise ValueError(f"the mesh has no {axis!r} axis (axes {mesh.axis_names}); build one with "
+                         f"sharding.make_mesh('context=N') or make_mesh('data=D,tensor=M,context=N')")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown DCP layout {layout!r}; choose one of {LAYOUTS}")
+    if cfg.mla is not None and cfg.mla.rope is not None:
+        raise NotImplementedError("context parallelism covers NoPE MLA (the K3 family); RoPE MLA (DeepSeek) would "
+                                  "need global positions in the projections")
+
+
+def _batch_axis(mesh: Mesh, B: int):
+    d = mesh.shape.get("data", 1)
+    return "data" if d > 1 and B % d == 0 else None
+
+
+def _manual_axes(mesh: Mesh, axis: str):
+    return frozenset(a for a in mesh.axis_names if a in (axis, "data"))
+
+
+def _smap(f, mesh, in_specs, out_specs, manual):
+    kw = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    if set(manual) != set(mesh.axis_names):
+        kw["axis_names"] = set(manual)
+    return jax.shard_map(f, **kw)
+
+
+def _store(model) -> dict:
+    return model.__dict__.setdefault("_context_parallel", {})
+
+
+def _placed_params(model, mesh: Mesh):
+    """Parameters on `mesh` by `sharding.rules` (heads / vocab / experts over "model"; replicated over "context"
+    and "data"), cached per mesh."""
+    from .rules import _path_name, param_partition_spec
+
+    key = ("params", mesh)
+    store = _store(model)
+    if key not in store:
+        m = int(mesh.shape.get("model", 1))
+        place = lambda path, a: jax.device_put(a, NamedSharding(mesh, param_partition_spec(_path_name(path),
+                                                                                          a.shape, m)))
+        store[key] = jax.tree_util.tree_map_with_path(place, model.params)
+    return store[key]
+
+
+def _cache_specs(cfg, bax, axis, split_mla: bool):
+    from kimi_jax.modules.decoder import ModelCache
+    from kimi_jax.modules.kda import KDACache
+    from kimi_jax.modules.mla import MLACache
+
+    mla = P(bax, axis) if split_mla else P(bax)
+    layers = tuple(KDACache(P(bax), P(bax), P(bax), P(bax)) if k == "kda" else MLACache(mla, mla)
+                   for k in cfg.layer_kinds)
+    return ModelCache(P(bax), layers)
+
+
+def _logits(m, h_btd):
+    if m.lm_head is None:
+        return jnp.dot(h_btd, m.embed_tokens[...].T, preferred_element_type=jnp.float32)
+    return m.lm_head(h_btd, out_dtype=jnp.float32)
+
+
+def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only, max_chunk_bytes):
+    key = ("token", mesh, axis, B, T_pad, valid_len, layout, last_only, max_chunk_bytes)
+    store = _store(model)
+    if key in store:
+        return store[key]
+    n = mesh.shape[axis]
+    bax = _batch_axis(mesh, B)
+    ctx = ModelContext("token", axis, n, valid_len, layout, max_chunk_bytes)
+    graphdef = model.graphdef
+    cspec = _cache_specs(model.config, bax, axis, True)
+
+    def body(params, ids, cache):
+        m = nnx.merge(graphdef, params)
+        with cp.using_context(ctx):
+            h, new = m.hidden_states(ids, cache)
+        if last_only:  # only the last real token's logits (TTFT): its hidden row, from whichever device holds it
+            h = cp.global_rows_shard(h, [valid_len - 1], axis=axis)
+        return _logits(m, h), new._replace(length=cache.length + valid_len)
+
+    out_logits = P(bax) if last_only else P(bax, axis)
+    f = jax.jit(_smap(body, mesh, (P(), P(bax, axis), cspec), (out_logits, cspec), _manual_axes(mesh, axis)),
+                donate_argnums=(2,))
+    store[key] = (f, cspec, bax)
+    return store[key]
+
+
+def _fresh_cache(model, mesh, B, max_len, cspec):
+    from kimi_jax.modules.decoder import ModelCache
+
+    cfg, dtype = model.config, model.dtype
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cspec, is_leaf=lambda x: isinstance(x, P))
+    return jax.jit(lambda: ModelCache.zeros(cfg, B, max_len, dtype), out_shardings=shardings)()
+
+
+def _head_mesh(mesh: Mesh, axis: str) -> Mesh:
+    """The same devices as ("data", "context" = 1, "model" = context·model): one tensor-parallel group."""
+    d = mesh.shape.get("data", 1)
+    devs = np.asarray(mesh.devices).reshape(d, -1)
+    return Mesh(devs.reshape(d, 1, devs.shape[1]), ("data", "context", "model"))
+
+
+def _head_fn(model, mesh, kind, valid_len, last_only, max_chunk_bytes):
+    key = ("head", mesh, kind, valid_len, last_only, max_chunk_bytes)
+    store = _store(model)
+    if key in store:
+        return store[key]
+    graphdef = model.graphdef
+    ctx = ModelContext("tp" if kind == "decode" else "head", valid_len=valid_len, max_chunk_bytes=max_chunk_bytes)
+
+    def fwd(params, ids, cache):
+        m = nnx.merge(graphdef, params)
+        if kind == "decode":  # replicated cache, heads split by GSPMD, sparse top-k attention
+            with cp.using_context(ctx):
+                return m(ids, cache)
+        with cp.using_context(ctx):
+            h, new = m.hidden_states(ids, cache)
+        if last_only:
+            h = h[:, valid_len - 1:valid_len]
+        return _logits(m, h), new
+
+    store[key] = jax.jit(fwd, donate_argnums=(2,))
+    return store[key]
+
+
+def prefill(model, input_ids, mesh: Mesh, *, mode: str = "token", max_len: Optional[int] = None,
+            axis: str = CONTEXT, layout: str = "contiguous", logits: str = "all",
+            max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
+    """Prefill a fresh cache with the prompt `input_ids` int `[B, T]`, split over `mesh`'s `axis`.
+
+    mode "token": tokens split (see the module doc); "head": tensor parallel over the same devices.
+    max_len: cache length (default T), rounded up to a multiple of the axis size. logits "all": `[B, T, V]`;
+    "last": `[B, 1, V]`, the last prompt token only (what time-to-first-token needs; no `[T, V]` buffer).
+    Returns (logits float32 jax array, `ModelCache`): token mode — MLA rows split over `axis` in `layout` order
+    (`to_position_order` undoes round_robin); head mode — position order, replicated."""
+    from kimi_jax.model import _as_ids
+
+    if mode not in MODES_PREFILL:
+        raise ValueError(f"unknown prefill mode {mode!r}; choose one of {MODES_PREFILL}")
+    if logits not in ("all", "last"):
+        raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+    _check(model, mesh, axis, layout)
+    ids = np.asarray(_as_ids(input_ids, model.config))
+    B, T = ids.shape
+    n = mesh.shape[axis]
+    max_len = -(-(max_len or T) // n) * n
+    if T > max_len:
+        raise ValueError(f"prompt of {T} tokens does not fit a cache of {max_len}")
+    last_only = logits == "last"
+    if mode == "head":
+        hm = _head_mesh(mesh, axis)
+        f = _head_fn(model, hm, "prefill", T, last_only, max_chunk_bytes)
+        params = _placed_params(model, hm)
+        bax = _batch_axis(hm, B)
+        cache = _fresh_cache(model, hm, B, max_len, _cache_specs(model.config, bax, None, False))
+        return f(params, jax.device_put(jnp.asarray(ids), NamedSharding(hm, P(bax))), cache)
+    K = model.config.kda.conv_kernel if model.config.kda is not None else 1
+    T_pad = -(-T // n) * n
+    if T_pad // n < K - 1:
+        raise ValueError(f"a {T}-token prompt is too short to split over {n} devices: each needs at least "
+                         f"{K - 1} tokens for the KDA conv halo (use >= {(K - 1) * n} tokens or fewer devices)")
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ids_pad = np.pad(ids, ((0, 0), (0, T_pad - T)), constant_values=pad_id)
+    f, cspec, bax = _token_prefill_fn(model, mesh, axis, B, T_pad, T, layout, last_only, max_chunk_bytes)
+    cache = _fresh_cache(model, mesh, B, max_len, cspec)
+    out, cache = f(_placed_params(model, mesh), jax.device_put(jnp.asarray(ids_pad),
+                                                               NamedSharding(mesh, P(bax, axis))), cache)
+    return (out if last_only else out[:, :T]), cache
+
+
+def _dcp_decode_fn(model, mesh, axis, B, layout):
+    key = ("dcp", mesh, axis, B, layout)
+    store = _store(model)
+    if key in store:
+        return store[key]
+    n = mesh.shape[axis]
+    bax = _batch_axis(mesh, B)
+    ctx = ModelContext("dcp", axis, n, 0, layout)
+    graphdef = model.graphdef
+    cspec = _cache_specs(model.config, bax, axis, True)
+
+    def body(params, ids, cache):
+        m = nnx.merge(graphdef, params)
+        with cp.using_context(ctx):
+            return m(ids, cache)
+
+    f = jax.jit(_smap(body, mesh, (P(), P(bax), cspec), (P(bax), cspec), _manual_axes(mesh, axis)),
+                donate_argnums=(2,))
+    store[key] = (f, cspec)
+    return store[key]
+
+
+def decode_step(model, cache, token_ids, mesh: Mesh, *, mode: str = "dcp", axis: str = CONTEXT,
+                layout: str = "contiguous"):
+    """One token per sequence (`token_ids` int `[B]`). The cache is donated. Returns (logits float32 `[B, V]`,
+    cache). mode "dcp": the cache's MLA rows split over `axis` in `layout` order (as `prefill(mode="token")`
+    returns them; a position-ordered cache is re-placed as "contiguous"); "tp": the cache replicated, heads split
+    over the same devices (`prefill(mode="head")`'s layout)."""
+    if mode not in MODES_DECODE:
+        raise ValueError(f"unknown decode mode {mode!r}; choose one of {MODES_DECODE}")
+    _check(model, mesh, axis, layout)
+    tok = jnp.asarray(token_ids, jnp.int32).reshape(-1, 1)
+    B = tok.shape[0]
+    if mode == "tp":
+        hm = _head_mesh(mesh, axis)
+        f = _head_fn(model, hm, "decode", 0, False, 0)
+        logits, cache = f(_placed_params(model, hm), jax.device_put(tok, NamedSharding(hm, P(_batch_axis(hm, B)))),
+                          cache)
+        return logits[:, 0], cache
+    n = mesh.shape[axis]
+    if cache.max_len % n:
+        raise ValueError(f"a cache of {cache.max_len} tokens does not split over {n} devices (prefill with "
+                         f"sharding.context_parallel.prefill, which rounds max_len up)")
+    f, cspec = _dcp_decode_fn(model, mesh, axis, B, layout)
+    place = lambda s, a: jax.device_put(a, NamedSharding(mesh, s))
+    cache = jax.tree.map(place, cspec, cache, is_leaf=lambda x: isinstance(x, P))
+    logits, cache = f(_placed_params(model, mesh), place(P(_batch_axis(mesh, B)), tok), cache)
+    return logits[:, 0], cache
+
+
+def generate(model, input_ids, max_new_tokens: int, mesh: Mesh, *, prefill_mode: str = "token",
+             decode_mode: str = "dcp", axis: str = CONTEXT, layout: str = "contiguous") -> np.ndarray:
+    """Greedy generation: `prefill` (token or head split) then `decode_step` (DCP or TP). Returns numpy int
+    `[B, T + max_new_tokens]`, the tokens `Model.generate` gives at temperature 0."""
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if max_new_tokens <= 0:
+        return ids
+    if prefill_mode == "head" and decode_mode == "dcp" and layout != "contiguous":
+        raise ValueError("a head-split prefill leaves the cache in position order: decode it with "
+                         "layout='contiguous'")
+    logits, cache = prefill(model, ids, mesh, mode=prefill_mode, max_len=ids.shape[1] + max_new_tokens, axis=axis,
+                            layout=layout, logits="last")
+    tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    out = [np.asarray(tok)]
+    for _ in range(1, max_new_tokens):
+        logits, cache = decode_step(model, cache, tok, mesh, mode=decode_mode, axis=axis, layout=layout)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out.append(np.asarray(tok))
+    return np.concatenate([ids, np.stack(out, axis=1)], axis=1)
+
+
+def to_position_order(cache, n: int, layout: str = "contiguous"):
+    """A cache from `prefill(mode="token", layout=layout)` with its MLA arrays back in position order (the layout
+    `Model.prefill` uses), as global arrays."""
+    from kimi_jax.modules.mla import MLACache
+
+    if layout == "contiguous":
+        return cache
+
+    def unplace(a):  # storage row d·L + l holds position l·n + d
+        B, S = a.shape[:2]
+        return jnp.swapaxes(a.reshape((B, n, S // n) + a.shape[2:]), 1, 2).reshape(a.shape)
+
+    layers = tuple(MLACache(unplace(c.kv_bsc), unplace(c.index_k_bsd)) if isinstance(c, MLACache) else c
+                   for c in cache.layers)
+    return cache._replace(layers=layers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# accounting
+# ----------------------------------------------------------------------------------------------------------------
+
+def decode_comm_bytes_per_step(cfg, *, n: int, batch: int, seq_len: int, kv_dtype: str = "fp8",
+                               index_dtype: str = "fp8") -> dict:
+    """Bytes per DCP decode step for the whole model (all MLA layers; KDA layers and per-token parts exchange
+    nothing under DCP): `context_parallel.decode_comm_bytes` per layer with the cache's row sizes
+    (`kimi_jax.cache`), times the MLA layer count. Keys as there (payload_* per device contributed, recv_* per
+    device received on a ring) plus "mla_layers" and "per_layer"; recv_naive_latents is the naive all-gather of
+    every other device's cached rows, recv_naive_scores the all-gather of full score rows."""
+    from kimi_jax.cache import index_key_bytes_per_token, latent_bytes_per_token
+
+    m, ix = cfg.mla, cfg.indexer
+    per = cp.decode_comm_bytes(
+        n=n, batch=batch, heads=m.num_heads, value_dim=m.kv_lora_rank, seq_len=seq_len,
+        topk=None if ix is None else ix.topk,
+        latent_row_bytes=latent_bytes_per_token(m.kv_lora_rank, m.qk_rope_head_dim, kv_dtype),
+        index_row_bytes=0 if ix is None else index_key_bytes_per_token(ix.head_dim, index_dtype))
+    layers = len(cfg.mla_layers)
+    out = {k: v * layers for k, v in per.items() if k.startswith(("payload", "recv"))}
+    out.update(mla_layers=layers, per_layer=per, slots_per_device=per["slots_per_device"])
+    return out
+
+
+__all__ = ["ModelContext", "prefill", "decode_step", "generate", "to_position_order", "decode_comm_bytes_per_step",
+           "MODES_PREFILL", "MODES_DECODE"]
