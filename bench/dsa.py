@@ -16,6 +16,12 @@ Per (context, batch), on random pools with shuffled pages (every sequence owns c
             per query (×2 in the kernel's exact hi/lo split), i.e. ≈ 360·(H/96) FLOP per gathered byte: at H = 96 it is
             tensor-core bound, not bandwidth bound, so the byte bar is only reachable at per-device head counts.
   extra     one MXFP4-key indexer row and one NVFP4-latent sparse-MLA row (info).
+Robustness: the parent process runs each section — `copy` (bandwidth), `tune` (a sweep of the kernels' knobs at
+128K × 32: block sizes, tokens per program, warps, pipeline stages, dot orientation and dtype; the fastest correct
+setting is used for every row), one per context, `extra` — in its own process under a timeout (`--budget` seconds in
+all), so a device fault or hang costs only that section (a FAIL row names it; the jnp peer of a row is timed before
+its kernel, so a kernel error still leaves it). Sweep results are written one by one; a fault inside the sweep
+restarts it past the faulting setting.
 Correctness is checked before timing on the same inputs: kernel scores vs a float32 (Precision.HIGHEST) jnp score
 of sequence 0, its top-k set vs the exact top-k of those scores (near-ties tolerated within 1e-5 of the cut), and the
 sparse-MLA output vs the reference (relative RMS ≤ 1e-4). Times: median of 3 rounds of back-to-back calls.
@@ -45,6 +51,9 @@ ap.add_argument("--batches", default=None, help="comma-separated batch sizes (de
 ap.add_argument("--no-tune", action="store_true", help="skip the small block-size sweep (GPU)")
 ap.add_argument("--ix-kw", default=None, help='JSON kernel_kw for the indexer kernel, e.g. {"block_n": 256}')
 ap.add_argument("--mla-kw", default=None, help='JSON kernel_kw for the sparse MLA kernel, e.g. {"block_k": 64}')
+ap.add_argument("--budget", type=float, default=170.0, help="seconds for the whole bench (sections past it are skipped)")
+ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # internal: run one section in this process
+ap.add_argument("--state", default=None, help=argparse.SUPPRESS)
 ARGS = ap.parse_args()
 if ARGS.smoke:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -196,7 +205,18 @@ def check_topk(idx_k, s_row, topk, tol=1e-5):
     return len(diff), bool(all(abs(s_row[i] - cut) <= tol * scale for i in diff if np.isfinite(s_row[i])))
 
 
+def _err(e) -> str:
+    return (type(e).__name__ + ": " + str(e).splitlines()[0] if str(e) else repr(e))[:240]
+
+
+def _fatal(e) -> bool:
+    """A device fault (sticky: every later call in this process fails) -> the section stops; the parent goes on."""
+    return "CUDA" in str(e) or "ILLEGAL" in str(e).upper()
+
+
 def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
+    """Rows for one (ctx, B): the jnp peer first (so a kernel fault still leaves it in the table), then the kernel.
+    Returns (idx for the sparse MLA rows, tables); idx is the reference's when the kernel failed."""
     g = GEOM
     fmt = Q.IndexKeyFormat(index_dtype, g["d"])
     nb, bt = make_tables(key, B, ctx)
@@ -206,36 +226,50 @@ def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
     w = jnp.asarray(r.standard_normal((B, g["hi"])) * (g["hi"] * g["d"]) ** -0.5, jnp.float32)
     pos = jnp.full((B,), ctx - 1, jnp.int32)
     seq_lens = pos + 1
+    shape = f"ctx={ctx} B={B} Hi={g['hi']} d={g['d']} {index_dtype} keys"
+    key_bytes = B * ctx * fmt.bytes_per_token
+    peer = jax.jit(lambda q, w, parts, bt, sl: ipaged.decode(q, w, parts, bt, sl, g["topk"], fmt=fmt,
+                                                                 backend="reference"))
+    idx_ref, t_p = None, float("nan")
+    try:
+        idx_ref = peer(q, w, parts, bt, seq_lens)
+        t_p = time_jax(peer, q, w, parts, bt, seq_lens)
+    except Exception as e:  # noqa: BLE001  (the jnp path materialises the dequantised keys: may not fit)
+        INFO[f"indexer_{index_dtype}_ctx{ctx}_B{B}_peer_error"] = _err(e)
+        if _fatal(e):
+            raise
     kw = dict(fmt=fmt, backend=g["backend"], **g["ix_kw"])
     scores = jax.jit(lambda q, w, parts, bt, pos: ipaged.kernel_scores(q, w, parts, bt, pos, **kw))
     ours = jax.jit(lambda q, w, parts, bt, sl: ipaged.decode(q, w, parts, bt, sl, g["topk"], fmt=fmt,
                                                                  backend=g["backend"], kernel_kw=g["ix_kw"]))
-    peer = jax.jit(lambda q, w, parts, bt, sl: ipaged.decode(q, w, parts, bt, sl, g["topk"], fmt=fmt,
-                                                                 backend="reference"))
-    # correctness: sequence 0 against a float32 HIGHEST-precision score of the dequantised keys
-    s = scores(q, w, parts, bt, pos)
-    idx = ours(q, w, parts, bt, seq_lens)
-    keys0 = fmt.dequantize(tuple(p[bt[0]].reshape(ctx, p.shape[-1]) for p in parts))  # [ctx, d]
-    dots = jnp.einsum("hd,sd->hs", q[0], keys0, precision=HI_)
-    s_ref = np.asarray(jnp.einsum("h,hs->s", w[0], jax.nn.relu(dots), precision=HI_))
-    err = rel_rms(np.asarray(s[0]), s_ref)
-    n_diff, near = check_topk(np.asarray(idx[0]), s_ref, g["topk"])
-    ok_c = err <= 1e-5 and near
-    INFO[f"indexer_{index_dtype}_ctx{ctx}_B{B}"] = dict(score_rel_rms=err, topk_mismatches=n_diff,
-                                                         mismatches_are_near_ties=near)
-    del keys0, dots
-    t_s = time_jax(scores, q, w, parts, bt, pos)
-    t_o = time_jax(ours, q, w, parts, bt, seq_lens)
     try:
-        t_p = time_jax(peer, q, w, parts, bt, seq_lens)
-    except Exception:  # noqa: BLE001  (the jnp path materialises the dequantised keys: may not fit)
+        # correctness: sequence 0 against a float32 HIGHEST-precision score of the dequantised keys
+        s = scores(q, w, parts, bt, pos)
+        idx = ours(q, w, parts, bt, seq_lens)
+        keys0 = fmt.dequantize(tuple(p[bt[0]].reshape(ctx, p.shape[-1]) for p in parts))  # [ctx, d]
+        dots = jnp.einsum("hd,sd->hs", q[0], keys0, precision=HI_)
+        s_ref = np.asarray(jnp.einsum("h,hs->s", w[0], jax.nn.relu(dots), precision=HI_))
+        err = rel_rms(np.asarray(s[0]), s_ref)
+        n_diff, near = check_topk(np.asarray(idx[0]), s_ref, g["topk"])
+        ok_c = err <= 1e-5 and near
+        INFO[f"indexer_{index_dtype}_ctx{ctx}_B{B}"] = dict(score_rel_rms=err, topk_mismatches=n_diff,
+                                                             mismatches_are_near_ties=near)
+        del keys0, dots
+        t_s = time_jax(scores, q, w, parts, bt, pos)
+        t_o = time_jax(ours, q, w, parts, bt, seq_lens)
+    except Exception as e:  # noqa: BLE001
         traceback.print_exc()
-        t_p = float("nan")
-    key_bytes = B * ctx * fmt.bytes_per_token
+        row("indexer score kernel: key bytes/s vs copy (TB/s)", shape + f" KERNEL ERROR {_err(e)}", float("nan"),
+            bw / 1e12, float("nan"), ">= 0.70" if judged else "info", False if judged else None)
+        row("indexer decode (scores + top-k) vs jnp path (ms)", shape, float("nan"), t_p * 1e3, float("nan"),
+            "info", None)
+        if _fatal(e):
+            raise
+        return idx_ref, (nb, bt)
     ach = key_bytes / t_s
-    shape = f"ctx={ctx} B={B} Hi={g['hi']} d={g['d']} {index_dtype} keys"
-    row("indexer score kernel: key bytes/s vs copy (TB/s)", shape, ach / 1e12, bw / 1e12, ach / bw,
-        ">= 0.70" if judged else "info", (ach / bw >= 0.70 and ok_c) if judged else None)
+    row("indexer score kernel: key bytes/s vs copy (TB/s)", shape + ("" if ok_c else f" WRONG (rel rms {err:.1e})"),
+        ach / 1e12, bw / 1e12, ach / bw, ">= 0.70" if judged else "info",
+        (ach / bw >= 0.70 and ok_c) if judged else None)
     row("indexer decode (scores + top-k) vs jnp path (ms)", shape + f" k={g['topk']}", t_o * 1e3, t_p * 1e3,
         t_p / t_o, "info", None)
     print(f"indexer {shape}: scores {t_s * 1e6:.1f} us ({ach / 1e12:.2f} TB/s), +top-k {t_o * 1e6:.1f} us, "
@@ -244,7 +278,7 @@ def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
     return idx, (nb, bt)
 
 
-def bench_sparse(ctx, B, bw, key, idx, tables, heads, kv_dtype="fp8", judged=True):
+def bench_sparse(ctx, B, bw, key, idx, tables, heads, kv_dtype="fp8", judged=True, extra_kw=None):
     g = GEOM
     fmt = Q.LatentFormat(kv_dtype, g["R"], g["rope"])
     nb, bt = tables
@@ -252,150 +286,292 @@ def bench_sparse(ctx, B, bw, key, idx, tables, heads, kv_dtype="fp8", judged=Tru
     r = np.random.default_rng(ctx + B + heads)
     q = jnp.asarray(r.standard_normal((B, heads, fmt.width)), jnp.float32)
     kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=g["R"])
-    kernel_kw = dict(g["mla_kw"])
+    kernel_kw = dict(g["mla_kw"], **(extra_kw or {}))
     bh = kernel_kw.get("block_h", 16)
     while bh > 16 and heads % bh:  # e.g. H = 12: 16-head blocks, not 32 (less padding)
         bh //= 2
     if "block_h" in kernel_kw:
         kernel_kw["block_h"] = bh
-    ours = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend=g["backend"],
-                                                           kernel_kw=kernel_kw, **kw))
-    peer = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend="reference", **kw))
-    o, lse = ours(q, parts, bt, idx)
-    o_r, lse_r = peer(q, parts, bt, idx)
-    err = max(rel_rms(o, o_r), rel_rms(lse, lse_r))
-    INFO[f"sparse_{kv_dtype}_ctx{ctx}_B{B}_H{heads}_rel_rms"] = err
-    t_o = time_jax(ours, q, parts, bt, idx)
-    t_p = time_jax(peer, q, parts, bt, idx)
     k = idx.shape[-1]
     lat_bytes = B * k * fmt.bytes_per_token
+    shape = f"ctx={ctx} B={B} H={heads} k={k} {kv_dtype} latent" + ("" if kernel_kw.get("exact", True) else
+                                                                     " bf16-like q/p (exact=False)")
+    bar = ">= 0.60" if judged else "info"
+    peer = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend="reference", **kw))
+    o_r, lse_r = peer(q, parts, bt, idx)
+    t_p = time_jax(peer, q, parts, bt, idx)
+    ours = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend=g["backend"],
+                                                           kernel_kw=kernel_kw, **kw))
+    try:
+        o, lse = ours(q, parts, bt, idx)
+        err = max(rel_rms(o, o_r), rel_rms(lse, lse_r))
+        INFO[f"sparse_{kv_dtype}_ctx{ctx}_B{B}_H{heads}_rel_rms"] = err
+        t_o = time_jax(ours, q, parts, bt, idx)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row("sparse MLA decode: latent bytes/s vs copy (TB/s)", shape + f" KERNEL ERROR {_err(e)}", float("nan"),
+            bw / 1e12, float("nan"), bar, False if judged else None)
+        row("sparse MLA decode vs jnp reference (us)", shape, float("nan"), t_p * 1e6, float("nan"), "info", None)
+        if _fatal(e):
+            raise
+        return
+    tol = 1e-4 if kernel_kw.get("exact", True) else 5e-3
     ach = lat_bytes / t_o
     flops = 2 * B * heads * k * (fmt.width + fmt.latent)
-    shape = f"ctx={ctx} B={B} H={heads} k={k} {kv_dtype} latent" + ("" if kernel_kw.get("exact", True) else
-                                                                     " bf16 q/p (exact=False)")
-    row("sparse MLA decode: latent bytes/s vs copy (TB/s)", shape, ach / 1e12, bw / 1e12, ach / bw,
-        ">= 0.60" if judged else "info", (ach / bw >= 0.60 and err <= 1e-4) if judged else None)
+    row("sparse MLA decode: latent bytes/s vs copy (TB/s)", shape + ("" if err <= tol else f" WRONG ({err:.1e})"),
+        ach / 1e12, bw / 1e12, ach / bw, bar, (ach / bw >= 0.60 and err <= tol) if judged else None)
     row("sparse MLA decode vs jnp reference (us)", shape, t_o * 1e6, t_p * 1e6, t_p / t_o, "info", None)
     print(f"sparse MLA {shape}: {t_o * 1e6:.1f} us ({ach / 1e12:.2f} TB/s, {flops / t_o / 1e12:.0f} TFLOP/s "
           f"useful), jnp {t_p * 1e6:.1f} us; rel rms {err:.1e}", flush=True)
     del parts
 
 
+# ------------------------------------------------------------------------------------------------ tuning sweep
+
+IX_SWEEP = (  # (block_n, tokens_per_program (None: ≈ 8 programs per SM), num_warps, num_stages, orient, dot_dtype)
+    (128, None, 4, 3, "kq", "auto"), (128, None, 4, 3, "qk", "auto"), (64, None, 4, 3, "kq", "auto"),
+    (256, None, 8, 3, "kq", "auto"), (128, None, 8, 2, "kq", "auto"), (128, None, 4, 1, "kq", "auto"),
+    (128, None, 4, 3, "kq", "bf16"), (64, None, 2, 3, "kq", "auto"), (128, 1024, 4, 3, "kq", "auto"),
+    (128, 8192, 4, 3, "kq", "auto"), (256, None, 4, 3, "qk", "auto"), (64, None, 4, 4, "qk", "auto"),
+)
+MLA_SWEEP = (  # (block_h, block_k, num_warps, num_stages, dot_dtype)
+    (16, 32, 4, 2, "auto"), (16, 64, 4, 2, "auto"), (32, 32, 8, 2, "auto"), (16, 32, 4, 2, "bf16"),
+    (64, 32, 8, 2, "auto"), (16, 32, 8, 3, "auto"),
+)
+
+
+def _record(kind, kw, value):
+    """Append one sweep result to the state file at once (a later fault cannot lose it)."""
+    with open(os.path.join(ARGS.state, "tune.jsonl"), "a") as f:
+        f.write(json.dumps(dict(kind=kind, kw=kw, value=value)) + "\n")
+
+
+def _done():
+    path = os.path.join(ARGS.state, "tune.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [json.loads(x) for x in open(path) if x.strip()]
+
+
 def tune(bw, key):
-    """A small sweep of the kernels' block sizes at one mid shape (ctx 128K, the largest batch); the fastest
-    correct setting is used for every row. Recorded in the JSON (`tuning`)."""
+    """A small sweep of the kernels' knobs at one mid shape (ctx 128K, the largest batch); the fastest correct setting
+    is used for every row. Each result is written as soon as it is measured; a device fault ends this process and the
+    parent restarts the sweep past the faulting setting."""
     g = GEOM
     ctx, B = (g["contexts"][0] if ARGS.smoke else 131072), g["batches"][-1]
     few = (lambda xs: xs[:2]) if ARGS.smoke else (lambda xs: xs)  # smoke: exercise the code, two settings
+    done = {(d["kind"], json.dumps(d["kw"], sort_keys=True)) for d in _done()}
     fmt = Q.IndexKeyFormat("fp8", g["d"])
     nb, bt = make_tables(key, B, ctx)
-    parts = index_pool(jax.random.fold_in(key, 1), fmt=fmt, nb=nb)
     r = np.random.default_rng(0)
+    parts = index_pool(jax.random.fold_in(key, 1), fmt=fmt, nb=nb)
     q = jnp.asarray(r.standard_normal((B, g["hi"], g["d"])), jnp.float32)
     w = jnp.asarray(r.standard_normal((B, g["hi"])), jnp.float32)
     pos = jnp.full((B,), ctx - 1, jnp.int32)
-    res, ref = {}, None
-    for bn, tpp, nw in few(((128, 1024, 4), (64, 1024, 4), (256, 1024, 8), (128, 4096, 4), (256, 2048, 4))):
-        kw = dict(block_n=bn, tokens_per_program=tpp, num_warps=nw)
+    ref = None
+    for bn, tpp, nw, ns, orient, dd in few(IX_SWEEP):
+        kw = dict(block_n=bn, tokens_per_program=tpp, num_warps=nw, num_stages=ns, orient=orient, dot_dtype=dd)
+        if ARGS.smoke:
+            kw = dict(kw, block_n=64, tokens_per_program=256)
+        if ("ix", json.dumps(kw, sort_keys=True)) in done:
+            continue
+        _record("ix", kw, "started (a fault here ends the process)")
         try:
             f = jax.jit(lambda q, w, p, bt, pos, kw=kw: ipaged.kernel_scores(q, w, p, bt, pos, fmt=fmt,
                                                                              backend=g["backend"], **kw))
             s = np.asarray(f(q, w, parts, bt, pos)[0])
-            ref = s if ref is None else ref
-            if rel_rms(s, ref) > 1e-5:
-                raise AssertionError("disagrees with the first setting")
-            res[json.dumps(kw)] = time_jax(f, q, w, parts, bt, pos, budget_s=0.1)
+            if ref is None:
+                keys0 = fmt.dequantize(tuple(p[bt[0]].reshape(ctx, p.shape[-1]) for p in parts))
+                dots = jnp.einsum("hd,sd->hs", q[0], keys0, precision=HI_)
+                ref = np.asarray(jnp.einsum("h,hs->s", w[0], jax.nn.relu(dots), precision=HI_))
+                del keys0, dots
+            if not rel_rms(s, ref) <= 1e-5:
+                raise AssertionError(f"wrong scores (rel rms {rel_rms(s, ref):.1e})")
+            _record("ix", kw, time_jax(f, q, w, parts, bt, pos, budget_s=0.1))
         except Exception as e:  # noqa: BLE001
-            res[json.dumps(kw)] = repr(e)[:200]
-    INFO["tuning_indexer_s"] = res
-    good = {k: v for k, v in res.items() if isinstance(v, float)}
-    if good and not ARGS.ix_kw:
-        g["ix_kw"] = json.loads(min(good, key=good.get))
+            _record("ix", kw, _err(e))
+            if _fatal(e):
+                sys.exit(3)
     del parts
     fmt = Q.LatentFormat("fp8", g["R"], g["rope"])
     lp = latent_pool(jax.random.fold_in(key, 2), fmt=fmt, nb=nb)
     idx = jnp.asarray(np.sort(r.permutation(ctx)[: B * g["topk"]].reshape(B, g["topk"]), axis=-1), jnp.int32)
-    res, ref = {}, None
-    for heads in g["heads"][:1]:
-        qq = jnp.asarray(r.standard_normal((B, heads, fmt.width)), jnp.float32)
-        for bh, bk, nw, ns in few(((16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (16, 32, 8, 3), (64, 32, 8, 2))):
-            kw = dict(block_h=bh, block_k=bk, num_warps=nw, num_stages=ns)
+    heads = g["heads"][0]
+    qq = jnp.asarray(r.standard_normal((B, heads, fmt.width)), jnp.float32)
+    mk = lambda kw: jax.jit(lambda q, p, bt, idx: sparse.decode(q, p, bt, idx, fmt=fmt, scale=192 ** -0.5,
+                                                                value_dim=g["R"], layer_scale=jnp.float32(1),
+                                                                backend=g["backend"], kernel_kw=kw))
+    o_ref = np.asarray(jax.jit(lambda q, p, bt, idx: sparse.decode(
+        q, p, bt, idx, fmt=fmt, scale=192 ** -0.5, value_dim=g["R"], layer_scale=jnp.float32(1),
+        backend="reference"))(qq, lp, bt, idx)[0])
+    for bh, bk, nw, ns, dd in few(MLA_SWEEP):
+        kw = dict(block_h=bh, block_k=bk, num_warps=nw, num_stages=ns, dot_dtype=dd)
+        if ("mla", json.dumps(kw, sort_keys=True)) in done:
+            continue
+        _record("mla", kw, "started (a fault here ends the process)")
+        try:
+            f = mk(kw)
+            o = np.asarray(f(qq, lp, bt, idx)[0])
+            if not rel_rms(o, o_ref) <= 1e-4:
+                raise AssertionError(f"wrong output (rel rms {rel_rms(o, o_ref):.1e})")
+            _record("mla", kw, time_jax(f, qq, lp, bt, idx, budget_s=0.1))
+        except Exception as e:  # noqa: BLE001
+            _record("mla", kw, _err(e))
+            if _fatal(e):
+                sys.exit(3)
+
+
+def tuned_kw():
+    """The fastest correct setting of each kernel from the sweep results (the last record per setting wins)."""
+    last = {}
+    for d in _done():
+        last[(d["kind"], json.dumps(d["kw"], sort_keys=True))] = d["value"]
+    out, table = {}, {}
+    for kind in ("ix", "mla"):
+        res = {k: v for (kd, k), v in last.items() if kd == kind}
+        table[kind] = res
+        good = {k: v for k, v in res.items() if isinstance(v, float)}
+        out[kind] = json.loads(min(good, key=good.get)) if good else {}
+    return out, table
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+def _save_info():
+    with open(os.path.join(ARGS.state, f"info_{ARGS.section.replace(':', '_')}.json"), "w") as f:
+        json.dump(INFO, f, default=str)
+
+
+def _flush_rows():
+    with open(os.path.join(ARGS.state, "rows.jsonl"), "a") as f:
+        for r in ROWS:
+            f.write(json.dumps(r, default=str) + "\n")
+    ROWS.clear()
+
+
+def run_section():
+    """Child process: one section (`copy`, `tune`, `ctx:N`, `extra`); rows and info go to the state directory."""
+    key = jax.random.PRNGKey(0)
+    st = json.load(open(os.path.join(ARGS.state, "state.json"))) if os.path.exists(
+        os.path.join(ARGS.state, "state.json")) else {}
+    bw = st.get("bw", float("nan"))
+    kws = st.get("kw", {})
+    if not ARGS.ix_kw and kws.get("ix"):
+        GEOM["ix_kw"] = kws["ix"]
+    if not ARGS.mla_kw and kws.get("mla"):
+        GEOM["mla_kw"] = kws["mla"]
+    sec = ARGS.section
+    try:
+        if sec == "copy":
+            INFO["devices"] = [str(d) for d in jax.devices()]
+            INFO["jax"] = jax.__version__
             try:
-                f = jax.jit(lambda q, p, bt, idx, kw=kw: sparse.decode(q, p, bt, idx, fmt=fmt, scale=192 ** -0.5,
-                                                                       value_dim=g["R"], layer_scale=jnp.float32(1),
-                                                                       backend=g["backend"], kernel_kw=kw))
-                o = np.asarray(f(qq, lp, bt, idx)[0])
-                ref = o if ref is None else ref
-                if rel_rms(o, ref) > 1e-4:
-                    raise AssertionError("disagrees with the first setting")
-                res[json.dumps(kw)] = time_jax(f, qq, lp, bt, idx, budget_s=0.1)
-            except Exception as e:  # noqa: BLE001
-                res[json.dumps(kw)] = repr(e)[:200]
-    INFO["tuning_sparse_mla_s"] = res
-    good = {k: v for k, v in res.items() if isinstance(v, float)}
-    if good and not ARGS.mla_kw:
-        g["mla_kw"] = json.loads(min(good, key=good.get))
-    INFO["kernel_kw"] = dict(indexer=g["ix_kw"], sparse_mla=g["mla_kw"])
-    print("tuning:", json.dumps({k: INFO[k] for k in ("tuning_indexer_s", "tuning_sparse_mla_s", "kernel_kw")}),
-          flush=True)
+                import triton
+
+                INFO["triton"] = triton.__version__
+            except Exception:  # noqa: BLE001
+                pass
+            bw = copy_bandwidth()
+            INFO["copy_bandwidth_TBps"] = bw / 1e12
+            json.dump(dict(st, bw=bw), open(os.path.join(ARGS.state, "state.json"), "w"))
+            print(json.dumps(INFO), flush=True)
+        elif sec == "tune":
+            tune(bw, jax.random.fold_in(key, 99))
+        elif sec.startswith("ctx:"):
+            ctx = int(sec[4:])
+            for B in GEOM["batches"]:
+                kk = jax.random.fold_in(key, ctx * 64 + B)
+                idx, tables = bench_indexer(ctx, B, bw, kk)
+                _flush_rows()
+                for heads in GEOM["heads"]:
+                    bench_sparse(ctx, B, bw, kk, idx, tables, heads)
+                    _flush_rows()
+                del idx, tables
+        elif sec == "extra":  # MXFP4 keys, NVFP4 latent, bf16-like fast mode: the largest context and batch (info)
+            ctx, B = GEOM["contexts"][-1], GEOM["batches"][-1]
+            kk = jax.random.fold_in(key, 7)
+            idx, tables = bench_indexer(ctx, B, bw, kk, index_dtype="mxfp4", judged=False)
+            _flush_rows()
+            bench_sparse(ctx, B, bw, kk, idx, tables, GEOM["heads"][-1], kv_dtype="nvfp4", judged=False)
+            _flush_rows()
+            bench_sparse(ctx, B, bw, kk, idx, tables, GEOM["heads"][0], kv_dtype="fp8", judged=False,
+                         extra_kw=dict(exact=False))
+    finally:
+        _flush_rows()
+        _save_info()
 
 
 def main():
-    t0 = time.time()
-    INFO["devices"] = [str(d) for d in jax.devices()]
-    INFO["jax"] = jax.__version__
-    try:
-        import triton
+    """Parent: runs each section in its own process under a timeout, so a device fault or hang in one section costs
+    that section only (a FAIL row says which); prints the table and writes $OUT/dsa.json."""
+    import subprocess
+    import tempfile
 
-        INFO["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    bw = copy_bandwidth()
-    INFO["copy_bandwidth_TBps"] = bw / 1e12
-    print(json.dumps(INFO), flush=True)
-    key = jax.random.PRNGKey(0)
-    if not ARGS.no_tune:
-        try:
-            tune(bw, jax.random.fold_in(key, 99))
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-    for ctx in GEOM["contexts"]:
-        for B in GEOM["batches"]:
-            kk = jax.random.fold_in(key, ctx * 64 + B)
+    t0 = time.time()
+    state = ARGS.state = tempfile.mkdtemp(prefix="dsa_bench_")
+    passthru = [a for a in sys.argv[1:]]
+    g = GEOM
+    secs = [("copy", 40)] + ([] if ARGS.no_tune else [("tune", 75)])
+    secs += [(f"ctx:{c}", 45 if c >= (1 << 20) else 30) for c in g["contexts"]] + [("extra", 40)]
+    if ARGS.smoke:
+        secs = [(s, 600) for s, _ in secs]
+    deadline = t0 + ARGS.budget
+    log = {}
+    for sec, limit in secs:
+        tries = 3 if sec == "tune" else 1
+        for _ in range(tries):
+            left = deadline - time.time()
+            if left < 8:
+                log[sec] = "skipped: bench budget spent"
+                ROWS.append(dict(name=f"section {sec}", shape="-", ours=float("nan"), peer=float("nan"),
+                                 ratio=float("nan"), bar="-", result="SKIPPED (budget)"))
+                break
+            t = time.time()
+            cmd = [sys.executable, os.path.abspath(__file__), *passthru, "--section", sec, "--state", state]
             try:
-                idx, tables = bench_indexer(ctx, B, bw, kk)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                row("indexer", f"ctx={ctx} B={B}", float("nan"), float("nan"), float("nan"), "-", False)
-                continue
-            for heads in GEOM["heads"]:
-                try:
-                    bench_sparse(ctx, B, bw, kk, idx, tables, heads)
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
-                    row("sparse MLA", f"ctx={ctx} B={B} H={heads}", float("nan"), float("nan"), float("nan"), "-",
-                        False)
-            del idx, tables
-    # extra formats (info): MXFP4 keys, NVFP4 latent, at the largest context and batch
-    ctx, B = GEOM["contexts"][-1], GEOM["batches"][-1]
-    try:
-        kk = jax.random.fold_in(key, 7)
-        idx, tables = bench_indexer(ctx, B, bw, kk, index_dtype="mxfp4", judged=False)
-        bench_sparse(ctx, B, bw, kk, idx, tables, GEOM["heads"][-1], kv_dtype="nvfp4", judged=False)
-        GEOM["mla_kw"] = dict(GEOM["mla_kw"], exact=False)  # bf16 q and p (FlashMLA-like), error ≈ 1e-3
-        bench_sparse(ctx, B, bw, kk, idx, tables, GEOM["heads"][0], kv_dtype="fp8", judged=False)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
+                rc = subprocess.run(cmd, timeout=min(limit, left)).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            log[sec] = dict(rc=rc, s=round(time.time() - t, 1))
+            print(f"== section {sec}: rc={rc} in {time.time() - t:.1f} s", flush=True)
+            if sec == "tune":
+                kw, table = tuned_kw()
+                st_path = os.path.join(state, "state.json")
+                st = json.load(open(st_path)) if os.path.exists(st_path) else {}
+                json.dump(dict(st, kw=kw), open(st_path, "w"))
+                INFO["tuning_indexer_s"], INFO["tuning_sparse_mla_s"] = table["ix"], table["mla"]
+                INFO["kernel_kw"] = dict(indexer=kw["ix"], sparse_mla=kw["mla"])
+                print("tuning:", json.dumps({k: INFO[k] for k in ("tuning_indexer_s", "tuning_sparse_mla_s",
+                                                                  "kernel_kw")}), flush=True)
+            if rc != 3:
+                break
+        if rc not in (0, 3) and sec != "tune":
+            ROWS.append(dict(name=f"section {sec} (process)", shape=f"rc={rc}: rows missing from it did not run",
+                             ours=float("nan"), peer=float("nan"), ratio=float("nan"), bar="-",
+                             result="FAIL" if not ARGS.smoke else "info"))
+    INFO["sections"] = log
+    for fn in sorted(os.listdir(state)):
+        if fn.startswith("info_"):
+            INFO.update(json.load(open(os.path.join(state, fn))))
+    rows_path = os.path.join(state, "rows.jsonl")
+    rows = [json.loads(x) for x in open(rows_path)] if os.path.exists(rows_path) else []
+    rows += ROWS
     INFO["wall_s"] = time.time() - t0
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "dsa.json"), "w") as f:
-            json.dump(dict(info=INFO, rows=ROWS), f, indent=1, default=str)
+            json.dump(dict(info=INFO, rows=rows), f, indent=1, default=str)
     print("\nname, shape, ours, peer, ratio, bar, pass/fail")
-    for r in ROWS:
+    for r in rows:
         fmt = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)
         print(", ".join(fmt(r[k]) for k in ("name", "shape", "ours", "peer", "ratio", "bar", "result")))
+    n_fail = sum(r["result"] == "FAIL" for r in rows)
+    print(f"\nDSA bench: {len(rows)} rows, {n_fail} FAIL, wall {INFO['wall_s']:.0f} s, "
+          f"copy {INFO.get('copy_bandwidth_TBps', float('nan')):.2f} TB/s, kernel_kw {INFO.get('kernel_kw')}")
 
 
 if __name__ == "__main__":
-    main()
+    if ARGS.section:
+        run_section()
+    else:
+        main()

@@ -61,3 +61,79 @@ def resolve_dsa_backend(backend: str, *, op: str, supported) -> str:
 
     kind = _PLATFORM_KERNEL.get(jax.default_backend())
     return kind if kind is not None and supported(kind) else "reference"
+
+
+# ------------------------------------------------------------------------------------------------ Triton addressing
+
+# Why this exists (the CUDA_ERROR_ILLEGAL_ADDRESS of the first H200 run, 128K × 32 fp8 latent pool = 2.4 GB):
+# the Pallas Triton lowering (`jax._src.pallas.triton.lowering._compute_offsets_from_indices`, jax 0.10.x / 0.11.x)
+# turns every ref access into ONE flat element offset Σ_d index_d · stride_d and picks its integer type from the
+# array's size in BYTES: `offset_eltype = i64 if prod(shape) · itemsize > 2**32 else i32`. The offset counts
+# ELEMENTS and `tt.addptr` sign-extends it, so a 1-byte array (uint8 / fp8 pool parts) of 2^31 … 2^32 bytes gets
+# i32 offsets that wrap negative past row 2^31 / width (fp8 latent, 576 B rows: row ≥ 3.73M, i.e. ~11% of the
+# 128K × 32 pool) -> an address ~2 GB below the pool. Splitting the ref's dimensions does not help (the lowering
+# sums all dimensions into that one offset). Arrays of ≥ 2 B elements are safe (2^32 B = 2^31 elements at most),
+# and so are 1-byte arrays ≤ 2^31 B or > 2^32 B (the lowering's own 64-bit path).
+# `ensure_triton_wide_offsets()` closes the gap: it wraps that lowering function so that an array of more than
+# 2^31 − 1 elements is presented with a larger leading dimension (strides, which do not depend on dimension 0, and
+# the dtype are unchanged), which makes the lowering take its 64-bit path. Nothing else changes; arrays below the
+# threshold lower exactly as before. Where jax's internals differ (the wrap cannot be installed), the kernels'
+# `supports_pool` checks refuse such pools ("auto" then takes the reference path) instead of faulting.
+I32_OFFSET_LIMIT = 2**31 - 1
+_WIDE_STATE = {"installed": None}
+
+
+def _needs_wide(shape, itemsize: int) -> bool:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n > I32_OFFSET_LIMIT and n * itemsize <= 2**32
+
+
+def ensure_triton_wide_offsets() -> bool:
+    """Install (once) the 64-bit-offset fix described above; True when the installed jax lowering is covered."""
+    if _WIDE_STATE["installed"] is not None:
+        return _WIDE_STATE["installed"]
+    ok = False
+    try:
+        import dataclasses
+
+        import numpy as np
+        from jax._src import core as jax_core
+        from jax._src.pallas.triton import lowering as tl
+
+        orig = tl._compute_offsets_from_indices
+        if getattr(orig, "_kimi_wide_offsets", False):
+            ok = True
+        elif "full_shape_dtype" in {f.name for f in dataclasses.fields(tl.BlockInfo)}:
+
+            def _wide(block_info, nd_indexer, *args, **kwargs):
+                aval = block_info.full_shape_dtype
+                shape = tuple(aval.shape)
+                itemsize = np.dtype(aval.dtype).itemsize if str(aval.dtype) not in ("int4", "uint4") else 1
+                if shape and _needs_wide(shape, itemsize):
+                    row = 1
+                    for s in shape[1:]:
+                        row *= int(s)
+                    lead = (2**32 // max(1, row * itemsize)) + 2  # prod(shape)·itemsize > 2^32: the i64 path
+                    block_info = dataclasses.replace(
+                        block_info, full_shape_dtype=jax_core.ShapedArray((max(lead, shape[0]),) + shape[1:],
+                                                                          aval.dtype))
+                return orig(block_info, nd_indexer, *args, **kwargs)
+
+            _wide._kimi_wide_offsets = True
+            _wide.__wrapped__ = orig
+            tl._compute_offsets_from_indices = _wide
+            ok = True
+    except Exception:  # noqa: BLE001  (a jax without the Triton lowering, or different internals)
+        ok = False
+    _WIDE_STATE["installed"] = ok
+    return ok
+
+
+def pool_offsets_safe(parts) -> bool:
+    """Whether the Triton kernels can address every row of these pool parts: always when the fix is installed,
+    else only when no 1-byte part is in the 2^31 … 2^32-byte window."""
+    if ensure_triton_wide_offsets():
+        return True
+    return not any(_needs_wide(p.shape, p.dtype.itemsize) for p in parts)

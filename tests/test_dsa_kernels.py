@@ -96,6 +96,35 @@ def test_indexer_kernel_scores_and_topk_match_reference(index_dtype, backend):
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref))
 
 
+@pytest.mark.parametrize("kw", [dict(orient="qk"), dict(orient="kq", dot_dtype="bf16"), dict(orient="qk", num_stages=1),
+                                dict(tokens_per_program=None)])
+def test_indexer_kernel_knobs_give_the_same_scores(kw):
+    fmt, parts, q, w, s_ref = index_case("fp8", seed=5)
+    q = q * 300.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
+    s_ref = s_ref * 300.0
+    s = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret",
+                                        **dict(dict(block_n=16, tokens_per_program=32), **kw)))
+    fin = np.isfinite(s_ref)
+    np.testing.assert_array_equal(np.isfinite(s), fin)
+    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5
+
+
+def test_indexer_kernel_is_safe_against_garbage_table_entries():
+    """Table entries past a sequence's pages (never scored) may hold anything: ids past the pool, negative ids.
+    The kernel clamps block ids into the pool and does not read chunks past the query position."""
+    fmt, parts, q, w, s_ref = index_case("fp8", seed=6)
+    pos = np.array([20, 3, 40], np.int32)
+    bt = BT.copy()
+    bt[0, 2:] = [10**6, -7]  # sequence 0 ends in page 1
+    bt[1, 1:] = [-1, 2**30, 5]
+    s_ref = np.where(np.arange(s_ref.shape[1])[None] <= pos[:, None], s_ref, -np.inf)
+    s = np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="gpu_interpret",
+                                        block_n=16, tokens_per_program=32))
+    fin = np.isfinite(s_ref)
+    np.testing.assert_array_equal(np.isfinite(s), fin)
+    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5
+
+
 def test_indexer_kernel_short_sequence_keeps_every_key_and_pads():
     fmt, parts, q, w, s_ref = index_case("fp8", seed=1)
     pos = np.array([5, 0, -1], np.int32)  # 6 keys, 1 key, a padding query
@@ -158,6 +187,20 @@ def test_sparse_gpu_kernel_fast_mode_and_empty_rows():
     np.testing.assert_allclose(lse[:2], np.asarray(lse_r)[:2], rtol=5e-3)
 
 
+@pytest.mark.parametrize("kv_dtype,kw", [("fp8", dict(dot_dtype="bf16")), ("nvfp4", dict(dot_dtype="f16")),
+                                         ("fp8", dict(block_h=8, num_warps=8))])
+def test_sparse_gpu_kernel_knobs_and_garbage_indices(kv_dtype, kw):
+    parts, idx, q, kw_ = mla_case(kv_dtype, seed=7)
+    q = q * 100.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
+    o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw_)
+    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=8, **kw), **kw_)
+    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
+    bt = BT.copy()
+    bt[1, 2:] = [10**6, -3]  # pages sequence 1 never selects: garbage must not matter
+    o2, lse2 = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw=dict(block_k=8, **kw), **kw_)
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+
+
 def test_e2m1_arithmetic_decode_equals_the_table():
     codes = jnp.arange(16, dtype=jnp.int32)
     np.testing.assert_array_equal(np.asarray(sparse_gpu.e2m1_value(codes)), Q.E2M1_VALUES)
@@ -216,6 +259,68 @@ def test_sparse_gpu_kernel_lowers_to_triton_at_k31_shapes(kv_dtype):
     assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("kw", [dict(orient="qk"), dict(orient="kq"), dict(orient="kq", dot_dtype="bf16", exact=False)])
+def test_indexer_gpu_kernel_knobs_lower(kw):
+    from pallas_kernels.indexer import gpu
+
+    fmt = Q.IndexKeyFormat("fp8", 128)
+    args = (_sds((2, 32, 128), jnp.float32), _sds((2, 32), jnp.float32),
+            tuple(_sds((100, 64, p.width), p.dtype) for p in fmt.parts), _sds((2, 40), jnp.int32),
+            _sds((2,), jnp.int32))
+    f = functools.partial(gpu.scores, fmt=fmt, **kw)
+    assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _offset_types(fn, args):
+    """Lower fn for CUDA and record, per ref shape, the integer type of the flat offsets the Pallas Triton lowering
+    builds (i32 / i64)."""
+    from jax._src.pallas.triton import lowering as tl
+
+    from pallas_kernels.paged import ensure_triton_wide_offsets
+
+    assert ensure_triton_wide_offsets()
+    inner = tl._compute_offsets_from_indices
+    seen = {}
+
+    def spy(block_info, nd_indexer, *a, **k):
+        r = inner(block_info, nd_indexer, *a, **k)
+        seen.setdefault(tuple(block_info.full_shape_dtype.shape), set()).add("i64" if "i64" in str(r.type) else "i32")
+        return r
+
+    tl._compute_offsets_from_indices = spy
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        tl._compute_offsets_from_indices = inner
+    return seen
+
+
+def test_big_byte_pools_get_64bit_offsets_in_the_triton_lowering():
+    """The H200 crash: an fp8 latent pool of 2^31…2^32 bytes (128K × 32 sequences: 65,537 pages × 64 × 576 B =
+    2.4 GB) got int32 element offsets from the lowering (it switches to int64 only above 2^32 BYTES), which wrap
+    past row 3.73M. With the fix every such part is addressed with i64; small parts keep i32."""
+    from pallas_kernels.indexer import gpu
+    from pallas_kernels.paged import _needs_wide
+
+    assert _needs_wide((65537 * 64, 576), 1) and not _needs_wide((65537 * 64, 576), 2)
+    assert not _needs_wide((2**31 - 1,), 1) and _needs_wide((2**31,), 1) and not _needs_wide((2**32 + 1,), 1)
+    fmt = Q.LatentFormat("fp8", 512, 64)
+    f = functools.partial(sparse_gpu.decode, fmt=fmt, scale=192 ** -0.5, value_dim=512)
+    for nb, want in ((65537, "i64"), (600, "i32")):
+        args = (_sds((32, 96, 576), jnp.float32), tuple(_sds((nb, 64, p.width), p.dtype) for p in fmt.parts),
+                _sds((32, 2048), jnp.int32), _sds((32, 2048), jnp.int32))
+        seen = _offset_types(f, args)
+        assert seen[(nb * 64, 576)] == {want}, seen
+    # the indexer: fp8 codes of 2^31…2^32 bytes (e.g. 256K × 64 sequences, or 1M × 16)
+    fmt = Q.IndexKeyFormat("fp8", 128)
+    nb = 2**31 // (64 * 128) + 5
+    args = (_sds((16, 32, 128), jnp.float32), _sds((16, 32), jnp.float32),
+            tuple(_sds((nb, 64, p.width), p.dtype) for p in fmt.parts), _sds((16, 16384), jnp.int32),
+            _sds((16,), jnp.int32))
+    seen = _offset_types(functools.partial(gpu.scores, fmt=fmt), args)
+    assert seen[(nb * 64, 128)] == {"i64"} and seen[(nb * 64, 1)] == {"i32"}, seen
+
+
 # ------------------------------------------------------------------------------------------------ real GPU
 
 def _has_gpu():
@@ -270,3 +375,49 @@ def test_gpu_sparse_mla_decode_device(kv_dtype, heads):
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
     o_f, _ = sparse.decode(q, parts, bt, idx, backend="gpu", kernel_kw=dict(exact=False), **kw)
     assert rel_rms(o_f, o_r) <= 5e-3
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_kernels_address_the_top_of_pools_over_2gib():
+    """Pools past 2^31 bytes (the first H200 run faulted at 2.4 GB): fp8 latent 65,600 pages × 64 × 576 B = 2.42 GB
+    and fp8 index codes 32,800 pages × 64 × 128 B + fp32 scales... sized over 2^31 B too (262,200 pages = 2.15 GB);
+    sequences live in the top pages (rows ≥ 3.73M / 16.7M), results vs the reference."""
+    rng = np.random.default_rng(20)
+    page = 64
+    # sparse MLA over a 2.42 GB fp8 latent pool
+    fmt = Q.LatentFormat("fp8", 512, 64)
+    nb = 65600
+    bits = jax.random.bits(jax.random.PRNGKey(0), (nb, page, fmt.width), jnp.uint8) & jnp.uint8(0xBF)
+    parts = (jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn),)
+    del bits
+    assert parts[0].nbytes > 2**31
+    B, nbs = 2, 64
+    bt = np.stack([nb - 1 - np.arange(nbs), np.concatenate([[1, 2], nb - 100 - rng.permutation(nbs - 2)])]).astype(np.int32)
+    idx = np.stack([rng.permutation(nbs * page)[:2048] for _ in range(B)]).astype(np.int32)
+    idx[1, -5:] = -1
+    q = rng.standard_normal((B, 96, 576)).astype(np.float32)
+    kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=512)
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o, lse = sparse.decode(q, parts, bt, idx, backend="gpu", **kw)
+    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
+    del parts
+    # indexer over 2.15 GB of fp8 codes
+    fmt = Q.IndexKeyFormat("fp8", 128)
+    nb = 2**31 // (page * 128) + 100
+    bits = jax.random.bits(jax.random.PRNGKey(1), (nb, page, 128), jnp.uint8) & jnp.uint8(0xBF)
+    codes = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+    del bits
+    sc = jnp.exp2(jax.random.randint(jax.random.PRNGKey(2), (nb, page, 1), -6, -1).astype(jnp.float32))
+    parts = (codes, sc)
+    assert codes.nbytes > 2**31
+    bt = np.stack([nb - 1 - np.arange(nbs), nb - 1 - nbs - rng.permutation(nbs)]).astype(np.int32)
+    pos = np.array([nbs * page - 1, 3000], np.int32)
+    qi = (0.5 + np.abs(rng.standard_normal((B, 32, 128)))).astype(np.float32)
+    wi = (np.abs(rng.standard_normal((B, 32))) * (32 * 128) ** -0.5).astype(np.float32)
+    keys = np.asarray(fmt.dequantize(gather_pages(parts, bt)))
+    s_ref = index_scores_f64(qi, wi, keys, pos)
+    s = np.asarray(ipaged.kernel_scores(qi, wi, parts, bt, pos, fmt=fmt, backend="gpu"))
+    fin = np.isfinite(s_ref)
+    np.testing.assert_array_equal(np.isfinite(s), fin)
+    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5

@@ -5,19 +5,26 @@
 The reference is `reference.scores` over `fmt.dequantize(gather_pages(...))` (what `paged.topk_indices(...,
 backend="reference")` scores). Top-k is not in the kernel: `paged.select_topk` runs over the score row it writes.
 
-Grid (B, n_prog): program (b, j) walks `n_inner` chunks of BN consecutive positions of sequence b. Per chunk it maps
-positions through the block table to pool rows, gathers the BN stored keys `[BN, w]` from each part, dequantises in
-registers and scores all Hi heads with one tensor-core dot.
+Grid (B, n_prog): program (b, j) walks `n_inner` chunks of BN consecutive positions of sequence b (n_inner from
+`tokens_per_program`, by default ≈ 4 programs per SM). Chunks wholly past the query position are not read, only
+written −inf (dynamic trip counts: a short sequence in a wide table costs its own keys only). Per live chunk it maps
+positions through the block table to pool rows (block ids clamped into the pool), gathers the BN stored keys `[BN, w]`
+from each part, dequantises in registers and scores all Hi heads with tensor-core dots ("kq": keys [BN, d] · qᵀ ->
+[BN, Hi], the default; "qk": q · keysᵀ -> [Hi, BN]).
 
 Formats (the parts of `kimi_jax.quant.IndexKeyFormat`):
-- "fp8": e4m3 codes `[d]` + fp32 scale per 128 values. The dot runs on the codes (exact in bf16); the per-token
-  scale multiplies the dot per 128-group (Σ_g sc_g·(q_g·c_g)) before the relu.
+- "fp8": e4m3 codes `[d]` + fp32 scale per 128 values. The dot runs on the codes (exact in f16 and bf16); the
+  per-token scale multiplies the dot per 128-group (Σ_g sc_g·(q_g·c_g)) before the relu.
 - "mxfp4": packed e2m1 `[d/2]` (byte j = elements 2j (low nibble), 2j + 1 (high)) + E8M0 `[d/32]` (byte j is in
   group j // 16). Values are e2m1 · 2^(e−127) (exact in bf16); q's columns are permuted outside into [even | odd] so
   the two nibble planes are dotted separately (no interleave in registers). E8M0 byte 0 (2^-127) decodes to 0.
 - "bf16": bf16 keys.
-Precision: keys are exact in bf16; q (fp32) is split into hi = bf16(q) and lo = bf16(q − hi), stacked as 2·Hi rows,
-so one dot with M = 2·Hi gives q·k to ≈ 2^-16 relative (fp32 accumulation). `exact=False` keeps only hi.
+Precision: keys are exact in the dot dtype (f16 for fp8 keys, bf16 otherwise). Each head's q is divided by a power
+of two ≥ its max |q| (folded into w: relu(q·k)·w = relu((q/s)·k)·(w·s), exact) and split into hi = cdt(q) and
+lo = cdt(q − hi); two dots (hi, lo) accumulate in fp32: q·k to ≈ 2^-22 (f16) / 2^-16 (bf16) relative.
+`exact=False` keeps only hi.
+Address safety: 64-bit offsets for 1-byte parts of 2^31…2^32 bytes (the lowering's int32 wrap, see
+`pallas_kernels.paged.ensure_triton_wide_offsets`), block ids clamped into [0, num_blocks).
 Constraints (Triton blocks are powers of two): Hi, BN, and the loaded key widths (d, or d/2 for mxfp4; fp8 needs
 d ≤ 128 or d % 128 == 0). K3.1: Hi = 32, d = 128.
 """
@@ -36,6 +43,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
 from ..mla.sparse_gpu import e2m1_value
+from ..paged import pool_offsets_safe
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
 FP8_GROUP = 128
@@ -73,77 +81,152 @@ def e8m0_value(byte_i32):
 
 
 def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: int, BN: int, n_inner: int,
-            page: int, max_blocks: int, exact: bool):
-    """q_ref `[B, QR, d]` bf16 (QR = 2·Hi rows hi | lo, or Hi; mxfp4: columns [even | odd]), w_ref `[B, Hi]` f32,
-    key parts flattened `[num_blocks·page, w]`, out `[B, S_pad]` f32."""
+            page: int, max_blocks: int, nblocks: int, exact: bool, orient: str, cdt):
+    """q_ref `[B, 2, Hi, d]` (plane 0 = hi, plane 1 = lo; mxfp4: columns [even | odd]) in the dot dtype `cdt`,
+    w_ref `[B, Hi]` f32 (the per-head power-of-two q normalisation folded in), key parts flattened
+    `[num_blocks·page, w]`, out `[B, S_pad]` f32.
+
+    Address safety: positions are ≥ 0 by construction, table reads are clamped to the row, block ids to
+    [0, nblocks) — no load can leave the pool whatever the table holds — and the big 1-byte parts get 64-bit offsets
+    (`pallas_kernels.paged.ensure_triton_wide_offsets`)."""
     *key_refs, o_ref = refs
     b = pl.program_id(0)
     j = pl.program_id(1)
     pos_b = pos_ref[b]
-    w = w_ref[b, :][:, None]  # [Hi, 1]
-    QR = 2 * Hi if exact else Hi
+    w = w_ref[b, :]  # [Hi]
+    planes = (0, 1) if exact else (0,)
     if index_dtype == "mxfp4":
-        q_pieces = [q_ref[b, :, pl.ds(0, d // 2)], q_ref[b, :, pl.ds(d // 2, d // 2)]]
+        cols = [(0, d // 2), (d // 2, d // 2)]
     elif index_dtype == "fp8" and d > FP8_GROUP:
-        q_pieces = [q_ref[b, :, pl.ds(g * FP8_GROUP, FP8_GROUP)] for g in range(d // FP8_GROUP)]
+        cols = [(g * FP8_GROUP, FP8_GROUP) for g in range(d // FP8_GROUP)]
     else:
-        q_pieces = [q_ref[b, :, :]]
+        cols = [(0, d)]
+    # q pieces [plane][piece] -> [Hi, width]
+    qs = [[q_ref[b, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes]
 
-    def chunk(i, carry):
-        t = (j * n_inner + i) * BN + jnp.arange(BN, dtype=jnp.int32)  # [BN] sequence positions
+    def dot(keys, piece):
+        """Σ over hi/lo planes of q·keys for one column piece: [BN, Hi] ("kq") or [Hi, BN] ("qk"), fp32."""
+        out = None
+        for p in range(len(planes)):
+            x = _dot_nt(keys, qs[p][piece]) if orient == "kq" else _dot_nt(qs[p][piece], keys)
+            out = x if out is None else out + x
+        return out
+
+    def per_token(sc):  # [BN] -> broadcast against the dot layout
+        return sc[:, None] if orient == "kq" else sc[None, :]
+
+    chunk0 = j * n_inner  # first chunk of this program
+    # chunks wholly past the query position are not read (only written −inf): dynamic trip counts
+    n_live = jnp.clip((pos_b - chunk0 * BN) // BN + 1, 0, n_inner)
+
+    def live(i, carry):
+        c0 = (chunk0 + i) * BN
+        t = c0 + jnp.arange(BN, dtype=jnp.int32)  # [BN] sequence positions, ≥ 0
         blk = bt_ref[b, jnp.minimum(t // page, max_blocks - 1)]
+        blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
         slot = blk * page + t % page
         if index_dtype == "fp8":
             codes_ref, scale_ref = key_refs
             dots = None
-            for g, qg in enumerate(q_pieces):
-                width = d if len(q_pieces) == 1 else FP8_GROUP
-                codes = codes_ref[slot, pl.ds(g * width, width)].astype(jnp.bfloat16)  # exact
+            for g, (c0_, cw) in enumerate(cols):
+                codes = codes_ref[slot, pl.ds(c0_, cw)].astype(cdt)  # exact (e4m3 ⊂ f16, bf16)
                 sc = scale_ref[slot, g]  # [BN] fp32, a power of two
-                part = _dot_nt(qg, codes) * sc[None, :]
+                part = dot(codes, g) * per_token(sc)
                 dots = part if dots is None else dots + part
         elif index_dtype == "mxfp4":
             packed_ref, e_ref = key_refs
             packed = packed_ref[slot, :].astype(jnp.int32)  # [BN, d/2]
             sc = e8m0_value(e_ref[slot, :].astype(jnp.int32))  # [BN, d/32]
             sc = jnp.broadcast_to(sc[:, :, None], (BN, d // MX_GROUP, MX_GROUP // 2)).reshape(BN, d // 2)
-            even = (e2m1_value(packed & 0xF) * sc).astype(jnp.bfloat16)
-            odd = (e2m1_value(packed >> 4) * sc).astype(jnp.bfloat16)
-            dots = _dot_nt(q_pieces[0], even) + _dot_nt(q_pieces[1], odd)
+            even = (e2m1_value(packed & 0xF) * sc).astype(cdt)
+            odd = (e2m1_value(packed >> 4) * sc).astype(cdt)
+            dots = dot(even, 0) + dot(odd, 1)
         else:
             (keys_ref,) = key_refs
-            dots = _dot_nt(q_pieces[0], keys_ref[slot, :])
-        if exact:
-            dots = dots.reshape(2, Hi, BN).sum(axis=0)  # hi + lo
-        s = jnp.sum(w * jnp.maximum(dots, 0.0), axis=0) + 0.0  # [BN]; + 0.0 turns −0.0 into +0.0
-        o_ref[b, pl.ds((j * n_inner + i) * BN, BN)] = jnp.where(t <= pos_b, s, -jnp.inf)
+            dots = dot(keys_ref[slot, :].astype(cdt), 0)
+        r = jnp.maximum(dots, 0.0)
+        s = jnp.sum(r * w[None, :], axis=1) if orient == "kq" else jnp.sum(w[:, None] * r, axis=0)
+        s = s + 0.0  # −0.0 -> +0.0
+        o_ref[b, pl.ds(c0, BN)] = jnp.where(t <= pos_b, s, -jnp.inf)
         return carry
 
-    jax.lax.fori_loop(0, n_inner, chunk, 0)
+    def dead(i, carry):
+        o_ref[b, pl.ds((chunk0 + i) * BN, BN)] = jnp.full((BN,), -jnp.inf, jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, n_live, live, 0)
+    jax.lax.fori_loop(n_live, n_inner, dead, 0)
 
 
-def _prep_q(q_bhd, fmt, exact: bool):
-    """q `[B, Hi, d]` -> bf16 `[B, QR, d]` (mxfp4: columns [even | odd]; exact: rows [hi | lo])."""
+def _dot_dtype(fmt, dot_dtype: str):
+    """The tensor-core operand dtype: f16 where the stored keys are exact in it (fp8 e4m3: 4-bit exponent; the
+    cheap native e4m3 -> f16 conversion on sm_89+, and 11-bit mantissa for q), bf16 otherwise (bf16 keys; mxfp4,
+    whose E8M0 scales reach outside f16's range)."""
+    if dot_dtype == "auto":
+        dot_dtype = "f16" if fmt.index_dtype == "fp8" else "bf16"
+    if dot_dtype == "f16" and fmt.index_dtype != "fp8":
+        raise ValueError(f"dot_dtype f16 is exact only for fp8 keys, not {fmt.index_dtype}")
+    return {"f16": jnp.float16, "bf16": jnp.bfloat16}[dot_dtype]
+
+
+def pow2_scale(x, axis=-1):
+    """A power of two s ≥ max|x| along `axis` (keepdims; 1 where x is all zero): x / s is in (−1, 1) exactly."""
+    m = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    _, e = jnp.frexp(m)
+    return jnp.where(m > 0, jnp.ldexp(jnp.ones_like(m), e), 1.0)
+
+
+def _prep_q(q_bhd, w_bh, fmt, exact: bool, cdt):
+    """q `[B, Hi, d]`, w `[B, Hi]` -> (q `[B, P, Hi, d]` in cdt (P = 2 planes hi | lo, or 1), w' `[B, Hi]` f32).
+    Each head's q is divided by a power of two s_h ≥ max|q_h| and s_h is folded into w (relu commutes with
+    s_h > 0, and scaling by 2^e is exact), so the hi/lo halves sit well inside f16's range."""
     q = q_bhd.astype(jnp.float32)
+    s = pow2_scale(q)  # [B, Hi, 1]
+    q = q / s
+    w = w_bh.astype(jnp.float32) * s[..., 0]
     if fmt.index_dtype == "mxfp4":
         q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
-    hi = q.astype(jnp.bfloat16)
+    hi = q.astype(cdt)
     if not exact:
-        return hi
-    return jnp.concatenate([hi, (q - hi.astype(jnp.float32)).astype(jnp.bfloat16)], axis=1)
+        return hi[:, None], w
+    lo = (q - hi.astype(jnp.float32)).astype(cdt)
+    return jnp.stack([hi, lo], axis=1), w
+
+
+def _auto_tokens_per_program(B: int, n_chunks: int, BN: int, target_programs: int = 4 * 132,
+                             lo: int = 512, hi: int = 8192) -> int:
+    """Tokens per program so that B · programs ≈ 4 per SM (H200: 132 SMs), within [lo, hi] tokens."""
+    S = n_chunks * BN
+    tpp = hi
+    while tpp > max(lo, BN) and B * -(-S // tpp) < target_programs:
+        tpp //= 2
+    return max(BN, tpp)
+
+
+def supports_pool(key_parts) -> bool:
+    """Whether every row of these pool parts is addressable by the kernel (see `paged.pool_offsets_safe`)."""
+    return pool_offsets_safe(key_parts)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_n", "tokens_per_program", "exact", "interpret",
-                                             "num_warps", "num_stages"))
-def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 128, tokens_per_program: int = 1024,
-           exact: bool = True, interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
+                                             "num_warps", "num_stages", "orient", "dot_dtype"))
+def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 128, tokens_per_program=None,
+           exact: bool = True, interpret: bool = False, num_warps: int = 4, num_stages: int = 3,
+           orient: str = "kq", dot_dtype: str = "auto"):
     """Decode index scores: q `[B, Hi, d]`, w `[B, Hi]` (Hi^-0.5·d^-0.5 folded in), key_parts `[num_blocks, page, w]`
     (fmt.parts), block_tables `[B, max_blocks]`, pos `[B]` (the query's position; keys at ≤ pos are scored)
-    -> float32 `[B, max_blocks·page]`, −inf where not allowed."""
+    -> float32 `[B, max_blocks·page]`, −inf where not allowed.
+    Knobs: block_n (keys per dot), tokens_per_program (None: ≈ 4 programs per SM), orient ("kq": keys are the
+    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16"), Triton num_warps / num_stages."""
     if not supports(fmt):
         raise ValueError(f"the GPU indexer kernel reads {SUPPORTED} keys, not {fmt}")
+    if orient not in ("kq", "qk"):
+        raise ValueError(f"orient must be 'kq' or 'qk', got {orient!r}")
     B, Hi, d = q_bhd.shape
     nblocks, page = key_parts[0].shape[:2]
+    if not supports_pool(key_parts):
+        raise ValueError("this jax's Triton lowering would address the pool with wrapping 32-bit offsets "
+                         "(a 1-byte part of 2^31…2^32 bytes); use the reference backend")
     bt = jnp.asarray(block_tables, jnp.int32)
     max_blocks = bt.shape[1]
     S = max_blocks * page
@@ -153,12 +236,14 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
         raise ValueError(f"Hi {Hi}, block_n {BN} and key widths {widths} must be powers of two "
                          f"(fp8: d ≤ 128 or a multiple of 128)")
     n_chunks = -(-S // BN)
-    n_inner = max(1, min(tokens_per_program // BN, n_chunks))
+    tpp = _auto_tokens_per_program(B, n_chunks, BN) if tokens_per_program is None else tokens_per_program
+    n_inner = max(1, min(tpp // BN, n_chunks))
     n_prog = -(-n_chunks // n_inner)
-    q = _prep_q(q_bhd, fmt, exact)
+    cdt = _dot_dtype(fmt, dot_dtype)
+    q, w = _prep_q(q_bhd, w_bh, fmt, exact, cdt)
     flat = [p.reshape(nblocks * page, p.shape[-1]) for p in key_parts]
     kernel = functools.partial(_kernel, index_dtype=fmt.index_dtype, d=d, Hi=Hi, BN=BN, n_inner=n_inner, page=page,
-                               max_blocks=max_blocks, exact=exact)
+                               max_blocks=max_blocks, nblocks=nblocks, exact=exact, orient=orient, cdt=cdt)
     out = pl.pallas_call(
         kernel,
         grid=(B, n_prog),
@@ -166,5 +251,5 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dsa_indexer_scores",
-    )(bt, jnp.asarray(pos_b, jnp.int32), q, jnp.asarray(w_bh, jnp.float32), *flat)
-    return out[:, :S]
+    )(bt, jnp.asarray(pos_b, jnp.int32), q, w, *flat)
+    return out if out.shape[1] == S else out[:, :S]

@@ -100,14 +100,14 @@ def select_topk(s_bs, topk: int, group: int = TOPK_GROUP):
     return jnp.where(vals > -jnp.inf, pos, -1).astype(jnp.int32)
 
 
-def _kernel_supports(kind: str, fmt, q_shape) -> bool:
+def _kernel_supports(kind: str, fmt, q_shape, key_parts=()) -> bool:
     B, T, Hi, d = q_shape
     if T != 1:
         return False
     if kind == "gpu":
         from . import gpu
 
-        return gpu.available() and gpu.fits(fmt, Hi, d)
+        return gpu.available() and gpu.fits(fmt, Hi, d) and gpu.supports_pool(key_parts)
     from . import tpu
 
     return tpu.supports(fmt)
@@ -133,7 +133,7 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
     Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n)."""
     T = q_bthd.shape[1]
     which = resolve_dsa_backend(backend, op="indexer",
-                                supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape))
+                                supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape, tuple(key_parts)))
     pos_bt = jnp.asarray(pos_bt, jnp.int32)
     if which != "reference":
         if T != 1:

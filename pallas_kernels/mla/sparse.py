@@ -103,20 +103,21 @@ def _reference_paged(q_bthc, kv_parts, block_tables, idx_btk, layer_scale, *, fm
     return _chunked(q_bthc, idx_btk, q_chunk, fn)
 
 
-def _kernel_supports(kind: str, fmt, T: int) -> bool:
+def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     if T != 1:
         return False
     if kind == "gpu":
         from . import sparse_gpu
 
-        return sparse_gpu.available() and sparse_gpu.fits(fmt)
+        return sparse_gpu.available() and sparse_gpu.fits(fmt) and sparse_gpu.supports_pool(kv_parts)
     from . import sparse_tpu
 
     return sparse_tpu.supports(fmt)
 
 
-def _pick_backend(backend: str, fmt, T: int) -> str:
-    return resolve_dsa_backend(backend, op="sparse MLA", supported=lambda kind: _kernel_supports(kind, fmt, T))
+def _pick_backend(backend: str, fmt, T: int, kv_parts=()) -> str:
+    return resolve_dsa_backend(backend, op="sparse MLA",
+                               supported=lambda kind: _kernel_supports(kind, fmt, T, kv_parts))
 
 
 def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
@@ -129,7 +130,7 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
     `block_k` is the key block of the reference and TPU kernel (the GPU kernel takes its own via kernel_kw).
     """
     B, T, H, c = q_bthc.shape
-    which = _pick_backend(backend, fmt, T)
+    which = _pick_backend(backend, fmt, T, tuple(kv_parts))
     kernel_kw = dict(kernel_kw or {})
     if which != "reference":
         if T != 1:

@@ -11,12 +11,17 @@ BK rows `[BK, c]` straight from the pool, dequantises them and runs an fp32 onli
 acc `[BH, R]`). Partial results over the NS disjoint slot sets are merged outside with their log-sum-exps
 (`reference.merge_partials`, exact).
 
-Precision. Every stored row is exactly representable in bf16 (fp8 and bf16 trivially; nvfp4 = e2m1 (2 significant
-bits) × e4m3 scale (4 bits) = ≤ 6 bits), so the bf16 tensor-core dots are exact in the key/value operand. The fp32
-operand (q for QKᵀ, the probabilities p for PV) is split as x = hi + lo, hi = bf16(x), lo = bf16(x − hi) (16 bits of
-mantissa), and both halves are multiplied with fp32 accumulation: ≈ 1e-5 relative error, inside the 1e-4 fp32 bar,
-at the cost of 2× the MMA work. `exact=False` drops the lo halves (FlashMLA-like bf16 q and p, ≈ 1e-3).
-The hi/lo halves of q are stacked along heads (rows [0, BH) = hi, [BH, 2BH) = lo) so QKᵀ is one dot with M = 2BH.
+Precision. Every stored row is exact in the dot dtype: f16 for fp8 (e4m3) and nvfp4 (e2m1 × e4m3 scale: ≤ 6
+significant bits, 2^-10 … 2688) rows, bf16 for bf16 rows (`dot_dtype`, "auto" picks). The fp32 operand (q for QKᵀ,
+the probabilities p for PV) is split as x = hi + lo, hi = cdt(x), lo = cdt(x − hi), and both halves are multiplied
+with fp32 accumulation (two dots, summed): ≈ 2^-22 (f16) / 2^-16 (bf16) relative, inside the 1e-4 fp32 bar, at 2×
+the MMA work. Each head's q is divided by a power of two ≥ its max |q| beforehand (exact; multiplied back onto its
+logits in fp32), so the halves sit well inside f16's range. `exact=False` drops the lo halves (≈ 1e-3, FlashMLA-like).
+
+Address safety: slot positions clamped ≥ 0 before use (−1 = empty, masked after the load), table reads clamped to
+the row, block ids clamped into the pool; 1-byte pool parts of 2^31…2^32 bytes get 64-bit offsets (the Pallas
+Triton lowering's int32 wrap: `pallas_kernels.paged.ensure_triton_wide_offsets`; the cause of the first H200 run's
+CUDA_ERROR_ILLEGAL_ADDRESS at 128K × 32).
 
 NVFP4 rows: the packed byte j holds latent elements 2j (low nibble) and 2j + 1 (high nibble), both in scale group
 j // 8 of the R/16 e4m3 block scales. The kernel never interleaves: q's latent columns are permuted outside into
@@ -40,6 +45,7 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
+from ..paged import pool_offsets_safe
 from .reference import merge_partials
 
 SUPPORTED = ("bf16", "fp8", "nvfp4")
@@ -77,13 +83,6 @@ def e2m1_value(code_i32):
     return jnp.where((code_i32 & 8) != 0, -v, v)
 
 
-def _split_bf16(x_f32, exact: bool):
-    hi = x_f32.astype(jnp.bfloat16)
-    if not exact:
-        return hi, None
-    return hi, (x_f32 - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-
-
 def _dot_nt(a, b):
     """a [M, K] · b [N, K]ᵀ -> [M, N] float32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -94,41 +93,46 @@ def _dot_nn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _kernel(bt_ref, idx_ref, q_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
-            page: int, max_blocks: int, exact: bool):
-    """One (sequence, head block, split). q_ref `[B, HB, QR, cq]` bf16 (QR = 2·BH rows hi|lo, or BH);
+def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
+            page: int, max_blocks: int, nblocks: int, exact: bool, cdt):
+    """One (sequence, head block, split). q_ref `[B, HB, P, BH, c]` in the dot dtype cdt (P = 2 planes hi | lo, or
+    1; each head divided by the power of two in qs_ref `[B, Hp]` f32, multiplied back onto its logits);
     pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
-    lse `[NS, B, Hp]` f32."""
+    lse `[NS, B, Hp]` f32.
+
+    Address safety: slot positions are clamped ≥ 0 (empty slots, −1, are masked after the load), table reads to the
+    row, block ids to [0, nblocks): no load leaves the pool whatever idx / the table hold; 1-byte parts of
+    2^31…2^32 bytes get 64-bit offsets (`pallas_kernels.paged.ensure_triton_wide_offsets`)."""
     *pool_refs, o_ref, lse_ref = refs
     b = pl.program_id(0)
     hb = pl.program_id(1)
     sp = pl.program_id(2)
-    QR = 2 * BH if exact else BH
+    planes = (0, 1) if exact else (0,)
     nv = kv_dtype == "nvfp4"
     half = R // 2
+    heads = pl.ds(hb * BH, BH)
+    qs = qs_ref[b, heads][:, None]  # [BH, 1] power-of-two q normalisation
 
-    # q pieces, loaded once: the latent columns (nvfp4: even | odd planes) and the rope columns
-    if nv:
-        q_pieces = [q_ref[b, hb, :, pl.ds(0, half)], q_ref[b, hb, :, pl.ds(half, half)]]
-    else:
-        q_pieces = [q_ref[b, hb, :, pl.ds(0, R)]]
-    q_rope = q_ref[b, hb, :, pl.ds(R, rope)]
+    # q pieces [plane] -> (value-column pieces (nvfp4: even | odd planes), rope columns), loaded once
+    cols = [(0, half), (half, half)] if nv else [(0, R)]
+    q_lat = [[q_ref[b, hb, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes]
+    q_rope = [q_ref[b, hb, p, :, pl.ds(R, rope)] for p in planes]
 
     def rows_of(slot):
-        """Dequantised bf16 pieces of the gathered rows: (value planes [BK, R or R/2]..., rope [BK, rope])."""
+        """Dequantised pieces of the gathered rows in cdt: (value planes [BK, R or R/2]..., rope [BK, rope])."""
         if not nv:
             (pool,) = pool_refs
-            lat = pool[slot, pl.ds(0, R)].astype(jnp.bfloat16)
-            rp = pool[slot, pl.ds(R, rope)].astype(jnp.bfloat16)
+            lat = pool[slot, pl.ds(0, R)].astype(cdt)
+            rp = pool[slot, pl.ds(R, rope)].astype(cdt)
             return [lat], rp
         packed_ref, scale_ref, rope_ref = pool_refs
         packed = packed_ref[slot, :].astype(jnp.int32)  # [BK, R/2]
         s16 = scale_ref[slot, :].astype(jnp.float32)  # [BK, R/16]
         # byte j is in scale group j // 8: repeat each scale 8 times along the byte axis
         s_b = jnp.broadcast_to(s16[:, :, None], (BK, R // NVFP4_GROUP, NVFP4_GROUP // 2)).reshape(BK, half)
-        even = (e2m1_value(packed & 0xF) * s_b).astype(jnp.bfloat16)  # exact: ≤ 6 significant bits
-        odd = (e2m1_value(packed >> 4) * s_b).astype(jnp.bfloat16)
-        rp = rope_ref[slot, :].astype(jnp.bfloat16)
+        even = (e2m1_value(packed & 0xF) * s_b).astype(cdt)  # exact: ≤ 6 significant bits, 2^-10 … 2688
+        odd = (e2m1_value(packed >> 4) * s_b).astype(cdt)
+        rp = rope_ref[slot, :].astype(cdt)
         return [even, odd], rp
 
     def step(j, carry):
@@ -138,19 +142,22 @@ def _kernel(bt_ref, idx_ref, q_ref, *refs, kv_dtype: str, R: int, rope: int, BH:
         ok = pos_raw >= 0
         pos = jnp.maximum(pos_raw, 0)
         blk = bt_ref[b, jnp.minimum(pos // page, max_blocks - 1)]  # [BK] page ids (gather from the table row)
+        blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
         slot = blk * page + pos % page
         vals, rp = rows_of(slot)
-        s2 = _dot_nt(q_rope, rp)
-        for qp, v in zip(q_pieces, vals):
-            s2 = s2 + _dot_nt(qp, v)  # [QR, BK]
-        s = s2.reshape(QR // BH, BH, BK).sum(axis=0) if exact else s2  # hi + lo
-        s = jnp.where(ok[None, :], s, -jnp.inf)
+        s = None
+        for p in range(len(planes)):  # hi and lo planes: separate dots, one fp32 sum (no reshape)
+            x = _dot_nt(q_rope[p], rp)
+            for qp, v in zip(q_lat[p], vals):
+                x = x + _dot_nt(qp, v)  # [BH, BK]
+            s = x if s is None else s + x
+        s = jnp.where(ok[None, :], s * qs, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_use)  # [BH, BK]; −inf -> 0
+        pexp = jnp.exp(s - m_use)  # [BH, BK]; −inf -> 0
         corr = jnp.exp(m - m_use)
-        l = l * corr + jnp.sum(p, axis=1, keepdims=True)
-        p_hi, p_lo = _split_bf16(p, exact)
+        l = l * corr + jnp.sum(pexp, axis=1, keepdims=True)
+        p_hi, p_lo = _split(pexp, exact, cdt)
         new = []
         for acc, v in zip(accs, vals):
             pv = _dot_nn(p_hi, v)
@@ -161,29 +168,52 @@ def _kernel(bt_ref, idx_ref, q_ref, *refs, kv_dtype: str, R: int, rope: int, BH:
 
     width = half if nv else R
     init = (jnp.full((BH, 1), -jnp.inf, jnp.float32), jnp.zeros((BH, 1), jnp.float32),
-            [jnp.zeros((BH, width), jnp.float32) for _ in q_pieces])
+            [jnp.zeros((BH, width), jnp.float32) for _ in cols])
     m, l, accs = jax.lax.fori_loop(0, n_blk, step, init)
     good = l > 0
     inv = 1.0 / jnp.where(good, l, 1.0)
-    heads = pl.ds(hb * BH, BH)
     for i, acc in enumerate(accs):
         o_ref[sp, b, heads, pl.ds(i * width, width)] = acc * inv
     lse = jnp.where(good, m + jnp.log(jnp.where(good, l, 1.0)), -jnp.inf)
     lse_ref[sp, b, heads] = lse.reshape(BH)
 
 
-def _prep_q(q_bhc, fmt, qscale, BH: int, exact: bool):
-    """q `[B, H, c]` -> bf16 `[B, HB, QR, c]`: scaled by qscale, heads padded to HB·BH, nvfp4 latent columns
-    permuted to [even | odd], hi/lo halves stacked per head block."""
+def _split(x_f32, exact: bool, cdt):
+    hi = x_f32.astype(cdt)
+    if not exact:
+        return hi, None
+    return hi, (x_f32 - hi.astype(jnp.float32)).astype(cdt)
+
+
+def _dot_dtype(fmt, dot_dtype: str):
+    """The tensor-core operand dtype: f16 where every stored row is exact in it (fp8 e4m3; nvfp4 = e2m1 × e4m3 scale,
+    2^-10 … 2688 with ≤ 6 significant bits) — 11 mantissa bits for the q / p halves and the native e4m3 -> f16
+    conversion — else bf16 (bf16 rows)."""
+    if dot_dtype == "auto":
+        dot_dtype = "bf16" if fmt.kv_dtype == "bf16" else "f16"
+    if dot_dtype == "f16" and fmt.kv_dtype == "bf16":
+        raise ValueError("dot_dtype f16 is not exact for bf16 latent rows")
+    return {"f16": jnp.float16, "bf16": jnp.bfloat16}[dot_dtype]
+
+
+def _prep_q(q_bhc, fmt, qscale, BH: int, exact: bool, cdt):
+    """q `[B, H, c]` -> (q `[B, HB, P, BH, c]` in cdt, s `[B, HB·BH]` f32): scaled by qscale, each head divided by a
+    power of two s ≥ its max |q| (the kernel multiplies its logits by s: exact), heads padded to HB·BH, nvfp4 latent
+    columns permuted to [even | odd], hi/lo planes."""
     B, H, c = q_bhc.shape
     R = fmt.latent
     q = q_bhc.astype(jnp.float32) * qscale
+    m = jnp.max(jnp.abs(q), axis=-1, keepdims=True)
+    _, e = jnp.frexp(m)
+    s = jnp.where(m > 0, jnp.ldexp(jnp.ones_like(m), e), 1.0)  # [B, H, 1]
+    q = q / s
     if fmt.kv_dtype == "nvfp4":
         q = jnp.concatenate([q[..., 0:R:2], q[..., 1:R:2], q[..., R:]], axis=-1)
     HB = -(-H // BH)
     q = jnp.pad(q, ((0, 0), (0, HB * BH - H), (0, 0))).reshape(B, HB, BH, c)
-    hi, lo = _split_bf16(q, exact)
-    return jnp.concatenate([hi, lo], axis=2) if exact else hi
+    s = jnp.pad(s[..., 0], ((0, 0), (0, HB * BH - H)), constant_values=1.0)
+    hi, lo = _split(q, exact, cdt)
+    return (jnp.stack([hi, lo], axis=2) if exact else hi[:, :, None]), s
 
 
 def _pick_splits(B: int, HB: int, n_total: int, target_programs: int = 264) -> int:
@@ -194,11 +224,16 @@ def _pick_splits(B: int, HB: int, n_total: int, target_programs: int = 264) -> i
     return ns
 
 
+def supports_pool(kv_parts) -> bool:
+    """Whether every row of these pool parts is addressable by the kernel (see `paged.pool_offsets_safe`)."""
+    return pool_offsets_safe(kv_parts)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
-                                             "interpret", "num_warps", "num_stages"))
+                                             "interpret", "num_warps", "num_stages", "dot_dtype"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
-           num_warps: int = 4, num_stages: int = 2):
+           num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto"):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
     -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32)."""
@@ -211,6 +246,9 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         raise ValueError(f"latent {R}, rope {rope}, block_h {block_h}, block_k {block_k} must be powers of two")
     B, H, c = q_bhc.shape
     nblocks, page = kv_parts[0].shape[:2]
+    if not supports_pool(kv_parts):
+        raise ValueError("this jax's Triton lowering would address the pool with wrapping 32-bit offsets "
+                         "(a 1-byte part of 2^31…2^32 bytes); use the reference backend")
     bt = jnp.asarray(block_tables, jnp.int32)
     max_blocks = bt.shape[1]
     k = idx_bk.shape[-1]
@@ -222,11 +260,12 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     n_blk = -(-n_total // NS)  # key blocks per split; the slot list is padded with empty (−1) slots
     idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
     ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
-    q = _prep_q(q_bhc, fmt, scale * ls, BH, exact)
+    cdt = _dot_dtype(fmt, dot_dtype)
+    q, qs = _prep_q(q_bhc, fmt, scale * ls, BH, exact, cdt)
     flat = [p.reshape(nblocks * page, p.shape[-1]) for p in kv_parts]
 
     kernel = functools.partial(_kernel, kv_dtype=fmt.kv_dtype, R=R, rope=rope, BH=BH, BK=BK, n_blk=n_blk,
-                               page=page, max_blocks=max_blocks, exact=exact)
+                               page=page, max_blocks=max_blocks, nblocks=nblocks, exact=exact, cdt=cdt)
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, HB, NS),
@@ -235,7 +274,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_mla_decode",
-    )(bt, idx, q, *flat)
+    )(bt, idx, q, qs, *flat)
     o, lse = (o[0], lse[0]) if NS == 1 else merge_partials(o, lse)
     o, lse = o[:, :H], lse[:, :H]
     if fmt.kv_dtype == "nvfp4":  # [even | odd] -> interleaved
