@@ -275,6 +275,97 @@ def test_gpu_kernels_lower_to_triton():
     assert "xla.gpu.triton" in txt
 
 
+def _triton_modules(fn, *args):
+    """Lower `fn(*args)` for CUDA and return the Triton MLIR modules that the Pallas Triton lowering produced
+    (captured at `lower_jaxpr_to_triton_module`), as (name, module) pairs."""
+    from jax._src.pallas.triton import lowering as TL
+    mods = []
+    orig = TL.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        r = orig(*a, **k)
+        mods.append(r.module)
+        return r
+
+    TL.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        TL.lower_jaxpr_to_triton_module = orig
+    return [(str(m.operation.regions[0].blocks[0].operations[0].attributes["sym_name"]).strip('"'), m) for m in mods]
+
+
+def _triton_backend_check(text, num_warps):
+    """Where the `triton` package is importable (the GPU host; not needed here), run its TTIR → TTGIR passes for
+    sm_90 on the module text: the select/if-combining pass that broke the old kernel A runs there."""
+    try:
+        import triton
+        from triton._C.libtriton import ir as tir
+        from triton.backends.compiler import GPUTarget, Language
+        from triton.backends.nvidia.compiler import CUDABackend
+    except Exception:  # noqa: BLE001 - no triton (or an API we do not know): the MLIR verifier alone
+        return False
+    import tempfile
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    opts = backend.parse_options(dict(num_warps=num_warps, num_stages=1))
+    ctx = tir.context()
+    tir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as f:
+        f.write(text)
+        f.flush()
+        mod = tir.parse_mlir_module(f.name, ctx)
+    mod.context = ctx
+    stages = {}
+    backend.add_stages(stages, opts, Language.TRITON)
+    meta = {}
+    stages["ttgir"](stages["ttir"](mod, meta), meta)
+    del triton
+    return True
+
+
+# every launch variant of the prefill op (kernel A's diagonal/inverse forms × the split output), both precisions,
+# precomputed and fused gates; every decode tile shape the diagnostics sweep
+_CHUNK_VARIANTS = [dict(fast_diag=fd, fast_inverse=fi, split_o=so)
+                   for fd in (True, False) for fi in (False, True) for so in (False, True)]
+
+
+def test_gpu_triton_modules_verify_for_every_tuning():
+    """The Triton modules of every TUNING variant pass the MLIR verifier, and kernel A holds no `scf.if` (an
+    `scf.if` from a run-time `lax.cond` made the H200's Triton compile fail: "operand #1 does not dominate this
+    use" at a select). With the `triton` package importable, the sm_90 TTGIR passes run on kernel A too."""
+    from pallas_kernels.kda import gpu
+    H, d, T = 2, 128, 130
+    cu = np.array([0, 7, 130])
+    checked = set()
+    for dt in (jnp.bfloat16, jnp.float32):
+        args = (_sds((1, T, H, d), dt),) * 3 + (_sds((1, T, H, d), jnp.float32), _sds((1, T, H), jnp.float32),
+                                               _sds((2, H, d, d), jnp.float32))
+        for i, tn in enumerate(_CHUNK_VARIANTS):
+            if dt == jnp.float32 and i % 2:  # fp32: the kernel-A variants once each
+                continue
+            gate = dict(A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="lower_bound") if i % 3 == 1 else {}
+            tune = dict(gpu.TUNING, **tn)
+            mods = _triton_modules(lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=tn, **gate), *args)
+            names = [n for n, _ in mods]
+            assert names == (["kda_intra", "kda_state_only", "kda_out"] if tn["split_o"] else
+                             ["kda_intra", "kda_state"]), names
+            for name, m in mods:
+                assert m.operation.verify(), (tn, name)
+                if name == "kda_intra":
+                    text = m.operation.get_asm(enable_debug_info=False)
+                    assert "scf.if" not in text, tn
+                    key = (tn["fast_diag"], tn["fast_inverse"], dt)
+                    if key not in checked:
+                        checked.add(key)
+                        _triton_backend_check(text, tune["intra_warps"])
+    dargs = (_sds((8, 1, H, d)),) * 4 + (_sds((8, 1, H)), _sds((16, H, d, d), jnp.float32), _sds((8,), jnp.int32))
+    for bv, w in [(None, None), (16, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
+        tn = {} if bv is None else dict(dec_bv=bv, dec_warps=w)
+        for name, m in _triton_modules(lambda *a: gpu.recurrent(*a, tuning=tn), *dargs):
+            assert name == "kda_decode" and m.operation.verify(), tn
+
+
 def test_tpu_kernels_lower_to_mosaic():
     from pallas_kernels.kda import tpu
     H, d, T = 2, 128, 130

@@ -125,8 +125,9 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
     `dot(a, b, trans_a, trans_b)`: float32-accumulating matmul; `cumsum0(x)`: inclusive cumsum over axis 0;
     `exact_dot`: matmul used for the exact transpose inside the triangular inverse (defaults to `dot`).
     `fast_diag`: form a diagonal sub-block with one matmul around the midpoint reference m = (Γ_start + Γ_end)/2
-    when its decay range is ≤ FAST_DIAG_RANGE (decided per sub-block at run time, `lax.cond`), instead of the 16-step
-    exact pairwise loop. Exponents of single factors are then ≤ range/2 (no overflow); results equal up to rounding.
+    when its decay range is ≤ FAST_DIAG_RANGE, instead of the 16-step exact pairwise loop. Exponents of single factors
+    are then ≤ range/2 (no overflow); results equal up to rounding. Decided per sub-block at run time without a
+    conditional region: the exact loop's trip count is 0 or SUB and a select picks the result.
     `fast_inverse`: diagonal blocks of (I + Akk)^-1 by `unit_lower_inverse` (8 small exact matmuls) instead of the
     15-step forward substitution.
     """
@@ -180,14 +181,21 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
         if fast_diag:
             g_end = start[i + 1] if i + 1 < NS else g_last
             m = 0.5 * (start[i] + g_end)  # [1, dk] midpoint reference
-
-            def fast(Gi=Gi, ki=ki, qi=qi, m=m):
-                e_r = jnp.exp(Gi - m)  # ≤ e^{range/2}
-                kc = ki * jnp.exp(m - Gi)
-                return dot(ki * e_r, kc, trans_b=True), dot(qi * e_r, kc, trans_b=True)
-
+            # factors clamped to e^{±HALF}: exact when the range is ≤ FAST_DIAG_RANGE, finite (and discarded) otherwise
+            half = 0.5 * FAST_DIAG_RANGE
+            e_r = jnp.exp(jnp.minimum(Gi - m, half))
+            kc_f = ki * jnp.exp(jnp.minimum(m - Gi, half))
+            akk_f = dot(ki * e_r, kc_f, trans_b=True)
+            aqk_f = dot(qi * e_r, kc_f, trans_b=True)
             rng = jnp.max(start[i] - g_end)  # Γ is non-increasing: the sub-block's largest channel range
-            akk, aqk = jax.lax.cond(rng <= FAST_DIAG_RANGE, fast, exact)
+            ok = rng <= FAST_DIAG_RANGE
+            # Branch-free: the exact loop runs 0 or SUB steps (a run-time trip count, no scf.if: Triton's
+            # select/if combining broke dominance on an scf.if here), then a select keeps the valid form.
+            z = jnp.zeros((SUB, SUB), jnp.float32)
+            n_exact = jnp.where(ok, jnp.int32(0), jnp.int32(SUB))
+            akk_e, aqk_e = jax.lax.fori_loop(jnp.int32(0), n_exact, col_step, (z, z))
+            akk = jnp.where(ok, akk_f, akk_e)
+            aqk = jnp.where(ok, aqk_f, aqk_e)
         else:
             akk, aqk = exact()
         Akk[i, i] = jnp.where(col < row, akk, 0.0) * bb[i]

@@ -12,7 +12,7 @@ Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned t
              Vn = U − W S;  O = qg S + Aqk Vn;  S ← e^{Γ_last} S + kgᵀ Vn.
   Variants (`TUNING`, chosen by measurement, bench/kda_gpu_diag.py): `fast_diag` forms a diagonal 16×16 block with
   one matmul around a midpoint reference row when its decay range is ≤ 80 (always for the K3 gate; a run-time
-  `lax.cond` keeps the exact loop otherwise); `fast_inverse` inverts diagonal blocks loop-free
+  branch-free select keeps the exact loop otherwise); `fast_inverse` inverts diagonal blocks loop-free
   (chunk_math.unit_lower_inverse); `split_o` moves O out of the serial kernel B into a parallel kernel
   C  grid (chunks, H, dv/BV): B stores the state entering each chunk (h) and Vn, C computes O = qg h + Aqk Vn.
 Precision: fp32 inputs use Precision.HIGHEST dots, which the Triton lowering emits as IEEE fp32 (1e-4 bar); bf16
@@ -50,7 +50,7 @@ TUNING = dict(
     state_bv=64, state_warps=4, state_stages=2,
     split_o=False,       # True: kernel B only carries the state (stores it per chunk + Vn); kernel C forms O in parallel
     out_bv=64, out_warps=4, out_stages=2,
-    dec_bv=32, dec_warps=None,  # None: 4 warps for tiles of ≥ 4096 elements, else 2
+    dec_bv=64, dec_warps=4,  # H200 sweep: best at B = 64 and 256 (dec_warps=None: 4 if dk·BV ≥ 4096, else 2)
     intra_only=False,    # diagnostics: `chunk` returns kernel A's outputs (W, U, kg, qg, Aqk, Γ_last) and stops
 )
 
