@@ -3,9 +3,11 @@ in every KDA layer, for each storage format. The planner and the engine's alloca
 there is exactly one formula.
 
 Per token per MLA layer (latent R = 512, rope 64 at full size):
+  latent fp32   4·(R + rope)  (unquantised: float32 models, references)  = 2304 B
   latent bf16   2·(R + rope)                                = 1152 B
   latent fp8    R + rope (e4m3; the rope part too)          =  576 B
   latent nvfp4  R/2 packed e2m1 + R/16 E4M3 scales + rope fp8 = 352 B
+  index key fp32   4·d, bf16 2·d
   index key fp8    d + 4 (one fp32 scale per 128 values)     =  132 B
   index key mxfp4  d/2 + d/32 (one E8M0 scale per 32)        =   68 B
 Per sequence per KDA layer: state H·d·d fp32 plus conv tails of (K−1) tokens × 3P in the activation dtype.
@@ -21,13 +23,15 @@ from dataclasses import dataclass
 
 from .config import ModelConfig
 
-KV_DTYPES = ("bf16", "fp8", "nvfp4")
-INDEX_DTYPES = ("bf16", "fp8", "mxfp4")
+KV_DTYPES = ("fp32", "bf16", "fp8", "nvfp4")
+INDEX_DTYPES = ("fp32", "bf16", "fp8", "mxfp4")
 PAGE_TOKENS = 64
 
 
 def latent_bytes_per_token(latent: int, rope: int, kv_dtype: str) -> int:
     """Bytes of one cached latent row `[latent | k_rope]` in one layer."""
+    if kv_dtype == "fp32":
+        return 4 * (latent + rope)
     if kv_dtype == "bf16":
         return 2 * (latent + rope)
     if kv_dtype == "fp8":
@@ -41,6 +45,8 @@ def latent_bytes_per_token(latent: int, rope: int, kv_dtype: str) -> int:
 
 def index_key_bytes_per_token(dim: int, index_dtype: str) -> int:
     """Bytes of one cached index key in one layer."""
+    if index_dtype == "fp32":
+        return 4 * dim
     if index_dtype == "bf16":
         return 2 * dim
     if index_dtype == "fp8":

@@ -14,7 +14,7 @@ from flax import nnx
 
 from .config import ModelConfig, PRESETS, get_preset, load_config
 from .kernels import KernelConfig
-from .modules.decoder import KimiForCausalLM, ModelCache
+from .modules.decoder import KimiForCausalLM, ModelCache, PagedModelCache
 
 log = logging.getLogger("kimi_jax")
 
@@ -90,7 +90,33 @@ class Model:
         return nnx.merge(self.graphdef, self.params)
 
     def new_cache(self, batch: int, max_len: int) -> ModelCache:
+        """Contiguous cache: `max_len` rows per sequence in every MLA layer, in the activation dtype."""
         return ModelCache.zeros(self.config, batch, max_len, self.dtype)
+
+    def new_paged_cache(self, batch: int, max_len: int, *, num_blocks: Optional[int] = None, kv_dtype: str = "bf16",
+                        index_dtype: Optional[str] = None, latent_scales=None) -> PagedModelCache:
+        """Paged cache (SPEC §10): MLA rows in pages of 64 tokens, stored as `kv_dtype` (bf16 | fp8 | nvfp4; index
+        keys as `index_dtype`, bf16 | fp8 | mxfp4, default bf16 with a bf16 latent else fp8), KDA state per row.
+
+        Each sequence holds up to `max_len` tokens (`ceil(max_len / 64)` table entries). With `num_blocks=None`
+        the pool has one page per table entry of every row and row b owns pages `1 + b·max_blocks …` (tables
+        filled, ready for `prefill` / `decode_step`). With an explicit `num_blocks` the tables start empty (null):
+        hand pages out with `kimi_jax.paged_cache.BlockAllocator` and set them with `cache.with_block_tables`.
+        """
+        from .cache import PAGE_TOKENS
+        from .paged_cache import PagedCacheSpec
+
+        max_blocks = -(-int(max_len) // PAGE_TOKENS)
+        if index_dtype is None:
+            index_dtype = "bf16" if kv_dtype == "bf16" else "fp8"
+        fixed = num_blocks is None
+        if fixed:
+            num_blocks = 1 + batch * max_blocks
+        spec = PagedCacheSpec.create(self.config, num_blocks=num_blocks, kv_dtype=kv_dtype, index_dtype=index_dtype)
+        cache = PagedModelCache.zeros(self.config, spec, batch, max_blocks, self.dtype, latent_scales)
+        if fixed:
+            cache = cache.with_block_tables(1 + np.arange(batch * max_blocks, dtype=np.int32).reshape(batch, -1))
+        return cache
 
     def logits(self, input_ids, *, mla_form: str = "absorbed") -> np.ndarray:
         """Full causal forward. input_ids int `[B, T]` -> float32 numpy `[B, T, vocab]`."""
@@ -98,15 +124,22 @@ class Model:
         out, _ = self._forward(self.params, ids, None, mla_form=mla_form)
         return np.asarray(out, np.float32)
 
-    def prefill(self, input_ids, max_len: int):
-        """Run the prompt into a fresh cache of `max_len` tokens. Returns (logits `[B, T, V]`, cache)."""
+    def prefill(self, input_ids, max_len: Optional[int] = None, *, cache=None):
+        """Run the prompt into a fresh contiguous cache of `max_len` tokens, or — with `cache` (a `ModelCache` or a
+        `PagedModelCache`, which is donated) — append it to that cache at each row's current length (a paged
+        cache's tables must already cover the new positions). Returns (logits `[B, T, V]`, cache)."""
         ids = _as_ids(input_ids, self.config)
+        if cache is not None:
+            return self._step(self.params, ids, cache)
+        if max_len is None:
+            raise ValueError("prefill needs max_len (a fresh contiguous cache) or cache=")
         if ids.shape[1] > max_len:
             raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit a cache of {max_len}")
         return self._forward(self.params, ids, self.new_cache(ids.shape[0], max_len))
 
-    def decode_step(self, cache: ModelCache, token_ids_b):
-        """One token per sequence. Returns (logits `[B, V]`, cache). The cache passed in is donated."""
+    def decode_step(self, cache, token_ids_b):
+        """One token per sequence (`ModelCache` or `PagedModelCache`). Returns (logits `[B, V]`, cache). The cache
+        passed in is donated."""
         logits, cache = self._step(self.params, jnp.asarray(token_ids_b, jnp.int32)[:, None], cache)
         return logits[:, 0], cache
 

@@ -284,9 +284,15 @@ class BlockAllocator:
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), total_tokens)
         return new
 
-    def free(self, seq_id) -> int:
-        """Release every page of `seq_id`; returns how many. Unknown ids raise KeyError."""
+    def holds(self, seq_id) -> bool:
+        return seq_id in self._blocks
+
+    def free(self, seq_id, missing_ok: bool = False) -> int:
+        """Release every page of `seq_id`; returns how many. Unknown ids raise KeyError (or free 0 with
+        `missing_ok`)."""
         if seq_id not in self._blocks:
+            if missing_ok:
+                return 0
             raise KeyError(f"sequence {seq_id!r} holds no cache blocks")
         blocks = self._blocks.pop(seq_id)
         self._tokens.pop(seq_id, None)

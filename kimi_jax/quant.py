@@ -14,6 +14,7 @@ Element encodings
 - E8M0 (MX scale byte): 2^(byte − 127).
 
 Latent rows `[lat (R) | k_rope (rope)]` (576 values at full size), one set of parts per token:
+- "fp32":  float32 values (unquantised; float32 models and references)      4·(R + rope) B (2304)
 - "bf16":  bf16 values                                                   2·(R + rope) B (1152)
 - "fp8":   e4m3 of x / s for all R + rope values                          R + rope B     (576)
 - "nvfp4": packed e2m1 of the latent, R/2 B; one e4m3 scale per 16 latent values, R/16 B; the rope part as e4m3
@@ -28,6 +29,7 @@ Latent rows `[lat (R) | k_rope (rope)]` (576 values at full size), one set of pa
   to 6). A block whose scale underflows e4m3 (amax16 / s ≤ 6·2^-10) is stored as zeros. Per-value error ≤ s16·s.
 
 Index keys (one key of d values per token):
+- "fp32":  float32 values                                                4·d B
 - "bf16":  bf16 values                                                   2·d B
 - "fp8":   e4m3 of k / sc, one fp32 sc per 128 values; sc = max(amax128, 1e-4) / 448 rounded UP to a power of two
            (so k / sc is exact and never exceeds 448)                       d + 4·ceil(d/128) B (132)
@@ -263,6 +265,8 @@ class LatentFormat:
     @property
     def parts(self) -> tuple[Part, ...]:
         R, r = self.latent, self.rope
+        if self.kv_dtype == "fp32":
+            return (Part("rows", R + r, np.dtype(np.float32)),)
         if self.kv_dtype == "bf16":
             return (Part("rows", R + r, np.dtype(jnp.bfloat16)),)
         if self.kv_dtype == "fp8":
@@ -279,8 +283,8 @@ class LatentFormat:
         rows = jnp.asarray(rows)
         if rows.shape[-1] != self.width:
             raise ValueError(f"latent rows must be [..., {self.width}], got {rows.shape}")
-        if self.kv_dtype == "bf16":
-            return (rows.astype(jnp.bfloat16),)
+        if self.kv_dtype in ("fp32", "bf16"):  # unscaled, like the contiguous cache in that dtype
+            return (rows.astype(self.parts[0].dtype),)
         x = rows.astype(jnp.float32)
         if self.kv_dtype == "fp8":
             return (to_e4m3(x / scale),)
@@ -289,7 +293,7 @@ class LatentFormat:
 
     @partial(jax.jit, static_argnums=0)
     def dequantize(self, parts, scale=1.0):
-        if self.kv_dtype == "bf16":
+        if self.kv_dtype in ("fp32", "bf16"):
             return parts[0].astype(jnp.float32)
         if self.kv_dtype == "fp8":
             return parts[0].astype(jnp.float32) * scale
@@ -315,6 +319,8 @@ class IndexKeyFormat:
     @property
     def parts(self) -> tuple[Part, ...]:
         d = self.dim
+        if self.index_dtype == "fp32":
+            return (Part("keys", d, np.dtype(np.float32)),)
         if self.index_dtype == "bf16":
             return (Part("keys", d, np.dtype(jnp.bfloat16)),)
         if self.index_dtype == "fp8":
@@ -330,15 +336,15 @@ class IndexKeyFormat:
         keys = jnp.asarray(keys)
         if keys.shape[-1] != self.dim:
             raise ValueError(f"index keys must be [..., {self.dim}], got {keys.shape}")
-        if self.index_dtype == "bf16":
-            return (keys.astype(jnp.bfloat16),)
+        if self.index_dtype in ("fp32", "bf16"):
+            return (keys.astype(self.parts[0].dtype),)
         if self.index_dtype == "fp8":
             return index_fp8_quantize(keys)
         return mxfp4_quantize(keys)
 
     @partial(jax.jit, static_argnums=0)
     def dequantize(self, parts, scale=None):
-        if self.index_dtype == "bf16":
+        if self.index_dtype in ("fp32", "bf16"):
             return parts[0].astype(jnp.float32)
         if self.index_dtype == "fp8":
             return index_fp8_dequantize(*parts)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import serve_helpers
-from kimi_jax.engine import Engine, EngineDeadError, SamplingParams, SeqEvent, TokenSequenceGuide
+from kimi_jax.engine import Engine, EngineConfig, EngineDeadError, SamplingParams, SeqEvent, TokenSequenceGuide
 from kimi_jax.engine import compile_watch
 from kimi_jax.engine.detok import OutputText
 from kimi_jax.engine.guide import (ALL, DIGITS, NUMBER_START, ONLY_IDS, TEXT, Choice, Constraint, Forced, FreeUntil,
@@ -430,3 +430,68 @@ def test_engine_death_is_reported_and_runner_reusable(served, tiny_model):
     with pytest.raises(EngineDeadError):
         eng.submit(_prompt(9, 10), SamplingParams(max_tokens=5))
     eng.shutdown()
+
+
+# ================================================================================================== paged pool
+def test_stats_report_pages_and_pool_is_full_again_after_abort(engine):
+    """Pages are allocated as sequences grow and all come back on finish / abort (prefix snapshots aside)."""
+    s = engine.submit(_prompt(10, 130), SamplingParams(max_tokens=400, temperature=1.0, ignore_eos=True))
+    for i, ev in enumerate(s):
+        if i == 70:  # 130 + 70 tokens: at least 4 pages
+            st = engine.stats()
+            assert st["used_blocks"] - st["prefix_cache_blocks"] >= 4
+            engine.abort(s.request_id)
+    st = engine.stats()
+    assert st["block_tokens"] == 64 and st["kv_dtype"] == "fp32"  # auto: the tiny model's float32
+    assert st["free_blocks"] + st["prefix_cache_blocks"] == st["total_blocks"]
+    assert st["total_blocks"] == (serve_helpers.MAX_NUM_SEQS + 4) * serve_helpers.MAX_MODEL_LEN // 64
+
+
+def test_kv_dtype_selects_the_pool_format(tiny_model, tok):
+    """--kv-dtype fp8 / nvfp4 pick quantised pools (checked abstractly: nothing is compiled here)."""
+    import jax
+    from kimi_jax.engine.runner import ModelRunner, resolve_kv_dtype
+    from kimi_jax.quant import E4M3
+
+    assert resolve_kv_dtype("auto", np.float32) == "fp32" and resolve_kv_dtype("bfloat16") == "bf16"
+    with pytest.raises(ValueError, match="unknown kv dtype"):
+        resolve_kv_dtype("int4")
+    masks = vocab_class_masks(tok, 1024)
+    for kv, latent in (("fp8", [E4M3]), ("nvfp4", [np.uint8, E4M3, E4M3])):
+        r = ModelRunner(tiny_model, max_num_seqs=2, max_model_len=128, prefill_chunk_sizes=(64,), kv_dtype=kv,
+                        class_masks=masks, stop_mask=np.zeros(1024, bool))
+        assert r.spec.num_blocks == 1 + 2 * 2 and r.index_dtype == "fp8"
+        state = jax.eval_shape(r._fns["zeros_state"])
+        pools = [c for c in state.cache.layers if hasattr(c, "latent")]
+        assert len(pools) == 2 and [a.dtype for a in pools[0].latent] == latent
+        assert state.cache.block_tables.shape == (2, 2)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        ModelRunner(tiny_model, max_num_seqs=2, max_model_len=128, prefill_chunk_sizes=(64,), num_blocks=2,
+                    class_masks=masks, stop_mask=np.zeros(1024, bool))
+
+
+def test_preemption_by_recompute_gives_identical_outputs(tiny_model, tok):
+    """A pool of 6 pages for 4 slots of 256 tokens: concurrent requests run out of pages, the youngest sequences are
+    evicted and recomputed later -- and every output equals the one the request gets alone (greedy, seeded
+    sampling with penalties, n = 2 sharing one prefill)."""
+    eng = Engine(tiny_model, tok, EngineConfig(max_num_seqs=4, max_model_len=256, prefill_chunk_sizes=(64,),
+                                               num_blocks=7)).start()
+    try:
+        reqs = [(_prompt(20, 70), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), 1),
+                (_prompt(21, 90), SamplingParams(max_tokens=90, temperature=0.0, frequency_penalty=0.5,
+                                                 ignore_eos=True), 1),
+                (_prompt(22, 100), SamplingParams(max_tokens=80, temperature=0.8, seed=3, presence_penalty=0.4,
+                                                  ignore_eos=True), 1),
+                (_prompt(23, 40), SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True), 2)]
+        alone = [[o.token_ids for o in eng.generate(ids, p, n=n)] for ids, p, n in reqs]
+        assert eng.stats()["num_preemptions"] == 0
+        streams = [eng.submit(ids, p, n=n) for ids, p, n in reqs]
+        together = [[o.token_ids for o in s.collect(n)[0]] for s, (_, _, n) in zip(streams, reqs)]
+        st = eng.stats()
+        assert st["num_preemptions"] > 0
+        assert together == alone
+        assert st["free_blocks"] == st["total_blocks"] == 6 and st["free_slots"] == 4
+        with pytest.raises(Exception, match="cache pages"):
+            eng.submit(_prompt(24, 200), SamplingParams(max_tokens=5), n=2)  # 2 x 4 pages > 6
+    finally:
+        eng.shutdown()

@@ -3,8 +3,10 @@
 Life of a request (``submit`` -> ``RequestStream``):
 
 1. **Queue.**  ``submit`` validates and puts the request on an inbox; the engine thread moves it to ``waiting``
-   (first come, first served; a request of ``n`` sequences waits until ``n`` slots are free together).
-2. **Prefill.**  One request at a time.  Its prompt minus the last token is run into a fresh batch-1 cache in
+   (first come, first served; a request of ``n`` sequences waits until ``n`` slots are free together, and until
+   the page pool has room for its prefill, ``n`` × its pages plus one page of headroom per running sequence).
+2. **Prefill.**  One request at a time.  Its prompt minus the last token is run into the first sequence's pages
+   of the paged MLA pools (allocated up front from the engine's ``BlockAllocator``) and a fresh batch-1 KDA state, in
    chunks whose sizes come from the fixed set ``prefill_chunk_sizes`` (largest first) -- exact tokens, never
    padding, since padding would enter the KDA recurrent state.  While sequences are decoding, each engine iteration
    spends at most ``prefill_token_budget`` prompt tokens on prefill before the next decode step, so a long prompt
@@ -17,7 +19,18 @@ Life of a request (``submit`` -> ``RequestStream``):
    compiles anything (``compile_watch`` counts it; ``stats()["compilations"]``).
 4. **Stop.**  A sequence ends on an end-of-turn / ``stop_token_ids`` token (unless ``ignore_eos``), a stop string
    (``detok.OutputText``), its guide finishing (``guide.py``), ``max_tokens``, or the cache end (``max_model_len``);
-   or on ``abort``.  Its slot is freed at once.  Text and control tokens go out as ``SeqEvent`` pieces.
+   or on ``abort`` / client disconnect.  Its slot and pages are freed at once.  Text and control tokens go out as
+   ``SeqEvent`` pieces.
+
+Pages (``runner.py``, ``kimi_jax.paged_cache``): every MLA layer keeps one pool of 64-token pages (``kv_dtype`` fp32 /
+bf16 / fp8 / nvfp4; default pool ``1 + max_num_seqs · ceil(max_model_len / 64)`` pages plus the prefix-cache
+entries', or ``num_blocks``).  A sequence holds ``ceil(tokens / 64)`` pages; before each decode step every running
+sequence gets the page its next token lands in.  **Preemption by recompute:** when the pool is empty, prefix-cache
+entries are dropped first, then the youngest running sequence (latest admitted; a prefill in progress counts as
+youngest) is evicted -- its pages and slot freed -- and re-queued at the front; when it is admitted again its
+prompt + generated tokens are prefilled again (exactly as a new prompt would be) and it continues where it stopped,
+with its penalty counts restored, so greedy output is unchanged.  A lone sequence always fits (the pool holds at
+least one ``max_model_len`` sequence), so this cannot livelock.
 
 Choosing ``prefill_chunk_sizes``: the KDA chunked op works in blocks of ``kda.chunk_size`` (64) and pads every call
 to whole blocks, so a 16-token call costs as much as a 64-token one; T = 1 takes the cheap recurrent path.  Useful
@@ -26,8 +39,8 @@ in the set, the leftover tokens ride the decode steps instead (no extra program,
 
 Seams for what comes next:
 
-* **Prefix caching** -- ``_start_prefill`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot and
-  ``_finish_prefill`` stores one (``prefix_cache.py`` explains why snapshots, not pages, for KDA models).
+* **Prefix caching** -- ``_admit`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot (KDA state + its
+  own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
 * **Speculative decoding** -- ``_decode`` is the only place that advances running sequences.  A speculative variant
   replaces its one-token step by: proposer (draft model / DSpark) -> k draft tokens per row -> one verify step of
   shape ``[B, k+1]`` through the same model (the modules already take T > 1 against per-row cache lengths) ->
@@ -57,6 +70,8 @@ from .detok import OutputText
 from .guide import Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .prefix_cache import PrefixCache
 from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
+from ..cache import PAGE_TOKENS, CacheLayout
+from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls
 from .sampling_params import ParamError, SamplingParams
@@ -70,24 +85,34 @@ class EngineConfig:
     max_model_len: int = 2048
     prefill_chunk_sizes: tuple[int, ...] = (64, 1)  # see the note on chunk sizes above
     prefill_token_budget: int = 256
-    kv_dtype: Optional[str] = None  # None / "auto": the model's dtype; "bf16"
+    kv_dtype: Optional[str] = None  # paged latent format: None / "auto" (the model's dtype), fp32, bf16, fp8, nvfp4
+    index_dtype: Optional[str] = None  # index keys: None (fp32 / bf16 beside those latents, else fp8), fp8, mxfp4
+    num_blocks: Optional[int] = None  # pages per MLA pool incl. the null page; None: every slot at max_model_len
     prefix_cache_entries: int = 0
     parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: sequences sit in deques / dicts
 class _Seq:
     req: "_Request"
     index: int
-    slot: int
+    slot: Optional[int]  # None while preempted
     pending: deque  # tokens still to feed; emission starts once only one is left
     text: OutputText
     guide: Optional[Guide]
     output_ids: list = field(default_factory=list)
     finish_reason: Optional[str] = None
+    fed: int = 0  # tokens in the cache (the next decode step writes position `fed`)
+    order: int = 0  # admission order: the largest is the youngest (first to be preempted)
+    preemptions: int = 0
+
+    @property
+    def key(self):
+        """Its id in the block allocator."""
+        return (self.req.request_id, self.index)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request_id: str
     prompt_ids: list
@@ -97,16 +122,27 @@ class _Request:
     guide_factory: Optional[Callable[[], Guide]]
     seed: int
     arrival: float
-    slots: list = field(default_factory=list)
     seqs: list = field(default_factory=list)
-    chunks: list = field(default_factory=list)  # prefill chunk sizes still to run
-    pos: int = 0  # prompt tokens already in cache1
-    prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
-    cache1: object = None
     cached_tokens: int = 0
     first_token_time: Optional[float] = None
     aborted: bool = False
     done: bool = False
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """A prefill in progress: a new request (its ``n`` sequences share it) or a preempted sequence's recompute."""
+
+    req: _Request
+    ids: list  # every token the sequence(s) will have fed: the prompt (+ the generated tokens on a resume)
+    seq: Optional[_Seq]  # the resumed sequence; None for a new request
+    keys: list  # allocator ids of the sequences; keys[0]'s pages receive the prefill
+    slots: list
+    order: int
+    chunks: list  # prefill chunk sizes still to run
+    pos: int = 0  # tokens already in cache1 / keys[0]'s pages
+    prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
+    cache1: object = None
 
 
 class Engine:
@@ -135,23 +171,34 @@ class Engine:
         stop_mask = np.zeros(self.vocab_size, bool)
         stop_mask[list(self.stop_ids)] = True
         self.class_masks = vocab_class_masks(tokenizer, self.vocab_size)
+        kv_dtype = resolve_kv_dtype(cfg.kv_dtype, model.dtype)
+        max_blocks = CacheLayout.blocks_for_tokens(self.max_model_len)
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:  # every slot at max_model_len, and room for the prefix-cache snapshots
+            num_blocks = 1 + (self.B + max(0, cfg.prefix_cache_entries)) * max_blocks
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
-                                 prefill_chunk_sizes=cfg.prefill_chunk_sizes,
-                                 kv_dtype=resolve_kv_dtype(cfg.kv_dtype), class_masks=self.class_masks,
+                                 prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
+                                 index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
                                  stop_mask=stop_mask)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
-              or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))):
-            raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len and "
-                             "prefill chunk sizes")
+              or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
+              or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
+              or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)):
+            raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
+                             "chunk sizes and cache pool (kv / index dtype, num_blocks)")
         self.runner = runner
-        self.prefix_cache = PrefixCache(cfg.prefix_cache_entries, self.runner.copy_cache1)
+        self.alloc = BlockAllocator(runner.spec.num_blocks)
+        self._prefix_blocks = 0  # pages held by prefix-cache snapshots
+        self.prefix_cache = PrefixCache(cfg.prefix_cache_entries,
+                                        lambda v: (self.runner.copy_cache1(v[0]), v[1]), self._drop_prefix)
         self.rows = RowParams(self.B, self.vocab_size)
         self.listeners: list = []  # objects with on_request_done(RequestDone) (metrics), called on the engine thread
 
         self._inbox: "queue.Queue" = queue.Queue()
         self._waiting: deque = deque()
-        self._prefilling: Optional[_Request] = None
+        self._prefilling: Optional[_Prefill] = None
+        self._orders = 0
         self._requests: dict[str, _Request] = {}
         self._free: list[int] = list(range(self.B - 1, -1, -1))  # pop() gives slot 0 first
         self._running: dict[int, _Seq] = {}  # slot -> sequence
@@ -167,6 +214,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished = 0
+        self.num_preemptions = 0
         self.compile_seconds = 0.0
         self.compilations_at_start: Optional[int] = None
 
@@ -180,8 +228,10 @@ class Engine:
         self.compile_seconds = t
         self._state = self.runner.new_state()
         self.compilations_at_start = compile_watch.compile_count()
-        log.info("engine ready: %d slots x %d tokens, prefill chunks %s, %d programs compiled in %.1fs",
-                 self.B, self.max_model_len, list(self.runner.chunk_sizes), len(self.runner.program_names), t)
+        log.info("engine ready: %d slots x %d tokens, %d pages of %d tokens (%s latent, %s index keys), prefill "
+                 "chunks %s, %d programs compiled in %.1fs", self.B, self.max_model_len, self.alloc.num_blocks - 1,
+                 PAGE_TOKENS, self.runner.kv_dtype, self.runner.index_dtype, list(self.runner.chunk_sizes),
+                 len(self.runner.program_names), t)
         self._thread = threading.Thread(target=self._loop, name="kimi-jax-engine", daemon=True)
         self.started = True
         self._thread.start()
@@ -224,6 +274,10 @@ class Engine:
                              f"{self.max_model_len} (prompt + at least one generated token)", "messages")
         if not isinstance(n, int) or not 1 <= n <= self.B:
             raise ParamError(f"n must be an integer in [1, {self.B}] (max_num_seqs), got {n!r}", "n")
+        need = n * CacheLayout.blocks_for_tokens(len(ids))
+        if need > self.alloc.num_blocks - 1:
+            raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of {PAGE_TOKENS} "
+                             f"tokens; this server's pool has {self.alloc.num_blocks - 1}", "n")
         rid = request_id or uuid.uuid4().hex
         if rid in self._requests:
             raise ParamError(f"request id {rid!r} is already in use", "request_id")
@@ -247,11 +301,21 @@ class Engine:
     def stats(self) -> dict:
         running_reqs = {s.req.request_id for s in list(self._running.values())}
         pre = self._prefilling
+        total = self.alloc.num_blocks - 1
+        free = self.alloc.free_blocks
         return {
             "alive": self.alive,
             "max_num_seqs": self.B,
             "max_model_len": self.max_model_len,
             "free_slots": len(self._free),
+            "total_blocks": total,  # cache pages (PAGE_TOKENS tokens in every MLA layer), the null page aside
+            "free_blocks": free,
+            "used_blocks": total - free,
+            "prefix_cache_blocks": self._prefix_blocks,  # of used_blocks: held by prefix-cache snapshots
+            "block_tokens": PAGE_TOKENS,
+            "kv_dtype": self.runner.kv_dtype,
+            "index_dtype": self.runner.index_dtype if self.runner.spec.index_format is not None else None,
+            "num_preemptions": self.num_preemptions,
             "running_seqs": len(self._running),
             "num_requests_running": len(running_reqs),
             "num_requests_waiting": len(self._waiting) + self._inbox.qsize() + (1 if pre is not None else 0),
@@ -318,11 +382,8 @@ class Engine:
         if req in self._waiting:
             self._waiting.remove(req)
             self._finish_request(req)
-        elif req is self._prefilling:
-            self._prefilling = None
-            self._free.extend(req.slots)
-            req.slots = []
-            req.cache1 = None
+        elif self._prefilling is not None and self._prefilling.req is req and self._prefilling.seq is None:
+            self._cancel_prefill()
             self._finish_request(req)
         elif req.seqs:
             for seq in req.seqs:
@@ -332,67 +393,172 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ prefill
     def _prefill_some(self) -> None:
-        """Prefill waiting requests.  Once any sequence is decoding, stop after ``prefill_token_budget`` prompt
-        tokens (at least one chunk) so that the decode step runs again; the rest continues next iteration."""
+        """Prefill waiting requests (and preempted sequences, which wait at the front).  Once any sequence is decoding,
+        stop after ``prefill_token_budget`` prompt tokens (at least one chunk) so that the decode step runs again; the
+        rest continues next iteration."""
         budget = self.config.prefill_token_budget
         spent = 0
         while True:
-            req = self._prefilling
-            if req is None:
-                if not self._waiting or len(self._free) < self._waiting[0].n:
+            job = self._prefilling
+            if job is None:
+                if not self._waiting or (self._running and spent >= budget):
                     return
-                if self._running and spent >= budget:
-                    return
-                req = self._waiting.popleft()
-                self._start_prefill(req)
-            while req.chunks:
-                size = req.chunks[0]
+                job = self._admit(self._waiting[0])
+                if job is None:
+                    return  # not enough free slots or pages yet
+                self._waiting.popleft()
+            while job.chunks:
+                size = job.chunks[0]
                 if self._running and spent > 0 and spent + size > budget:
                     return  # resume next iteration, after a decode step
-                ids = np.asarray(req.prompt_ids[req.pos: req.pos + size], np.int32)
-                req.cache1 = self.runner.prefill(req.cache1, ids)
-                req.chunks.pop(0)
-                req.pos += size
+                ids = np.asarray(job.ids[job.pos: job.pos + size], np.int32)
+                table = self.alloc.block_table([job.keys[0]], self.runner.max_blocks)
+                job.cache1, self._state = self.runner.prefill(job.cache1, ids, self._state, table)
+                job.chunks.pop(0)
+                job.pos += size
                 spent += size
                 self.num_prefill_chunks += 1
-            self._finish_prefill(req)
+            self._finish_prefill(job)
 
-    def _start_prefill(self, req: _Request) -> None:
-        req.slots = [self._free.pop() for _ in range(req.n)]
-        self._prefilling = req
-        prefill_ids = req.prompt_ids[:-1]
-        chunks, _ = self.runner.plan_chunks(len(prefill_ids))
-        req.prefill_len = sum(chunks)
-        hit = self.prefix_cache.lookup(prefill_ids[: req.prefill_len])
-        if hit is not None:
-            req.pos, req.cache1 = hit
-            req.cached_tokens = req.pos
-            chunks, _ = self.runner.plan_chunks(req.prefill_len - req.pos)
+    def _admit(self, item) -> Optional[_Prefill]:
+        """Start the prefill of a waiting request or preempted sequence, if slots and pages allow."""
+        if isinstance(item, _Seq):
+            req, n = item.req, 1
+            ids, keys = req.prompt_ids + item.output_ids, [item.key]
         else:
-            req.pos, req.cache1 = 0, self.runner.new_cache1()
-        req.chunks = chunks
+            req, n = item, item.n
+            ids, keys = req.prompt_ids, [(req.request_id, i) for i in range(n)]
+        if len(self._free) < n:
+            return None
+        prefill_ids = ids[:-1]
+        chunks, _ = self.runner.plan_chunks(len(prefill_ids))
+        prefill_len = sum(chunks)
+        # the prefill's pages up front, plus one page of headroom per running sequence (so that admitting it does
+        # not immediately force a preemption)
+        need = n * CacheLayout.blocks_for_tokens(prefill_len) + len(self._running)
+        while self.alloc.free_blocks < need and self.prefix_cache.evict_lru():
+            pass
+        if self.alloc.free_blocks < need:
+            return None
+        self._orders += 1
+        job = _Prefill(req, ids, item if isinstance(item, _Seq) else None, keys,
+                       [self._free.pop() for _ in range(n)], self._orders, chunks, prefill_len=prefill_len)
+        for k in keys:
+            self.alloc.allocate(k, prefill_len)
+        hit = self.prefix_cache.lookup(prefill_ids[:prefill_len])
+        if hit is not None:
+            job.pos, (job.cache1, owner) = hit
+            used = CacheLayout.blocks_for_tokens(job.pos)
+            self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(owner)[:used],
+                                                  self.alloc.blocks(keys[0])[:used])
+            if job.seq is None:
+                req.cached_tokens = job.pos
+            job.chunks, _ = self.runner.plan_chunks(prefill_len - job.pos)
+        else:
+            job.cache1 = self.runner.new_cache1()
+        self._prefilling = job
+        return job
 
-    def _finish_prefill(self, req: _Request) -> None:
+    def _cancel_prefill(self) -> Optional[_Prefill]:
+        """Drop the prefill in progress: its pages and slots go back; returns it."""
+        job = self._prefilling
+        if job is not None:
+            self._prefilling = None
+            for k in job.keys:
+                self.alloc.free(k, missing_ok=True)
+            self._free.extend(job.slots)
+            job.slots, job.cache1 = [], None
+        return job
+
+    def _finish_prefill(self, job: _Prefill) -> None:
         self._prefilling = None
-        if req.prefill_len:
-            self.prefix_cache.store(req.prompt_ids[: req.prefill_len], req.cache1)
+        req = job.req
+        if job.prefill_len:
+            self._store_prefix(job)
+            src = self.alloc.blocks(job.keys[0])
+            for k in job.keys[1:]:  # the other sequences start from copies of the first one's pages
+                self._state = self.runner.copy_blocks(self._state, src, self.alloc.blocks(k))
         mask_row = np.zeros(self.vocab_size, bool)
         mask_row[req.prompt_ids] = True
-        tail = req.prompt_ids[req.pos:]
-        self.prompt_tokens_total += len(req.prompt_ids)
-        for i, slot in enumerate(req.slots):
-            self._state = self.runner.insert(self._state, req.cache1, slot, mask_row)
-            self.rows.set(slot, req.params, req.seed, i)
-            guide = req.guide_factory() if req.guide_factory is not None else None
-            text = OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
-            seq = _Seq(req, i, slot, deque(tail), text, guide)
-            req.seqs.append(seq)
+        tail = job.ids[job.pos:]
+        if job.seq is None:
+            self.prompt_tokens_total += len(req.prompt_ids)
+            for i, slot in enumerate(job.slots):
+                guide = req.guide_factory() if req.guide_factory is not None else None
+                text = OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
+                req.seqs.append(_Seq(req, i, slot, deque(), text, guide))
+        for slot, seq in zip(job.slots, [job.seq] if job.seq is not None else req.seqs):
+            counts = np.bincount(seq.output_ids, minlength=self.vocab_size).astype(np.int32)
+            self._state = self.runner.insert(self._state, job.cache1, slot, mask_row, counts)
+            self.rows.set(slot, req.params, req.seed, seq.index)
+            seq.slot, seq.pending, seq.fed, seq.order = slot, deque(tail), job.pos, job.order
             self._running[slot] = seq
-        req.cache1 = None
+        job.cache1 = None
+
+    def _store_prefix(self, job: _Prefill) -> None:
+        """Snapshot the prefilled prefix: KDA state + private copies of its pages (skipped when pages are short)."""
+        if self.prefix_cache.capacity <= 0:
+            return
+        need = CacheLayout.blocks_for_tokens(job.prefill_len)
+        if self.alloc.free_blocks < need:
+            return
+        self._orders += 1
+        owner = ("prefix", self._orders)
+        self.alloc.allocate(owner, job.prefill_len)
+        self._prefix_blocks += need
+        self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(job.keys[0])[:need],
+                                              self.alloc.blocks(owner))
+        self.prefix_cache.store(job.ids[: job.prefill_len], (job.cache1, owner))
+
+    def _drop_prefix(self, entry) -> None:
+        self._prefix_blocks -= self.alloc.free(entry[1])
+
+    # ------------------------------------------------------------------------------------------------ pages
+    def _grow(self) -> None:
+        """Give every running sequence the page its next token lands in, oldest first; preempt when out of pages."""
+        for seq in sorted(self._running.values(), key=lambda s: s.order):
+            if self._running.get(seq.slot) is not seq:
+                continue  # preempted below for an older sequence
+            while not self.alloc.can_allocate(seq.key, seq.fed + 1):
+                if self.prefix_cache.evict_lru():
+                    continue
+                victim = self._youngest()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.alloc.allocate(seq.key, seq.fed + 1)
+
+    def _youngest(self):
+        cands = list(self._running.values()) + ([self._prefilling] if self._prefilling is not None else [])
+        return max(cands, key=lambda x: x.order)
+
+    def _preempt(self, victim) -> None:
+        """Free a running sequence (or the prefill in progress) and queue it, first, for recompute."""
+        self.num_preemptions += 1
+        if isinstance(victim, _Prefill):
+            job = self._cancel_prefill()
+            self._waiting.appendleft(job.seq if job.seq is not None else job.req)
+            if job.seq is None:
+                job.req.cached_tokens = 0
+            log.info("preempted the prefill of request %s (out of cache pages)", job.req.request_id)
+            return
+        seq = victim
+        del self._running[seq.slot]
+        self._free.append(seq.slot)
+        self.alloc.free(seq.key, missing_ok=True)
+        seq.slot, seq.pending, seq.fed = None, deque(), 0
+        seq.preemptions += 1
+        self._waiting.appendleft(seq)
+        log.info("preempted sequence %s of request %s after %d tokens (out of cache pages)", seq.index,
+                 seq.req.request_id, len(seq.req.prompt_ids) + len(seq.output_ids))
 
     # ------------------------------------------------------------------------------------------------ decode
     def _decode(self) -> None:
         B, V = self.B, self.vocab_size
+        self._grow()
+        if not self._running:
+            return
         tokens = np.zeros(B, np.int32)
         active = np.zeros(B, bool)
         c = empty_controls(B, V)
@@ -420,13 +586,18 @@ class Engine:
         if not self._running:
             return
         ctl = Controls(**c)
-        self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl)
+        tables = np.zeros((B, self.runner.max_blocks), np.int32)  # null rows for free slots: they write nothing
+        for slot, seq in self._running.items():
+            blocks = self.alloc.blocks(seq.key)
+            tables[slot, : len(blocks)] = blocks
+        self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
         out = out._asdict()
         out = {k: np.asarray(v) for k, v in out.items()}
         self.num_steps += 1
         now = time.monotonic()
         for slot, seq in list(self._running.items()):
             seq.pending.popleft()
+            seq.fed += 1
             if c["emit"][slot]:
                 self._emit(seq, int(out["tokens"][slot]), float(out["logprob"][slot]),
                            out["top_ids"][slot], out["top_logprobs"][slot], now)
@@ -478,9 +649,14 @@ class Engine:
         seq.finish_reason = reason
         req = seq.req
         req.stream.put(SeqEvent(seq.index, list(token_ids), pieces, logprobs, reason, stop_reason))
-        if self._running.get(seq.slot) is seq:
+        if seq.slot is not None and self._running.get(seq.slot) is seq:
             del self._running[seq.slot]
             self._free.append(seq.slot)
+        elif seq in self._waiting:  # preempted, waiting for its recompute
+            self._waiting.remove(seq)
+        elif self._prefilling is not None and self._prefilling.seq is seq:  # its recompute is running
+            self._cancel_prefill()
+        self.alloc.free(seq.key, missing_ok=True)
         if all(s.finish_reason is not None for s in req.seqs):
             self._finish_request(req)
 

@@ -6,12 +6,12 @@ The seam (``Engine._start_prefill`` / ``Engine._finish_prefill``):
     ... prefill the remaining prefill_ids[n_tokens:] in chunks from that state ...
     prefix_cache.store(prefill_ids, cache1)     # a snapshot after the chunked part of the prompt
 
-Why snapshots, not pages: KDA layers carry a recurrent state (SPEC §4), so the state after token t cannot be
-assembled from per-token pages -- a reusable prefix needs the whole state at exactly that token.  MLA layers could
-share pages; with the current contiguous ``[B, max_len, ·]`` cache a snapshot costs a full batch-1 cache, so this
-LRU is off by default (``prefix_cache_entries=0``) and meant for small models, tests and repeated prompts (``n > 1``
-already shares one prefill without it).  A paged MLA cache plus KDA state snapshots at chunk boundaries is the
-planned production design; it replaces this class behind the same two calls.
+Why snapshots, not pages alone: KDA layers carry a recurrent state (SPEC §4), so the state after token t cannot be
+assembled from per-token pages -- a reusable prefix needs the whole state at exactly that token.  An entry is the
+sequence's KDA snapshot plus private copies of its MLA pages (the engine allocates them under the entry's own
+allocator id and copies the pages in; a hit copies them out into the new sequence's pages).  Entries hold pool
+blocks, so the engine evicts them (``evict_lru``; ``on_evict`` frees the blocks) before it preempts a running
+sequence.  Off by default (``prefix_cache_entries=0``); ``n > 1`` already shares one prefill without it.
 
 ``lookup`` returns the longest stored key that is a prefix of the query; the caller gets a private copy (the engine
 donates prefill caches, and stored snapshots must survive that).
@@ -24,9 +24,10 @@ from typing import Callable, Optional, Sequence
 
 
 class PrefixCache:
-    def __init__(self, capacity: int, copy_fn: Callable):
+    def __init__(self, capacity: int, copy_fn: Callable, on_evict: Optional[Callable] = None):
         self.capacity = int(capacity)
         self._copy = copy_fn
+        self._on_evict = on_evict
         self._entries: "OrderedDict[tuple[int, ...], object]" = OrderedDict()
         self.hits = 0
         self.queries = 0
@@ -53,10 +54,24 @@ class PrefixCache:
         if self.capacity <= 0 or not ids:
             return
         key = tuple(ids)
+        if key in self._entries:
+            self._evict(key)
         self._entries[key] = cache1
-        self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            self.evict_lru()
+
+    def evict_lru(self) -> bool:
+        """Drop the least recently used entry; False when empty."""
+        if not self._entries:
+            return False
+        self._evict(next(iter(self._entries)))
+        return True
+
+    def _evict(self, key) -> None:
+        value = self._entries.pop(key)
+        if self._on_evict is not None:
+            self._on_evict(value)
 
     def clear(self) -> None:
-        self._entries.clear()
+        while self.evict_lru():
+            pass

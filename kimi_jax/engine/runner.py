@@ -1,19 +1,28 @@
 """The device programs of the engine, compiled ahead of time for a fixed set of shapes.
 
-* ``prefill[C](params, ids [1, C], cache1) -> cache1`` for each prefill chunk size C: runs C prompt tokens into a
-  batch-1 cache at its current length (exact tokens, no padding -- padding would enter the KDA recurrent state).
-* ``insert(state, cache1, slot, prompt_mask_row) -> state``: copies a prefilled batch-1 cache into one slot of the
-  batch cache and resets that slot's penalty counts.
-* ``step(params, state, tokens [B], active [B], rows, controls, tables) -> (state, SampleOut)``: one decode token for
-  every slot plus sampling, fused.  Inactive slots get a dummy token; their cache length is held, so they never
-  write past the end, and their outputs are ignored.
+The batch cache is a ``PagedModelCache``: MLA rows live in pools of 64-token pages shared by every slot (stored as
+``kv_dtype``, quantised on write), KDA state stays per slot.  Pages are handed out on the host by a
+``BlockAllocator``; every program that touches MLA rows takes the block tables as a fixed-shape int32 input, so
+growing sequences never change a shape.
+
+* ``prefill[C](params, ids [1, C], cache1, state, table1 [1, max_blocks]) -> (cache1, state)`` for each prefill chunk
+  size C: runs C prompt tokens of one sequence at its current length.  ``cache1`` is that sequence's per-sequence
+  state (length + KDA layers, batch 1; no MLA rows); its MLA rows go straight into the pools of ``state`` through
+  ``table1``.  Exact tokens, no padding -- padding would enter the KDA recurrent state.
+* ``insert(state, cache1, slot, prompt_mask_row, counts_row) -> state``: puts a prefilled sequence's KDA state and
+  length into one slot and sets that slot's penalty rows (counts are non-zero when a preempted sequence resumes).
+* ``step(params, state, tokens [B], active [B], rows, controls, tables, block_tables [B, max_blocks]) -> (state,
+  SampleOut)``: one decode token for every slot plus sampling, fused.  Inactive slots get a dummy token; their cache
+  length is held and their table row is null, so they never write a page.
+* ``copy_blocks(state, src [max_blocks], dst [max_blocks]) -> state``: page copies in every MLA pool (a request's
+  ``n`` sequences share one prefill; prefix-cache snapshots own private pages).  Null-padded (0 -> 0 is a no-op).
 * small helpers: zero state, zero batch-1 cache, copy of a batch-1 cache (prefix-cache snapshots).
 
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
-of XLA programs is exactly ``len(prefill_chunk_sizes) + 5``, independent of traffic.
+of XLA programs is exactly ``len(prefill_chunk_sizes) + 6``, independent of traffic.
 
-The batch cache and the penalty counts are donated to every step and insert (updated in place).
+The batch state is donated to every program that updates it (updated in place).
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..modules.decoder import ModelCache
-from ..modules.mla import MLACache
+from ..cache import PAGE_TOKENS
+from ..modules.decoder import PagedModelCache
+from ..paged_cache import LayerPool, PagedCacheSpec
 from .guide import MAX_ALLOWED_IDS
 from .sampler import Controls, RowParams, Tables, sample
 
@@ -37,97 +47,142 @@ log = logging.getLogger("kimi_jax.engine")
 
 
 class DeviceState(NamedTuple):
-    cache: ModelCache  # batch cache, B = max_num_seqs
+    cache: PagedModelCache  # batch cache, B = max_num_seqs; MLA layers are the shared page pools
     counts: jax.Array  # i32 [B, V]: generated-token counts (frequency / presence penalties)
     prompt_mask: jax.Array  # bool [B, V]: tokens of the prompt (repetition penalty)
 
 
-KV_DTYPES = {"auto": None, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
-             "float32": jnp.float32}
+KV_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
+                  "nvfp4": "nvfp4"}
 
 
-def resolve_kv_dtype(name: Optional[str]):
-    if name is None:
-        return None
-    key = str(name).lower()
-    if key in ("fp8", "nvfp4"):
-        raise ValueError(f"kv dtype {name!r}: quantised cache storage is not implemented in the engine yet "
-                         "(the planner already accounts for it); use auto, bf16 or fp32")
-    if key not in KV_DTYPES:
-        raise ValueError(f"unknown kv dtype {name!r}; choose one of auto, bf16, fp32")
-    return KV_DTYPES[key]
+def resolve_kv_dtype(name: Optional[str], model_dtype=None) -> Optional[str]:
+    """The paged latent format for ``--kv-dtype``: fp32 | bf16 | fp8 | nvfp4.  ``auto`` / None: the model's
+    activation dtype (fp32 or bf16); None when that is not known yet (argument checking only)."""
+    key = "auto" if name is None else str(name).lower()
+    if key == "auto":
+        if model_dtype is None:
+            return None
+        return "bf16" if jnp.dtype(model_dtype) == jnp.bfloat16 else "fp32"
+    if key not in KV_DTYPE_NAMES:
+        raise ValueError(f"unknown kv dtype {name!r}; choose one of auto, fp32, bf16, fp8, nvfp4")
+    return KV_DTYPE_NAMES[key]
+
+
+def default_index_dtype(kv_dtype: str) -> str:
+    """Index keys next to a latent format: unquantised beside fp32 / bf16 rows, else fp8 (SPEC §6)."""
+    return kv_dtype if kv_dtype in ("fp32", "bf16") else "fp8"
 
 
 class ModelRunner:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, prefill_chunk_sizes: Sequence[int],
-                 kv_dtype=None, class_masks: np.ndarray, stop_mask: np.ndarray):
+                 kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
+                 num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None):
+        """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool,
+        the null page included (None: ``1 + max_num_seqs · ceil(max_model_len / 64)``, every slot full)."""
         cfg = model.config
         self.model = model
+        self.mesh = getattr(model, "mesh", None)
         self.B = int(max_num_seqs)
         self.L = int(max_model_len)
         self.V = cfg.vocab_size
         self.chunk_sizes = tuple(sorted({int(c) for c in prefill_chunk_sizes}, reverse=True))
         if not self.chunk_sizes or self.chunk_sizes[-1] < 1:
             raise ValueError(f"prefill chunk sizes must be positive integers, got {prefill_chunk_sizes}")
-        self.kv_dtype = kv_dtype
-        graphdef, act_dtype = model.graphdef, model.dtype
-        B, L, V = self.B, self.L, self.V
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, model.dtype) or resolve_kv_dtype("auto", model.dtype)
+        self.index_dtype = index_dtype or default_index_dtype(self.kv_dtype)
+        self.max_blocks = -(-self.L // PAGE_TOKENS)
+        if num_blocks is None:
+            num_blocks = 1 + self.B * self.max_blocks
+        self.spec = PagedCacheSpec.create(cfg, num_blocks=int(num_blocks), kv_dtype=self.kv_dtype,
+                                          index_dtype=self.index_dtype)
+        if self.spec.usable_blocks < self.max_blocks:
+            raise ValueError(f"a pool of {num_blocks} blocks ({self.spec.usable_blocks} usable, {PAGE_TOKENS} tokens "
+                             f"each) cannot hold one sequence of max_model_len {self.L} ({self.max_blocks} blocks)")
+        graphdef, act_dtype, spec = model.graphdef, model.dtype, self.spec
+        B, V, NB = self.B, self.V, self.max_blocks
+        replicated = None
+        if self.mesh is not None:  # parameters are placed on the mesh; the caches and batch live replicated on it
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self._replicated = replicated
 
-        def zeros_cache(batch):
-            c = ModelCache.zeros(cfg, batch, L, act_dtype)
-            if kv_dtype is not None:
-                c = c._replace(layers=tuple(
-                    MLACache(*(a.astype(kv_dtype) for a in layer)) if isinstance(layer, MLACache) else layer
-                    for layer in c.layers))
+        def zeros_cache(batch, with_pools):
+            c = PagedModelCache.zeros(cfg, spec, batch, NB, act_dtype, latent_scales)
+            if not with_pools:  # the per-sequence part only: MLA rows live in the batch state's pools
+                c = c.replace(layers=tuple(None if isinstance(x, LayerPool) else x for x in c.layers))
             return c
 
         def same_dtypes(new, old):
             return jax.tree.map(lambda n, o: n.astype(o.dtype), new, old)
 
         def zeros_state():
-            return DeviceState(zeros_cache(B), jnp.zeros((B, V), jnp.int32), jnp.zeros((B, V), bool))
+            return DeviceState(zeros_cache(B, True), jnp.zeros((B, V), jnp.int32), jnp.zeros((B, V), bool))
 
         def zeros_cache1():
-            return zeros_cache(1)
+            return zeros_cache(1, False)
 
         def copy_cache1(c):
             return jax.tree.map(lambda a: a + jnp.zeros((), a.dtype), c)
 
-        def prefill(params, ids, cache1):
+        def prefill(params, ids, cache1, state, table1):
             m = nnx.merge(graphdef, params)
-            _, new = m.hidden_states(ids, cache1)
-            return same_dtypes(new, cache1)
+            pools = state.cache.layers
+            full = cache1.replace(block_tables=table1,
+                                  layers=tuple(p if c is None else c for c, p in zip(cache1.layers, pools)))
+            _, new = m.hidden_states(ids, full)
+            new = same_dtypes(new, full)
+            cache1 = new.replace(block_tables=cache1.block_tables,
+                                 layers=tuple(None if c is None else n for c, n in zip(cache1.layers, new.layers)))
+            layers = tuple(n if isinstance(p, LayerPool) else p for p, n in zip(pools, new.layers))
+            return cache1, state._replace(cache=state.cache.replace(layers=layers))
 
-        def insert(state, cache1, slot, prompt_mask_row):
-            cache = state.cache.insert(slot, cache1)
-            counts = jax.lax.dynamic_update_index_in_dim(state.counts, jnp.zeros((V,), jnp.int32), slot, 0)
+        def insert(state, cache1, slot, prompt_mask_row, counts_row):
+            put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0].astype(dst.dtype), slot, 0)
+            c = state.cache
+            layers = tuple(p if one is None else jax.tree.map(put, p, one) for p, one in zip(c.layers, cache1.layers))
+            cache = c.replace(length=put(c.length, cache1.length), layers=layers)
+            counts = jax.lax.dynamic_update_index_in_dim(state.counts, counts_row, slot, 0)
             mask = jax.lax.dynamic_update_index_in_dim(state.prompt_mask, prompt_mask_row, slot, 0)
             return DeviceState(cache, counts, mask)
 
-        def step(params, state, tokens, active, rows, ctl, tables):
+        def step(params, state, tokens, active, rows, ctl, tables, block_tables):
             m = nnx.merge(graphdef, params)
-            logits, cache = m(tokens[:, None], state.cache)
-            cache = cache._replace(length=jnp.where(active, cache.length, state.cache.length))
+            logits, cache = m(tokens[:, None], state.cache.replace(block_tables=block_tables))
+            cache = cache.replace(length=jnp.where(active, cache.length, state.cache.length))
             cache = same_dtypes(cache, state.cache)
             out, counts = sample(logits[:, 0], rows, ctl, state.counts, state.prompt_mask, tables)
             return DeviceState(cache, counts, state.prompt_mask), out
 
+        def copy_blocks(state, src, dst):
+            def copy(pool):
+                if not isinstance(pool, LayerPool):
+                    return pool
+                move = lambda parts: tuple(p.at[dst].set(p[src]) for p in parts)
+                return LayerPool(move(pool.latent), move(pool.index), pool.latent_scale)
+
+            layers = tuple(copy(p) for p in state.cache.layers)
+            return state._replace(cache=state.cache.replace(layers=layers))
+
+        out = {} if replicated is None else {"out_shardings": replicated}
         self._fns = {
-            "zeros_state": jax.jit(zeros_state),
-            "zeros_cache1": jax.jit(zeros_cache1),
-            "copy_cache1": jax.jit(copy_cache1),
-            "prefill": jax.jit(prefill, donate_argnums=(2,)),
-            "insert": jax.jit(insert, donate_argnums=(0,)),
-            "step": jax.jit(step, donate_argnums=(1,)),
+            "zeros_state": jax.jit(zeros_state, **out),
+            "zeros_cache1": jax.jit(zeros_cache1, **out),
+            "copy_cache1": jax.jit(copy_cache1, **out),
+            "prefill": jax.jit(prefill, donate_argnums=(2, 3), **out),
+            "insert": jax.jit(insert, donate_argnums=(0,), **out),
+            "step": jax.jit(step, donate_argnums=(1,), **out),
+            "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out),
         }
         self._exe: dict = {}
         self.tables = Tables(jnp.asarray(class_masks), jnp.asarray(stop_mask))
+        if replicated is not None:
+            self.tables = jax.device_put(self.tables, replicated)
         self.compile_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------------ compile
     @property
     def program_names(self) -> list[str]:
-        return ["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step"] + [
+        return ["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"] + [
             f"prefill_{c}" for c in self.chunk_sizes]
 
     def compile(self, parallel: bool = True) -> float:
@@ -135,27 +190,29 @@ class ModelRunner:
         if self._exe:
             return 0.0
         t0 = time.perf_counter()
-        sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+        rep = self._replicated
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+        like = lambda a: sds(a.shape, a.dtype)
         params = self.model.params
-        state = jax.eval_shape(self._fns["zeros_state"])
-        cache1 = jax.eval_shape(self._fns["zeros_cache1"])
-        rows = RowParams(self.B, self.V).abstract()
-        B = self.B
-        ctl = Controls(jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), bool),
-                       jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, MAX_ALLOWED_IDS), jnp.int32))
-        tables = jax.tree.map(sds, self.tables)
+        state = jax.tree.map(like, jax.eval_shape(self._fns["zeros_state"]))
+        cache1 = jax.tree.map(like, jax.eval_shape(self._fns["zeros_cache1"]))
+        rows = jax.tree.map(like, RowParams(self.B, self.V).abstract())
+        B, NB = self.B, self.max_blocks
+        ctl = Controls(sds((B,), jnp.int32), sds((B,), bool), sds((B,), jnp.int32), sds((B, MAX_ALLOWED_IDS), jnp.int32))
+        tables = jax.tree.map(like, self.tables)
         lowered = {
             "zeros_state": self._fns["zeros_state"].lower(),
             "zeros_cache1": self._fns["zeros_cache1"].lower(),
             "copy_cache1": self._fns["copy_cache1"].lower(cache1),
-            "insert": self._fns["insert"].lower(state, cache1, jax.ShapeDtypeStruct((), jnp.int32),
-                                                jax.ShapeDtypeStruct((self.V,), bool)),
-            "step": self._fns["step"].lower(params, state, jax.ShapeDtypeStruct((B,), jnp.int32),
-                                            jax.ShapeDtypeStruct((B,), bool), rows, ctl, tables),
+            "insert": self._fns["insert"].lower(state, cache1, sds((), jnp.int32), sds((self.V,), bool),
+                                                sds((self.V,), jnp.int32)),
+            "step": self._fns["step"].lower(params, state, sds((B,), jnp.int32), sds((B,), bool), rows, ctl, tables,
+                                            sds((B, NB), jnp.int32)),
+            "copy_blocks": self._fns["copy_blocks"].lower(state, sds((NB,), jnp.int32), sds((NB,), jnp.int32)),
         }
         for c in self.chunk_sizes:
-            lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, jax.ShapeDtypeStruct((1, c), jnp.int32),
-                                                                 cache1)
+            lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, sds((1, c), jnp.int32), cache1, state,
+                                                                 sds((1, NB), jnp.int32))
         log.info("lowered %d programs in %.1fs; compiling (%s)", len(lowered), time.perf_counter() - t0,
                  "parallel" if parallel else "serial")
         errors = []
@@ -197,21 +254,36 @@ class ModelRunner:
     def new_state(self) -> DeviceState:
         return self._call("zeros_state")
 
-    def new_cache1(self) -> ModelCache:
+    def new_cache1(self) -> PagedModelCache:
         return self._call("zeros_cache1")
 
-    def copy_cache1(self, cache1: ModelCache) -> ModelCache:
+    def copy_cache1(self, cache1: PagedModelCache) -> PagedModelCache:
         return self._call("copy_cache1", cache1)
 
-    def prefill(self, cache1: ModelCache, ids: np.ndarray) -> ModelCache:
+    def prefill(self, cache1: PagedModelCache, ids: np.ndarray, state: DeviceState, table1: np.ndarray):
+        """Run one sequence's chunk; returns (cache1, state) -- both passed in are donated."""
         ids = np.asarray(ids, np.int32).reshape(1, -1)
-        return self._call(f"prefill_{ids.shape[1]}", self.model.params, ids, cache1)
+        return self._call(f"prefill_{ids.shape[1]}", self.model.params, ids, cache1, state,
+                          np.asarray(table1, np.int32).reshape(1, self.max_blocks))
 
-    def insert(self, state: DeviceState, cache1: ModelCache, slot: int, prompt_mask_row: np.ndarray) -> DeviceState:
-        return self._call("insert", state, cache1, np.int32(slot), np.asarray(prompt_mask_row, bool))
+    def insert(self, state: DeviceState, cache1: PagedModelCache, slot: int, prompt_mask_row: np.ndarray,
+               counts_row: Optional[np.ndarray] = None) -> DeviceState:
+        if counts_row is None:
+            counts_row = np.zeros(self.V, np.int32)
+        return self._call("insert", state, cache1, np.int32(slot), np.asarray(prompt_mask_row, bool),
+                          np.asarray(counts_row, np.int32))
 
-    def step(self, state: DeviceState, tokens: np.ndarray, active: np.ndarray, rows, ctl: Controls):
-        return self._call("step", self.model.params, state, tokens, active, rows, ctl, self.tables)
+    def step(self, state: DeviceState, tokens: np.ndarray, active: np.ndarray, rows, ctl: Controls,
+             block_tables: np.ndarray):
+        return self._call("step", self.model.params, state, tokens, active, rows, ctl, self.tables,
+                          np.asarray(block_tables, np.int32))
+
+    def copy_blocks(self, state: DeviceState, src: Sequence[int], dst: Sequence[int]) -> DeviceState:
+        """Copy pages src[i] -> dst[i] in every MLA pool (at most max_blocks pairs)."""
+        if len(src) != len(dst) or len(src) > self.max_blocks:
+            raise ValueError(f"copy_blocks takes up to {self.max_blocks} (src, dst) pairs, got {len(src)}/{len(dst)}")
+        pad = lambda b: np.pad(np.asarray(b, np.int32), (0, self.max_blocks - len(b)))
+        return self._call("copy_blocks", state, pad(src), pad(dst))
 
     def plan_chunks(self, n: int) -> tuple[list[int], int]:
         """Split ``n`` prompt tokens into chunk sizes (largest first); returns (chunks, leftover < smallest)."""

@@ -3,18 +3,22 @@ norm and lm_head. One definition serves full forwards, prefill and decode (SPEC 
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
 from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..cache import PAGE_TOKENS
 from ..config import ModelConfig
 from ..kernels import KernelConfig
+from ..paged_cache import NULL_BLOCK, LayerPool, PagedCacheSpec
 from .attn_res import AttnResMix
 from .kda import KDACache, KimiDeltaAttention
 from .layers import Linear, RMSNorm, activation_fn, normal_init
-from .mla import MLACache, MultiHeadLatentAttention
+from .mla import MLACache, MultiHeadLatentAttention, PagedMLACache
 from .moe import MoE, DenseMLP
 
 LayerCache = Union[KDACache, MLACache]
@@ -50,6 +54,82 @@ class ModelCache(NamedTuple):
             if isinstance(c, MLACache):
                 return c.kv_bsc.shape[1]
         return 1 << 62
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["length", "block_tables", "layers"], meta_fields=["spec"])
+@dataclasses.dataclass(frozen=True)
+class PagedModelCache:
+    """Inference state of a batch on the paged MLA cache (SPEC §10).
+
+    length `[B]` int32: tokens each sequence has cached; block_tables `[B, max_blocks]` int32: the pages of each
+    sequence in order (position p in page `block_tables[b, p // 64]`, slot `p % 64`; unused entries = null block
+    0); layers: per layer a `KDACache` with B rows (KDA state stays per sequence) or the MLA layer's `LayerPool`
+    (pages shared by the whole batch, the same block ids in every MLA layer); spec: the static `PagedCacheSpec`
+    (formats, pool size). All shapes are fixed by (B, max_blocks, spec), so programs over it never recompile as
+    sequences grow: the host (`paged_cache.BlockAllocator`) hands out pages and passes new tables in.
+
+    Writes to positions whose page is not in the table (or is the null block) are dropped.
+    """
+
+    length: jax.Array
+    block_tables: jax.Array
+    layers: tuple
+    spec: PagedCacheSpec
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, spec: PagedCacheSpec, batch: int, max_blocks: int, dtype,
+              latent_scales=None) -> "PagedModelCache":
+        """Empty cache: all lengths 0, all tables null, zeroed KDA states and pools (one pool per MLA layer, in
+        layer order, with its latent scale)."""
+        if spec.config.mla != cfg.mla or spec.config.indexer != cfg.indexer:
+            raise ValueError("the PagedCacheSpec was built for a different MLA / indexer configuration")
+        pools = iter(spec.init(latent_scales))
+        layers = tuple(KDACache.zeros(batch, cfg.kda, dtype) if kind == "kda" else next(pools)
+                       for kind in cfg.layer_kinds)
+        return PagedModelCache(jnp.zeros((batch,), jnp.int32), jnp.full((batch, max_blocks), NULL_BLOCK, jnp.int32),
+                               layers, spec)
+
+    def replace(self, **changes) -> "PagedModelCache":
+        return dataclasses.replace(self, **changes)
+
+    def with_block_tables(self, block_tables) -> "PagedModelCache":
+        """The same cache under new tables `[B, max_blocks]` (e.g. after the allocator grew some sequences)."""
+        bt = jnp.asarray(block_tables, jnp.int32)
+        if bt.shape != self.block_tables.shape:
+            raise ValueError(f"block tables must be {self.block_tables.shape}, got {bt.shape}")
+        return self.replace(block_tables=bt)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens a sequence can hold: max_blocks pages."""
+        return self.block_tables.shape[1] * PAGE_TOKENS
+
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+    def take(self, slot) -> "PagedModelCache":
+        """Row `slot` as a batch-1 cache; the pools are shared (not copied)."""
+        row = lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=True)
+        layers = tuple(c if isinstance(c, LayerPool) else jax.tree.map(row, c) for c in self.layers)
+        return self.replace(length=row(self.length), block_tables=row(self.block_tables), layers=layers)
+
+    def insert(self, slot, one: "PagedModelCache") -> "PagedModelCache":
+        """Put batch-1 cache `one` (e.g. a fresh prefill of `take(slot)`) into row `slot`: its KDA rows, length and
+        block table; the pools are taken from `one` (they already hold its rows)."""
+        put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0].astype(dst.dtype), slot, 0)
+        layers = tuple(o if isinstance(o, LayerPool) else jax.tree.map(put, c, o)
+                       for c, o in zip(self.layers, one.layers))
+        return self.replace(length=put(self.length, one.length), block_tables=put(self.block_tables, one.block_tables),
+                            layers=layers)
+
+    def layer_view(self, i: int):
+        """What layer i is called with: its `KDACache`, or a `PagedMLACache` (pool + this batch's tables)."""
+        c = self.layers[i]
+        return PagedMLACache(c, self.block_tables, self.spec) if isinstance(c, LayerPool) else c
+
+
+AnyCache = Union[ModelCache, PagedModelCache]
 
 
 class DecoderLayer(nnx.Module):
@@ -100,16 +180,23 @@ class KimiForCausalLM(nnx.Module):
             self.output_attn_res = AttnResMix(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
 
-    def hidden_states(self, ids_bt, cache: Optional[ModelCache] = None, *, mla_form: str = "absorbed"):
-        """Final normed hidden states `[B, T, D]` and the new cache (None without one)."""
+    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed"):
+        """Final normed hidden states `[B, T, D]` and the new cache (None without one).
+
+        `cache`: a contiguous `ModelCache` or a `PagedModelCache` (MLA layers then run on the paged pools; the
+        caller's block tables must already cover positions length…length+T−1 of every sequence written)."""
         cfg = self.cfg
         start = cache.length if cache is not None else jnp.zeros((), jnp.int32)
         h0 = jnp.take(self.embed_tokens[...], ids_bt, axis=0)
         new_layers = []
         block = cfg.attn_res_block_size
         prefix, blocks = h0, []
+        paged = isinstance(cache, PagedModelCache)
         for i, layer in enumerate(self.layers):
-            layer_cache = cache.layers[i] if cache is not None else None
+            if cache is None:
+                layer_cache = None
+            else:
+                layer_cache = cache.layer_view(i) if paged else cache.layers[i]
             if block:
                 h = prefix if not blocks else layer.self_attention_res(blocks + [prefix])
                 if i % block == 0:
@@ -123,15 +210,17 @@ class KimiForCausalLM(nnx.Module):
                 a, c = layer.attn(prefix, layer_cache, start, mla_form)
                 prefix = prefix + a
                 prefix = prefix + layer.ffn(prefix)
-            new_layers.append(c)
+            new_layers.append(c.pool if isinstance(c, PagedMLACache) else c)
         h = self.output_attn_res(blocks + [prefix]) if block else prefix
         h = self.norm(h)
         new_cache = None
-        if cache is not None:
+        if paged:
+            new_cache = cache.replace(length=cache.length + ids_bt.shape[1], layers=tuple(new_layers))
+        elif cache is not None:
             new_cache = ModelCache(cache.length + ids_bt.shape[1], tuple(new_layers))
         return h, new_cache
 
-    def __call__(self, ids_bt, cache: Optional[ModelCache] = None, *, mla_form: str = "absorbed"):
+    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed"):
         h, new_cache = self.hidden_states(ids_bt, cache, mla_form=mla_form)
         if self.lm_head is None:
             logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)

@@ -6,20 +6,36 @@ at conversion), which serves both forms:
 - naive:    expand cached latents to per-head keys/values, then ordinary attention;
 - absorbed: fold k_up into the query (576-d MQA over the cache) and v_up into the output.
 Both read the same cache and give the same result; decode uses the absorbed form.
+
+Two cache types, one module:
+- `MLACache` — contiguous `[B, S_max, ·]` rows per sequence; the indexer's top-k becomes a dense keep-mask
+  (the reference path; both forms).
+- `PagedMLACache` — one layer's `kimi_jax.paged_cache.LayerPool` (pages of 64 tokens shared by all sequences, stored
+  bf16 / fp8 / nvfp4, index keys bf16 / fp8 / mxfp4) plus the batch's block tables. New rows are quantised on write
+  at each sequence's own start (padding rows dropped), then the indexer picks top-k positions over the paged keys
+  (`pallas_kernels.indexer.paged`) and sparse absorbed MLA attends to exactly those rows
+  (`pallas_kernels.mla.sparse`). Without an indexer (Kimi-Linear, K3) the "selection" is every position ≤ the
+  query's. Absorbed form only (the naive form would expand every cached row).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.indexer import paged as index_paged
 from pallas_kernels.indexer import reference as index_ops
 from pallas_kernels.mla import reference as mla_ops
+from pallas_kernels.mla import sparse as sparse_mla
 
+from ..cache import PAGE_TOKENS
 from ..config import IndexerConfig, MLAConfig
+from ..paged_cache import LayerPool, PagedCacheSpec
 from .layers import LayerNorm, Linear, RMSNorm, normal_init
 from .rope import apply_rope, rope_cos_sin
 
@@ -33,6 +49,37 @@ class MLACache(NamedTuple):
         c = mla.kv_lora_rank + mla.qk_rope_head_dim
         di = indexer.head_dim if indexer is not None else 0
         return MLACache(jnp.zeros((batch, max_len, c), dtype), jnp.zeros((batch, max_len, di), dtype))
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["pool", "block_tables"], meta_fields=["spec"])
+@dataclass(frozen=True)
+class PagedMLACache:
+    """One MLA layer's view of a paged cache during a forward call (`PagedModelCache` builds it per layer).
+
+    pool: the layer's `LayerPool` (parts `[num_blocks, 64, w]`, shared by every sequence); block_tables `[B,
+    max_blocks]` int32 (position p of row b lives in page `block_tables[b, p // 64]`; unused entries = null block
+    0); spec: the static `PagedCacheSpec` (storage formats). Pages for the positions written must be in the table.
+    """
+
+    pool: LayerPool
+    block_tables: jax.Array
+    spec: PagedCacheSpec
+
+    @property
+    def max_len(self) -> int:
+        return self.block_tables.shape[1] * PAGE_TOKENS
+
+
+class Projected(NamedTuple):
+    """Everything a forward derives from x before touching a cache (`MultiHeadLatentAttention.project`)."""
+
+    q_nope: jax.Array  # [B, T, H, nope]
+    q_rope: jax.Array  # [B, T, H, rope] (rotated for DeepSeek)
+    row: jax.Array  # [B, T, R + rope] new latent rows [lat | k_rope]
+    index_k: Optional[jax.Array]  # [B, T, d_index] new index keys (None without an indexer)
+    cq: Optional[jax.Array]  # [B, T, q_lora_rank] the q latent (indexer queries read it)
+    cos_sin: Optional[tuple]
+    positions: jax.Array  # [B, T] int32 sequence positions of the new tokens
 
 
 def _write_rows(buf_bsc, rows_btc, starts_b):
@@ -59,8 +106,8 @@ class Indexer(nnx.Module):
             k = jnp.concatenate([apply_rope(k[..., :r], *cos_sin, interleaved=False), k[..., r:]], axis=-1)
         return k
 
-    def keep_mask(self, x_btd, cq_btr, keys_bsd, allowed_bts, cos_sin):
-        """Boolean `[B, T, S]`: allowed keys among each query's top-k index scores."""
+    def queries(self, x_btd, cq_btr, cos_sin):
+        """Index queries `[B, T, Hi, d]` and head weights float32 `[B, T, Hi]` (Hi^-0.5 · d^-0.5 folded in)."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
         q = self.wq_b(cq_btr).reshape(B, T, cfg.num_heads, cfg.head_dim)
@@ -68,8 +115,19 @@ class Indexer(nnx.Module):
             r = cfg.rope_dims
             q = jnp.concatenate([apply_rope(q[..., :r], *cos_sin, interleaved=False), q[..., r:]], axis=-1)
         w = self.weights_proj(x_btd, out_dtype=jnp.float32) * (cfg.num_heads ** -0.5 * cfg.head_dim ** -0.5)
+        return q, w
+
+    def keep_mask(self, x_btd, cq_btr, keys_bsd, allowed_bts, cos_sin):
+        """Boolean `[B, T, S]`: allowed keys among each query's top-k index scores (contiguous keys)."""
+        q, w = self.queries(x_btd, cq_btr, cos_sin)
         s = index_ops.scores(q, keys_bsd, w, allowed_bts)
-        return index_ops.topk_mask(s, allowed_bts, cfg.topk)
+        return index_ops.topk_mask(s, allowed_bts, self.cfg.topk)
+
+    def topk_paged(self, x_btd, cq_btr, cache: PagedMLACache, query_pos_bt, cos_sin):
+        """Top-k positions int32 `[B, T, topk]` (−1 = empty) over the paged index keys; query_pos −1 = padding."""
+        q, w = self.queries(x_btd, cq_btr, cos_sin)
+        return index_paged.topk_indices(q, w, cache.pool.index, cache.block_tables, query_pos_bt, self.cfg.topk,
+                                        fmt=cache.spec.index_format)
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -97,12 +155,44 @@ class MultiHeadLatentAttention(nnx.Module):
         else:
             self.indexer = None
 
-    def __call__(self, x_btd, cache: Optional[MLACache], start, *, form: str = "absorbed"):
+    def __call__(self, x_btd, cache: Union[None, MLACache, PagedMLACache], start, *, form: str = "absorbed",
+                 lengths=None):
         """x `[B, T, D]` (after input_layernorm) at positions start…start+T−1 (`start`: scalar or `[B]`).
 
         `cache` buffers are written at `start` and attended up to start+T; without a cache the new rows alone are
-        the keys. Returns (out `[B, T, D]`, new cache or None).
+        the keys. `lengths` `[B]` (paged cache only): how many of the T tokens are real; rows past it are padding
+        (not written, select nothing, output 0). Returns (out `[B, T, D]`, new cache or None).
         """
+        p = self.project(x_btd, start)
+        # --- context parallelism (sharding/model_context.py): token-split prefill / DCP decode over a mesh axis ---
+        from sharding.context_parallel import active_context
+
+        cp_ctx = active_context()
+        if cp_ctx is not None and cp_ctx.splits_mla:
+            o_lat, new_cache = cp_ctx.mla_attention(self, x_btd, p, cache)
+            return self.output(x_btd, self.up_values(o_lat)), new_cache
+        # --- end context parallelism ---
+        if isinstance(cache, PagedMLACache):
+            if form != "absorbed":
+                raise ValueError(f"the paged MLA cache runs the absorbed form only, got form={form!r}")
+            o_lat, new_cache = self.attend_paged(x_btd, p, cache, lengths)
+            return self.output(x_btd, self.up_values(o_lat)), new_cache
+        if lengths is not None:
+            raise ValueError("lengths (padding rows) is supported with the paged cache only")
+        if cache is None:
+            kv_bsc, keys = p.row, p.index_k
+            new_cache = None
+        else:
+            starts_b = p.positions[:, 0]
+            kv_bsc = _write_rows(cache.kv_bsc, p.row, starts_b)
+            keys = cache.index_k_bsd
+            if p.index_k is not None:
+                keys = _write_rows(keys, p.index_k, starts_b)
+            new_cache = MLACache(kv_bsc, keys)
+        return self.output(x_btd, self.attend_contiguous(x_btd, p, kv_bsc, keys, form)), new_cache
+
+    def project(self, x_btd, start) -> Projected:
+        """Queries, the new latent rows and index keys of x `[B, T, D]` at positions start…start+T−1."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
         H, R, nope, rope_d = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -116,7 +206,8 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         ckv = self.kv_a_proj_with_mqa(x_btd)
         lat, k_rope = self.kv_a_layernorm(ckv[..., :R]), ckv[..., R:]
-        positions = jnp.broadcast_to(start, (B,))[:, None] + jnp.arange(T)[None, :]  # [B, T]
+        positions = (jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))[:, None]
+                     + jnp.arange(T, dtype=jnp.int32)[None, :])  # [B, T]
         cos_sin = None
         if cfg.rope is not None:
             cos_sin = rope_cos_sin(positions, rope_d, cfg.rope)
@@ -124,39 +215,72 @@ class MultiHeadLatentAttention(nnx.Module):
             k_rope = apply_rope(k_rope, *cos_sin, interleaved=cfg.rope.interleaved)
         row = jnp.concatenate([lat, k_rope], axis=-1)
         index_k = self.indexer.keys(x_btd, cos_sin) if self.indexer is not None else None
+        return Projected(q_nope, q_rope, row, index_k, cq, cos_sin, positions)
 
-        if cache is None:
-            kv_bsc, keys = row, index_k
-            new_cache = None
-        else:
-            starts_b = jnp.broadcast_to(start, (B,))
-            kv_bsc = _write_rows(cache.kv_bsc, row, starts_b)
-            keys = cache.index_k_bsd
-            if index_k is not None:
-                keys = _write_rows(keys, index_k, starts_b)
-            new_cache = MLACache(kv_bsc, keys)
+    def absorbed_query(self, p: Projected):
+        """float32 `[B, T, H, R + rope]`: `[q_nope · W_UK | q_rope]`, the MQA query over latent rows."""
+        q_lat = jnp.einsum("bthn,rhn->bthr", p.q_nope.astype(jnp.float32), self.k_up_proj[...].astype(jnp.float32))
+        return jnp.concatenate([q_lat, p.q_rope.astype(jnp.float32)], axis=-1)
+
+    def up_values(self, o_lat_bthr):
+        """Latent attention output `[B, T, H, R]` -> per-head values float32 `[B, T, H, v]` (W_UV folded in)."""
+        return jnp.einsum("bthr,rhv->bthv", o_lat_bthr, self.v_up_proj[...].astype(jnp.float32))
+
+    def attend_contiguous(self, x_btd, p: Projected, kv_bsc, keys_bsd, form: str = "absorbed"):
+        """Attention over contiguous rows `kv_bsc` `[B, S, R+rope]` (and index keys `[B, S, d]`) -> `[B, T, H, v]`."""
+        cfg = self.cfg
+        B, T, _ = x_btd.shape
+        H, R, rope_d = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         S = kv_bsc.shape[1]
-        allowed = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # causal, and nothing past the cache end
+        allowed = jnp.arange(S)[None, None, :] <= p.positions[:, :, None]  # causal, and nothing past the cache end
         mask = allowed
         if self.indexer is not None:
-            mask = self.indexer.keep_mask(x_btd, cq, keys, allowed, cos_sin)
+            mask = self.indexer.keep_mask(x_btd, p.cq, keys_bsd, allowed, p.cos_sin)
 
         if form == "absorbed":
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope.astype(jnp.float32), self.k_up_proj[...].astype(jnp.float32))
-            q_full = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)
-            o_lat, _ = mla_ops.absorbed(q_full, kv_bsc, mask, cfg.softmax_scale, R)
-            o = jnp.einsum("bthr,rhv->bthv", o_lat, self.v_up_proj[...].astype(jnp.float32))
-        elif form == "naive":
+            o_lat, _ = mla_ops.absorbed(self.absorbed_query(p), kv_bsc, mask, cfg.softmax_scale, R)
+            return self.up_values(o_lat)
+        if form == "naive":
             lat_s = kv_bsc[..., :R].astype(jnp.float32)
             k_nope = jnp.einsum("bsr,rhn->bshn", lat_s, self.k_up_proj[...].astype(jnp.float32))
             v = jnp.einsum("bsr,rhv->bshv", lat_s, self.v_up_proj[...].astype(jnp.float32))
             k_r = jnp.broadcast_to(kv_bsc[:, :, None, R:].astype(jnp.float32), (B, S, H, rope_d))
             k = jnp.concatenate([k_nope, k_r], axis=-1)
-            qf = jnp.concatenate([q_nope, q_rope], axis=-1).astype(jnp.float32)
-            o = mla_ops.attention(qf, k, v, mask, cfg.softmax_scale)
-        else:
-            raise ValueError(f"unknown MLA form {form!r}")
-        o = o.reshape(B, T, H * cfg.v_head_dim)
+            qf = jnp.concatenate([p.q_nope, p.q_rope], axis=-1).astype(jnp.float32)
+            return mla_ops.attention(qf, k, v, mask, cfg.softmax_scale)
+        raise ValueError(f"unknown MLA form {form!r}")
+
+    def attend_paged(self, x_btd, p: Projected, cache: PagedMLACache, lengths=None):
+        """Write the new rows into the pool (quantise-on-write), select, attend sparsely.
+
+        Returns (o_lat float32 `[B, T, H, R]`, the cache with the updated pool). Padding rows (t ≥ lengths[b])
+        are not written and select nothing (o_lat = 0 there).
+        """
+        cfg = self.cfg
+        B, T, _ = x_btd.shape
+        spec = cache.spec
+        starts_b = p.positions[:, 0]
+        pool = spec.write(cache.pool, cache.block_tables, starts_b, p.row, p.index_k, lengths)
+        cache = PagedMLACache(pool, cache.block_tables, spec)
+        qpos_bt = p.positions
+        if lengths is not None:
+            real = jnp.arange(T, dtype=jnp.int32)[None] < jnp.asarray(lengths, jnp.int32).reshape(B, 1)
+            qpos_bt = jnp.where(real, qpos_bt, -1)
+        if self.indexer is not None:
+            idx_btk = self.indexer.topk_paged(x_btd, p.cq, cache, qpos_bt, p.cos_sin)
+        else:  # no indexer: every cached position up to the query's own
+            s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            idx_btk = jnp.where(s[None, None, :] <= qpos_bt[:, :, None], s[None, None, :], -1)
+        o_lat, _ = sparse_mla.sparse_mla(self.absorbed_query(p), pool.latent, cache.block_tables, idx_btk,
+                                         fmt=spec.latent_format, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
+                                         layer_scale=pool.latent_scale)
+        return o_lat, cache
+
+    def output(self, x_btd, o_bthv):
+        """Per-head values `[B, T, H, v]` -> output gate (K3) -> o_proj -> `[B, T, D]` in x's dtype."""
+        cfg = self.cfg
+        B, T, _ = x_btd.shape
+        o = o_bthv.reshape(B, T, cfg.num_heads * cfg.v_head_dim)
         if cfg.output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x_btd, out_dtype=jnp.float32))
-        return self.o_proj(o.astype(x_btd.dtype)), new_cache
+        return self.o_proj(o.astype(x_btd.dtype))

@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence, prompt + output (default: min(model's max_position_embeddings, 2048)); "
                         "longer prompts get a 400")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32", "fp8", "nvfp4"],
-                   help="storage dtype of the MLA latent cache: auto = the model's dtype (default); bf16; fp32.  "
-                        "fp8 / nvfp4 are planned (the planner models them) and rejected for now")
+                   help="storage format of the paged MLA latent cache: auto = the model's dtype (default); bf16; fp32; "
+                        "fp8 (576 B/token/layer); nvfp4 (352 B/token/layer). Rows are quantised on write and "
+                        "dequantised inside the attention ops")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter / activation dtype (default: float32 for presets, the checkpoint's otherwise)")
     p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",

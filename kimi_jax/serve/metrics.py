@@ -47,10 +47,17 @@ class EngineCollector:
         busy = s["max_num_seqs"] - s["free_slots"]
         yield gauge("vllm:num_requests_running", "Requests with sequences in decode slots.", s["num_requests_running"])
         yield gauge("vllm:num_requests_waiting", "Requests queued or being prefilled.", s["num_requests_waiting"])
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of cache slots in use (1 = full).", busy / s["max_num_seqs"])
+        total = s.get("total_blocks", 0) - s.get("prefix_cache_blocks", 0)
+        usage = s["used_blocks"] - s.get("prefix_cache_blocks", 0) if "used_blocks" in s else busy
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the paged KV cache held by running sequences (1 = full).",
+                    usage / total if total > 0 else busy / s["max_num_seqs"])
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", s["prompt_tokens_total"])
         yield counter("vllm:generation_tokens", "Generated tokens.", s["generation_tokens_total"])
         yield gauge("kimi_jax:free_slots", "Free cache slots.", s["free_slots"])
+        if "free_blocks" in s:
+            yield gauge("kimi_jax:free_blocks", "Free pages of the paged MLA cache.", s["free_blocks"])
+            yield gauge("kimi_jax:total_blocks", "Pages of the paged MLA cache (the null page excluded).",
+                        s["total_blocks"])
         yield gauge("kimi_jax:max_num_seqs", "Cache slots (max concurrent sequences).", s["max_num_seqs"])
         yield gauge("kimi_jax:engine_alive", "1 while the engine loop runs.", 1.0 if s["alive"] else 0.0)
         yield counter("kimi_jax:xla_compilations", "XLA backend compilations in this process.", s["compilations"])
