@@ -7,6 +7,8 @@ order, so sequence position p lives at row `table[p // page]`, slot `p % page`, 
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 
 
@@ -57,6 +59,13 @@ def resolve_dsa_backend(backend: str, *, op: str, supported) -> str:
         raise ValueError(f"unknown {op} backend {backend!r}; choose one of {DSA_BACKENDS}")
     if backend != "auto":
         return _ALIASES.get(backend, backend)
+    # Escape hatch for deployments (and the bench scripts): KIMI_JAX_DSA_BACKEND=reference keeps "auto" on the jnp
+    # path without touching code, e.g. while a kernel is suspected on a new jax / driver version.
+    forced = os.environ.get("KIMI_JAX_DSA_BACKEND", "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in DSA_BACKENDS:
+            raise ValueError(f"KIMI_JAX_DSA_BACKEND={forced!r}: choose one of {DSA_BACKENDS}")
+        return _ALIASES.get(forced, forced)
     import jax
 
     kind = _PLATFORM_KERNEL.get(jax.default_backend())
