@@ -2,6 +2,7 @@
 """Context-parallel bench at the MODEL level (issue #8), for 2 H200 GPUs (nvidia-h200-x2); `--smoke` on CPU.
 
     python3 bench/cp.py [--smoke] [--tokens 32768,131072] [--decode-context 131072] [--decode-batch 8] [--reps 3]
+                        [--budget 210]
 
 Model: Kimi K3.1 Pro at FULL WIDTH and reduced depth, random bf16 weights — layers (KDA, MLA+DSA), both MoE:
 hidden 7168; KDA 96 heads × 128 (short conv 4, lower-bound gate, full-rank output gate); MLA 96 heads, q LoRA 1536,
@@ -9,7 +10,8 @@ latent 512 + rope 64, output gate; DSA indexer 32 × 128, top-k 2048; latent MoE
 SiTU, AttnRes. Reduced: 2 layers, 16 routed experts top-4 (instead of 896 top-16), a 1024-id vocabulary (the
 prefill computes only the last token's logits anyway). `--layers` / `--experts` / `--topk-experts` change that.
 
-1. Prefill TTFT, one prompt, `sharding.context_parallel.prefill(model, ids, mesh, mode=...)`:
+1. Prefill TTFT, one prompt, `sharding.context_parallel.prefill(model, ids, mesh, mode=...)` (run after decode;
+   each prompt length's program is compiled first and skipped, as a FAIL row, if XLA's memory need exceeds the free memory):
    token split (tokens over the 2 devices; KDA shard transitions + prefix, conv halo, latent / index-key
    all-gather) vs head split (the 2 devices as one tensor-parallel group). Both checked against each other first.
 2. Decode, B sequences at `--decode-context` cached tokens (a synthetic, identical cache for both):
@@ -99,28 +101,79 @@ def row(name, shape, ours, peer, ratio, bar, ok, note=""):
                      result="info" if ok is None else ("pass" if ok else "FAIL"), note=note))
 
 
-def bench_prefill(model, mesh, tokens, args, info):
+def _free_bytes(dev):
+    """Bytes the allocator can still hand out on `dev` (None where the backend reports no memory stats, e.g. CPU)."""
+    try:
+        st = dev.memory_stats()
+    except Exception:  # noqa: BLE001
+        return None
+    if not st or "bytes_limit" not in st:
+        return None
+    return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0))
+
+
+def fail_row(name, shape, note, skipped=False):
+    ROWS.append(dict(name=name, shape=shape, ours=float("nan"), peer=float("nan"), ratio=float("nan"), bar="",
+                     result="skipped" if skipped else "FAIL", note=note))
+    print(f"  {name} {shape}: {'skipped' if skipped else 'FAIL'}: {note}", flush=True)
+
+
+def bench_prefill(model, mesh, tokens, args, info, budget):
     tol = 1e-4 if args.smoke else 5e-2
+    name = "prefill TTFT (ms)"
     for T in tokens:
+        shape = f"T={T}, B=1, {len(model.config.layer_kinds)} layers"
         ids = np.random.RandomState(T).randint(0, model.config.vocab_size - 2, (1, T))
-        out, times = {}, {}
+        out, times, why = {}, {}, None
         for mode in ("token", "head"):
-            run = lambda: mc.prefill(model, ids, mesh, mode=mode, logits="last",
-                                     max_chunk_bytes=args.chunk_mb << 20)[0]
-            t0 = time.perf_counter()
-            out[mode] = np.asarray(jax.block_until_ready(run()))
-            info[f"prefill_{mode}_{T}_first_call_s"] = time.perf_counter() - t0
-            times[mode] = time_fn(run, args.reps if T < 65536 else max(1, args.reps - 1), warm=0)
-            print(f"  prefill {mode} T={T}: {times[mode] * 1e3:.1f} ms", flush=True)
+            if budget.left() <= 0:
+                why = ("skipped: budget", True)
+                break
+            try:
+                t0 = time.perf_counter()
+                plan = mc.prefill_plan(model, ids.shape, mesh, mode=mode, logits="last",
+                                       max_chunk_bytes=args.chunk_mb << 20)
+                info[f"prefill_{mode}_{T}_compile_s"] = time.perf_counter() - t0
+                info[f"prefill_{mode}_{T}_memory"] = dict(plan.memory, new_bytes=plan.new_bytes)
+                free = min((f for f in map(_free_bytes, mesh.devices.flat) if f is not None), default=None)
+                need = plan.new_bytes
+                print(f"  prefill {mode} T={T}: compiled in {info[f'prefill_{mode}_{T}_compile_s']:.1f} s, needs "
+                      f"{need / 2**30:.2f} GiB/device (temp {plan.memory['temp'] / 2**30:.2f})"
+                      + ("" if free is None else f", free {free / 2**30:.2f} GiB"), flush=True)
+                if free is not None and need > 0.92 * free:  # an OOM inside a collective hangs the other device
+                    why = (f"{mode} split needs {need / 2**30:.1f} GiB/device, {free / 2**30:.1f} GiB free "
+                           f"(not run)", False)
+                    break
+                run = lambda: plan.run(ids)[0]
+                t0 = time.perf_counter()
+                out[mode] = np.asarray(jax.block_until_ready(run()))
+                info[f"prefill_{mode}_{T}_first_call_s"] = time.perf_counter() - t0
+                times[mode] = time_fn(run, args.reps if T < 65536 else max(1, args.reps - 1), warm=0)
+                print(f"  prefill {mode} T={T}: {times[mode] * 1e3:.1f} ms", flush=True)
+                del plan, run
+            except Exception as e:  # noqa: BLE001  (an OOM / compile error becomes a FAIL row)
+                why = (f"{mode} split: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", False)
+                break
+        if why is not None:
+            fail_row(name, shape, why[0], skipped=why[1])
+            continue
         err = rel_rms(out["token"], out["head"])
         same = bool((out["token"].argmax(-1) == out["head"].argmax(-1)).all())
         info[f"prefill_{T}_token_vs_head_rel_rms"] = err
         ok_eq = err <= tol
         # on CPU (--smoke) only the agreement decides; the speed bar is for the GPUs
         result = (ok_eq and times["head"] > times["token"]) if not args.smoke else (None if ok_eq else False)
-        row("prefill TTFT (ms)", f"T={T}, B=1, {len(model.config.layer_kinds)} layers", times["token"] * 1e3,
-            times["head"] * 1e3, times["head"] / times["token"], "ratio > 1 (token faster)", result,
+        row(name, shape, times["token"] * 1e3, times["head"] * 1e3, times["head"] / times["token"],
+            "ratio > 1 (token faster)", result,
             f"last-token logits token vs head rel {err:.1e}{'' if same else ' (argmax differs)'}")
+
+
+class Budget:
+    def __init__(self, seconds, t0):
+        self.seconds, self.t0 = seconds, t0
+
+    def left(self):
+        return float("inf") if not self.seconds else self.seconds - (time.perf_counter() - self.t0)
 
 
 def synthetic_cache(model, B, S, mesh, specs, seed=0):
@@ -230,6 +283,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median; default 3, smoke 1)")
     ap.add_argument("--chunk-mb", type=int, default=None, help="MLA/indexer per-query-chunk buffer (default 4096)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: prefill,decode,capacity")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds (default 210; smoke 0 = none): parts / prefill modes that would start after it are "
+                         "skipped (rows 'skipped: budget'); the table and cp.json always come out")
+    ap.add_argument("--grace", type=float, default=60.0,
+                    help="a watchdog ends the run budget + grace seconds after start (table and cp.json first)")
     args = ap.parse_args(argv)
     args.layers = [s.strip() for s in args.layers.split(",")]
     tokens = [int(t) for t in (args.tokens or ("64" if args.smoke else "32768,131072")).split(",")]
@@ -238,6 +296,8 @@ def main(argv=None) -> int:
     args.reps = args.reps or (1 if args.smoke else 3)
     args.chunk_mb = args.chunk_mb or (64 if args.smoke else 4096)
     skip = set(filter(None, args.skip.split(",")))
+    if args.budget is None:
+        args.budget = 0.0 if args.smoke else 210.0
 
     devs = jax.devices()
     if len(devs) < 2:
@@ -253,25 +313,61 @@ def main(argv=None) -> int:
             "experts": [cfg.moe.num_experts, cfg.moe.top_k], "hidden": cfg.hidden_size,
             "build_s": time.perf_counter() - t0}
     print("cp bench:", json.dumps(info), flush=True)
-    if "prefill" not in skip:
-        bench_prefill(model, mesh, tokens, args, info)
-    if "decode" not in skip:
-        bench_decode(model, mesh, S, B, args, info)
-    if "capacity" not in skip:
-        capacity(args, info)
+    budget = Budget(args.budget, t0)
+    done = {"flag": False}
 
-    ok = True
-    print(f"\n{'name':46s} {'shape':30s} {'ours':>12s} {'peer':>12s} {'ratio':>7s}  {'bar':28s} {'pass/fail':9s} note")
-    for r in ROWS:
-        ok &= r["result"] != "FAIL"
-        print(f"{r['name']:46s} {r['shape']:30s} {r['ours']:12.4g} {r['peer']:12.4g} {r['ratio']:7.3f}  "
-              f"{r['bar']:28s} {r['result']:9s} {r['note']}")
-    info["rows"] = ROWS
-    info["total_s"] = time.perf_counter() - t0
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cp.json"), "w") as fh:
-            json.dump(info, fh, indent=1, default=str)
-    return 0 if ok else 1
+    def finish(note=None):
+        if done["flag"]:
+            return 0
+        done["flag"] = True
+        if note:
+            info["note"] = note
+        ok = True
+        print(f"\n{'name':46s} {'shape':30s} {'ours':>12s} {'peer':>12s} {'ratio':>7s}  {'bar':28s} {'pass/fail':9s} "
+              f"note", flush=True)
+        for r in list(ROWS):
+            ok &= r["result"] != "FAIL"
+            print(f"{r['name']:46s} {r['shape']:30s} {r['ours']:12.4g} {r['peer']:12.4g} {r['ratio']:7.3f}  "
+                  f"{r['bar']:28s} {r['result']:9s} {r['note']}", flush=True)
+        info["rows"] = ROWS
+        info["total_s"] = time.perf_counter() - t0
+        print(f"total {info['total_s']:.1f} s (budget {args.budget or 'none'})", flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "cp.json"), "w") as fh:
+                json.dump(info, fh, indent=1, default=str)
+        return 0 if ok else 1
+
+    if args.budget:  # a hang (e.g. one device stuck in a collective) still prints the table and writes cp.json
+        import threading
+
+        def watchdog():
+            fail_row("watchdog", "", f"still running {args.budget + args.grace:.0f} s after start: aborted")
+            finish("aborted by the watchdog")
+            os._exit(3)
+
+        timer = threading.Timer(args.budget + args.grace, watchdog)
+        timer.daemon = True
+        timer.start()
+
+    def part(label, fn):
+        if budget.left() <= 0:
+            fail_row(label, "", "skipped: budget", skipped=True)
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            fail_row(label, "", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+
+    if "decode" not in skip:  # first: the decode rows are cheap and must not be lost to a prefill failure
+        part("decode", lambda: bench_decode(model, mesh, S, B, args, info))
+    if "prefill" not in skip:
+        bench_prefill(model, mesh, tokens, args, info, budget)
+    if "capacity" not in skip:
+        try:
+            capacity(args, info)
+        except Exception as e:  # noqa: BLE001
+            fail_row("K3.1 plan", "", f"{type(e).__name__}: {e}")
+    return finish()
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ from pallas_kernels.kda import reference as kda_ref
 CONTEXT = "context"
 LAYOUTS = ("contiguous", "round_robin")
 DEFAULT_MAX_CHUNK_BYTES = 512 << 20
+# KDA token slices longer than this go through the per-shard op in segments of this many tokens (exact; bounds the
+# op's per-call float32 buffers). 0 = never segment.
+KDA_SEGMENT_TOKENS = 8192
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -133,6 +136,23 @@ def kda_local_op(q, k, v, g, beta, initial_state=None, *, scale=None, backend: s
     """`pallas_kernels.kda.chunk` for one shard, or the token recurrence for backend "recurrent" (see
     `resolve_kda_backend`). Same arguments (gate fusion included) and returns (o in v.dtype, state f32)."""
     be = resolve_kda_backend(backend)
+    B, T, H, dk = q.shape
+    seg = KDA_SEGMENT_TOKENS
+    if seg and T > seg and T % seg == 0:
+        # long slices go through the op in segments of `seg` tokens (a multiple of every chunk size), carrying the
+        # state: the same chunk steps in the same order, so the same result, but the op's per-call float32 copies
+        # ([T, H, dk + dv] chunked inputs and outputs, 6 GiB each at 64K tokens × 96 heads × 256) are per segment
+        n = T // seg
+        if initial_state is None:
+            initial_state = jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
+        cut = lambda a: jnp.moveaxis(a.reshape((B, n, seg) + a.shape[2:]), 1, 0)
+
+        def step(S, xs):
+            o, S = kda_local_op(*xs, S, scale=scale, backend=be, **gate_kw)
+            return S, o
+
+        S, o = jax.lax.scan(step, initial_state.astype(jnp.float32), tuple(map(cut, (q, k, v, g, beta))))
+        return jnp.moveaxis(o, 0, 1).reshape((B, T) + o.shape[3:]), S
     if be != "recurrent":
         return kda_ops.chunk(q, k, v, g, beta, initial_state, scale=scale, backend=be, **gate_kw)
     if gate_kw.get("gate_form") is not None:
@@ -384,12 +404,21 @@ def mla_query_chunk(B: int, H: int, c: int, S: int, T: int, topk: Optional[int],
 
 def mla_attend(q_bthc, kv_bsc, q_pos_t, *, scale: float, value_dim: int, qi_bthd=None, ki_bsd=None, w_bth=None,
                topk: Optional[int] = None, q_chunk: Optional[int] = None,
-               max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, return_indices: bool = False):
+               max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, return_indices: bool = False, query_fn=None):
     """Causal absorbed MLA of queries at global positions `q_pos_t` `[T]` over key rows kv `[B, S, c]` at positions
     0…S−1 (key s allowed iff s ≤ pos). With the indexer (qi, ki, w, topk): each query attends only its top-k keys
     (gathered rows); without it: dense causal attention. Queries go in chunks (`mla_query_chunk`).
+    `query_fn` (optional): q_bthc is then a tuple of per-token query pieces `[B, T, ...]` (e.g. the bf16 q_nope and
+    q_rope) and `query_fn(*pieces of one chunk)` gives that chunk's absorbed query `[B, tc, H, c]` — so the float32
+    absorbed query of all T tokens (T·H·c·4 bytes: 13.5 GiB at 64K tokens × 96 heads × 576) never exists at once.
     Returns (o `[B, T, H, R]` f32, lse `[B, T, H]` f32) and, with return_indices, idx `[B, T, topk]` int32."""
-    B, T, H, c = q_bthc.shape
+    pieces = tuple(q_bthc) if query_fn is not None else (q_bthc,)
+    if query_fn is not None:
+        B, T = pieces[0].shape[:2]
+        _, _, H, c = jax.eval_shape(query_fn, *(jax.ShapeDtypeStruct((B, 1) + a.shape[2:], a.dtype)
+                                                for a in pieces)).shape
+    else:
+        B, T, H, c = q_bthc.shape
     S = kv_bsc.shape[1]
     sparse = topk is not None
     if sparse and (qi_bthd is None or ki_bsd is None or w_bth is None):
@@ -405,19 +434,20 @@ def mla_attend(q_bthc, kv_bsc, q_pos_t, *, scale: float, value_dim: int, qi_bthd
     def padt(a, value=0):
         return jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=value) if pad else a
 
-    q = padt(q_bthc)
+    npc = len(pieces)
     pos = jnp.pad(q_pos_t, (0, pad), constant_values=-1) if pad else q_pos_t
-    xs = [q, pos[None].repeat(B, 0)]
+    xs = [padt(a) for a in pieces] + [pos[None].repeat(B, 0)]
     if sparse:
         xs += [padt(qi_bthd), padt(w_bth)]
     split = lambda a: jnp.moveaxis(a.reshape((B, n, tc) + a.shape[2:]), 1, 0)
     xs = [split(a) for a in xs]
 
     def one(args):
-        qc, pc = args[0], args[1]
+        qc = query_fn(*args[:npc]) if query_fn is not None else args[0]
+        pc = args[npc]
         allowed = key_pos[None, None, :] <= pc[:, :, None]  # [B, tc, S]
         if sparse:
-            s = index_scores(args[2], ki_bsd, args[3], allowed)
+            s = index_scores(args[npc + 1], ki_bsd, args[npc + 2], allowed)
             idx = select_topk(s, k_eff)
             o, lse = _softmax_attend(qc, _gather_rows(kv_bsc, idx), idx >= 0, scale, value_dim)
             return o, lse, idx

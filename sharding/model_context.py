@@ -115,7 +115,10 @@ def _mla_prefill(ctx: ModelContext, mod, x_btd, p, cache):
         ki_all = gather(p.index_k)
         qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
         kw.update(qi_bthd=qi, ki_bsd=ki_all, w_bth=w, topk=mod.indexer.cfg.topk)
-    o_lat, _ = cp.mla_attend(mod.absorbed_query(p), kv_all, pos_t, **kw)
+    # the absorbed float32 query is formed per query chunk (inside the chunk loop) from the bf16 q_nope / q_rope:
+    # for all Tl tokens at once it is Tl·H·(R + rope)·4 bytes (13.5 GiB at 64K tokens, 96 heads)
+    query_fn = lambda qn, qr: mod.absorbed_query(p._replace(q_nope=qn, q_rope=qr))
+    o_lat, _ = cp.mla_attend((p.q_nope, p.q_rope), kv_all, pos_t, query_fn=query_fn, **kw)
     if cache is None:
         return o_lat, None
     kv = _fill_slots(ctx, cache.kv_bsc, kv_all)
@@ -323,6 +326,64 @@ def _head_fn(model, mesh, kind, valid_len, last_only, max_chunk_bytes):
     return store[key]
 
 
+def _prefill_program(model, shape, mesh: Mesh, mode: str, max_len, axis: str, layout: str, logits: str,
+                     max_chunk_bytes: int):
+    """The jitted prefill program for prompts of `shape` (B, T): (f, args(ids) -> f's arguments, abstract_args
+    (ShapeDtypeStructs with shardings, for `f.lower`), post(f's outputs) -> prefill's returns)."""
+    if mode not in MODES_PREFILL:
+        raise ValueError(f"unknown prefill mode {mode!r}; choose one of {MODES_PREFILL}")
+    if logits not in ("all", "last"):
+        raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+    _check(model, mesh, axis, layout)
+    B, T = shape
+    n = mesh.shape[axis]
+    max_len = -(-(max_len or T) // n) * n
+    if T > max_len:
+        raise ValueError(f"prompt of {T} tokens does not fit a cache of {max_len}")
+    last_only = logits == "last"
+    cfg, dtype = model.config, model.dtype
+
+    def abstract(m, cspec, ids_shape, ids_spec):
+        from kimi_jax.modules.decoder import ModelCache
+        from .rules import _path_name, param_partition_spec
+
+        sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec))
+        mm = int(m.shape.get("model", 1))
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, a: sds(a, param_partition_spec(_path_name(path), a.shape, mm)), model.params)
+        cache = jax.eval_shape(lambda: ModelCache.zeros(cfg, B, max_len, dtype))
+        cache = jax.tree.map(lambda spec, a: sds(a, spec), cspec, cache, is_leaf=lambda x: isinstance(x, P))
+        return params, jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=NamedSharding(m, ids_spec)), cache
+
+    if mode == "head":
+        hm = _head_mesh(mesh, axis)
+        f = _head_fn(model, hm, "prefill", T, last_only, max_chunk_bytes)
+        bax = _batch_axis(hm, B)
+        cspec = _cache_specs(cfg, bax, None, False)
+
+        def args(ids):
+            cache = _fresh_cache(model, hm, B, max_len, cspec)
+            return _placed_params(model, hm), jax.device_put(jnp.asarray(ids), NamedSharding(hm, P(bax))), cache
+
+        return f, args, abstract(hm, cspec, (B, T), P(bax)), (lambda out: out)
+    K = cfg.kda.conv_kernel if cfg.kda is not None else 1
+    T_pad = -(-T // n) * n
+    if T_pad // n < K - 1:
+        raise ValueError(f"a {T}-token prompt is too short to split over {n} devices: each needs at least "
+                         f"{K - 1} tokens for the KDA conv halo (use >= {(K - 1) * n} tokens or fewer devices)")
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    f, cspec, bax = _token_prefill_fn(model, mesh, axis, B, T_pad, T, layout, last_only, max_chunk_bytes)
+
+    def args(ids):
+        ids_pad = np.pad(ids, ((0, 0), (0, T_pad - T)), constant_values=pad_id)
+        cache = _fresh_cache(model, mesh, B, max_len, cspec)
+        return (_placed_params(model, mesh), jax.device_put(jnp.asarray(ids_pad), NamedSharding(mesh, P(bax, axis))),
+                cache)
+
+    post = lambda out: ((out[0] if last_only else out[0][:, :T]), out[1])
+    return f, args, abstract(mesh, cspec, (B, T_pad), P(bax, axis)), post
+
+
 def prefill(model, input_ids, mesh: Mesh, *, mode: str = "token", max_len: Optional[int] = None,
             axis: str = CONTEXT, layout: str = "contiguous", logits: str = "all",
             max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
@@ -335,37 +396,43 @@ def prefill(model, input_ids, mesh: Mesh, *, mode: str = "token", max_len: Optio
     (`to_position_order` undoes round_robin); head mode — position order, replicated."""
     from kimi_jax.model import _as_ids
 
-    if mode not in MODES_PREFILL:
-        raise ValueError(f"unknown prefill mode {mode!r}; choose one of {MODES_PREFILL}")
-    if logits not in ("all", "last"):
-        raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
-    _check(model, mesh, axis, layout)
     ids = np.asarray(_as_ids(input_ids, model.config))
-    B, T = ids.shape
-    n = mesh.shape[axis]
-    max_len = -(-(max_len or T) // n) * n
-    if T > max_len:
-        raise ValueError(f"prompt of {T} tokens does not fit a cache of {max_len}")
-    last_only = logits == "last"
-    if mode == "head":
-        hm = _head_mesh(mesh, axis)
-        f = _head_fn(model, hm, "prefill", T, last_only, max_chunk_bytes)
-        params = _placed_params(model, hm)
-        bax = _batch_axis(hm, B)
-        cache = _fresh_cache(model, hm, B, max_len, _cache_specs(model.config, bax, None, False))
-        return f(params, jax.device_put(jnp.asarray(ids), NamedSharding(hm, P(bax))), cache)
-    K = model.config.kda.conv_kernel if model.config.kda is not None else 1
-    T_pad = -(-T // n) * n
-    if T_pad // n < K - 1:
-        raise ValueError(f"a {T}-token prompt is too short to split over {n} devices: each needs at least "
-                         f"{K - 1} tokens for the KDA conv halo (use >= {(K - 1) * n} tokens or fewer devices)")
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    ids_pad = np.pad(ids, ((0, 0), (0, T_pad - T)), constant_values=pad_id)
-    f, cspec, bax = _token_prefill_fn(model, mesh, axis, B, T_pad, T, layout, last_only, max_chunk_bytes)
-    cache = _fresh_cache(model, mesh, B, max_len, cspec)
-    out, cache = f(_placed_params(model, mesh), jax.device_put(jnp.asarray(ids_pad),
-                                                               NamedSharding(mesh, P(bax, axis))), cache)
-    return (out if last_only else out[:, :T]), cache
+    f, args, _, post = _prefill_program(model, ids.shape, mesh, mode, max_len, axis, layout, logits, max_chunk_bytes)
+    return post(f(*args(ids)))
+
+
+class PrefillPlan:
+    """A compiled prefill program for one prompt shape, with its per-device memory need known BEFORE it runs
+    (`prefill_plan`). `run(ids)` returns what `prefill` returns (the same program)."""
+
+    def __init__(self, compiled, args, post, cfg):
+        self.compiled, self._args, self._post, self._cfg = compiled, args, post, cfg
+        ma = compiled.memory_analysis()
+        get = lambda k: int(getattr(ma, k, 0) or 0) if ma is not None else 0
+        self.memory = dict(temp=get("temp_size_in_bytes"), argument=get("argument_size_in_bytes"),
+                           output=get("output_size_in_bytes"), alias=get("alias_size_in_bytes"))
+
+    @property
+    def new_bytes(self) -> int:
+        """Bytes per device a run allocates beyond the (already placed) parameters: temporaries + outputs not
+        aliased to donated inputs + the fresh cache it donates (= the aliased outputs): temp + output."""
+        return self.memory["temp"] + self.memory["output"]
+
+    def run(self, input_ids):
+        from kimi_jax.model import _as_ids
+
+        return self._post(self.compiled(*self._args(np.asarray(_as_ids(input_ids, self._cfg)))))
+
+
+def prefill_plan(model, shape, mesh: Mesh, *, mode: str = "token", max_len: Optional[int] = None,
+                 axis: str = CONTEXT, layout: str = "contiguous", logits: str = "all",
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> PrefillPlan:
+    """Lower and compile the prefill program for prompts of `shape` (B, T) from abstract inputs (nothing is
+    allocated or run): `plan.memory` has XLA's per-device temp / argument / output / alias bytes, `plan.run(ids)`
+    runs it. Lets a caller skip a prompt that would not fit instead of failing inside a collective."""
+    f, args, abstract, post = _prefill_program(model, tuple(shape), mesh, mode, max_len, axis, layout, logits,
+                                               max_chunk_bytes)
+    return PrefillPlan(f.lower(*abstract).compile(), args, post, model.config)
 
 
 def _dcp_decode_fn(model, mesh, axis, B, layout):
@@ -483,5 +550,5 @@ def decode_comm_bytes_per_step(cfg, *, n: int, batch: int, seq_len: int, kv_dtyp
     return out
 
 
-__all__ = ["ModelContext", "prefill", "decode_step", "generate", "to_position_order", "decode_comm_bytes_per_step",
+__all__ = ["ModelContext", "prefill", "prefill_plan", "PrefillPlan", "decode_step", "generate", "to_position_order", "decode_comm_bytes_per_step",
            "MODES_PREFILL", "MODES_DECODE"]
