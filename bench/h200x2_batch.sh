@@ -39,7 +39,7 @@ gpu1=$!
 gpu0=$!
 wait $gpu1 $gpu0
 
-OUT="$RES" timeout -k 5 "$CP_S" python3 bench/cp.py --budget $((CP_S - 20)) 2>&1 | quiet > "$RES/cp.log"
+OUT="$RES" timeout -k 5 "$CP_S" python3 bench/cp.py --reps 2 --budget $((CP_S - 25)) --grace 15 2>&1 | quiet > "$RES/cp.log"
 
 tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
 echo "=== DSA tests (rc $(cat "$RES/dsa_tests.rc"))"; tail -12 "$RES/dsa_tests.log"
