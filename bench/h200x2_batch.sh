@@ -34,7 +34,7 @@ gpu1=$!
     echo "DSA GPU tests failed: serving with KIMI_JAX_DSA_BACKEND=reference" > "$RES/serve_note.txt"
     export KIMI_JAX_DSA_BACKEND=reference
   fi
-  OUT="$RES" timeout -k 5 "$SERVE_S" python3 bench/serve.py --gpu --no-results 2>&1 | quiet > "$RES/serve.log"
+  OUT="$RES" timeout -k 5 "$SERVE_S" python3 bench/serve.py --gpu --no-results --startup-timeout $((SERVE_S - 90)) 2>&1 | quiet > "$RES/serve.log"
 ) &
 gpu0=$!
 wait $gpu1 $gpu0
