@@ -296,10 +296,11 @@ class LaunchedServer:
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.tail()}")
-            try:
-                get_json(self.url + "/health", timeout=2)
-                return time.perf_counter() - t0
-            except (OSError, ValueError):  # not listening yet, or 503 while it starts
+            try:  # /health answers 200 with an empty body once the engine runs
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:  # not listening yet, or 503 while it starts
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"server not ready after {timeout:.0f} s; log tail:\n{self.tail()}")
