@@ -4,8 +4,9 @@ TPU: Mosaic) and the GPU sparse-MLA decode kernel (the TPU one is in tests/test_
 CPU: the kernels run in Pallas interpret mode (GPU kernels: `interpret=True`, TPU kernels: TPU interpret mode) on
 small shapes, and lower to Triton / Mosaic at the K3.1 shapes (no device needed). `gpu`-marked tests run the GPU
 kernels on a real device (skipped without one): `JAX_PLATFORMS=cuda python -m pytest tests/test_dsa_kernels.py -m gpu`.
-Bars: fp32 math ≤ 1e-4 relative RMS vs the reference on the same (dequantised) rows; the selected top-k set equals the
-reference's on untied scores.
+Bars: fp32 math ≤ 1e-4 relative RMS (indexer scores 1e-5) vs the reference on the same (dequantised) rows; the selected
+top-k set equals the reference's on untied scores. On the device: the issue's 5e-3 storage-format bar, plus the fp32
+bars for exact mode (see STORAGE_BAR).
 """
 
 from __future__ import annotations
@@ -201,6 +202,21 @@ def test_sparse_gpu_kernel_knobs_and_garbage_indices(kv_dtype, kw):
     np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
 
 
+@pytest.mark.parametrize("cdt,bound", [(jnp.float16, 2.0 ** -22), (jnp.bfloat16, 2.0 ** -16)])
+def test_split_hi_lo_is_exact_and_has_no_foldable_round_trip(cdt, bound):
+    """|q| ≤ 1 (per-head normalised): q = hi + lo to 2^-22 (f16) / 2^-16 (bf16) absolute, built without an f32 -> cdt -> f32 convert pair (XLA on GPU
+    folds such pairs under its default xla_allow_excess_precision, which zeroed lo on the H200)."""
+    x = np.random.default_rng(0).uniform(-1, 1, 4096).astype(np.float32)
+    x[:8] *= 1e-6  # f16-subnormal magnitudes: all in lo
+    f = jax.jit(lambda v: sparse_gpu.split_hi_lo(v, cdt))
+    hi, lo = f(x)
+    r = np.asarray(hi, np.float64) + np.asarray(lo, np.float64)
+    assert np.max(np.abs(r - x)) <= bound
+    hlo = f.lower(x).as_text()
+    name = {jnp.float16: "f16", jnp.bfloat16: "bf16"}[cdt]
+    assert not any(f"tensor<4096x{name}>) -> tensor<4096xf32>" in line for line in hlo.splitlines() if "convert" in line)
+
+
 def test_e2m1_arithmetic_decode_equals_the_table():
     codes = jnp.arange(16, dtype=jnp.int32)
     np.testing.assert_array_equal(np.asarray(sparse_gpu.e2m1_value(codes)), Q.E2M1_VALUES)
@@ -340,29 +356,49 @@ def _big_pool(rng, n_seq, blocks_per_seq, extra=3):
     return nb, perm.reshape(n_seq, blocks_per_seq).astype(np.int32)
 
 
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
-def test_gpu_indexer_decode_device(index_dtype):
+# Device bars (issue #5). References cannot be TF32: indexer scores vs a float64 NumPy transcription on the host,
+# sparse MLA vs the jnp reference at Precision.HIGHEST (`mla.reference.PRECISION`), both on the same dequantised rows.
+# The issue's bar for a quantised storage format (fp8 / nvfp4 latent, fp8 / mxfp4 keys) vs its dequantised reference
+# is 5e-3 relative RMS; bf16 latent rows are a storage format too (bf16, not fp32, in the cache) and get the same bar.
+# Separately, `exact=True` (the default) promises fp32-level math on those rows — q split into hi + lo halves — so the
+# *_exact tests hold the fp32 bars (1e-5 scores, 1e-4 MLA): they caught the lo half being folded to 0 by XLA on GPU
+# (`sparse_gpu.split_hi_lo`), which left q at f16 (1.6e-4 … 2.9e-4) / bf16 (2.3e-3, 6.6e-5 for mxfp4 keys) precision.
+STORAGE_BAR = 5e-3
+
+
+def _gpu_index_case(index_dtype):
     rng = np.random.default_rng(10)
-    B, nbs, page, topk = 4, 256, 64, 2048  # 16K keys per sequence, K3.1 heads (32 × 128)
+    B, nbs, page = 4, 256, 64  # 16K keys per sequence, K3.1 heads (32 × 128)
     nb, bt = _big_pool(rng, B, nbs)
     pos = np.array([16383, 9000, 2047, 1000], np.int32)  # the last two select every key
     fmt, parts, q, w, s_ref = index_case(index_dtype, seed=11, B=B, bt=bt, pos=pos, nb=nb, page=page, hi=32, d=128)
     s = np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="gpu"))
     fin = np.isfinite(s_ref)
     np.testing.assert_array_equal(np.isfinite(s), fin)
-    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5
-    assert resolve_dsa_backend("auto", op="indexer", supported=lambda kind: kind == "gpu") == "gpu"
-    idx = ipaged.decode(q, w, parts, bt, pos + 1, topk, fmt=fmt)  # auto -> the GPU kernel
-    assert_same_topk(idx, s_ref, topk, rel_tol=1e-5)
+    return fmt, parts, bt, pos, q, w, s_ref, rel_rms(s[fin], s_ref[fin])
 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
-@pytest.mark.parametrize("heads", [96, 12])
-def test_gpu_sparse_mla_decode_device(kv_dtype, heads):
+@pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
+def test_gpu_indexer_decode_device(index_dtype):
+    topk = 2048
+    fmt, parts, bt, pos, q, w, s_ref, err = _gpu_index_case(index_dtype)
+    assert err <= STORAGE_BAR
+    assert resolve_dsa_backend("auto", op="indexer", supported=lambda kind: kind == "gpu") == "gpu"
+    idx = ipaged.decode(q, w, parts, bt, pos + 1, topk, fmt=fmt)  # auto -> the GPU kernel
+    assert_same_topk(idx, s_ref, topk, rel_tol=max(1e-5, 2 * err))  # disagreements only at near-ties
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
+def test_gpu_indexer_exact_mode_is_fp32_level(index_dtype):
+    *_, err = _gpu_index_case(index_dtype)
+    assert err <= 1e-5, f"hi/lo q split lost on the device? rel rms {err:.2e}"
+
+
+def _gpu_mla_case(kv_dtype, heads, **kernel_kw):
     rng = np.random.default_rng(12)
     B, nbs, page = 3, 64, 64  # 4K tokens per sequence
     nb, bt = _big_pool(rng, B, nbs)
@@ -371,10 +407,27 @@ def test_gpu_sparse_mla_decode_device(kv_dtype, heads):
                                  h=heads)
     kw["scale"] = 192 ** -0.5
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)  # fp32 at Precision.HIGHEST
-    o, lse = sparse.decode(q, parts, bt, idx, **kw)  # auto -> the GPU kernel
-    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
-    o_f, _ = sparse.decode(q, parts, bt, idx, backend="gpu", kernel_kw=dict(exact=False), **kw)
-    assert rel_rms(o_f, o_r) <= 5e-3
+    o, lse = sparse.decode(q, parts, bt, idx, kernel_kw=kernel_kw or None, **kw)  # auto -> the GPU kernel
+    return rel_rms(o, o_r), rel_rms(lse, lse_r)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("heads", [96, 12])
+def test_gpu_sparse_mla_decode_device(kv_dtype, heads):
+    e_o, e_lse = _gpu_mla_case(kv_dtype, heads)
+    assert e_o <= STORAGE_BAR and e_lse <= STORAGE_BAR
+    e_o, _ = _gpu_mla_case(kv_dtype, heads, exact=False)  # bf16 q and p halves only (FlashMLA-like)
+    assert e_o <= STORAGE_BAR
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
+def test_gpu_sparse_mla_exact_mode_is_fp32_level(kv_dtype):
+    e_o, e_lse = _gpu_mla_case(kv_dtype, 96)
+    assert e_o <= 1e-4 and e_lse <= 1e-4, f"hi/lo q split lost on the device? rel rms {e_o:.2e} / {e_lse:.2e}"
 
 
 @pytest.mark.gpu
@@ -400,7 +453,7 @@ def test_gpu_kernels_address_the_top_of_pools_over_2gib():
     kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=512)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
     o, lse = sparse.decode(q, parts, bt, idx, backend="gpu", **kw)
-    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
+    assert rel_rms(o, o_r) <= STORAGE_BAR and rel_rms(lse, lse_r) <= STORAGE_BAR  # fp8 rows: the storage bar
     del parts
     # indexer over 2.15 GB of fp8 codes
     fmt = Q.IndexKeyFormat("fp8", 128)
@@ -420,4 +473,4 @@ def test_gpu_kernels_address_the_top_of_pools_over_2gib():
     s = np.asarray(ipaged.kernel_scores(qi, wi, parts, bt, pos, fmt=fmt, backend="gpu"))
     fin = np.isfinite(s_ref)
     np.testing.assert_array_equal(np.isfinite(s), fin)
-    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5
+    assert rel_rms(s[fin], s_ref[fin]) <= STORAGE_BAR  # fp8 keys: the storage bar (the addressing is the point here)

@@ -20,8 +20,10 @@ Formats (the parts of `kimi_jax.quant.IndexKeyFormat`):
   the two nibble planes are dotted separately (no interleave in registers). E8M0 byte 0 (2^-127) decodes to 0.
 - "bf16": bf16 keys.
 Precision: keys are exact in the dot dtype (f16 for fp8 keys, bf16 otherwise). Each head's q is divided by a power
-of two ≥ its max |q| (folded into w: relu(q·k)·w = relu((q/s)·k)·(w·s), exact) and split into hi = cdt(q) and
-lo = cdt(q − hi); two dots (hi, lo) accumulate in fp32: q·k to ≈ 2^-22 (f16) / 2^-16 (bf16) relative.
+of two ≥ its max |q| (folded into w: relu(q·k)·w = relu((q/s)·k)·(w·s), exact) and split into hi + lo in cdt
+(`mla.sparse_gpu.split_hi_lo`: integer-mask truncation, which XLA cannot fold away — the plain f32(cdt(q)) round
+trip is removed by XLA on GPU, which left q at cdt precision on the H200); two dots (hi, lo) accumulate in fp32:
+q·k to ≈ 2^-21 (f16) / 2^-15 (bf16) relative.
 `exact=False` keeps only hi.
 Address safety: 64-bit offsets for 1-byte parts of 2^31…2^32 bytes (the lowering's int32 wrap, see
 `pallas_kernels.paged.ensure_triton_wide_offsets`), block ids clamped into [0, num_blocks).
@@ -42,7 +44,7 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
-from ..mla.sparse_gpu import e2m1_value
+from ..mla.sparse_gpu import e2m1_value, split_hi_lo
 from ..paged import pool_offsets_safe
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
@@ -186,10 +188,9 @@ def _prep_q(q_bhd, w_bh, fmt, exact: bool, cdt):
     w = w_bh.astype(jnp.float32) * s[..., 0]
     if fmt.index_dtype == "mxfp4":
         q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
-    hi = q.astype(cdt)
     if not exact:
-        return hi[:, None], w
-    lo = (q - hi.astype(jnp.float32)).astype(cdt)
+        return q.astype(cdt)[:, None], w
+    hi, lo = split_hi_lo(q, cdt)  # integer-mask split: XLA on GPU folds `q - f32(cdt(q))` to 0 (see split_hi_lo)
     return jnp.stack([hi, lo], axis=1), w
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Products in true float32 on every platform (as pallas_kernels/kda/reference.py): on Hopper XLA's default f32 matmul
+# precision is TF32 (~2^-11 relative per product), which is larger than the kernels' 1e-5 score bar.
+PRECISION = jax.lax.Precision.HIGHEST
+
 
 def scores(q_bthd, k_bsd, w_bth, allowed_bts):
     """Index scores `[B, T, S]` float32, −inf where not allowed (future or beyond the cache)."""
-    dots = jnp.einsum("bthd,bsd->bths", q_bthd.astype(jnp.float32), k_bsd.astype(jnp.float32))
-    s = jnp.einsum("bth,bths->bts", w_bth.astype(jnp.float32), jax.nn.relu(dots))
+    dots = jnp.einsum("bthd,bsd->bths", q_bthd.astype(jnp.float32), k_bsd.astype(jnp.float32), precision=PRECISION)
+    s = jnp.einsum("bth,bths->bts", w_bth.astype(jnp.float32), jax.nn.relu(dots), precision=PRECISION)
     return jnp.where(allowed_bts, s, -jnp.inf)
 
 

@@ -8,6 +8,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Products in true float32 on every platform (as pallas_kernels/kda/reference.py): on Hopper XLA's default f32 matmul
+# precision is TF32 (~2^-11 relative per product), which is larger than the kernels' 1e-4 bar.
+PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _einsum(*operands):
+    return jnp.einsum(*operands, precision=PRECISION)
+
 
 def _masked_softmax_stats(logits_bhts, mask_bts):
     logits = jnp.where(mask_bts[:, None], logits_bhts, -jnp.inf)
@@ -22,9 +30,9 @@ def _masked_softmax_stats(logits_bhts, mask_bts):
 
 def attention(q_bthd, k_bshd, v_bshv, mask_bts, scale: float):
     """Dense multi-head attention. q `[B,T,H,d]`, k `[B,S,H,d]`, v `[B,S,H,dv]` -> o `[B,T,H,dv]` in v.dtype."""
-    logits = jnp.einsum("bthd,bshd->bhts", q_bthd.astype(jnp.float32), k_bshd.astype(jnp.float32)) * scale
+    logits = _einsum("bthd,bshd->bhts", q_bthd.astype(jnp.float32), k_bshd.astype(jnp.float32)) * scale
     p, _ = _masked_softmax_stats(logits, mask_bts)
-    return jnp.einsum("bhts,bshv->bthv", p, v_bshv.astype(jnp.float32)).astype(v_bshv.dtype)
+    return _einsum("bhts,bshv->bthv", p, v_bshv.astype(jnp.float32)).astype(v_bshv.dtype)
 
 
 def absorbed(q_bthc, kv_bsc, mask_bts, scale: float, value_dim: int):
@@ -34,9 +42,9 @@ def absorbed(q_bthc, kv_bsc, mask_bts, scale: float, value_dim: int):
     Returns (o_lat `[B,T,H,R]` float32, lse `[B,T,H]` float32) — the log-sum-exp lets partial results over
     disjoint key sets be merged exactly (decode context parallelism).
     """
-    logits = jnp.einsum("bthc,bsc->bhts", q_bthc.astype(jnp.float32), kv_bsc.astype(jnp.float32)) * scale
+    logits = _einsum("bthc,bsc->bhts", q_bthc.astype(jnp.float32), kv_bsc.astype(jnp.float32)) * scale
     p, lse_bht = _masked_softmax_stats(logits, mask_bts)
-    o = jnp.einsum("bhts,bsr->bthr", p, kv_bsc[..., :value_dim].astype(jnp.float32))
+    o = _einsum("bhts,bsr->bthr", p, kv_bsc[..., :value_dim].astype(jnp.float32))
     return o, jnp.moveaxis(lse_bht, 1, 2)
 
 

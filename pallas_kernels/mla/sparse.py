@@ -31,11 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, gather_parts, resolve_dsa_backend
+from .reference import PRECISION
 
 BACKENDS = DSA_BACKENDS
 DEFAULT_BLOCK_K = 64
 DEFAULT_MAX_BLOCK_BYTES = 64 << 20
-_HI = jax.lax.Precision.HIGHEST
+_HI = PRECISION  # true fp32 products on every platform (TF32 is the Hopper default)
 
 
 def online_softmax_attention(q_bthc, fetch, idx_btk, *, scale: float, value_dim: int, block_k: int = DEFAULT_BLOCK_K):

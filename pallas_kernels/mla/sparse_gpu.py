@@ -13,9 +13,10 @@ acc `[BH, R]`). Partial results over the NS disjoint slot sets are merged outsid
 
 Precision. Every stored row is exact in the dot dtype: f16 for fp8 (e4m3) and nvfp4 (e2m1 × e4m3 scale: ≤ 6
 significant bits, 2^-10 … 2688) rows, bf16 for bf16 rows (`dot_dtype`, "auto" picks). The fp32 operand (q for QKᵀ,
-the probabilities p for PV) is split as x = hi + lo, hi = cdt(x), lo = cdt(x − hi), and both halves are multiplied
-with fp32 accumulation (two dots, summed): ≈ 2^-22 (f16) / 2^-16 (bf16) relative, inside the 1e-4 fp32 bar, at 2×
-the MMA work. Each head's q is divided by a power of two ≥ its max |q| beforehand (exact; multiplied back onto its
+the probabilities p for PV) is split as x = hi + lo, and both halves are multiplied with fp32 accumulation (two
+dots, summed): ≈ 2^-21 (f16) / 2^-15 (bf16) relative, inside the 1e-4 fp32 bar, at 2× the MMA work. q is split
+outside the kernel by `split_hi_lo` (integer-mask truncation: XLA on GPU folds the plain lo = cdt(x − f32(cdt(x)))
+to 0 — the H200's 1.6e-4 … 2.9e-4 / 2.3e-3 errors), p inside it (Triton keeps the round trip). Each head's q is divided by a power of two ≥ its max |q| beforehand (exact; multiplied back onto its
 logits in fp32), so the halves sit well inside f16's range. `exact=False` drops the lo halves (≈ 1e-3, FlashMLA-like).
 
 Address safety: slot positions clamped ≥ 0 before use (−1 = empty, masked after the load), table reads clamped to
@@ -179,10 +180,32 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
 
 
 def _split(x_f32, exact: bool, cdt):
+    """In-kernel (Triton) hi/lo split of the probabilities. The f32 -> cdt -> f32 round trip is kept by Triton; it is
+    NOT kept by XLA on GPU (see `split_hi_lo`, used for everything split outside the kernel)."""
     hi = x_f32.astype(cdt)
     if not exact:
         return hi, None
     return hi, (x_f32 - hi.astype(jnp.float32)).astype(cdt)
+
+
+def split_hi_lo(x_f32, cdt):
+    """x (float32, |x| ≤ 1 after the per-head power-of-two normalisation) -> (hi, lo) in cdt with x ≈ hi + lo:
+    ≈ 2^-21 relative for f16, 2^-15 for bf16. For XLA-side code (the q planes built before the kernels).
+
+    hi is x with its mantissa TRUNCATED by an integer mask to cdt's 11 (f16) / 8 (bf16) significant bits, so it is
+    exact in cdt and lo = x − hi is exact in f32 (then rounded to cdt). The obvious `lo = x − f32(cdt(x))` is wrong
+    on GPU: XLA's default `--xla_allow_excess_precision` (SimplifyFPConversions) removes the convert(convert(x, f16),
+    f32) round trip, so lo = 0 and q keeps only cdt's mantissa (openxla/xla#41605; CPU keeps the round trip). That
+    was the H200 error of the exact kernels: 1.6e-4 … 2.9e-4 (f16 q) and 2.3e-3 (bf16 q) relative RMS vs ~1e-6 in
+    CPU interpret mode. Bit masks cannot be folded. f16: |x| < 2^-14 (f16 subnormal) goes wholly to lo (abs. error
+    ≤ 2^-25)."""
+    x = jnp.asarray(x_f32, jnp.float32)
+    drop = {jnp.dtype(jnp.float16): 13, jnp.dtype(jnp.bfloat16): 16}[jnp.dtype(cdt)]
+    mask = jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+    hi32 = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & mask, jnp.float32)
+    if jnp.dtype(cdt) == jnp.dtype(jnp.float16):
+        hi32 = jnp.where(jnp.abs(x) < 2.0 ** -14, 0.0, hi32)
+    return hi32.astype(cdt), (x - hi32).astype(cdt)
 
 
 def _dot_dtype(fmt, dot_dtype: str):
@@ -212,8 +235,10 @@ def _prep_q(q_bhc, fmt, qscale, BH: int, exact: bool, cdt):
     HB = -(-H // BH)
     q = jnp.pad(q, ((0, 0), (0, HB * BH - H), (0, 0))).reshape(B, HB, BH, c)
     s = jnp.pad(s[..., 0], ((0, 0), (0, HB * BH - H)), constant_values=1.0)
-    hi, lo = _split(q, exact, cdt)
-    return (jnp.stack([hi, lo], axis=2) if exact else hi[:, :, None]), s
+    if not exact:
+        return q.astype(cdt)[:, :, None], s
+    hi, lo = split_hi_lo(q, cdt)  # not `_split`: XLA on GPU would fold lo to 0
+    return jnp.stack([hi, lo], axis=2), s
 
 
 def _pick_splits(B: int, HB: int, n_total: int, target_programs: int = 264) -> int:
