@@ -11,7 +11,10 @@ SiTU, AttnRes. Reduced: 2 layers, 16 routed experts top-4 (instead of 896 top-16
 prefill computes only the last token's logits anyway). `--layers` / `--experts` / `--topk-experts` change that.
 
 1. Prefill TTFT, one prompt, `sharding.context_parallel.prefill(model, ids, mesh, mode=...)` (run after decode;
-   each prompt length's program is compiled first and skipped, as a FAIL row, if XLA's memory need exceeds the free memory):
+   each prompt length's two programs are compiled first, the one with the larger temp buffer runs first, and a
+   program is skipped, as a FAIL row, if XLA's memory need exceeds the free memory or its temp buffer — one
+   allocation — exceeds 0.8 × the largest allocation the allocator can still make; the previous row's programs
+   are released first):
    token split (tokens over the 2 devices; KDA shard transitions + prefix, conv halo, latent / index-key
    all-gather) vs head split (the 2 devices as one tensor-parallel group). Both checked against each other first.
 2. Decode, B sequences at `--decode-context` cached tokens (a synthetic, identical cache for both):
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -101,15 +105,46 @@ def row(name, shape, ours, peer, ratio, bar, ok, note=""):
                      result="info" if ok is None else ("pass" if ok else "FAIL"), note=note))
 
 
-def _free_bytes(dev):
-    """Bytes the allocator can still hand out on `dev` (None where the backend reports no memory stats, e.g. CPU)."""
+def _mem(dev):
+    """Allocator view of `dev` (None where the backend reports no memory stats, e.g. CPU): free = bytes the
+    allocator may still hand out in total; block = the largest single allocation it can still make. XLA's BFC
+    allocator (on GPU, growing on demand with XLA_PYTHON_CLIENT_PREALLOCATE=false) keeps freed regions: a program's
+    temp buffer is ONE allocation, so it must fit either a free chunk of a region already held (largest_free_block)
+    or a new region (bytes_limit − pool_bytes) — free memory scattered over earlier rows' regions does not count."""
     try:
         st = dev.memory_stats()
     except Exception:  # noqa: BLE001
         return None
     if not st or "bytes_limit" not in st:
         return None
-    return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0))
+    limit, used = int(st["bytes_limit"]), int(st.get("bytes_in_use", 0))
+    free = limit - used
+    pool = st.get("pool_bytes", st.get("bytes_reserved"))
+    if pool is None:
+        block = free
+    else:
+        block = min(free, max(int(st.get("largest_free_block_bytes", 0)), limit - int(pool)))
+    return dict(free=free, block=block, limit=limit, in_use=used, pool=None if pool is None else int(pool))
+
+
+def _mem_all(mesh):
+    """The tightest `_mem` over the mesh's devices (None on CPU)."""
+    ms = [m for m in map(_mem, mesh.devices.flat) if m is not None]
+    if not ms:
+        return None
+    return dict(free=min(m["free"] for m in ms), block=min(m["block"] for m in ms), limit=min(m["limit"] for m in ms),
+                pool=max((m["pool"] or 0) for m in ms))
+
+
+def _release(model):
+    """Drop what an earlier prefill row left alive: its compiled programs (the jitted prefill functions cached on
+    the model and jax's compilation caches) and any device buffers only reachable from garbage. The placed
+    parameters stay."""
+    store = model.__dict__.get("_context_parallel", {})
+    for k in [k for k in store if k and k[0] in ("token", "head") and not (k[0] == "head" and k[2] == "decode")]:
+        del store[k]
+    jax.clear_caches()
+    gc.collect()
 
 
 def fail_row(name, shape, note, skipped=False):
@@ -124,36 +159,56 @@ def bench_prefill(model, mesh, tokens, args, info, budget):
     for T in tokens:
         shape = f"T={T}, B=1, {len(model.config.layer_kinds)} layers"
         ids = np.random.RandomState(T).randint(0, model.config.vocab_size - 2, (1, T))
-        out, times, why = {}, {}, None
-        for mode in ("token", "head"):
+        out, times, why, plans = {}, {}, None, {}
+        _release(model)  # the previous row's programs and buffers must not hold memory this row needs
+        for mode in ("token", "head"):  # compile both first (nothing is allocated); run the larger program first
             if budget.left() <= 0:
                 why = ("skipped: budget", True)
                 break
             try:
                 t0 = time.perf_counter()
-                plan = mc.prefill_plan(model, ids.shape, mesh, mode=mode, logits="last",
-                                       max_chunk_bytes=args.chunk_mb << 20)
+                plans[mode] = mc.prefill_plan(model, ids.shape, mesh, mode=mode, logits="last",
+                                              max_chunk_bytes=args.chunk_mb << 20)
                 info[f"prefill_{mode}_{T}_compile_s"] = time.perf_counter() - t0
-                info[f"prefill_{mode}_{T}_memory"] = dict(plan.memory, new_bytes=plan.new_bytes)
-                free = min((f for f in map(_free_bytes, mesh.devices.flat) if f is not None), default=None)
-                need = plan.new_bytes
+                info[f"prefill_{mode}_{T}_memory"] = dict(plans[mode].memory, new_bytes=plans[mode].new_bytes)
                 print(f"  prefill {mode} T={T}: compiled in {info[f'prefill_{mode}_{T}_compile_s']:.1f} s, needs "
-                      f"{need / 2**30:.2f} GiB/device (temp {plan.memory['temp'] / 2**30:.2f})"
-                      + ("" if free is None else f", free {free / 2**30:.2f} GiB"), flush=True)
-                if free is not None and need > 0.92 * free:  # an OOM inside a collective hangs the other device
-                    why = (f"{mode} split needs {need / 2**30:.1f} GiB/device, {free / 2**30:.1f} GiB free "
-                           f"(not run)", False)
-                    break
+                      f"{plans[mode].new_bytes / 2**30:.2f} GiB/device (temp {plans[mode].memory['temp'] / 2**30:.2f})",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                why = (f"{mode} split: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", False)
+                break
+        for mode in sorted(plans, key=lambda m: -plans[m].memory["temp"]) if why is None else ():
+            if budget.left() <= 0:
+                why = ("skipped: budget", True)
+                break
+            plan = plans[mode]
+            try:
+                gc.collect()
+                mem = _mem_all(mesh)  # read just before the run, after the previous mode's buffers are gone
+                need, temp = plan.new_bytes, plan.memory["temp"]
+                if mem is not None:
+                    info[f"prefill_{mode}_{T}_free_before"] = mem
+                    print(f"  prefill {mode} T={T}: free {mem['free'] / 2**30:.2f} GiB, largest allocation possible "
+                          f"{mem['block'] / 2**30:.2f} GiB (limit {mem['limit'] / 2**30:.2f}, allocator pool "
+                          f"{mem['pool'] / 2**30:.2f})", flush=True)
+                    # an OOM inside a collective hangs the other device: skip what would not fit, counting the temp
+                    # buffer as one contiguous allocation (BFC), with headroom
+                    if need > 0.92 * mem["free"] or temp > 0.8 * mem["block"]:
+                        why = (f"{mode} split needs {need / 2**30:.1f} GiB/device with one {temp / 2**30:.1f} GiB "
+                               f"temp buffer; {mem['free'] / 2**30:.1f} GiB free, largest possible allocation "
+                               f"{mem['block'] / 2**30:.1f} GiB (not run)", False)
+                        break
                 run = lambda: plan.run(ids)[0]
                 t0 = time.perf_counter()
                 out[mode] = np.asarray(jax.block_until_ready(run()))
                 info[f"prefill_{mode}_{T}_first_call_s"] = time.perf_counter() - t0
                 times[mode] = time_fn(run, args.reps if T < 65536 else max(1, args.reps - 1), warm=0)
                 print(f"  prefill {mode} T={T}: {times[mode] * 1e3:.1f} ms", flush=True)
-                del plan, run
+                del run
             except Exception as e:  # noqa: BLE001  (an OOM / compile error becomes a FAIL row)
                 why = (f"{mode} split: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", False)
                 break
+        del plans
         if why is not None:
             fail_row(name, shape, why[0], skipped=why[1])
             continue

@@ -404,14 +404,19 @@ def mla_query_chunk(B: int, H: int, c: int, S: int, T: int, topk: Optional[int],
 
 def mla_attend(q_bthc, kv_bsc, q_pos_t, *, scale: float, value_dim: int, qi_bthd=None, ki_bsd=None, w_bth=None,
                topk: Optional[int] = None, q_chunk: Optional[int] = None,
-               max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, return_indices: bool = False, query_fn=None):
+               max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, return_indices: bool = False, query_fn=None,
+               out_fn=None):
     """Causal absorbed MLA of queries at global positions `q_pos_t` `[T]` over key rows kv `[B, S, c]` at positions
     0…S−1 (key s allowed iff s ≤ pos). With the indexer (qi, ki, w, topk): each query attends only its top-k keys
     (gathered rows); without it: dense causal attention. Queries go in chunks (`mla_query_chunk`).
     `query_fn` (optional): q_bthc is then a tuple of per-token query pieces `[B, T, ...]` (e.g. the bf16 q_nope and
     q_rope) and `query_fn(*pieces of one chunk)` gives that chunk's absorbed query `[B, tc, H, c]` — so the float32
     absorbed query of all T tokens (T·H·c·4 bytes: 13.5 GiB at 64K tokens × 96 heads × 576) never exists at once.
-    Returns (o `[B, T, H, R]` f32, lse `[B, T, H]` f32) and, with return_indices, idx `[B, T, topk]` int32."""
+    `out_fn` (optional, per token): applied to each chunk's o `[B, tc, H, R]` inside the chunk loop (e.g. the W_UV
+    up-projection to `[B, tc, H, v]`), so the float32 latent output of all T tokens (T·H·R·4 bytes: 12 GiB at
+    128K tokens × 48 heads × 512, and as much again for its transposed copy) never exists at once.
+    Returns (o `[B, T, H, R]` f32 — or out_fn's per-token result —, lse `[B, T, H]` f32) and, with return_indices,
+    idx `[B, T, topk]` int32."""
     pieces = tuple(q_bthc) if query_fn is not None else (q_bthc,)
     if query_fn is not None:
         B, T = pieces[0].shape[:2]
@@ -442,6 +447,8 @@ def mla_attend(q_bthc, kv_bsc, q_pos_t, *, scale: float, value_dim: int, qi_bthd
     split = lambda a: jnp.moveaxis(a.reshape((B, n, tc) + a.shape[2:]), 1, 0)
     xs = [split(a) for a in xs]
 
+    post = out_fn if out_fn is not None else (lambda o: o)
+
     def one(args):
         qc = query_fn(*args[:npc]) if query_fn is not None else args[0]
         pc = args[npc]
@@ -450,10 +457,10 @@ def mla_attend(q_bthc, kv_bsc, q_pos_t, *, scale: float, value_dim: int, qi_bthd
             s = index_scores(args[npc + 1], ki_bsd, args[npc + 2], allowed)
             idx = select_topk(s, k_eff)
             o, lse = _softmax_attend(qc, _gather_rows(kv_bsc, idx), idx >= 0, scale, value_dim)
-            return o, lse, idx
+            return post(o), lse, idx
         rows = jnp.broadcast_to(kv_bsc[:, None], (B, qc.shape[1], S, c))
         o, lse = _softmax_attend(qc, rows, allowed, scale, value_dim)
-        return o, lse, jnp.zeros((B, qc.shape[1], 0), jnp.int32)
+        return post(o), lse, jnp.zeros((B, qc.shape[1], 0), jnp.int32)
 
     o, lse, idx = jax.lax.map(one, xs)
     join = lambda a: jnp.moveaxis(a, 0, 1).reshape((B, n * tc) + a.shape[3:])[:, :T]

@@ -93,11 +93,15 @@ class ModelContext:
         return d * L + slot if self.layout == "contiguous" else slot * self.n + d
 
     def mla_attention(self, mod, x_btd, p, cache):
-        """The MLA module's attention step under this mode: (o_lat float32 `[B, T, H, R]`, new MLACache or None)."""
+        """The MLA module's attention step under this mode: (per-head values float32 `[B, T, H, v]` — the latent
+        output already up-projected by W_UV (`mod.up_values`) —, new MLACache or None). Prefill up-projects inside
+        the query-chunk loop, so the float32 latent output `[B, T, H, R]` of all tokens never exists at once."""
         if self.mode == "dcp":
-            return _mla_dcp_decode(self, mod, x_btd, p, cache)
+            o_lat, new = _mla_dcp_decode(self, mod, x_btd, p, cache)
+            return mod.up_values(o_lat), new
         if self.mode == "tp":
-            return _mla_tp_decode(mod, x_btd, p, cache)
+            o_lat, new = _mla_tp_decode(mod, x_btd, p, cache)
+            return mod.up_values(o_lat), new
         return _mla_prefill(self, mod, x_btd, p, cache)
 
 
@@ -118,12 +122,15 @@ def _mla_prefill(ctx: ModelContext, mod, x_btd, p, cache):
     # the absorbed float32 query is formed per query chunk (inside the chunk loop) from the bf16 q_nope / q_rope:
     # for all Tl tokens at once it is Tl·H·(R + rope)·4 bytes (13.5 GiB at 64K tokens, 96 heads)
     query_fn = lambda qn, qr: mod.absorbed_query(p._replace(q_nope=qn, q_rope=qr))
-    o_lat, _ = cp.mla_attend((p.q_nope, p.q_rope), kv_all, pos_t, query_fn=query_fn, **kw)
+    # likewise the W_UV up-projection runs per chunk: the float32 latent output of all tokens, T·H·R·4 bytes (12 GiB
+    # at 128K tokens × 48 heads in the head split, 64K × 96 in the token split), plus the transposed copy XLA makes
+    # for the einsum, never exist at once — only the 4× smaller values `[B, T, H, v]`
+    o_v, _ = cp.mla_attend((p.q_nope, p.q_rope), kv_all, pos_t, query_fn=query_fn, out_fn=mod.up_values, **kw)
     if cache is None:
-        return o_lat, None
+        return o_v, None
     kv = _fill_slots(ctx, cache.kv_bsc, kv_all)
     ki = cache.index_k_bsd if ki_all is None else _fill_slots(ctx, cache.index_k_bsd, ki_all)
-    return o_lat, MLACache(kv, ki)
+    return o_v, MLACache(kv, ki)
 
 
 def _fill_slots(ctx: ModelContext, buf_blc, rows_btc):

@@ -169,8 +169,8 @@ class MultiHeadLatentAttention(nnx.Module):
 
         cp_ctx = active_context()
         if cp_ctx is not None and cp_ctx.splits_mla:
-            o_lat, new_cache = cp_ctx.mla_attention(self, x_btd, p, cache)
-            return self.output(x_btd, self.up_values(o_lat)), new_cache
+            o_bthv, new_cache = cp_ctx.mla_attention(self, x_btd, p, cache)  # values, W_UV already applied
+            return self.output(x_btd, o_bthv), new_cache
         # --- end context parallelism ---
         if isinstance(cache, PagedMLACache):
             if form != "absorbed":
