@@ -34,7 +34,7 @@ ROWS = []
 INFO = {}
 T0 = time.time()
 BUDGET = [1e9]
-EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False)  # the variant every other one falls back to
+EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False, intra_split=False)  # the variant every other one falls back to
 
 
 def left():

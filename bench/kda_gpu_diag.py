@@ -13,12 +13,13 @@ Prints one compact line per check and writes $OUT/kda_diag.json (with the chosen
   2. model       tiny model logits, kernel path vs reference path, with the reference's products at the platform
                  default (the old reference: TF32) and at HIGHEST (now); prefill → continued prefill → 3 decode steps.
   3. prefill     T = 8K, H = 96, d = 128, bf16: kernel A alone, the whole op, for a small sweep of TUNING
-                 (fast_diag, fast_inverse, intra_warps, split_o, state_bv); the fastest correct one is kept. Every
+                 (split kernel A `intra_split` with its intra_mm / wu_cols / rows_warps / wu_warps, fast_diag,
+                 fast_inverse, intra_warps, split_o, state_bv, state_warps); the fastest correct one is kept. Every
                  variant is compiled and run inside its own try: one that fails to compile is reported and skipped,
                  and `best_tuning` falls back to the exact variant (fast_diag=False, fast_inverse=False) when no
                  faster one worked, so bench/kda.py always gets a tuning that compiled here.
   4. decode      B = 64 (and B = 256 for the default only): HLO copies around the aliased pool (donation check),
-                 time per step with pipelined dispatch, sweep of (dec_bv, dec_warps); state bytes/s vs an XLA pass.
+                 time per step with pipelined dispatch, sweep of (dec_bv, dec_warps, dec_heads); state bytes/s vs an XLA pass.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pallas_kernels.kda import gpu, ops, reference as R  # noqa: E402
 T0 = time.time()
 RES: dict = {}
 BUDGET = [125.0]
-EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False)
+EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False, intra_split=False)
 
 
 def left():
@@ -128,7 +129,9 @@ def precision_checks():
         o2, s2 = jax.jit(lambda *a: R.chunk(*a[:5], a[5]))(*args)
         row["ref_chunk"] = (rel(o2, o_t), rel(s2, s_t))
         # our kernel: default TUNING, then the exact / split / loop-free-inverse variants (each on its own)
-        tunings = [{}, dict(EXACT)] + ([{"split_o": True}, {"fast_inverse": True}] if label == "tiny" else [])
+        tunings = [{}, dict(EXACT), {"intra_split": True}] + (
+            [{"split_o": True}, {"fast_inverse": True}, dict(intra_split=True, fast_inverse=True, wu_cols=2)]
+            if label == "tiny" else [])
         for tn in tunings:
             name = "kernel" + ("" if not tn else "_" + ",".join(f"{x}={y}" for x, y in tn.items()))
             f = jax.jit(lambda *a, tn=tn: gpu.chunk(*[x.reshape((1, -1) + x.shape[2:]) for x in a[:5]],
@@ -217,14 +220,22 @@ def prefill_sweep():
             err = (rel(o, o_ref), rel(s, s_ref))
         return t, err
 
-    intra = [dict(fast_diag=True, fast_inverse=True, intra_warps=4),
-             dict(fast_diag=True, fast_inverse=False, intra_warps=4),
-             dict(fast_diag=False, fast_inverse=False, intra_warps=4),
-             dict(fast_diag=True, fast_inverse=True, intra_warps=8),
-             dict(fast_diag=False, fast_inverse=True, intra_warps=4)]
+    # split kernel A first (the candidates to beat), then the one-program-per-chunk forms (default, exact last)
+    sp = dict(intra_split=True, fast_diag=True)
+    intra = [dict(sp, fast_inverse=False),
+             dict(sp, fast_inverse=True),
+             dict(intra_split=False, fast_diag=True, fast_inverse=False, intra_warps=4),  # the default
+             dict(sp, fast_inverse=True, wu_cols=2),
+             dict(sp, fast_inverse=True, rows_warps=2, wu_warps=2),
+             dict(sp, fast_inverse=True, rows_warps=8, wu_cols=2, wu_warps=8),
+             dict(sp, fast_inverse=True, intra_mm="bf16_rows"),
+             dict(sp, fast_inverse=True, intra_mm="tf32"),
+             dict(intra_split=False, fast_diag=True, fast_inverse=True, intra_warps=4),
+             dict(intra_split=False, fast_diag=True, fast_inverse=True, intra_warps=8),
+             dict(intra_split=False, fast_diag=False, fast_inverse=False, intra_warps=4)]
     a_times = {}
     for tn in intra:
-        if left() < 45:
+        if left() < 110:  # leave time for the whole-op runs and the decode section
             break
         res = attempt(f"prefill 8K kernel A {tn}", run, tn, intra_only=True)
         if res is None:
@@ -237,11 +248,13 @@ def prefill_sweep():
     if not ranked:
         ranked = [dict(EXACT)]
     best_a = ranked[0]
-    whole = [dict(), dict(split_o=True), dict(state_bv=32), dict(split_o=True, state_bv=32, out_bv=128, out_warps=8)]
+    whole = [dict(), dict(split_o=True), dict(state_bv=32), dict(state_warps=8, state_stages=3),
+             dict(split_o=True, state_bv=32, out_bv=128, out_warps=8)]
     best, best_w = None, 1e9
-    tries = [dict(best_a, **tn) for tn in whole] + [dict(tn, split_o=False) for tn in ranked[1:2]]
+    # the fastest kernel A with each kernel-B form, then the runners-up with the default B
+    tries = [dict(best_a, **tn) for tn in whole] + [dict(tn, split_o=False) for tn in ranked[1:3]]
     for tt in tries:
-        if left() < 30:
+        if left() < 60:  # leave time for the decode section
             break
         res = attempt(f"prefill 8K whole {tt}", run, tt)
         if res is None:
@@ -302,9 +315,11 @@ def decode_sweep():
         t_cp = time_fn(cp, pool[slots], n=20)
         say(f"decode B={B}: XLA elementwise pass over the {nbytes / 2e6:.0f} MB state: {t_cp * 1e6:.0f} us "
             f"({nbytes / t_cp / 1e12:.2f} TB/s)")
-        cfgs = ([dict(dec_bv=64, dec_warps=4), dict(dec_bv=128, dec_warps=4), dict(dec_bv=64, dec_warps=8),
-                 dict(dec_bv=32, dec_warps=4), dict(dec_bv=128, dec_warps=16)] if B == 64 else
-                [dict(dec_bv=64, dec_warps=4)])
+        cfgs = ([dict(dec_bv=64, dec_warps=4, dec_heads=1), dict(dec_bv=64, dec_warps=4, dec_heads=2),
+                 dict(dec_bv=32, dec_warps=2, dec_heads=2), dict(dec_bv=32, dec_warps=4, dec_heads=2),
+                 dict(dec_bv=128, dec_warps=8, dec_heads=2), dict(dec_bv=128, dec_warps=4, dec_heads=1),
+                 dict(dec_bv=64, dec_warps=8, dec_heads=1), dict(dec_bv=32, dec_warps=4, dec_heads=1)] if B == 64 else
+                [dict(dec_bv=64, dec_warps=4, dec_heads=1)])
         for i, tn in enumerate(cfgs):
             if left() < 12:
                 break

@@ -164,6 +164,46 @@ def test_gpu_chunk_variants_fp32(tuning, g_lo, g_hi):
     assert rel_rms(o, o_r) < BARS[jnp.float32] and rel_rms(sf, s_r) < BARS[jnp.float32]
 
 
+_SPLIT_TUNINGS = [dict(intra_split=True),
+                  dict(intra_split=True, fast_diag=False, fast_inverse=True, wu_cols=2, intra_mm="tf32", split_o=True,
+                       state_bv=16, out_bv=16),
+                  dict(intra_split=True, fast_inverse=True, intra_mm="bf16_rows")]
+
+
+@pytest.mark.parametrize("tuning", _SPLIT_TUNINGS)
+@pytest.mark.parametrize("dtype,g_lo,g_hi", [(jnp.float32, -30.0, -5.0), (jnp.float32, -4.0, -0.01),
+                                             (jnp.bfloat16, -4.0, -0.01), (jnp.bfloat16, -30.0, -5.0)])
+def test_gpu_chunk_split_intra(tuning, dtype, g_lo, g_hi):
+    """The split kernel A (A1 per 16-row sub-block, A2 W/U by block substitution) on varlen input with an initial
+    state, fp32 (IEEE products) and bf16 (bf16 / TF32 products), strong and K3-range decay; dk = dv = 32 so that
+    wu_cols = 2 splits W/U into two column tiles."""
+    from pallas_kernels.kda import gpu
+    q, k, v, g, beta = inputs(18, 1, 150, 2, 32, 32, g_lo, g_hi, dtype)
+    N = len(CU_MANY) - 1
+    s0 = jnp.asarray(np.random.default_rng(19).standard_normal((N, 2, 32, 32)), jnp.float32)
+    fn = lambda *a: gpu.chunk(*a[:5], CU_MANY, a[5], interpret=True, tuning=tuning)
+    o, sf = run_fast(fn, q, k, v, g, beta, s0)
+    o_r, s_r = R.recurrent_varlen(*f32(q, k, v), g, beta, CU_MANY, s0)
+    assert rel_rms(o, o_r) < BARS[dtype] and rel_rms(sf, s_r) < BARS[dtype]
+
+
+def test_gpu_chunk_split_intra_fused_gate_bf16():
+    """Split kernel A with the K3 lower-bound gate computed in-kernel (A1 and A2 both form it), d = 128."""
+    from pallas_kernels.kda import gpu
+    B, T, H, d = 1, 100, 2, 128
+    q, k, v, f, beta = inputs(22, B, T, H, d, d, -4.0, 4.0, jnp.bfloat16)
+    r = np.random.default_rng(23)
+    A_log = jnp.asarray(np.log(r.uniform(1, 16, H)), jnp.float32)
+    dt_bias = jnp.asarray(r.standard_normal(H * d), jnp.float32)
+    cu = np.array([0, 37, 100])
+    fn = lambda *a: gpu.chunk(*a, cu, None, A_log=A_log, dt_bias=dt_bias, gate_form="lower_bound", interpret=True,
+                              tuning=dict(intra_split=True, wu_cols=4))
+    o, sf = run_fast(fn, q, k, v, f, beta)
+    g = R.gate(f, A_log, dt_bias.reshape(H, d), "lower_bound")
+    o_r, s_r = R.recurrent_varlen(*f32(q, k, v), g, beta, cu)
+    assert rel_rms(o, o_r) < BARS[jnp.bfloat16] and rel_rms(sf, s_r) < BARS[jnp.bfloat16]
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_chunk_batch_bf16_fused_gate(backend):
     """Uniform batch (no cu_seqlens), T = 100, K3 lower-bound gate fused; no initial state."""
@@ -224,6 +264,26 @@ def test_recurrent_slots(backend, dtype, form):
     bar = BARS[dtype]
     assert rel_rms(o, o_r) < bar
     assert rel_rms(new_pool[slots], pool_r[slots]) < bar
+    np.testing.assert_array_equal(new_pool[jnp.array([1, 3])], pool[jnp.array([1, 3])])
+
+
+@pytest.mark.parametrize("tuning", [dict(dec_heads=2, dec_bv=32, dec_warps=2), dict(dec_heads=2, dec_bv=64)])
+def test_gpu_recurrent_heads_per_program(tuning):
+    """Decode with two heads per program (dec_heads), in-kernel gate, T = 2 steps, slot-addressed pool."""
+    from pallas_kernels.kda import gpu
+    B, T, H, dk, dv, S = 3, 2, 4, 32, 64, 5
+    q, k, v, f, beta = inputs(24, B, T, H, dk, dv, -6.0, 2.0, jnp.float32)
+    r = np.random.default_rng(25)
+    pool = jnp.asarray(r.standard_normal((S, H, dk, dv)), jnp.float32)
+    slots = jnp.array([4, 0, 2], jnp.int32)
+    A_log = jnp.asarray(np.log(r.uniform(1, 16, H)), jnp.float32)
+    dt_bias = jnp.asarray(r.standard_normal(H * dk), jnp.float32)
+    fn = lambda *a: gpu.recurrent(*a, A_log=A_log, dt_bias=dt_bias, gate_form="lower_bound", interpret=True,
+                                  tuning=tuning)
+    o, new_pool = run_fast(fn, q, k, v, f, beta, pool, slots)
+    g = R.gate(f, A_log, dt_bias.reshape(H, dk), "lower_bound")
+    o_r, pool_r = R.recurrent_slots(q, k, v, g, beta, pool, slots)
+    assert rel_rms(o, o_r) < BARS[jnp.float32] and rel_rms(new_pool[slots], pool_r[slots]) < BARS[jnp.float32]
     np.testing.assert_array_equal(new_pool[jnp.array([1, 3])], pool[jnp.array([1, 3])])
 
 
@@ -328,6 +388,16 @@ def _triton_backend_check(text, num_warps):
 # precomputed and fused gates; every decode tile shape the diagnostics sweep
 _CHUNK_VARIANTS = [dict(fast_diag=fd, fast_inverse=fi, split_o=so)
                    for fd in (True, False) for fi in (False, True) for so in (False, True)]
+# the split kernel A (kda_intra_rows + kda_intra_wu) in every form the diagnostics sweep
+_SPLIT_VARIANTS = [dict(intra_split=True, fast_diag=fd, fast_inverse=fi, split_o=so, intra_mm=mm, wu_cols=nc,
+                        rows_warps=rw, wu_warps=ww)
+                   for fd, fi, so, mm, nc, rw, ww in [(True, False, False, "bf16", 1, 4, 4),
+                                                      (True, True, False, "bf16", 2, 4, 4),
+                                                      (True, True, True, "tf32", 1, 2, 2),
+                                                      (False, False, False, "bf16", 4, 4, 8),
+                                                      (True, True, False, "bf16", 1, 2, 4),
+                                                      (True, False, True, "bf16", 2, 8, 4),
+                                                      (True, True, False, "bf16_rows", 1, 4, 4)]]
 
 
 def test_gpu_triton_modules_verify_for_every_tuning():
@@ -341,27 +411,31 @@ def test_gpu_triton_modules_verify_for_every_tuning():
     for dt in (jnp.bfloat16, jnp.float32):
         args = (_sds((1, T, H, d), dt),) * 3 + (_sds((1, T, H, d), jnp.float32), _sds((1, T, H), jnp.float32),
                                                _sds((2, H, d, d), jnp.float32))
-        for i, tn in enumerate(_CHUNK_VARIANTS):
+        for i, tn in enumerate(_CHUNK_VARIANTS + _SPLIT_VARIANTS):
             if dt == jnp.float32 and i % 2:  # fp32: the kernel-A variants once each
                 continue
             gate = dict(A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="lower_bound") if i % 3 == 1 else {}
             tune = dict(gpu.TUNING, **tn)
             mods = _triton_modules(lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=tn, **gate), *args)
             names = [n for n, _ in mods]
-            assert names == (["kda_intra", "kda_state_only", "kda_out"] if tn["split_o"] else
-                             ["kda_intra", "kda_state"]), names
+            a_names = ["kda_intra_rows", "kda_intra_wu"] if tune["intra_split"] else ["kda_intra"]
+            assert names == a_names + (["kda_state_only", "kda_out"] if tn["split_o"] else ["kda_state"]), names
+            warps = dict(kda_intra=tune["intra_warps"], kda_intra_rows=tune["rows_warps"],
+                         kda_intra_wu=tune["wu_warps"])
             for name, m in mods:
                 assert m.operation.verify(), (tn, name)
-                if name == "kda_intra":
+                if name in warps:
                     text = m.operation.get_asm(enable_debug_info=False)
                     assert "scf.if" not in text, tn
-                    key = (tn["fast_diag"], tn["fast_inverse"], dt)
+                    key = (name, tn["fast_diag"], tn["fast_inverse"], tune["intra_mm"], tune["wu_cols"], warps[name],
+                           gate != {}, dt)
                     if key not in checked:
                         checked.add(key)
-                        _triton_backend_check(text, tune["intra_warps"])
+                        _triton_backend_check(text, warps[name])
     dargs = (_sds((8, 1, H, d)),) * 4 + (_sds((8, 1, H)), _sds((16, H, d, d), jnp.float32), _sds((8,), jnp.int32))
-    for bv, w in [(None, None), (16, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
-        tn = {} if bv is None else dict(dec_bv=bv, dec_warps=w)
+    for bv, w, hp in [(None, None, 1), (16, 1, 1), (32, 2, 1), (32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 4, 1),
+                      (128, 8, 1), (64, 4, 2), (32, 2, 2), (32, 4, 2), (128, 8, 2)]:
+        tn = {} if bv is None else dict(dec_bv=bv, dec_warps=w, dec_heads=hp)
         for name, m in _triton_modules(lambda *a: gpu.recurrent(*a, tuning=tn), *dargs):
             assert name == "kda_decode" and m.operation.verify(), tn
 

@@ -239,6 +239,62 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
     return Intra(W, U, kg, qg, Aqk, g_last)
 
 
+def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
+    """One diagonal 16×16 sub-block (the same math as `intra_chunk`'s): Γ rows Gi, keys ki, queries qi [SUB, dk],
+    β bi [SUB, 1], Γ before the sub-block start_i and at its last row g_end [1, dk]. Returns (Akk_ii β-scaled and
+    strictly lower, Aqk_ii lower incl. the diagonal)."""
+    dk = Gi.shape[1]
+    row = _iota((SUB, SUB), 0)
+    col = _iota((SUB, SUB), 1)
+    row_k = _iota((SUB, dk), 0)
+
+    def col_step(c, carry):
+        akk, aqk = carry
+        pick = row_k == c
+        Gc = jnp.sum(jnp.where(pick, Gi, 0.0), axis=0, keepdims=True)
+        kc = jnp.sum(jnp.where(pick, ki, 0.0), axis=0, keepdims=True)
+        e = jnp.exp(jnp.where(row_k >= c, Gi - Gc, -jnp.inf))
+        kce = kc * e
+        a_k = jnp.sum(ki * kce, axis=1, keepdims=True)
+        a_q = jnp.sum(qi * kce, axis=1, keepdims=True)
+        at_c = col == c
+        return akk + jnp.where(at_c, a_k, 0.0), aqk + jnp.where(at_c, a_q, 0.0)
+
+    z = jnp.zeros((SUB, SUB), jnp.float32)
+    if fast_diag:
+        m = 0.5 * (start_i + g_end)
+        half = 0.5 * FAST_DIAG_RANGE
+        e_r = jnp.exp(jnp.minimum(Gi - m, half))
+        kc_f = ki * jnp.exp(jnp.minimum(m - Gi, half))
+        akk_f = dot(ki * e_r, kc_f, trans_b=True)
+        aqk_f = dot(qi * e_r, kc_f, trans_b=True)
+        ok = jnp.max(start_i - g_end) <= FAST_DIAG_RANGE
+        n_exact = jnp.where(ok, jnp.int32(0), jnp.int32(SUB))  # branch-free (no scf.if), as in intra_chunk
+        akk_e, aqk_e = jax.lax.fori_loop(jnp.int32(0), n_exact, col_step, (z, z))
+        akk = jnp.where(ok, akk_f, akk_e)
+        aqk = jnp.where(ok, aqk_f, aqk_e)
+    else:
+        akk, aqk = jax.lax.fori_loop(0, SUB, col_step, (z, z))
+    return jnp.where(col < row, akk, 0.0) * bi, jnp.where(col <= row, aqk, 0.0)
+
+
+def diag_inverse(L, exact_dot, fast_inverse: bool):
+    """(I + L)^-1 of one strictly lower 16×16 block: `unit_lower_inverse` or forward substitution (as intra_chunk)."""
+    if fast_inverse:
+        return unit_lower_inverse(L, exact_dot)
+    row = _iota((SUB, SUB), 0)
+    col = _iota((SUB, SUB), 1)
+    eye = (row == col).astype(jnp.float32)
+    Lt = exact_dot(eye, L, trans_b=True)
+
+    def sub_step(r, X):
+        l_col = jnp.sum(jnp.where(col == r, Lt, 0.0), axis=1, keepdims=True)
+        x_r = jnp.where(col == r, 1.0, 0.0) - jnp.sum(l_col * X, axis=0, keepdims=True)
+        return jnp.where(row == r, x_r, X)
+
+    return jax.lax.fori_loop(1, SUB, sub_step, eye)
+
+
 def unit_lower_inverse(L, exact_dot):
     """(I + L)^-1 for a strictly lower triangular L [SUB, SUB] (float32) without a serial loop.
 

@@ -17,7 +17,11 @@ Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned t
   C  grid (chunks, H, dv/BV): B stores the state entering each chunk (h) and Vn, C computes O = qg h + Aqk Vn.
 Precision: fp32 inputs use Precision.HIGHEST dots, which the Triton lowering emits as IEEE fp32 (1e-4 bar); bf16
 inputs use the default (TF32 in kernel A, bf16 tensor cores with fp32 accumulation in B/C).
-Decode = one launch, grid (B, H, dv/BV): the state slice is read from and written back to the pool at the slot id
+Opt-in split kernel A (`intra_split`): A1 `kda_intra_rows` grid (chunks, H, 4), one 16-row sub-block per program
+(Akk/Aqk row, diagonal block, its inverse T_ii, kg, qg), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by
+block forward substitution from Akk and T_ii in memory; products in bf16 (fp32 accumulation) for bf16 inputs
+(`intra_mm`), IEEE fp32 for fp32 inputs.
+Decode = one launch, grid (B, H/dec_heads, dv/BV): the state slice is read from and written back to the pool at the slot id
 (aliased, so it is in place under donation); the gate can be computed in-kernel from raw f, A_log and dt_bias.
 """
 
@@ -51,7 +55,19 @@ TUNING = dict(
     split_o=False,       # True: kernel B only carries the state (stores it per chunk + Vn); kernel C forms O in parallel
     out_bv=64, out_warps=4, out_stages=2,
     dec_bv=64, dec_warps=4,  # H200 sweep: best at B = 64 and 256 (dec_warps=None: 4 if dk·BV ≥ 4096, else 2)
+    dec_heads=1,         # heads per decode program (grid (B, H/dec_heads, dv/BV); 1 if it does not divide H)
     intra_only=False,    # diagnostics: `chunk` returns kernel A's outputs (W, U, kg, qg, Aqk, Γ_last) and stops
+    # opt-in split kernel A (two launches instead of `kda_intra`):
+    #   A1 `kda_intra_rows` grid (chunks, H, 4): one 16-row sub-block each — its Akk/Aqk row [16, 64] (off-diagonal
+    #      part by one [16,dk]×[dk,64] product), the diagonal block and its inverse T_ii, kg, qg;
+    #   A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution
+    #      W_i = T_ii (βk e^Γ_i − Σ_{m<i} Akk_im W_m) reading Akk and T_ii from memory (no off-diagonal T blocks).
+    intra_split=False,
+    intra_mm="bf16",     # split kernel A products for bf16 inputs: "bf16" (tensor cores, fp32 acc.), "tf32", or
+                         # "bf16_rows" (bf16 in A1, TF32 in A2);
+                         # fp32 inputs always use IEEE fp32 (HIGHEST)
+    rows_warps=4, rows_stages=1,
+    wu_cols=1, wu_warps=4, wu_stages=1,  # wu_cols: column tiles of W/U per (chunk, head) (dk/wu_cols wide)
 )
 
 
@@ -142,6 +158,172 @@ def _intra_kernel(start_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, 
             blk = it.Aqk[i, jj] if jj <= i else jnp.zeros((SUB, SUB), jnp.float32)
             _store(aqk_ref.at[rows, h, pl.ds(jj * SUB, SUB)], blk.astype(aqk_ref.dtype), ma)
     _store(gl_ref.at[j, h, :], it.g_last[0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# prefill kernel A, split form (TUNING intra_split): A1 per 16-row sub-block, A2 W/U by block substitution
+# ------------------------------------------------------------------------------------------------------------------
+
+def _cast_dot(mm_dtype, precision):
+    """float32-accumulating matmul whose operands are cast to mm_dtype first (bf16 tensor cores for bf16 inputs)."""
+    def dot(a, b, trans_a=False, trans_b=False):
+        ca = 0 if trans_a else 1
+        cb = 1 if trans_b else 0
+        return jax.lax.dot_general(a.astype(mm_dtype), b.astype(mm_dtype), (((ca,), (cb,)), ((), ())),
+                                   precision=precision, preferred_element_type=jnp.float32)
+    return dot
+
+
+def _split_dot(idt, intra_mm, kernel):
+    if jnp.dtype(idt) == jnp.float32:
+        return _cast_dot(jnp.float32, HP)
+    if intra_mm == "bf16_rows":  # bf16 products in A1 (Akk/Aqk), TF32 in A2's substitution chain
+        intra_mm = "bf16" if kernel == "rows" else "tf32"
+    if intra_mm == "bf16":
+        return _cast_dot(idt, jax.lax.Precision.DEFAULT)
+    if intra_mm == "tf32":
+        return _cast_dot(jnp.float32, jax.lax.Precision.DEFAULT)
+    raise ValueError(f"intra_mm must be 'bf16', 'tf32' or 'bf16_rows', got {intra_mm!r}")
+
+
+def _gate_rows(g, mk, a_ref, dtb_ref, h, gate_form, lower_bound, cols=None):
+    if gate_form is None:
+        return g
+    a_h = jnp.exp(_load(a_ref.at[h]).astype(jnp.float32))
+    dtb = _load(dtb_ref.at[h, :] if cols is None else dtb_ref.at[h, cols]).astype(jnp.float32)[None, :]
+    return jnp.where(mk, M.gate_value(g, a_h, dtb, gate_form, lower_bound), 0.0)
+
+
+def _intra_rows_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_ref, dtb_ref,
+                       akk_ref, tii_ref, aqk_ref, kg_ref, qg_ref, gl_ref, *, scale, dot, gate_form, lower_bound,
+                       fast_diag, fast_inverse):
+    """A1, grid (chunks, H, C/SUB): sub-block i of chunk j. Stores the β-scaled Akk row [16, C] (columns < 16 i;
+    zeros elsewhere), T_ii = (I + Akk_ii)^-1 [16, 16], the Aqk row [16, C], kg_i, qg_i and (i = last) Γ_last."""
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    i = pl.program_id(2)
+    st = start_ref[j]
+    L = len_ref[j]
+    dk = q_ref.shape[-1]
+    NS = C // SUB
+    exact_dot = M.make_dot(HP)
+    r16 = jnp.arange(SUB, dtype=jnp.int32)
+    r64 = jnp.arange(C, dtype=jnp.int32)
+    # whole chunk (columns): k, g, Γ
+    valid_a = r64 < L
+    mka = jnp.broadcast_to(valid_a[:, None], (C, dk))
+    rows_a = pl.ds(st, C)
+    k_all = _load(k_ref.at[rows_a, h, :], mka).astype(jnp.float32)
+    g_all = _gate_rows(_load(g_ref.at[rows_a, h, :], mka).astype(jnp.float32), mka, a_ref, dtb_ref, h, gate_form,
+                       lower_bound)
+    G_all = jnp.cumsum(g_all, axis=0)
+    row_a = jax.lax.broadcasted_iota(jnp.int32, (C, dk), 0)
+    before = row_a < i * SUB
+    start_i = jnp.sum(jnp.where(before, g_all, 0.0), axis=0, keepdims=True)  # Γ before sub-block i
+    g_last = jnp.sum(g_all, axis=0, keepdims=True)
+    # this sub-block's rows
+    rows = pl.ds(st + i * SUB, SUB)
+    valid = (i * SUB + r16) < L
+    mk = jnp.broadcast_to(valid[:, None], (SUB, dk))
+    qi = _load(q_ref.at[rows, h, :], mk).astype(jnp.float32) * scale
+    ki = _load(k_ref.at[rows, h, :], mk).astype(jnp.float32)
+    gi = _gate_rows(_load(g_ref.at[rows, h, :], mk).astype(jnp.float32), mk, a_ref, dtb_ref, h, gate_form,
+                    lower_bound)
+    bi = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None]
+    Gi = start_i + jnp.cumsum(gi, axis=0)
+    g_end = start_i + jnp.sum(gi, axis=0, keepdims=True)
+    # off-diagonal row [16, C]: reference row start_i (every exponent ≤ 0), columns of earlier sub-blocks only
+    e_r = jnp.exp(Gi - start_i)
+    kc = jnp.where(before, k_all * jnp.exp(jnp.minimum(start_i - G_all, 0.0)), 0.0)
+    akk_off = bi * dot(ki * e_r, kc, trans_b=True)
+    aqk_off = dot(qi * e_r, kc, trans_b=True)
+    # diagonal block and its inverse
+    akk_ii, aqk_ii = M.diag_block(Gi, ki, qi, bi, start_i, g_end, dot=dot, fast_diag=fast_diag)
+    t_ii = M.diag_inverse(akk_ii, exact_dot, fast_inverse)
+
+    col64 = jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 1)
+    vrow = jnp.broadcast_to(valid[:, None], (SUB, C))
+    off = col64 < i * SUB
+    _store(akk_ref.at[rows, h, :], jnp.where(off, akk_off, 0.0), vrow)
+    # Aqk: off-diagonal/upper columns and the diagonal block by disjoint stores
+    _store(aqk_ref.at[rows, h, :], jnp.where(off, aqk_off, 0.0).astype(aqk_ref.dtype),
+           vrow & (off | (col64 >= (i + 1) * SUB)))
+    m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
+    _store(aqk_ref.at[rows, h, pl.ds(i * SUB, SUB)], aqk_ii.astype(aqk_ref.dtype), m16)
+    _store(tii_ref.at[rows, h, :], t_ii, m16)
+    _store(kg_ref.at[rows, h, :], (ki * jnp.exp(g_last - Gi)).astype(kg_ref.dtype), mk)
+    _store(qg_ref.at[rows, h, :], (qi * jnp.exp(Gi)).astype(qg_ref.dtype), mk)
+    _store(gl_ref.at[j, h, :], g_last[0], jnp.broadcast_to(i == NS - 1, (dk,)))
+
+
+def _intra_wu_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, akk_ref, tii_ref,
+                     w_ref, u_ref, *, dot, gate_form, lower_bound, BK, BVw):
+    """A2, grid (chunks, H, wu_cols): W_i = T_ii (β k e^Γ_i − Σ_{m<i} Akk_im W_m), U likewise with β v, on a column
+    tile of width BK (W) / BVw (U)."""
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    p = pl.program_id(2)
+    kc = pl.ds(p * BK, BK)
+    vc = pl.ds(p * BVw, BVw)
+    st = start_ref[j]
+    L = len_ref[j]
+    NS = C // SUB
+    r16 = jnp.arange(SUB, dtype=jnp.int32)
+    s = jnp.zeros((1, BK), jnp.float32)
+    W, U = [], []
+    for i in range(NS):
+        rows = pl.ds(st + i * SUB, SUB)
+        valid = (i * SUB + r16) < L
+        mk = jnp.broadcast_to(valid[:, None], (SUB, BK))
+        mv = jnp.broadcast_to(valid[:, None], (SUB, BVw))
+        m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
+        g = _gate_rows(_load(g_ref.at[rows, h, kc], mk).astype(jnp.float32), mk, a_ref, dtb_ref, h, gate_form,
+                       lower_bound, cols=kc)
+        Gi = s + jnp.cumsum(g, axis=0)
+        s = s + jnp.sum(g, axis=0, keepdims=True)
+        bi = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None]
+        rk = bi * _load(k_ref.at[rows, h, kc], mk).astype(jnp.float32) * jnp.exp(Gi)
+        rv = bi * _load(v_ref.at[rows, h, vc], mv).astype(jnp.float32)
+        for m in range(i):
+            Lim = _load(akk_ref.at[rows, h, pl.ds(m * SUB, SUB)], m16)
+            rk = rk - dot(Lim, W[m])
+            rv = rv - dot(Lim, U[m])
+        Tii = _load(tii_ref.at[rows, h, :], m16)
+        W.append(dot(Tii, rk))
+        U.append(dot(Tii, rv))
+        _store(w_ref.at[rows, h, kc], W[i].astype(w_ref.dtype), mk)
+        _store(u_ref.at[rows, h, vc], U[i].astype(u_ref.dtype), mv)
+
+
+def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, lower_bound, interpret):
+    Tt, H, dk = q.shape
+    dv = v.shape[-1]
+    NCH = tab.n_chunks
+    dot = _split_dot(idt, tune["intra_mm"], "rows")
+    akk, tii, aqk, kg, qg, gl = pl.pallas_call(
+        functools.partial(_intra_rows_kernel, scale=scale, dot=dot, gate_form=gate_form, lower_bound=lower_bound,
+                          fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
+        grid=(NCH, H, C // SUB),
+        out_shape=[jax.ShapeDtypeStruct((Tt, H, C), jnp.float32), jax.ShapeDtypeStruct((Tt, H, SUB), jnp.float32),
+                   jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
+                   jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)],
+        compiler_params=_params(num_warps=tune["rows_warps"], num_stages=tune["rows_stages"]),
+        interpret=interpret,
+        name="kda_intra_rows",
+    )(tab.start, tab.length, q, k, g, beta, a, dtb)
+    nc = max(1, min(tune["wu_cols"], dk // 16, dv // 16))  # tiles of ≥ 16 columns (dk, dv: powers of two)
+    if dk % nc or dv % nc:
+        raise ValueError(f"wu_cols={nc} must divide dk={dk} and dv={dv}")
+    W, U = pl.pallas_call(
+        functools.partial(_intra_wu_kernel, dot=_split_dot(idt, tune["intra_mm"], "wu"), gate_form=gate_form, lower_bound=lower_bound,
+                          BK=dk // nc, BVw=dv // nc),
+        grid=(NCH, H, nc),
+        out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
+        compiler_params=_params(num_warps=tune["wu_warps"], num_stages=tune["wu_stages"]),
+        interpret=interpret,
+        name="kda_intra_wu",
+    )(tab.start, tab.length, k, v, g, beta, a, dtb, akk, tii)
+    return W, U, kg, qg, aqk, gl
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -275,15 +457,20 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
     out_a = [jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt),
              jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
              jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)]
-    W, U, kg, qg, Aqk, gl = pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale, precision=prec, gate_form=gate_form, lower_bound=lower_bound,
-                          fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
-        grid=(NCH, H),
-        out_shape=out_a,
-        compiler_params=_params(num_warps=tune["intra_warps"], num_stages=tune["intra_stages"]),
-        interpret=interpret,
-        name="kda_intra",
-    )(tab.start, tab.length, q[0], k[0], v[0], g[0], beta[0], a, dtb)
+    if tune["intra_split"]:
+        W, U, kg, qg, Aqk, gl = _intra_split(tab, q[0], k[0], v[0], g[0], beta[0], a, dtb, scale=scale, idt=idt,
+                                             tune=tune, gate_form=gate_form, lower_bound=lower_bound,
+                                             interpret=interpret)
+    else:
+        W, U, kg, qg, Aqk, gl = pl.pallas_call(
+            functools.partial(_intra_kernel, scale=scale, precision=prec, gate_form=gate_form, lower_bound=lower_bound,
+                              fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
+            grid=(NCH, H),
+            out_shape=out_a,
+            compiler_params=_params(num_warps=tune["intra_warps"], num_stages=tune["intra_stages"]),
+            interpret=interpret,
+            name="kda_intra",
+        )(tab.start, tab.length, q[0], k[0], v[0], g[0], beta[0], a, dtb)
     if tune["intra_only"]:
         return W, U, kg, qg, Aqk, gl
 
@@ -329,9 +516,16 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
 # ------------------------------------------------------------------------------------------------------------------
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, pool_ref, o_ref, pool_out_ref, *,
-                   BV, scale, n_steps, gate_form, lower_bound):
+                   BV, scale, n_steps, gate_form, lower_bound, HP_=1):
+    for hh in range(HP_):  # dec_heads: heads per program (static), each an independent [dk, BV] state tile
+        _decode_head(pl.program_id(1) * HP_ + hh, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref,
+                     pool_ref, o_ref, pool_out_ref, BV=BV, scale=scale, n_steps=n_steps, gate_form=gate_form,
+                     lower_bound=lower_bound)
+
+
+def _decode_head(h, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, pool_ref, o_ref, pool_out_ref, *,
+                 BV, scale, n_steps, gate_form, lower_bound):
     b = pl.program_id(0)
-    h = pl.program_id(1)
     cols = pl.ds(pl.program_id(2) * BV, BV)
     slot = slot_ref[b]
     S = _load(pool_ref.at[slot, h, :, cols])
@@ -372,10 +566,11 @@ def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None,
     else:
         a = jnp.asarray(A_log, jnp.float32).reshape(H)
         dtb = jnp.asarray(dt_bias, jnp.float32).reshape(H, dk)
+    hp = tune["dec_heads"] if H % tune["dec_heads"] == 0 else 1
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, BV=BV, scale=scale, n_steps=T, gate_form=gate_form,
-                          lower_bound=lower_bound),
-        grid=(B, H, dv // BV),
+                          lower_bound=lower_bound, HP_=hp),
+        grid=(B, H // hp, dv // BV),
         out_shape=[jax.ShapeDtypeStruct((B, T, H, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={8: 1},
