@@ -204,6 +204,20 @@ def _auto_tokens_per_program(B: int, n_chunks: int, BN: int, target_programs: in
     return max(BN, tpp)
 
 
+# Opt-in presets (not the model's default): single-pass products (exact=False: q in the dot dtype only, no lo
+# half — f16 q for fp8 keys, bf16 q for mxfp4 keys) and larger key tiles. Selection rule for them: the selected set
+# equals the reference's on untied scores; a key may differ from the reference selection only when its reference
+# score lies within 2·E of the k-th score, E = the measured max |score error| (a numerical near-tie; tests and
+# bench check exactly this). The bench sweeps them against the default.
+FAST = {
+    "sp128": dict(exact=False, block_n=128, num_warps=4, num_stages=3),
+    "sp256": dict(exact=False, block_n=256, num_warps=8, num_stages=3),
+    "sp512": dict(exact=False, block_n=512, num_warps=8, num_stages=2),
+    "sp256_qk": dict(exact=False, block_n=256, num_warps=4, num_stages=3, orient="qk"),
+    "sp256_big": dict(exact=False, block_n=256, num_warps=8, num_stages=3, tokens_per_program=16384),
+}
+
+
 def supports_pool(key_parts) -> bool:
     """Whether every row of these pool parts is addressable by the kernel (see `paged.pool_offsets_safe`)."""
     return pool_offsets_safe(key_parts)

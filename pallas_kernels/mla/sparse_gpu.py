@@ -95,7 +95,8 @@ def _dot_nn(a, b):
 
 
 def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
-            page: int, max_blocks: int, nblocks: int, exact: bool, cdt):
+            page: int, max_blocks: int, nblocks: int, exact: bool, cdt, BV=None, q_reload: bool = False,
+            orient: str = "qk"):
     """One (sequence, head block, split). q_ref `[B, HB, P, BH, c]` in the dot dtype cdt (P = 2 planes hi | lo, or
     1; each head divided by the power of two in qs_ref `[B, Hp]` f32, multiplied back onto its logits);
     pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
@@ -103,11 +104,19 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
 
     Address safety: slot positions are clamped ≥ 0 (empty slots, −1, are masked after the load), table reads to the
     row, block ids to [0, nblocks): no load leaves the pool whatever idx / the table hold; 1-byte parts of
-    2^31…2^32 bytes get 64-bit offsets (`pallas_kernels.paged.ensure_triton_wide_offsets`)."""
+    2^31…2^32 bytes get 64-bit offsets (`pallas_kernels.paged.ensure_triton_wide_offsets`).
+
+    Opt-in variant knobs (the defaults give the original program): BV < R — a 4th grid axis over value-column blocks
+    of BV ([even | odd] space for nvfp4): every program still scores all c columns (QKᵀ is recomputed per value
+    block) but accumulates PV for its BV columns only (acc `[BH, BV]`: the register budget of a 64/128-head
+    program); q_reload — q is re-read (L1/L2) inside the slot loop instead of being held across it; orient "kq" —
+    the logits dot is rows·qᵀ `[BK, BH]` (the rows are the M side), transposed for the PV dot."""
     *pool_refs, o_ref, lse_ref = refs
     b = pl.program_id(0)
     hb = pl.program_id(1)
     sp = pl.program_id(2)
+    vsplit = BV is not None and BV < R
+    vb = pl.program_id(3) if vsplit else None
     planes = (0, 1) if exact else (0,)
     nv = kv_dtype == "nvfp4"
     half = R // 2
@@ -116,8 +125,27 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
 
     # q pieces [plane] -> (value-column pieces (nvfp4: even | odd planes), rope columns), loaded once
     cols = [(0, half), (half, half)] if nv else [(0, R)]
-    q_lat = [[q_ref[b, hb, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes]
-    q_rope = [q_ref[b, hb, p, :, pl.ds(R, rope)] for p in planes]
+
+    def load_q():
+        return ([[q_ref[b, hb, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes],
+                [q_ref[b, hb, p, :, pl.ds(R, rope)] for p in planes])
+
+    if not q_reload:
+        q_lat, q_rope = load_q()
+
+    def vblock_of(slot):
+        """The BV value columns of this program's block `[BK, BV]` in cdt (vsplit only; an L1 re-read of the row)."""
+        if not nv:
+            return pool_refs[0][slot, pl.ds(vb * BV, BV)].astype(cdt)
+        packed_ref, scale_ref, _ = pool_refs
+        per_plane = half // BV
+        plane = vb // per_plane
+        off = (vb % per_plane) * BV
+        packed = packed_ref[slot, pl.ds(off, BV)].astype(jnp.int32)  # [BK, BV]
+        s16 = scale_ref[slot, pl.ds(off // (NVFP4_GROUP // 2), BV // (NVFP4_GROUP // 2))].astype(jnp.float32)
+        s_b = jnp.broadcast_to(s16[:, :, None], (BK, BV // (NVFP4_GROUP // 2), NVFP4_GROUP // 2)).reshape(BK, BV)
+        code = jnp.where(plane == 0, packed & 0xF, packed >> 4)
+        return (e2m1_value(code) * s_b).astype(cdt)
 
     def rows_of(slot):
         """Dequantised pieces of the gathered rows in cdt: (value planes [BK, R or R/2]..., rope [BK, rope])."""
@@ -146,11 +174,18 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
         slot = blk * page + pos % page
         vals, rp = rows_of(slot)
+        q_lat_, q_rope_ = load_q() if q_reload else (q_lat, q_rope)
         s = None
         for p in range(len(planes)):  # hi and lo planes: separate dots, one fp32 sum (no reshape)
-            x = _dot_nt(q_rope[p], rp)
-            for qp, v in zip(q_lat[p], vals):
-                x = x + _dot_nt(qp, v)  # [BH, BK]
+            if orient == "kq":
+                x = _dot_nt(rp, q_rope_[p])
+                for qp, v in zip(q_lat_[p], vals):
+                    x = x + _dot_nt(v, qp)  # [BK, BH]
+                x = x.T
+            else:
+                x = _dot_nt(q_rope_[p], rp)
+                for qp, v in zip(q_lat_[p], vals):
+                    x = x + _dot_nt(qp, v)  # [BH, BK]
             s = x if s is None else s + x
         s = jnp.where(ok[None, :], s * qs, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -160,7 +195,7 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         l = l * corr + jnp.sum(pexp, axis=1, keepdims=True)
         p_hi, p_lo = _split(pexp, exact, cdt)
         new = []
-        for acc, v in zip(accs, vals):
+        for acc, v in zip(accs, [vblock_of(slot)] if vsplit else vals):
             pv = _dot_nn(p_hi, v)
             if exact:
                 pv = pv + _dot_nn(p_lo, v)
@@ -168,13 +203,14 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         return m_new, l, new
 
     width = half if nv else R
+    pieces = [BV] if vsplit else [width for _ in cols]
     init = (jnp.full((BH, 1), -jnp.inf, jnp.float32), jnp.zeros((BH, 1), jnp.float32),
-            [jnp.zeros((BH, width), jnp.float32) for _ in cols])
+            [jnp.zeros((BH, w_), jnp.float32) for w_ in pieces])
     m, l, accs = jax.lax.fori_loop(0, n_blk, step, init)
     good = l > 0
     inv = 1.0 / jnp.where(good, l, 1.0)
     for i, acc in enumerate(accs):
-        o_ref[sp, b, heads, pl.ds(i * width, width)] = acc * inv
+        o_ref[sp, b, heads, pl.ds(vb * BV if vsplit else i * width, pieces[i])] = acc * inv
     lse = jnp.where(good, m + jnp.log(jnp.where(good, l, 1.0)), -jnp.inf)
     lse_ref[sp, b, heads] = lse.reshape(BH)
 
@@ -241,6 +277,43 @@ def _prep_q(q_bhc, fmt, qscale, BH: int, exact: bool, cdt):
     return jnp.stack([hi, lo], axis=2), s
 
 
+def _merge_kernel(o_ref, lse_ref, ls_ref, oo_ref, lo_ref, *, NS: int, BM: int, R: int):
+    """Split-k merge (`merge="pallas"`): one program per (sequence, block of BM heads) reads the NS partial
+    (o `[NS, B, Hp, R]`, lse `[NS, B, Hp]`) and writes o `[B, H, R]` (times the layer scale) and lse `[B, H]` —
+    exactly `reference.merge_partials`, in one launch instead of XLA's reduction fusions."""
+    b = pl.program_id(0)
+    heads = pl.ds(pl.program_id(1) * BM, BM)
+    lse = lse_ref[:, b, heads]  # [NS, BM]
+    m = jnp.max(lse, axis=0)  # [BM]
+    m_use = jnp.where(m > -jnp.inf, m, 0.0)
+    tot = jnp.sum(jnp.exp(lse - m_use[None, :]), axis=0)  # −inf partials weigh 0
+    good = tot > 0
+    scale = ls_ref[0] / jnp.where(good, tot, 1.0)  # [BM]
+
+    def body(i, acc):
+        w = jnp.exp(lse_ref[i, b, heads] - m_use) * scale  # [BM]
+        return acc + w[:, None] * o_ref[i, b, heads, :]
+
+    acc = jax.lax.fori_loop(0, NS, body, jnp.zeros((BM, R), jnp.float32))
+    oo_ref[b, heads, :] = acc
+    lo_ref[b, heads] = jnp.where(good, m_use + jnp.log(jnp.where(good, tot, 1.0)), -jnp.inf)
+
+
+def _merge_pallas(o, lse, ls, H: int, *, interpret: bool, num_warps: int = 4):
+    NS, B, Hp, R = o.shape
+    BM = 1
+    while BM < 32 and H % (2 * BM) == 0:
+        BM *= 2  # the largest power of two ≤ 32 dividing H: the output is [B, H, R] with no padded heads
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, NS=NS, BM=BM, R=R),
+        grid=(B, H // BM),
+        out_shape=[jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="sparse_mla_merge",
+    )(o, lse, jnp.reshape(ls, (1,)).astype(jnp.float32))
+
+
 def _pick_splits(B: int, HB: int, n_total: int, target_programs: int = 264) -> int:
     """Splits of the k axis (a power of two, at most the block count) so B·HB·NS ≈ 2 programs per SM (H200: 132)."""
     ns = 1
@@ -249,19 +322,45 @@ def _pick_splits(B: int, HB: int, n_total: int, target_programs: int = 264) -> i
     return ns
 
 
+# Opt-in presets (issue #5 follow-up; not the model's default): every program handles ALL heads of one query (96 ->
+# one 128-head block, or two 64-head blocks), so each gathered row is read and dequantised once per query (not
+# H/16 times) and the dots have ≥ 64 rows; single-pass products (exact=False: the storage formats' 5e-3 bar); split-k
+# over the slots with the merge in one Pallas kernel. The bench sweeps them (correctness-gated) against the default.
+WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / shared memory noted (limit 227 KB)
+    "wide128_v256": dict(block_h=128, block_k=32, exact=False, num_warps=8, num_stages=1, block_v=256,
+                         merge="pallas"),  # 255 / 0 / 180 KB: all 96 heads in one program, 2 value halves
+    "wide64": dict(block_h=64, block_k=32, exact=False, num_warps=8, num_stages=2, merge="pallas"),  # 238/0/128 KB
+    "wide64_bk64": dict(block_h=64, block_k=64, exact=False, num_warps=8, num_stages=1, merge="pallas"),  # 255/4/144
+    "wide64_v256": dict(block_h=64, block_k=32, exact=False, num_warps=8, num_stages=1, block_v=256,
+                        merge="pallas"),  # 186 / 0 / 108 KB
+    "wide64_qr": dict(block_h=64, block_k=64, exact=False, num_warps=8, num_stages=2, q_reload=True,
+                      merge="pallas"),  # 255 / 0 / 180 KB
+    "w16_fast": dict(block_h=16, block_k=64, exact=False, num_warps=4, num_stages=2, merge="pallas"),
+}
+
+
 def supports_pool(kv_parts) -> bool:
     """Whether every row of these pool parts is addressable by the kernel (see `paged.pool_offsets_safe`)."""
     return pool_offsets_safe(kv_parts)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
-                                             "interpret", "num_warps", "num_stages", "dot_dtype"))
+                                             "interpret", "num_warps", "num_stages", "dot_dtype", "block_v",
+                                             "q_reload", "orient", "merge", "target_programs"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
-           num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto"):
+           num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, q_reload: bool = False,
+           orient: str = "qk", merge: str = "xla", target_programs: int = 264):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
-    -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32)."""
+    -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32).
+
+    Knobs (defaults = the model's program): block_h heads per program (≥ H: one program reads and dequantises each
+    gathered row once for ALL heads; 96 heads pad to 128), block_k slots per step, splits of the k axis (None:
+    ≈ target_programs programs), exact (False: single-pass products, q and p in the dot dtype only — the storage
+    formats' 5e-3 bar), block_v / q_reload / orient (see `_kernel`), merge ("xla": `reference.merge_partials`;
+    "pallas": `_merge_kernel`, one launch that also drops padded heads and applies the layer scale), Triton
+    num_warps / num_stages, dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
     if not supports(fmt):
         raise ValueError(f"the GPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
     R, rope = fmt.latent, fmt.rope
@@ -269,6 +368,11 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         raise ValueError(f"value_dim must be the latent width {R}, got {value_dim}")
     if not (_pow2(R) and _pow2(rope) and _pow2(block_h) and _pow2(block_k)):
         raise ValueError(f"latent {R}, rope {rope}, block_h {block_h}, block_k {block_k} must be powers of two")
+    BV = None if block_v is None or block_v >= R else block_v
+    if BV is not None and not (_pow2(BV) and BV >= 16 and (fmt.kv_dtype != "nvfp4" or BV <= R // 2)):
+        raise ValueError(f"block_v {block_v} must be a power of two in [16, R) (nvfp4: ≤ R/2)")
+    if orient not in ("qk", "kq") or merge not in ("xla", "pallas"):
+        raise ValueError(f"orient must be 'qk' / 'kq' and merge 'xla' / 'pallas', got {orient!r}, {merge!r}")
     B, H, c = q_bhc.shape
     nblocks, page = kv_parts[0].shape[:2]
     if not supports_pool(kv_parts):
@@ -281,7 +385,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     n_total = -(-k // BK)
     BH = block_h
     HB = -(-H // BH)
-    NS = max(1, min(_pick_splits(B, HB, n_total) if splits is None else splits, n_total))
+    NVB = R // BV if BV else 1
+    NS = max(1, min(_pick_splits(B, HB * NVB, n_total, target_programs) if splits is None else splits, n_total))
     n_blk = -(-n_total // NS)  # key blocks per split; the slot list is padded with empty (−1) slots
     idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
     ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
@@ -290,16 +395,23 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     flat = [p.reshape(nblocks * page, p.shape[-1]) for p in kv_parts]
 
     kernel = functools.partial(_kernel, kv_dtype=fmt.kv_dtype, R=R, rope=rope, BH=BH, BK=BK, n_blk=n_blk,
-                               page=page, max_blocks=max_blocks, nblocks=nblocks, exact=exact, cdt=cdt)
+                               page=page, max_blocks=max_blocks, nblocks=nblocks, exact=exact, cdt=cdt,
+                               **({} if BV is None else dict(BV=BV)), **(dict(q_reload=True) if q_reload else {}),
+                               **(dict(orient=orient) if orient != "qk" else {}))
     o, lse = pl.pallas_call(
         kernel,
-        grid=(B, HB, NS),
+        grid=(B, HB, NS) + ((NVB,) if BV else ()),
         out_shape=[jax.ShapeDtypeStruct((NS, B, HB * BH, R), jnp.float32),
                    jax.ShapeDtypeStruct((NS, B, HB * BH), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_mla_decode",
     )(bt, idx, q, qs, *flat)
+    if merge == "pallas" and NS > 1:
+        o, lse = _merge_pallas(o, lse, ls, H, interpret=interpret)
+        if fmt.kv_dtype == "nvfp4":  # [even | odd] -> interleaved
+            o = jnp.stack([o[..., : R // 2], o[..., R // 2:]], axis=-1).reshape(B, H, R)
+        return o, lse
     o, lse = (o[0], lse[0]) if NS == 1 else merge_partials(o, lse)
     o, lse = o[:, :H], lse[:, :H]
     if fmt.kv_dtype == "nvfp4":  # [even | odd] -> interleaved
