@@ -454,7 +454,7 @@ def test_cli_help_and_refusals(capsys):
     r = subprocess.run([sys.executable, "-m", "kimi_jax.serve", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     for flag in ("--checkpoint", "--model", "--mesh", "--host", "--port", "--max-num-seqs", "--max-model-len",
-                 "--kv-dtype", "--api-key", "xla_force_host_platform_device_count"):
+                 "--kv-dtype", "--index-dtype", "--num-blocks", "--api-key", "xla_force_host_platform_device_count"):
         assert flag in r.stdout
     from kimi_jax.serve.__main__ import main
 
@@ -464,3 +464,8 @@ def test_cli_help_and_refusals(capsys):
     assert main(["--mesh", "banana"]) == 2 and "AxB" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse refuses a format the paged cache does not have
         main(["--kv-dtype", "int4"])
+    capsys.readouterr()
+    # a pool too small for one full-length sequence, and a format the model's index keys cannot take: clear errors
+    # before anything is compiled or served
+    assert main(["--num-blocks", "3"]) == 2 and "cannot hold one sequence" in capsys.readouterr().err
+    assert main(["--index-dtype", "mxfp4"]) == 2 and "multiple of 32" in capsys.readouterr().err

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage format of the paged MLA latent cache: auto = the model's dtype (default); bf16; fp32; "
                         "fp8 (576 B/token/layer); nvfp4 (352 B/token/layer). Rows are quantised on write and "
                         "dequantised inside the attention ops")
+    p.add_argument("--index-dtype", default=None, choices=["bf16", "fp32", "fp8", "mxfp4"],
+                   help="storage format of the DSA index keys (default: the latent's for fp32 / bf16 latents, else "
+                        "fp8 = 132 B/token/layer; mxfp4 = 68 B needs index keys a multiple of 32 wide)")
+    p.add_argument("--num-blocks", type=int, default=None, metavar="N",
+                   help="pages of 64 tokens per MLA cache pool, the null page included (default: enough for every "
+                        "slot at --max-model-len plus the prefix cache). Fewer pages than that overcommit: when they "
+                        "run out, the youngest sequence is preempted and recomputed later")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter / activation dtype (default: float32 for presets, the checkpoint's otherwise)")
     p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",
@@ -232,7 +239,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     try:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
-            prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype,
+            prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
+            num_blocks=args.num_blocks,
             prefix_cache_entries=args.prefix_cache_entries,
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
