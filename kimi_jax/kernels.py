@@ -15,7 +15,10 @@ class KernelConfig:
     kda: str = "auto"  # pallas_kernels.kda.ops: auto | reference | gpu | tpu | gpu_interpret | tpu_interpret
     moe: str = "auto"  # pallas_kernels.moe.ops: auto | reference | gpu | mgpu | tpu
     moe_interpret: bool = False  # run the chosen MoE kernel through the Pallas interpreter (CPU tests)
+    # pallas_kernels.indexer.paged / mla.sparse (the paged MLA path): auto | reference | gpu | tpu | gpu_interpret |
+    # tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an operator's override.
+    dsa: str = "auto"
 
     @staticmethod
     def reference() -> "KernelConfig":
-        return KernelConfig(kda="reference", moe="reference")
+        return KernelConfig(kda="reference", moe="reference", dsa="reference")

@@ -51,3 +51,20 @@ def test_gpu_kda_kernel_path_equals_reference_path(tiny_model, kda):
     ker = _prefill_continue_decode(kernel_model, ids, 11, 57, 3)
     for a, b in zip(ker, ref):
         _close(a, b)
+
+
+def test_tpu_dsa_kernels_in_the_paged_decode_equal_reference_path(tiny_model):
+    """KernelConfig(dsa=...) reaches the paged MLA path: a decode step through the TPU indexer and sparse-MLA
+    kernels (interpret mode) gives the reference path's logits over the same fp8 pages (prefill chunks take the
+    reference either way: the DSA kernels are decode kernels)."""
+    ker = kimi_jax.load_model("tiny", kernels=KernelConfig(dsa="tpu_interpret"))
+    ids = np.random.RandomState(0).randint(0, 1000, (2, 64))
+    step = []
+    for m in (tiny_model, ker):
+        cache = m.new_paged_cache(2, 128, kv_dtype="fp8")
+        _, cache = m.prefill(ids, cache=cache)
+        logits, _ = m.decode_step(cache, np.array([5, 7]))
+        step.append(np.asarray(logits))
+    ref, got = step
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))

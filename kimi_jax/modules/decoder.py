@@ -142,7 +142,7 @@ class DecoderLayer(nnx.Module):
         if self.kind == "kda":
             self.self_attn = KimiDeltaAttention(D, cfg.kda, rngs=rngs, dtype=dtype, kernels=kernels)
         else:
-            self.self_attn = MultiHeadLatentAttention(D, cfg.mla, cfg.indexer, rngs=rngs, dtype=dtype)
+            self.self_attn = MultiHeadLatentAttention(D, cfg.mla, cfg.indexer, rngs=rngs, dtype=dtype, kernels=kernels)
         act = activation_fn(cfg)
         if cfg.is_moe_layer(layer):
             self.block_sparse_moe = MoE(D, cfg.moe, act, eps, rngs=rngs, dtype=dtype, kernels=kernels)

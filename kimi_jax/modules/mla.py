@@ -35,6 +35,7 @@ from pallas_kernels.mla import sparse as sparse_mla
 
 from ..cache import PAGE_TOKENS
 from ..config import IndexerConfig, MLAConfig
+from ..kernels import KernelConfig
 from ..paged_cache import LayerPool, PagedCacheSpec
 from .layers import LayerNorm, Linear, RMSNorm, normal_init
 from .rope import apply_rope, rope_cos_sin
@@ -88,12 +89,22 @@ def _write_rows(buf_bsc, rows_btc, starts_b):
     return jax.vmap(write)(buf_bsc, rows_btc, starts_b)
 
 
+def dsa_backend(configured: str, num_queries: int) -> str:
+    """The DSA kernels are decode kernels (one query per sequence): a named kernel serves decode steps and prefill
+    chunks take the reference ("auto" makes the same choice inside the ops)."""
+    if configured in ("auto", "reference") or num_queries == 1:
+        return configured
+    return "reference"
+
+
 class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-k earlier tokens every head may attend to."""
 
-    def __init__(self, hidden: int, q_rank: int, cfg: IndexerConfig, rope, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, hidden: int, q_rank: int, cfg: IndexerConfig, rope, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 backend: str = "auto"):
         self.cfg = cfg
         self.rope = rope
+        self.backend = backend  # paged top-k implementation (KernelConfig.dsa)
         self.wq_b = Linear(q_rank, cfg.num_heads * cfg.head_dim, rngs=rngs, dtype=dtype)
         self.wk = Linear(hidden, cfg.head_dim, rngs=rngs, dtype=dtype)
         self.k_norm = LayerNorm(cfg.head_dim, cfg.norm_eps, rngs=rngs, dtype=dtype)
@@ -127,13 +138,14 @@ class Indexer(nnx.Module):
         """Top-k positions int32 `[B, T, topk]` (−1 = empty) over the paged index keys; query_pos −1 = padding."""
         q, w = self.queries(x_btd, cq_btr, cos_sin)
         return index_paged.topk_indices(q, w, cache.pool.index, cache.block_tables, query_pos_bt, self.cfg.topk,
-                                        fmt=cache.spec.index_format)
+                                        fmt=cache.spec.index_format, backend=dsa_backend(self.backend, q.shape[1]))
 
 
 class MultiHeadLatentAttention(nnx.Module):
     def __init__(self, hidden: int, cfg: MLAConfig, indexer: Optional[IndexerConfig], *, rngs: nnx.Rngs,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, kernels: KernelConfig = KernelConfig()):
         self.cfg = cfg
+        self.dsa_backend = kernels.dsa  # paged indexer / sparse-MLA implementation
         H, R = cfg.num_heads, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(hidden, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
@@ -151,7 +163,8 @@ class MultiHeadLatentAttention(nnx.Module):
         if indexer is not None:
             if cfg.q_lora_rank is None:
                 raise ValueError("the DSA indexer reads the q LoRA latent; this MLA has no q_lora_rank")
-            self.indexer = Indexer(hidden, cfg.q_lora_rank, indexer, cfg.rope, rngs=rngs, dtype=dtype)
+            self.indexer = Indexer(hidden, cfg.q_lora_rank, indexer, cfg.rope, rngs=rngs, dtype=dtype,
+                                   backend=kernels.dsa)
         else:
             self.indexer = None
 
@@ -273,7 +286,7 @@ class MultiHeadLatentAttention(nnx.Module):
             idx_btk = jnp.where(s[None, None, :] <= qpos_bt[:, :, None], s[None, None, :], -1)
         o_lat, _ = sparse_mla.sparse_mla(self.absorbed_query(p), pool.latent, cache.block_tables, idx_btk,
                                          fmt=spec.latent_format, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
-                                         layer_scale=pool.latent_scale)
+                                         layer_scale=pool.latent_scale, backend=dsa_backend(self.dsa_backend, T))
         return o_lat, cache
 
     def output(self, x_btd, o_bthv):
