@@ -39,3 +39,22 @@ def tiny_np_weights(tiny_model):
     from weights_np import tiny_numpy_weights
 
     return tiny_numpy_weights(tiny_model)
+
+
+def _jax_sees_a_cuda_gpu() -> bool:
+    import jax
+
+    try:
+        return any(d.platform in ("gpu", "cuda") for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need a CUDA GPU: skipped, with the reason, where JAX sees none (the default here is
+    CPU; run them on a GPU host with JAX_PLATFORMS=cuda)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and not _jax_sees_a_cuda_gpu():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda on a GPU host)")
+        for item in gpu_items:
+            item.add_marker(skip)
