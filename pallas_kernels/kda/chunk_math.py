@@ -134,10 +134,6 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
     exact_dot = exact_dot or dot
     NS = len(qb)
     dk = qb[0].shape[1]
-    row = _iota((SUB, SUB), 0)
-    col = _iota((SUB, SUB), 1)
-    row_k = _iota((SUB, dk), 0)
-    eye = (row == col).astype(jnp.float32)
 
     # Γ per sub-block; start[i] = Γ at the last row of sub-block i−1 (0 for i = 0)
     G, start = [], []
@@ -158,64 +154,13 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
             Akk[i, j] = bb[i] * dot(kr, kc, trans_b=True)
             Aqk[i, j] = dot(qr, kc, trans_b=True)
 
-    # diagonal sub-blocks: exact pairwise exponents, masked to c ≤ r before the exp
-    for i in range(NS):
-        Gi, ki, qi = G[i], kb[i], qb[i]
-
-        def col_step(c, carry, Gi=Gi, ki=ki, qi=qi):
-            akk, aqk = carry
-            pick = row_k == c
-            Gc = jnp.sum(jnp.where(pick, Gi, 0.0), axis=0, keepdims=True)
-            kc = jnp.sum(jnp.where(pick, ki, 0.0), axis=0, keepdims=True)
-            e = jnp.exp(jnp.where(row_k >= c, Gi - Gc, -jnp.inf))
-            kce = kc * e
-            a_k = jnp.sum(ki * kce, axis=1, keepdims=True)  # [SUB, 1]
-            a_q = jnp.sum(qi * kce, axis=1, keepdims=True)
-            at_c = col == c
-            return akk + jnp.where(at_c, a_k, 0.0), aqk + jnp.where(at_c, a_q, 0.0)
-
-        def exact(col_step=col_step):
-            z = jnp.zeros((SUB, SUB), jnp.float32)
-            return jax.lax.fori_loop(0, SUB, col_step, (z, z))
-
-        if fast_diag:
-            g_end = start[i + 1] if i + 1 < NS else g_last
-            m = 0.5 * (start[i] + g_end)  # [1, dk] midpoint reference
-            # factors clamped to e^{±HALF}: exact when the range is ≤ FAST_DIAG_RANGE, finite (and discarded) otherwise
-            half = 0.5 * FAST_DIAG_RANGE
-            e_r = jnp.exp(jnp.minimum(Gi - m, half))
-            kc_f = ki * jnp.exp(jnp.minimum(m - Gi, half))
-            akk_f = dot(ki * e_r, kc_f, trans_b=True)
-            aqk_f = dot(qi * e_r, kc_f, trans_b=True)
-            rng = jnp.max(start[i] - g_end)  # Γ is non-increasing: the sub-block's largest channel range
-            ok = rng <= FAST_DIAG_RANGE
-            # Branch-free: the exact loop runs 0 or SUB steps (a run-time trip count, no scf.if: Triton's
-            # select/if combining broke dominance on an scf.if here), then a select keeps the valid form.
-            z = jnp.zeros((SUB, SUB), jnp.float32)
-            n_exact = jnp.where(ok, jnp.int32(0), jnp.int32(SUB))
-            akk_e, aqk_e = jax.lax.fori_loop(jnp.int32(0), n_exact, col_step, (z, z))
-            akk = jnp.where(ok, akk_f, akk_e)
-            aqk = jnp.where(ok, aqk_f, aqk_e)
-        else:
-            akk, aqk = exact()
-        Akk[i, i] = jnp.where(col < row, akk, 0.0) * bb[i]
-        Aqk[i, i] = jnp.where(col <= row, aqk, 0.0)
-
-    # T = (I + Akk)^-1, block lower triangular. Diagonal blocks by forward substitution (row r of X = (I+L)^-1 is
-    # e_r − Σ_c L[r,c] X[c,:]); L[r, :] is read as a column of Lᵀ.
+    # diagonal sub-blocks: exact pairwise exponents (or the one-matmul form), then T = (I + Akk)^-1 block lower
+    # triangular: diagonal blocks first, off-diagonal blocks from them below
     Tm = {}
     for i in range(NS):
-        if fast_inverse:
-            Tm[i, i] = unit_lower_inverse(Akk[i, i], exact_dot)
-            continue
-        Lt = exact_dot(eye, Akk[i, i], trans_b=True)  # Lᵀ
-
-        def sub_step(r, X, Lt=Lt):
-            l_col = jnp.sum(jnp.where(col == r, Lt, 0.0), axis=1, keepdims=True)  # [SUB,1]: L[r, c] at row c
-            x_r = jnp.where(col == r, 1.0, 0.0) - jnp.sum(l_col * X, axis=0, keepdims=True)
-            return jnp.where(row == r, x_r, X)
-
-        Tm[i, i] = jax.lax.fori_loop(1, SUB, sub_step, eye)
+        g_end = start[i + 1] if i + 1 < NS else g_last
+        Akk[i, i], Aqk[i, i] = diag_block(G[i], kb[i], qb[i], bb[i], start[i], g_end, dot=dot, fast_diag=fast_diag)
+        Tm[i, i] = diag_inverse(Akk[i, i], exact_dot, fast_inverse)
     for j in range(NS):
         for i in range(j + 1, NS):
             acc = dot(Akk[i, j], Tm[j, j])
@@ -240,7 +185,7 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
 
 
 def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
-    """One diagonal 16×16 sub-block (the same math as `intra_chunk`'s): Γ rows Gi, keys ki, queries qi [SUB, dk],
+    """One diagonal 16×16 sub-block (used by `intra_chunk` and the split kernel A): Γ rows Gi, keys ki, queries qi [SUB, dk],
     β bi [SUB, 1], Γ before the sub-block start_i and at its last row g_end [1, dk]. Returns (Akk_ii β-scaled and
     strictly lower, Aqk_ii lower incl. the diagonal)."""
     dk = Gi.shape[1]
@@ -262,14 +207,17 @@ def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
 
     z = jnp.zeros((SUB, SUB), jnp.float32)
     if fast_diag:
-        m = 0.5 * (start_i + g_end)
+        m = 0.5 * (start_i + g_end)  # [1, dk] midpoint reference
+        # factors clamped to e^{±HALF}: exact when the range is ≤ FAST_DIAG_RANGE, finite (and discarded) otherwise
         half = 0.5 * FAST_DIAG_RANGE
         e_r = jnp.exp(jnp.minimum(Gi - m, half))
         kc_f = ki * jnp.exp(jnp.minimum(m - Gi, half))
         akk_f = dot(ki * e_r, kc_f, trans_b=True)
         aqk_f = dot(qi * e_r, kc_f, trans_b=True)
         ok = jnp.max(start_i - g_end) <= FAST_DIAG_RANGE
-        n_exact = jnp.where(ok, jnp.int32(0), jnp.int32(SUB))  # branch-free (no scf.if), as in intra_chunk
+        # Branch-free: the exact loop runs 0 or SUB steps (a run-time trip count, no scf.if: Triton's select/if
+        # combining broke dominance on an scf.if here), then a select keeps the valid form.
+        n_exact = jnp.where(ok, jnp.int32(0), jnp.int32(SUB))
         akk_e, aqk_e = jax.lax.fori_loop(jnp.int32(0), n_exact, col_step, (z, z))
         akk = jnp.where(ok, akk_f, akk_e)
         aqk = jnp.where(ok, aqk_f, aqk_e)
@@ -279,7 +227,8 @@ def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
 
 
 def diag_inverse(L, exact_dot, fast_inverse: bool):
-    """(I + L)^-1 of one strictly lower 16×16 block: `unit_lower_inverse` or forward substitution (as intra_chunk)."""
+    """(I + L)^-1 of one strictly lower 16×16 block: `unit_lower_inverse`, or forward substitution (row r of
+    X = (I+L)^-1 is e_r − Σ_c L[r,c] X[c,:]; L[r, :] is read as a column of Lᵀ)."""
     if fast_inverse:
         return unit_lower_inverse(L, exact_dot)
     row = _iota((SUB, SUB), 0)
