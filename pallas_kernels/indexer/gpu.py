@@ -44,7 +44,7 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
-from ..mla.sparse_gpu import e2m1_value, split_hi_lo
+from ..mla.sparse_gpu import _pow2, available, e2m1_value, split_hi_lo  # one Triton probe, shared helpers
 from ..paged import pool_offsets_safe
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
@@ -52,16 +52,8 @@ FP8_GROUP = 128
 MX_GROUP = 32
 
 
-def available() -> bool:
-    return pltriton is not None
-
-
 def supports(fmt) -> bool:
     return getattr(fmt, "index_dtype", None) in SUPPORTED
-
-
-def _pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
 
 
 def fits(fmt, heads: int, dim: int) -> bool:
