@@ -23,6 +23,26 @@ def cp(src: str, target: str) -> Entry:
     return Entry("copy", src, (target,))
 
 
+def mla_entries(attn: str, target: str, mla) -> list[Entry]:
+    """An MLA layer's projections (K3 / Kimi-Linear / DeepSeek-V3.2 name them the same way): the q path (plain or
+    LoRA), the compressed kv path, `kv_b_proj` split into `k_up_proj` / `v_up_proj`, `o_proj`, and the K3 output gate.
+    `attn` / `target`: the HF and kimi_jax `self_attn.` prefixes; `mla`: the layer's `MLAConfig`."""
+    a, ta = attn, target
+    if mla.q_lora_rank is None:
+        out = [lin(a + "q_proj", ta + "q_proj")]
+    else:
+        out = [lin(a + "q_a_proj", ta + "q_a_proj"), cp(a + "q_a_layernorm.weight", ta + "q_a_layernorm.weight"),
+               lin(a + "q_b_proj", ta + "q_b_proj")]
+    out += [lin(a + "kv_a_proj_with_mqa", ta + "kv_a_proj_with_mqa"),
+            cp(a + "kv_a_layernorm.weight", ta + "kv_a_layernorm.weight"),
+            Entry("kv_b", a + "kv_b_proj.weight", (ta + "k_up_proj", ta + "v_up_proj"), qbase=ta + "kv_b_proj",
+                  quantizable=True),
+            lin(a + "o_proj", ta + "o_proj")]
+    if mla.output_gate:
+        out.append(lin(a + "g_proj", ta + "g_proj"))
+    return out
+
+
 def indexer_entries(attn: str, target: str) -> list[Entry]:
     """The DSA lightning indexer below an MLA layer (K3.1 and DeepSeek-V3.2 name it the same way).
 

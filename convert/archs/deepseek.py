@@ -20,27 +20,17 @@ import re
 from kimi_jax.config import ModelConfig
 
 from ..entries import Entry
-from . import cp, indexer_entries, lin, router_entries
+from . import cp, indexer_entries, lin, mla_entries, router_entries
 
 
 def entries(cfg: ModelConfig, names) -> list[Entry]:
     out = [cp("model.embed_tokens.weight", "embed_tokens")]
-    m = cfg.mla
     for L in range(cfg.num_layers):
         p, t = f"model.layers.{L}.", f"layers.{L}."
         a, ta = p + "self_attn.", t + "self_attn."
         out += [cp(p + "input_layernorm.weight", t + "input_layernorm.weight"),
                 cp(p + "post_attention_layernorm.weight", t + "post_attention_layernorm.weight")]
-        if m.q_lora_rank is None:
-            out.append(lin(a + "q_proj", ta + "q_proj"))
-        else:
-            out += [lin(a + "q_a_proj", ta + "q_a_proj"), cp(a + "q_a_layernorm.weight", ta + "q_a_layernorm.weight"),
-                    lin(a + "q_b_proj", ta + "q_b_proj")]
-        out += [lin(a + "kv_a_proj_with_mqa", ta + "kv_a_proj_with_mqa"),
-                cp(a + "kv_a_layernorm.weight", ta + "kv_a_layernorm.weight"),
-                Entry("kv_b", a + "kv_b_proj.weight", (ta + "k_up_proj", ta + "v_up_proj"), qbase=ta + "kv_b_proj",
-                      quantizable=True),
-                lin(a + "o_proj", ta + "o_proj")]
+        out += mla_entries(a, ta, cfg.mla)
         if cfg.indexer is not None:
             out += indexer_entries(a, ta)
         if cfg.is_moe_layer(L):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from kimi_jax.config import ModelConfig
 
 from ..entries import Entry
-from . import cp, indexer_entries, lin, router_entries
+from . import cp, indexer_entries, lin, mla_entries, router_entries
 
 TEXT_PREFIXES = (("language_model.model.", "language_model.lm_head.weight"), ("model.", "lm_head.weight"))
 EXTRA_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -75,19 +75,7 @@ def entries(cfg: ModelConfig, names) -> list[Entry]:
                     Entry("reshape", a + "dt_bias", (ta + "dt_bias",), allowed_shapes=((P,),)),
                     cp(a + "o_norm.weight", ta + "o_norm")]
         else:
-            m = cfg.mla
-            if m.q_lora_rank is None:
-                out.append(lin(a + "q_proj", ta + "q_proj"))
-            else:
-                out += [lin(a + "q_a_proj", ta + "q_a_proj"), cp(a + "q_a_layernorm.weight", ta + "q_a_layernorm.weight"),
-                        lin(a + "q_b_proj", ta + "q_b_proj")]
-            out += [lin(a + "kv_a_proj_with_mqa", ta + "kv_a_proj_with_mqa"),
-                    cp(a + "kv_a_layernorm.weight", ta + "kv_a_layernorm.weight"),
-                    Entry("kv_b", a + "kv_b_proj.weight", (ta + "k_up_proj", ta + "v_up_proj"),
-                          qbase=ta + "kv_b_proj", quantizable=True),
-                    lin(a + "o_proj", ta + "o_proj")]
-            if m.output_gate:
-                out.append(lin(a + "g_proj", ta + "g_proj"))
+            out += mla_entries(a, ta, cfg.mla)
             if cfg.indexer is not None:
                 out += indexer_entries(a, ta)
         if cfg.is_moe_layer(L):
