@@ -128,6 +128,16 @@ def test_decode_comm_bytes_k31_figures():
     assert pre["token_mla"] == 16384 * (1152 + 256) and pre["head_mla"] == 32768 * 7168 * 2
 
 
+def _run_on_8_fake_devices(script: str, timeout: int):
+    """Run a test script in a fresh process with 8 fake CPU devices (the device count is fixed at JAX start-up);
+    it must end by printing ALL DONE. tests/ is on its path for `cp_helpers`."""
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                         cwd=ROOT)
+    assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
+
+
 SCRIPT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     assert len(jax.devices()) == 8
@@ -232,20 +242,7 @@ SCRIPT = textwrap.dedent(r"""
     check("tp decode", max(rel(o, od_ref[:, 0]), rel(lse, lsed_ref[:, 0])))
 
     # ---- traced collective payloads == decode_comm_bytes -------------------------------------------------------
-    COLL = ("all_gather", "psum", "pmax", "ppermute", "all_to_all", "reduce_scatter")
-
-    def payload(jaxpr):
-        tot = 0
-        for e in jaxpr.eqns:
-            if any(e.primitive.name.startswith(p) for p in COLL):
-                tot += sum(int(np.prod(a.aval.shape)) * a.aval.dtype.itemsize for a in e.invars)
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    if hasattr(sub, "eqns"):
-                        tot += payload(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        tot += payload(sub.jaxpr)
-        return tot
+    from cp_helpers import collective_payload_bytes as payload
 
     kvs, kis = cp.dcp_place(kvc, 8, "contiguous"), cp.dcp_place(kic, 8, "contiguous")
     f = cp._decode_fn(mesh, "context", "dcp", "contiguous", scale, Rv, topk, None)
@@ -259,11 +256,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_context_parallel_on_8_fake_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
-    assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
+    _run_on_8_fake_devices(SCRIPT, timeout=600)
 
 
 def test_bench_cp_smoke():
@@ -379,20 +372,7 @@ MODEL_SCRIPT = textwrap.dedent(r"""
     check("TP decode step logits", rel(lg, r_steps[0]))
 
     # the DCP step's traced collectives carry exactly decode_comm_bytes_per_step's payload
-    COLL = ("all_gather", "psum", "pmax", "ppermute", "all_to_all", "reduce_scatter")
-
-    def payload(jaxpr):
-        tot = 0
-        for e in jaxpr.eqns:
-            if any(e.primitive.name.startswith(p) for p in COLL):
-                tot += sum(int(np.prod(a.aval.shape)) * a.aval.dtype.itemsize for a in e.invars)
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    if hasattr(sub, "eqns"):
-                        tot += payload(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        tot += payload(sub.jaxpr)
-        return tot
+    from cp_helpers import collective_payload_bytes as payload
 
     mesh = make_mesh("context=8")
     f, cspec = mc._dcp_decode_fn(ref, mesh, "context", B, "contiguous")
@@ -408,8 +388,4 @@ MODEL_SCRIPT = textwrap.dedent(r"""
 def test_model_context_parallel_on_8_fake_devices():
     """The whole tiny model: token-split prefill + DCP decode (context=8; tensor=2 x context=4, round-robin),
     head-split prefill + TP decode, against one device: logits ≤ 1e-4, same cache, same greedy tokens."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", MODEL_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=1500, cwd=ROOT)
-    assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
+    _run_on_8_fake_devices(MODEL_SCRIPT, timeout=1500)
