@@ -65,6 +65,7 @@ if ARGS.smoke:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from _timing import pipelined_seconds  # noqa: E402
 from kimi_jax import quant as Q  # noqa: E402
 from pallas_kernels.indexer import paged as ipaged  # noqa: E402
 from pallas_kernels.indexer import gpu as igpu  # noqa: E402
@@ -122,14 +123,7 @@ def time_jax(fn, *args, budget_s=0.25):
     reps = int(max(3, min(200, budget_s / est)))
     if ARGS.smoke:
         reps = 2
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        ts.append((time.perf_counter() - t) / reps)
-    return statistics.median(ts)
+    return pipelined_seconds(fn, *args, reps=reps)
 
 
 def copy_bandwidth():

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from _timing import pipelined_seconds  # noqa: E402
 from pallas_kernels.kda import ops, reference as R  # noqa: E402
 
 H, D = 96, 128
@@ -59,14 +60,7 @@ def time_jax(fn, *args, reps=20, warm=3):
     does in a serving loop), median of 3 such rounds."""
     for _ in range(warm):
         jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        ts.append((time.perf_counter() - t) / reps)
-    return statistics.median(ts)
+    return pipelined_seconds(fn, *args, reps=reps)
 
 
 def time_torch(fn, reps=20, warm=3):

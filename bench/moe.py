@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from _timing import pipelined_seconds  # noqa: E402
 from pallas_kernels.moe import gpu as moe_gpu  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops  # noqa: E402
@@ -65,14 +66,7 @@ def row(name, shape, ours, peer, bar, unit, higher_is_better=True, info=False):
 
 def time_jax(f, *args, reps=10, outer=5):
     jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(outer):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / reps)
-    return float(np.median(ts))
+    return pipelined_seconds(f, *args, reps=reps, rounds=outer)
 
 
 def time_torch(f, reps=10, outer=5):
