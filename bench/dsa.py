@@ -601,6 +601,10 @@ def main():
     g = GEOM
     secs = [("copy", 25)] + ([] if ARGS.no_tune else [("tune_ix", 35), ("tune_mla", 60)])
     secs += [(f"ctx:{c}", 40 if c >= (1 << 20) else 25) for c in g["contexts"]] + [("extra", 30)]
+    # the limits above fit the default 175 s budget; a larger budget stretches them (at 175 s, 32K and 128K sections
+    # could not finish their B = 32 rows)
+    stretch = max(1.0, ARGS.budget / 175.0)
+    secs = [(s, lim * stretch) for s, lim in secs]
     if ARGS.smoke:
         secs = [(s, 600) for s, _ in secs]
     deadline = t0 + ARGS.budget

@@ -148,11 +148,12 @@ def test_chunk_varlen_fp32_strong_decay(backend):
     np.testing.assert_allclose(sf[2], s0[2])  # the empty sequence keeps its initial state
 
 
-@pytest.mark.parametrize("tuning", [dict(split_o=True, fast_inverse=True, state_bv=16, out_bv=16),
-                                    dict(fast_diag=False)])
+@pytest.mark.parametrize("tuning", [dict(split_o=True, fast_inverse=True, state_bv=16, out_bv=16, intra_split=False),
+                                    dict(fast_diag=False, intra_split=False)])
 @pytest.mark.parametrize("g_lo,g_hi", [(-30.0, -5.0), (-4.0, -0.01)])
 def test_gpu_chunk_variants_fp32(tuning, g_lo, g_hi):
-    """The GPU kernel's launch variants (split output kernel, loop-free inverse, exact diagonal loop) on varlen fp32,
+    """The one-program kernel A's launch variants (split output kernel, loop-free inverse, exact diagonal loop) on
+    varlen fp32,
     with strong decay (exact diagonal path) and K3-range decay (one-matmul diagonal path)."""
     from pallas_kernels.kda import gpu
     q, k, v, g, beta = inputs(16, 1, 150, 2, 32, 16, g_lo, g_hi, jnp.float32)
@@ -165,6 +166,9 @@ def test_gpu_chunk_variants_fp32(tuning, g_lo, g_hi):
 
 
 _SPLIT_TUNINGS = [dict(intra_split=True),
+                  dict(intra_split=True, rows_form="tiled"),
+                  dict(intra_split=True, rows_form="tiled", fast_inverse=False, wu_cols=2, intra_mm="tf32"),
+                  dict(intra_split=True, rows_form="tiled", wu_form="inverse", wu_cols=2),
                   dict(intra_split=True, fast_diag=False, fast_inverse=True, wu_cols=2, intra_mm="tf32", split_o=True,
                        state_bv=16, out_bv=16),
                   dict(intra_split=True, fast_inverse=True, intra_mm="bf16_rows")]
@@ -174,7 +178,8 @@ _SPLIT_TUNINGS = [dict(intra_split=True),
 @pytest.mark.parametrize("dtype,g_lo,g_hi", [(jnp.float32, -30.0, -5.0), (jnp.float32, -4.0, -0.01),
                                              (jnp.bfloat16, -4.0, -0.01), (jnp.bfloat16, -30.0, -5.0)])
 def test_gpu_chunk_split_intra(tuning, dtype, g_lo, g_hi):
-    """The split kernel A (A1 per 16-row sub-block, A2 W/U by block substitution) on varlen input with an initial
+    """The split kernel A (A1 per 16-row sub-block, whole-chunk or tiled; A2 W/U by block substitution or from T's
+    blocks) on varlen input with an initial
     state, fp32 (IEEE products) and bf16 (bf16 / TF32 products), strong and K3-range decay; dk = dv = 32 so that
     wu_cols = 2 splits W/U into two column tiles."""
     from pallas_kernels.kda import gpu
@@ -187,8 +192,10 @@ def test_gpu_chunk_split_intra(tuning, dtype, g_lo, g_hi):
     assert rel_rms(o, o_r) < BARS[dtype] and rel_rms(sf, s_r) < BARS[dtype]
 
 
-def test_gpu_chunk_split_intra_fused_gate_bf16():
-    """Split kernel A with the K3 lower-bound gate computed in-kernel (A1 and A2 both form it), d = 128."""
+@pytest.mark.parametrize("rows_form", ["full", "tiled"])
+def test_gpu_chunk_split_intra_fused_gate_bf16(rows_form):
+    """Split kernel A with the K3 lower-bound gate computed in-kernel (A1 forms it; A2 too in the "full" form),
+    d = 128."""
     from pallas_kernels.kda import gpu
     B, T, H, d = 1, 100, 2, 128
     q, k, v, f, beta = inputs(22, B, T, H, d, d, -4.0, 4.0, jnp.bfloat16)
@@ -197,7 +204,7 @@ def test_gpu_chunk_split_intra_fused_gate_bf16():
     dt_bias = jnp.asarray(r.standard_normal(H * d), jnp.float32)
     cu = np.array([0, 37, 100])
     fn = lambda *a: gpu.chunk(*a, cu, None, A_log=A_log, dt_bias=dt_bias, gate_form="lower_bound", interpret=True,
-                              tuning=dict(intra_split=True, wu_cols=4))
+                              tuning=dict(intra_split=True, wu_cols=4, rows_form=rows_form))
     o, sf = run_fast(fn, q, k, v, f, beta)
     g = R.gate(f, A_log, dt_bias.reshape(H, d), "lower_bound")
     o_r, s_r = R.recurrent_varlen(*f32(q, k, v), g, beta, cu)
@@ -326,8 +333,10 @@ def test_gpu_kernels_lower_to_triton():
     f = lambda *a: gpu.chunk(*a[:5], cu, a[5], A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="lower_bound")
     txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("xla.gpu.triton") >= 2
-    f3 = lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=dict(split_o=True, fast_inverse=True))
+    f3 = lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=dict(split_o=True, fast_inverse=True, intra_split=False))
     assert jax.jit(f3).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 3
+    f4 = lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=dict(intra_split=True))  # A1, A2, B
+    assert jax.jit(f4).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 3
     dec = lambda *a: gpu.recurrent(*a[:5], a[5], a[6], A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="plain")
     dargs = (_sds((8, 1, H, d)),) * 3 + (_sds((8, 1, H, d)), _sds((8, 1, H)), _sds((16, H, d, d), jnp.float32),
                                          _sds((8,), jnp.int32))
@@ -386,7 +395,7 @@ def _triton_backend_check(text, num_warps):
 
 # every launch variant of the prefill op (kernel A's diagonal/inverse forms × the split output), both precisions,
 # precomputed and fused gates; every decode tile shape the diagnostics sweep
-_CHUNK_VARIANTS = [dict(fast_diag=fd, fast_inverse=fi, split_o=so)
+_CHUNK_VARIANTS = [dict(fast_diag=fd, fast_inverse=fi, split_o=so, intra_split=False)
                    for fd in (True, False) for fi in (False, True) for so in (False, True)]
 # the split kernel A (kda_intra_rows + kda_intra_wu) in every form the diagnostics sweep
 _SPLIT_VARIANTS = [dict(intra_split=True, fast_diag=fd, fast_inverse=fi, split_o=so, intra_mm=mm, wu_cols=nc,
@@ -398,6 +407,8 @@ _SPLIT_VARIANTS = [dict(intra_split=True, fast_diag=fd, fast_inverse=fi, split_o
                                                       (True, True, False, "bf16", 1, 2, 4),
                                                       (True, False, True, "bf16", 2, 8, 4),
                                                       (True, True, False, "bf16_rows", 1, 4, 4)]]
+_SPLIT_VARIANTS += [dict(v, rows_form="tiled") for v in _SPLIT_VARIANTS[:3]]
+_SPLIT_VARIANTS += [dict(v, rows_form="tiled", wu_form="inverse") for v in _SPLIT_VARIANTS[:3]]
 
 
 def test_gpu_triton_modules_verify_for_every_tuning():
@@ -428,7 +439,7 @@ def test_gpu_triton_modules_verify_for_every_tuning():
                     text = m.operation.get_asm(enable_debug_info=False)
                     assert "scf.if" not in text, tn
                     key = (name, tn["fast_diag"], tn["fast_inverse"], tune["intra_mm"], tune["wu_cols"], warps[name],
-                           gate != {}, dt)
+                           gate != {}, dt, tune["rows_form"], tune["wu_form"])
                     if key not in checked:
                         checked.add(key)
                         _triton_backend_check(text, warps[name])

@@ -207,6 +207,11 @@ FAST = {
     "sp512": dict(exact=False, block_n=512, num_warps=8, num_stages=2),
     "sp256_qk": dict(exact=False, block_n=256, num_warps=4, num_stages=3, orient="qk"),
     "sp256_big": dict(exact=False, block_n=256, num_warps=8, num_stages=3, tokens_per_program=16384),
+    # around the 2026-11-30 winner sp256_qk (0.62 of copy at 1M × 32): deeper pipelining, wider tiles, fewer programs
+    "sp256_qk_s4": dict(exact=False, block_n=256, num_warps=4, num_stages=4, orient="qk"),
+    "sp512_qk": dict(exact=False, block_n=512, num_warps=8, num_stages=3, orient="qk"),
+    "sp128_qk_s4": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk"),
+    "sp256_qk_big": dict(exact=False, block_n=256, num_warps=4, num_stages=3, orient="qk", tokens_per_program=16384),
 }
 
 

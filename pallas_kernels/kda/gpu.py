@@ -17,7 +17,7 @@ Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned t
   C  grid (chunks, H, dv/BV): B stores the state entering each chunk (h) and Vn, C computes O = qg h + Aqk Vn.
 Precision: fp32 inputs use Precision.HIGHEST dots, which the Triton lowering emits as IEEE fp32 (1e-4 bar); bf16
 inputs use the default (TF32 in kernel A, bf16 tensor cores with fp32 accumulation in B/C).
-Opt-in split kernel A (`intra_split`): A1 `kda_intra_rows` grid (chunks, H, 4), one 16-row sub-block per program
+Split kernel A (`intra_split`, the default since the 2026-11-30 H200 sweep): A1 `kda_intra_rows` grid (chunks, H, 4), one 16-row sub-block per program
 (Akk/Aqk row, diagonal block, its inverse T_ii, kg, qg), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by
 block forward substitution from Akk and T_ii in memory; products in bf16 (fp32 accumulation) for bf16 inputs
 (`intra_mm`), IEEE fp32 for fp32 inputs.
@@ -49,23 +49,29 @@ HP = jax.lax.Precision.HIGHEST
 # through `tuning=`). intra_*: kernel A; state_*: kernel B; out_*: kernel C (only with split_o); dec_*: decode.
 TUNING = dict(
     fast_diag=True,      # diagonal 16×16 blocks by one matmul when the decay range allows (chunk_math.FAST_DIAG_RANGE)
-    fast_inverse=False,  # diagonal blocks of (I+Akk)^-1 by chunk_math.unit_lower_inverse instead of substitution
+    fast_inverse=True,   # diagonal blocks of (I+Akk)^-1 by chunk_math.unit_lower_inverse instead of substitution
     intra_warps=4, intra_stages=1,
     state_bv=64, state_warps=4, state_stages=2,
     split_o=False,       # True: kernel B only carries the state (stores it per chunk + Vn); kernel C forms O in parallel
     out_bv=64, out_warps=4, out_stages=2,
-    dec_bv=64, dec_warps=4,  # H200 sweep: best at B = 64 and 256 (dec_warps=None: 4 if dk·BV ≥ 4096, else 2)
+    dec_bv=128, dec_warps=4,  # H200 sweep: 233 µs at B = 64 vs 242 µs for BV = 64 (dec_warps=None: 4 if dk·BV ≥ 4096, else 2)
     dec_heads=1,         # heads per decode program (grid (B, H/dec_heads, dv/BV); 1 if it does not divide H)
-    intra_only=False,    # diagnostics: `chunk` returns kernel A's outputs (W, U, kg, qg, Aqk, Γ_last) and stops
-    # opt-in split kernel A (two launches instead of `kda_intra`):
+    intra_only=False,    # diagnostics: `chunk` returns kernel A's outputs (W, U, kg, qg, Aqk, Γ_last) and stops;
+                         # "rows": the split A1's outputs only
+    # split kernel A (two launches; intra_split=False runs the one-program `kda_intra` instead):
     #   A1 `kda_intra_rows` grid (chunks, H, 4): one 16-row sub-block each — its Akk/Aqk row [16, 64] (off-diagonal
     #      part by one [16,dk]×[dk,64] product), the diagonal block and its inverse T_ii, kg, qg;
     #   A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution
     #      W_i = T_ii (βk e^Γ_i − Σ_{m<i} Akk_im W_m) reading Akk and T_ii from memory (no off-diagonal T blocks).
-    intra_split=False,
+    intra_split=True,    # H200, T = 8K: kernel A 3.49 ms split vs 6.80 ms one program per chunk (2026-11-30)
     intra_mm="bf16",     # split kernel A products for bf16 inputs: "bf16" (tensor cores, fp32 acc.), "tf32", or
                          # "bf16_rows" (bf16 in A1, TF32 in A2);
                          # fp32 inputs always use IEEE fp32 (HIGHEST)
+    rows_form="full",    # A1's off-diagonal part: "full" (the chunk's k and Γ as [64, dk] values, one [16,dk]×[dk,64]
+                         # product) or "tiled" (earlier sub-blocks in a [16, dk] loop, nearest first, with the decay
+                         # carried backwards — no [64, dk] value in registers; A1 also writes βk e^Γ so A2 forms no gate)
+    wu_form="substitute",  # A2 (tiled rows only): "substitute" (block forward substitution through W_m) or "inverse"
+                           # (T's off-diagonal 16×16 blocks first, then independent W_i = Σ_j T_ij βk_j e^Γ_j)
     rows_warps=4, rows_stages=1,
     wu_cols=1, wu_warps=4, wu_stages=1,  # wu_cols: column tiles of W/U per (chunk, head) (dk/wu_cols wide)
 )
@@ -295,11 +301,196 @@ def _intra_wu_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_
         _store(u_ref.at[rows, h, vc], U[i].astype(u_ref.dtype), mv)
 
 
+def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_ref, dtb_ref,
+                             akk_ref, tii_ref, aqk_ref, kg_ref, qg_ref, rk_ref, gl_ref, *, scale, dot, gate_form,
+                             lower_bound, fast_diag, fast_inverse):
+    """A1 in the `rows_form="tiled"` form, grid (chunks, H, C/SUB): the same outputs as `_intra_rows_kernel` plus
+    rk_i = β k_i e^{Γ_i} (A2's right-hand side, float32: A2 subtracts from it), with every value [16, dk] or smaller.
+
+    Earlier sub-blocks m = i−1, …, 0 are visited nearest first, carrying D = Γ(start of i) − Γ(end of m) ≤ 0, so
+    that the column factor e^{start_i − Γ_c} = e^{D} · e^{Γ_end(m) − Γ_c} is a product of two factors ≤ 1; after the
+    loop D is Γ at the start of sub-block i. Later sub-blocks only contribute their gate sums (to Γ_last).
+    Akk/Aqk blocks are stored one [16, 16] column block at a time (Akk's blocks at and above the diagonal are
+    never read and are not written)."""
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    i = pl.program_id(2)
+    st = start_ref[j]
+    L = len_ref[j]
+    dk = q_ref.shape[-1]
+    NS = C // SUB
+    exact_dot = M.make_dot(HP)
+    r16 = jnp.arange(SUB, dtype=jnp.int32)
+
+    def gate_block(m):
+        rows = pl.ds(st + m * SUB, SUB)
+        mk = jnp.broadcast_to(((m * SUB + r16) < L)[:, None], (SUB, dk))
+        g = _gate_rows(_load(g_ref.at[rows, h, :], mk).astype(jnp.float32), mk, a_ref, dtb_ref, h, gate_form,
+                       lower_bound)
+        return rows, mk, g
+
+    rows, mk, gi = gate_block(i)
+    valid = (i * SUB + r16) < L
+    m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
+    qi = _load(q_ref.at[rows, h, :], mk).astype(jnp.float32) * scale
+    ki = _load(k_ref.at[rows, h, :], mk).astype(jnp.float32)
+    bi = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None]
+    cs_i = jnp.cumsum(gi, axis=0)                     # Γ_r − Γ(start of i), ≤ 0
+    tot_i = jnp.sum(gi, axis=0, keepdims=True)
+    e_r = jnp.exp(cs_i)
+    kr = ki * e_r
+    qr = qi * e_r
+
+    def earlier(step, D):
+        m = i - 1 - step
+        rows_m, mk_m, gm = gate_block(m)
+        km = _load(k_ref.at[rows_m, h, :], mk_m).astype(jnp.float32)
+        tot_m = jnp.sum(gm, axis=0, keepdims=True)
+        kc = km * jnp.exp(D + (tot_m - jnp.cumsum(gm, axis=0)))  # e^{start_i − Γ_c}, both factors ≤ 1
+        cols = pl.ds(m * SUB, SUB)
+        _store(akk_ref.at[rows, h, cols], bi * dot(kr, kc, trans_b=True), m16)
+        _store(aqk_ref.at[rows, h, cols], dot(qr, kc, trans_b=True).astype(aqk_ref.dtype), m16)
+        return D + tot_m
+
+    zero_row = jnp.zeros((1, dk), jnp.float32)
+    start_i = jax.lax.fori_loop(0, i, earlier, zero_row)
+    after_i = jax.lax.fori_loop(0, NS - 1 - i, lambda step, acc: acc + jnp.sum(gate_block(i + 1 + step)[2], axis=0,
+                                                                                keepdims=True), zero_row)
+    # diagonal block (only differences of Γ enter it) and its inverse
+    akk_ii, aqk_ii = M.diag_block(cs_i, ki, qi, bi, zero_row, tot_i, dot=dot, fast_diag=fast_diag)
+    t_ii = M.diag_inverse(akk_ii, exact_dot, fast_inverse)
+    _store(aqk_ref.at[rows, h, pl.ds(i * SUB, SUB)], aqk_ii.astype(aqk_ref.dtype), m16)
+    zeros16 = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+    for jj in range(1, NS):  # Aqk above the diagonal (kernel B reads whole rows)
+        _store(aqk_ref.at[rows, h, pl.ds(jj * SUB, SUB)], zeros16, m16 & (jj > i))
+    _store(tii_ref.at[rows, h, :], t_ii, m16)
+    G_i = start_i + cs_i
+    _store(kg_ref.at[rows, h, :], (ki * jnp.exp((tot_i - cs_i) + after_i)).astype(kg_ref.dtype), mk)
+    _store(qg_ref.at[rows, h, :], (qi * jnp.exp(G_i)).astype(qg_ref.dtype), mk)
+    _store(rk_ref.at[rows, h, :], (bi * ki * jnp.exp(G_i)).astype(rk_ref.dtype), mk)
+    _store(gl_ref.at[j, h, :], (start_i + tot_i)[0], jnp.broadcast_to(i == NS - 1, (dk,)))
+
+
+def _intra_wu_rk_kernel(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_ref, w_ref, u_ref, *, dot, BK, BVw,
+                        inverse):
+    """A2 after the tiled A1: as `_intra_wu_kernel`, with the right-hand side β k e^Γ read from A1's output.
+
+    `inverse` (TUNING wu_form="inverse"): first the off-diagonal blocks of T = (I + Akk)^-1 by the 16×16 recursion
+    T_ij = −T_ii Σ_{j≤m<i} Akk_im T_mj (IEEE fp32 products: only [16,16] blocks chain), then W_i = Σ_{j≤i} T_ij rk_j
+    and U_i likewise — independent products instead of the substitution's chain through W_m."""
+    if inverse:
+        return _intra_wu_inverse(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_ref, w_ref, u_ref, dot=dot,
+                                 BK=BK, BVw=BVw)
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    p = pl.program_id(2)
+    kc = pl.ds(p * BK, BK)
+    vc = pl.ds(p * BVw, BVw)
+    st = start_ref[j]
+    L = len_ref[j]
+    NS = C // SUB
+    r16 = jnp.arange(SUB, dtype=jnp.int32)
+    W, U = [], []
+    for i in range(NS):
+        rows = pl.ds(st + i * SUB, SUB)
+        valid = (i * SUB + r16) < L
+        mk = jnp.broadcast_to(valid[:, None], (SUB, BK))
+        mv = jnp.broadcast_to(valid[:, None], (SUB, BVw))
+        m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
+        rk = _load(rk_ref.at[rows, h, kc], mk).astype(jnp.float32)
+        rv = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None] * _load(v_ref.at[rows, h, vc], mv).astype(
+            jnp.float32)
+        for m in range(i):
+            Lim = _load(akk_ref.at[rows, h, pl.ds(m * SUB, SUB)], m16)
+            rk = rk - dot(Lim, W[m])
+            rv = rv - dot(Lim, U[m])
+        Tii = _load(tii_ref.at[rows, h, :], m16)
+        W.append(dot(Tii, rk))
+        U.append(dot(Tii, rv))
+        _store(w_ref.at[rows, h, kc], W[i].astype(w_ref.dtype), mk)
+        _store(u_ref.at[rows, h, vc], U[i].astype(u_ref.dtype), mv)
+
+
+def _intra_wu_inverse(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_ref, w_ref, u_ref, *, dot, BK, BVw):
+    j = pl.program_id(0)
+    h = pl.program_id(1)
+    p = pl.program_id(2)
+    kc = pl.ds(p * BK, BK)
+    vc = pl.ds(p * BVw, BVw)
+    st = start_ref[j]
+    L = len_ref[j]
+    NS = C // SUB
+    r16 = jnp.arange(SUB, dtype=jnp.int32)
+    exact_dot = M.make_dot(HP)
+    rows, mk, mv, rk, rv, T = [], [], [], [], [], {}
+    for i in range(NS):
+        rows.append(pl.ds(st + i * SUB, SUB))
+        valid = (i * SUB + r16) < L
+        mk.append(jnp.broadcast_to(valid[:, None], (SUB, BK)))
+        mv.append(jnp.broadcast_to(valid[:, None], (SUB, BVw)))
+        m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
+        rk.append(_load(rk_ref.at[rows[i], h, kc], mk[i]).astype(jnp.float32))
+        rv.append(_load(b_ref.at[rows[i], h], valid).astype(jnp.float32)[:, None]
+                  * _load(v_ref.at[rows[i], h, vc], mv[i]).astype(jnp.float32))
+        T[i, i] = _load(tii_ref.at[rows[i], h, :], m16)
+        A = [_load(akk_ref.at[rows[i], h, pl.ds(m * SUB, SUB)], m16) for m in range(i)]
+        for jj in range(i - 1, -1, -1):
+            acc = exact_dot(A[jj], T[jj, jj])
+            for m in range(jj + 1, i):
+                acc = acc + exact_dot(A[m], T[m, jj])
+            T[i, jj] = -exact_dot(T[i, i], acc)
+    for i in range(NS):
+        w = dot(T[i, 0], rk[0])
+        u = dot(T[i, 0], rv[0])
+        for jj in range(1, i + 1):
+            w = w + dot(T[i, jj], rk[jj])
+            u = u + dot(T[i, jj], rv[jj])
+        _store(w_ref.at[rows[i], h, kc], w.astype(w_ref.dtype), mk[i])
+        _store(u_ref.at[rows[i], h, vc], u.astype(u_ref.dtype), mv[i])
+
+
 def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, lower_bound, interpret):
     Tt, H, dk = q.shape
     dv = v.shape[-1]
     NCH = tab.n_chunks
     dot = _split_dot(idt, tune["intra_mm"], "rows")
+    if tune["rows_form"] not in ("full", "tiled"):
+        raise ValueError(f"rows_form must be 'full' or 'tiled', got {tune['rows_form']!r}")
+    if tune["wu_form"] not in ("substitute", "inverse"):
+        raise ValueError(f"wu_form must be 'substitute' or 'inverse', got {tune['wu_form']!r}")
+    if tune["wu_form"] == "inverse" and tune["rows_form"] != "tiled":
+        raise ValueError("wu_form='inverse' needs rows_form='tiled' (it reads A1's β k e^Γ)")
+    nc = max(1, min(tune["wu_cols"], dk // 16, dv // 16))  # tiles of ≥ 16 columns (dk, dv: powers of two)
+    if dk % nc or dv % nc:
+        raise ValueError(f"wu_cols={nc} must divide dk={dk} and dv={dv}")
+    wu_dot = _split_dot(idt, tune["intra_mm"], "wu")
+    rows_params = _params(num_warps=tune["rows_warps"], num_stages=tune["rows_stages"])
+    wu_params = _params(num_warps=tune["wu_warps"], num_stages=tune["wu_stages"])
+    if tune["rows_form"] == "tiled":
+        akk, tii, aqk, kg, qg, rk, gl = pl.pallas_call(
+            functools.partial(_intra_rows_tiled_kernel, scale=scale, dot=dot, gate_form=gate_form,
+                              lower_bound=lower_bound, fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
+            grid=(NCH, H, C // SUB),
+            out_shape=[jax.ShapeDtypeStruct((Tt, H, C), jnp.float32), jax.ShapeDtypeStruct((Tt, H, SUB), jnp.float32),
+                       jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
+                       jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), jnp.float32),
+                       jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)],
+            compiler_params=rows_params,
+            interpret=interpret,
+            name="kda_intra_rows",
+        )(tab.start, tab.length, q, k, g, beta, a, dtb)
+        if tune["intra_only"] == "rows":
+            return akk, tii, aqk, kg, qg, rk, gl
+        W, U = pl.pallas_call(
+            functools.partial(_intra_wu_rk_kernel, dot=wu_dot, BK=dk // nc, BVw=dv // nc,
+                              inverse=tune["wu_form"] == "inverse"),
+            grid=(NCH, H, nc),
+            out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
+            compiler_params=wu_params,
+            interpret=interpret,
+            name="kda_intra_wu",
+        )(tab.start, tab.length, rk, v, beta, akk, tii)
+        return W, U, kg, qg, aqk, gl
     akk, tii, aqk, kg, qg, gl = pl.pallas_call(
         functools.partial(_intra_rows_kernel, scale=scale, dot=dot, gate_form=gate_form, lower_bound=lower_bound,
                           fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
@@ -307,19 +498,18 @@ def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, 
         out_shape=[jax.ShapeDtypeStruct((Tt, H, C), jnp.float32), jax.ShapeDtypeStruct((Tt, H, SUB), jnp.float32),
                    jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
                    jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)],
-        compiler_params=_params(num_warps=tune["rows_warps"], num_stages=tune["rows_stages"]),
+        compiler_params=rows_params,
         interpret=interpret,
         name="kda_intra_rows",
     )(tab.start, tab.length, q, k, g, beta, a, dtb)
-    nc = max(1, min(tune["wu_cols"], dk // 16, dv // 16))  # tiles of ≥ 16 columns (dk, dv: powers of two)
-    if dk % nc or dv % nc:
-        raise ValueError(f"wu_cols={nc} must divide dk={dk} and dv={dv}")
+    if tune["intra_only"] == "rows":
+        return akk, tii, aqk, kg, qg, gl
     W, U = pl.pallas_call(
-        functools.partial(_intra_wu_kernel, dot=_split_dot(idt, tune["intra_mm"], "wu"), gate_form=gate_form, lower_bound=lower_bound,
+        functools.partial(_intra_wu_kernel, dot=wu_dot, gate_form=gate_form, lower_bound=lower_bound,
                           BK=dk // nc, BVw=dv // nc),
         grid=(NCH, H, nc),
         out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
-        compiler_params=_params(num_warps=tune["wu_warps"], num_stages=tune["wu_stages"]),
+        compiler_params=wu_params,
         interpret=interpret,
         name="kda_intra_wu",
     )(tab.start, tab.length, k, v, g, beta, a, dtb, akk, tii)

@@ -24,12 +24,11 @@ from . import chunk_math
 from . import reference
 
 BACKENDS = ("reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
-# GPU: "auto" stays on the XLA reference until bench/kda_gpu_diag.py confirms on the H200 what interpret mode shows on
-# CPU: the 0.31 model-level mismatch (bench/gpu_check.py, 2026-11-30) came from the *reference* computing its products
-# in TF32 (JAX's default float32 matmul precision on Hopper; 3e-4 relative error) while the kernel's fp32 path is IEEE;
-# the tiny random model's top-k choices amplify a 3e-5 perturbation of the KDA output to 2e-2 of the logits. The
-# reference now uses Precision.HIGHEST. Then map "gpu"/"cuda" to "gpu" here.
-_PLATFORM_TO_BACKEND = {"gpu": "reference", "cuda": "reference", "tpu": "tpu"}
+# GPU: "auto" takes the Pallas Triton kernels. The model-level GPU check (tests/test_kernel_path.py, `gpu` case, and
+# bench/kda_gpu_diag.py "model") runs both paths with IEEE fp32 products: under XLA's TF32 default the other layers'
+# roundings and the tiny model's top-k selections amplify the kernels' 1e-6 difference (session 1's 0.31, session 2's
+# 0.28 were that, not the kernels; see bench/RESULTS.md).
+_PLATFORM_TO_BACKEND = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 
 
 def resolve_backend(backend: str = "auto") -> str:
