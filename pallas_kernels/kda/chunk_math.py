@@ -161,27 +161,36 @@ def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, f
         g_end = start[i + 1] if i + 1 < NS else g_last
         Akk[i, i], Aqk[i, i] = diag_block(G[i], kb[i], qb[i], bb[i], start[i], g_end, dot=dot, fast_diag=fast_diag)
         Tm[i, i] = diag_inverse(Akk[i, i], exact_dot, fast_inverse)
+    inverse_offdiag(Akk, Tm, NS, dot)
+
+    W = apply_lower_blocks(Tm, [bb[j] * kb[j] * jnp.exp(G[j]) for j in range(NS)], dot)
+    U = apply_lower_blocks(Tm, [bb[j] * vb[j] for j in range(NS)], dot)
+    kg = [kb[i] * jnp.exp(g_last - G[i]) for i in range(NS)]
+    qg = [qb[i] * jnp.exp(G[i]) for i in range(NS)]
+    return Intra(W, U, kg, qg, Aqk, g_last)
+
+
+def inverse_offdiag(Akk: dict, Tm: dict, NS: int, dot) -> dict:
+    """Off-diagonal blocks of T = (I + Akk)^-1 (block lower triangular, SUB×SUB blocks) from its diagonal blocks
+    Tm[i, i]: T_ij = −T_ii Σ_{j≤m<i} Akk_im T_mj, filled into `Tm` column by column. Akk[i, m] for m < i."""
     for j in range(NS):
         for i in range(j + 1, NS):
             acc = dot(Akk[i, j], Tm[j, j])
             for m in range(j + 1, i):
                 acc = acc + dot(Akk[i, m], Tm[m, j])
             Tm[i, j] = -dot(Tm[i, i], acc)
+    return Tm
 
-    bk = [bb[j] * kb[j] * jnp.exp(G[j]) for j in range(NS)]
-    bv = [bb[j] * vb[j] for j in range(NS)]
-    W, U, kg, qg = [], [], [], []
-    for i in range(NS):
-        w = dot(Tm[i, 0], bk[0])
-        u = dot(Tm[i, 0], bv[0])
+
+def apply_lower_blocks(Tm: dict, xs: list, dot) -> list:
+    """Row blocks of T X for a block lower-triangular T (dict of blocks, j ≤ i) and X given as its row blocks."""
+    out = []
+    for i in range(len(xs)):
+        acc = dot(Tm[i, 0], xs[0])
         for j in range(1, i + 1):
-            w = w + dot(Tm[i, j], bk[j])
-            u = u + dot(Tm[i, j], bv[j])
-        W.append(w)
-        U.append(u)
-        kg.append(kb[i] * jnp.exp(g_last - G[i]))
-        qg.append(qb[i] * jnp.exp(G[i]))
-    return Intra(W, U, kg, qg, Aqk, g_last)
+            acc = acc + dot(Tm[i, j], xs[j])
+        out.append(acc)
+    return out
 
 
 def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):

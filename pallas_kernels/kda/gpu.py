@@ -262,45 +262,6 @@ def _intra_rows_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_ref, dt
     _store(gl_ref.at[j, h, :], g_last[0], jnp.broadcast_to(i == NS - 1, (dk,)))
 
 
-def _intra_wu_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, akk_ref, tii_ref,
-                     w_ref, u_ref, *, dot, gate_form, lower_bound, BK, BVw):
-    """A2, grid (chunks, H, wu_cols): W_i = T_ii (β k e^Γ_i − Σ_{m<i} Akk_im W_m), U likewise with β v, on a column
-    tile of width BK (W) / BVw (U)."""
-    j = pl.program_id(0)
-    h = pl.program_id(1)
-    p = pl.program_id(2)
-    kc = pl.ds(p * BK, BK)
-    vc = pl.ds(p * BVw, BVw)
-    st = start_ref[j]
-    L = len_ref[j]
-    NS = C // SUB
-    r16 = jnp.arange(SUB, dtype=jnp.int32)
-    s = jnp.zeros((1, BK), jnp.float32)
-    W, U = [], []
-    for i in range(NS):
-        rows = pl.ds(st + i * SUB, SUB)
-        valid = (i * SUB + r16) < L
-        mk = jnp.broadcast_to(valid[:, None], (SUB, BK))
-        mv = jnp.broadcast_to(valid[:, None], (SUB, BVw))
-        m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
-        g = _gate_rows(_load(g_ref.at[rows, h, kc], mk).astype(jnp.float32), mk, a_ref, dtb_ref, h, gate_form,
-                       lower_bound, cols=kc)
-        Gi = s + jnp.cumsum(g, axis=0)
-        s = s + jnp.sum(g, axis=0, keepdims=True)
-        bi = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None]
-        rk = bi * _load(k_ref.at[rows, h, kc], mk).astype(jnp.float32) * jnp.exp(Gi)
-        rv = bi * _load(v_ref.at[rows, h, vc], mv).astype(jnp.float32)
-        for m in range(i):
-            Lim = _load(akk_ref.at[rows, h, pl.ds(m * SUB, SUB)], m16)
-            rk = rk - dot(Lim, W[m])
-            rv = rv - dot(Lim, U[m])
-        Tii = _load(tii_ref.at[rows, h, :], m16)
-        W.append(dot(Tii, rk))
-        U.append(dot(Tii, rv))
-        _store(w_ref.at[rows, h, kc], W[i].astype(w_ref.dtype), mk)
-        _store(u_ref.at[rows, h, vc], U[i].astype(u_ref.dtype), mv)
-
-
 def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_ref, dtb_ref,
                              akk_ref, tii_ref, aqk_ref, kg_ref, qg_ref, rk_ref, gl_ref, *, scale, dot, gate_form,
                              lower_bound, fast_diag, fast_inverse):
@@ -371,16 +332,16 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
     _store(gl_ref.at[j, h, :], (start_i + tot_i)[0], jnp.broadcast_to(i == NS - 1, (dk,)))
 
 
-def _intra_wu_rk_kernel(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_ref, w_ref, u_ref, *, dot, BK, BVw,
-                        inverse):
-    """A2 after the tiled A1: as `_intra_wu_kernel`, with the right-hand side β k e^Γ read from A1's output.
+def _intra_wu_kernel(start_ref, len_ref, x_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, akk_ref, tii_ref,
+                     w_ref, u_ref, *, dot, gate_form, lower_bound, BK, BVw, rhs, inverse):
+    """A2, grid (chunks, H, wu_cols): W = T (β k e^Γ), U = T (β v), T = (I + Akk)^-1, on a column tile of width
+    BK (W) / BVw (U).
 
-    `inverse` (TUNING wu_form="inverse"): first the off-diagonal blocks of T = (I + Akk)^-1 by the 16×16 recursion
-    T_ij = −T_ii Σ_{j≤m<i} Akk_im T_mj (IEEE fp32 products: only [16,16] blocks chain), then W_i = Σ_{j≤i} T_ij rk_j
-    and U_i likewise — independent products instead of the substitution's chain through W_m."""
-    if inverse:
-        return _intra_wu_inverse(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_ref, w_ref, u_ref, dot=dot,
-                                 BK=BK, BVw=BVw)
+    rhs: "gate" — x_ref is k and β k e^Γ is formed here from the raw gate (after the whole-chunk A1); "stored" —
+    x_ref holds β k e^Γ in float32 (the tiled A1 writes it).
+    inverse=False: block forward substitution W_i = T_ii (rhs_i − Σ_{m<i} Akk_im W_m), reading Akk and T_ii as it
+    goes; True (`wu_form="inverse"`): T's off-diagonal 16×16 blocks first (`chunk_math.inverse_offdiag`, IEEE fp32
+    products — only [16, 16] blocks chain), then the independent products W_i = Σ_{j≤i} T_ij rhs_j."""
     j = pl.program_id(0)
     h = pl.program_id(1)
     p = pl.program_id(2)
@@ -390,129 +351,87 @@ def _intra_wu_rk_kernel(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_r
     L = len_ref[j]
     NS = C // SUB
     r16 = jnp.arange(SUB, dtype=jnp.int32)
-    W, U = [], []
-    for i in range(NS):
-        rows = pl.ds(st + i * SUB, SUB)
-        valid = (i * SUB + r16) < L
-        mk = jnp.broadcast_to(valid[:, None], (SUB, BK))
-        mv = jnp.broadcast_to(valid[:, None], (SUB, BVw))
-        m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
-        rk = _load(rk_ref.at[rows, h, kc], mk).astype(jnp.float32)
-        rv = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None] * _load(v_ref.at[rows, h, vc], mv).astype(
-            jnp.float32)
-        for m in range(i):
-            Lim = _load(akk_ref.at[rows, h, pl.ds(m * SUB, SUB)], m16)
-            rk = rk - dot(Lim, W[m])
-            rv = rv - dot(Lim, U[m])
-        Tii = _load(tii_ref.at[rows, h, :], m16)
-        W.append(dot(Tii, rk))
-        U.append(dot(Tii, rv))
-        _store(w_ref.at[rows, h, kc], W[i].astype(w_ref.dtype), mk)
-        _store(u_ref.at[rows, h, vc], U[i].astype(u_ref.dtype), mv)
-
-
-def _intra_wu_inverse(start_ref, len_ref, rk_ref, v_ref, b_ref, akk_ref, tii_ref, w_ref, u_ref, *, dot, BK, BVw):
-    j = pl.program_id(0)
-    h = pl.program_id(1)
-    p = pl.program_id(2)
-    kc = pl.ds(p * BK, BK)
-    vc = pl.ds(p * BVw, BVw)
-    st = start_ref[j]
-    L = len_ref[j]
-    NS = C // SUB
-    r16 = jnp.arange(SUB, dtype=jnp.int32)
-    exact_dot = M.make_dot(HP)
-    rows, mk, mv, rk, rv, T = [], [], [], [], [], {}
+    s = jnp.zeros((1, BK), jnp.float32)
+    rows, mk, mv, rk, rv, W, U, A, T = [], [], [], [], [], [], [], {}, {}
     for i in range(NS):
         rows.append(pl.ds(st + i * SUB, SUB))
         valid = (i * SUB + r16) < L
         mk.append(jnp.broadcast_to(valid[:, None], (SUB, BK)))
         mv.append(jnp.broadcast_to(valid[:, None], (SUB, BVw)))
         m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
-        rk.append(_load(rk_ref.at[rows[i], h, kc], mk[i]).astype(jnp.float32))
-        rv.append(_load(b_ref.at[rows[i], h], valid).astype(jnp.float32)[:, None]
-                  * _load(v_ref.at[rows[i], h, vc], mv[i]).astype(jnp.float32))
+        bi = _load(b_ref.at[rows[i], h], valid).astype(jnp.float32)[:, None]
+        if rhs == "gate":
+            g = _gate_rows(_load(g_ref.at[rows[i], h, kc], mk[i]).astype(jnp.float32), mk[i], a_ref, dtb_ref, h,
+                           gate_form, lower_bound, cols=kc)
+            Gi = s + jnp.cumsum(g, axis=0)
+            s = s + jnp.sum(g, axis=0, keepdims=True)
+            rk.append(bi * _load(x_ref.at[rows[i], h, kc], mk[i]).astype(jnp.float32) * jnp.exp(Gi))
+        else:
+            rk.append(_load(x_ref.at[rows[i], h, kc], mk[i]).astype(jnp.float32))
+        rv.append(bi * _load(v_ref.at[rows[i], h, vc], mv[i]).astype(jnp.float32))
+        for m in range(i):
+            A[i, m] = _load(akk_ref.at[rows[i], h, pl.ds(m * SUB, SUB)], m16)
+            if not inverse:
+                rk[i] = rk[i] - dot(A[i, m], W[m])
+                rv[i] = rv[i] - dot(A[i, m], U[m])
         T[i, i] = _load(tii_ref.at[rows[i], h, :], m16)
-        A = [_load(akk_ref.at[rows[i], h, pl.ds(m * SUB, SUB)], m16) for m in range(i)]
-        for jj in range(i - 1, -1, -1):
-            acc = exact_dot(A[jj], T[jj, jj])
-            for m in range(jj + 1, i):
-                acc = acc + exact_dot(A[m], T[m, jj])
-            T[i, jj] = -exact_dot(T[i, i], acc)
+        if not inverse:
+            W.append(dot(T[i, i], rk[i]))
+            U.append(dot(T[i, i], rv[i]))
+    if inverse:
+        M.inverse_offdiag(A, T, NS, M.make_dot(HP))
+        W = M.apply_lower_blocks(T, rk, dot)
+        U = M.apply_lower_blocks(T, rv, dot)
     for i in range(NS):
-        w = dot(T[i, 0], rk[0])
-        u = dot(T[i, 0], rv[0])
-        for jj in range(1, i + 1):
-            w = w + dot(T[i, jj], rk[jj])
-            u = u + dot(T[i, jj], rv[jj])
-        _store(w_ref.at[rows[i], h, kc], w.astype(w_ref.dtype), mk[i])
-        _store(u_ref.at[rows[i], h, vc], u.astype(u_ref.dtype), mv[i])
+        _store(w_ref.at[rows[i], h, kc], W[i].astype(w_ref.dtype), mk[i])
+        _store(u_ref.at[rows[i], h, vc], U[i].astype(u_ref.dtype), mv[i])
 
 
 def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, lower_bound, interpret):
+    """The split kernel A: A1 (`rows_form` "full" or "tiled") then A2 (`wu_form` "substitute" or "inverse")."""
     Tt, H, dk = q.shape
     dv = v.shape[-1]
     NCH = tab.n_chunks
-    dot = _split_dot(idt, tune["intra_mm"], "rows")
     if tune["rows_form"] not in ("full", "tiled"):
         raise ValueError(f"rows_form must be 'full' or 'tiled', got {tune['rows_form']!r}")
     if tune["wu_form"] not in ("substitute", "inverse"):
         raise ValueError(f"wu_form must be 'substitute' or 'inverse', got {tune['wu_form']!r}")
-    if tune["wu_form"] == "inverse" and tune["rows_form"] != "tiled":
+    tiled = tune["rows_form"] == "tiled"
+    if tune["wu_form"] == "inverse" and not tiled:
         raise ValueError("wu_form='inverse' needs rows_form='tiled' (it reads A1's β k e^Γ)")
     nc = max(1, min(tune["wu_cols"], dk // 16, dv // 16))  # tiles of ≥ 16 columns (dk, dv: powers of two)
     if dk % nc or dv % nc:
         raise ValueError(f"wu_cols={nc} must divide dk={dk} and dv={dv}")
-    wu_dot = _split_dot(idt, tune["intra_mm"], "wu")
-    rows_params = _params(num_warps=tune["rows_warps"], num_stages=tune["rows_stages"])
-    wu_params = _params(num_warps=tune["wu_warps"], num_stages=tune["wu_stages"])
-    if tune["rows_form"] == "tiled":
-        akk, tii, aqk, kg, qg, rk, gl = pl.pallas_call(
-            functools.partial(_intra_rows_tiled_kernel, scale=scale, dot=dot, gate_form=gate_form,
-                              lower_bound=lower_bound, fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
-            grid=(NCH, H, C // SUB),
-            out_shape=[jax.ShapeDtypeStruct((Tt, H, C), jnp.float32), jax.ShapeDtypeStruct((Tt, H, SUB), jnp.float32),
-                       jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
-                       jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), jnp.float32),
-                       jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)],
-            compiler_params=rows_params,
-            interpret=interpret,
-            name="kda_intra_rows",
-        )(tab.start, tab.length, q, k, g, beta, a, dtb)
-        if tune["intra_only"] == "rows":
-            return akk, tii, aqk, kg, qg, rk, gl
-        W, U = pl.pallas_call(
-            functools.partial(_intra_wu_rk_kernel, dot=wu_dot, BK=dk // nc, BVw=dv // nc,
-                              inverse=tune["wu_form"] == "inverse"),
-            grid=(NCH, H, nc),
-            out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
-            compiler_params=wu_params,
-            interpret=interpret,
-            name="kda_intra_wu",
-        )(tab.start, tab.length, rk, v, beta, akk, tii)
-        return W, U, kg, qg, aqk, gl
-    akk, tii, aqk, kg, qg, gl = pl.pallas_call(
-        functools.partial(_intra_rows_kernel, scale=scale, dot=dot, gate_form=gate_form, lower_bound=lower_bound,
-                          fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
+    f32 = jnp.float32
+    out_rows = ([jax.ShapeDtypeStruct((Tt, H, C), f32), jax.ShapeDtypeStruct((Tt, H, SUB), f32),
+                 jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
+                 jax.ShapeDtypeStruct((Tt, H, dk), idt)]
+                + ([jax.ShapeDtypeStruct((Tt, H, dk), f32)] if tiled else [])  # β k e^Γ for A2
+                + [jax.ShapeDtypeStruct((NCH, H, dk), f32)])
+    outs = pl.pallas_call(
+        functools.partial(_intra_rows_tiled_kernel if tiled else _intra_rows_kernel, scale=scale,
+                          dot=_split_dot(idt, tune["intra_mm"], "rows"), gate_form=gate_form,
+                          lower_bound=lower_bound, fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
         grid=(NCH, H, C // SUB),
-        out_shape=[jax.ShapeDtypeStruct((Tt, H, C), jnp.float32), jax.ShapeDtypeStruct((Tt, H, SUB), jnp.float32),
-                   jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
-                   jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)],
-        compiler_params=rows_params,
+        out_shape=out_rows,
+        compiler_params=_params(num_warps=tune["rows_warps"], num_stages=tune["rows_stages"]),
         interpret=interpret,
         name="kda_intra_rows",
     )(tab.start, tab.length, q, k, g, beta, a, dtb)
     if tune["intra_only"] == "rows":
-        return akk, tii, aqk, kg, qg, gl
+        return tuple(outs)
+    akk, tii, aqk, kg, qg = outs[:5]
+    gl = outs[-1]
     W, U = pl.pallas_call(
-        functools.partial(_intra_wu_kernel, dot=wu_dot, gate_form=gate_form, lower_bound=lower_bound,
-                          BK=dk // nc, BVw=dv // nc),
+        functools.partial(_intra_wu_kernel, dot=_split_dot(idt, tune["intra_mm"], "wu"), gate_form=gate_form,
+                          lower_bound=lower_bound, BK=dk // nc, BVw=dv // nc, rhs="stored" if tiled else "gate",
+                          inverse=tune["wu_form"] == "inverse"),
         grid=(NCH, H, nc),
         out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
-        compiler_params=wu_params,
+        compiler_params=_params(num_warps=tune["wu_warps"], num_stages=tune["wu_stages"]),
         interpret=interpret,
         name="kda_intra_wu",
-    )(tab.start, tab.length, k, v, g, beta, a, dtb, akk, tii)
+    )(tab.start, tab.length, outs[5] if tiled else k, v, g, beta, a, dtb, akk, tii)
     return W, U, kg, qg, aqk, gl
 
 
