@@ -46,6 +46,9 @@ BUDGET = [125.0]
 EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False, intra_split=False)
 
 
+DECODE_RESERVE = [50.0]  # seconds the prefill sweep leaves for the decode section (0 when it is skipped)
+
+
 def left():
     return BUDGET[0] - (time.time() - T0)
 
@@ -252,7 +255,7 @@ def prefill_sweep():
              dict(intra_split=False, fast_diag=False, fast_inverse=False, intra_warps=4)]
     a_times = {}
     for tn in intra:
-        if left() < 110:  # leave time for the whole-op runs and the decode section
+        if left() < 60 + DECODE_RESERVE[0]:  # leave time for the whole-op runs and the decode section
             break
         res = attempt(f"prefill 8K kernel A {tn}", run, tn, intra_only=True)
         if res is None:
@@ -265,13 +268,13 @@ def prefill_sweep():
     if not ranked:
         ranked = [dict(EXACT)]
     best_a = ranked[0]
-    whole = [dict(), dict(split_o=True), dict(state_bv=32), dict(state_warps=8, state_stages=3),
-             dict(split_o=True, state_bv=32, out_bv=128, out_warps=8)]
+    whole = [dict(), dict(state_bv=128, state_warps=8), dict(split_o=True), dict(state_bv=32),
+             dict(state_warps=8, state_stages=3), dict(split_o=True, state_bv=32, out_bv=128, out_warps=8)]
     best, best_w = None, 1e9
     # the fastest kernel A with each kernel-B form, then the runners-up with the default B
     tries = [dict(best_a, **tn) for tn in whole] + [dict(tn, split_o=False) for tn in ranked[1:3]]
     for tt in tries:
-        if left() < 60:  # leave time for the decode section
+        if left() < 10 + DECODE_RESERVE[0]:  # leave time for the decode section
             break
         res = attempt(f"prefill 8K whole {tt}", run, tt)
         if res is None:
@@ -363,6 +366,7 @@ def main():
     a = ap.parse_args()
     BUDGET[0] = a.budget
     skip = set(a.skip.split(","))
+    DECODE_RESERVE[0] = 0.0 if "decode" in skip else 50.0
     say("devices", jax.devices(), "jax", jax.__version__)
     out = os.environ.get("OUT")
     for name, fn in (("precision", precision_checks), ("model", model_checks), ("prefill", prefill_sweep),
