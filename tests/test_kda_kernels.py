@@ -497,3 +497,14 @@ def test_gpu_recurrent_device(dtype):
     g = R.gate(f, A_log, dt_bias.reshape(8, 128), "lower_bound")
     o_r, pool_r = R.recurrent_slots(*f32(q, k, v), g, beta, pool, slots)
     assert rel_rms(o, o_r) < BARS[dtype] and rel_rms(new, pool_r) < BARS[dtype]
+
+
+@pytest.mark.parametrize("rows_form,n_out", [("full", 6), ("tiled", 7)])
+def test_gpu_chunk_intra_only_rows_returns_a1_outputs(rows_form, n_out):
+    """Diagnostics hook of bench/kda_gpu_diag.py: `intra_only="rows"` stops after the split A1 and returns its
+    outputs (Akk, T_ii, Aqk, kg, qg, [β k e^Γ,] Γ_last)."""
+    from pallas_kernels.kda import gpu
+    q, k, v, g, beta = inputs(31, 1, 40, 2, 16, 16, -4.0, -0.01, jnp.float32)
+    outs = gpu.chunk(q, k, v, g, beta, np.array([0, 40]), None, interpret=True,
+                     tuning=dict(rows_form=rows_form, intra_only="rows"))
+    assert len(outs) == n_out and outs[-1].shape == (1, 2, 16)

@@ -5,7 +5,8 @@ Imports on CPU (jax 0.10.2) and on the GPU host (jax 0.11.2): both expose `jax.e
 is chosen by passing its CompilerParams (jax's default GPU backend is Mosaic GPU). On CPU the kernels run through
 `interpret=True`.
 
-Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned to sequence starts):
+Prefill = kernel A (one launch, or two in the default split form below), then kernel B, over the packed [Ttot] token
+axis (chunks of 64 aligned to sequence starts):
   A `intra`  grid (chunks, H), fully parallel: Γ, Akk/Aqk with 16-row sub-blocks, (I+Akk)^-1 by blocks,
              W = T(β k e^Γ), U = T(β v), kg = k e^{Γ_last−Γ}, qg = q e^Γ; writes them in the input dtype.
   B `state`  grid (dv/BV, H, sequences), sequential over the sequence's chunks with the state [dk, BV] in registers:
@@ -17,10 +18,11 @@ Prefill = two launches over the packed [Ttot] token axis (chunks of 64 aligned t
   C  grid (chunks, H, dv/BV): B stores the state entering each chunk (h) and Vn, C computes O = qg h + Aqk Vn.
 Precision: fp32 inputs use Precision.HIGHEST dots, which the Triton lowering emits as IEEE fp32 (1e-4 bar); bf16
 inputs use the default (TF32 in kernel A, bf16 tensor cores with fp32 accumulation in B/C).
-Split kernel A (`intra_split`, the default since the 2026-11-30 H200 sweep): A1 `kda_intra_rows` grid (chunks, H, 4), one 16-row sub-block per program
-(Akk/Aqk row, diagonal block, its inverse T_ii, kg, qg), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by
-block forward substitution from Akk and T_ii in memory; products in bf16 (fp32 accumulation) for bf16 inputs
-(`intra_mm`), IEEE fp32 for fp32 inputs.
+Split kernel A (`intra_split`, the default since the 2026-11-30 H200 sweeps): A1 `kda_intra_rows` grid
+(chunks, H, 4), one 16-row sub-block per program (Akk/Aqk row, diagonal block, its inverse T_ii, kg, qg; in the
+default `rows_form="tiled"` the earlier sub-blocks are visited one [16, dk] tile at a time and A1 also writes
+β k e^Γ), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution from Akk and T_ii in
+memory; products in bf16 (fp32 accumulation) for bf16 inputs (`intra_mm`), IEEE fp32 for fp32 inputs.
 Decode = one launch, grid (B, H/dec_heads, dv/BV): the state slice is read from and written back to the pool at the slot id
 (aliased, so it is in place under donation); the gate can be computed in-kernel from raw f, A_log and dt_bias.
 """
@@ -59,21 +61,23 @@ TUNING = dict(
     intra_only=False,    # diagnostics: `chunk` returns kernel A's outputs (W, U, kg, qg, Aqk, Γ_last) and stops;
                          # "rows": the split A1's outputs only
     # split kernel A (two launches; intra_split=False runs the one-program `kda_intra` instead):
-    #   A1 `kda_intra_rows` grid (chunks, H, 4): one 16-row sub-block each — its Akk/Aqk row [16, 64] (off-diagonal
-    #      part by one [16,dk]×[dk,64] product), the diagonal block and its inverse T_ii, kg, qg;
+    #   A1 `kda_intra_rows` grid (chunks, H, 4): one 16-row sub-block each — its Akk/Aqk row [16, 64] (see
+    #      rows_form), the diagonal block and its inverse T_ii, kg, qg;
     #   A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution
     #      W_i = T_ii (βk e^Γ_i − Σ_{m<i} Akk_im W_m) reading Akk and T_ii from memory (no off-diagonal T blocks).
-    intra_split=True,    # H200, T = 8K: kernel A 3.49 ms split vs 6.80 ms one program per chunk (2026-11-30)
+    intra_split=True,    # H200, T = 8K: kernel A 3.49 ms split (full A1) vs 6.80 ms one program per chunk
     intra_mm="bf16",     # split kernel A products for bf16 inputs: "bf16" (tensor cores, fp32 acc.), "tf32", or
                          # "bf16_rows" (bf16 in A1, TF32 in A2);
                          # fp32 inputs always use IEEE fp32 (HIGHEST)
-    rows_form="full",    # A1's off-diagonal part: "full" (the chunk's k and Γ as [64, dk] values, one [16,dk]×[dk,64]
+    rows_form="tiled",   # A1's off-diagonal part: "full" (the chunk's k and Γ as [64, dk] values, one [16,dk]×[dk,64]
                          # product) or "tiled" (earlier sub-blocks in a [16, dk] loop, nearest first, with the decay
                          # carried backwards — no [64, dk] value in registers; A1 also writes βk e^Γ so A2 forms no gate)
     wu_form="substitute",  # A2 (tiled rows only): "substitute" (block forward substitution through W_m) or "inverse"
                            # (T's off-diagonal 16×16 blocks first, then independent W_i = Σ_j T_ij βk_j e^Γ_j)
-    rows_warps=4, rows_stages=1,
-    wu_cols=1, wu_warps=4, wu_stages=1,  # wu_cols: column tiles of W/U per (chunk, head) (dk/wu_cols wide)
+    # H200, T = 8K, H = 96 (session 3): tiled A1 and A2 at 2 warps each — kernel A 2.29 ms, whole op 2.99 ms (full
+    # A1 at 4 + 4 warps: kernel A 3.49–3.82 ms); wu_cols: column tiles of W/U per (chunk, head) (dk/wu_cols wide)
+    rows_warps=2, rows_stages=1,
+    wu_cols=1, wu_warps=2, wu_stages=1,
 )
 
 
@@ -567,9 +571,11 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
              jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
              jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((NCH, H, dk), jnp.float32)]
     if tune["intra_split"]:
-        W, U, kg, qg, Aqk, gl = _intra_split(tab, q[0], k[0], v[0], g[0], beta[0], a, dtb, scale=scale, idt=idt,
-                                             tune=tune, gate_form=gate_form, lower_bound=lower_bound,
-                                             interpret=interpret)
+        outs = _intra_split(tab, q[0], k[0], v[0], g[0], beta[0], a, dtb, scale=scale, idt=idt, tune=tune,
+                            gate_form=gate_form, lower_bound=lower_bound, interpret=interpret)
+        if tune["intra_only"] == "rows":  # diagnostics: A1's outputs (6 or 7 arrays by rows_form)
+            return outs
+        W, U, kg, qg, Aqk, gl = outs
     else:
         W, U, kg, qg, Aqk, gl = pl.pallas_call(
             functools.partial(_intra_kernel, scale=scale, precision=prec, gate_form=gate_form, lower_bound=lower_bound,
