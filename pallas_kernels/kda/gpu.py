@@ -204,16 +204,18 @@ def _gate_rows(g, mk, a_ref, dtb_ref, h, gate_form, lower_bound, cols=None):
     return jnp.where(mk, M.gate_value(g, a_h, dtb, gate_form, lower_bound), 0.0)
 
 
+def _a1_program(start_ref, len_ref):
+    """A1's program ids (chunk j, head h, sub-block i) and chunk j's first token and valid length."""
+    j = pl.program_id(0)
+    return j, pl.program_id(1), pl.program_id(2), start_ref[j], len_ref[j]
+
+
 def _intra_rows_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_ref, dtb_ref,
                        akk_ref, tii_ref, aqk_ref, kg_ref, qg_ref, gl_ref, *, scale, dot, gate_form, lower_bound,
                        fast_diag, fast_inverse):
     """A1, grid (chunks, H, C/SUB): sub-block i of chunk j. Stores the β-scaled Akk row [16, C] (columns < 16 i;
     zeros elsewhere), T_ii = (I + Akk_ii)^-1 [16, 16], the Aqk row [16, C], kg_i, qg_i and (i = last) Γ_last."""
-    j = pl.program_id(0)
-    h = pl.program_id(1)
-    i = pl.program_id(2)
-    st = start_ref[j]
-    L = len_ref[j]
+    j, h, i, st, L = _a1_program(start_ref, len_ref)
     dk = q_ref.shape[-1]
     NS = C // SUB
     exact_dot = M.make_dot(HP)
@@ -277,11 +279,7 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
     loop D is Γ at the start of sub-block i. Later sub-blocks only contribute their gate sums (to Γ_last).
     Akk/Aqk blocks are stored one [16, 16] column block at a time (Akk's blocks at and above the diagonal are
     never read and are not written)."""
-    j = pl.program_id(0)
-    h = pl.program_id(1)
-    i = pl.program_id(2)
-    st = start_ref[j]
-    L = len_ref[j]
+    j, h, i, st, L = _a1_program(start_ref, len_ref)
     dk = q_ref.shape[-1]
     NS = C // SUB
     exact_dot = M.make_dot(HP)
