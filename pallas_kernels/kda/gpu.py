@@ -327,10 +327,10 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
     for jj in range(1, NS):  # Aqk above the diagonal (kernel B reads whole rows)
         _store(aqk_ref.at[rows, h, pl.ds(jj * SUB, SUB)], zeros16, m16 & (jj > i))
     _store(tii_ref.at[rows, h, :], t_ii, m16)
-    G_i = start_i + cs_i
+    e_G = jnp.exp(start_i + cs_i)  # e^{Γ_i}
     _store(kg_ref.at[rows, h, :], (ki * jnp.exp((tot_i - cs_i) + after_i)).astype(kg_ref.dtype), mk)
-    _store(qg_ref.at[rows, h, :], (qi * jnp.exp(G_i)).astype(qg_ref.dtype), mk)
-    _store(rk_ref.at[rows, h, :], (bi * ki * jnp.exp(G_i)).astype(rk_ref.dtype), mk)
+    _store(qg_ref.at[rows, h, :], (qi * e_G).astype(qg_ref.dtype), mk)
+    _store(rk_ref.at[rows, h, :], (bi * ki * e_G).astype(rk_ref.dtype), mk)
     _store(gl_ref.at[j, h, :], (start_i + tot_i)[0], jnp.broadcast_to(i == NS - 1, (dk,)))
 
 
