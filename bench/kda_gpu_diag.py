@@ -227,32 +227,21 @@ def prefill_sweep():
             err = (rel(o, o_ref), rel(s, s_ref))
         return t, err
 
-    # the split kernel A (session 3's winner, then its tiled-A1 / inverse-A2 forms), then older forms
+    # the default (tiled A1) and its neighbours, then older forms
     sp = dict(intra_split=True, fast_diag=True)
     tiled = dict(sp, fast_inverse=True, rows_form="tiled")
-    for tn in (dict(sp, fast_inverse=True, rows_form="full"), tiled):  # A1 alone: how kernel A's time splits
+    for tn in (tiled, dict(tiled, rows_warps=4)):  # A1 alone: how kernel A's time splits
         res = attempt(f"prefill 8K A1 only {tn}", run, tn, intra_only="rows")
         if res is not None:
             say(f"prefill 8K A1 only {tn}: {res[0] * 1e3:.2f} ms")
             results.append(dict(kernel="A1", tuning=tn, ms=res[0] * 1e3))
-    intra = [dict(sp, fast_inverse=True, rows_form="full"),  # the default
-             tiled,
+    intra = [tiled,
+             dict(tiled, rows_warps=4),
              dict(tiled, wu_form="inverse"),
-             dict(tiled, wu_form="inverse", wu_cols=2),
-             dict(tiled, rows_warps=8),
-             dict(tiled, rows_warps=2),
-             dict(tiled, wu_form="inverse", wu_warps=8),
-             dict(tiled, rows_stages=2),
+             dict(tiled, wu_warps=4),
+             dict(sp, fast_inverse=True, rows_form="full"),
              dict(sp, fast_inverse=False),
-             dict(intra_split=False, fast_diag=True, fast_inverse=False, intra_warps=4),
-             dict(sp, fast_inverse=True, wu_cols=2),
-             dict(sp, fast_inverse=True, rows_warps=2, wu_warps=2),
-             dict(sp, fast_inverse=True, rows_warps=8, wu_cols=2, wu_warps=8),
-             dict(sp, fast_inverse=True, intra_mm="bf16_rows"),
-             dict(sp, fast_inverse=True, intra_mm="tf32"),
-             dict(intra_split=False, fast_diag=True, fast_inverse=True, intra_warps=4),
-             dict(intra_split=False, fast_diag=True, fast_inverse=True, intra_warps=8),
-             dict(intra_split=False, fast_diag=False, fast_inverse=False, intra_warps=4)]
+             dict(intra_split=False, fast_diag=True, fast_inverse=False, intra_warps=4)]
     a_times = {}
     for tn in intra:
         if left() < 60 + DECODE_RESERVE[0]:  # leave time for the whole-op runs and the decode section
@@ -268,8 +257,7 @@ def prefill_sweep():
     if not ranked:
         ranked = [dict(EXACT)]
     best_a = ranked[0]
-    whole = [dict(), dict(state_bv=128, state_warps=8), dict(split_o=True), dict(state_bv=32),
-             dict(state_warps=8, state_stages=3), dict(split_o=True, state_bv=32, out_bv=128, out_warps=8)]
+    whole = [dict(), dict(state_stages=2), dict(state_bv=32), dict(state_bv=128, state_warps=8), dict(split_o=True)]
     best, best_w = None, 1e9
     # the fastest kernel A with each kernel-B form, then the runners-up with the default B
     tries = [dict(best_a, **tn) for tn in whole] + [dict(tn, split_o=False) for tn in ranked[1:3]]

@@ -53,7 +53,9 @@ TUNING = dict(
     fast_diag=True,      # diagonal 16×16 blocks by one matmul when the decay range allows (chunk_math.FAST_DIAG_RANGE)
     fast_inverse=True,   # diagonal blocks of (I+Akk)^-1 by chunk_math.unit_lower_inverse instead of substitution
     intra_warps=4, intra_stages=1,
-    state_bv=64, state_warps=4, state_stages=2,
+    # kernel B: one pipeline stage keeps its shared memory at 80 KB (144 KB with 2), two programs per SM; H200, 8K:
+    # whole op 2.94 vs 2.98 ms (session 4)
+    state_bv=64, state_warps=4, state_stages=1,
     split_o=False,       # True: kernel B only carries the state (stores it per chunk + Vn); kernel C forms O in parallel
     out_bv=64, out_warps=4, out_stages=2,
     dec_bv=128, dec_warps=4,  # H200 sweep: 233 µs at B = 64 vs 242 µs for BV = 64 (dec_warps=None: 4 if dk·BV ≥ 4096, else 2)
@@ -74,6 +76,9 @@ TUNING = dict(
                          # carried backwards — no [64, dk] value in registers; A1 also writes βk e^Γ so A2 forms no gate)
     wu_form="substitute",  # A2 (tiled rows only): "substitute" (block forward substitution through W_m) or "inverse"
                            # (T's off-diagonal 16×16 blocks first, then independent W_i = Σ_j T_ij βk_j e^Γ_j)
+    # A1 holds 255 registers per thread (bench/triton_regs.py; ncu: 12.5% occupancy). Session 4 tried an A1 that
+    # takes dk in 2–4 column parts (138–168 registers): 2.59–2.79 ms alone against 1.7 ms — the re-reads and
+    # recomputation cost more than the occupancy gains — and is not kept.
     # H200, T = 8K, H = 96 (session 3): tiled A1 and A2 at 2 warps each — kernel A 2.29 ms, whole op 2.99 ms (full
     # A1 at 4 + 4 warps: kernel A 3.49–3.82 ms); wu_cols: column tiles of W/U per (chunk, head) (dk/wu_cols wide)
     rows_warps=2, rows_stages=1,
@@ -181,6 +186,7 @@ def _cast_dot(mm_dtype, precision):
         cb = 1 if trans_b else 0
         return jax.lax.dot_general(a.astype(mm_dtype), b.astype(mm_dtype), (((ca,), (cb,)), ((), ())),
                                    precision=precision, preferred_element_type=jnp.float32)
+    dot.mm_dtype = mm_dtype  # callers may hold operands in this dtype (the cast above is then free)
     return dot
 
 
@@ -205,7 +211,10 @@ def _gate_rows(g, mk, a_ref, dtb_ref, h, gate_form, lower_bound, cols=None):
 
 
 def _a1_program(start_ref, len_ref):
-    """A1's program ids (chunk j, head h, sub-block i) and chunk j's first token and valid length."""
+    """A1's program ids (chunk j, head h, sub-block i) and chunk j's first token and valid length.
+
+    The grid is (chunks, H, C/SUB): Triton runs axis 0 fastest. The order that puts a chunk's four sub-block
+    programs side by side (grid (C/SUB, H, chunks)) measured slower on the H200: 2.69 vs 1.74 ms at T = 8K."""
     j = pl.program_id(0)
     return j, pl.program_id(1), pl.program_id(2), start_ref[j], len_ref[j]
 
@@ -443,6 +452,9 @@ def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, 
 
 def _state_kernel(chunk0_ref, nch_ref, start_ref, len_ref, w_ref, u_ref, kg_ref, qg_ref, aqk_ref, gl_ref, s0_ref,
                   o_ref, sf_ref, *, BV, precision, mm_dtype, has_init):
+    """Kernel B, grid (dv/BV, H, N): the serial state chain over sequence n's chunks, with the output. Per chunk:
+    Vn = U − W S, O = qg S + Aqk Vn, S ← e^{Γ_last} S + kgᵀ Vn. (Loading chunk c+1's tiles before chunk c's
+    products, carried through the loop, measured slower on the H200: 3.27 vs 2.98 ms for the whole op at 8K.)"""
     vb = pl.program_id(0)
     h = pl.program_id(1)
     n = pl.program_id(2)
