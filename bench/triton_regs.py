@@ -25,26 +25,9 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def capture_modules(fn, *args):
-    """(name, num_warps, module text) for each Triton module that lowering `fn(*args)` for CUDA produces."""
-    from jax._src.pallas.triton import lowering as TL
-    mods = []
-    orig = TL.lower_jaxpr_to_triton_module
-
-    def capture(*a, **k):
-        r = orig(*a, **k)
-        mods.append(r.module)
-        return r
-
-    TL.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        TL.lower_jaxpr_to_triton_module = orig
-    out = []
-    for m in mods:
-        op = m.operation.regions[0].blocks[0].operations[0]
-        out.append((str(op.attributes["sym_name"]).strip('"'), m.operation.get_asm(enable_debug_info=False)))
-    return out
+    """(name, module text) for each Triton module that lowering `fn(*args)` for CUDA produces."""
+    from pallas_kernels.triton_tools import lowered_triton_modules
+    return [(name, m.operation.get_asm(enable_debug_info=False)) for name, m in lowered_triton_modules(fn, *args)]
 
 
 def ptxas_report(text, num_warps, num_stages=1, arch=90):

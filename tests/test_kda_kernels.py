@@ -345,23 +345,9 @@ def test_gpu_kernels_lower_to_triton():
 
 
 def _triton_modules(fn, *args):
-    """Lower `fn(*args)` for CUDA and return the Triton MLIR modules that the Pallas Triton lowering produced
-    (captured at `lower_jaxpr_to_triton_module`), as (name, module) pairs."""
-    from jax._src.pallas.triton import lowering as TL
-    mods = []
-    orig = TL.lower_jaxpr_to_triton_module
-
-    def capture(*a, **k):
-        r = orig(*a, **k)
-        mods.append(r.module)
-        return r
-
-    TL.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        TL.lower_jaxpr_to_triton_module = orig
-    return [(str(m.operation.regions[0].blocks[0].operations[0].attributes["sym_name"]).strip('"'), m) for m in mods]
+    """(name, Triton MLIR module) pairs that lowering `fn(*args)` for CUDA produces."""
+    from pallas_kernels.triton_tools import lowered_triton_modules
+    return lowered_triton_modules(fn, *args)
 
 
 def _triton_backend_check(text, num_warps):
