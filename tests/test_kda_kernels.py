@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import chunk_math, ops, reference as R
+from pallas_kernels.triton_tools import lowered_triton_modules as _triton_modules  # (name, module) per kernel
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 BARS = {jnp.float32: 1e-4, jnp.bfloat16: 5e-3}
@@ -342,12 +343,6 @@ def test_gpu_kernels_lower_to_triton():
                                          _sds((8,), jnp.int32))
     txt = jax.jit(dec, donate_argnums=5).trace(*dargs).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in txt
-
-
-def _triton_modules(fn, *args):
-    """(name, Triton MLIR module) pairs that lowering `fn(*args)` for CUDA produces."""
-    from pallas_kernels.triton_tools import lowered_triton_modules
-    return lowered_triton_modules(fn, *args)
 
 
 def _triton_backend_check(text, num_warps):

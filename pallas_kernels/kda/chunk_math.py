@@ -219,13 +219,10 @@ def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
         m = 0.5 * (start_i + g_end)  # [1, dk] midpoint reference
         # factors clamped to e^{±HALF}: exact when the range is ≤ FAST_DIAG_RANGE, finite (and discarded) otherwise
         half = 0.5 * FAST_DIAG_RANGE
-        # operands rounded to the products' dtype as soon as they are formed (the same bits the dot would use;
-        # fewer registers held on the GPU)
-        mm = getattr(dot, "mm_dtype", jnp.float32)
         e_r = jnp.exp(jnp.minimum(Gi - m, half))
-        kc_f = (ki * jnp.exp(jnp.minimum(m - Gi, half))).astype(mm)
-        akk_f = dot((ki * e_r).astype(mm), kc_f, trans_b=True)
-        aqk_f = dot((qi * e_r).astype(mm), kc_f, trans_b=True)
+        kc_f = ki * jnp.exp(jnp.minimum(m - Gi, half))
+        akk_f = dot(ki * e_r, kc_f, trans_b=True)
+        aqk_f = dot(qi * e_r, kc_f, trans_b=True)
         ok = jnp.max(start_i - g_end) <= FAST_DIAG_RANGE
         # Branch-free: the exact loop runs 0 or SUB steps (a run-time trip count, no scf.if: Triton's select/if
         # combining broke dominance on an scf.if here), then a select keeps the valid form.

@@ -186,7 +186,6 @@ def _cast_dot(mm_dtype, precision):
         cb = 1 if trans_b else 0
         return jax.lax.dot_general(a.astype(mm_dtype), b.astype(mm_dtype), (((ca,), (cb,)), ((), ())),
                                    precision=precision, preferred_element_type=jnp.float32)
-    dot.mm_dtype = mm_dtype  # callers may hold operands in this dtype (the cast above is then free)
     return dot
 
 
