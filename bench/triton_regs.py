@@ -83,12 +83,11 @@ def main():
     sds = jax.ShapeDtypeStruct
     args = (sds((1, T, H, d), jnp.bfloat16),) * 3 + (sds((1, T, H, d), jnp.float32), sds((1, T, H), jnp.float32))
     cu = jnp.array([0, T], jnp.int32)
-    warps = dict(kda_intra=tune["intra_warps"], kda_intra_rows=tune["rows_warps"], kda_intra_wu=tune["wu_warps"],
-                 kda_state=tune["state_warps"], kda_state_only=tune["state_warps"], kda_out=tune["out_warps"])
-    stages = dict(kda_state=tune["state_stages"], kda_state_only=tune["state_stages"])
+    launch = gpu.prefill_launch(tune)
     for name, text in capture_modules(lambda *x: gpu.chunk(*x, cu, None, tuning=tn), *args):
-        rep = ptxas_report(text, warps.get(name, 4), stages.get(name, 1))
-        print(json.dumps(dict(kernel=name, warps=warps.get(name, 4), **rep)), flush=True)
+        warps, stages = launch[name]
+        rep = ptxas_report(text, warps, stages)
+        print(json.dumps(dict(kernel=name, warps=warps, stages=stages, **rep)), flush=True)
 
 
 if __name__ == "__main__":

@@ -412,8 +412,7 @@ def test_gpu_triton_modules_verify_for_every_tuning():
             names = [n for n, _ in mods]
             a_names = ["kda_intra_rows", "kda_intra_wu"] if tune["intra_split"] else ["kda_intra"]
             assert names == a_names + (["kda_state_only", "kda_out"] if tn["split_o"] else ["kda_state"]), names
-            warps = dict(kda_intra=tune["intra_warps"], kda_intra_rows=tune["rows_warps"],
-                         kda_intra_wu=tune["wu_warps"])
+            warps = {n: gpu.prefill_launch(tune)[n][0] for n in a_names}  # kernel A's launches
             for name, m in mods:
                 assert m.operation.verify(), (tn, name)
                 if name in warps:

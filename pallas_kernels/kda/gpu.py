@@ -104,6 +104,16 @@ def _params(num_warps, num_stages=None):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def prefill_launch(tune) -> dict:
+    """(num_warps, num_stages) of each prefill kernel, by its launch name, from a full TUNING dict."""
+    state = (tune["state_warps"], tune["state_stages"])
+    return dict(kda_intra=(tune["intra_warps"], tune["intra_stages"]),
+                kda_intra_rows=(tune["rows_warps"], tune["rows_stages"]),
+                kda_intra_wu=(tune["wu_warps"], tune["wu_stages"]),
+                kda_state=state, kda_state_only=state,
+                kda_out=(tune["out_warps"], tune["out_stages"]))
+
+
 def _load(ref, mask=None, other=0.0):
     if mask is None:
         return pltriton.load(ref)
@@ -424,7 +434,7 @@ def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, 
                           lower_bound=lower_bound, fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
         grid=(NCH, H, C // SUB),
         out_shape=out_rows,
-        compiler_params=_params(num_warps=tune["rows_warps"], num_stages=tune["rows_stages"]),
+        compiler_params=_params(*prefill_launch(tune)["kda_intra_rows"]),
         interpret=interpret,
         name="kda_intra_rows",
     )(tab.start, tab.length, q, k, g, beta, a, dtb)
@@ -438,7 +448,7 @@ def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, 
                           inverse=tune["wu_form"] == "inverse"),
         grid=(NCH, H, nc),
         out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
-        compiler_params=_params(num_warps=tune["wu_warps"], num_stages=tune["wu_stages"]),
+        compiler_params=_params(*prefill_launch(tune)["kda_intra_wu"]),
         interpret=interpret,
         name="kda_intra_wu",
     )(tab.start, tab.length, outs[5] if tiled else k, v, g, beta, a, dtb, akk, tii)
@@ -591,7 +601,7 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
                               fast_diag=tune["fast_diag"], fast_inverse=tune["fast_inverse"]),
             grid=(NCH, H),
             out_shape=out_a,
-            compiler_params=_params(num_warps=tune["intra_warps"], num_stages=tune["intra_stages"]),
+            compiler_params=_params(*prefill_launch(tune)["kda_intra"]),
             interpret=interpret,
             name="kda_intra",
         )(tab.start, tab.length, q[0], k[0], v[0], g[0], beta[0], a, dtb)
@@ -601,7 +611,7 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
     BV = min(tune["state_bv"], dv)
     has_init = initial_state is not None
     s0 = initial_state.astype(jnp.float32) if has_init else jnp.zeros((1, 1, 1, 1), jnp.float32)
-    state_params = _params(num_warps=tune["state_warps"], num_stages=tune["state_stages"])
+    state_params = _params(*prefill_launch(tune)["kda_state"])
     if not tune["split_o"]:
         o, sf = pl.pallas_call(
             functools.partial(_state_kernel, BV=BV, precision=prec, mm_dtype=idt, has_init=has_init),
@@ -628,7 +638,7 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
         functools.partial(_out_kernel, BV=BVo, precision=prec, mm_dtype=idt),
         grid=(NCH, H, dv // BVo),
         out_shape=jax.ShapeDtypeStruct((Tt, H, dv), v.dtype),
-        compiler_params=_params(num_warps=tune["out_warps"], num_stages=tune["out_stages"]),
+        compiler_params=_params(*prefill_launch(tune)["kda_out"]),
         interpret=interpret,
         name="kda_out",
     )(tab.start, tab.length, qg, Aqk, vn, hs)
