@@ -279,6 +279,7 @@ def main():
             row(f"kda {name}", "-", float("nan"), float("nan"), float("nan"), "-", False)
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "kda.json"), "w") as f:
             json.dump(dict(info=INFO, rows=ROWS), f, indent=1, default=str)
     print("\nname, shape, ours, peer, ratio, bar, pass/fail")

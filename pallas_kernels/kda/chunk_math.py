@@ -193,10 +193,13 @@ def apply_lower_blocks(Tm: dict, xs: list, dot) -> list:
     return out
 
 
-def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
+def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool, base2: bool = False):
     """One diagonal 16×16 sub-block (used by `intra_chunk` and the split kernel A): Γ rows Gi, keys ki, queries qi [SUB, dk],
     β bi [SUB, 1], Γ before the sub-block start_i and at its last row g_end [1, dk]. Returns (Akk_ii β-scaled and
-    strictly lower, Aqk_ii lower incl. the diagonal)."""
+    strictly lower, Aqk_ii lower incl. the diagonal). base2: the Γ arguments are in base-2 units (Γ·log2 e) and the
+    factors are exp2 of them (one hardware instruction on GPUs)."""
+    exp = jnp.exp2 if base2 else jnp.exp
+    unit = 1.4426950408889634 if base2 else 1.0  # FAST_DIAG_RANGE in the units of Γ
     dk = Gi.shape[1]
     row = _iota((SUB, SUB), 0)
     col = _iota((SUB, SUB), 1)
@@ -207,7 +210,7 @@ def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
         pick = row_k == c
         Gc = jnp.sum(jnp.where(pick, Gi, 0.0), axis=0, keepdims=True)
         kc = jnp.sum(jnp.where(pick, ki, 0.0), axis=0, keepdims=True)
-        e = jnp.exp(jnp.where(row_k >= c, Gi - Gc, -jnp.inf))
+        e = exp(jnp.where(row_k >= c, Gi - Gc, -jnp.inf))
         kce = kc * e
         a_k = jnp.sum(ki * kce, axis=1, keepdims=True)
         a_q = jnp.sum(qi * kce, axis=1, keepdims=True)
@@ -218,12 +221,12 @@ def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool):
     if fast_diag:
         m = 0.5 * (start_i + g_end)  # [1, dk] midpoint reference
         # factors clamped to e^{±HALF}: exact when the range is ≤ FAST_DIAG_RANGE, finite (and discarded) otherwise
-        half = 0.5 * FAST_DIAG_RANGE
-        e_r = jnp.exp(jnp.minimum(Gi - m, half))
-        kc_f = ki * jnp.exp(jnp.minimum(m - Gi, half))
+        half = 0.5 * FAST_DIAG_RANGE * unit
+        e_r = exp(jnp.minimum(Gi - m, half))
+        kc_f = ki * exp(jnp.minimum(m - Gi, half))
         akk_f = dot(ki * e_r, kc_f, trans_b=True)
         aqk_f = dot(qi * e_r, kc_f, trans_b=True)
-        ok = jnp.max(start_i - g_end) <= FAST_DIAG_RANGE
+        ok = jnp.max(start_i - g_end) <= FAST_DIAG_RANGE * unit
         # Branch-free: the exact loop runs 0 or SUB steps (a run-time trip count, no scf.if: Triton's select/if
         # combining broke dominance on an scf.if here), then a select keeps the valid form.
         n_exact = jnp.where(ok, jnp.int32(0), jnp.int32(SUB))

@@ -45,6 +45,8 @@ from . import chunk_math as M
 C = 64
 SUB = M.SUB
 HP = jax.lax.Precision.HIGHEST
+LOG2E = 1.4426950408889634  # gates in base 2: exp2 is one MUFU.EX2, exp (libdevice expf) about eight instructions
+LN2 = 0.6931471805599453
 
 
 # Launch configuration, by measurement on the H200 (bench/kda_gpu_diag.py sweeps these; callers may override per call
@@ -274,13 +276,13 @@ def _intra_rows_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_ref, dt
     col64 = jax.lax.broadcasted_iota(jnp.int32, (SUB, C), 1)
     vrow = jnp.broadcast_to(valid[:, None], (SUB, C))
     off = col64 < i * SUB
-    _store(akk_ref.at[rows, h, :], jnp.where(off, akk_off, 0.0), vrow)
+    _store(akk_ref.at[rows, h, :], jnp.where(off, akk_off, 0.0).astype(akk_ref.dtype), vrow)
     # Aqk: off-diagonal/upper columns and the diagonal block by disjoint stores
     _store(aqk_ref.at[rows, h, :], jnp.where(off, aqk_off, 0.0).astype(aqk_ref.dtype),
            vrow & (off | (col64 >= (i + 1) * SUB)))
     m16 = jnp.broadcast_to(valid[:, None], (SUB, SUB))
     _store(aqk_ref.at[rows, h, pl.ds(i * SUB, SUB)], aqk_ii.astype(aqk_ref.dtype), m16)
-    _store(tii_ref.at[rows, h, :], t_ii, m16)
+    _store(tii_ref.at[rows, h, :], t_ii.astype(tii_ref.dtype), m16)
     _store(kg_ref.at[rows, h, :], (ki * jnp.exp(g_last - Gi)).astype(kg_ref.dtype), mk)
     _store(qg_ref.at[rows, h, :], (qi * jnp.exp(Gi)).astype(qg_ref.dtype), mk)
     _store(gl_ref.at[j, h, :], g_last[0], jnp.broadcast_to(i == NS - 1, (dk,)))
@@ -308,7 +310,7 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
         mk = jnp.broadcast_to(((m * SUB + r16) < L)[:, None], (SUB, dk))
         g = _gate_rows(_load(g_ref.at[rows, h, :], mk).astype(jnp.float32), mk, a_ref, dtb_ref, h, gate_form,
                        lower_bound)
-        return rows, mk, g
+        return rows, mk, g * LOG2E  # base-2 units: every decay factor below is one exp2 (MUFU.EX2)
 
     rows, mk, gi = gate_block(i)
     valid = (i * SUB + r16) < L
@@ -318,7 +320,7 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
     bi = _load(b_ref.at[rows, h], valid).astype(jnp.float32)[:, None]
     cs_i = jnp.cumsum(gi, axis=0)                     # Γ_r − Γ(start of i), ≤ 0
     tot_i = jnp.sum(gi, axis=0, keepdims=True)
-    e_r = jnp.exp(cs_i)
+    e_r = jnp.exp2(cs_i)
     kr = ki * e_r
     qr = qi * e_r
 
@@ -327,9 +329,9 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
         rows_m, mk_m, gm = gate_block(m)
         km = _load(k_ref.at[rows_m, h, :], mk_m).astype(jnp.float32)
         tot_m = jnp.sum(gm, axis=0, keepdims=True)
-        kc = km * jnp.exp(D + (tot_m - jnp.cumsum(gm, axis=0)))  # e^{start_i − Γ_c}, both factors ≤ 1
+        kc = km * jnp.exp2(D + (tot_m - jnp.cumsum(gm, axis=0)))  # e^{start_i − Γ_c}, both factors ≤ 1
         cols = pl.ds(m * SUB, SUB)
-        _store(akk_ref.at[rows, h, cols], bi * dot(kr, kc, trans_b=True), m16)
+        _store(akk_ref.at[rows, h, cols], (bi * dot(kr, kc, trans_b=True)).astype(akk_ref.dtype), m16)
         _store(aqk_ref.at[rows, h, cols], dot(qr, kc, trans_b=True).astype(aqk_ref.dtype), m16)
         return D + tot_m
 
@@ -338,18 +340,18 @@ def _intra_rows_tiled_kernel(start_ref, len_ref, q_ref, k_ref, g_ref, b_ref, a_r
     after_i = jax.lax.fori_loop(0, NS - 1 - i, lambda step, acc: acc + jnp.sum(gate_block(i + 1 + step)[2], axis=0,
                                                                                 keepdims=True), zero_row)
     # diagonal block (only differences of Γ enter it) and its inverse
-    akk_ii, aqk_ii = M.diag_block(cs_i, ki, qi, bi, zero_row, tot_i, dot=dot, fast_diag=fast_diag)
+    akk_ii, aqk_ii = M.diag_block(cs_i, ki, qi, bi, zero_row, tot_i, dot=dot, fast_diag=fast_diag, base2=True)
     t_ii = M.diag_inverse(akk_ii, exact_dot, fast_inverse)
     _store(aqk_ref.at[rows, h, pl.ds(i * SUB, SUB)], aqk_ii.astype(aqk_ref.dtype), m16)
     zeros16 = jnp.zeros((SUB, SUB), aqk_ref.dtype)
     for jj in range(1, NS):  # Aqk above the diagonal (kernel B reads whole rows)
         _store(aqk_ref.at[rows, h, pl.ds(jj * SUB, SUB)], zeros16, m16 & (jj > i))
-    _store(tii_ref.at[rows, h, :], t_ii, m16)
-    e_G = jnp.exp(start_i + cs_i)  # e^{Γ_i}
-    _store(kg_ref.at[rows, h, :], (ki * jnp.exp((tot_i - cs_i) + after_i)).astype(kg_ref.dtype), mk)
+    _store(tii_ref.at[rows, h, :], t_ii.astype(tii_ref.dtype), m16)
+    e_G = jnp.exp2(start_i + cs_i)  # e^{Γ_i}
+    _store(kg_ref.at[rows, h, :], (ki * jnp.exp2((tot_i - cs_i) + after_i)).astype(kg_ref.dtype), mk)
     _store(qg_ref.at[rows, h, :], (qi * e_G).astype(qg_ref.dtype), mk)
     _store(rk_ref.at[rows, h, :], (bi * ki * e_G).astype(rk_ref.dtype), mk)
-    _store(gl_ref.at[j, h, :], (start_i + tot_i)[0], jnp.broadcast_to(i == NS - 1, (dk,)))
+    _store(gl_ref.at[j, h, :], (start_i + tot_i)[0] * LN2, jnp.broadcast_to(i == NS - 1, (dk,)))
 
 
 def _intra_wu_kernel(start_ref, len_ref, x_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, akk_ref, tii_ref,
@@ -423,7 +425,12 @@ def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, 
     if dk % nc or dv % nc:
         raise ValueError(f"wu_cols={nc} must divide dk={dk} and dv={dv}")
     f32 = jnp.float32
-    out_rows = ([jax.ShapeDtypeStruct((Tt, H, C), f32), jax.ShapeDtypeStruct((Tt, H, SUB), f32),
+    # Akk and T_ii are only A2's dot operands in the substitution form: with bf16 products A2 casts them to the input
+    # dtype anyway, so they are stored in it (same bits, half the bytes); the inverse form and TF32/IEEE products
+    # read them in float32.
+    adt = (idt if jnp.dtype(idt) != f32 and tune["intra_mm"] == "bf16" and tune["wu_form"] == "substitute"
+           else f32)
+    out_rows = ([jax.ShapeDtypeStruct((Tt, H, C), adt), jax.ShapeDtypeStruct((Tt, H, SUB), adt),
                  jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
                  jax.ShapeDtypeStruct((Tt, H, dk), idt)]
                 + ([jax.ShapeDtypeStruct((Tt, H, dk), f32)] if tiled else [])  # β k e^Γ for A2
