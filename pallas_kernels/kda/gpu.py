@@ -20,8 +20,8 @@ Precision: fp32 inputs use Precision.HIGHEST dots, which the Triton lowering emi
 inputs use the default (TF32 in kernel A, bf16 tensor cores with fp32 accumulation in B/C).
 Split kernel A (`intra_split`, the default since the 2026-11-30 H200 sweeps): A1 `kda_intra_rows` grid
 (chunks, H, 4), one 16-row sub-block per program (Akk/Aqk row, diagonal block, its inverse T_ii, kg, qg; in the
-default `rows_form="tiled"` the earlier sub-blocks are visited one [16, dk] tile at a time and A1 also writes
-β k e^Γ), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution from Akk and T_ii in
+default `rows_form="tiled"` the earlier sub-blocks are visited one [16, dk] tile at a time, gates in base 2 (exp2),
+and A1 also writes β k e^Γ; Akk, T_ii and β k e^Γ go to A2 in bf16 for bf16 inputs), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution from Akk and T_ii in
 memory; products in bf16 (fp32 accumulation) for bf16 inputs (`intra_mm`), IEEE fp32 for fp32 inputs.
 Decode = one launch, grid (B, H/dec_heads, dv/BV): the state slice is read from and written back to the pool at the slot id
 (aliased, so it is in place under donation); the gate can be computed in-kernel from raw f, A_log and dt_bias.
@@ -425,15 +425,16 @@ def _intra_split(tab, q, k, v, g, beta, a, dtb, *, scale, idt, tune, gate_form, 
     if dk % nc or dv % nc:
         raise ValueError(f"wu_cols={nc} must divide dk={dk} and dv={dv}")
     f32 = jnp.float32
-    # Akk and T_ii are only A2's dot operands in the substitution form: with bf16 products A2 casts them to the input
-    # dtype anyway, so they are stored in it (same bits, half the bytes); the inverse form and TF32/IEEE products
-    # read them in float32.
+    # A1 -> A2 intermediates in the input dtype when A2 runs bf16 products by substitution: Akk and T_ii are only
+    # A2's dot operands, which it casts to bf16 anyway (same bits); β k e^Γ is rounded once more before A2 subtracts
+    # Σ Akk W from it (the difference is below the bf16 output's resolution: same o at T = 8K on the H200). Half the
+    # bytes: kernel A 2.26 -> 1.97 ms at T = 8K. The inverse form and TF32 / IEEE products keep float32.
     adt = (idt if jnp.dtype(idt) != f32 and tune["intra_mm"] == "bf16" and tune["wu_form"] == "substitute"
            else f32)
     out_rows = ([jax.ShapeDtypeStruct((Tt, H, C), adt), jax.ShapeDtypeStruct((Tt, H, SUB), adt),
                  jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
                  jax.ShapeDtypeStruct((Tt, H, dk), idt)]
-                + ([jax.ShapeDtypeStruct((Tt, H, dk), f32)] if tiled else [])  # β k e^Γ for A2
+                + ([jax.ShapeDtypeStruct((Tt, H, dk), adt)] if tiled else [])  # β k e^Γ for A2
                 + [jax.ShapeDtypeStruct((NCH, H, dk), f32)])
     outs = pl.pallas_call(
         functools.partial(_intra_rows_tiled_kernel if tiled else _intra_rows_kernel, scale=scale,
