@@ -21,7 +21,8 @@ inputs use the default (TF32 in kernel A, bf16 tensor cores with fp32 accumulati
 Split kernel A (`intra_split`, the default since the 2026-11-30 H200 sweeps): A1 `kda_intra_rows` grid
 (chunks, H, 4), one 16-row sub-block per program (Akk/Aqk row, diagonal block, its inverse T_ii, kg, qg; in the
 default `rows_form="tiled"` the earlier sub-blocks are visited one [16, dk] tile at a time, gates in base 2 (exp2),
-and A1 also writes β k e^Γ; Akk, T_ii and β k e^Γ go to A2 in bf16 for bf16 inputs), then A2 `kda_intra_wu` grid (chunks, H, wu_cols): W, U by block forward substitution from Akk and T_ii in
+and A1 also writes β k e^Γ; Akk, T_ii and β k e^Γ go to A2 in bf16 for bf16 inputs), then A2 `kda_intra_wu` grid
+(chunks, H, wu_cols): W, U by block forward substitution from Akk and T_ii in
 memory; products in bf16 (fp32 accumulation) for bf16 inputs (`intra_mm`), IEEE fp32 for fp32 inputs.
 Decode = one launch, grid (B, H/dec_heads, dv/BV): the state slice is read from and written back to the pool at the slot id
 (aliased, so it is in place under donation); the gate can be computed in-kernel from raw f, A_log and dt_bias.
