@@ -488,3 +488,18 @@ def test_gpu_chunk_intra_only_rows_returns_a1_outputs(rows_form, n_out):
     outs = gpu.chunk(q, k, v, g, beta, np.array([0, 40]), None, interpret=True,
                      tuning=dict(rows_form=rows_form, intra_only="rows"))
     assert len(outs) == n_out and outs[-1].shape == (1, 2, 16)
+
+
+@pytest.mark.parametrize("dtype,tuning,want", [
+    (jnp.bfloat16, {}, jnp.bfloat16),                          # A2 casts Akk, T_ii, β k e^Γ to bf16 anyway
+    (jnp.bfloat16, dict(wu_form="inverse"), jnp.float32),      # the inverse form chains IEEE fp32 products on them
+    (jnp.bfloat16, dict(intra_mm="tf32"), jnp.float32),
+    (jnp.float32, {}, jnp.float32),                            # fp32 inputs: the 1e-4 bar
+])
+def test_gpu_a1_hands_a2_its_operands_in_the_product_dtype(dtype, tuning, want):
+    """Akk, T_ii and β k e^Γ (A1 -> A2, tiled form) are stored in bf16 exactly when A2 multiplies them in bf16."""
+    from pallas_kernels.kda import gpu
+    q, k, v, g, beta = inputs(32, 1, 40, 2, 16, 16, -4.0, -0.01, dtype)
+    akk, tii, aqk, kg, qg, rk, gl = gpu.chunk(q, k, v, g, beta, np.array([0, 40]), None, interpret=True,
+                                              tuning=dict(tuning, intra_only="rows"))
+    assert (akk.dtype, tii.dtype, rk.dtype) == (want,) * 3 and gl.dtype == jnp.float32
