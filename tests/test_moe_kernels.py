@@ -124,8 +124,9 @@ def test_weight_forms_and_errors():
 
 
 def _run_ptx(ptx: str, regs: dict) -> dict:
-    """A NumPy model of the few PTX instructions `mx.DECODE_PTX` uses (mov, and, shr, prmt in its default mode,
-    lop3, fma.rn.bf16x2), run over its text: checks the tables, selectors and operand numbering without a GPU."""
+    """A NumPy model of the few PTX instructions the `mx.PTX_DECODES` use (mov, and, shr, shl, prmt in its default
+    mode, lop3, fma.rn.bf16x2), run over their text: checks the tables, selectors and operand numbering without a
+    GPU."""
     import ml_dtypes
 
     def val(t):
@@ -146,6 +147,8 @@ def _run_ptx(ptx: str, regs: dict) -> dict:
             r = val(a[1]) & val(a[2])
         elif op == "shr.u32":
             r = val(a[1]) >> val(a[2])
+        elif op == "shl.b32":
+            r = val(a[1]) << val(a[2])
         elif op == "prmt.b32":  # output byte i = pool[sel_i & 7], or its sign replicated when sel_i & 8
             pool = [(val(a[1]) >> 8 * i) & 255 for i in range(4)] + [(val(a[2]) >> 8 * i) & 255 for i in range(4)]
             r = 0
@@ -169,17 +172,18 @@ def _run_ptx(ptx: str, regs: dict) -> dict:
     return regs
 
 
-def test_mxfp4_ptx_decode_is_exact():
-    """`mx.DECODE_PTX` (modelled instruction by instruction) and its jnp twin give e2m1 · 2^(S−127) exactly for
+@pytest.mark.parametrize("form", sorted(mx.PTX_DECODES))
+def test_mxfp4_ptx_decode_is_exact(form):
+    """`mx.PTX_DECODES[form]` (modelled instruction by instruction) and its jnp twin give e2m1 · 2^(S−127) exactly for
     every byte and E8M0 codes 2..248; in the PTX, $0..$3 = lo(b0,b1), lo(b2,b3), hi(b0,b1), hi(b2,b3)."""
     scales = [2, 60, 100, 118, 127, 128, 140, 200, 248]
     h = np.asarray(mx.scale_half_bf16(jnp.asarray(scales, jnp.uint8))).view(np.uint16).astype(np.int64)
     for S, hs in zip(scales, h):
-        for w0 in range(0, 256, 4):
-            regs = _run_ptx(mx.DECODE_PTX, {"$4": w0 | (w0 + 1) << 8 | (w0 + 2) << 16 | (w0 + 3) << 24,
-                                            "$5": hs | hs << 16, "$6": hs | hs << 16})
+        for w0 in range(256):  # every byte in every position, next to bytes of other signs and magnitudes
+            b = np.array([w0, (37 * w0 + 11) % 256, (101 * w0 + 7) % 256, 255 - w0])
+            regs = _run_ptx(mx.PTX_DECODES[form], {"$4": int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24),
+                                                   "$5": hs | hs << 16, "$6": hs | hs << 16})
             got = np.array([regs[f"${i}"] for i in range(4)], np.uint32).view(np.uint16)
-            b = np.arange(w0, w0 + 4)
             want = np.concatenate([mx.E2M1_VALUES[b & 15], mx.E2M1_VALUES[b >> 4]]) * 2.0 ** (S - 127)
             np.testing.assert_array_equal(got.view(jnp.bfloat16).astype(np.float64), want, err_msg=f"S={S}")
     p = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (len(scales), 1))
@@ -223,6 +227,7 @@ def test_grouped_matmul_kernels_match_ragged_dot(backend, kind):
 @pytest.mark.parametrize("cfg", [gpu.GpuConfig(bm=16, bn=64, bk=256, swap_ab=True, dequant="2d"),
                                  gpu.GpuConfig(bm=16, bn=32, bk=64, swap_ab=True, dequant="3d"),
                                  gpu.GpuConfig(bm=16, bn=32, bk=128, dequant="asm"),
+                                 gpu.GpuConfig(bm=16, bn=32, bk=128, dequant="asm_sign"),
                                  gpu.GpuConfig(bm=16, bn=64, bk=64, swap_ab=True, dequant="bf16")])
 def test_gpu_kernel_variants_mxfp4(cfg):
     sizes = [20, 0, 30, 5]
@@ -432,8 +437,24 @@ def test_mxfp4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
     np.testing.assert_allclose(kern.logits(ids), want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
 
 
+def test_ptx_decodes_lower_into_the_cuda_kernel():
+    """Each PTX decode form is what the CUDA lowering of the MXFP4 kernel carries (its inline asm text)."""
+    from pallas_kernels.triton_tools import lowered_triton_modules
+    x = jnp.zeros((64, 256), jnp.bfloat16)
+    gs = jnp.asarray([30, 34], jnp.int32)
+    q = mx.random_weight(jax.random.key(0), 2, 256, 128)
+    for form, ptx in mx.PTX_DECODES.items():
+        cfg = gpu.GpuConfig(bm=32, bn=64, bk=128, dequant=form)
+        with _abstract_gpu_mesh():
+            [(name, mod)] = lowered_triton_modules(lambda a, g: gpu.grouped_matmul(a, (q,), g, config=cfg), x, gs)
+        text = mod.operation.get_asm()
+        assert name == "moe_grouped_matmul_q" and "tt.elementwise_inline_asm" in text
+        assert ptx.replace("\n", "\\0A") in text  # MLIR prints the newlines of the asm string as \0A
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [None, gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="asm"),
+                                 gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="asm_sign"),
                                  gpu.GpuConfig(bm=16, bn=64, bk=256, swap_ab=True, dequant="asm"),
                                  gpu.GpuConfig(bm=64, bn=128, bk=128, dequant="asm"),
                                  gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="bf16")])

@@ -57,7 +57,8 @@ class GpuConfig:
     num_warps: int = 8
     num_stages: int = 3
     swap_ab: bool = False
-    # MXFP4 tile decode: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`), "bf16" (the same
+    # MXFP4 tile decode: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`), "asm_sign" (one
+    # magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; not yet timed on a GPU), "bf16" (the same
     # numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales broadcast [bn, bk/32, 16])
     dequant: str = "asm"
 
@@ -122,11 +123,13 @@ def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype, interpret: bool
     """One expert's (bn, bk) weight tile from MXFP4, as (even, odd) element halves `[bn, bk/2]` in `dtype`."""
     bn, kh, ks = cfg.bn, cfg.bk // 2, cfg.bk // mx.GROUP
     sb = s_ref[g, pl.ds(n0, bn), pl.ds(kk * ks, ks)]
-    if cfg.dequant in ("asm", "bf16"):  # scaled bf16 straight from the codes; the interpreter runs the jnp twin
+    if cfg.dequant in ("asm", "asm_sign", "bf16"):  # scaled bf16 from the codes; the interpreter runs the jnp twin
         pb = p_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * kh, kh), kh)]
         h = mx.expand_scale(mx.scale_half_bf16(sb))
-        dec = mx.decode_lo_hi_bf16_asm if cfg.dequant == "asm" and not interpret else mx.decode_lo_hi_bf16_ref
-        lo, hi = dec(pb, h)
+        if cfg.dequant in mx.PTX_DECODES and not interpret:
+            lo, hi = mx.decode_lo_hi_bf16_asm(pb, h, cfg.dequant)
+        else:
+            lo, hi = mx.decode_lo_hi_bf16_ref(pb, h)
         return lo.astype(dtype), hi.astype(dtype)
     if cfg.dequant == "3d":  # packed viewed as [E, N, K/32, 16]: one scale per [.., 16] row, broadcast in registers
         pb = p_ref[g, pl.ds(n0, bn), pl.ds(kk * ks, ks), :]

@@ -154,6 +154,19 @@ LUT_NEG = (0x3D3E3F40, 0x34383A3C)  # bytes 64 − 2·|v|
 SEL_LO, SEL_HI = 0x4240, 0x4341  # [q(lo0), 0x43, q(lo1), 0x43] and [q(hi0), 0x43, q(hi1), 0x43]
 BF16X2_M192 = 0xC340C340  # (−192, −192)
 
+# Steps 2 and 3, shared by both decodes: bytes q (in d4q / d4qh) under 0x43, then (192 + 2·v)·h − 192·h.
+_PLACE_AND_SCALE = f"""fma.rn.bf16x2 d4c01, $5, d4k, d4z;
+fma.rn.bf16x2 d4c23, $6, d4k, d4z;
+prmt.b32 $0, d4q, d4c43, {SEL_LO:#06x};
+prmt.b32 $1, d4qh, d4c43, {SEL_LO:#06x};
+prmt.b32 $2, d4q, d4c43, {SEL_HI:#06x};
+prmt.b32 $3, d4qh, d4c43, {SEL_HI:#06x};
+fma.rn.bf16x2 $0, $0, $5, d4c01;
+fma.rn.bf16x2 $1, $1, $6, d4c23;
+fma.rn.bf16x2 $2, $2, $5, d4c01;
+fma.rn.bf16x2 $3, $3, $6, d4c23;
+"""
+
 DECODE_PTX = f"""{{
 .reg .b32 d4pa, d4pb, d4na, d4nb, d4c80, d4c43, d4k, d4z, d4m, d4mh, d4wh, d4p, d4n, d4sg, d4q, d4qh, d4c01, d4c23;
 mov.b32 d4pa, {LUT_POS[0]:#010x};
@@ -175,17 +188,38 @@ prmt.b32 d4p, d4pa, d4pb, d4mh;
 prmt.b32 d4n, d4na, d4nb, d4mh;
 prmt.b32 d4sg, d4c80, d4c80, d4wh;
 lop3.b32 d4qh, d4p, d4n, d4sg, 0xD8;
-fma.rn.bf16x2 d4c01, $5, d4k, d4z;
-fma.rn.bf16x2 d4c23, $6, d4k, d4z;
-prmt.b32 $0, d4q, d4c43, {SEL_LO:#06x};
-prmt.b32 $1, d4qh, d4c43, {SEL_LO:#06x};
-prmt.b32 $2, d4q, d4c43, {SEL_HI:#06x};
-prmt.b32 $3, d4qh, d4c43, {SEL_HI:#06x};
-fma.rn.bf16x2 $0, $0, $5, d4c01;
-fma.rn.bf16x2 $1, $1, $6, d4c23;
-fma.rn.bf16x2 $2, $2, $5, d4c01;
-fma.rn.bf16x2 $3, $3, $6, d4c23;
+{_PLACE_AND_SCALE}}}"""
+
+
+# A variant (GpuConfig.dequant="asm_sign", screened on CPU in session 5, not yet timed on a GPU): one positive-magnitude
+# table instead of the signed pair, and the sign ORed into each bf16 lane afterwards from the code bytes (placed by
+# a byte permute under bits 15/31; a 4-bit shift brings the low nibbles' sign bits there). Same 21 working
+# instructions per 8 elements but six table/mask words instead of eight; in `bench/triton_regs.py --op moe --sass`
+# ptxas' uniform-register constant copies fall from 96 to 25 and the kernel from 952 to 880 SASS instructions (143
+# registers instead of 128). ncu showed the "asm" kernel issue-bound with ~25% of its instructions such copies. Code
+# 8 (−0) decodes to −0 here (to +0 in DECODE_PTX); products and sums are the same either way.
+DECODE_PTX_SIGN = f"""{{
+.reg .b32 d4pa, d4pb, d4k, d4z, d4c43, d4sm, d4m, d4mh, d4q, d4qh, d4c01, d4c23, d4s01, d4s23, d4t01, d4t23;
+mov.b32 d4pa, {LUT_POS[0]:#010x};
+mov.b32 d4pb, {LUT_POS[1]:#010x};
+mov.b32 d4k, {BF16X2_M192:#010x};
+mov.b32 d4z, 0;
+mov.b32 d4c43, 0x43434343;
+mov.b32 d4sm, 0x80008000;
+and.b32 d4m, $4, 0x77777777;
+shr.u32 d4mh, d4m, 16;
+prmt.b32 d4q, d4pa, d4pb, d4m;
+prmt.b32 d4qh, d4pa, d4pb, d4mh;
+{_PLACE_AND_SCALE}prmt.b32 d4s01, $4, d4z, 0x1000;
+prmt.b32 d4s23, $4, d4z, 0x3222;
+shl.b32 d4t01, d4s01, 4;
+shl.b32 d4t23, d4s23, 4;
+lop3.b32 $0, $0, d4t01, d4sm, 0xF8;
+lop3.b32 $1, $1, d4t23, d4sm, 0xF8;
+lop3.b32 $2, $2, d4s01, d4sm, 0xF8;
+lop3.b32 $3, $3, d4s23, d4sm, 0xF8;
 }}"""
+PTX_DECODES = {"asm": DECODE_PTX, "asm_sign": DECODE_PTX_SIGN}
 
 
 def scale_half_bf16(s_u8):
@@ -201,15 +235,15 @@ def decode_lo_hi_bf16_ref(p_u8, h_bf16):
     return (lo * s2).astype(jnp.bfloat16), (hi * s2).astype(jnp.bfloat16)
 
 
-def decode_lo_hi_bf16_asm(p_u8, h_bf16):
+def decode_lo_hi_bf16_asm(p_u8, h_bf16, form: str = "asm"):
     """Packed bytes `[..., n]` uint8 and h = `scale_half_bf16` broadcast to the same shape -> (lo, hi) bfloat16
-    values (e2m1 · 2^(S−127)), through `DECODE_PTX` (Pallas Triton on CUDA only). Elementwise: each output depends
-    on its own byte and h only, so the result does not depend on how Triton groups elements into registers."""
-    return _decode_asm_p().bind(p_u8, h_bf16)
+    values (e2m1 · 2^(S−127)), through `PTX_DECODES[form]` (Pallas Triton on CUDA only). Elementwise: each output
+    depends on its own byte and h only, so the result does not depend on how Triton groups elements into registers."""
+    return _decode_asm_p(form).bind(p_u8, h_bf16)
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_asm_p():
+def _decode_asm_p(form: str = "asm"):
     """A two-result inline-asm primitive for the Pallas Triton lowering. Why not `pallas.triton.
     elementwise_inline_asm`: its lowering (jax 0.10) wraps a multi-result op's result list as one value, so two
     results fail to lower; this rule returns them as a list. Uses JAX's Triton lowering registry (private API)."""
@@ -218,7 +252,8 @@ def _decode_asm_p():
     from jax._src.pallas.triton import lowering as tt_lowering
     from jax.interpreters import mlir
 
-    prim = jax_core.Primitive("moe_mxfp4_decode_ptx")
+    ptx = PTX_DECODES[form]
+    prim = jax_core.Primitive(f"moe_mxfp4_decode_{form}")
     prim.multiple_results = True
 
     @prim.def_abstract_eval
@@ -231,7 +266,7 @@ def _decode_asm_p():
     @tt_lowering.register_lowering(prim)
     def _lower(ctx, p, h):
         types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, a) for a in ctx.avals_out]
-        res = tt_dialect.elementwise_inline_asm(types, DECODE_PTX, constraints="=r,=r,=r,=r,r,r,r", pure=True,
+        res = tt_dialect.elementwise_inline_asm(types, ptx, constraints="=r,=r,=r,=r,r,r,r", pure=True,
                                                 packed_element=4, args=[p, h])
         return list(res)
 
