@@ -115,6 +115,7 @@ class Intra(NamedTuple):
 # sub-block may be formed by one matmul around a midpoint reference row: each factor is then e^{≤ 40}, products
 # e^{≤ 80} < fp32 max (e^88.7), so nothing overflows; the K3 lower-bound gate (g ≥ −5, 16 rows) always qualifies.
 FAST_DIAG_RANGE = 80.0
+LOG2E = 1.4426950408889634  # Γ in base-2 units (GPU kernels: exp2 is one instruction)
 
 
 def intra_chunk(qb, kb, vb, gb, bb, *, dot, cumsum0: Callable, exact_dot=None, fast_diag: bool = False,
@@ -199,7 +200,7 @@ def diag_block(Gi, ki, qi, bi, start_i, g_end, *, dot, fast_diag: bool, base2: b
     strictly lower, Aqk_ii lower incl. the diagonal). base2: the Γ arguments are in base-2 units (Γ·log2 e) and the
     factors are exp2 of them (one hardware instruction on GPUs)."""
     exp = jnp.exp2 if base2 else jnp.exp
-    unit = 1.4426950408889634 if base2 else 1.0  # FAST_DIAG_RANGE in the units of Γ
+    unit = LOG2E if base2 else 1.0  # FAST_DIAG_RANGE in the units of Γ
     dk = Gi.shape[1]
     row = _iota((SUB, SUB), 0)
     col = _iota((SUB, SUB), 1)

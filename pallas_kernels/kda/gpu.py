@@ -46,8 +46,8 @@ from . import chunk_math as M
 C = 64
 SUB = M.SUB
 HP = jax.lax.Precision.HIGHEST
-LOG2E = 1.4426950408889634  # gates in base 2: exp2 is one MUFU.EX2, exp (libdevice expf) about eight instructions
-LN2 = 0.6931471805599453
+LOG2E = M.LOG2E  # gates in base 2: exp2 is one MUFU.EX2, exp (libdevice expf) about eight instructions
+LN2 = 1.0 / LOG2E
 
 
 # Launch configuration, by measurement on the H200 (bench/kda_gpu_diag.py sweeps these; callers may override per call
