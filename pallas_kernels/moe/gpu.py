@@ -123,7 +123,7 @@ def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype, interpret: bool
     """One expert's (bn, bk) weight tile from MXFP4, as (even, odd) element halves `[bn, bk/2]` in `dtype`."""
     bn, kh, ks = cfg.bn, cfg.bk // 2, cfg.bk // mx.GROUP
     sb = s_ref[g, pl.ds(n0, bn), pl.ds(kk * ks, ks)]
-    if cfg.dequant in ("asm", "asm_sign", "bf16"):  # scaled bf16 from the codes; the interpreter runs the jnp twin
+    if cfg.dequant in (*mx.PTX_DECODES, "bf16"):  # scaled bf16 from the codes; the interpreter runs the jnp twin
         pb = p_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * kh, kh), kh)]
         h = mx.expand_scale(mx.scale_half_bf16(sb))
         if cfg.dequant in mx.PTX_DECODES and not interpret:
