@@ -52,7 +52,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpret-mode kernels), no bars")
 ap.add_argument("--contexts", default=None, help="comma-separated tokens per sequence (default 32768,131072,1048576)")
 ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,32)")
+ap.add_argument("--heads", default=None, help="comma-separated sparse-MLA head counts (default 96,12)")
 ap.add_argument("--no-tune", action="store_true", help="skip the small block-size sweep (GPU)")
+ap.add_argument("--only", default=None, help="comma-separated sweep setting names: time only these (and 'default')")
 ap.add_argument("--ix-kw", default=None, help='JSON kernel_kw for the indexer kernel, e.g. {"block_n": 256}')
 ap.add_argument("--mla-kw", default=None, help='JSON kernel_kw for the sparse MLA kernel, e.g. {"block_k": 64}')
 ap.add_argument("--budget", type=float, default=175.0, help="seconds for the whole bench (sections past it are skipped)")
@@ -97,6 +99,13 @@ if ARGS.contexts:
     GEOM["contexts"] = tuple(int(x) for x in ARGS.contexts.split(","))
 if ARGS.batches:
     GEOM["batches"] = tuple(int(x) for x in ARGS.batches.split(","))
+if ARGS.heads:
+    GEOM["heads"] = tuple(int(x) for x in ARGS.heads.split(","))
+
+
+def wanted(name):
+    """Whether the sweep times this setting (`--only`)."""
+    return not ARGS.only or name == "default" or name in ARGS.only.split(",")
 
 
 def row(name, shape, ours, peer, ratio, bar, ok):
@@ -382,8 +391,11 @@ MLA_SWEEP = {  # per (batch, heads) class
                ("wide64_v256", _W["wide64_v256"]), ("w16_fast", _W["w16_fast"]),
                ("wide64_ns8", dict(_W["wide64"], splits=8)), ("wide128_v256_ns16", dict(_W["wide128_v256"], splits=16)),
                ("wide64_v256_ns16", dict(_W["wide64_v256"], splits=16))],
-    "B32_H12": [("default", {}), ("w16_fast", _W["w16_fast"]), ("w16_fast_bk32", dict(_W["w16_fast"], block_k=32)),
-                ("t_bk64", dict(block_h=16, block_k=64))],
+    "B32_H12": [("sr16_bk64", _W["sr16_bk64"]), ("sr16_bk32", _W["sr16_bk32"]), ("default", {}),
+                ("w16_fast", _W["w16_fast"]), ("sr16_bk64_ns8", dict(_W["sr16_bk64"], splits=8)),
+                ("sr16_bk32_ns8", dict(_W["sr16_bk32"], splits=8)), ("sr16_bk32_exact", _W["sr16_bk32_exact"]),
+                ("sr16_bk64_ns4", dict(_W["sr16_bk64"], splits=4)), ("sr16_bk64_s2", dict(_W["sr16_bk64"], num_stages=2)),
+                ("w16_fast_bk32", dict(_W["w16_fast"], block_k=32)), ("t_bk64", dict(block_h=16, block_k=64))],
     "B1_H12": [("default", {}), ("w16_fast", _W["w16_fast"]), ("w16_fast_ns8", dict(_W["w16_fast"], splits=8)),
                ("w16_fast_v256", dict(_W["w16_fast"], block_v=256))],
 }
@@ -424,7 +436,7 @@ def tune_ix(key):
     for name, kw in few(IX_SWEEP):
         if ARGS.smoke:
             kw = dict(kw, block_n=64, tokens_per_program=256)
-        if name in done:
+        if name in done or not wanted(name):
             continue
         _record("ix", dict(name=name, kw=kw), "started (a fault here ends the process)")
         try:
@@ -467,7 +479,7 @@ def tune_mla(key):
     data = {}
     for i, c in order:
         name, kw0 = sweeps[c][i]
-        if (c, name) in done:
+        if (c, name) in done or not wanted(name):
             continue
         B, heads = (int(x[1:]) for x in c.split("_"))
         kw = fit_mla_kw(kw0, heads)

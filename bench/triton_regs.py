@@ -78,6 +78,8 @@ def ptxas_report(text, num_warps, num_stages=1, arch=90, sass=False):
         x = mod
         for name in ("ttir", "ttgir", "llir", "ptx"):
             x = stages[name](x, meta)
+            if name == "ttgir":
+                ttgir = str(x)
         ptx = os.path.join(d, "k.ptx")
         open(ptx, "w").write(x)
         ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))[0]
@@ -93,7 +95,16 @@ def ptxas_report(text, num_warps, num_stages=1, arch=90, sass=False):
                 spill_store_B=int(spill_st.group(1)) if spill_st else None,
                 spill_load_B=int(spill_ld.group(1)) if spill_ld else None,
                 stack_B=int(stack.group(1)) if stack else None,
-                shared_B=meta.get("shared"), ok=r.returncode == 0, **({"sass": mix} if mix else {}))
+                shared_B=meta.get("shared"), ok=r.returncode == 0, **({"sass": mix} if mix else {}),
+                ttgir=ttgir_ops(ttgir))
+
+
+def ttgir_ops(text):
+    """What Triton's pipeliner and MMA passes made of the kernel: asynchronous global->shared copies (the loads it
+    software-pipelined), their waits, wgmma (warp_group_dot) vs mma.sync dots, shared-memory allocations."""
+    names = ("ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot", "tt.dot", "ttg.local_alloc",
+             "ttng.async_tma_copy_global_to_local", "tt.load")
+    return {n.split(".", 1)[1]: len(re.findall(re.escape(n) + r"\b", text)) for n in names}
 
 
 def kda_modules(a):
@@ -134,19 +145,65 @@ def moe_modules(a):
     return [(name, text, cfg.num_warps, cfg.num_stages) for name, text in capture_modules(fn, *args)]
 
 
+def mla_modules(a):
+    """(name, module text, warps, stages) of the sparse MLA decode at K3.1 (latent 512 + rope 64, top-2048, 64-token
+    pages) for `--batch` sequences and `--H` heads, `--latent` fp8 / nvfp4 / bf16 rows, `--config`: decode kwargs."""
+    from kimi_jax import quant as Q
+    from pallas_kernels.mla import sparse_gpu
+    kw = json.loads(a.config)
+    fmt = Q.LatentFormat(a.latent, 512, 64)
+    B, k, nb = a.batch, 2048, 4096
+    sds = jax.ShapeDtypeStruct
+    parts = tuple(sds((nb, 64, w), dt) for w, dt in zip(*_latent_part_shapes(fmt)))
+    args = (sds((B, a.H, fmt.width), jnp.float32), parts, sds((B, 512), jnp.int32), sds((B, k), jnp.int32))
+    fn = lambda q, p, bt, idx: sparse_gpu.decode(q, p, bt, idx, fmt=fmt, scale=192 ** -0.5, value_dim=512,  # noqa
+                                                  **kw)
+    return [(name, text, kw.get("num_warps", 4), kw.get("num_stages", 2)) for name, text in capture_modules(fn, *args)
+            if "merge" not in name or a.all]
+
+
+def indexer_modules(a):
+    """(name, module text, warps, stages) of the DSA indexer's decode score kernel at K3.1 (32 heads × 128, 64-token
+    pages) for `--batch` sequences of `--ctx` tokens, fp8 / mxfp4 keys (`--keys`), `--config`: scores kwargs."""
+    from kimi_jax import quant as Q
+    from pallas_kernels.indexer import gpu as igpu
+    kw = json.loads(a.config)
+    fmt = Q.IndexKeyFormat(a.keys, 128)
+    B, nb, mb = a.batch, 4096, a.ctx // 64
+    sds = jax.ShapeDtypeStruct
+    parts = ((sds((nb, 64, 128), jnp.float8_e4m3fn), sds((nb, 64, 1), jnp.float32)) if a.keys == "fp8" else
+             (sds((nb, 64, 64), jnp.uint8), sds((nb, 64, 4), jnp.uint8)))
+    args = (sds((B, 32, 128), jnp.float32), sds((B, 32), jnp.float32), parts, sds((B, mb), jnp.int32),
+            sds((B,), jnp.int32))
+    fn = lambda q, w, p, bt, pos: igpu.scores(q, w, p, bt, pos, fmt=fmt, **kw)  # noqa: E731
+    return [(name, text, kw.get("num_warps", 4), kw.get("num_stages", 3)) for name, text in capture_modules(fn, *args)]
+
+
+def _latent_part_shapes(fmt):
+    if fmt.kv_dtype == "nvfp4":
+        return (fmt.latent // 2, fmt.latent // 16, fmt.rope), (jnp.uint8, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+    return (fmt.width,), ({"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}[fmt.kv_dtype],)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", choices=("kda", "moe"), default="kda")
+    ap.add_argument("--op", choices=("kda", "moe", "mla", "indexer"), default="kda")
     ap.add_argument("--T", type=int, default=8192, help="kda: tokens")
     ap.add_argument("--H", type=int, default=96, help="kda: heads")
     ap.add_argument("--d", type=int, default=128, help="kda: head dim")
     ap.add_argument("--tuning", default="{}", help="kda: JSON dict of gpu.TUNING overrides")
     ap.add_argument("--rows", type=int, default=8, help="moe: rows per expert")
     ap.add_argument("--weights", choices=("mxfp4", "bf16"), default="mxfp4", help="moe: weight format")
-    ap.add_argument("--config", default="{}", help="moe: JSON dict of GpuConfig field overrides")
+    ap.add_argument("--config", default="{}", help="moe: JSON dict of GpuConfig field overrides; mla: decode kwargs")
+    ap.add_argument("--batch", type=int, default=32, help="mla / indexer: sequences")
+    ap.add_argument("--latent", choices=("fp8", "nvfp4", "bf16"), default="fp8", help="mla: latent row format")
+    ap.add_argument("--all", action="store_true", help="mla: also the split-k merge kernel")
+    ap.add_argument("--keys", choices=("fp8", "mxfp4"), default="fp8", help="indexer: key format")
+    ap.add_argument("--ctx", type=int, default=131072, help="indexer: tokens per sequence")
     ap.add_argument("--sass", action="store_true", help="also print each kernel's static SASS instruction mix")
     a = ap.parse_args()
-    for name, text, warps, stages in (kda_modules(a) if a.op == "kda" else moe_modules(a)):
+    modules = {"kda": kda_modules, "moe": moe_modules, "mla": mla_modules, "indexer": indexer_modules}[a.op](a)
+    for name, text, warps, stages in modules:
         rep = ptxas_report(text, warps, stages, sass=a.sass)
         print(json.dumps(dict(kernel=name, warps=warps, stages=stages, **rep)), flush=True)
 

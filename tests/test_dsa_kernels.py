@@ -99,7 +99,7 @@ def test_indexer_kernel_scores_and_topk_match_reference(index_dtype, backend):
 
 
 @pytest.mark.parametrize("kw", [dict(orient="qk"), dict(orient="kq", dot_dtype="bf16"), dict(orient="qk", num_stages=1),
-                                dict(tokens_per_program=None)])
+                                dict(tokens_per_program=None), dict(orient="qk", prefetch=True)])
 def test_indexer_kernel_knobs_give_the_same_scores(kw):
     fmt, parts, q, w, s_ref = index_case("fp8", seed=5)
     q = q * 300.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
@@ -190,7 +190,9 @@ def test_sparse_gpu_kernel_fast_mode_and_empty_rows():
 
 
 @pytest.mark.parametrize("kv_dtype,kw", [("fp8", dict(dot_dtype="bf16")), ("nvfp4", dict(dot_dtype="f16")),
-                                         ("fp8", dict(block_h=8, num_warps=8))])
+                                         ("fp8", dict(block_h=8, num_warps=8)),
+                                         ("fp8", dict(slots_outside=True, value_reload=True)),
+                                         ("nvfp4", dict(slots_outside=True, value_reload=True))])
 def test_sparse_gpu_kernel_knobs_and_garbage_indices(kv_dtype, kw):
     parts, idx, q, kw_ = mla_case(kv_dtype, seed=7)
     q = q * 100.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range

@@ -75,14 +75,19 @@ def e8m0_value(byte_i32):
 
 
 def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: int, BN: int, n_inner: int,
-            page: int, max_blocks: int, nblocks: int, exact: bool, orient: str, cdt):
+            page: int, max_blocks: int, nblocks: int, exact: bool, orient: str, cdt, prefetch: bool = False):
     """q_ref `[B, 2, Hi, d]` (plane 0 = hi, plane 1 = lo; mxfp4: columns [even | odd]) in the dot dtype `cdt`,
     w_ref `[B, Hi]` f32 (the per-head power-of-two q normalisation folded in), key parts flattened
     `[num_blocks·page, w]`, out `[B, S_pad]` f32.
 
     Address safety: positions are ≥ 0 by construction, table reads are clamped to the row, block ids to
     [0, nblocks) — no load can leave the pool whatever the table holds — and the big 1-byte parts get 64-bit offsets
-    (`pallas_kernels.paged.ensure_triton_wide_offsets`)."""
+    (`pallas_kernels.paged.ensure_triton_wide_offsets`).
+
+    prefetch (fp8 keys): the per-token scales of chunk i + 1 and the page ids of chunk i + 2 are loaded in iteration
+    i and carried to the next one. Triton's pipeliner software-pipelines only the loads that feed a dot (the codes);
+    the scale gather stayed a synchronous load whose latency every chunk waited for. A load's value is only waited
+    for where it is used, so a value carried across the iteration boundary arrives during this chunk's math."""
     *key_refs, o_ref = refs
     b = pl.program_id(0)
     j = pl.program_id(1)
@@ -113,19 +118,33 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
     # chunks wholly past the query position are not read (only written −inf): dynamic trip counts
     n_live = jnp.clip((pos_b - chunk0 * BN) // BN + 1, 0, n_inner)
 
+    def positions(chunk):
+        return chunk * BN + jnp.arange(BN, dtype=jnp.int32)  # [BN] sequence positions, ≥ 0
+
+    def page_ids(t):
+        blk = bt_ref[b, jnp.minimum(t // page, max_blocks - 1)]
+        return jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
+
+    def scales(t, blk):  # fp8: the per-token scale of each 128-group, [BN] fp32 each (powers of two)
+        return tuple(key_refs[1][blk * page + t % page, g] for g in range(len(cols)))
+
     def live(i, carry):
         c0 = (chunk0 + i) * BN
-        t = c0 + jnp.arange(BN, dtype=jnp.int32)  # [BN] sequence positions, ≥ 0
-        blk = bt_ref[b, jnp.minimum(t // page, max_blocks - 1)]
-        blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
-        slot = blk * page + t % page
+        t = positions(chunk0 + i)
+        slot = page_ids(t) * page + t % page
         if index_dtype == "fp8":
             codes_ref, scale_ref = key_refs
+            if prefetch:
+                sc_now, blk_next = carry
+                t1 = positions(chunk0 + i + 1)
+                t2 = positions(chunk0 + i + 2)
+                carry = (scales(t1, blk_next), page_ids(t2))  # used in the next iteration
+            else:
+                sc_now = scales(t, page_ids(t))
             dots = None
             for g, (c0_, cw) in enumerate(cols):
                 codes = codes_ref[slot, pl.ds(c0_, cw)].astype(cdt)  # exact (e4m3 ⊂ f16, bf16)
-                sc = scale_ref[slot, g]  # [BN] fp32, a power of two
-                part = dot(codes, g) * per_token(sc)
+                part = dot(codes, g) * per_token(sc_now[g])
                 dots = part if dots is None else dots + part
         elif index_dtype == "mxfp4":
             packed_ref, e_ref = key_refs
@@ -148,7 +167,11 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
         o_ref[b, pl.ds((chunk0 + i) * BN, BN)] = jnp.full((BN,), -jnp.inf, jnp.float32)
         return carry
 
-    jax.lax.fori_loop(0, n_live, live, 0)
+    use_prefetch = prefetch and index_dtype == "fp8"
+    if use_prefetch:
+        t0 = positions(chunk0)
+        carry0 = (scales(t0, page_ids(t0)), page_ids(positions(chunk0 + 1)))
+    jax.lax.fori_loop(0, n_live, live, carry0 if use_prefetch else 0)
     jax.lax.fori_loop(n_live, n_inner, dead, 0)
 
 
@@ -212,6 +235,12 @@ FAST = {
     "sp512_qk": dict(exact=False, block_n=512, num_warps=8, num_stages=3, orient="qk"),
     "sp128_qk_s4": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk"),
     "sp256_qk_big": dict(exact=False, block_n=256, num_warps=4, num_stages=3, orient="qk", tokens_per_program=16384),
+    # session 6: the scale gather one chunk ahead (`prefetch`), around the winner sp128_qk_s4 (0.69 at 1M × 32)
+    "sp128_qk_s4_pf": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk", prefetch=True),
+    "sp128_qk_s3_pf": dict(exact=False, block_n=128, num_warps=4, num_stages=3, orient="qk", prefetch=True),
+    "sp256_qk_s4_pf": dict(exact=False, block_n=256, num_warps=4, num_stages=4, orient="qk", prefetch=True),
+    "sp128_qk_s4_pf_big": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk", prefetch=True,
+                               tokens_per_program=16384),
 }
 
 
@@ -221,15 +250,16 @@ def supports_pool(key_parts) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_n", "tokens_per_program", "exact", "interpret",
-                                             "num_warps", "num_stages", "orient", "dot_dtype"))
+                                             "num_warps", "num_stages", "orient", "dot_dtype", "prefetch"))
 def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 128, tokens_per_program=None,
            exact: bool = True, interpret: bool = False, num_warps: int = 4, num_stages: int = 3,
-           orient: str = "kq", dot_dtype: str = "auto"):
+           orient: str = "kq", dot_dtype: str = "auto", prefetch: bool = False):
     """Decode index scores: q `[B, Hi, d]`, w `[B, Hi]` (Hi^-0.5·d^-0.5 folded in), key_parts `[num_blocks, page, w]`
     (fmt.parts), block_tables `[B, max_blocks]`, pos `[B]` (the query's position; keys at ≤ pos are scored)
     -> float32 `[B, max_blocks·page]`, −inf where not allowed.
     Knobs: block_n (keys per dot), tokens_per_program (None: ≈ 4 programs per SM), orient ("kq": keys are the
-    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16"), Triton num_warps / num_stages."""
+    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16"), prefetch (fp8: the scale gather one
+    chunk ahead, see `_kernel`), Triton num_warps / num_stages."""
     if not supports(fmt):
         raise ValueError(f"the GPU indexer kernel reads {SUPPORTED} keys, not {fmt}")
     if orient not in ("kq", "qk"):
@@ -255,7 +285,8 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
     q, w = _prep_q(q_bhd, w_bh, fmt, exact, cdt)
     flat = [p.reshape(nblocks * page, p.shape[-1]) for p in key_parts]
     kernel = functools.partial(_kernel, index_dtype=fmt.index_dtype, d=d, Hi=Hi, BN=BN, n_inner=n_inner, page=page,
-                               max_blocks=max_blocks, nblocks=nblocks, exact=exact, orient=orient, cdt=cdt)
+                               max_blocks=max_blocks, nblocks=nblocks, exact=exact, orient=orient, cdt=cdt,
+                               **(dict(prefetch=True) if prefetch else {}))
     out = pl.pallas_call(
         kernel,
         grid=(B, n_prog),

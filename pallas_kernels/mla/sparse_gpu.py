@@ -96,7 +96,7 @@ def _dot_nn(a, b):
 
 def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
             page: int, max_blocks: int, nblocks: int, exact: bool, cdt, BV=None, q_reload: bool = False,
-            orient: str = "qk"):
+            orient: str = "qk", slots_outside: bool = False, value_reload: bool = False):
     """One (sequence, head block, split). q_ref `[B, HB, P, BH, c]` in the dot dtype cdt (P = 2 planes hi | lo, or
     1; each head divided by the power of two in qs_ref `[B, Hp]` f32, multiplied back onto its logits);
     pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
@@ -110,8 +110,15 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     of BV ([even | odd] space for nvfp4): every program still scores all c columns (QKᵀ is recomputed per value
     block) but accumulates PV for its BV columns only (acc `[BH, BV]`: the register budget of a 64/128-head
     program); q_reload — q is re-read (L1/L2) inside the slot loop instead of being held across it; orient "kq" —
-    the logits dot is rows·qᵀ `[BK, BH]` (the rows are the M side), transposed for the PV dot."""
+    the logits dot is rows·qᵀ `[BK, BH]` (the rows are the M side), transposed for the PV dot; slots_outside — idx_ref
+    already holds pool rows (−1 = empty; `pool_rows`), so a step has one dependent load (row ids -> rows) instead of
+    two (positions -> table -> rows); value_reload — the PV dot's rows are a second load of the same addresses (an
+    L2 hit): Triton's pipeliner leaves a load that feeds two dots synchronous, and pipelines each of two loads that
+    feed one dot each (cp.async into shared memory, overlapped with the previous block's math)."""
     *pool_refs, o_ref, lse_ref = refs
+    if value_reload:  # the pool passed a second time: a second load that CSE cannot merge with the first
+        n_parts = len(pool_refs) // 2
+        pool_refs, value_refs = pool_refs[:n_parts], pool_refs[n_parts:]
     b = pl.program_id(0)
     hb = pl.program_id(1)
     sp = pl.program_id(2)
@@ -147,7 +154,7 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         code = jnp.where(plane == 0, packed & 0xF, packed >> 4)
         return (e2m1_value(code) * s_b).astype(cdt)
 
-    def rows_of(slot):
+    def rows_of(slot, pool_refs=pool_refs):
         """Dequantised pieces of the gathered rows in cdt: (value planes [BK, R or R/2]..., rope [BK, rope])."""
         if not nv:
             (pool,) = pool_refs
@@ -169,10 +176,13 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         base = (sp * n_blk + j) * BK
         pos_raw = idx_ref[b, pl.ds(base, BK)]  # [BK] int32, −1 = empty slot
         ok = pos_raw >= 0
-        pos = jnp.maximum(pos_raw, 0)
-        blk = bt_ref[b, jnp.minimum(pos // page, max_blocks - 1)]  # [BK] page ids (gather from the table row)
-        blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
-        slot = blk * page + pos % page
+        if slots_outside:  # pool rows already
+            slot = jnp.minimum(jnp.maximum(pos_raw, 0), nblocks * page - 1)
+        else:
+            pos = jnp.maximum(pos_raw, 0)
+            blk = bt_ref[b, jnp.minimum(pos // page, max_blocks - 1)]  # [BK] page ids (gather from the table row)
+            blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
+            slot = blk * page + pos % page
         vals, rp = rows_of(slot)
         q_lat_, q_rope_ = load_q() if q_reload else (q_lat, q_rope)
         s = None
@@ -195,7 +205,8 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         l = l * corr + jnp.sum(pexp, axis=1, keepdims=True)
         p_hi, p_lo = _split(pexp, exact, cdt)
         new = []
-        for acc, v in zip(accs, [vblock_of(slot)] if vsplit else vals):
+        pv_vals = [vblock_of(slot)] if vsplit else (rows_of(slot, value_refs)[0] if value_reload else vals)
+        for acc, v in zip(accs, pv_vals):
             pv = _dot_nn(p_hi, v)
             if exact:
                 pv = pv + _dot_nn(p_lo, v)
@@ -336,7 +347,27 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     "wide64_qr": dict(block_h=64, block_k=64, exact=False, num_warps=8, num_stages=2, q_reload=True,
                       merge="pallas"),  # 255 / 0 / 180 KB
     "w16_fast": dict(block_h=16, block_k=64, exact=False, num_warps=4, num_stages=2, merge="pallas"),
+    # session 6: every gather software-pipelined (TTGIR: cp.async for the rows of both dots, none synchronous) —
+    # pool rows computed outside (`pool_rows`) and the PV rows a second load (`value_reload`)
+    "sr16_bk64": dict(block_h=16, block_k=64, exact=False, num_warps=8, num_stages=3, slots_outside=True,
+                      value_reload=True, merge="pallas"),  # 199 / 0 / 91 KB
+    "sr16_bk32": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=3, slots_outside=True,
+                      value_reload=True, merge="pallas"),  # 255 / 0 / 55 KB
+    "sr16_bk32_exact": dict(block_h=16, block_k=32, exact=True, num_warps=8, num_stages=3, slots_outside=True,
+                            value_reload=True, merge="pallas"),  # 202 / 0 / 74 KB
 }
+
+
+def pool_rows(block_tables, idx_bk, page: int, nblocks: int):
+    """Top-k positions `[B, k]` (−1 = empty) -> rows of the flattened pool `[B, k]` int32 (−1 = empty):
+    `table[b, pos // page]·page + pos % page`, table reads clamped to the row and block ids into [0, nblocks) as in
+    the kernel. One XLA fusion (B·k·4 bytes) that takes the page-table step out of the kernel's dependent chain."""
+    bt = jnp.asarray(block_tables, jnp.int32)
+    pos = jnp.asarray(idx_bk, jnp.int32)
+    safe = jnp.maximum(pos, 0)
+    blk = jnp.take_along_axis(bt, jnp.minimum(safe // page, bt.shape[1] - 1), axis=1)
+    blk = jnp.clip(blk, 0, nblocks - 1)
+    return jnp.where(pos >= 0, blk * page + safe % page, -1)
 
 
 def supports_pool(kv_parts) -> bool:
@@ -346,11 +377,13 @@ def supports_pool(kv_parts) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
                                              "interpret", "num_warps", "num_stages", "dot_dtype", "block_v",
-                                             "q_reload", "orient", "merge", "target_programs"))
+                                             "q_reload", "orient", "merge", "target_programs", "slots_outside",
+                                             "value_reload"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
            num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, q_reload: bool = False,
-           orient: str = "qk", merge: str = "xla", target_programs: int = 264):
+           orient: str = "qk", merge: str = "xla", target_programs: int = 264, slots_outside: bool = False,
+           value_reload: bool = False):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
     -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32).
@@ -359,8 +392,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     gathered row once for ALL heads; 96 heads pad to 128), block_k slots per step, splits of the k axis (None:
     ≈ target_programs programs), exact (False: single-pass products, q and p in the dot dtype only — the storage
     formats' 5e-3 bar), block_v / q_reload / orient (see `_kernel`), merge ("xla": `reference.merge_partials`;
-    "pallas": `_merge_kernel`, one launch that also drops padded heads and applies the layer scale), Triton
-    num_warps / num_stages, dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
+    "pallas": `_merge_kernel`, one launch that also drops padded heads and applies the layer scale),
+    slots_outside / value_reload (see `_kernel`), Triton num_warps / num_stages, dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
     if not supports(fmt):
         raise ValueError(f"the GPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
     R, rope = fmt.latent, fmt.rope
@@ -388,7 +421,12 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     NVB = R // BV if BV else 1
     NS = max(1, min(_pick_splits(B, HB * NVB, n_total, target_programs) if splits is None else splits, n_total))
     n_blk = -(-n_total // NS)  # key blocks per split; the slot list is padded with empty (−1) slots
-    idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
+    idx = jnp.asarray(idx_bk, jnp.int32)
+    if slots_outside:
+        idx = pool_rows(bt, idx, page, nblocks)
+        bt = jnp.zeros((1, 1), jnp.int32)  # unused by the kernel
+        max_blocks = 1
+    idx = jnp.pad(idx, ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
     ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
     cdt = _dot_dtype(fmt, dot_dtype)
     q, qs = _prep_q(q_bhc, fmt, scale * ls, BH, exact, cdt)
@@ -397,7 +435,9 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     kernel = functools.partial(_kernel, kv_dtype=fmt.kv_dtype, R=R, rope=rope, BH=BH, BK=BK, n_blk=n_blk,
                                page=page, max_blocks=max_blocks, nblocks=nblocks, exact=exact, cdt=cdt,
                                **({} if BV is None else dict(BV=BV)), **(dict(q_reload=True) if q_reload else {}),
-                               **(dict(orient=orient) if orient != "qk" else {}))
+                               **(dict(orient=orient) if orient != "qk" else {}),
+                               **(dict(slots_outside=True) if slots_outside else {}),
+                               **(dict(value_reload=True) if value_reload else {}))
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, HB, NS) + ((NVB,) if BV else ()),
@@ -406,7 +446,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_mla_decode",
-    )(bt, idx, q, qs, *flat)
+    )(bt, idx, q, qs, *flat, *(flat if value_reload else ()))
     if merge == "pallas" and NS > 1:
         o, lse = _merge_pallas(o, lse, ls, H, interpret=interpret)
         if fmt.kv_dtype == "nvfp4":  # [even | odd] -> interleaved
