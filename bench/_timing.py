@@ -7,6 +7,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def pipelined_seconds(fn, *args, reps: int, rounds: int = 3) -> float:
@@ -24,41 +25,33 @@ def pipelined_seconds(fn, *args, reps: int, rounds: int = 3) -> float:
 
 def chained(fn, n: int, stacked=()):
     """`fn` called n times in ONE jitted program, each call's inputs passed through an optimization barrier together
-    with the previous call's outputs (so XLA can neither merge the calls nor reorder them) -> the last outputs.
+    with the previous call's outputs (so XLA can neither merge the calls nor reorder them) -> (the last outputs, the
+    sum of every call's outputs: the one use that keeps each call alive; it adds one read of the outputs per call).
     Arguments at the positions in `stacked` carry a leading axis of n: call i gets slice i, so each call can read
     different memory (a chain over the same few MB would be served from the 50 MB L2, not HBM).
     Timing it and dividing by n measures the device time of a short op as it runs inside a model step, without the
     ≈ 50 µs per-call host dispatch that bounds back-to-back dispatch of a microsecond-scale jit."""
 
     def many(*args):
-        out = None
+        out, live = None, jnp.float32(0)
         for i in range(n):
             out = fn(*(a[i] if p in stacked else a for p, a in enumerate(args)))
+            # every call's outputs feed the result (a sum per leaf), or jax would drop all calls but the last
+            live = live + sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree_util.tree_leaves(out))
             args, _ = jax.lax.optimization_barrier((args, out))
-        return out
+        return out, live
 
     return jax.jit(many)
 
 
-def device_seconds(fn, *args, stacked=(), budget_s: float = 0.25, short_s: float = 1e-3, max_chain: int = 16,
-                   min_reps: int = 3) -> tuple[float, int]:
-    """(seconds per call, chain length). With `stacked` (positions of arguments with a leading axis of n distinct
-    inputs): `chained(fn, n, stacked)` divided by n. Otherwise `pipelined_seconds` of `fn`, or, when one call takes
-    less than `short_s`, of `chained(fn, n)` divided by n (n ≤ max_chain, ≈ 2·short_s of work) — on the SAME
-    inputs, so only for ops whose reads exceed the L2 or do not matter."""
+def device_seconds(fn, *args, stacked=(), budget_s: float = 0.25, min_reps: int = 3) -> tuple[float, int]:
+    """(seconds per call, calls per program). With `stacked` (positions of arguments with a leading axis of n
+    distinct inputs): `chained(fn, n, stacked)`, timed by `pipelined_seconds` and divided by n. Without: plain
+    `pipelined_seconds` of `fn` (n = 1)."""
+    n = 1
     if stacked:
         n = args[stacked[0]].shape[0]
         fn = chained(fn, n, stacked)
-    else:
-        first = [a for a in args]
-        jax.block_until_ready(fn(*first))
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*first))
-        est = max(time.perf_counter() - t, 1e-6)
-        n = 1
-        if est < short_s:
-            n = int(max(2, min(max_chain, round(2 * short_s / est))))
-            fn = chained(fn, n)
     jax.block_until_ready(fn(*args))
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))

@@ -136,7 +136,7 @@ def time_jax(fn, *args, budget_s=0.25, stacked=()):
     if ARGS.smoke and not stacked:
         jax.block_until_ready(fn(*args))
         return pipelined_seconds(fn, *args, reps=2)
-    return device_seconds(fn, *args, budget_s=budget_s, stacked=stacked, short_s=0.0)[0]
+    return device_seconds(fn, *args, budget_s=budget_s, stacked=stacked)[0]
 
 
 def chain_len(nbytes):
@@ -420,7 +420,11 @@ MLA_SWEEP = {  # per (batch, heads) class
                ("wide64_v256", _W["wide64_v256"]), ("w16_fast", _W["w16_fast"]),
                ("wide64_ns8", dict(_W["wide64"], splits=8)), ("wide128_v256_ns16", dict(_W["wide128_v256"], splits=16)),
                ("wide64_v256_ns16", dict(_W["wide64_v256"], splits=16))],
-    "B32_H12": [("sr16_bk64", _W["sr16_bk64"]), ("sr16_bk32", _W["sr16_bk32"]), ("default", {}),
+    "B32_H12": [("sr16_bk32_s5", _W["sr16_bk32_s5"]), ("sr16_bk16_s6", _W["sr16_bk16_s6"]),
+                ("sr16_bk64_s5", _W["sr16_bk64_s5"]), ("sr16_bk32_s5_ns8", dict(_W["sr16_bk32_s5"], splits=8)),
+                ("sr16_bk16_s6_ns8", dict(_W["sr16_bk16_s6"], splits=8)),
+                ("sr16_bk32_ns8", dict(_W["sr16_bk32"], splits=8)),
+                ("sr16_bk64", _W["sr16_bk64"]), ("sr16_bk32", _W["sr16_bk32"]), ("default", {}),
                 ("w16_fast", _W["w16_fast"]), ("sr16_bk64_ns8", dict(_W["sr16_bk64"], splits=8)),
                 ("sr16_bk32_ns8", dict(_W["sr16_bk32"], splits=8)), ("sr16_bk32_exact", _W["sr16_bk32_exact"]),
                 ("sr16_bk64_ns4", dict(_W["sr16_bk64"], splits=4)), ("sr16_bk64_s2", dict(_W["sr16_bk64"], num_stages=2)),

@@ -241,6 +241,12 @@ FAST = {
     "sp256_qk_s4_pf": dict(exact=False, block_n=256, num_warps=4, num_stages=4, orient="qk", prefetch=True),
     "sp128_qk_s4_pf_big": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk", prefetch=True,
                                tokens_per_program=16384),
+    # the key gather hangs off the page-table load: Triton 3.6 double-buffers it only from num_stages = 5 (three
+    # buffers from 8; see mla.sparse_gpu.WIDE). Untimed (session 6). ptxas: regs / shared memory
+    "sp128_qk_s5_pf": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True),  # 130/42K
+    "sp64_qk_s6_pf": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="qk", prefetch=True),  # 96 / 25K
+    "sp64_qk_s8_pf": dict(exact=False, block_n=64, num_warps=4, num_stages=8, orient="qk", prefetch=True),  # 96 / 34K
+    "sp256_qk_w8_s5_pf": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="qk", prefetch=True),  # 128/77K
 }
 
 

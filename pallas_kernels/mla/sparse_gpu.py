@@ -355,6 +355,15 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
                       value_reload=True, merge="pallas"),  # 255 / 0 / 55 KB
     "sr16_bk32_exact": dict(block_h=16, block_k=32, exact=True, num_warps=8, num_stages=3, slots_outside=True,
                             value_reload=True, merge="pallas"),  # 202 / 0 / 74 KB
+    # Triton 3.6 gives a gather that hangs off a loaded index ONE shared-memory buffer up to num_stages = 4 (the
+    # next block's copy waits for this block's dots: no overlap inside a program), two from 5, three from 8
+    # (TTGIR `local_alloc` shapes, bench/triton_regs.py). Untimed (session 6 ended its GPU budget first).
+    "sr16_bk32_s5": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                         value_reload=True, merge="pallas"),  # 255 / 0 / 90 KB, 2 buffers
+    "sr16_bk16_s6": dict(block_h=16, block_k=16, exact=False, num_warps=4, num_stages=6, slots_outside=True,
+                         value_reload=True, merge="pallas"),  # 182 / 0 / 54 KB, 2 buffers
+    "sr16_bk64_s5": dict(block_h=16, block_k=64, exact=False, num_warps=8, num_stages=5, slots_outside=True,
+                         value_reload=True, merge="pallas"),  # 199 / 0 / 161 KB, 2 buffers
 }
 
 
