@@ -144,6 +144,10 @@ GPU_SWEEP = [  # run 1 (bench/RESULTS.md) also tried 64x256 (w4/w8), 128x128 (w4
     moe_gpu.GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=4),
     moe_gpu.GpuConfig(bm=128, bn=256, bk=128, num_warps=8, num_stages=2),
     moe_gpu.GpuConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=4),
+    # session 6, untimed: one row tile per expert at ~146 rows (128-row tiles cut most experts in two, and each row
+    # tile streams the expert's whole weight again); ptxas 178 registers, 147 KB shared, wgmma, no spills
+    moe_gpu.GpuConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=3),
+    moe_gpu.GpuConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=4),  # 196 KB shared
 ]
 MGPU_SWEEP = [  # run 1: (128,128,64,4,2) best of (128,128,64,4,1), (64,128,64,4,1), (128,256,64,3,1) too
     moe_gpu.MgpuConfig(128, 128, 64, 4, 2),
@@ -161,7 +165,7 @@ def bench_bf16(args):
     INFO["k3_group_sizes"] = dict(min=int(s.min()), max=int(s.max()), mean=float(s.mean()), zeros=int((s == 0).sum()))
     flops = 2.0 * M * K * N
     shape = f"E={E} M={M} {K}->{N} bf16"
-    tiles = {bm: int(np.sum(-(-s // bm))) for bm in (64, 128)}
+    tiles = {bm: int(np.sum(-(-s // bm))) for bm in (64, 128, 256)}
     INFO["k3_row_tiles"] = {f"bm={bm}": f"{t} tiles = {t * bm / M:.2f}x the rows" for bm, t in tiles.items()}
     log("group sizes", INFO["k3_group_sizes"], "tiles", INFO["k3_row_tiles"])
 
