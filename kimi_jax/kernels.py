@@ -18,6 +18,10 @@ class KernelConfig:
     # pallas_kernels.indexer.paged / mla.sparse (the paged MLA path): auto | reference | gpu | tpu | gpu_interpret |
     # tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an operator's override.
     dsa: str = "auto"
+    # DSA products: "exact" (≈ fp32 against the dequantised cache, hi/lo split operands) or "storage" (the GPU
+    # kernels' single-pass settings, within the quantised cache formats' 5e-3 bar: 2-3x faster on the H200 at
+    # B = 32, bench/RESULTS.md session 6). Only the GPU kernels differ.
+    dsa_precision: str = "exact"
 
     @staticmethod
     def reference() -> "KernelConfig":

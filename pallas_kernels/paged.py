@@ -51,6 +51,16 @@ _ALIASES = {"pallas_tpu": "tpu", "interpret": "tpu_interpret"}
 _PLATFORM_KERNEL = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 
 
+DSA_PRECISIONS = ("exact", "storage")
+
+
+def check_precision(precision: str) -> None:
+    """The DSA ops' `precision`: "exact" (products to ≈ fp32 against the dequantised cache) or "storage" (faster
+    single-pass kernel settings within the quantised storage formats' 5e-3 bar)."""
+    if precision not in DSA_PRECISIONS:
+        raise ValueError(f"DSA precision must be one of {DSA_PRECISIONS}, got {precision!r}")
+
+
 def resolve_dsa_backend(backend: str, *, op: str, supported) -> str:
     """The one place the DSA ops pick an implementation. `supported(kind) -> bool` says whether the kernel of kind
     "gpu" / "tpu" handles this call; "auto" falls back to "reference" when it does not (or on CPU). Explicit kernel

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kimi_jax import quant as Q
+from pallas_kernels.indexer import gpu as igpu
 from pallas_kernels.indexer import paged as ipaged
 from pallas_kernels.mla import sparse, sparse_gpu
 from pallas_kernels.paged import gather_pages, resolve_dsa_backend
@@ -599,3 +600,38 @@ def test_indexer_fast_presets_lower_and_verify_at_k31_shapes(index_dtype):
         mods = _triton_modules(functools.partial(gpu.scores, fmt=fmt, **kw), *args)
         assert [n for n, _ in mods] == ["dsa_indexer_scores"] and mods[0][1].operation.verify(), name
         _triton_backend_check(mods[0][1].operation.get_asm(enable_debug_info=False), kw["num_warps"])
+
+
+# ------------------------------------------------------------------------------------------------ precision policy
+
+def test_storage_precision_runs_the_single_pass_presets_within_the_storage_bar():
+    """precision="storage" = the GPU kernels' measured single-pass settings (sparse_gpu.storage_preset by batch and
+    heads; indexer gpu.FAST[gpu.STORAGE_PRESET]); "exact" stays the default; any other value is refused."""
+    B = 8
+    bt, pos = np.tile(BT, (3, 1))[:B], np.tile(POS, 3)[:B]
+    parts, idx, q, kw = mla_case("fp8", seed=31, B=B, bt=bt, pos=pos)
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o, lse = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", precision="storage", **kw)
+    preset = sparse_gpu.storage_preset(B, H)
+    assert preset["exact"] is False and preset["splits"] == 8
+    o_p, lse_p = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw=preset, **kw)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_p))
+    assert rel_rms(o, o_r) <= 5e-3 and rel_rms(lse, lse_r) <= 5e-3
+    assert sparse_gpu.storage_preset(1, H) == {}  # launch-bound: the default settings measured fastest
+
+    fmt, kparts, qi, w, s_ref = index_case("fp8", seed=32)
+    topk = 8
+    got = ipaged.decode(qi, w, kparts, BT, POS + 1, topk, fmt=fmt, backend="gpu_interpret", precision="storage")
+    want = ipaged.decode(qi, w, kparts, BT, POS + 1, topk, fmt=fmt, backend="gpu_interpret",
+                         kernel_kw=igpu.FAST[igpu.STORAGE_PRESET])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    s = np.asarray(ipaged.kernel_scores(qi, w, kparts, BT, POS, fmt=fmt, backend="gpu_interpret",
+                                        **igpu.FAST[igpu.STORAGE_PRESET]))
+    fin = np.isfinite(s_ref)
+    err = rel_rms(s[fin], s_ref[fin])
+    assert err <= 5e-3
+    assert_same_topk(got, s_ref, topk, rel_tol=max(1e-5, 2 * err))
+    with pytest.raises(ValueError, match="precision"):
+        sparse.decode(q, parts, bt, idx, backend="reference", precision="fast", **kw)
+    with pytest.raises(ValueError, match="precision"):
+        ipaged.decode(qi, w, kparts, BT, POS + 1, topk, fmt=fmt, backend="reference", precision="fp16")

@@ -5,6 +5,7 @@ decode (slot-addressed recurrent kernel, cache donated)."""
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import kimi_jax
 from kimi_jax.kernels import KernelConfig
@@ -76,3 +77,21 @@ def test_tpu_dsa_kernels_in_the_paged_decode_equal_reference_path(tiny_model):
     ref, got = step
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_storage_precision_reaches_the_paged_decode(tiny_model):
+    """KernelConfig(dsa_precision="storage") reaches the indexer and sparse-MLA ops of every MLA layer; a decode
+    step over fp8 pages stays within the storage formats' bar of the reference path."""
+    ker = kimi_jax.load_model("tiny", kernels=KernelConfig(dsa="gpu_interpret", dsa_precision="storage"))
+    mla = [m for _, m in nnx.iter_modules(ker.module) if hasattr(m, "dsa_precision")]
+    assert mla and all(m.dsa_precision == "storage" and (m.indexer is None or m.indexer.precision == "storage")
+                       for m in mla)
+    ids = np.random.RandomState(1).randint(0, 1000, (2, 64))
+    step = []
+    for m in (tiny_model, ker):
+        cache = m.new_paged_cache(2, 128, kv_dtype="fp8")
+        _, cache = m.prefill(ids, cache=cache)
+        logits, _ = m.decode_step(cache, np.array([5, 7]))
+        step.append(np.asarray(logits))
+    ref, got = step
+    assert np.abs(got - ref).max() <= 5e-3 * np.abs(ref).max()

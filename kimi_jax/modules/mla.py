@@ -101,10 +101,11 @@ class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-k earlier tokens every head may attend to."""
 
     def __init__(self, hidden: int, q_rank: int, cfg: IndexerConfig, rope, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 backend: str = "auto"):
+                 backend: str = "auto", precision: str = "exact"):
         self.cfg = cfg
         self.rope = rope
         self.backend = backend  # paged top-k implementation (KernelConfig.dsa)
+        self.precision = precision  # KernelConfig.dsa_precision
         self.wq_b = Linear(q_rank, cfg.num_heads * cfg.head_dim, rngs=rngs, dtype=dtype)
         self.wk = Linear(hidden, cfg.head_dim, rngs=rngs, dtype=dtype)
         self.k_norm = LayerNorm(cfg.head_dim, cfg.norm_eps, rngs=rngs, dtype=dtype)
@@ -138,7 +139,8 @@ class Indexer(nnx.Module):
         """Top-k positions int32 `[B, T, topk]` (−1 = empty) over the paged index keys; query_pos −1 = padding."""
         q, w = self.queries(x_btd, cq_btr, cos_sin)
         return index_paged.topk_indices(q, w, cache.pool.index, cache.block_tables, query_pos_bt, self.cfg.topk,
-                                        fmt=cache.spec.index_format, backend=dsa_backend(self.backend, q.shape[1]))
+                                        fmt=cache.spec.index_format, backend=dsa_backend(self.backend, q.shape[1]),
+                                        precision=self.precision)
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -146,6 +148,7 @@ class MultiHeadLatentAttention(nnx.Module):
                  dtype=jnp.float32, kernels: KernelConfig = KernelConfig()):
         self.cfg = cfg
         self.dsa_backend = kernels.dsa  # paged indexer / sparse-MLA implementation
+        self.dsa_precision = kernels.dsa_precision
         H, R = cfg.num_heads, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(hidden, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
@@ -164,7 +167,7 @@ class MultiHeadLatentAttention(nnx.Module):
             if cfg.q_lora_rank is None:
                 raise ValueError("the DSA indexer reads the q LoRA latent; this MLA has no q_lora_rank")
             self.indexer = Indexer(hidden, cfg.q_lora_rank, indexer, cfg.rope, rngs=rngs, dtype=dtype,
-                                   backend=kernels.dsa)
+                                   backend=kernels.dsa, precision=kernels.dsa_precision)
         else:
             self.indexer = None
 
@@ -286,7 +289,8 @@ class MultiHeadLatentAttention(nnx.Module):
             idx_btk = jnp.where(s[None, None, :] <= qpos_bt[:, :, None], s[None, None, :], -1)
         o_lat, _ = sparse_mla.sparse_mla(self.absorbed_query(p), pool.latent, cache.block_tables, idx_btk,
                                          fmt=spec.latent_format, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
-                                         layer_scale=pool.latent_scale, backend=dsa_backend(self.dsa_backend, T))
+                                         layer_scale=pool.latent_scale, backend=dsa_backend(self.dsa_backend, T),
+                                         precision=self.dsa_precision)
         return o_lat, cache
 
     def output(self, x_btd, o_bthv):

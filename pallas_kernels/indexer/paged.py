@@ -31,7 +31,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..paged import DSA_BACKENDS, gather_pages, resolve_dsa_backend
+from ..paged import DSA_BACKENDS, check_precision, gather_pages, resolve_dsa_backend
 from . import reference
 
 DEFAULT_MAX_SCORE_BYTES = 256 << 20
@@ -127,19 +127,29 @@ def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: 
 
 
 def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, fmt,
-                 max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, backend: str = "auto", kernel_kw=None):
+                 max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, backend: str = "auto", kernel_kw=None,
+                 precision: str = "exact"):
     """Top-k cached positions per query: q `[B, T, Hi, d]`, w `[B, T, Hi]` (scales folded in), pos `[B, T]` int
     (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`.
-    Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n)."""
+    Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n).
+    `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernel's single-pass
+    preset `gpu.FAST[gpu.STORAGE_PRESET]`: selections equal but for near-ties within 2× the score error; explicit
+    kernel_kw still win; other backends unchanged)."""
     T = q_bthd.shape[1]
+    check_precision(precision)
     which = resolve_dsa_backend(backend, op="indexer",
                                 supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape, tuple(key_parts)))
     pos_bt = jnp.asarray(pos_bt, jnp.int32)
     if which != "reference":
         if T != 1:
             raise ValueError(f"the {which} indexer kernel is decode-only (T = 1), got T = {T}")
+        kernel_kw = dict(kernel_kw or {})
+        if precision == "storage" and which.startswith("gpu"):
+            from . import gpu
+
+            kernel_kw = dict(gpu.FAST[gpu.STORAGE_PRESET], **kernel_kw)
         s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which,
-                          **(kernel_kw or {}))
+                          **kernel_kw)
         return select_topk(s, topk)[:, None]
     return _reference(q_bthd, w_bth, tuple(key_parts), block_tables, pos_bt, fmt=fmt,
                       topk=topk, max_score_bytes=max_score_bytes)

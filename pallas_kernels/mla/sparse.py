@@ -30,7 +30,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from ..paged import DSA_BACKENDS, gather_parts, resolve_dsa_backend
+from ..paged import DSA_BACKENDS, check_precision, gather_parts, resolve_dsa_backend
 from .reference import PRECISION
 
 BACKENDS = DSA_BACKENDS
@@ -122,15 +122,20 @@ def _pick_backend(backend: str, fmt, T: int, kv_parts=()) -> str:
 
 
 def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
-               block_k: int = DEFAULT_BLOCK_K, q_chunk=None, backend: str = "auto", kernel_kw=None):
+               block_k: int = DEFAULT_BLOCK_K, q_chunk=None, backend: str = "auto", kernel_kw=None,
+               precision: str = "exact"):
     """Sparse absorbed attention over the paged latent cache.
 
     q `[B, T, H, c]` (absorbed query `[q_nope·W_UK | q_rope]`), kv_parts: the layer pool's latent parts
     `[num_blocks, page, w]`, block_tables `[B, max_blocks]`, idx `[B, T, k]` sequence positions (−1 = empty).
     Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32).
     `block_k` is the key block of the reference and TPU kernel (the GPU kernel takes its own via kernel_kw).
+    `precision`: "exact" (products to ≈ fp32 against the dequantised rows) or "storage" (the GPU kernel's faster
+    single-pass settings, `sparse_gpu.storage_preset`, within the quantised formats' 5e-3 bar; explicit kernel_kw
+    still win; the reference and the TPU kernel are unchanged).
     """
     B, T, H, c = q_bthc.shape
+    check_precision(precision)
     which = _pick_backend(backend, fmt, T, tuple(kv_parts))
     kernel_kw = dict(kernel_kw or {})
     if which != "reference":
@@ -145,6 +150,8 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
         else:
             from . import sparse_gpu
 
+            if precision == "storage":
+                kernel_kw = dict(sparse_gpu.storage_preset(B, H), **kernel_kw)
             o, lse = sparse_gpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],
                                        interpret=which == "gpu_interpret", **common, **kernel_kw)
         return o[:, None], lse[:, None]

@@ -379,6 +379,19 @@ def pool_rows(block_tables, idx_bk, page: int, nblocks: int):
     return jnp.where(pos >= 0, blk * page + safe % page, -1)
 
 
+def storage_preset(B: int, H: int) -> dict:
+    """Kernel settings for `precision="storage"` (products at the storage formats' 5e-3 bar, not fp32-level), from
+    the H200 sweep of session 6 (bench/RESULTS.md; device time per call at 32K): at B ≥ 8 sequences, ≤ 16 heads
+    `sr16_bk32` with 8 splits (45.8 µs vs the exact default's 95.5 at B = 32, H = 12) and, for more heads,
+    `wide128_v256` (212 vs 482 µs at H = 96); below 8 sequences the op is launch-bound and the default settings were
+    the fastest measured (16 µs at B = 1), so they stay (empty dict)."""
+    if B < 8:
+        return {}
+    if H <= 16:
+        return dict(WIDE["sr16_bk32"], splits=8)
+    return dict(WIDE["wide128_v256"])
+
+
 def supports_pool(kv_parts) -> bool:
     """Whether every row of these pool parts is addressable by the kernel (see `paged.pool_offsets_safe`)."""
     return pool_offsets_safe(kv_parts)
