@@ -23,6 +23,11 @@ class KernelConfig:
     # B = 32, bench/RESULTS.md session 6). Only the GPU kernels differ.
     dsa_precision: str = "exact"
 
+    def __post_init__(self):
+        from pallas_kernels.paged import check_precision
+
+        check_precision(self.dsa_precision)  # a typo fails here, not at the first decode step
+
     @staticmethod
     def reference() -> "KernelConfig":
         return KernelConfig(kda="reference", moe="reference", dsa="reference")

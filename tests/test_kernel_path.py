@@ -95,3 +95,5 @@ def test_storage_precision_reaches_the_paged_decode(tiny_model):
         step.append(np.asarray(logits))
     ref, got = step
     assert np.abs(got - ref).max() <= 5e-3 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="precision"):
+        KernelConfig(dsa_precision="fp16")
