@@ -62,19 +62,24 @@ def test_gpu_kda_kernel_path_equals_reference_path(tiny_model, kda):
         _close(a, b)
 
 
+def _paged_decode_step_logits(models, seed: int):
+    """Each model prefills the same 2 × 64 random ids into fp8 pages, then takes one decode step: its logits."""
+    ids = np.random.RandomState(seed).randint(0, 1000, (2, 64))
+    out = []
+    for m in models:
+        cache = m.new_paged_cache(2, 128, kv_dtype="fp8")
+        _, cache = m.prefill(ids, cache=cache)
+        logits, _ = m.decode_step(cache, np.array([5, 7]))
+        out.append(np.asarray(logits))
+    return out
+
+
 def test_tpu_dsa_kernels_in_the_paged_decode_equal_reference_path(tiny_model):
     """KernelConfig(dsa=...) reaches the paged MLA path: a decode step through the TPU indexer and sparse-MLA
     kernels (interpret mode) gives the reference path's logits over the same fp8 pages (prefill chunks take the
     reference either way: the DSA kernels are decode kernels)."""
     ker = kimi_jax.load_model("tiny", kernels=KernelConfig(dsa="tpu_interpret"))
-    ids = np.random.RandomState(0).randint(0, 1000, (2, 64))
-    step = []
-    for m in (tiny_model, ker):
-        cache = m.new_paged_cache(2, 128, kv_dtype="fp8")
-        _, cache = m.prefill(ids, cache=cache)
-        logits, _ = m.decode_step(cache, np.array([5, 7]))
-        step.append(np.asarray(logits))
-    ref, got = step
+    ref, got = _paged_decode_step_logits((tiny_model, ker), seed=0)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
@@ -86,14 +91,7 @@ def test_storage_precision_reaches_the_paged_decode(tiny_model):
     mla = [m for _, m in nnx.iter_modules(ker.module) if hasattr(m, "dsa_precision")]
     assert mla and all(m.dsa_precision == "storage" and (m.indexer is None or m.indexer.precision == "storage")
                        for m in mla)
-    ids = np.random.RandomState(1).randint(0, 1000, (2, 64))
-    step = []
-    for m in (tiny_model, ker):
-        cache = m.new_paged_cache(2, 128, kv_dtype="fp8")
-        _, cache = m.prefill(ids, cache=cache)
-        logits, _ = m.decode_step(cache, np.array([5, 7]))
-        step.append(np.asarray(logits))
-    ref, got = step
+    ref, got = _paged_decode_step_logits((tiny_model, ker), seed=1)
     assert np.abs(got - ref).max() <= 5e-3 * np.abs(ref).max()
     with pytest.raises(ValueError, match="precision"):
         KernelConfig(dsa_precision="fp16")
