@@ -2,13 +2,17 @@
 CPU) equal the jnp-reference path — prefill, prefill continued from a cache (KDA initial state), and step-by-step
 decode (slot-addressed recurrent kernel, cache donated)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 import kimi_jax
+from kimi_jax.config import get_preset
 from kimi_jax.kernels import KernelConfig
+from kimi_jax.model import random_model
 
 BAR = 1e-4  # max |Δlogit| relative to max |logit| (fp32 model)
 
@@ -62,14 +66,14 @@ def test_gpu_kda_kernel_path_equals_reference_path(tiny_model, kda):
         _close(a, b)
 
 
-def _paged_decode_step_logits(models, seed: int):
-    """Each model prefills the same 2 × 64 random ids into fp8 pages, then takes one decode step: its logits."""
-    ids = np.random.RandomState(seed).randint(0, 1000, (2, 64))
+def _paged_decode_step_logits(models, seed: int, batch: int = 2):
+    """Each model prefills the same batch × 64 random ids into fp8 pages, then takes one decode step: its logits."""
+    ids = np.random.RandomState(seed).randint(0, 1000, (batch, 64))
     out = []
     for m in models:
-        cache = m.new_paged_cache(2, 128, kv_dtype="fp8")
+        cache = m.new_paged_cache(batch, 128, kv_dtype="fp8")
         _, cache = m.prefill(ids, cache=cache)
-        logits, _ = m.decode_step(cache, np.array([5, 7]))
+        logits, _ = m.decode_step(cache, np.arange(batch) + 5)
         out.append(np.asarray(logits))
     return out
 
@@ -84,14 +88,35 @@ def test_tpu_dsa_kernels_in_the_paged_decode_equal_reference_path(tiny_model):
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_storage_precision_reaches_the_paged_decode(tiny_model):
-    """KernelConfig(dsa_precision="storage") reaches the indexer and sparse-MLA ops of every MLA layer; a decode
-    step over fp8 pages stays within the storage formats' bar of the reference path."""
-    ker = kimi_jax.load_model("tiny", kernels=KernelConfig(dsa="gpu_interpret", dsa_precision="storage"))
+def _tiny_with_gpu_dsa_shapes():
+    """The tiny preset with the shapes the GPU DSA kernels take (rope 16, 8 indexer heads; tiny's rope 8 and 2 heads
+    fall back to the reference)."""
+    cfg = get_preset("tiny")
+    return dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, qk_rope_head_dim=16),
+                               indexer=dataclasses.replace(cfg.indexer, num_heads=8))
+
+
+@pytest.mark.parametrize("precision,bound", [("exact", 1e-4), ("storage", 5e-3)])
+def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bound, monkeypatch):
+    """KernelConfig(dsa="gpu_interpret", dsa_precision=...) runs the GPU indexer and sparse-MLA kernels (interpret
+    mode) in every MLA layer's decode step: logits equal the reference path's over the same fp8 pages, to ≈ fp32
+    ("exact") or within the storage formats' bar ("storage": 8 sequences, so the sparse-MLA kernel takes its
+    single-pass split preset)."""
+    from pallas_kernels.indexer import gpu as igpu
+    from pallas_kernels.mla import sparse_gpu
+
+    launched = []
+    for mod, name in ((sparse_gpu, "decode"), (igpu, "scores")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k: launched.append((_n, k)) or _real(*a, **k))
+    cfg = _tiny_with_gpu_dsa_shapes()
+    ref = random_model(cfg, kernels=KernelConfig.reference())
+    ker = random_model(cfg, kernels=KernelConfig(dsa="gpu_interpret", dsa_precision=precision))
     mla = [m for _, m in nnx.iter_modules(ker.module) if hasattr(m, "dsa_precision")]
-    assert mla and all(m.dsa_precision == "storage" and (m.indexer is None or m.indexer.precision == "storage")
-                       for m in mla)
-    ref, got = _paged_decode_step_logits((tiny_model, ker), seed=1)
-    assert np.abs(got - ref).max() <= 5e-3 * np.abs(ref).max()
+    assert mla and all(m.dsa_precision == precision and m.indexer.precision == precision for m in mla)
+    want, got = _paged_decode_step_logits((ref, ker), seed=1, batch=8)
+    assert {n for n, _ in launched} == {"decode", "scores"}
+    assert all(k.get("exact", True) is (precision == "exact") for _, k in launched)
+    assert np.abs(got - want).max() <= bound * np.abs(want).max()
     with pytest.raises(ValueError, match="precision"):
         KernelConfig(dsa_precision="fp16")
