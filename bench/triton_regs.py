@@ -1,7 +1,10 @@
-"""Registers, spills and shared memory of our GPU kernels (KDA prefill, MoE grouped matmul), without a GPU.
+"""Registers, spills and shared memory of our GPU kernels (KDA prefill, MoE grouped matmul, DSA sparse MLA and
+indexer), without a GPU.
 
     PYTHONPATH=<triton 3.x site-packages> python3 bench/triton_regs.py [--T 8192] [--tuning JSON] [--sass]
     PYTHONPATH=... python3 bench/triton_regs.py --op moe [--rows 8] [--weights mxfp4|bf16] [--config JSON] [--sass]
+    PYTHONPATH=... python3 bench/triton_regs.py --op mla [--batch 32] [--H 12] [--latent fp8] [--config JSON]
+    PYTHONPATH=... python3 bench/triton_regs.py --op indexer [--batch 32] [--ctx 131072] [--keys fp8] [--config JSON]
 
 Lowers `pallas_kernels.kda.gpu.chunk` (or `pallas_kernels.moe.ops.grouped_matmul` at K3 shapes: 112 experts,
 3584 → 3072) for CUDA, captures the Triton modules the Pallas Triton lowering produces, compiles each with the
@@ -9,7 +12,9 @@ Lowers `pallas_kernels.kda.gpu.chunk` (or `pallas_kernels.moe.ops.grouped_matmul
 programs an SM holds; spills to local memory cost DRAM/L1 traffic. `--sass` adds the static SASS instruction mix
 (`cuobjdump -sass`), counting apart the two kinds of copies ptxas inserts (`IMAD.MOV` register moves and
 `IMAD.U32 R, RZ, RZ, UR` copies of uniform-register constants): what an issue-bound kernel (the MXFP4 decode, session
-5's ncu profile) spends on moves rather than work.
+5's ncu profile) spends on moves rather than work. Every report also counts what Triton's pipeliner made of the
+loads (`ttgir`: asynchronous global->shared copies vs plain `tt.load`s, wgmma vs mma.sync dots): a gather left as a
+plain load inside a loop is waited for in every iteration (session 6: the sparse-MLA latent rows).
 """
 
 from __future__ import annotations
@@ -101,10 +106,15 @@ def ptxas_report(text, num_warps, num_stages=1, arch=90, sass=False):
 
 def ttgir_ops(text):
     """What Triton's pipeliner and MMA passes made of the kernel: asynchronous global->shared copies (the loads it
-    software-pipelined), their waits, wgmma (warp_group_dot) vs mma.sync dots, shared-memory allocations."""
+    software-pipelined), their waits, wgmma (warp_group_dot) vs mma.sync dots, shared-memory allocations, and the
+    pipelined buffers (`buffers`: the mutable allocations' shapes; the leading number is how many copies of the tile
+    are in flight — 1 means the next tile's copy waits for this tile's use, as Triton 3.6 does below 5 stages for a
+    gather whose addresses come from another load)."""
     names = ("ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot", "tt.dot", "ttg.local_alloc",
              "ttng.async_tma_copy_global_to_local", "tt.load")
-    return {n.split(".", 1)[1]: len(re.findall(re.escape(n) + r"\b", text)) for n in names}
+    out = {n.split(".", 1)[1]: len(re.findall(re.escape(n) + r"\b", text)) for n in names}
+    out["buffers"] = sorted(m.group(1) for m in re.finditer(r"local_alloc[^\n]*?memdesc<([^,>]+),[^>]*mutable>", text))
+    return out
 
 
 def kda_modules(a):
