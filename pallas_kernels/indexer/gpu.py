@@ -125,22 +125,25 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
         blk = bt_ref[b, jnp.minimum(t // page, max_blocks - 1)]
         return jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
 
-    def scales(t, blk):  # fp8: the per-token scale of each 128-group, [BN] fp32 each (powers of two)
-        return tuple(key_refs[1][blk * page + t % page, g] for g in range(len(cols)))
+    def pool_row(t, blk):
+        return blk * page + t % page
+
+    def scales(slot):  # fp8: the per-token scale of each 128-group, [BN] fp32 each (powers of two)
+        return tuple(key_refs[1][slot, g] for g in range(len(cols)))
 
     def live(i, carry):
         c0 = (chunk0 + i) * BN
         t = positions(chunk0 + i)
-        slot = page_ids(t) * page + t % page
+        slot = pool_row(t, page_ids(t))
         if index_dtype == "fp8":
             codes_ref, scale_ref = key_refs
             if prefetch:
                 sc_now, blk_next = carry
                 t1 = positions(chunk0 + i + 1)
                 t2 = positions(chunk0 + i + 2)
-                carry = (scales(t1, blk_next), page_ids(t2))  # used in the next iteration
+                carry = (scales(pool_row(t1, blk_next)), page_ids(t2))  # used in the next iteration
             else:
-                sc_now = scales(t, page_ids(t))
+                sc_now = scales(slot)
             dots = None
             for g, (c0_, cw) in enumerate(cols):
                 codes = codes_ref[slot, pl.ds(c0_, cw)].astype(cdt)  # exact (e4m3 ⊂ f16, bf16)
@@ -170,7 +173,7 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
     use_prefetch = prefetch and index_dtype == "fp8"
     if use_prefetch:
         t0 = positions(chunk0)
-        carry0 = (scales(t0, page_ids(t0)), page_ids(positions(chunk0 + 1)))
+        carry0 = (scales(pool_row(t0, page_ids(t0))), page_ids(positions(chunk0 + 1)))
     jax.lax.fori_loop(0, n_live, live, carry0 if use_prefetch else 0)
     jax.lax.fori_loop(n_live, n_inner, dead, 0)
 
