@@ -188,7 +188,15 @@ def make_tables(key, B, ctx, copies=1):
     `[copies, B, ctx/64]` over a pool `copies`× larger, each copy's sequences on pages of their own."""
     nb = copies * B * (ctx // PAGE) + 1  # + the null block 0
     perm = jax.random.permutation(key, jnp.arange(1, nb, dtype=jnp.int32))
-    return nb, perm.reshape((copies,) * (copies > 1) + (B, ctx // PAGE))
+    return nb, perm.reshape((B, ctx // PAGE) if copies == 1 else (copies, B, ctx // PAGE))
+
+
+def chain_tables(key, B, ctx, nbytes):
+    """Tables for timing an op that reads `nbytes` of keys: (pool blocks, the tables to time with, copy 0's tables
+    (for correctness), the `stacked` argument of time_jax for a call whose 4th argument is the tables)."""
+    copies = chain_len(nbytes)
+    nb, bt_all = make_tables(key, B, ctx, copies)
+    return nb, bt_all, (bt_all if copies == 1 else bt_all[0]), (() if copies == 1 else (3,))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "nb"))
@@ -268,10 +276,7 @@ def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
     Returns (idx for the sparse MLA rows, tables); idx is the reference's when the kernel failed."""
     g = GEOM
     fmt = Q.IndexKeyFormat(index_dtype, g["d"])
-    copies = chain_len(B * ctx * fmt.bytes_per_token)
-    nb, bt_all = make_tables(key, B, ctx, copies)  # copies > 1: each timed call reads keys of its own
-    bt = bt_all[0] if copies > 1 else bt_all
-    st = (3,) if copies > 1 else ()
+    nb, bt_all, bt, st = chain_tables(key, B, ctx, B * ctx * fmt.bytes_per_token)  # each timed call: own keys
     parts = index_pool(jax.random.fold_in(key, 1), fmt=fmt, nb=nb)
     sparse_tables = make_tables(jax.random.fold_in(key, 5), B, ctx)  # the latent pool's (one copy)
     r = np.random.default_rng(ctx + B)
@@ -330,7 +335,7 @@ def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
         t_p / t_o, "info", None)
     print(f"indexer {shape}: scores {t_s * 1e6:.1f} us ({ach / 1e12:.2f} TB/s), +top-k {t_o * 1e6:.1f} us, "
           f"jnp {t_p * 1e6:.1f} us; score rel rms {err:.1e}, top-k mismatches {n_diff} (near ties: {near}); "
-          f"timed over {copies} distinct key sets", flush=True)
+          f"timed over {bt_all.shape[0] if st else 1} distinct key sets", flush=True)
     return idx, sparse_tables
 
 
@@ -366,16 +371,17 @@ def bench_sparse(ctx, B, bw, key, idx, tables, heads, kv_dtype="fp8", judged=Tru
         "" if kernel_kw.get("exact", True) else " single-pass q/p (exact=False)")
     bar = ">= 0.60" if judged else "info"
     idx_t = timing_selections(idx, ctx, lat_bytes)
+    st = (3,) if idx_t.ndim == 3 else ()
     peer = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend="reference", **kw))
     o_r, lse_r = peer(q, parts, bt, idx)
-    t_p = time_jax(peer, q, parts, bt, idx_t, stacked=(3,) if idx_t.ndim == 3 else ())
+    t_p = time_jax(peer, q, parts, bt, idx_t, stacked=st)
     ours = jax.jit(lambda q, parts, bt, idx: sparse.decode(q, parts, bt, idx, backend=g["backend"],
                                                            kernel_kw=kernel_kw, **kw))
     try:
         o, lse = ours(q, parts, bt, idx)
         err = max(rel_rms(o, o_r), rel_rms(lse, lse_r))
         INFO[f"sparse_{kv_dtype}_ctx{ctx}_B{B}_H{heads}_rel_rms"] = err
-        t_o = time_jax(ours, q, parts, bt, idx_t, stacked=(3,) if idx_t.ndim == 3 else ())
+        t_o = time_jax(ours, q, parts, bt, idx_t, stacked=st)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         row("sparse MLA decode: latent bytes/s vs copy (TB/s)", shape + f" KERNEL ERROR {_err(e)}", float("nan"),
@@ -460,10 +466,7 @@ def tune_ix(key):
     few = (lambda xs: xs[:3]) if ARGS.smoke else (lambda xs: xs)  # smoke: exercise the code, three settings
     done = {d["kw"]["name"] for d in _done() if d["kind"] == "ix"}
     fmt = Q.IndexKeyFormat("fp8", g["d"])
-    copies = chain_len(B * ctx * fmt.bytes_per_token)
-    nb, bt_all = make_tables(key, B, ctx, copies)
-    bt = bt_all[0] if copies > 1 else bt_all
-    st = (3,) if copies > 1 else ()
+    nb, bt_all, bt, st = chain_tables(key, B, ctx, B * ctx * fmt.bytes_per_token)
     r = np.random.default_rng(0)
     parts = index_pool(jax.random.fold_in(key, 1), fmt=fmt, nb=nb)
     q = jnp.asarray(r.standard_normal((B, g["hi"], g["d"])), jnp.float32)
