@@ -164,7 +164,7 @@ def mla_modules(a):
     fmt = Q.LatentFormat(a.latent, 512, 64)
     B, k, nb = a.batch, 2048, 4096
     sds = jax.ShapeDtypeStruct
-    parts = tuple(sds((nb, 64, w), dt) for w, dt in zip(*_latent_part_shapes(fmt)))
+    parts = tuple(sds((nb, 64, part.width), part.dtype) for part in fmt.parts)
     args = (sds((B, a.H, fmt.width), jnp.float32), parts, sds((B, 512), jnp.int32), sds((B, k), jnp.int32))
     fn = lambda q, p, bt, idx: sparse_gpu.decode(q, p, bt, idx, fmt=fmt, scale=192 ** -0.5, value_dim=512,  # noqa
                                                   **kw)
@@ -181,18 +181,11 @@ def indexer_modules(a):
     fmt = Q.IndexKeyFormat(a.keys, 128)
     B, nb, mb = a.batch, 4096, a.ctx // 64
     sds = jax.ShapeDtypeStruct
-    parts = ((sds((nb, 64, 128), jnp.float8_e4m3fn), sds((nb, 64, 1), jnp.float32)) if a.keys == "fp8" else
-             (sds((nb, 64, 64), jnp.uint8), sds((nb, 64, 4), jnp.uint8)))
+    parts = tuple(sds((nb, 64, part.width), part.dtype) for part in fmt.parts)
     args = (sds((B, 32, 128), jnp.float32), sds((B, 32), jnp.float32), parts, sds((B, mb), jnp.int32),
             sds((B,), jnp.int32))
     fn = lambda q, w, p, bt, pos: igpu.scores(q, w, p, bt, pos, fmt=fmt, **kw)  # noqa: E731
     return [(name, text, kw.get("num_warps", 4), kw.get("num_stages", 3)) for name, text in capture_modules(fn, *args)]
-
-
-def _latent_part_shapes(fmt):
-    if fmt.kv_dtype == "nvfp4":
-        return (fmt.latent // 2, fmt.latent // 16, fmt.rope), (jnp.uint8, jnp.float8_e4m3fn, jnp.float8_e4m3fn)
-    return (fmt.width,), ({"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}[fmt.kv_dtype],)
 
 
 def main():

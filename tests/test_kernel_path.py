@@ -73,7 +73,7 @@ def _paged_decode_step_logits(models, seed: int, batch: int = 2):
     for m in models:
         cache = m.new_paged_cache(batch, 128, kv_dtype="fp8")
         _, cache = m.prefill(ids, cache=cache)
-        logits, _ = m.decode_step(cache, np.arange(batch) + 5)
+        logits, _ = m.decode_step(cache, 5 + 2 * np.arange(batch))  # next tokens 5, 7, 9, …
         out.append(np.asarray(logits))
     return out
 
