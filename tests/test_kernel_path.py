@@ -96,12 +96,14 @@ def _tiny_with_gpu_dsa_shapes():
                                indexer=dataclasses.replace(cfg.indexer, num_heads=8))
 
 
+@pytest.mark.parametrize("dsa", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("precision,bound", [("exact", 1e-4), ("storage", 5e-3)])
-def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bound, monkeypatch):
-    """KernelConfig(dsa="gpu_interpret", dsa_precision=...) runs the GPU indexer and sparse-MLA kernels (interpret
-    mode) in every MLA layer's decode step: logits equal the reference path's over the same fp8 pages, to ≈ fp32
-    ("exact") or within the storage formats' bar ("storage": 8 sequences, so the sparse-MLA kernel takes its
-    single-pass split preset)."""
+def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bound, dsa, monkeypatch):
+    """KernelConfig(dsa="gpu_interpret" | "gpu", dsa_precision=...) runs the GPU indexer and sparse-MLA kernels
+    (interpret mode on CPU, compiled on a GPU) in every MLA layer's decode step: logits equal the reference path's
+    over the same fp8 pages, to ≈ fp32 ("exact") or within the storage formats' bar ("storage": 8 sequences, so the
+    sparse-MLA kernel takes its single-pass split preset). Both models run with IEEE fp32 products
+    (`default_matmul_precision("highest")`, a no-op on CPU) so the bound measures the kernels, not TF32."""
     from pallas_kernels.indexer import gpu as igpu
     from pallas_kernels.mla import sparse_gpu
 
@@ -111,10 +113,11 @@ def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bou
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k: launched.append((_n, k)) or _real(*a, **k))
     cfg = _tiny_with_gpu_dsa_shapes()
     ref = random_model(cfg, kernels=KernelConfig.reference())
-    ker = random_model(cfg, kernels=KernelConfig(dsa="gpu_interpret", dsa_precision=precision))
+    ker = random_model(cfg, kernels=KernelConfig(dsa=dsa, dsa_precision=precision))
     mla = [m for _, m in nnx.iter_modules(ker.module) if hasattr(m, "dsa_precision")]
     assert mla and all(m.dsa_precision == precision and m.indexer.precision == precision for m in mla)
-    want, got = _paged_decode_step_logits((ref, ker), seed=1, batch=8)
+    with jax.default_matmul_precision("highest"):
+        want, got = _paged_decode_step_logits((ref, ker), seed=1, batch=8)
     assert {n for n, _ in launched} == {"decode", "scores"}
     assert all(k.get("exact", True) is (precision == "exact") for _, k in launched)
     assert np.abs(got - want).max() <= bound * np.abs(want).max()
