@@ -113,7 +113,8 @@ def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bou
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k: launched.append((_n, k)) or _real(*a, **k))
     cfg = _tiny_with_gpu_dsa_shapes()
     ref = random_model(cfg, kernels=KernelConfig.reference())
-    ker = random_model(cfg, kernels=KernelConfig(dsa=dsa, dsa_precision=precision))
+    # only the DSA ops differ: on a GPU "auto" would also put KDA and MoE on their (bf16-bar) kernels
+    ker = random_model(cfg, kernels=dataclasses.replace(KernelConfig.reference(), dsa=dsa, dsa_precision=precision))
     mla = [m for _, m in nnx.iter_modules(ker.module) if hasattr(m, "dsa_precision")]
     assert mla and all(m.dsa_precision == precision and m.indexer.precision == precision for m in mla)
     with jax.default_matmul_precision("highest"):
