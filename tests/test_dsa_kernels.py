@@ -173,8 +173,8 @@ def test_sparse_gpu_kernel_matches_reference_on_dequantised_rows(kv_dtype):
     parts, idx, q, kw = mla_case(kv_dtype)
     idx[0, 5] = -1  # an empty slot inside a block
     o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw)
-    # 5 key blocks of 8 over 2 splits (the second padded with empty slots), merged on the lse
-    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=8, splits=2), **kw)
+    # 3 key blocks of 16 (the kernel's smallest) over 2 splits (the second padded with empty slots), merged on the lse
+    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, splits=2), **kw)
     assert o.shape == (3, H, R) and lse.shape == (3, H)
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
 
@@ -191,18 +191,18 @@ def test_sparse_gpu_kernel_fast_mode_and_empty_rows():
 
 
 @pytest.mark.parametrize("kv_dtype,kw", [("fp8", dict(dot_dtype="bf16")), ("nvfp4", dict(dot_dtype="f16")),
-                                         ("fp8", dict(block_h=8, num_warps=8)),
+                                         ("fp8", dict(block_h=32, num_warps=8)),
                                          ("fp8", dict(slots_outside=True, value_reload=True)),
                                          ("nvfp4", dict(slots_outside=True, value_reload=True))])
 def test_sparse_gpu_kernel_knobs_and_garbage_indices(kv_dtype, kw):
     parts, idx, q, kw_ = mla_case(kv_dtype, seed=7)
     q = q * 100.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
     o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw_)
-    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=8, **kw), **kw_)
+    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, **kw), **kw_)
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
     bt = BT.copy()
     bt[1, 2:] = [10**6, -3]  # pages sequence 1 never selects: garbage must not matter
-    o2, lse2 = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw=dict(block_k=8, **kw), **kw_)
+    o2, lse2 = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, **kw), **kw_)
     np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
 
 
@@ -232,11 +232,13 @@ def test_auto_backend_is_the_reference_on_cpu_and_errors_are_clear():
     assert resolve_dsa_backend("auto", op="indexer", supported=lambda kind: True) == "reference"  # CPU
     assert resolve_dsa_backend("interpret", op="x", supported=None) == "tpu_interpret"  # older names
     assert resolve_dsa_backend("pallas_tpu", op="x", supported=None) == "tpu"
-    # what "auto" would take on a GPU: the kernels at K3.1 shapes, the reference for the tiny preset's shapes
+    # what "auto" would take on a GPU: the kernels at K3.1 shapes; the indexer kernel for any head count (padded to
+    # ≥ 16), not for keys narrower than 16; sparse MLA not for the tiny preset's rope of 8
     from pallas_kernels.indexer import gpu as igpu
 
     assert igpu.fits(Q.IndexKeyFormat("fp8", 128), 32, 128) and igpu.fits(Q.IndexKeyFormat("mxfp4", 128), 32, 128)
-    assert not igpu.fits(Q.IndexKeyFormat("fp8", 16), 2, 16)
+    assert igpu.fits(Q.IndexKeyFormat("fp8", 16), 2, 16) and not igpu.fits(Q.IndexKeyFormat("fp8", 8), 2, 8)
+    assert igpu.padded_heads(2) == igpu.padded_heads(16) == 16 and igpu.padded_heads(24) == 32
     assert sparse_gpu.fits(Q.LatentFormat("nvfp4", 512, 64)) and not sparse_gpu.fits(Q.LatentFormat("fp8", 32, 8))
     with pytest.raises(ValueError, match="unknown indexer backend"):
         ipaged.topk_indices(np.zeros((1, 1, HI, DI), np.float32), np.zeros((1, 1, HI), np.float32), (), BT[:1],
@@ -421,6 +423,36 @@ def test_gpu_sparse_mla_exact_mode_is_fp32_level(kv_dtype):
     assert e_o <= 1e-4 and e_lse <= 1e-4, f"hi/lo q split lost on the device? rel rms {e_o:.2e} / {e_lse:.2e}"
 
 
+# The tiny model's DSA shapes (8 index heads of 16, latent 32 + rope 16, top-8, 2 pages): dots with a side < 16.
+# On the H200 both kernels gave wrong results there (the model-level test caught it) until the wrappers padded:
+# index heads to ≥ 16, the sparse-MLA key block to ≥ 16 slots. Checked in interpret mode here and on the device.
+SMALL_BT = np.array([[3, 1], [2, 4]], np.int32)
+SMALL_POS = np.array([64, 20], np.int32)
+
+
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("hi", [2, 8])
+def test_gpu_indexer_pads_few_heads(backend, exact, hi):
+    fmt, parts, q, w, s_ref = index_case("fp8", seed=21, B=2, bt=SMALL_BT, pos=SMALL_POS, nb=5, page=64, hi=hi, d=16)
+    s = np.asarray(ipaged.kernel_scores(q, w, parts, SMALL_BT, SMALL_POS, fmt=fmt, backend=backend, exact=exact,
+                                        orient="qk" if not exact else "kq"))
+    fin = np.isfinite(s_ref)
+    np.testing.assert_array_equal(np.isfinite(s), fin)
+    assert rel_rms(s[fin], s_ref[fin]) <= (1e-5 if exact else STORAGE_BAR)
+
+
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kw", [{}, dict(sparse_gpu.storage_preset(8, 2))])
+def test_gpu_sparse_mla_pads_a_short_selection(backend, kw):
+    parts, idx, q, mkw = mla_case("fp8", seed=22, B=2, k=8, bt=SMALL_BT, pos=SMALL_POS, nb=5, page=64, r=32,
+                                  rope=16, h=2)
+    o_r, lse_r = sparse.decode(q, parts, SMALL_BT, idx, backend="reference", **mkw)
+    o, lse = sparse.decode(q, parts, SMALL_BT, idx, backend=backend, kernel_kw=kw or None, **mkw)
+    bound = 1e-4 if kw.get("exact", True) else STORAGE_BAR
+    assert rel_rms(o, o_r) <= bound and rel_rms(lse, lse_r) <= bound
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_address_the_top_of_pools_over_2gib():
     """Pools past 2^31 bytes (the first H200 run faulted at 2.4 GB): fp8 latent 65,600 pages × 64 × 576 B = 2.42 GB
@@ -485,7 +517,7 @@ def test_sparse_gpu_wide_presets_meet_the_storage_bar(kv_dtype, name):
     idx[0, 5] = -1
     idx[2, 30:] = -1
     o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw)
-    kk = dict(_small(sparse_gpu.WIDE[name]), block_k=8, splits=2)
+    kk = dict(_small(sparse_gpu.WIDE[name]), block_k=16, splits=2)
     o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=kk, **kw)
     assert o.shape == (3, H, R) and lse.shape == (3, H)
     assert rel_rms(o, o_r) <= 5e-3 and rel_rms(lse, lse_r) <= 5e-3
@@ -501,14 +533,14 @@ def test_sparse_gpu_variant_knobs_are_fp32_exact(kv_dtype, kw):
     parts, idx, q, kw_ = mla_case(kv_dtype, seed=22)
     idx[1, 3] = -1
     o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw_)
-    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=8, **kw), **kw_)
+    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, **kw), **kw_)
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
 
 
 def test_sparse_gpu_pallas_merge_empty_rows_and_pallas_equals_xla_merge():
     parts, idx, q, kw = mla_case("fp8", seed=23)
     idx[2] = -1  # no key at all: o = 0, lse = −inf through the merge kernel
-    kk = dict(block_h=16, block_k=8, splits=4)
+    kk = dict(block_h=16, block_k=16, splits=4)
     o_x, lse_x = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=kk, **kw)
     o_p, lse_p = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(kk, merge="pallas"), **kw)
     o_p, lse_p = np.asarray(o_p), np.asarray(lse_p)

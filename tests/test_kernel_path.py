@@ -89,8 +89,9 @@ def test_tpu_dsa_kernels_in_the_paged_decode_equal_reference_path(tiny_model):
 
 
 def _tiny_with_gpu_dsa_shapes():
-    """The tiny preset with the shapes the GPU DSA kernels take (rope 16, 8 indexer heads; tiny's rope 8 and 2 heads
-    fall back to the reference)."""
+    """The tiny preset with shapes both GPU DSA kernels take: rope 16 (tiny's rope 8 sends sparse MLA to the
+    reference) and 8 indexer heads (fewer than 16: the indexer kernel pads them, the case that was wrong on the
+    H200 before it did)."""
     cfg = get_preset("tiny")
     return dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, qk_rope_head_dim=16),
                                indexer=dataclasses.replace(cfg.indexer, num_heads=8))

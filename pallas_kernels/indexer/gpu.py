@@ -57,12 +57,18 @@ def supports(fmt) -> bool:
 
 
 def fits(fmt, heads: int, dim: int) -> bool:
-    """Whether the kernel compiles for these shapes on a GPU: power-of-two blocks, and tensor-core dots need every
-    dot dimension ≥ 16 (2·Hi rows; key widths d, or d/2 for mxfp4). "auto" falls back to the reference otherwise
-    (e.g. the tiny preset: Hi = 2, d = 16)."""
+    """Whether the kernel compiles for these shapes on a GPU: power-of-two key widths (d, or d/2 for mxfp4) of at
+    least 16, since tensor-core dots need every dot dimension ≥ 16. Any head count works: `scores` pads the heads to
+    a power of two ≥ 16 (zero q and weight). "auto" falls back to the reference otherwise (e.g. d = 8)."""
     width = dim // 2 if getattr(fmt, "index_dtype", None) == "mxfp4" else min(dim, FP8_GROUP)
-    return (supports(fmt) and _pow2(heads) and heads >= 8 and _pow2(width) and width >= 16
+    return (supports(fmt) and heads >= 1 and _pow2(width) and width >= 16
             and (dim <= FP8_GROUP or dim % FP8_GROUP == 0))
+
+
+def padded_heads(Hi: int) -> int:
+    """The kernel's head count: a power of two ≥ 16. Every tensor-core dot dimension must be ≥ 16 — Hi is the M side
+    of the "qk" dot and the N side of the "kq" one; on the H200 the tiny model's 8 heads gave wrong scores."""
+    return max(16, 1 << (Hi - 1).bit_length())
 
 
 def _dot_nt(a, b):
@@ -245,17 +251,26 @@ FAST = {
     "sp128_qk_s4_pf_big": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk", prefetch=True,
                                tokens_per_program=16384),
     # the key gather hangs off the page-table load: Triton 3.6 double-buffers it only from num_stages = 5 (three
-    # buffers from 8; see mla.sparse_gpu.WIDE). Untimed (session 6). ptxas: regs / shared memory
+    # buffers from 8; see mla.sparse_gpu.WIDE). Timed 2026-12-01 at 128K × 32: s5 194 µs (the best), 256-key w8
+    # 200, 64-key s6 / s8 219-220, sp128_qk_s3_pf 198. ptxas: regs / shared memory
     "sp128_qk_s5_pf": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True),  # 130/42K
     "sp64_qk_s6_pf": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="qk", prefetch=True),  # 96 / 25K
     "sp64_qk_s8_pf": dict(exact=False, block_n=64, num_warps=4, num_stages=8, orient="qk", prefetch=True),  # 96 / 34K
     "sp256_qk_w8_s5_pf": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="qk", prefetch=True),  # 128/77K
+    # session 7: at 32K and 128K × 32 the auto rule made 1024 programs (≈ 2 waves of 4 per SM, 8 and 32 chunks each);
+    # half as many (one wave) run twice as long, so the pipeline's fill and drain are paid half as often. Measured
+    # at 128K × 32 (2026-12-01): 195.6 / 228.9 µs vs 195.2 for s5 with the default rule: no gain
+    "sp128_qk_s5_pf_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
+                              target_programs=2 * 132),
+    "sp128_qk_s8_pf_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=8, orient="qk", prefetch=True,
+                              target_programs=2 * 132),
 }
 
 
 # `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct setting of the H200
-# sweep at 128K × 32 (session 6: 201 µs vs the exact default's 599 µs).
-STORAGE_PRESET = "sp128_qk_s3_pf"
+# sweep at 128K × 32 (2026-12-01: 194 µs, vs 198 for session 6's sp128_qk_s3_pf and 597 for the exact default;
+# 0.75 of copy at 1M × 32).
+STORAGE_PRESET = "sp128_qk_s5_pf"
 
 
 def supports_pool(key_parts) -> bool:
@@ -264,14 +279,16 @@ def supports_pool(key_parts) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_n", "tokens_per_program", "exact", "interpret",
-                                             "num_warps", "num_stages", "orient", "dot_dtype", "prefetch"))
+                                             "num_warps", "num_stages", "orient", "dot_dtype", "prefetch",
+                                             "target_programs"))
 def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 128, tokens_per_program=None,
            exact: bool = True, interpret: bool = False, num_warps: int = 4, num_stages: int = 3,
-           orient: str = "kq", dot_dtype: str = "auto", prefetch: bool = False):
+           orient: str = "kq", dot_dtype: str = "auto", prefetch: bool = False, target_programs: int = 4 * 132):
     """Decode index scores: q `[B, Hi, d]`, w `[B, Hi]` (Hi^-0.5·d^-0.5 folded in), key_parts `[num_blocks, page, w]`
     (fmt.parts), block_tables `[B, max_blocks]`, pos `[B]` (the query's position; keys at ≤ pos are scored)
     -> float32 `[B, max_blocks·page]`, −inf where not allowed.
-    Knobs: block_n (keys per dot), tokens_per_program (None: ≈ 4 programs per SM), orient ("kq": keys are the
+    Knobs: block_n (keys per dot), tokens_per_program (None: the fewest tokens per program, halving from 8192 and
+    not below 512, that still make at least target_programs programs; 4 · 132 ≈ 4 per H200 SM), orient ("kq": keys are the
     dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16"), prefetch (fp8: the scale gather one
     chunk ahead, see `_kernel`), Triton num_warps / num_stages."""
     if not supports(fmt):
@@ -279,6 +296,11 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
     if orient not in ("kq", "qk"):
         raise ValueError(f"orient must be 'kq' or 'qk', got {orient!r}")
     B, Hi, d = q_bhd.shape
+    if padded_heads(Hi) != Hi:  # padded heads: q = 0 and weight 0, so they add relu(0)·0 = 0 to every score
+        pad = padded_heads(Hi) - Hi
+        q_bhd = jnp.pad(q_bhd, ((0, 0), (0, pad), (0, 0)))
+        w_bh = jnp.pad(w_bh, ((0, 0), (0, pad)))
+        Hi = Hi + pad
     nblocks, page = key_parts[0].shape[:2]
     if not supports_pool(key_parts):
         raise ValueError("this jax's Triton lowering would address the pool with wrapping 32-bit offsets "
@@ -292,7 +314,8 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
         raise ValueError(f"Hi {Hi}, block_n {BN} and key widths {widths} must be powers of two "
                          f"(fp8: d ≤ 128 or a multiple of 128)")
     n_chunks = -(-S // BN)
-    tpp = _auto_tokens_per_program(B, n_chunks, BN) if tokens_per_program is None else tokens_per_program
+    tpp = (_auto_tokens_per_program(B, n_chunks, BN, target_programs) if tokens_per_program is None
+           else tokens_per_program)
     n_inner = max(1, min(tpp // BN, n_chunks))
     n_prog = -(-n_chunks // n_inner)
     cdt = _dot_dtype(fmt, dot_dtype)

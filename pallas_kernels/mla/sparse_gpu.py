@@ -61,6 +61,9 @@ def supports(fmt) -> bool:
     return getattr(fmt, "kv_dtype", None) in SUPPORTED
 
 
+MIN_DOT = 16  # every tensor-core dot dimension must be ≥ 16 (smaller ones gave wrong results on the H200)
+
+
 def _pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
@@ -357,7 +360,9 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
                             value_reload=True, merge="pallas"),  # 202 / 0 / 74 KB
     # Triton 3.6 gives a gather that hangs off a loaded index ONE shared-memory buffer up to num_stages = 4 (the
     # next block's copy waits for this block's dots: no overlap inside a program), two from 5, three from 8
-    # (TTGIR `local_alloc` shapes, bench/triton_regs.py). Untimed (session 6 ended its GPU budget first).
+    # (TTGIR `local_alloc` shapes, bench/triton_regs.py). Timed 2026-12-01 at 32K, B = 32, H = 12 (µs per call):
+    # s5 with 8 splits 44.6 (the best; 43.4-44.5 in later rows), sr16_bk32 with 8 splits 45.3, s5 with the automatic
+    # splits 58.2, bk16_s6 65.3 (51.5 with 8 splits), bk64_s5 71.4. The second buffer is worth ≈ 2%.
     "sr16_bk32_s5": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                          value_reload=True, merge="pallas"),  # 255 / 0 / 90 KB, 2 buffers
     "sr16_bk16_s6": dict(block_h=16, block_k=16, exact=False, num_warps=4, num_stages=6, slots_outside=True,
@@ -381,14 +386,15 @@ def pool_rows(block_tables, idx_bk, page: int, nblocks: int):
 
 def storage_preset(B: int, H: int) -> dict:
     """Kernel settings for `precision="storage"` (products at the storage formats' 5e-3 bar, not fp32-level), from
-    the H200 sweep of session 6 (bench/RESULTS.md; device time per call at 32K): at B ≥ 8 sequences, ≤ 16 heads
-    `sr16_bk32` with 8 splits (45.8 µs vs the exact default's 95.5 at B = 32, H = 12) and, for more heads,
+    the H200 sweeps (bench/RESULTS.md; device time per call at 32K): at B ≥ 8 sequences, ≤ 16 heads
+    `sr16_bk32_s5` with 8 splits (44.6 µs vs 45.3 for sr16_bk32 and 96.0 for the exact default at B = 32, H = 12,
+    2026-12-01) and, for more heads,
     `wide128_v256` (212 vs 482 µs at H = 96); below 8 sequences the op is launch-bound and the default settings were
     the fastest measured (16 µs at B = 1), so they stay (empty dict)."""
     if B < 8:
         return {}
     if H <= 16:
-        return dict(WIDE["sr16_bk32"], splits=8)
+        return dict(WIDE["sr16_bk32_s5"], splits=8)
     return dict(WIDE["wide128_v256"])
 
 
@@ -421,8 +427,9 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     R, rope = fmt.latent, fmt.rope
     if value_dim != R:
         raise ValueError(f"value_dim must be the latent width {R}, got {value_dim}")
-    if not (_pow2(R) and _pow2(rope) and _pow2(block_h) and _pow2(block_k)):
-        raise ValueError(f"latent {R}, rope {rope}, block_h {block_h}, block_k {block_k} must be powers of two")
+    if not (_pow2(R) and _pow2(rope) and _pow2(block_h) and _pow2(block_k)) or block_h < MIN_DOT:
+        raise ValueError(f"latent {R}, rope {rope}, block_h {block_h}, block_k {block_k} must be powers of two "
+                         f"(block_h ≥ {MIN_DOT})")
     BV = None if block_v is None or block_v >= R else block_v
     if BV is not None and not (_pow2(BV) and BV >= 16 and (fmt.kv_dtype != "nvfp4" or BV <= R // 2)):
         raise ValueError(f"block_v {block_v} must be a power of two in [16, R) (nvfp4: ≤ R/2)")
@@ -436,7 +443,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     bt = jnp.asarray(block_tables, jnp.int32)
     max_blocks = bt.shape[1]
     k = idx_bk.shape[-1]
-    BK = max(1, min(block_k, 1 << (k - 1).bit_length()))
+    BK = max(MIN_DOT, min(block_k, 1 << (k - 1).bit_length()))  # ≥ 16: BK is the K side of the PV dot
     n_total = -(-k // BK)
     BH = block_h
     HB = -(-H // BH)
