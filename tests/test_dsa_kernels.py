@@ -537,6 +537,39 @@ def test_sparse_gpu_variant_knobs_are_fp32_exact(kv_dtype, kw):
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
 
 
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kv_dtype,h", [("fp8", 4), ("fp8", 20), ("bf16", 16)])
+def test_sparse_gpu_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, kv_dtype, h):
+    """q_inside: the kernel scales q, takes each head's power of two from the exponent bits and zero-loads heads past
+    H (4 < one block, 20 = a block and a partial one) — the same bits as `_prep_q` in XLA (interpret mode; on the
+    device to fp32 rounding), within the storage bar of the reference; ignored where it does not apply."""
+    B = 3
+    if backend == "gpu":
+        rng = np.random.default_rng(40)
+        nb, bt = _big_pool(rng, B, 8)
+        pos, k, page, r, rope = np.array([511, 300, 100], np.int32), 256, 64, 512, 64
+    else:
+        nb, bt, pos, k, page, r, rope = NB, BT, POS, 40, PAGE, R, ROPE
+    parts, idx, q, kw = mla_case(kv_dtype, seed=41, B=B, k=k, bt=bt, pos=pos, nb=nb, page=page, r=r, rope=rope, h=h)
+    # large q in interpret mode (a power of two of 512 per head). Not at K3 width on the device: there single-pass
+    # bf16 logits of std ≈ 86 err by ≈ 0.1, which moves a near-argmax softmax by 12% (H200, both q paths alike)
+    q = q * (100.0 if backend == "gpu_interpret" else 1.0)
+    base = dict(exact=False, block_k=16, splits=2, merge="pallas", slots_outside=True, value_reload=True)
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o1, l1 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=base, **kw)
+    o2, l2 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, q_inside=True), **kw)
+    if backend == "gpu_interpret":
+        np.testing.assert_array_equal(np.asarray(o2), np.asarray(o1))
+        np.testing.assert_array_equal(np.asarray(l2), np.asarray(l1))
+    else:
+        assert rel_rms(o2, o1) <= 1e-6 and rel_rms(l2, l1) <= 1e-6
+    assert rel_rms(o2, o_r) <= STORAGE_BAR and rel_rms(l2, lse_r) <= STORAGE_BAR
+    if backend == "gpu_interpret":  # exact mode (hi/lo planes) keeps q prepared outside: q_inside changes nothing
+        ex = [sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, exact=True, **extra), **kw)[0]
+              for extra in ({}, dict(q_inside=True))]
+        np.testing.assert_array_equal(np.asarray(ex[0]), np.asarray(ex[1]))
+
+
 def test_sparse_gpu_pallas_merge_empty_rows_and_pallas_equals_xla_merge():
     parts, idx, q, kw = mla_case("fp8", seed=23)
     idx[2] = -1  # no key at all: o = 0, lse = −inf through the merge kernel

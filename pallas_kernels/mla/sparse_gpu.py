@@ -99,7 +99,7 @@ def _dot_nn(a, b):
 
 def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
             page: int, max_blocks: int, nblocks: int, exact: bool, cdt, BV=None, q_reload: bool = False,
-            orient: str = "qk", slots_outside: bool = False, value_reload: bool = False):
+            orient: str = "qk", slots_outside: bool = False, value_reload: bool = False, H=None):
     """One (sequence, head block, split). q_ref `[B, HB, P, BH, c]` in the dot dtype cdt (P = 2 planes hi | lo, or
     1; each head divided by the power of two in qs_ref `[B, Hp]` f32, multiplied back onto its logits);
     pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
@@ -117,7 +117,10 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     already holds pool rows (−1 = empty; `pool_rows`), so a step has one dependent load (row ids -> rows) instead of
     two (positions -> table -> rows); value_reload — the PV dot's rows are a second load of the same addresses (an
     L2 hit): Triton's pipeliner leaves a load that feeds two dots synchronous, and pipelines each of two loads that
-    feed one dot each (cp.async into shared memory, overlapped with the previous block's math)."""
+    feed one dot each (cp.async into shared memory, overlapped with the previous block's math); H (q prepared in
+    the kernel, exact=False, not nvfp4) — q_ref is the raw q `[B, H, c]` f32 and qs_ref the scalar `[1]` scale·s:
+    the kernel scales q, finds each head's power of two (`_pow2_at_least`, = `_prep_q`'s frexp), loads heads ≥ H as
+    zeros and converts to cdt — the bits `_prep_q` gives, without its three XLA launches."""
     *pool_refs, o_ref, lse_ref = refs
     if value_reload:  # the pool passed a second time: a second load that CSE cannot merge with the first
         n_parts = len(pool_refs) // 2
@@ -131,12 +134,22 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     nv = kv_dtype == "nvfp4"
     half = R // 2
     heads = pl.ds(hb * BH, BH)
-    qs = qs_ref[b, heads][:, None]  # [BH, 1] power-of-two q normalisation
-
     # q pieces [plane] -> (value-column pieces (nvfp4: even | odd planes), rope columns), loaded once
     cols = [(0, half), (half, half)] if nv else [(0, R)]
+    if H is not None:  # q prepared here (single plane, fp8 / bf16 rows)
+        live_h = (hb * BH + jnp.arange(BH)) < H
+        qscale = qs_ref[0]
+        q_lat_f = pltriton.load(q_ref.at[b, heads, pl.ds(0, R)], mask=live_h[:, None], other=0.0) * qscale  # [BH, R]
+        q_rope_f = pltriton.load(q_ref.at[b, heads, pl.ds(R, rope)], mask=live_h[:, None], other=0.0) * qscale
+        s_h = _pow2_at_least(jnp.maximum(jnp.max(jnp.abs(q_lat_f), axis=1), jnp.max(jnp.abs(q_rope_f), axis=1)))
+        qs = s_h[:, None]  # [BH, 1]
+        q_in = ([[(q_lat_f / qs).astype(cdt)]], [(q_rope_f / qs).astype(cdt)])
+    else:
+        qs = qs_ref[b, heads][:, None]  # [BH, 1] power-of-two q normalisation
 
     def load_q():
+        if H is not None:
+            return q_in
         return ([[q_ref[b, hb, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes],
                 [q_ref[b, hb, p, :, pl.ds(R, rope)] for p in planes])
 
@@ -229,6 +242,13 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     lse_ref[sp, b, heads] = lse.reshape(BH)
 
 
+def _pow2_at_least(m_f32):
+    """m ≥ 0 (f32) -> the power of two 2^(e+1) for m's binary exponent e (> m), 1 where m = 0: `jnp.frexp`'s
+    ldexp(1, E) for normal m, built from the exponent bits (frexp does not lower to Triton)."""
+    e = (jax.lax.bitcast_convert_type(m_f32, jnp.int32) >> 23) & 0xFF
+    return jnp.where(m_f32 > 0, jax.lax.bitcast_convert_type((e + 1) << 23, jnp.float32), 1.0)
+
+
 def _split(x_f32, exact: bool, cdt):
     """In-kernel (Triton) hi/lo split of the probabilities. The f32 -> cdt -> f32 round trip is kept by Triton; it is
     NOT kept by XLA on GPU (see `split_hi_lo`, used for everything split outside the kernel)."""
@@ -291,36 +311,37 @@ def _prep_q(q_bhc, fmt, qscale, BH: int, exact: bool, cdt):
     return jnp.stack([hi, lo], axis=2), s
 
 
-def _merge_kernel(o_ref, lse_ref, ls_ref, oo_ref, lo_ref, *, NS: int, BM: int, R: int):
-    """Split-k merge (`merge="pallas"`): one program per (sequence, block of BM heads) reads the NS partial
-    (o `[NS, B, Hp, R]`, lse `[NS, B, Hp]`) and writes o `[B, H, R]` (times the layer scale) and lse `[B, H]` —
-    exactly `reference.merge_partials`, in one launch instead of XLA's reduction fusions."""
+def _merge_kernel(o_ref, lse_ref, ls_ref, oo_ref, lo_ref, *, NS: int, BM: int, BR: int):
+    """Split-k merge (`merge="pallas"`): one program per (sequence, block of BM heads, block of BR value columns)
+    reads the NS partials (o `[NS, B, Hp, R]`, lse `[NS, B, Hp]`) and writes o `[B, H, R]` (times the layer scale)
+    and lse `[B, H]` — exactly `reference.merge_partials`, in one launch instead of XLA's reduction fusions. The
+    splits are a static loop (every partial's load independent of the others) and the columns a grid axis: the
+    first version looped over the splits in one program per 4 heads, 96 programs at B = 32, H = 12, and took 8.5 µs
+    on the H200 (ncu) for 4 MB."""
     b = pl.program_id(0)
     heads = pl.ds(pl.program_id(1) * BM, BM)
-    lse = lse_ref[:, b, heads]  # [NS, BM]
-    m = jnp.max(lse, axis=0)  # [BM]
+    cols = pl.ds(pl.program_id(2) * BR, BR)
+    lses = [lse_ref[i, b, heads] for i in range(NS)]  # NS × [BM]
+    m = functools.reduce(jnp.maximum, lses)
     m_use = jnp.where(m > -jnp.inf, m, 0.0)
-    tot = jnp.sum(jnp.exp(lse - m_use[None, :]), axis=0)  # −inf partials weigh 0
+    ws = [jnp.exp(x - m_use) for x in lses]  # −inf partials weigh 0
+    tot = functools.reduce(jnp.add, ws)
     good = tot > 0
     scale = ls_ref[0] / jnp.where(good, tot, 1.0)  # [BM]
-
-    def body(i, acc):
-        w = jnp.exp(lse_ref[i, b, heads] - m_use) * scale  # [BM]
-        return acc + w[:, None] * o_ref[i, b, heads, :]
-
-    acc = jax.lax.fori_loop(0, NS, body, jnp.zeros((BM, R), jnp.float32))
-    oo_ref[b, heads, :] = acc
-    lo_ref[b, heads] = jnp.where(good, m_use + jnp.log(jnp.where(good, tot, 1.0)), -jnp.inf)
+    acc = functools.reduce(jnp.add, [(w * scale)[:, None] * o_ref[i, b, heads, cols] for i, w in enumerate(ws)])
+    oo_ref[b, heads, cols] = acc
+    lo_ref[b, heads] = jnp.where(good, m_use + jnp.log(jnp.where(good, tot, 1.0)), -jnp.inf)  # same in every column
 
 
-def _merge_pallas(o, lse, ls, H: int, *, interpret: bool, num_warps: int = 4):
+def _merge_pallas(o, lse, ls, H: int, *, interpret: bool, num_warps: int = 4, block_r: int = 128):
     NS, B, Hp, R = o.shape
     BM = 1
     while BM < 32 and H % (2 * BM) == 0:
         BM *= 2  # the largest power of two ≤ 32 dividing H: the output is [B, H, R] with no padded heads
+    BR = min(block_r, R)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, NS=NS, BM=BM, R=R),
-        grid=(B, H // BM),
+        functools.partial(_merge_kernel, NS=NS, BM=BM, BR=BR),
+        grid=(B, H // BM, R // BR),
         out_shape=[jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -369,6 +390,19 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
                          value_reload=True, merge="pallas"),  # 182 / 0 / 54 KB, 2 buffers
     "sr16_bk64_s5": dict(block_h=16, block_k=64, exact=False, num_warps=8, num_stages=5, slots_outside=True,
                          value_reload=True, merge="pallas"),  # 199 / 0 / 161 KB, 2 buffers
+    # session 7: ncu on sr16_bk32_s5 (8 splits, B = 32, H = 12): 255 registers and 90 KB hold an SM to 2 programs
+    # (8 warps), which issue 0.41 instructions per cycle per scheduler. Value halves per program (block_v = 256:
+    # twice the programs, each recomputing QKᵀ from L2-resident rows) cut the registers
+    "sr16_bk16_v256_s5": dict(block_h=16, block_k=16, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                              value_reload=True, merge="pallas", block_v=256),  # 140 / 0 / 46 KB: 3 per SM
+    "sr16_bk32_v256_s5": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                              value_reload=True, merge="pallas", block_v=256),  # 178 / 0 / 74 KB
+    # the op around the kernel (ncu, B = 32, H = 12, 8 splits): 30 µs kernel + 8.5 µs merge + five small XLA
+    # fusions (q's max, scale, pad; pool rows; slot pad) of 2.6-3.5 µs each. q prepared in the kernel removes three
+    # of them (the merge kernel and the slot pad were rewritten for all presets). After (2026-12-01): three launches —
+    # pool rows 3.4, kernel 31.6, merge 5.4 µs (ncu) — and 38.6 µs per call vs 42.5 with q prepared outside
+    "sr16_bk32_s5_qi": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                            value_reload=True, merge="pallas", q_inside=True),  # 255 / 0 / 90 KB
 }
 
 
@@ -387,14 +421,14 @@ def pool_rows(block_tables, idx_bk, page: int, nblocks: int):
 def storage_preset(B: int, H: int) -> dict:
     """Kernel settings for `precision="storage"` (products at the storage formats' 5e-3 bar, not fp32-level), from
     the H200 sweeps (bench/RESULTS.md; device time per call at 32K): at B ≥ 8 sequences, ≤ 16 heads
-    `sr16_bk32_s5` with 8 splits (44.6 µs vs 45.3 for sr16_bk32 and 96.0 for the exact default at B = 32, H = 12,
-    2026-12-01) and, for more heads,
+    `sr16_bk32_s5_qi` with 8 splits (38.6 µs; 42.5 with q prepared outside, 96 for the exact default at B = 32,
+    H = 12, 2026-12-01) and, for more heads,
     `wide128_v256` (212 vs 482 µs at H = 96); below 8 sequences the op is launch-bound and the default settings were
     the fastest measured (16 µs at B = 1), so they stay (empty dict)."""
     if B < 8:
         return {}
     if H <= 16:
-        return dict(WIDE["sr16_bk32_s5"], splits=8)
+        return dict(WIDE["sr16_bk32_s5_qi"], splits=8)
     return dict(WIDE["wide128_v256"])
 
 
@@ -406,12 +440,12 @@ def supports_pool(kv_parts) -> bool:
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
                                              "interpret", "num_warps", "num_stages", "dot_dtype", "block_v",
                                              "q_reload", "orient", "merge", "target_programs", "slots_outside",
-                                             "value_reload"))
+                                             "value_reload", "q_inside"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
            num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, q_reload: bool = False,
            orient: str = "qk", merge: str = "xla", target_programs: int = 264, slots_outside: bool = False,
-           value_reload: bool = False):
+           value_reload: bool = False, q_inside: bool = False):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
     -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32).
@@ -421,7 +455,10 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     ≈ target_programs programs), exact (False: single-pass products, q and p in the dot dtype only — the storage
     formats' 5e-3 bar), block_v / q_reload / orient (see `_kernel`), merge ("xla": `reference.merge_partials`;
     "pallas": `_merge_kernel`, one launch that also drops padded heads and applies the layer scale),
-    slots_outside / value_reload (see `_kernel`), Triton num_warps / num_stages, dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
+    slots_outside / value_reload (see `_kernel`), q_inside (q scaled, normalised, padded and converted in the kernel
+    instead of by `_prep_q`, same bits; applies with exact=False, fp8 / bf16 rows and no q_reload, is ignored
+    otherwise), Triton num_warps / num_stages,
+    dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
     if not supports(fmt):
         raise ValueError(f"the GPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
     R, rope = fmt.latent, fmt.rope
@@ -450,15 +487,20 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     NVB = R // BV if BV else 1
     NS = max(1, min(_pick_splits(B, HB * NVB, n_total, target_programs) if splits is None else splits, n_total))
     n_blk = -(-n_total // NS)  # key blocks per split; the slot list is padded with empty (−1) slots
-    idx = jnp.asarray(idx_bk, jnp.int32)
+    # padded with empty (−1) slots first: the pad then fuses into `pool_rows` (after it, XLA ran it as its own launch)
+    idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
     if slots_outside:
         idx = pool_rows(bt, idx, page, nblocks)
         bt = jnp.zeros((1, 1), jnp.int32)  # unused by the kernel
         max_blocks = 1
-    idx = jnp.pad(idx, ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
     ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
     cdt = _dot_dtype(fmt, dot_dtype)
-    q, qs = _prep_q(q_bhc, fmt, scale * ls, BH, exact, cdt)
+    # where it does not apply (hi/lo planes, nvfp4's column permutation, q re-read per step) q is prepared outside
+    q_inside = q_inside and not (exact or fmt.kv_dtype == "nvfp4" or q_reload)
+    if q_inside:
+        q, qs = q_bhc.astype(jnp.float32), jnp.reshape(scale * ls, (1,)).astype(jnp.float32)
+    else:
+        q, qs = _prep_q(q_bhc, fmt, scale * ls, BH, exact, cdt)
     flat = [p.reshape(nblocks * page, p.shape[-1]) for p in kv_parts]
 
     kernel = functools.partial(_kernel, kv_dtype=fmt.kv_dtype, R=R, rope=rope, BH=BH, BK=BK, n_blk=n_blk,
@@ -466,7 +508,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
                                **({} if BV is None else dict(BV=BV)), **(dict(q_reload=True) if q_reload else {}),
                                **(dict(orient=orient) if orient != "qk" else {}),
                                **(dict(slots_outside=True) if slots_outside else {}),
-                               **(dict(value_reload=True) if value_reload else {}))
+                               **(dict(value_reload=True) if value_reload else {}),
+                               **(dict(H=H) if q_inside else {}))
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, HB, NS) + ((NVB,) if BV else ()),
