@@ -538,6 +538,29 @@ def test_sparse_gpu_variant_knobs_are_fp32_exact(kv_dtype, kw):
 
 
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("index_dtype,hi", [("fp8", 4), ("fp8", 20), ("bf16", 16)])
+def test_gpu_indexer_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, index_dtype, hi):
+    """Indexer q_inside: heads past Hi loaded as zeros, each head's power of two from the exponent bits and folded
+    into its weight — the scores `_prep_q`'s path gives (bit-equal in interpret mode, to fp32 rounding on the device);
+    exact mode and mxfp4 keys keep q prepared outside."""
+    fmt, parts, q, w, s_ref = index_case(index_dtype, seed=42, hi=hi)
+    q = q * 50.0
+    base = dict(exact=False, block_n=16, tokens_per_program=32, orient="qk", prefetch=True)
+    a = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend, **base))
+    b = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend, q_inside=True, **base))
+    fin = np.isfinite(s_ref)
+    np.testing.assert_array_equal(np.isfinite(b), fin)
+    if backend == "gpu_interpret":
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert rel_rms(b[fin], a[fin]) <= 1e-6
+    assert rel_rms(b[fin], 50.0 * s_ref[fin]) <= STORAGE_BAR  # scores are positively homogeneous in q
+    ex = [np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret", exact=True,
+                                          block_n=16, tokens_per_program=32, **extra)) for extra in ({}, dict(q_inside=True))]
+    np.testing.assert_array_equal(ex[0], ex[1])
+
+
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kv_dtype,h", [("fp8", 4), ("fp8", 20), ("bf16", 16)])
 def test_sparse_gpu_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, kv_dtype, h):
     """q_inside: the kernel scales q, takes each head's power of two from the exponent bits and zero-loads heads past

@@ -81,7 +81,8 @@ def e8m0_value(byte_i32):
 
 
 def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: int, BN: int, n_inner: int,
-            page: int, max_blocks: int, nblocks: int, exact: bool, orient: str, cdt, prefetch: bool = False):
+            page: int, max_blocks: int, nblocks: int, exact: bool, orient: str, cdt, prefetch: bool = False,
+            H=None):
     """q_ref `[B, 2, Hi, d]` (plane 0 = hi, plane 1 = lo; mxfp4: columns [even | odd]) in the dot dtype `cdt`,
     w_ref `[B, Hi]` f32 (the per-head power-of-two q normalisation folded in), key parts flattened
     `[num_blocks·page, w]`, out `[B, S_pad]` f32.
@@ -93,12 +94,15 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
     prefetch (fp8 keys): the per-token scales of chunk i + 1 and the page ids of chunk i + 2 are loaded in iteration
     i and carried to the next one. Triton's pipeliner software-pipelines only the loads that feed a dot (the codes);
     the scale gather stayed a synchronous load whose latency every chunk waited for. A load's value is only waited
-    for where it is used, so a value carried across the iteration boundary arrives during this chunk's math."""
+    for where it is used, so a value carried across the iteration boundary arrives during this chunk's math.
+
+    H (q prepared in the kernel: exact=False, fp8 / bf16 keys): q_ref is the raw q `[B, H, d]` f32 and w_ref the raw
+    w `[B, H]`; the kernel loads heads ≥ H as zeros, divides each head by its power of two (`_pow2_at_least`, =
+    `pow2_scale`), folds it into w and converts q to cdt — `_prep_q`'s bits without its three XLA launches."""
     *key_refs, o_ref = refs
     b = pl.program_id(0)
     j = pl.program_id(1)
     pos_b = pos_ref[b]
-    w = w_ref[b, :]  # [Hi]
     planes = (0, 1) if exact else (0,)
     if index_dtype == "mxfp4":
         cols = [(0, d // 2), (d // 2, d // 2)]
@@ -106,8 +110,17 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
         cols = [(g * FP8_GROUP, FP8_GROUP) for g in range(d // FP8_GROUP)]
     else:
         cols = [(0, d)]
-    # q pieces [plane][piece] -> [Hi, width]
-    qs = [[q_ref[b, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes]
+    if H is not None:  # q prepared here (one plane)
+        live_h = jnp.arange(Hi) < H
+        raw = [pltriton.load(q_ref.at[b, pl.ds(0, Hi), pl.ds(c0, cw)], mask=live_h[:, None], other=0.0)
+               for (c0, cw) in cols]  # [Hi, width] f32 each
+        s_h = _pow2_at_least(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in raw]))  # [Hi]
+        qs = [[(x / s_h[:, None]).astype(cdt) for x in raw]]
+        w = pltriton.load(w_ref.at[b, pl.ds(0, Hi)], mask=live_h, other=0.0) * s_h
+    else:
+        w = w_ref[b, :]  # [Hi]
+        # q pieces [plane][piece] -> [Hi, width]
+        qs = [[q_ref[b, p, :, pl.ds(c0, cw)] for (c0, cw) in cols] for p in planes]
 
     def dot(keys, piece):
         """Σ over hi/lo planes of q·keys for one column piece: [BN, Hi] ("kq") or [Hi, BN] ("qk"), fp32."""
@@ -195,6 +208,13 @@ def _dot_dtype(fmt, dot_dtype: str):
     return {"f16": jnp.float16, "bf16": jnp.bfloat16}[dot_dtype]
 
 
+def _pow2_at_least(m_f32):
+    """m ≥ 0 (f32) -> 2^(e+1) for m's binary exponent e, 1 where m = 0: `pow2_scale`'s frexp result for normal m,
+    built from the exponent bits (frexp does not lower to Triton)."""
+    e = (jax.lax.bitcast_convert_type(m_f32, jnp.int32) >> 23) & 0xFF
+    return jnp.where(m_f32 > 0, jax.lax.bitcast_convert_type((e + 1) << 23, jnp.float32), 1.0)
+
+
 def pow2_scale(x, axis=-1):
     """A power of two s ≥ max|x| along `axis` (keepdims; 1 where x is all zero): x / s is in (−1, 1) exactly."""
     m = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
@@ -264,6 +284,11 @@ FAST = {
                               target_programs=2 * 132),
     "sp128_qk_s8_pf_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=8, orient="qk", prefetch=True,
                               target_programs=2 * 132),
+    # session 7: ncu at 32K × 32 — kernel 49.8 µs plus three XLA fusions preparing q (2.6-3.1 µs each) of a 58 µs
+    # call. q prepared in the kernel (as sparse MLA's q_inside, which took that op from 42.5 to 38.6 µs). Untimed:
+    # compiled for sm_90 on CPU (128 registers, 42 KB), bit-equal to the outside path in interpret mode
+    "sp128_qk_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
+                              q_inside=True),
 }
 
 
@@ -280,23 +305,30 @@ def supports_pool(key_parts) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_n", "tokens_per_program", "exact", "interpret",
                                              "num_warps", "num_stages", "orient", "dot_dtype", "prefetch",
-                                             "target_programs"))
+                                             "target_programs", "q_inside"))
 def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 128, tokens_per_program=None,
            exact: bool = True, interpret: bool = False, num_warps: int = 4, num_stages: int = 3,
-           orient: str = "kq", dot_dtype: str = "auto", prefetch: bool = False, target_programs: int = 4 * 132):
+           orient: str = "kq", dot_dtype: str = "auto", prefetch: bool = False, target_programs: int = 4 * 132,
+           q_inside: bool = False):
     """Decode index scores: q `[B, Hi, d]`, w `[B, Hi]` (Hi^-0.5·d^-0.5 folded in), key_parts `[num_blocks, page, w]`
     (fmt.parts), block_tables `[B, max_blocks]`, pos `[B]` (the query's position; keys at ≤ pos are scored)
     -> float32 `[B, max_blocks·page]`, −inf where not allowed.
     Knobs: block_n (keys per dot), tokens_per_program (None: the fewest tokens per program, halving from 8192 and
     not below 512, that still make at least target_programs programs; 4 · 132 ≈ 4 per H200 SM), orient ("kq": keys are the
     dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16"), prefetch (fp8: the scale gather one
-    chunk ahead, see `_kernel`), Triton num_warps / num_stages."""
+    chunk ahead, see `_kernel`), q_inside (q normalised, padded and converted in the kernel instead of by
+    `_prep_q`: same bits; applies with exact=False and fp8 / bf16 keys, ignored otherwise), Triton num_warps /
+    num_stages."""
     if not supports(fmt):
         raise ValueError(f"the GPU indexer kernel reads {SUPPORTED} keys, not {fmt}")
     if orient not in ("kq", "qk"):
         raise ValueError(f"orient must be 'kq' or 'qk', got {orient!r}")
     B, Hi, d = q_bhd.shape
-    if padded_heads(Hi) != Hi:  # padded heads: q = 0 and weight 0, so they add relu(0)·0 = 0 to every score
+    q_inside = q_inside and not exact and fmt.index_dtype != "mxfp4"
+    H_real = Hi
+    if q_inside:  # the kernel pads the heads itself (masked loads)
+        Hi = padded_heads(Hi)
+    elif padded_heads(Hi) != Hi:  # padded heads: q = 0 and weight 0, so they add relu(0)·0 = 0 to every score
         pad = padded_heads(Hi) - Hi
         q_bhd = jnp.pad(q_bhd, ((0, 0), (0, pad), (0, 0)))
         w_bh = jnp.pad(w_bh, ((0, 0), (0, pad)))
@@ -319,11 +351,15 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
     n_inner = max(1, min(tpp // BN, n_chunks))
     n_prog = -(-n_chunks // n_inner)
     cdt = _dot_dtype(fmt, dot_dtype)
-    q, w = _prep_q(q_bhd, w_bh, fmt, exact, cdt)
+    if q_inside:
+        q, w = q_bhd.astype(jnp.float32), w_bh.astype(jnp.float32)
+    else:
+        q, w = _prep_q(q_bhd, w_bh, fmt, exact, cdt)
     flat = [p.reshape(nblocks * page, p.shape[-1]) for p in key_parts]
     kernel = functools.partial(_kernel, index_dtype=fmt.index_dtype, d=d, Hi=Hi, BN=BN, n_inner=n_inner, page=page,
                                max_blocks=max_blocks, nblocks=nblocks, exact=exact, orient=orient, cdt=cdt,
-                               **(dict(prefetch=True) if prefetch else {}))
+                               **(dict(prefetch=True) if prefetch else {}),
+                               **(dict(H=H_real) if q_inside else {}))
     out = pl.pallas_call(
         kernel,
         grid=(B, n_prog),
