@@ -537,6 +537,16 @@ def test_sparse_gpu_variant_knobs_are_fp32_exact(kv_dtype, kw):
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
 
 
+def test_pow2_from_exponent_bits_equals_frexp_for_normal_numbers():
+    """The in-kernel q normalisation (`_pow2_at_least`) gives `pow2_scale`'s power of two (frexp) for every normal
+    magnitude, powers of two included (2^e -> 2^(e+1)), and 1 for 0."""
+    rng = np.random.default_rng(0)
+    m = np.concatenate([np.exp2(rng.uniform(-125, 126, 4000)), np.exp2(np.arange(-125.0, 127.0)), [0.0, 1.0, 3.0]])
+    m = jnp.asarray(m, jnp.float32)
+    want = igpu.pow2_scale(m[:, None])[:, 0]
+    np.testing.assert_array_equal(np.asarray(sparse_gpu._pow2_at_least(m)), np.asarray(want))
+
+
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("index_dtype,hi", [("fp8", 4), ("fp8", 20), ("bf16", 16)])
 def test_gpu_indexer_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, index_dtype, hi):

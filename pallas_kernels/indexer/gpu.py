@@ -44,7 +44,8 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
-from ..mla.sparse_gpu import _pow2, available, e2m1_value, split_hi_lo  # one Triton probe, shared helpers
+from ..mla.sparse_gpu import (  # one Triton probe, shared helpers
+    _pow2, _pow2_at_least, available, e2m1_value, split_hi_lo)
 from ..paged import pool_offsets_safe
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
@@ -206,13 +207,6 @@ def _dot_dtype(fmt, dot_dtype: str):
     if dot_dtype == "f16" and fmt.index_dtype != "fp8":
         raise ValueError(f"dot_dtype f16 is exact only for fp8 keys, not {fmt.index_dtype}")
     return {"f16": jnp.float16, "bf16": jnp.bfloat16}[dot_dtype]
-
-
-def _pow2_at_least(m_f32):
-    """m ≥ 0 (f32) -> 2^(e+1) for m's binary exponent e, 1 where m = 0: `pow2_scale`'s frexp result for normal m,
-    built from the exponent bits (frexp does not lower to Triton)."""
-    e = (jax.lax.bitcast_convert_type(m_f32, jnp.int32) >> 23) & 0xFF
-    return jnp.where(m_f32 > 0, jax.lax.bitcast_convert_type((e + 1) << 23, jnp.float32), 1.0)
 
 
 def pow2_scale(x, axis=-1):

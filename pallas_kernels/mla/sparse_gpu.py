@@ -244,7 +244,8 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
 
 def _pow2_at_least(m_f32):
     """m ≥ 0 (f32) -> the power of two 2^(e+1) for m's binary exponent e (> m), 1 where m = 0: `jnp.frexp`'s
-    ldexp(1, E) for normal m, built from the exponent bits (frexp does not lower to Triton)."""
+    ldexp(1, E) for normal m (what `_prep_q` and the indexer's `pow2_scale` use), built from the exponent bits, for
+    the kernels that prepare q themselves (frexp does not lower to Triton)."""
     e = (jax.lax.bitcast_convert_type(m_f32, jnp.int32) >> 23) & 0xFF
     return jnp.where(m_f32 > 0, jax.lax.bitcast_convert_type((e + 1) << 23, jnp.float32), 1.0)
 
