@@ -444,7 +444,9 @@ MLA_SWEEP = {  # per (batch, heads) class
                 ("sr16_bk32_ns8", dict(_W["sr16_bk32"], splits=8)), ("sr16_bk32_exact", _W["sr16_bk32_exact"]),
                 ("sr16_bk64_ns4", dict(_W["sr16_bk64"], splits=4)), ("sr16_bk64_s2", dict(_W["sr16_bk64"], num_stages=2)),
                 ("w16_fast_bk32", dict(_W["w16_fast"], block_k=32)), ("t_bk64", dict(block_h=16, block_k=64))],
-    "B1_H12": [("default", {}), ("w16_fast", _W["w16_fast"]), ("sr16_bk32", _W["sr16_bk32"]),
+    "B1_H12": [("default", {}), ("sr16_bk32_s5_qi_ns16", dict(_W["sr16_bk32_s5_qi"], splits=16)),
+               ("sr16_bk32_s5_qi", _W["sr16_bk32_s5_qi"]),  # untimed (session 7): 3 launches instead of ≈ 6
+               ("w16_fast", _W["w16_fast"]), ("sr16_bk32", _W["sr16_bk32"]),
                ("sr16_bk64", _W["sr16_bk64"]), ("sr16_bk32_ns16", dict(_W["sr16_bk32"], splits=16)), ("w16_fast_ns8", dict(_W["w16_fast"], splits=8)),
                ("w16_fast_v256", dict(_W["w16_fast"], block_v=256))],
 }
