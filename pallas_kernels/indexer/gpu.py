@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
 from ..mla.sparse_gpu import (  # one Triton probe, shared helpers
-    _pow2, _pow2_at_least, available, e2m1_value, split_hi_lo)
+    MIN_DOT, _pow2, _pow2_at_least, available, e2m1_value, split_hi_lo)
 from ..paged import pool_offsets_safe
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
@@ -62,14 +62,15 @@ def fits(fmt, heads: int, dim: int) -> bool:
     least 16, since tensor-core dots need every dot dimension ≥ 16. Any head count works: `scores` pads the heads to
     a power of two ≥ 16 (zero q and weight). "auto" falls back to the reference otherwise (e.g. d = 8)."""
     width = dim // 2 if getattr(fmt, "index_dtype", None) == "mxfp4" else min(dim, FP8_GROUP)
-    return (supports(fmt) and heads >= 1 and _pow2(width) and width >= 16
+    return (supports(fmt) and heads >= 1 and _pow2(width) and width >= MIN_DOT
             and (dim <= FP8_GROUP or dim % FP8_GROUP == 0))
 
 
 def padded_heads(Hi: int) -> int:
-    """The kernel's head count: a power of two ≥ 16. Every tensor-core dot dimension must be ≥ 16 — Hi is the M side
-    of the "qk" dot and the N side of the "kq" one; on the H200 the tiny model's 8 heads gave wrong scores."""
-    return max(16, 1 << (Hi - 1).bit_length())
+    """The kernel's head count: a power of two ≥ MIN_DOT (16). Every tensor-core dot dimension must be ≥ 16 — Hi is
+    the M side of the "qk" dot and the N side of the "kq" one; on the H200 the tiny model's 8 heads gave wrong
+    scores."""
+    return max(MIN_DOT, 1 << (Hi - 1).bit_length())
 
 
 def _dot_nt(a, b):
