@@ -19,8 +19,8 @@ class KernelConfig:
     # tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an operator's override.
     dsa: str = "auto"
     # DSA products: "exact" (≈ fp32 against the dequantised cache, hi/lo split operands) or "storage" (the GPU
-    # kernels' single-pass settings, within the quantised cache formats' 5e-3 bar: 2-3x faster on the H200 at
-    # B = 32, bench/RESULTS.md session 6). Only the GPU kernels differ.
+    # kernels' single-pass settings, within the quantised cache formats' 5e-3 bar: 2.5-3x faster on the H200 at
+    # B = 32, bench/RESULTS.md session 7). Only the GPU kernels differ.
     dsa_precision: str = "exact"
 
     def __post_init__(self):
