@@ -41,26 +41,37 @@ def capture_modules(fn, *args):
     return [(name, m.operation.get_asm(enable_debug_info=False)) for name, m in lowered_triton_modules(fn, *args)]
 
 
-def sass_mix(cubin_path, bindir):
+def sass_mix(cubin_path, bindir, keep=None):
     """Static SASS opcode counts of a cubin (cuobjdump -sass), with register moves and uniform-constant copies
-    counted apart from other IMADs."""
+    counted apart from other IMADs; `loop`: the same counts over the largest backward-branch body (the main loop,
+    whose instructions run once per step — the ones that matter for an issue-bound kernel)."""
     sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin_path], capture_output=True,
                           text=True).stdout
-    ops = collections.Counter()
+    if keep:  # the full listing, for reading the loop by eye
+        open(keep, "w").write(sass)
+    insts = []  # (address, opcode, operands)
     for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?\s*([^;]*)", line)
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?\s*([^;]*)", line)
         if not m:
             continue
-        op, mods, operands = m.group(1), m.group(2) or "", m.group(3)
+        addr, op, mods, operands = int(m.group(1), 16), m.group(2), m.group(3) or "", m.group(4)
         if op == "IMAD" and mods.startswith(".MOV"):
             op = "IMAD.MOV"
         elif op == "IMAD" and re.search(r"RZ, RZ, UR\d+$", operands.strip()):
             op = "IMAD.U32 (UR copy)"
-        ops[op] += 1
-    return dict(total=sum(ops.values()), top=dict(ops.most_common(12)))
+        insts.append((addr, op, operands))
+    ops = collections.Counter(op for _, op, _ in insts)
+    loop = (0, 0)
+    for addr, op, operands in insts:
+        t = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+        if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(t.group(1), 16), addr)
+    body = collections.Counter(op for a, op, _ in insts if loop[0] <= a <= loop[1]) if loop[1] else None
+    return dict(total=sum(ops.values()), top=dict(ops.most_common(12)),
+                **({"loop": dict(total=sum(body.values()), top=dict(body.most_common(16)))} if body else {}))
 
 
-def ptxas_report(text, num_warps, num_stages=1, arch=90, sass=False):
+def ptxas_report(text, num_warps, num_stages=1, arch=90, sass=False, keep=None):
     """Compile Triton IR text to PTX with the `triton` package and return ptxas -v's numbers (and with `sass` the
     static SASS instruction mix)."""
     import triton
@@ -90,7 +101,7 @@ def ptxas_report(text, num_warps, num_stages=1, arch=90, sass=False):
         ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))[0]
         r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", ptx, "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)
-        mix = sass_mix(os.path.join(d, "k.cubin"), os.path.dirname(ptxas)) if sass and r.returncode == 0 else None
+        mix = sass_mix(os.path.join(d, "k.cubin"), os.path.dirname(ptxas), keep) if sass and r.returncode == 0 else None
     log = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill_st = re.search(r"(\d+) bytes spill stores", log)
@@ -204,10 +215,14 @@ def main():
     ap.add_argument("--keys", choices=("fp8", "mxfp4"), default="fp8", help="indexer: key format")
     ap.add_argument("--ctx", type=int, default=131072, help="indexer: tokens per sequence")
     ap.add_argument("--sass", action="store_true", help="also print each kernel's static SASS instruction mix")
+    ap.add_argument("--sass-dir", default=None, help="with --sass: write each kernel's full listing to DIR/NAME.sass")
     a = ap.parse_args()
     modules = {"kda": kda_modules, "moe": moe_modules, "mla": mla_modules, "indexer": indexer_modules}[a.op](a)
     for name, text, warps, stages in modules:
-        rep = ptxas_report(text, warps, stages, sass=a.sass)
+        keep = os.path.join(a.sass_dir, f"{name}.sass") if a.sass_dir else None
+        if keep:
+            os.makedirs(a.sass_dir, exist_ok=True)
+        rep = ptxas_report(text, warps, stages, sass=a.sass, keep=keep)
         print(json.dumps(dict(kernel=name, warps=warps, stages=stages, **rep)), flush=True)
 
 

@@ -603,6 +603,40 @@ def test_sparse_gpu_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, 
         np.testing.assert_array_equal(np.asarray(ex[0]), np.asarray(ex[1]))
 
 
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("extra", [dict(lazy=True), dict(qk_split=4), dict(lazy=True, qk_split=4)])
+def test_sparse_gpu_lazy_rescale_and_split_logits_keep_exact_mode_at_the_fp32_bar(backend, extra):
+    """Two loop-structure knobs change no math: lazy (the running max — and the accumulator's rescale — moves only
+    when a head's block max passes it by > LAZY_RESCALE; p ≤ e^8 meanwhile) and qk_split (the logits dot as
+    independent pieces over the latent columns). Exact mode stays within 1e-4 of the reference with logits spread
+    wide enough that both lazy branches run: some block raises a head's max by more than the threshold, and some by
+    less."""
+    B = 3
+    if backend == "gpu":
+        rng = np.random.default_rng(42)
+        nb, bt = _big_pool(rng, B, 8)
+        pos, k, page, r, rope = np.array([511, 300, 100], np.int32), 256, 64, 512, 64
+    else:
+        nb, bt, pos, k, page, r, rope = NB, BT, POS, 40, PAGE, R, ROPE
+    parts, idx, q, kw = mla_case("fp8", seed=43, B=B, k=k, bt=bt, pos=pos, nb=nb, page=page, r=r, rope=rope, h=H)
+    q = q * (10.0 if backend == "gpu_interpret" else 1.5)  # logits spread over tens of units
+    idx[1, 3] = -1
+    BK = 16
+    # the float64 logits per head in slot order: both lazy branches are taken (the test is not vacuous)
+    rows = np.asarray(kw["fmt"].dequantize(parts, kw["layer_scale"]), np.float64).reshape(-1, r + rope)
+    slot_rows = np.asarray(bt)[np.arange(B)[:, None], np.maximum(idx, 0) // page] * page + np.maximum(idx, 0) % page
+    logits = np.einsum("bhc,bkc->bhk", np.asarray(q, np.float64), rows[slot_rows]) * SCALE
+    logits = np.where(idx[:, None, :] >= 0, logits, -np.inf)
+    n_blk = -(-k // BK)
+    blk_max = np.stack([logits[..., j * BK:(j + 1) * BK].max(-1) for j in range(n_blk)], -1)  # [B, H, n_blk]
+    grow = np.diff(np.maximum.accumulate(blk_max, axis=-1), axis=-1)
+    assert (grow > sparse_gpu.LAZY_RESCALE).any() and ((grow > 0) & (grow <= sparse_gpu.LAZY_RESCALE)).any()
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    kk = dict(block_k=BK, splits=1, slots_outside=True, value_reload=True, **extra)
+    o, lse = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=kk, **kw)
+    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
+
+
 def test_sparse_gpu_pallas_merge_empty_rows_and_pallas_equals_xla_merge():
     parts, idx, q, kw = mla_case("fp8", seed=23)
     idx[2] = -1  # no key at all: o = 0, lse = −inf through the merge kernel

@@ -99,7 +99,8 @@ def _dot_nn(a, b):
 
 def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
             page: int, max_blocks: int, nblocks: int, exact: bool, cdt, BV=None, q_reload: bool = False,
-            orient: str = "qk", slots_outside: bool = False, value_reload: bool = False, H=None):
+            orient: str = "qk", slots_outside: bool = False, value_reload: bool = False, H=None,
+            lazy: bool = False, qk_split: int = 1):
     """One (sequence, head block, split). q_ref `[B, HB, P, BH, c]` in the dot dtype cdt (P = 2 planes hi | lo, or
     1; each head divided by the power of two in qs_ref `[B, Hp]` f32, multiplied back onto its logits);
     pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
@@ -120,7 +121,14 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     feed one dot each (cp.async into shared memory, overlapped with the previous block's math); H (q prepared in
     the kernel, exact=False, not nvfp4) — q_ref is the raw q `[B, H, c]` f32 and qs_ref the scalar `[1]` scale·s:
     the kernel scales q, finds each head's power of two (`_pow2_at_least`, = `_prep_q`'s frexp), loads heads ≥ H as
-    zeros and converts to cdt — the bits `_prep_q` gives, without its three XLA launches."""
+    zeros and converts to cdt — the bits `_prep_q` gives, without its three XLA launches; lazy — the running max
+    (and with it the [BH, R] accumulator's rescale) moves only when some head's block max exceeds it by more than
+    `LAZY_RESCALE` (p ≤ e^LAZY_RESCALE meanwhile: no overflow in f32 / f16): most steps skip the rescale's FMULs
+    (the loop's largest float block after the conversions) and accumulate straight into the mma's C operand;
+    qk_split (fp8 / bf16 rows) — the latent columns are taken in qk_split pieces (q, rows, accumulators), and the
+    logits dot's pieces summed as a balanced tree: with one piece each warp's QKᵀ is ONE chain of c/16 dependent
+    mma.sync (36 at K3's 576, SASS), which two warps per scheduler cannot hide; the tree leaves ≈ qk_split/2 + 1
+    independent chains of (c/16)/qk_split·2."""
     *pool_refs, o_ref, lse_ref = refs
     if value_reload:  # the pool passed a second time: a second load that CSE cannot merge with the first
         n_parts = len(pool_refs) // 2
@@ -135,15 +143,18 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     half = R // 2
     heads = pl.ds(hb * BH, BH)
     # q pieces [plane] -> (value-column pieces (nvfp4: even | odd planes), rope columns), loaded once
-    cols = [(0, half), (half, half)] if nv else [(0, R)]
+    cols = [(0, half), (half, half)] if nv else [(i * (R // qk_split), R // qk_split) for i in range(qk_split)]
     if H is not None:  # q prepared here (single plane, fp8 / bf16 rows)
         live_h = (hb * BH + jnp.arange(BH)) < H
         qscale = qs_ref[0]
-        q_lat_f = pltriton.load(q_ref.at[b, heads, pl.ds(0, R)], mask=live_h[:, None], other=0.0) * qscale  # [BH, R]
+        q_lat_f = [pltriton.load(q_ref.at[b, heads, pl.ds(c0, cw)], mask=live_h[:, None], other=0.0) * qscale
+                   for (c0, cw) in cols]  # [BH, cw] each
         q_rope_f = pltriton.load(q_ref.at[b, heads, pl.ds(R, rope)], mask=live_h[:, None], other=0.0) * qscale
-        s_h = _pow2_at_least(jnp.maximum(jnp.max(jnp.abs(q_lat_f), axis=1), jnp.max(jnp.abs(q_rope_f), axis=1)))
-        qs = s_h[:, None]  # [BH, 1]
-        q_in = ([[(q_lat_f / qs).astype(cdt)]], [(q_rope_f / qs).astype(cdt)])
+        q_max = jnp.max(jnp.abs(q_rope_f), axis=1)
+        for piece in q_lat_f:
+            q_max = jnp.maximum(q_max, jnp.max(jnp.abs(piece), axis=1))
+        qs = _pow2_at_least(q_max)[:, None]  # [BH, 1]
+        q_in = ([[(piece / qs).astype(cdt) for piece in q_lat_f]], [(q_rope_f / qs).astype(cdt)])
     else:
         qs = qs_ref[b, heads][:, None]  # [BH, 1] power-of-two q normalisation
 
@@ -174,9 +185,9 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         """Dequantised pieces of the gathered rows in cdt: (value planes [BK, R or R/2]..., rope [BK, rope])."""
         if not nv:
             (pool,) = pool_refs
-            lat = pool[slot, pl.ds(0, R)].astype(cdt)
+            lat = [pool[slot, pl.ds(c0, cw)].astype(cdt) for (c0, cw) in cols]
             rp = pool[slot, pl.ds(R, rope)].astype(cdt)
-            return [lat], rp
+            return lat, rp
         packed_ref, scale_ref, rope_ref = pool_refs
         packed = packed_ref[slot, :].astype(jnp.int32)  # [BK, R/2]
         s16 = scale_ref[slot, :].astype(jnp.float32)  # [BK, R/16]
@@ -204,17 +215,15 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         s = None
         for p in range(len(planes)):  # hi and lo planes: separate dots, one fp32 sum (no reshape)
             if orient == "kq":
-                x = _dot_nt(rp, q_rope_[p])
-                for qp, v in zip(q_lat_[p], vals):
-                    x = x + _dot_nt(v, qp)  # [BK, BH]
-                x = x.T
-            else:
-                x = _dot_nt(q_rope_[p], rp)
-                for qp, v in zip(q_lat_[p], vals):
-                    x = x + _dot_nt(qp, v)  # [BH, BK]
+                x = _tree_sum([_dot_nt(rp, q_rope_[p])] + [_dot_nt(v, qp) for qp, v in zip(q_lat_[p], vals)]).T
+            else:  # [BH, BK]
+                x = _tree_sum([_dot_nt(q_rope_[p], rp)] + [_dot_nt(qp, v) for qp, v in zip(q_lat_[p], vals)])
             s = x if s is None else s + x
         s = jnp.where(ok[None, :], s * qs, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        if lazy:  # both −inf: nan > x is False (nothing to move); m = −inf < m_blk: inf > x (first rows: move)
+            need = jnp.max(jnp.where(m_new - m > LAZY_RESCALE, 1, 0)) > 0
+            m_new = jnp.where(need, m_new, m)
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         pexp = jnp.exp(s - m_use)  # [BH, BK]; −inf -> 0
         corr = jnp.exp(m - m_use)
@@ -222,24 +231,37 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         p_hi, p_lo = _split(pexp, exact, cdt)
         new = []
         pv_vals = [vblock_of(slot)] if vsplit else (rows_of(slot, value_refs)[0] if value_reload else vals)
+        if lazy:  # corr = 1 on the skipped steps (m_use = m), so the accumulators are left as they are
+            accs = jax.lax.cond(need, lambda a: [x * corr for x in a], lambda a: list(a), accs)
         for acc, v in zip(accs, pv_vals):
             pv = _dot_nn(p_hi, v)
             if exact:
                 pv = pv + _dot_nn(p_lo, v)
-            new.append(acc * corr + pv)
+            new.append(acc + pv if lazy else acc * corr + pv)
         return m_new, l, new
 
-    width = half if nv else R
-    pieces = [BV] if vsplit else [width for _ in cols]
+    pieces = [BV] if vsplit else [cw for (_, cw) in cols]
     init = (jnp.full((BH, 1), -jnp.inf, jnp.float32), jnp.zeros((BH, 1), jnp.float32),
             [jnp.zeros((BH, w_), jnp.float32) for w_ in pieces])
     m, l, accs = jax.lax.fori_loop(0, n_blk, step, init)
     good = l > 0
     inv = 1.0 / jnp.where(good, l, 1.0)
     for i, acc in enumerate(accs):
-        o_ref[sp, b, heads, pl.ds(vb * BV if vsplit else i * width, pieces[i])] = acc * inv
+        o_ref[sp, b, heads, pl.ds(vb * BV if vsplit else cols[i][0], pieces[i])] = acc * inv
     lse = jnp.where(good, m + jnp.log(jnp.where(good, l, 1.0)), -jnp.inf)
     lse_ref[sp, b, heads] = lse.reshape(BH)
+
+
+def _tree_sum(terms):
+    """Pairwise sum, left to right within a level: a + b + c + d as (a + b) + (c + d). Triton folds each pair's
+    second dot into the first's accumulator, so the pairs are independent mma chains."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+# lazy rescale threshold (natural-log units): probabilities stay ≤ e^8 ≈ 2981 between moves of the running max
+LAZY_RESCALE = 8.0
 
 
 def _pow2_at_least(m_f32):
@@ -404,6 +426,17 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     # pool rows 3.4, kernel 31.6, merge 5.4 µs (ncu) — and 38.6 µs per call vs 42.5 with q prepared outside
     "sr16_bk32_s5_qi": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                             value_reload=True, merge="pallas", q_inside=True),  # 255 / 0 / 90 KB
+    # session 8: the loop body's SASS (bench/triton_regs.py --sass: `loop`) has each warp's QKᵀ as ONE chain of 36
+    # dependent HMMA (its [16, 8] tile over k = 576); with 2 warps per scheduler nothing hides that latency. Split
+    # logits (qk_split: 1190 -> 982 loop instructions, chains of ≤ 8) and the lazy rescale (the [16, 512] f32
+    # accumulator's 64 FMULs per thread skipped unless a max moves by > 8; 221 registers with both)
+    "sr16_bk32_s5_qi_c8": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                               value_reload=True, merge="pallas", q_inside=True, qk_split=8),  # 255 / 0 / 90 KB
+    "sr16_bk32_s5_qi_lz": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                               value_reload=True, merge="pallas", q_inside=True, lazy=True),  # 239 / 0 / 90 KB
+    "sr16_bk32_s5_qi_c8_lz": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5,
+                                  slots_outside=True, value_reload=True, merge="pallas", q_inside=True, qk_split=8,
+                                  lazy=True),  # 221 / 0 / 90 KB
 }
 
 
@@ -441,12 +474,12 @@ def supports_pool(kv_parts) -> bool:
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
                                              "interpret", "num_warps", "num_stages", "dot_dtype", "block_v",
                                              "q_reload", "orient", "merge", "target_programs", "slots_outside",
-                                             "value_reload", "q_inside"))
+                                             "value_reload", "q_inside", "lazy", "qk_split"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
            num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, q_reload: bool = False,
            orient: str = "qk", merge: str = "xla", target_programs: int = 264, slots_outside: bool = False,
-           value_reload: bool = False, q_inside: bool = False):
+           value_reload: bool = False, q_inside: bool = False, lazy: bool = False, qk_split: int = 1):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
     -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32).
@@ -458,7 +491,10 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     "pallas": `_merge_kernel`, one launch that also drops padded heads and applies the layer scale),
     slots_outside / value_reload (see `_kernel`), q_inside (q scaled, normalised, padded and converted in the kernel
     instead of by `_prep_q`, same bits; applies with exact=False, fp8 / bf16 rows and no q_reload, is ignored
-    otherwise), Triton num_warps / num_stages,
+    otherwise), lazy (the accumulator rescaled only when the running max moves by > `LAZY_RESCALE`; see `_kernel`),
+    qk_split (latent column pieces, fp8 / bf16 rows without block_v, at most R/16, ignored otherwise: independent
+    logits-dot chains; see `_kernel`),
+    Triton num_warps / num_stages,
     dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
     if not supports(fmt):
         raise ValueError(f"the GPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
@@ -469,6 +505,10 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         raise ValueError(f"latent {R}, rope {rope}, block_h {block_h}, block_k {block_k} must be powers of two "
                          f"(block_h ≥ {MIN_DOT})")
     BV = None if block_v is None or block_v >= R else block_v
+    if not (isinstance(qk_split, int) and qk_split >= 1 and _pow2(qk_split)):
+        raise ValueError(f"qk_split must be a power of two ≥ 1, got {qk_split!r}")
+    # a performance knob, like q_inside: pieces of ≥ MIN_DOT columns, ignored where the columns are split otherwise
+    qk_split = 1 if fmt.kv_dtype == "nvfp4" or BV is not None else min(qk_split, max(1, R // MIN_DOT))
     if BV is not None and not (_pow2(BV) and BV >= 16 and (fmt.kv_dtype != "nvfp4" or BV <= R // 2)):
         raise ValueError(f"block_v {block_v} must be a power of two in [16, R) (nvfp4: ≤ R/2)")
     if orient not in ("qk", "kq") or merge not in ("xla", "pallas"):
@@ -510,7 +550,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
                                **(dict(orient=orient) if orient != "qk" else {}),
                                **(dict(slots_outside=True) if slots_outside else {}),
                                **(dict(value_reload=True) if value_reload else {}),
-                               **(dict(H=H) if q_inside else {}))
+                               **(dict(H=H) if q_inside else {}), **(dict(lazy=True) if lazy else {}),
+                               **(dict(qk_split=qk_split) if qk_split > 1 else {}))
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, HB, NS) + ((NVB,) if BV else ()),
