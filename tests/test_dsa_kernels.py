@@ -549,13 +549,14 @@ def test_pow2_from_exponent_bits_equals_frexp_for_normal_numbers():
 
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("index_dtype,hi", [("fp8", 4), ("fp8", 20), ("bf16", 16)])
-def test_gpu_indexer_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, index_dtype, hi):
+@pytest.mark.parametrize("orient", ["qk", "kq"])
+def test_gpu_indexer_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, index_dtype, hi, orient):
     """Indexer q_inside: heads past Hi loaded as zeros, each head's power of two from the exponent bits and folded
     into its weight — the scores `_prep_q`'s path gives (bit-equal in interpret mode, to fp32 rounding on the device);
     exact mode and mxfp4 keys keep q prepared outside."""
     fmt, parts, q, w, s_ref = index_case(index_dtype, seed=42, hi=hi)
     q = q * 50.0
-    base = dict(exact=False, block_n=16, tokens_per_program=32, orient="qk", prefetch=True)
+    base = dict(exact=False, block_n=16, tokens_per_program=32, orient=orient, prefetch=True)
     a = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend, **base))
     b = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend, q_inside=True, **base))
     fin = np.isfinite(s_ref)
@@ -675,7 +676,7 @@ def _gap_rule(idx_bk, s, s_ref, topk):
 
 
 @pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
-@pytest.mark.parametrize("name", ["sp128", "sp256_qk"])
+@pytest.mark.parametrize("name", ["sp128", "sp256_qk", "sp128_kq_s5_pf_qi"])
 def test_indexer_single_pass_presets_select_the_reference_set_on_untied_scores(index_dtype, name):
     """Single-pass (no lo half) presets of `indexer.gpu.FAST`: scores to the storage bar, and the selected set equals
     the exact top-k of the float64 reference wherever the k-th/(k+1)-th gap exceeds twice the score error."""

@@ -281,16 +281,27 @@ FAST = {
                               target_programs=2 * 132),
     # session 7: ncu at 32K × 32 — kernel 49.8 µs plus three XLA fusions preparing q (2.6-3.1 µs each) of a 58 µs
     # call. q prepared in the kernel (as sparse MLA's q_inside, which took that op from 42.5 to 38.6 µs). Untimed:
-    # compiled for sm_90 on CPU (128 registers, 42 KB), bit-equal to the outside path in interpret mode
+    # compiled for sm_90 on CPU (128 registers, 42 KB), bit-equal to the outside path in interpret mode. Timed
+    # 2026-12-01 (session 8): 191.1 vs 193.1 µs at 128K × 32 (0.702 of copy), 54.4 µs at 32K
     "sp128_qk_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
                               q_inside=True),
+    # session 8: the qk loop's SASS (bench/triton_regs.py --op indexer --sass) re-reads q's mma fragments from shared
+    # memory every chunk and assembles each HMMA's A operand with 4 register moves: 150 IMAD.MOV of 645 loop
+    # instructions per warp (20 per key). With the keys as the M side (kq) the dot is one wgmma (HGMMA, M = 128
+    # keys per warpgroup, q the shared-memory operand): 486 per warp (15 per key), 132 registers
+    "sp128_kq_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
+                              q_inside=True),  # 132 / 42K
+    "sp128_kq_s8_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=8, orient="kq", prefetch=True,
+                              q_inside=True),  # 132 / 59K, 3 buffers
+    "sp256_kq_w8_s5_pf_qi": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="kq", prefetch=True,
+                                 q_inside=True),  # 138 / 77K
 }
 
 
 # `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct setting of the H200
 # sweep at 128K × 32 (2026-12-01: 194 µs, vs 198 for session 6's sp128_qk_s3_pf and 597 for the exact default;
 # 0.75 of copy at 1M × 32).
-STORAGE_PRESET = "sp128_qk_s5_pf"
+STORAGE_PRESET = "sp128_qk_s5_pf_qi"
 
 
 def supports_pool(key_parts) -> bool:
