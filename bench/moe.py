@@ -299,7 +299,9 @@ def bench_bf16(args):
 Q_SWEEP = [  # 8 rows/expert. 2026-11-30 (f16-trick decode): "2d" 16x64x256 w4 best at 489 us; 3d, swap_ab, wider
     # or deeper tiles and 8 warps slower. Now the PTX byte-permute decode ("asm", the default) against it.
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm_sign"),  # session 5, untimed
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm_sign"),  # +4% (session 7)
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm_sign"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=4, dequant="asm_sign"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm"),
     moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=4, num_stages=3, dequant="asm"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=4, dequant="asm"),

@@ -58,13 +58,15 @@ class GpuConfig:
     num_stages: int = 3
     swap_ab: bool = False
     # MXFP4 tile decode: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`), "asm_sign" (one
-    # magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; not yet timed on a GPU), "bf16" (the same
-    # numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales broadcast [bn, bk/32, 16])
-    dequant: str = "asm"
+    # magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; 4% faster than "asm" on the H200, session 7),
+    # "bf16" (the same numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales
+    # broadcast [bn, bk/32, 16])
+    dequant: str = "asm_sign"
 
 
-# The decode used by `default_config` for MXFP4 weights; "2d" was the default before the PTX decode (bench/RESULTS.md).
-MXFP4_DECODE = "asm"
+# The decode used by `default_config` for MXFP4 weights: "asm_sign" since session 8 (2026-12-01; H200 at 8 rows per
+# expert: 1.93 TB/s vs 1.86 for "asm"); "asm" before it, "2d" before the PTX decodes (bench/RESULTS.md).
+MXFP4_DECODE = "asm_sign"
 
 
 def _pow2_at_least(v: float, lo: int, hi: int) -> int:
@@ -83,8 +85,8 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
     MXFP4: the tile decode, not the MMA or HBM, was the limit, so one row tile covers a whole decode-sized group
     (bm >= rows per expert, up to 64) and each weight tile is decoded once; 64x256 weight tiles, 4 warps (with the
     f16-trick "2d" decode: 1.34 TB/s at 8 rows per expert; 3d decode, wider/deeper tiles, 8 warps and swap_ab were
-    slower). The decode is now `MXFP4_DECODE` ("asm": PTX byte permutes, ~4x fewer ops per element); its block
-    shapes are to be re-swept on the H200 (bench/moe.py --sweep)."""
+    slower). The decode is now `MXFP4_DECODE` (PTX byte permutes, ~4x fewer ops per element; block shapes re-swept
+    on the H200 in session 7: 16x64x256, 4 warps, 3 stages is still the best at 8 rows per expert)."""
     avg = m_rows / max(num_groups, 1)
     if quantized:
         dq = MXFP4_DECODE
