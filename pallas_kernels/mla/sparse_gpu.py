@@ -454,15 +454,15 @@ def pool_rows(block_tables, idx_bk, page: int, nblocks: int):
 
 def storage_preset(B: int, H: int) -> dict:
     """Kernel settings for `precision="storage"` (products at the storage formats' 5e-3 bar, not fp32-level), from
-    the H200 sweeps (bench/RESULTS.md; device time per call at 32K): at B ≥ 8 sequences, ≤ 16 heads
-    `sr16_bk32_s5_qi` with 8 splits (38.6 µs; 42.5 with q prepared outside, 96 for the exact default at B = 32,
-    H = 12, 2026-12-01) and, for more heads,
-    `wide128_v256` (212 vs 482 µs at H = 96); below 8 sequences the op is launch-bound and the default settings were
-    the fastest measured (16 µs at B = 1), so they stay (empty dict)."""
+    the H200 sweeps (bench/RESULTS.md; device time per call at 32K): ≤ 16 heads `sr16_bk32_s5_qi` — at B ≥ 8
+    sequences with 8 splits (38.6 µs; 42.5 with q prepared outside, 96 for the exact default at B = 32, H = 12,
+    2026-12-01), below 8 with the automatic split count (14.8 vs 20.6 µs for the default settings at B = 1, H = 12,
+    session 8: three launches instead of six) — and, for more heads, `wide128_v256` at B ≥ 8 (212 vs 482 µs at
+    H = 96); below 8 sequences with more than 16 heads the default settings stay (empty dict: nothing faster measured)."""
+    if H <= 16:
+        return dict(WIDE["sr16_bk32_s5_qi"], **({"splits": 8} if B >= 8 else {}))
     if B < 8:
         return {}
-    if H <= 16:
-        return dict(WIDE["sr16_bk32_s5_qi"], splits=8)
     return dict(WIDE["wide128_v256"])
 
 
