@@ -285,10 +285,17 @@ FAST = {
     # 2026-12-01 (session 8): 191.1 vs 193.1 µs at 128K × 32 (0.702 of copy), 54.4 µs at 32K
     "sp128_qk_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
                               q_inside=True),
+    # one wave of 4 programs per SM at 32K × 32 (512 programs of 2048 keys instead of 1024 of 1024): there the fixed
+    # cost per program (q, pipeline fill and drain, ≈ 3 µs by the 32K / 128K times) is the largest share. Timed
+    # 2026-12-01: 52.0 µs at 32K × 32 (0.63 of copy) vs 54.4-55.7 for sp128_qk_s5_pf_qi; 187.7 vs 188.9 at 128K
+    "sp128_qk_s5_pf_qi_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
+                                 q_inside=True, target_programs=2 * 132),
     # session 8: the qk loop's SASS (bench/triton_regs.py --op indexer --sass) re-reads q's mma fragments from shared
     # memory every chunk and assembles each HMMA's A operand with 4 register moves: 150 IMAD.MOV of 645 loop
     # instructions per warp (20 per key). With the keys as the M side (kq) the dot is one wgmma (HGMMA, M = 128
-    # keys per warpgroup, q the shared-memory operand): 486 per warp (15 per key), 132 registers
+    # keys per warpgroup, q the shared-memory operand): 486 per warp (15 per key), 132 registers. Timed 2026-12-01 at
+    # 128K × 32: 210 / 217 / 284 µs vs 198 for the qk preset in the same run — slower: the loop's instruction count
+    # is not what bounds this kernel (ncu at 32K: 0.53 issued per scheduler cycle, DRAM 60% busy)
     "sp128_kq_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
                               q_inside=True),  # 132 / 42K
     "sp128_kq_s8_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=8, orient="kq", prefetch=True,
@@ -299,9 +306,10 @@ FAST = {
 
 
 # `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct setting of the H200
-# sweep at 128K × 32 (2026-12-01: 194 µs, vs 198 for session 6's sp128_qk_s3_pf and 597 for the exact default;
-# 0.75 of copy at 1M × 32).
-STORAGE_PRESET = "sp128_qk_s5_pf_qi"
+# sweeps (session 8, 2026-12-01): q prepared in the kernel, one wave of programs — 52.0 vs 54.4-55.7 µs at 32K × 32,
+# 187.7 vs 188.9 at 128K × 32 (sp128_qk_s5_pf_qi), the same grid as it at 1M and at one sequence; 0.70 of copy at
+# 1M × 32. The exact default: 590 µs at 128K × 32.
+STORAGE_PRESET = "sp128_qk_s5_pf_qi_1w"
 
 
 def supports_pool(key_parts) -> bool:

@@ -429,7 +429,12 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     # session 8: the loop body's SASS (bench/triton_regs.py --sass: `loop`) has each warp's QKᵀ as ONE chain of 36
     # dependent HMMA (its [16, 8] tile over k = 576); with 2 warps per scheduler nothing hides that latency. Split
     # logits (qk_split: 1190 -> 982 loop instructions, chains of ≤ 8) and the lazy rescale (the [16, 512] f32
-    # accumulator's 64 FMULs per thread skipped unless a max moves by > 8; 221 registers with both)
+    # accumulator's 64 FMULs per thread skipped unless a max moves by > 8; 221 registers with both). Timed
+    # 2026-12-01 at B = 32, H = 12, 8 splits: 38.7 / 39.0 / 39.8 µs (c8 / lz / c8_lz; 42.0 with 4 splits) vs 38.4 for
+    # sr16_bk32_s5_qi — no gain. ncu (SourceCounters): 1.9 active warps per scheduler, 0.53 eligible, 0.41 issued;
+    # stalls spread over fixed-latency waits (LDS, HMMA, F2FP: 22%), issue (22%), global (15%) and shared (15%)
+    # dependencies: with 2 programs per SM no single chain dominates; the kernel needs fewer instructions per row
+    # (≈ 137 warp-instructions per gathered row) AND more warps in flight, i.e. another structure (see RESULTS)
     "sr16_bk32_s5_qi_c8": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                                value_reload=True, merge="pallas", q_inside=True, qk_split=8),  # 255 / 0 / 90 KB
     "sr16_bk32_s5_qi_lz": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
