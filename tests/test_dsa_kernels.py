@@ -571,20 +571,26 @@ def test_gpu_indexer_q_prepared_in_the_kernel_equals_q_prepared_outside(backend,
     np.testing.assert_array_equal(ex[0], ex[1])
 
 
+def backend_mla_case(backend, kv_dtype, seed, h, pool_seed):
+    """`mla_case` for a test run on both backends: the small CPU geometry in interpret mode, K3 widths on the device
+    (latent 512 + rope 64, 256 slots over sequences of 8 shuffled 64-token pages) -> (parts, idx, q, kw, bt)."""
+    B = 3
+    if backend == "gpu":
+        nb, bt = _big_pool(np.random.default_rng(pool_seed), B, 8)
+        pos, k, page, r, rope = np.array([511, 300, 100], np.int32), 256, 64, 512, 64
+    else:
+        nb, bt, pos, k, page, r, rope = NB, BT, POS, 40, PAGE, R, ROPE
+    parts, idx, q, kw = mla_case(kv_dtype, seed=seed, B=B, k=k, bt=bt, pos=pos, nb=nb, page=page, r=r, rope=rope, h=h)
+    return parts, idx, q, kw, bt
+
+
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kv_dtype,h", [("fp8", 4), ("fp8", 20), ("bf16", 16)])
 def test_sparse_gpu_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, kv_dtype, h):
     """q_inside: the kernel scales q, takes each head's power of two from the exponent bits and zero-loads heads past
     H (4 < one block, 20 = a block and a partial one) — the same bits as `_prep_q` in XLA (interpret mode; on the
     device to fp32 rounding), within the storage bar of the reference; ignored where it does not apply."""
-    B = 3
-    if backend == "gpu":
-        rng = np.random.default_rng(40)
-        nb, bt = _big_pool(rng, B, 8)
-        pos, k, page, r, rope = np.array([511, 300, 100], np.int32), 256, 64, 512, 64
-    else:
-        nb, bt, pos, k, page, r, rope = NB, BT, POS, 40, PAGE, R, ROPE
-    parts, idx, q, kw = mla_case(kv_dtype, seed=41, B=B, k=k, bt=bt, pos=pos, nb=nb, page=page, r=r, rope=rope, h=h)
+    parts, idx, q, kw, bt = backend_mla_case(backend, kv_dtype, seed=41, h=h, pool_seed=40)
     # large q in interpret mode (a power of two of 512 per head). Not at K3 width on the device: there single-pass
     # bf16 logits of std ≈ 86 err by ≈ 0.1, which moves a near-argmax softmax by 12% (H200, both q paths alike)
     q = q * (100.0 if backend == "gpu_interpret" else 1.0)
@@ -612,14 +618,9 @@ def test_sparse_gpu_lazy_rescale_and_split_logits_keep_exact_mode_at_the_fp32_ba
     independent pieces over the latent columns). Exact mode stays within 1e-4 of the reference with logits spread
     wide enough that both lazy branches run: some block raises a head's max by more than the threshold, and some by
     less."""
-    B = 3
-    if backend == "gpu":
-        rng = np.random.default_rng(42)
-        nb, bt = _big_pool(rng, B, 8)
-        pos, k, page, r, rope = np.array([511, 300, 100], np.int32), 256, 64, 512, 64
-    else:
-        nb, bt, pos, k, page, r, rope = NB, BT, POS, 40, PAGE, R, ROPE
-    parts, idx, q, kw = mla_case("fp8", seed=43, B=B, k=k, bt=bt, pos=pos, nb=nb, page=page, r=r, rope=rope, h=H)
+    parts, idx, q, kw, bt = backend_mla_case(backend, "fp8", seed=43, h=H, pool_seed=42)
+    B, k = idx.shape
+    page, r, rope = parts[0].shape[1], kw["fmt"].latent, kw["fmt"].rope
     q = q * (10.0 if backend == "gpu_interpret" else 1.5)  # logits spread over tens of units
     idx[1, 3] = -1
     BK = 16
