@@ -639,6 +639,18 @@ def test_sparse_gpu_lazy_rescale_and_split_logits_keep_exact_mode_at_the_fp32_ba
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
 
 
+def test_sparse_gpu_qk_split_must_be_a_power_of_two_and_is_ignored_where_columns_split_otherwise():
+    parts, idx, q, kw = mla_case("fp8", seed=44)
+    for bad in (3, 0, 2.0):
+        with pytest.raises(ValueError, match="qk_split"):
+            sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(qk_split=bad), **kw)
+    # nvfp4 rows split their columns into [even | odd] planes already: the knob changes nothing there
+    parts, idx, q, kw = mla_case("nvfp4", seed=44)
+    a = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16), **kw)[0]
+    b = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, qk_split=4), **kw)[0]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_sparse_gpu_pallas_merge_empty_rows_and_pallas_equals_xla_merge():
     parts, idx, q, kw = mla_case("fp8", seed=23)
     idx[2] = -1  # no key at all: o = 0, lse = −inf through the merge kernel
