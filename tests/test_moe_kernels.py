@@ -3,6 +3,7 @@ interpreter) and TPU (Mosaic, run in TPU interpret mode) grouped matmuls against
 expert FFN against `reference.expert_ffn`, bit-for-bit determinism, lowering for real TPU / CUDA targets, and
 expert parallelism on 8 fake CPU devices (in a subprocess, so the device-count flag does not leak)."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -240,6 +241,34 @@ def test_gpu_kernel_variants_mxfp4(cfg):
     assert _rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n_w", [1, 2])
+def test_gpu_mixed_tile_heights_equal_the_reference(backend, n_w):
+    """bm_small: a tile with at most bm_small rows (a group's last tile, a small group) takes the short MMA path —
+    tails under, at and over bm_small, full tiles, an empty group and uncovered rows (zeros) give ragged_dot's
+    result, for one weight and for two (gate, up) through the fused activation."""
+    bm, bm_small = (32, 16) if backend == "interpret" else (128, 64)
+    u = bm_small // 16
+    sizes = [bm + u, 0, bm_small, bm_small + 1, 2 * bm + 6 * u, 5, bm, 3 * u]
+    E, K, N = len(sizes), 256, 128
+    M = sum(sizes) + 7
+    x = jax.random.normal(jax.random.key(13), (M, K), jnp.bfloat16)
+    ws = [(jax.random.normal(jax.random.key(14 + i), (E, K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+          for i in range(n_w)]
+    gs = jnp.asarray(sizes, jnp.int32)
+    act = (lambda a, b: a * jax.nn.sigmoid(a) * b) if n_w == 2 else None
+    outs = [reference.grouped_matmul(x, w, gs) for w in ws]
+    want = act(*outs) if n_w == 2 else outs[0]
+    cfg = gpu.GpuConfig(bm=bm, bn=64, bk=64, num_warps=4, num_stages=2, bm_small=bm_small)
+    got = jax.jit(lambda a, g, *w: gpu.grouped_matmul(a, tuple(w), g, activation=act, config=cfg,
+                                                      interpret=backend == "interpret"))(x, gs, *ws)
+    assert _rel(got, want) < 1e-5
+    assert not np.asarray(got[sum(sizes):]).any()
+    with pytest.raises(ValueError, match="bm_small"):
+        gpu.grouped_matmul(x, tuple(ws), gs, activation=act, config=dataclasses.replace(cfg, bm_small=bm),
+                           interpret=True)
+
+
 def _ffn_case(kind, seed=6):
     N, D, F, E, k = (48, 256, 128, 8, 2) if kind == "bf16" else (24, 128, 64, 4, 2)
     rng = np.random.default_rng(seed)
@@ -389,8 +418,6 @@ def test_mxfp4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
     what is held, and the logits equal those of the model loaded with the experts dequantised at load time — on
     the reference backend (dequantise per call inside the jitted forward) and through the GPU kernel (interpreted).
     Loading the Hugging Face directory directly keeps them packed as well."""
-    import dataclasses
-
     from convert import convert
     from convert.synthetic import write_k3_checkpoint
     from kimi_jax import checkpoint

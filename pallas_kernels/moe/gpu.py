@@ -62,6 +62,11 @@ class GpuConfig:
     # "bf16" (the same numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales
     # broadcast [bn, bk/32, 16])
     dequant: str = "asm_sign"
+    # > 0: a tile holding at most bm_small rows (a group's last tile, or a small group) runs a bm_small-row MMA
+    # instead of bm rows (a second code path in the same program, picked per tile at run time). At K3 prefill's
+    # ~146 rows per expert, 128-row tiles compute 1.46x the rows and 128 + 64 mixed tiles 1.23x (bench/moe.py);
+    # one launch, so a group's tiles still follow each other and share its weights through L2.
+    bm_small: int = 0
 
 
 # The decode used by `default_config` for MXFP4 weights: "asm_sign" since session 8 (2026-12-01; H200 at 8 rows per
@@ -154,25 +159,22 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
     t = pid // n_blocks
     n0 = pl.multiple_of((pid % n_blocks) * bn, bn)
 
-    @pl.when(t < num_ref[0])
-    def _tile():
-        g = group_ref[t]
-        r0 = row0_ref[t]
-        r1 = rowend_ref[t]
-        ws = jnp.minimum(r0, M - bm)
-        rows = ws + jnp.arange(bm, dtype=jnp.int32)
+    def tile(BM, g, r0, r1):
+        """The tile's rows [r0, r1) through a BM-row window (the MMA's M side)."""
+        ws = jnp.minimum(r0, M - BM)
+        rows = ws + jnp.arange(BM, dtype=jnp.int32)
         rmask = (rows >= r0) & (rows < r1)
-        out_mask = jnp.broadcast_to(rmask[:, None], (bm, bn))
-        o_blk = o_ref.at[pl.ds(ws, bm), pl.ds(n0, bn)]
-        acc_shape = (bn, bm) if cfg.swap_ab else (bm, bn)
+        out_mask = jnp.broadcast_to(rmask[:, None], (BM, bn))
+        o_blk = o_ref.at[pl.ds(ws, BM), pl.ds(n0, bn)]
+        acc_shape = (bn, BM) if cfg.swap_ab else (BM, bn)
 
         def step(kk, accs):
             new = []
             if quantized:
                 kh = bk // 2
                 k0 = pl.multiple_of(kk * kh, kh)
-                xe = x_refs[0][pl.ds(ws, bm), pl.ds(k0, kh)]
-                xo = x_refs[1][pl.ds(ws, bm), pl.ds(k0, kh)]
+                xe = x_refs[0][pl.ds(ws, BM), pl.ds(k0, kh)]
+                xo = x_refs[1][pl.ds(ws, BM), pl.ds(k0, kh)]
                 for i in range(n_w):
                     wl, wh = _decode_tile(w_refs[2 * i], w_refs[2 * i + 1], g, n0, kk, cfg, xe.dtype, interpret)
                     if cfg.swap_ab:
@@ -181,7 +183,7 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
                         new.append(accs[i] + _dot_nt(xe, wl) + _dot_nt(xo, wh))
             else:
                 k0 = pl.multiple_of(kk * bk, bk)
-                xb = x_refs[0][pl.ds(ws, bm), pl.ds(k0, bk)]
+                xb = x_refs[0][pl.ds(ws, BM), pl.ds(k0, bk)]
                 for i in range(n_w):
                     wb = w_refs[i][g, pl.ds(k0, bk), pl.ds(n0, bn)]
                     new.append(accs[i] + (_dot_tt(wb, xb) if cfg.swap_ab else _dot_nn(xb, wb)))
@@ -199,7 +201,25 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
         if fill_uncovered:
             @pl.when(g >= E)
             def _zeros():
-                pltriton.store(o_blk, jnp.zeros((bm, bn), o_ref.dtype), mask=out_mask)
+                pltriton.store(o_blk, jnp.zeros((BM, bn), o_ref.dtype), mask=out_mask)
+
+    @pl.when(t < num_ref[0])
+    def _tile():
+        g = group_ref[t]
+        r0 = row0_ref[t]
+        r1 = rowend_ref[t]
+        if not cfg.bm_small:
+            tile(bm, g, r0, r1)
+            return
+        small = r1 - r0 <= cfg.bm_small  # the tile's rows: min(r1 − r0, bm)
+
+        @pl.when(small)
+        def _small():
+            tile(cfg.bm_small, g, r0, r1)
+
+        @pl.when(jnp.logical_not(small))
+        def _full():
+            tile(bm, g, r0, r1)
 
 
 def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.float32,
@@ -225,6 +245,8 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
     if K % bk or N % bn:
         raise ValueError(f"K={K} and N={N} must be multiples of 16 (K of 32 for MXFP4) for the GPU kernel")
     cfg = dataclasses.replace(cfg, bk=bk, bn=bn)
+    if cfg.bm_small and not (16 <= cfg.bm_small < cfg.bm and cfg.bm_small & (cfg.bm_small - 1) == 0):
+        raise ValueError(f"bm_small={cfg.bm_small} must be a power of two in [16, bm={cfg.bm})")
     pad_rows = max(cfg.bm - M, 0)  # tiny inputs: the row window must fit inside x
     if pad_rows:
         x = jnp.pad(x, ((0, pad_rows), (0, 0)))
