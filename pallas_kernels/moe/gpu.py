@@ -65,7 +65,8 @@ class GpuConfig:
     # > 0: a tile holding at most bm_small rows (a group's last tile, or a small group) runs a bm_small-row MMA
     # instead of bm rows (a second code path in the same program, picked per tile at run time). At K3 prefill's
     # ~146 rows per expert, 128-row tiles compute 1.46x the rows and 128 + 64 mixed tiles 1.23x (bench/moe.py);
-    # one launch, so a group's tiles still follow each other and share its weights through L2.
+    # one launch, so a group's tiles still follow each other and share its weights through L2. H200, session 8:
+    # 0.880 vs 0.915 ms (4%, not the 16% fewer rows: the 64-row wgmma path runs at a lower rate per row).
     bm_small: int = 0
 
 
@@ -85,7 +86,8 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
     """Block shapes by problem kind, from the H200 sweeps in bench/RESULTS.md (2026-11-30).
 
     bf16, ~146 rows per expert (K3 prefill): 128x256x64 tiles, 8 warps, 3 stages (389 TFLOP/s; 64-row tiles, 128x128
-    and deeper pipelines were slower). Two weights (gate+up) hold two accumulators and two weight pipelines, so they
+    and deeper pipelines were slower), a group's last tile on a 64-row MMA when it holds ≤ 64 rows (`bm_small`:
+    410 vs 395 TFLOP/s, 2026-12-01). Two weights (gate+up) hold two accumulators and two weight pipelines, so they
     get 128x128 tiles (the two-weight kernel measured 0.92x the two single matmuls; see `ops.FUSE_GATE_UP`).
     MXFP4: the tile decode, not the MMA or HBM, was the limit, so one row tile covers a whole decode-sized group
     (bm >= rows per expert, up to 64) and each weight tile is decoded once; 64x256 weight tiles, 4 warps (with the
@@ -104,7 +106,8 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
         return GpuConfig(bm=_pow2_at_least(avg, 16, 32), bn=64, bk=128, num_warps=4, num_stages=4, swap_ab=True)
     if n_w == 2:
         return GpuConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
-    return GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3)
+    # a group's last tile of ≤ 64 rows on the 64-row path: 0.880 vs 0.915 ms at K3 prefill (H200, session 8)
+    return GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, bm_small=64)
 
 
 def _pow2_divisor(dim: int, pref: int, floor: int) -> int:
