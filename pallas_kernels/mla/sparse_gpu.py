@@ -127,8 +127,8 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     (the loop's largest float block after the conversions) and accumulate straight into the mma's C operand;
     qk_split (fp8 / bf16 rows) — the latent columns are taken in qk_split pieces (q, rows, accumulators), and the
     logits dot's pieces summed as a balanced tree: with one piece each warp's QKᵀ is ONE chain of c/16 dependent
-    mma.sync (36 at K3's 576, SASS), which two warps per scheduler cannot hide; the tree leaves ≈ qk_split/2 + 1
-    independent chains of (c/16)/qk_split·2."""
+    mma.sync (36 at K3's 576, SASS); the tree leaves ≈ qk_split/2 + 1 independent chains of (c/16)/qk_split·2
+    (on the H200 neither knob made the K3 op faster: see `WIDE`)."""
     *pool_refs, o_ref, lse_ref = refs
     if value_reload:  # the pool passed a second time: a second load that CSE cannot merge with the first
         n_parts = len(pool_refs) // 2
@@ -182,7 +182,8 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         return (e2m1_value(code) * s_b).astype(cdt)
 
     def rows_of(slot, pool_refs=pool_refs):
-        """Dequantised pieces of the gathered rows in cdt: (value planes [BK, R or R/2]..., rope [BK, rope])."""
+        """Dequantised pieces of the gathered rows in cdt: (value pieces [BK, R/qk_split] (nvfp4: the even and odd
+        planes [BK, R/2])..., rope [BK, rope])."""
         if not nv:
             (pool,) = pool_refs
             lat = [pool[slot, pl.ds(c0, cw)].astype(cdt) for (c0, cw) in cols]
@@ -427,7 +428,7 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     "sr16_bk32_s5_qi": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                             value_reload=True, merge="pallas", q_inside=True),  # 255 / 0 / 90 KB
     # session 8: the loop body's SASS (bench/triton_regs.py --sass: `loop`) has each warp's QKᵀ as ONE chain of 36
-    # dependent HMMA (its [16, 8] tile over k = 576); with 2 warps per scheduler nothing hides that latency. Split
+    # dependent HMMA (its [16, 8] tile over k = 576), a latency two warps per scheduler might not hide. Split
     # logits (qk_split: 1190 -> 982 loop instructions, chains of ≤ 8) and the lazy rescale (the [16, 512] f32
     # accumulator's 64 FMULs per thread skipped unless a max moves by > 8; 221 registers with both). Timed
     # 2026-12-01 at B = 32, H = 12, 8 splits: 38.7 / 39.0 / 39.8 µs (c8 / lz / c8_lz; 42.0 with 4 splits) vs 38.4 for
