@@ -280,9 +280,9 @@ FAST = {
     "sp128_qk_s8_pf_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=8, orient="qk", prefetch=True,
                               target_programs=2 * 132),
     # session 7: ncu at 32K × 32 — kernel 49.8 µs plus three XLA fusions preparing q (2.6-3.1 µs each) of a 58 µs
-    # call. q prepared in the kernel (as sparse MLA's q_inside, which took that op from 42.5 to 38.6 µs). Untimed:
-    # compiled for sm_90 on CPU (128 registers, 42 KB), bit-equal to the outside path in interpret mode. Timed
-    # 2026-12-01 (session 8): 191.1 vs 193.1 µs at 128K × 32 (0.702 of copy), 54.4 µs at 32K
+    # call. q prepared in the kernel (as sparse MLA's q_inside, which took that op from 42.5 to 38.6 µs): 128
+    # registers, 42 KB for sm_90, bit-equal to the outside path in interpret mode. Timed 2026-12-01 (session 8):
+    # 191.1 vs 193.1 µs at 128K × 32 (0.702 of copy), 54.4 µs at 32K
     "sp128_qk_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
                               q_inside=True),
     # one wave of 4 programs per SM at 32K × 32 (512 programs of 2048 keys instead of 1024 of 1024): there the fixed
