@@ -639,6 +639,45 @@ def test_sparse_gpu_lazy_rescale_and_split_logits_keep_exact_mode_at_the_fp32_ba
     assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
 
 
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("exact,once", [(True, True), (False, True), (False, "value")])
+def test_sparse_gpu_convert_once_changes_no_bits_of_the_rows(backend, exact, once):
+    """convert_once stages each fp8 row as f16 once for both dots (`triton_asm.fp8_e4m3_to_f16`, the hardware
+    e4m3 -> f16 conversion, exact). The result is the kernel's without it: the same bits in interpret mode, fp32
+    rounding apart on the device (other instruction order), and within the fp32 bar (exact) or the storage bar of
+    the reference, with an empty slot and 2 splits."""
+    parts, idx, q, kw, bt = backend_mla_case(backend, "fp8", seed=45, h=H, pool_seed=44)
+    idx[1, 3] = -1
+    base = dict(block_k=16, splits=2, merge="pallas", slots_outside=True, value_reload=True, exact=exact,
+                q_inside=not exact)
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o1, l1 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=base, **kw)
+    o2, l2 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, convert_once=once), **kw)
+    if backend == "gpu_interpret":
+        np.testing.assert_array_equal(np.asarray(o2), np.asarray(o1))
+        np.testing.assert_array_equal(np.asarray(l2), np.asarray(l1))
+    else:
+        assert rel_rms(o2, o1) <= 1e-6 and rel_rms(l2, l1) <= 1e-6
+    bar = 1e-4 if exact else STORAGE_BAR
+    assert rel_rms(o2, o_r) <= bar and rel_rms(l2, lse_r) <= bar
+    with pytest.raises(ValueError, match="convert_once"):
+        sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, convert_once="keys"), **kw)
+
+
+def test_fp8_to_f16_primitive_is_the_exact_conversion_outside_triton():
+    """Every e4m3 byte (NaN included) converts to the f16 that XLA gives, eagerly and under jit (interpret mode
+    and plain XLA run the primitive's jnp twin; the PTX runs in the GPU tests above)."""
+    from pallas_kernels.triton_asm import fp8_e4m3_to_f16
+    codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+    want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16))
+    for got in (fp8_e4m3_to_f16(codes), jax.jit(fp8_e4m3_to_f16)(codes),
+                fp8_e4m3_to_f16(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn))):
+        assert got.dtype == jnp.float16 and got.shape == (16, 16)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+    with pytest.raises(ValueError, match="uint8"):
+        fp8_e4m3_to_f16(codes.astype(jnp.int32))
+
+
 def test_sparse_gpu_qk_split_must_be_a_power_of_two_and_is_ignored_where_columns_split_otherwise():
     parts, idx, q, kw = mla_case("fp8", seed=44)
     for bad in (3, 0, 2.0):

@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
 from ..paged import pool_offsets_safe
+from ..triton_asm import fp8_e4m3_to_f16
 from .reference import merge_partials
 
 SUPPORTED = ("bf16", "fp8", "nvfp4")
@@ -100,7 +101,7 @@ def _dot_nn(a, b):
 def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: int, BH: int, BK: int, n_blk: int,
             page: int, max_blocks: int, nblocks: int, exact: bool, cdt, BV=None, q_reload: bool = False,
             orient: str = "qk", slots_outside: bool = False, value_reload: bool = False, H=None,
-            lazy: bool = False, qk_split: int = 1):
+            lazy: bool = False, qk_split: int = 1, convert_once=False):
     """One (sequence, head block, split). q_ref `[B, HB, P, BH, c]` in the dot dtype cdt (P = 2 planes hi | lo, or
     1; each head divided by the power of two in qs_ref `[B, Hp]` f32, multiplied back onto its logits);
     pool refs flattened to `[num_blocks·page, w]`; outputs o `[NS, B, Hp, R]` f32 (nvfp4: [even | odd] halves),
@@ -128,9 +129,15 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     qk_split (fp8 / bf16 rows) — the latent columns are taken in qk_split pieces (q, rows, accumulators), and the
     logits dot's pieces summed as a balanced tree: with one piece each warp's QKᵀ is ONE chain of c/16 dependent
     mma.sync (36 at K3's 576, SASS); the tree leaves ≈ qk_split/2 + 1 independent chains of (c/16)/qk_split·2
-    (on the H200 neither knob made the K3 op faster: see `WIDE`)."""
+    (on the H200 neither knob made the K3 op faster: see `WIDE`); convert_once (fp8 rows, f16 dots) — the rows
+    are converted by `triton_asm.fp8_e4m3_to_f16`, an op Triton may not duplicate: each gathered block is converted
+    once, staged in shared memory as f16 and read by both dots with ldmatrix, instead of being converted once per
+    dot from byte-wise reads of the fp8 buffer (the PV operand's column reads: LDS of 1-2 bytes each). One load
+    feeds both dots (value_reload is ignored) and Triton still pipelines it (cp.async): 690 instead of 1,191 loop
+    instructions per 32 rows and 185 instead of 255 registers at K3 (bench/triton_regs.py --sass); "value" stages
+    only the PV dot's rows (their own load, as value_reload), where the byte-wise column reads were."""
     *pool_refs, o_ref, lse_ref = refs
-    if value_reload:  # the pool passed a second time: a second load that CSE cannot merge with the first
+    if value_reload and convert_once is not True:  # the pool passed a second time: a second load that CSE cannot merge with the first
         n_parts = len(pool_refs) // 2
         pool_refs, value_refs = pool_refs[:n_parts], pool_refs[n_parts:]
     b = pl.program_id(0)
@@ -181,13 +188,14 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         code = jnp.where(plane == 0, packed & 0xF, packed >> 4)
         return (e2m1_value(code) * s_b).astype(cdt)
 
-    def rows_of(slot, pool_refs=pool_refs):
+    def rows_of(slot, pool_refs=pool_refs, once=convert_once):
         """Dequantised pieces of the gathered rows in cdt: (value pieces [BK, R/qk_split] (nvfp4: the even and odd
         planes [BK, R/2])..., rope [BK, rope])."""
         if not nv:
             (pool,) = pool_refs
-            lat = [pool[slot, pl.ds(c0, cw)].astype(cdt) for (c0, cw) in cols]
-            rp = pool[slot, pl.ds(R, rope)].astype(cdt)
+            cvt = fp8_e4m3_to_f16 if once else (lambda x: x.astype(cdt))
+            lat = [cvt(pool[slot, pl.ds(c0, cw)]) for (c0, cw) in cols]
+            rp = cvt(pool[slot, pl.ds(R, rope)])
             return lat, rp
         packed_ref, scale_ref, rope_ref = pool_refs
         packed = packed_ref[slot, :].astype(jnp.int32)  # [BK, R/2]
@@ -211,7 +219,7 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
             blk = bt_ref[b, jnp.minimum(pos // page, max_blocks - 1)]  # [BK] page ids (gather from the table row)
             blk = jnp.minimum(jnp.maximum(blk, 0), nblocks - 1)
             slot = blk * page + pos % page
-        vals, rp = rows_of(slot)
+        vals, rp = rows_of(slot, once=convert_once is True)
         q_lat_, q_rope_ = load_q() if q_reload else (q_lat, q_rope)
         s = None
         for p in range(len(planes)):  # hi and lo planes: separate dots, one fp32 sum (no reshape)
@@ -231,7 +239,9 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         l = l * corr + jnp.sum(pexp, axis=1, keepdims=True)
         p_hi, p_lo = _split(pexp, exact, cdt)
         new = []
-        pv_vals = [vblock_of(slot)] if vsplit else (rows_of(slot, value_refs)[0] if value_reload else vals)
+        pv_vals = ([vblock_of(slot)] if vsplit else
+                   (rows_of(slot, value_refs, once=bool(convert_once))[0] if value_reload and convert_once is not True
+                    else vals))
         if lazy:  # corr = 1 on the skipped steps (m_use = m), so the accumulators are left as they are
             accs = jax.lax.cond(need, lambda a: [x * corr for x in a], lambda a: list(a), accs)
         for acc, v in zip(accs, pv_vals):
@@ -443,6 +453,29 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     "sr16_bk32_s5_qi_c8_lz": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5,
                                   slots_outside=True, value_reload=True, merge="pallas", q_inside=True, qk_split=8,
                                   lazy=True),  # 221 / 0 / 90 KB
+    # session 9: the conversion staged once (`convert_once`): one load per block feeding both dots, converted by a
+    # non-pure asm op and read by ldmatrix. Loop instructions per gathered row (all warps, bench/triton_regs.py
+    # --sass): 86 (bk32, 4 warps) / 131 (bk32, 8 warps) / 82 (bk64, 8 warps) vs 149 for sr16_bk32_s5_qi
+    "sr16_bk32_s5_qi_co": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                               merge="pallas", q_inside=True, convert_once=True),  # 185 / 0 / 93 KB
+    "sr16_bk32_s4_qi_co": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=4, slots_outside=True,
+                               merge="pallas", q_inside=True, convert_once=True),  # 184 / 0 / 74 KB, 1 buffer
+    "sr16_bk32_w8_s5_qi_co": dict(block_h=16, block_k=32, exact=False, num_warps=8, num_stages=5,
+                                  slots_outside=True, merge="pallas", q_inside=True,
+                                  convert_once=True),  # 128 / 0 / 93 KB: 16 warps per SM
+    "sr16_bk64_w8_s5_qi_co": dict(block_h=16, block_k=64, exact=False, num_warps=8, num_stages=5,
+                                  slots_outside=True, merge="pallas", q_inside=True,
+                                  convert_once=True),  # 136 / 0 / 167 KB
+    "sr16_bk16_s6_qi_co": dict(block_h=16, block_k=16, exact=False, num_warps=4, num_stages=6, slots_outside=True,
+                               merge="pallas", q_inside=True, convert_once=True),  # 178 / 0 / 56 KB
+    # only the PV dot's rows staged (convert_once="value"; the logits dot keeps its own load and conversion): 907
+    # loop instructions (s4) / 926 (s5) vs 1,191
+    "sr16_bk32_s4_qi_cv": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=4, slots_outside=True,
+                               value_reload=True, merge="pallas", q_inside=True,
+                               convert_once="value"),  # 184 / 0 / 87 KB
+    "sr16_bk32_s5_qi_cv": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
+                               value_reload=True, merge="pallas", q_inside=True,
+                               convert_once="value"),  # 187 / 0 / 123 KB: 1 program per SM
 }
 
 
@@ -480,12 +513,13 @@ def supports_pool(kv_parts) -> bool:
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
                                              "interpret", "num_warps", "num_stages", "dot_dtype", "block_v",
                                              "q_reload", "orient", "merge", "target_programs", "slots_outside",
-                                             "value_reload", "q_inside", "lazy", "qk_split"))
+                                             "value_reload", "q_inside", "lazy", "qk_split", "convert_once"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
            num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, q_reload: bool = False,
            orient: str = "qk", merge: str = "xla", target_programs: int = 264, slots_outside: bool = False,
-           value_reload: bool = False, q_inside: bool = False, lazy: bool = False, qk_split: int = 1):
+           value_reload: bool = False, q_inside: bool = False, lazy: bool = False, qk_split: int = 1,
+           convert_once=False):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
     -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32).
@@ -499,7 +533,9 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     instead of by `_prep_q`, same bits; applies with exact=False, fp8 / bf16 rows and no q_reload, is ignored
     otherwise), lazy (the accumulator rescaled only when the running max moves by > `LAZY_RESCALE`; see `_kernel`),
     qk_split (latent column pieces, fp8 / bf16 rows without block_v, at most R/16, ignored otherwise: independent
-    logits-dot chains; see `_kernel`),
+    logits-dot chains; see `_kernel`), convert_once (fp8 rows with f16 dots, ignored otherwise: True — each
+    gathered row converted once and staged for both dots, the pool passed once whatever value_reload says; "value"
+    — only the PV dot's rows, from their own load (value_reload implied)),
     Triton num_warps / num_stages,
     dot_dtype. `WIDE` lists the all-heads single-pass presets the bench sweeps."""
     if not supports(fmt):
@@ -542,6 +578,14 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         max_blocks = 1
     ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
     cdt = _dot_dtype(fmt, dot_dtype)
+    # a performance knob: only fp8 rows into f16 dots have the conversion it stages
+    if convert_once not in (False, True, "value"):
+        raise ValueError(f"convert_once must be False, True or 'value', got {convert_once!r}")
+    convert_once = convert_once if fmt.kv_dtype == "fp8" and cdt == jnp.float16 and BV is None else False
+    if convert_once == "value":  # only the PV dot's rows staged: they come from their own load
+        value_reload = True
+    elif convert_once:
+        value_reload = False
     # where it does not apply (hi/lo planes, nvfp4's column permutation, q re-read per step) q is prepared outside
     q_inside = q_inside and not (exact or fmt.kv_dtype == "nvfp4" or q_reload)
     if q_inside:
@@ -557,7 +601,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
                                **(dict(slots_outside=True) if slots_outside else {}),
                                **(dict(value_reload=True) if value_reload else {}),
                                **(dict(H=H) if q_inside else {}), **(dict(lazy=True) if lazy else {}),
-                               **(dict(qk_split=qk_split) if qk_split > 1 else {}))
+                               **(dict(qk_split=qk_split) if qk_split > 1 else {}),
+                               **(dict(convert_once=convert_once) if convert_once else {}))
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, HB, NS) + ((NVB,) if BV else ()),

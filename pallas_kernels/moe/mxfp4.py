@@ -243,35 +243,20 @@ def decode_lo_hi_bf16_asm(p_u8, h_bf16, form: str = "asm"):
     return _decode_asm_p(form).bind(p_u8, h_bf16)
 
 
+def _check_decode_args(p, h):
+    if p.shape != h.shape or p.dtype != jnp.uint8 or h.dtype != jnp.bfloat16:
+        raise ValueError(f"decode_lo_hi_bf16_asm takes uint8 codes and bfloat16 scales of one shape, got "
+                         f"{p.dtype}{list(p.shape)} and {h.dtype}{list(h.shape)}")
+
+
 @functools.lru_cache(maxsize=None)
 def _decode_asm_p(form: str = "asm"):
-    """A two-result inline-asm primitive for the Pallas Triton lowering. Why not `pallas.triton.
-    elementwise_inline_asm`: its lowering (jax 0.10) wraps a multi-result op's result list as one value, so two
-    results fail to lower; this rule returns them as a list. Uses JAX's Triton lowering registry (private API)."""
-    from jax._src import core as jax_core
-    from jax._src.lib.triton import dialect as tt_dialect
-    from jax._src.pallas.triton import lowering as tt_lowering
-    from jax.interpreters import mlir
+    """A two-result inline-asm primitive (`pallas_kernels.triton_asm`): the PTX in the Pallas Triton lowering,
+    `decode_lo_hi_bf16_ref` (same bits) everywhere else."""
+    from ..triton_asm import inline_asm_primitive
 
-    ptx = PTX_DECODES[form]
-    prim = jax_core.Primitive(f"moe_mxfp4_decode_{form}")
-    prim.multiple_results = True
-
-    @prim.def_abstract_eval
-    def _abstract(p, h):
-        if p.shape != h.shape or p.dtype != jnp.uint8 or h.dtype != jnp.bfloat16:
-            raise ValueError(f"decode_lo_hi_bf16_asm takes uint8 codes and bfloat16 scales of one shape, got "
-                             f"{p.dtype}{list(p.shape)} and {h.dtype}{list(h.shape)}")
-        return [jax_core.ShapedArray(p.shape, jnp.bfloat16)] * 2
-
-    @tt_lowering.register_lowering(prim)
-    def _lower(ctx, p, h):
-        types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, a) for a in ctx.avals_out]
-        res = tt_dialect.elementwise_inline_asm(types, ptx, constraints="=r,=r,=r,=r,r,r,r", pure=True,
-                                                packed_element=4, args=[p, h])
-        return list(res)
-
-    return prim
+    return inline_asm_primitive(f"moe_mxfp4_decode_{form}", PTX_DECODES[form], "=r,=r,=r,=r,r,r,r", 4,
+                                [jnp.bfloat16, jnp.bfloat16], decode_lo_hi_bf16_ref, check=_check_decode_args)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

@@ -1,0 +1,84 @@
+"""Elementwise inline-PTX primitives for the Pallas Triton lowering, each with a jnp twin for everything else.
+
+`inline_asm_primitive` builds a JAX primitive that the Pallas Triton lowering turns into one
+`tt.elementwise_inline_asm` op, and that every other lowering (interpret mode on CPU, plain XLA) computes with a
+jnp function giving the same bits. So a kernel body calls it unconditionally and interpret-mode tests check the
+same program the GPU runs, up to the PTX itself (the device tests check that).
+
+Why not `pallas.triton.elementwise_inline_asm`: its lowering (jax 0.10) wraps a multi-result op's results as one
+value, and it always declares the asm pure. `pure=False` matters: Triton may rematerialise a pure elementwise op
+once per consumer layout (for two dots: once per dot operand, each reading its input from shared memory in that
+operand's layout), but never an op with side effects — so a non-pure conversion runs once per element and its
+result reaches the dots through one shared-memory staging (see `fp8_e4m3_to_f16`). Uses JAX's Triton lowering
+registry and primitive internals (private API; present in jax 0.10.x and 0.11.x).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def inline_asm_primitive(name: str, ptx: str, constraints: str, packed_element: int, out_dtypes: Sequence,
+                         reference: Callable, pure: bool = True, check: Callable | None = None):
+    """A primitive `p` with `p.bind(*args) -> list of len(out_dtypes) arrays` (args' common shape): the Triton
+    lowering runs `ptx` (`constraints` in Triton's inline-asm form, `packed_element` elements per register);
+    elsewhere `reference(*args)` (a list of arrays, same bits) runs. `check(*avals)` may raise on bad inputs."""
+    from jax._src import core as jax_core
+    from jax._src import dispatch
+    from jax._src.lib.triton import dialect as tt_dialect
+    from jax._src.pallas.triton import lowering as tt_lowering
+    from jax.interpreters import mlir
+
+    prim = jax_core.Primitive(name)
+    prim.multiple_results = True
+
+    @prim.def_abstract_eval
+    def _abstract(*avals):
+        if check is not None:
+            check(*avals)
+        return [jax_core.ShapedArray(avals[0].shape, d) for d in out_dtypes]
+
+    @tt_lowering.register_lowering(prim)
+    def _lower_triton(ctx, *args):
+        types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, a) for a in ctx.avals_out]
+        res = tt_dialect.elementwise_inline_asm(types, ptx, constraints=constraints, pure=pure,
+                                                packed_element=packed_element, args=list(args))
+        return [res] if len(types) == 1 else list(res)
+
+    mlir.register_lowering(prim, mlir.lower_fun(lambda *a: list(reference(*a)), multiple_results=True))
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    return prim
+
+
+# Four e4m3 bytes (one 32-bit register) -> four f16 (two registers): the hardware conversion, two per instruction.
+_CVT_E4M3X4_F16 = """{
+.reg .b16 e4lo, e4hi;
+mov.b32 {e4lo, e4hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, e4lo;
+cvt.rn.f16x2.e4m3x2 $1, e4hi;
+}"""
+
+
+def _check_fp8(x):
+    if x.dtype != jnp.uint8:
+        raise ValueError(f"fp8_e4m3_to_f16 takes float8_e4m3fn values or their uint8 bits, got {x.dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_to_f16_p():
+    ref = lambda x: [jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn).astype(jnp.float16)]  # noqa: E731
+    return inline_asm_primitive("fp8_e4m3_to_f16_once", _CVT_E4M3X4_F16, "=r,=r,r", 4, [jnp.float16], ref,
+                                pure=False, check=_check_fp8)
+
+
+def fp8_e4m3_to_f16(x):
+    """e4m3 values (float8_e4m3fn or their uint8 bits) `[...]` -> float16 `[...]` (exact: every e4m3 value is an
+    f16), converted ONCE per element inside a Triton kernel however many dots read the result (a non-pure asm op:
+    Triton cannot duplicate it into each dot's operand layout; see the module docstring)."""
+    if x.dtype == jnp.float8_e4m3fn:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return _fp8_to_f16_p().bind(x)[0]
