@@ -60,6 +60,9 @@ ap.add_argument("--heads", default=None, help="comma-separated sparse-MLA head c
 ap.add_argument("--no-tune", action="store_true", help="skip the small block-size sweep (GPU)")
 ap.add_argument("--only", default=None, help="comma-separated sweep setting names: time only these (and 'default')")
 ap.add_argument("--ix-kw", default=None, help='JSON kernel_kw for the indexer kernel, e.g. {"block_n": 256}')
+ap.add_argument("--ix-storage", action="store_true",
+                help="indexer rows run what precision='storage' runs at each context (indexer.gpu.storage_preset), "
+                     "not the sweep's choice")
 ap.add_argument("--mla-kw", default=None, help='JSON kernel_kw for the sparse MLA kernel, e.g. {"block_k": 64}')
 ap.add_argument("--budget", type=float, default=None,
                 help="seconds for the whole bench (sections past it are skipped; default 175, --smoke 420)")
@@ -299,12 +302,16 @@ def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
         INFO[f"indexer_{index_dtype}_ctx{ctx}_B{B}_peer_error"] = _err(e)
         if _fatal(e):
             raise
-    ix_name = g.get("ix_name", "cli" if ARGS.ix_kw else "default")
+    ix_name, ix_kw = g.get("ix_name", "cli" if ARGS.ix_kw else "default"), g["ix_kw"]
+    if ARGS.ix_storage and index_dtype == "fp8":
+        ix_name = igpu.storage_preset(ctx)
+        ix_kw = igpu.FAST[ix_name]
+        ix_name = f"storage: {ix_name}"
     shape += f" [variant {ix_name}]"
-    kw = dict(fmt=fmt, backend=g["backend"], **g["ix_kw"])
+    kw = dict(fmt=fmt, backend=g["backend"], **ix_kw)
     scores = jax.jit(lambda q, w, parts, bt, pos: ipaged.kernel_scores(q, w, parts, bt, pos, **kw))
     ours = jax.jit(lambda q, w, parts, bt, sl: ipaged.decode(q, w, parts, bt, sl, g["topk"], fmt=fmt,
-                                                                 backend=g["backend"], kernel_kw=g["ix_kw"]))
+                                                                 backend=g["backend"], kernel_kw=ix_kw))
     try:
         # correctness: sequence 0 against a float32 HIGHEST-precision score of the dequantised keys
         s = scores(q, w, parts, bt, pos)

@@ -642,7 +642,7 @@ def test_sparse_gpu_lazy_rescale_and_split_logits_keep_exact_mode_at_the_fp32_ba
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("exact,once", [(True, True), (False, True), (False, "value")])
 def test_sparse_gpu_convert_once_changes_no_bits_of_the_rows(backend, exact, once):
-    """convert_once stages each fp8 row as f16 once for both dots (`triton_asm.fp8_e4m3_to_f16`, the hardware
+    """convert_once stages each fp8 row as f16 once for both dots (`triton_prims.fp8_e4m3_to_f16`, the hardware
     e4m3 -> f16 conversion, exact). The result is the kernel's without it: the same bits in interpret mode, fp32
     rounding apart on the device (other instruction order), and within the fp32 bar (exact) or the storage bar of
     the reference, with an empty slot and 2 splits."""
@@ -667,7 +667,7 @@ def test_sparse_gpu_convert_once_changes_no_bits_of_the_rows(backend, exact, onc
 def test_fp8_to_f16_primitive_is_the_exact_conversion_outside_triton():
     """Every e4m3 byte (NaN included) converts to the f16 that XLA gives, eagerly and under jit (interpret mode
     and plain XLA run the primitive's jnp twin; the PTX runs in the GPU tests above)."""
-    from pallas_kernels.triton_asm import fp8_e4m3_to_f16
+    from pallas_kernels.triton_prims import fp8_e4m3_to_f16
     codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
     want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16))
     for got in (fp8_e4m3_to_f16(codes), jax.jit(fp8_e4m3_to_f16)(codes),
@@ -747,6 +747,56 @@ def test_indexer_single_pass_presets_select_the_reference_set_on_untied_scores(i
         assert n_exact >= 1  # the random case has untied cuts: the rule is exercised, not vacuous
 
 
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("hi", [32, 20])
+def test_indexer_fp8_dots_meet_the_storage_bar_and_select_the_reference_set(backend, hi):
+    """dot_dtype="fp8": the stored e4m3 codes meet q as two e4m3 planes (hi + lo of q·256/s_h) in fp8 tensor-core
+    dots with fast accumulation. Scores within the storage bar of the float64 reference, and the selected set equals
+    the reference's wherever the cut is untied (the single-pass rule); 20 heads pad to 32 inside the kernel. On the
+    device at K3 widths (32 heads × 128, 128-key blocks: the wgmma path). Without q prepared in the kernel, and for
+    mxfp4 keys, the knob falls back to the default dot dtype."""
+    if backend == "gpu":
+        nb, bt = _big_pool(np.random.default_rng(50), 3, 8)
+        pos, page, d, kk = np.array([511, 300, 100], np.int32), 64, 128, dict(igpu.FAST["sp128_kq_s5_pf_qi_1w_f8"])
+    else:
+        nb, bt, pos, page, d = NB, BT, POS, PAGE, DI
+        kk = dict(igpu.FAST["sp128_kq_s5_pf_qi_1w_f8"], block_n=16, tokens_per_program=32)
+    fmt, parts, q, w, s_ref = index_case("fp8", seed=51, bt=bt, pos=pos, nb=nb, page=page, hi=hi, d=d)
+    s = np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend=backend, **kk))
+    fin = np.isfinite(s_ref)
+    np.testing.assert_array_equal(np.isfinite(s), fin)
+    assert 0 < rel_rms(s[fin], s_ref[fin]) <= 5e-3
+    n_exact = 0
+    for topk in (8, 24) if backend == "gpu_interpret" else (8, 24, 100):
+        idx = ipaged.decode(q, w, parts, bt, pos + 1, topk, fmt=fmt, backend=backend, kernel_kw=kk)
+        n_exact += _gap_rule(idx, s, s_ref, topk)[1]
+    assert n_exact >= 1  # some cut is untied: the rule is exercised, not vacuous
+    # where fp8 dots do not apply (q prepared outside; mxfp4 keys) the knob falls back to the f16 / bf16 dots
+    np.testing.assert_array_equal(
+        np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend=backend, **dict(kk, q_inside=False))),
+        np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend=backend,
+                                        **dict(kk, q_inside=False, dot_dtype="auto"))))
+    fmt4, parts4, q4, w4, _ = index_case("mxfp4", seed=52, bt=bt, pos=pos, nb=nb, page=page, hi=hi, d=d)
+    np.testing.assert_array_equal(
+        np.asarray(ipaged.kernel_scores(q4, w4, parts4, bt, pos, fmt=fmt4, backend=backend, **kk)),
+        np.asarray(ipaged.kernel_scores(q4, w4, parts4, bt, pos, fmt=fmt4, backend=backend,
+                                        **dict(kk, dot_dtype="auto"))))
+
+
+def test_fp8_dot_primitive_is_the_exact_product_outside_triton():
+    """`triton_prims.fp8_dot_nt` outside a Triton kernel: the exact fp32 product of the e4m3 values; bad operands
+    are refused."""
+    from pallas_kernels.triton_prims import fp8_dot_nt
+    a = jax.random.normal(jax.random.key(0), (64, 128)).astype(jnp.float8_e4m3fn)
+    b = jax.random.normal(jax.random.key(1), (32, 128)).astype(jnp.float8_e4m3fn)
+    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+    for got in (fp8_dot_nt(a, b), jax.jit(fp8_dot_nt)(a, b)):
+        assert got.shape == (64, 32) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_dot_nt(a.astype(jnp.float16), b)
+
+
 @pytest.mark.parametrize("name", sorted(sparse_gpu.WIDE))
 def test_sparse_gpu_wide_presets_lower_and_verify_at_k31_shapes(name):
     """Every WIDE preset lowers to Triton at K3.1 shapes (96 heads, R 512, rope 64, k 2048) for every latent format,
@@ -791,7 +841,8 @@ def test_indexer_fast_presets_lower_and_verify_at_k31_shapes(index_dtype):
 
 def test_storage_precision_runs_the_single_pass_presets_within_the_storage_bar():
     """precision="storage" = the GPU kernels' measured single-pass settings (sparse_gpu.storage_preset by batch and
-    heads; indexer gpu.FAST[gpu.STORAGE_PRESET]); "exact" stays the default; any other value is refused."""
+    heads; indexer gpu.FAST[gpu.storage_preset(tokens)] by the tables' span: 64-key fp8 dots up to 64K tokens,
+    256-key ones beyond); "exact" stays the default; any other value is refused."""
     B = 8
     bt, pos = np.tile(BT, (3, 1))[:B], np.tile(POS, 3)[:B]
     parts, idx, q, kw = mla_case("fp8", seed=31, B=B, bt=bt, pos=pos)
@@ -812,14 +863,16 @@ def test_storage_precision_runs_the_single_pass_presets_within_the_storage_bar()
     topk = 8
     got = ipaged.decode(qi, w, kparts, BT, POS + 1, topk, fmt=fmt, backend="gpu_interpret", precision="storage")
     want = ipaged.decode(qi, w, kparts, BT, POS + 1, topk, fmt=fmt, backend="gpu_interpret",
-                         kernel_kw=igpu.FAST[igpu.STORAGE_PRESET])
+                         kernel_kw=igpu.FAST[igpu.STORAGE_PRESET_SHORT])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     s = np.asarray(ipaged.kernel_scores(qi, w, kparts, BT, POS, fmt=fmt, backend="gpu_interpret",
-                                        **igpu.FAST[igpu.STORAGE_PRESET]))
+                                        **igpu.FAST[igpu.STORAGE_PRESET_SHORT]))
     fin = np.isfinite(s_ref)
     err = rel_rms(s[fin], s_ref[fin])
     assert err <= 5e-3
     assert_same_topk(got, s_ref, topk, rel_tol=max(1e-5, 2 * err))
+    assert igpu.storage_preset(BT.shape[1] * PAGE) == igpu.storage_preset(65536) == igpu.STORAGE_PRESET_SHORT
+    assert igpu.storage_preset(65536 + 64) == igpu.storage_preset(1 << 20) == igpu.STORAGE_PRESET
     with pytest.raises(ValueError, match="precision"):
         sparse.decode(q, parts, bt, idx, backend="reference", precision="fast", **kw)
     with pytest.raises(ValueError, match="precision"):

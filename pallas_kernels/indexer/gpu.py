@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton lowering
 from ..mla.sparse_gpu import (  # one Triton probe, shared helpers
     MIN_DOT, _pow2, _pow2_at_least, available, e2m1_value, split_hi_lo)
 from ..paged import pool_offsets_safe
+from ..triton_prims import fp8_dot_nt
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
 FP8_GROUP = 128
@@ -104,6 +105,7 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
     *key_refs, o_ref = refs
     b = pl.program_id(0)
     j = pl.program_id(1)
+    fp8_dots = cdt == jnp.float8_e4m3fn  # the codes as stored, q as two e4m3 planes (prepared here: H is set)
     pos_b = pos_ref[b]
     planes = (0, 1) if exact else (0,)
     if index_dtype == "mxfp4":
@@ -117,8 +119,14 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
         raw = [pltriton.load(q_ref.at[b, pl.ds(0, Hi), pl.ds(c0, cw)], mask=live_h[:, None], other=0.0)
                for (c0, cw) in cols]  # [Hi, width] f32 each
         s_h = _pow2_at_least(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in raw]))  # [Hi]
-        qs = [[(x / s_h[:, None]).astype(cdt) for x in raw]]
         w = pltriton.load(w_ref.at[b, pl.ds(0, Hi)], mask=live_h, other=0.0) * s_h
+        if fp8_dots:  # two e4m3 planes of q·256/s_h (|x| < 256 ≤ 448, subnormals below 2^-6): hi + lo to ≈ 2^-8
+            xs = [x * (FP8_Q_RANGE / s_h[:, None]) for x in raw]
+            his = [x.astype(cdt) for x in xs]
+            qs = [his, [(x - h.astype(jnp.float32)).astype(cdt) for x, h in zip(xs, his)]]
+            w = w * (1.0 / FP8_Q_RANGE)
+        else:
+            qs = [[(x / s_h[:, None]).astype(cdt) for x in raw]]
     else:
         w = w_ref[b, :]  # [Hi]
         # q pieces [plane][piece] -> [Hi, width]
@@ -127,8 +135,9 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
     def dot(keys, piece):
         """Σ over hi/lo planes of q·keys for one column piece: [BN, Hi] ("kq") or [Hi, BN] ("qk"), fp32."""
         out = None
-        for p in range(len(planes)):
-            x = _dot_nt(keys, qs[p][piece]) if orient == "kq" else _dot_nt(qs[p][piece], keys)
+        dot_nt = fp8_dot_nt if fp8_dots else _dot_nt
+        for p in range(len(qs)):
+            x = dot_nt(keys, qs[p][piece]) if orient == "kq" else dot_nt(qs[p][piece], keys)
             out = x if out is None else out + x
         return out
 
@@ -167,7 +176,7 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
                 sc_now = scales(slot)
             dots = None
             for g, (c0_, cw) in enumerate(cols):
-                codes = codes_ref[slot, pl.ds(c0_, cw)].astype(cdt)  # exact (e4m3 ⊂ f16, bf16)
+                codes = codes_ref[slot, pl.ds(c0_, cw)].astype(cdt)  # exact (e4m3 ⊂ f16, bf16); fp8: as stored
                 part = dot(codes, g) * per_token(sc_now[g])
                 dots = part if dots is None else dots + part
         elif index_dtype == "mxfp4":
@@ -199,15 +208,24 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, Hi: 
     jax.lax.fori_loop(n_live, n_inner, dead, 0)
 
 
+FP8_DOT_K = 32  # an fp8 tensor-core instruction's contraction depth: fp8 dots need d to be a multiple of it
+FP8_Q_RANGE = 256.0  # dot_dtype "fp8": each head's q scaled to |x| < 256 (e4m3: max 448, normal from 2^-6)
+
+
 def _dot_dtype(fmt, dot_dtype: str):
     """The tensor-core operand dtype: f16 where the stored keys are exact in it (fp8 e4m3: 4-bit exponent; the
     cheap native e4m3 -> f16 conversion on sm_89+, and 11-bit mantissa for q), bf16 otherwise (bf16 keys; mxfp4,
-    whose E8M0 scales reach outside f16's range)."""
+    whose E8M0 scales reach outside f16's range). "fp8" (fp8 keys with q prepared in the kernel, i.e. q_inside and
+    single-pass, and d a multiple of FP8_DOT_K; `scores` falls back to "auto" otherwise): the stored codes go to the tensor cores as they are — no
+    conversion — against q as two e4m3 planes hi + lo (≈ 2^-8 relative), through `triton_prims.fp8_dot_nt` (fast
+    accumulation: Triton's condition for wgmma; 6e-4 relative RMS on the H200 at K3 shapes)."""
     if dot_dtype == "auto":
         dot_dtype = "f16" if fmt.index_dtype == "fp8" else "bf16"
+    if dot_dtype not in ("f16", "bf16", "fp8"):
+        raise ValueError(f"dot_dtype must be 'auto', 'f16', 'bf16' or 'fp8', got {dot_dtype!r}")
     if dot_dtype == "f16" and fmt.index_dtype != "fp8":
-        raise ValueError(f"dot_dtype f16 is exact only for fp8 keys, not {fmt.index_dtype}")
-    return {"f16": jnp.float16, "bf16": jnp.bfloat16}[dot_dtype]
+        raise ValueError(f"dot_dtype {dot_dtype} is exact only for fp8 keys, not {fmt.index_dtype}")
+    return {"f16": jnp.float16, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[dot_dtype]
 
 
 def pow2_scale(x, axis=-1):
@@ -302,14 +320,49 @@ FAST = {
                               q_inside=True),  # 132 / 59K, 3 buffers
     "sp256_kq_w8_s5_pf_qi": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="kq", prefetch=True,
                                  q_inside=True),  # 138 / 77K
+    # session 9: the fp8 codes straight into fp8 wgmma (keys the M side) against two e4m3 planes of q
+    # (`dot_dtype="fp8"`): no conversion of the keys at all
+    "sp128_kq_s5_pf_qi_1w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
+                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
+    "sp128_kq_s5_pf_qi_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
+                                 q_inside=True, dot_dtype="fp8"),
+    "sp256_kq_s5_pf_qi_1w_f8": dict(exact=False, block_n=256, num_warps=4, num_stages=5, orient="kq", prefetch=True,
+                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
+    "sp64_kq_s6_pf_qi_1w_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="kq", prefetch=True,
+                                   q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
+    "sp256_kq_s5_pf_qi_f8": dict(exact=False, block_n=256, num_warps=4, num_stages=5, orient="kq", prefetch=True,
+                                 q_inside=True, dot_dtype="fp8"),
+    "sp256_kq_w8_s5_pf_qi_1w_f8": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="kq",
+                                       prefetch=True, q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
+    "sp256_kq_s4_pf_qi_1w_f8": dict(exact=False, block_n=256, num_warps=4, num_stages=4, orient="kq", prefetch=True,
+                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
+    "sp128_kq_s5_pf_qi_3w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
+                                    q_inside=True, target_programs=3 * 132, dot_dtype="fp8"),
+    "sp64_kq_s8_pf_qi_1w_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=8, orient="kq", prefetch=True,
+                                   q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
+    "sp64_kq_s6_pf_qi_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="kq", prefetch=True,
+                                q_inside=True, dot_dtype="fp8"),
+    "sp64_kq_s6_pf_qi_3w_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="kq", prefetch=True,
+                                   q_inside=True, target_programs=3 * 132, dot_dtype="fp8"),
+    "sp128_kq_s6_pf_qi_1w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=6, orient="kq", prefetch=True,
+                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
 }
 
 
-# `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct setting of the H200
-# sweeps (session 8, 2026-12-01): q prepared in the kernel, one wave of programs — 52.0 vs 54.4-55.7 µs at 32K × 32,
-# 187.7 vs 188.9 at 128K × 32 (sp128_qk_s5_pf_qi), the same grid as it at 1M and at one sequence; 0.70 of copy at
-# 1M × 32. The exact default: 590 µs at 128K × 32.
-STORAGE_PRESET = "sp128_qk_s5_pf_qi_1w"
+# `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct settings of the H200
+# sweeps. Session 9 (2026-12-01, bench/runs/s9_gpu3-5.sh): fp8 tensor-core dots on the stored codes (`dot_dtype=
+# "fp8"`, keys the wgmma M side), one wave of programs, 6e-4 relative RMS — at 1M × 32 1,228 µs (0.87 of copy; was
+# 0.70), at 128K × 32 162.6 µs (0.82; was 0.66-0.70) with 256-key blocks; at 32K × 32 64-key blocks win: 47.2 µs
+# (0.70) vs 50.2 for 256 and 52.1 for session 8's sp128_qk_s5_pf_qi_1w. Which one runs depends on the tokens a
+# sequence's table spans (`storage_preset`); 64K is the switch, between the two measured contexts.
+STORAGE_PRESET = "sp256_kq_s5_pf_qi_1w_f8"  # long contexts
+STORAGE_PRESET_SHORT = "sp64_kq_s6_pf_qi_1w_f8"  # tables of ≤ SHORT_CONTEXT tokens
+SHORT_CONTEXT = 65536
+
+
+def storage_preset(tokens: int) -> str:
+    """The `FAST` preset `precision="storage"` runs for block tables spanning `tokens` positions (max_blocks·page)."""
+    return STORAGE_PRESET_SHORT if tokens <= SHORT_CONTEXT else STORAGE_PRESET
 
 
 def supports_pool(key_parts) -> bool:
@@ -329,7 +382,7 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
     -> float32 `[B, max_blocks·page]`, −inf where not allowed.
     Knobs: block_n (keys per dot), tokens_per_program (None: the fewest tokens per program, halving from 8192 and
     not below 512, that still make at least target_programs programs; 4 · 132 ≈ 4 per H200 SM), orient ("kq": keys are the
-    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16"), prefetch (fp8: the scale gather one
+    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16" / "fp8": see `_dot_dtype`), prefetch (fp8: the scale gather one
     chunk ahead, see `_kernel`), q_inside (q normalised, padded and converted in the kernel instead of by
     `_prep_q`: same bits; applies with exact=False and fp8 / bf16 keys, ignored otherwise), Triton num_warps /
     num_stages."""
@@ -364,6 +417,8 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
            else tokens_per_program)
     n_inner = max(1, min(tpp // BN, n_chunks))
     n_prog = -(-n_chunks // n_inner)
+    if dot_dtype == "fp8" and not (q_inside and fmt.index_dtype == "fp8" and d % FP8_DOT_K == 0):
+        dot_dtype = "auto"  # a performance knob, like q_inside: fp8 keys, q prepared in the kernel, fp8 MMA depth
     cdt = _dot_dtype(fmt, dot_dtype)
     if q_inside:
         q, w = q_bhd.astype(jnp.float32), w_bh.astype(jnp.float32)

@@ -133,7 +133,8 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
     (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`.
     Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n).
     `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernel's single-pass
-    preset `gpu.FAST[gpu.STORAGE_PRESET]`: selections equal but for near-ties within 2× the score error; explicit
+    preset `gpu.FAST[gpu.storage_preset(tokens)]` for the tables' span: selections equal but for near-ties within 2×
+    the score error; explicit
     kernel_kw still win; other backends unchanged)."""
     T = q_bthd.shape[1]
     check_precision(precision)
@@ -147,7 +148,8 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
         if precision == "storage" and which.startswith("gpu"):
             from . import gpu
 
-            kernel_kw = dict(gpu.FAST[gpu.STORAGE_PRESET], **kernel_kw)
+            tokens = jnp.shape(block_tables)[1] * key_parts[0].shape[1]
+            kernel_kw = dict(gpu.FAST[gpu.storage_preset(tokens)], **kernel_kw)
         s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which,
                           **kernel_kw)
         return select_topk(s, topk)[:, None]

@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
 from ..paged import pool_offsets_safe
-from ..triton_asm import fp8_e4m3_to_f16
+from ..triton_prims import fp8_e4m3_to_f16
 from .reference import merge_partials
 
 SUPPORTED = ("bf16", "fp8", "nvfp4")
@@ -130,7 +130,7 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     logits dot's pieces summed as a balanced tree: with one piece each warp's QKᵀ is ONE chain of c/16 dependent
     mma.sync (36 at K3's 576, SASS); the tree leaves ≈ qk_split/2 + 1 independent chains of (c/16)/qk_split·2
     (on the H200 neither knob made the K3 op faster: see `WIDE`); convert_once (fp8 rows, f16 dots) — the rows
-    are converted by `triton_asm.fp8_e4m3_to_f16`, an op Triton may not duplicate: each gathered block is converted
+    are converted by `triton_prims.fp8_e4m3_to_f16`, an op Triton may not duplicate: each gathered block is converted
     once, staged in shared memory as f16 and read by both dots with ldmatrix, instead of being converted once per
     dot from byte-wise reads of the fp8 buffer (the PV operand's column reads: LDS of 1-2 bytes each). One load
     feeds both dots (value_reload is ignored) and Triton still pipelines it (cp.async): 690 instead of 1,191 loop

@@ -251,9 +251,9 @@ def _check_decode_args(p, h):
 
 @functools.lru_cache(maxsize=None)
 def _decode_asm_p(form: str = "asm"):
-    """A two-result inline-asm primitive (`pallas_kernels.triton_asm`): the PTX in the Pallas Triton lowering,
+    """A two-result inline-asm primitive (`pallas_kernels.triton_prims`): the PTX in the Pallas Triton lowering,
     `decode_lo_hi_bf16_ref` (same bits) everywhere else."""
-    from ..triton_asm import inline_asm_primitive
+    from ..triton_prims import inline_asm_primitive
 
     return inline_asm_primitive(f"moe_mxfp4_decode_{form}", PTX_DECODES[form], "=r,=r,=r,=r,r,r,r", 4,
                                 [jnp.bfloat16, jnp.bfloat16], decode_lo_hi_bf16_ref, check=_check_decode_args)

@@ -1,4 +1,5 @@
-"""Elementwise inline-PTX primitives for the Pallas Triton lowering, each with a jnp twin for everything else.
+"""Primitives with their own Pallas Triton lowering, each with a jnp twin for everything else: elementwise inline
+PTX (`inline_asm_primitive`, `fp8_e4m3_to_f16`) and an fp8 tensor-core dot with fast accumulation (`fp8_dot_nt`).
 
 `inline_asm_primitive` builds a JAX primitive that the Pallas Triton lowering turns into one
 `tt.elementwise_inline_asm` op, and that every other lowering (interpret mode on CPU, plain XLA) computes with a
@@ -20,6 +21,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
 
 
 def inline_asm_primitive(name: str, ptx: str, constraints: str, packed_element: int, out_dtypes: Sequence,
@@ -82,3 +84,51 @@ def fp8_e4m3_to_f16(x):
     if x.dtype == jnp.float8_e4m3fn:
         x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     return _fp8_to_f16_p().bind(x)[0]
+
+
+# ------------------------------------------------------------------------------------------------ fp8 dot
+
+@functools.lru_cache(maxsize=None)
+def _fp8_dot_nt_p():
+    from jax._src import core as jax_core
+    from jax._src import dispatch
+    from jax._src.lib.triton import dialect as tt_dialect
+    from jax._src.pallas.triton import lowering as tt_lowering
+    from jax.interpreters import mlir
+
+    prim = jax_core.Primitive("fp8_dot_nt_fast_accum")
+
+    @prim.def_abstract_eval
+    def _abstract(a, b):
+        if (a.ndim, b.ndim) != (2, 2) or a.shape[1] != b.shape[1] or {a.dtype, b.dtype} != {jnp.dtype(jnp.float8_e4m3fn)}:
+            raise ValueError(f"fp8_dot_nt takes a [M, K] and b [N, K] float8_e4m3fn, got {a.dtype}{list(a.shape)} "
+                             f"and {b.dtype}{list(b.shape)}")
+        return jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
+
+    @tt_lowering.register_lowering(prim)
+    def _lower_triton(ctx, a, b):
+        m, n = ctx.avals_out[0].shape
+        acc = tt_lowering._zeros(ir.RankedTensorType.get([m, n], ir.F32Type.get()))
+        return tt_dialect.dot(a, tt_dialect.trans(b, [1, 0]), acc, max_num_imprecise_acc=FP8_DOT_IMPRECISE_ACC)
+
+    def _reference(a, b):
+        return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                   precision=jax.lax.Precision.HIGHEST)
+
+    mlir.register_lowering(prim, mlir.lower_fun(_reference, multiple_results=False))
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    return prim
+
+
+# Triton runs an fp8 dot on Hopper's wgmma only when it may accumulate in the tensor core's reduced-precision
+# accumulator for at least 32 products (`maxNumImpreciseAcc` ≥ 32; below that it falls back to mma.sync on f16
+# copies of both operands). This many products before a full fp32 add: the whole dot (Triton's fp8 "fast
+# accumulation"); the accumulator keeps ≈ 14 significant bits over a 128-product dot.
+FP8_DOT_IMPRECISE_ACC = 1 << 30
+
+
+def fp8_dot_nt(a, b):
+    """a `[M, K]` · b `[N, K]`ᵀ -> `[M, N]` float32 for float8_e4m3fn a and b: in a Pallas Triton kernel one tensor-core
+    dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup), with fast accumulation; elsewhere the
+    exact fp32 product (the reference). Pallas's own dot lowering cannot ask for fast accumulation."""
+    return _fp8_dot_nt_p().bind(a, b)
