@@ -321,7 +321,8 @@ FAST = {
     "sp256_kq_w8_s5_pf_qi": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="kq", prefetch=True,
                                  q_inside=True),  # 138 / 77K
     # session 9: the fp8 codes straight into fp8 wgmma (keys the M side) against two e4m3 planes of q
-    # (`dot_dtype="fp8"`): no conversion of the keys at all
+    # (`dot_dtype="fp8"`): no conversion of the keys at all — 368 loop instructions per 128 keys instead of 645
+    # (pip triton 3.6 screen), three key buffers in flight; timings at `STORAGE_PRESET`
     "sp128_kq_s5_pf_qi_1w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
                                     q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
     "sp128_kq_s5_pf_qi_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
@@ -353,8 +354,11 @@ FAST = {
 # sweeps. Session 9 (2026-12-01, bench/runs/s9_gpu3-5.sh): fp8 tensor-core dots on the stored codes (`dot_dtype=
 # "fp8"`, keys the wgmma M side), one wave of programs, 6e-4 relative RMS — at 1M × 32 1,228 µs (0.87 of copy; was
 # 0.70), at 128K × 32 162.6 µs (0.82; was 0.66-0.70) with 256-key blocks; at 32K × 32 64-key blocks win: 47.2 µs
-# (0.70) vs 50.2 for 256 and 52.1 for session 8's sp128_qk_s5_pf_qi_1w. Which one runs depends on the tokens a
-# sequence's table spans (`storage_preset`); 64K is the switch, between the two measured contexts.
+# (dsa_profile; 48.8 in the bench: 0.68-0.70 of copy) vs 50.1-50.2 for 256 and 52.1 for session 8's
+# sp128_qk_s5_pf_qi_1w. Which one runs depends on the tokens a sequence's table spans (`storage_preset`); 64K is the
+# switch, between the two measured contexts. Also timed at 32K (µs): 256-key w8 50.0, s4 54.8, auto programs 56.0;
+# 128-key 1w 50.1 (s5) / 58.5 (s6), 3 waves 58.6, auto 53.4; 64-key s8 47.8, auto 53.2. At 128K: 64-key s6 / s8
+# 169.6 / 168.8, 256-key w8 163.5, 128-key 1w 202.7, auto 182.1.
 STORAGE_PRESET = "sp256_kq_s5_pf_qi_1w_f8"  # long contexts
 STORAGE_PRESET_SHORT = "sp64_kq_s6_pf_qi_1w_f8"  # tables of ≤ SHORT_CONTEXT tokens
 SHORT_CONTEXT = 65536

@@ -455,7 +455,12 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
                                   lazy=True),  # 221 / 0 / 90 KB
     # session 9: the conversion staged once (`convert_once`): one load per block feeding both dots, converted by a
     # non-pure asm op and read by ldmatrix. Loop instructions per gathered row (all warps, bench/triton_regs.py
-    # --sass): 86 (bk32, 4 warps) / 131 (bk32, 8 warps) / 82 (bk64, 8 warps) vs 149 for sr16_bk32_s5_qi
+    # --sass with pip triton 3.6): 86 (bk32, 4 warps) / 131 (bk32, 8 warps) / 82 (bk64, 8 warps) vs 149 for
+    # sr16_bk32_s5_qi. SLOWER on the H200 (B = 32, H = 12, 8 splits unless named; µs): co 53.6, co_s4 45.3,
+    # co_w8 61.5, co_bk64_w8 50.1, co_bk16_s6 54.6, co ns16 63.2 / ns4 48.6, cv_s4 39.5, cv_s5 44.7 vs 38.3 for
+    # sr16_bk32_s5_qi; at B = 1 co 14.4 vs 14.5. ncu: the H200's Triton (jaxlib's, not pip's) gives co 250
+    # registers and 122 KB of shared memory (one staging buffer per dot operand): 1 program per SM, 0.15 issued per
+    # scheduler cycle. The CPU screen's registers and shared memory are not the device's for this kernel
     "sr16_bk32_s5_qi_co": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                                merge="pallas", q_inside=True, convert_once=True),  # 185 / 0 / 93 KB
     "sr16_bk32_s4_qi_co": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=4, slots_outside=True,
