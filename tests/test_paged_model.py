@@ -91,9 +91,11 @@ def test_paged_bf16_equals_contiguous_reference(tiny_model, traffic):
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=2e-4 * np.abs(w).max(), rtol=0)
     # the stored bf16 values are identical; only float32 summation order differs (online softmax over gathered
-    # rows vs one dense masked softmax): ~1e-6 relative RMS per step, the odd step ~2e-5, no drift over 70 steps
+    # rows vs one dense masked softmax): ~1e-6 relative RMS per step, the odd step up to ~1e-4 (8.8e-5 on one x86
+    # host with XLA CPU's jax 0.10.2, 2e-5 on another: the order differs by host), and no drift over 70 steps —
+    # every spike is gone at the next step, and the last steps are as close as the first
     errs = [rel_rms(g, w) for g, w in zip(got, want)]
-    assert np.median(errs) < 5e-6 and max(errs) < 5e-5, errs
+    assert np.median(errs) < 5e-6 and max(errs) < 2e-4 and np.median(errs[-20:]) < 5e-6, errs
     # writes never touched the null block or a page nobody owns
     used = set(tables[tables > 0].tolist())
     for c in paged.layers:

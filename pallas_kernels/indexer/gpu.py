@@ -320,34 +320,34 @@ FAST = {
                               q_inside=True),  # 132 / 59K, 3 buffers
     "sp256_kq_w8_s5_pf_qi": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="kq", prefetch=True,
                                  q_inside=True),  # 138 / 77K
-    # session 9: the fp8 codes straight into fp8 wgmma (keys the M side) against two e4m3 planes of q
-    # (`dot_dtype="fp8"`): no conversion of the keys at all — 368 loop instructions per 128 keys instead of 645
-    # (pip triton 3.6 screen), three key buffers in flight; timings at `STORAGE_PRESET`
-    "sp128_kq_s5_pf_qi_1w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
-                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
-    "sp128_kq_s5_pf_qi_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
-                                 q_inside=True, dot_dtype="fp8"),
-    "sp256_kq_s5_pf_qi_1w_f8": dict(exact=False, block_n=256, num_warps=4, num_stages=5, orient="kq", prefetch=True,
-                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
-    "sp64_kq_s6_pf_qi_1w_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="kq", prefetch=True,
-                                   q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
-    "sp256_kq_s5_pf_qi_f8": dict(exact=False, block_n=256, num_warps=4, num_stages=5, orient="kq", prefetch=True,
-                                 q_inside=True, dot_dtype="fp8"),
-    "sp256_kq_w8_s5_pf_qi_1w_f8": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="kq",
-                                       prefetch=True, q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
-    "sp256_kq_s4_pf_qi_1w_f8": dict(exact=False, block_n=256, num_warps=4, num_stages=4, orient="kq", prefetch=True,
-                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
-    "sp128_kq_s5_pf_qi_3w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="kq", prefetch=True,
-                                    q_inside=True, target_programs=3 * 132, dot_dtype="fp8"),
-    "sp64_kq_s8_pf_qi_1w_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=8, orient="kq", prefetch=True,
-                                   q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
-    "sp64_kq_s6_pf_qi_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="kq", prefetch=True,
-                                q_inside=True, dot_dtype="fp8"),
-    "sp64_kq_s6_pf_qi_3w_f8": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="kq", prefetch=True,
-                                   q_inside=True, target_programs=3 * 132, dot_dtype="fp8"),
-    "sp128_kq_s6_pf_qi_1w_f8": dict(exact=False, block_n=128, num_warps=4, num_stages=6, orient="kq", prefetch=True,
-                                    q_inside=True, target_programs=2 * 132, dot_dtype="fp8"),
 }
+
+
+def _kq_f8(block_n: int, num_stages: int, num_warps: int = 4, waves=None) -> dict:
+    """An fp8-dot preset: keys the M side, q prepared in the kernel, the scale gather one chunk ahead; `waves`
+    programs per H200 SM (target_programs = waves · 132; None: the automatic ≈ 4 per SM)."""
+    kw = dict(exact=False, block_n=block_n, num_warps=num_warps, num_stages=num_stages, orient="kq", prefetch=True,
+              q_inside=True, dot_dtype="fp8")
+    return kw if waves is None else dict(kw, target_programs=waves * 132)
+
+
+# session 9: the fp8 codes straight into fp8 wgmma (keys the M side) against two e4m3 planes of q (`dot_dtype="fp8"`):
+# no conversion of the keys at all — 368 loop instructions per 128 keys instead of 645 (pip triton 3.6 screen), three
+# key buffers in flight; timings at `STORAGE_PRESET`
+FAST.update({
+    "sp128_kq_s5_pf_qi_1w_f8": _kq_f8(128, 5, waves=2),
+    "sp128_kq_s5_pf_qi_f8": _kq_f8(128, 5),
+    "sp128_kq_s5_pf_qi_3w_f8": _kq_f8(128, 5, waves=3),
+    "sp128_kq_s6_pf_qi_1w_f8": _kq_f8(128, 6, waves=2),
+    "sp256_kq_s5_pf_qi_1w_f8": _kq_f8(256, 5, waves=2),
+    "sp256_kq_s5_pf_qi_f8": _kq_f8(256, 5),
+    "sp256_kq_s4_pf_qi_1w_f8": _kq_f8(256, 4, waves=2),
+    "sp256_kq_w8_s5_pf_qi_1w_f8": _kq_f8(256, 5, num_warps=8, waves=2),
+    "sp64_kq_s6_pf_qi_1w_f8": _kq_f8(64, 6, waves=2),
+    "sp64_kq_s6_pf_qi_f8": _kq_f8(64, 6),
+    "sp64_kq_s6_pf_qi_3w_f8": _kq_f8(64, 6, waves=3),
+    "sp64_kq_s8_pf_qi_1w_f8": _kq_f8(64, 8, waves=2),
+})
 
 
 # `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct settings of the H200
