@@ -100,7 +100,8 @@ def _fp8_dot_nt_p():
 
     @prim.def_abstract_eval
     def _abstract(a, b):
-        if (a.ndim, b.ndim) != (2, 2) or a.shape[1] != b.shape[1] or {a.dtype, b.dtype} != {jnp.dtype(jnp.float8_e4m3fn)}:
+        fp8 = {a.dtype, b.dtype} == {jnp.dtype(jnp.float8_e4m3fn)}
+        if (a.ndim, b.ndim) != (2, 2) or a.shape[1] != b.shape[1] or not fp8:
             raise ValueError(f"fp8_dot_nt takes a [M, K] and b [N, K] float8_e4m3fn, got {a.dtype}{list(a.shape)} "
                              f"and {b.dtype}{list(b.shape)}")
         return jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
@@ -128,7 +129,7 @@ FP8_DOT_IMPRECISE_ACC = 1 << 30
 
 
 def fp8_dot_nt(a, b):
-    """a `[M, K]` · b `[N, K]`ᵀ -> `[M, N]` float32 for float8_e4m3fn a and b: in a Pallas Triton kernel one tensor-core
-    dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup), with fast accumulation; elsewhere the
+    """a `[M, K]` · b `[N, K]`ᵀ -> `[M, N]` float32 for float8_e4m3fn a and b: in a Pallas Triton kernel one
+    tensor-core dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup), with fast accumulation; elsewhere the
     exact fp32 product (the reference). Pallas's own dot lowering cannot ask for fast accumulation."""
     return _fp8_dot_nt_p().bind(a, b)

@@ -216,9 +216,10 @@ def _dot_dtype(fmt, dot_dtype: str):
     """The tensor-core operand dtype: f16 where the stored keys are exact in it (fp8 e4m3: 4-bit exponent; the
     cheap native e4m3 -> f16 conversion on sm_89+, and 11-bit mantissa for q), bf16 otherwise (bf16 keys; mxfp4,
     whose E8M0 scales reach outside f16's range). "fp8" (fp8 keys with q prepared in the kernel, i.e. q_inside and
-    single-pass, and d a multiple of FP8_DOT_K; `scores` falls back to "auto" otherwise): the stored codes go to the tensor cores as they are — no
-    conversion — against q as two e4m3 planes hi + lo (≈ 2^-8 relative), through `triton_prims.fp8_dot_nt` (fast
-    accumulation: Triton's condition for wgmma; 6e-4 relative RMS on the H200 at K3 shapes)."""
+    single-pass, and d a multiple of FP8_DOT_K; `scores` falls back to "auto" otherwise): the stored codes go to the
+    tensor cores as they are — no conversion — against q as two e4m3 planes hi + lo (≈ 2^-8 relative), through
+    `triton_prims.fp8_dot_nt` (fast accumulation: Triton's condition for wgmma; 6e-4 relative RMS on the H200 at
+    K3 shapes)."""
     if dot_dtype == "auto":
         dot_dtype = "f16" if fmt.index_dtype == "fp8" else "bf16"
     if dot_dtype not in ("f16", "bf16", "fp8"):
@@ -386,8 +387,8 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, block_n: int = 1
     -> float32 `[B, max_blocks·page]`, −inf where not allowed.
     Knobs: block_n (keys per dot), tokens_per_program (None: the fewest tokens per program, halving from 8192 and
     not below 512, that still make at least target_programs programs; 4 · 132 ≈ 4 per H200 SM), orient ("kq": keys are the
-    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16" / "fp8": see `_dot_dtype`), prefetch (fp8: the scale gather one
-    chunk ahead, see `_kernel`), q_inside (q normalised, padded and converted in the kernel instead of by
+    dot's M side, "qk": the heads are), dot_dtype ("auto" / "f16" / "bf16" / "fp8": see `_dot_dtype`), prefetch
+    (fp8: the scale gather one chunk ahead, see `_kernel`), q_inside (q normalised, padded and converted in the kernel instead of by
     `_prep_q`: same bits; applies with exact=False and fp8 / bf16 keys, ignored otherwise), Triton num_warps /
     num_stages."""
     if not supports(fmt):

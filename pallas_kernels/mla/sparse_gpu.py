@@ -137,7 +137,7 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     instructions per 32 rows and 185 instead of 255 registers at K3 (bench/triton_regs.py --sass); "value" stages
     only the PV dot's rows (their own load, as value_reload), where the byte-wise column reads were."""
     *pool_refs, o_ref, lse_ref = refs
-    if value_reload and convert_once is not True:  # the pool passed a second time: a second load that CSE cannot merge with the first
+    if value_reload and convert_once is not True:  # the pool passed a second time: a load CSE cannot merge
         n_parts = len(pool_refs) // 2
         pool_refs, value_refs = pool_refs[:n_parts], pool_refs[n_parts:]
     b = pl.program_id(0)

@@ -129,14 +129,14 @@ def _dot_tt(a, b):  # a [k, m]ᵀ · b [n, k]ᵀ -> [m, n]
     return jax.lax.dot_general(a, b, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype, interpret: bool = False):
+def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype):
     """One expert's (bn, bk) weight tile from MXFP4, as (even, odd) element halves `[bn, bk/2]` in `dtype`."""
     bn, kh, ks = cfg.bn, cfg.bk // 2, cfg.bk // mx.GROUP
     sb = s_ref[g, pl.ds(n0, bn), pl.ds(kk * ks, ks)]
     if cfg.dequant in (*mx.PTX_DECODES, "bf16"):  # scaled bf16 from the codes; the interpreter runs the jnp twin
         pb = p_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * kh, kh), kh)]
         h = mx.expand_scale(mx.scale_half_bf16(sb))
-        if cfg.dequant in mx.PTX_DECODES and not interpret:
+        if cfg.dequant in mx.PTX_DECODES:  # the PTX in Triton; its jnp twin (the same bits) in interpret mode
             lo, hi = mx.decode_lo_hi_bf16_asm(pb, h, cfg.dequant)
         else:
             lo, hi = mx.decode_lo_hi_bf16_ref(pb, h)
@@ -153,7 +153,7 @@ def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype, interpret: bool
 
 
 def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: int, M: int, K: int,
-            n_blocks: int, quantized: bool, n_w: int, activation, fill_uncovered: bool, interpret: bool = False):
+            n_blocks: int, quantized: bool, n_w: int, activation, fill_uncovered: bool):
     o_ref = refs[-1]
     x_refs = refs[:2] if quantized else refs[:1]  # MXFP4: x split into even / odd input elements
     w_refs = refs[len(x_refs):-1]
@@ -179,7 +179,7 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
                 xe = x_refs[0][pl.ds(ws, BM), pl.ds(k0, kh)]
                 xo = x_refs[1][pl.ds(ws, BM), pl.ds(k0, kh)]
                 for i in range(n_w):
-                    wl, wh = _decode_tile(w_refs[2 * i], w_refs[2 * i + 1], g, n0, kk, cfg, xe.dtype, interpret)
+                    wl, wh = _decode_tile(w_refs[2 * i], w_refs[2 * i + 1], g, n0, kk, cfg, xe.dtype)
                     if cfg.swap_ab:
                         new.append(accs[i] + _dot_nt(wl, xe) + _dot_nt(wh, xo))
                     else:
@@ -265,8 +265,7 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
     else:
         xs, arrays = [x], list(weights)
     kernel = functools.partial(_kernel, cfg=cfg, E=E, M=Mp, K=K, n_blocks=n_blocks, quantized=quantized,
-                               n_w=len(weights), activation=activation, fill_uncovered=fill_uncovered,
-                               interpret=bool(interpret))
+                               n_w=len(weights), activation=activation, fill_uncovered=fill_uncovered)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype),
