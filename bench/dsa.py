@@ -304,9 +304,8 @@ def bench_indexer(ctx, B, bw, key, index_dtype="fp8", judged=True):
             raise
     ix_name, ix_kw = g.get("ix_name", "cli" if ARGS.ix_kw else "default"), g["ix_kw"]
     if ARGS.ix_storage and index_dtype == "fp8":
-        ix_name = igpu.storage_preset(ctx)
-        ix_kw = igpu.FAST[ix_name]
-        ix_name = f"storage: {ix_name}"
+        preset = igpu.storage_preset(ctx)
+        ix_name, ix_kw = f"storage: {preset}", igpu.FAST[preset]
     shape += f" [variant {ix_name}]"
     kw = dict(fmt=fmt, backend=g["backend"], **ix_kw)
     scores = jax.jit(lambda q, w, parts, bt, pos: ipaged.kernel_scores(q, w, parts, bt, pos, **kw))

@@ -24,36 +24,44 @@ import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 
 
+def _primitive(name: str, abstract: Callable, triton_rule: Callable, reference: Callable, multiple_results: bool):
+    """A primitive with `abstract` as its abstract evaluation, `triton_rule(ctx, *args)` as its Pallas Triton
+    lowering and `reference` (jnp) as its lowering everywhere else."""
+    from jax._src import core as jax_core
+    from jax._src import dispatch
+    from jax._src.pallas.triton import lowering as tt_lowering
+    from jax.interpreters import mlir
+
+    prim = jax_core.Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_abstract_eval(abstract)
+    tt_lowering.register_lowering(prim)(triton_rule)
+    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=multiple_results))
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    return prim
+
+
 def inline_asm_primitive(name: str, ptx: str, constraints: str, packed_element: int, out_dtypes: Sequence,
                          reference: Callable, pure: bool = True, check: Callable | None = None):
     """A primitive `p` with `p.bind(*args) -> list of len(out_dtypes) arrays` (args' common shape): the Triton
     lowering runs `ptx` (`constraints` in Triton's inline-asm form, `packed_element` elements per register);
     elsewhere `reference(*args)` (a list of arrays, same bits) runs. `check(*avals)` may raise on bad inputs."""
     from jax._src import core as jax_core
-    from jax._src import dispatch
     from jax._src.lib.triton import dialect as tt_dialect
-    from jax._src.pallas.triton import lowering as tt_lowering
     from jax.interpreters import mlir
 
-    prim = jax_core.Primitive(name)
-    prim.multiple_results = True
-
-    @prim.def_abstract_eval
-    def _abstract(*avals):
+    def abstract(*avals):
         if check is not None:
             check(*avals)
         return [jax_core.ShapedArray(avals[0].shape, d) for d in out_dtypes]
 
-    @tt_lowering.register_lowering(prim)
-    def _lower_triton(ctx, *args):
+    def triton_rule(ctx, *args):
         types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, a) for a in ctx.avals_out]
         res = tt_dialect.elementwise_inline_asm(types, ptx, constraints=constraints, pure=pure,
                                                 packed_element=packed_element, args=list(args))
         return [res] if len(types) == 1 else list(res)
 
-    mlir.register_lowering(prim, mlir.lower_fun(lambda *a: list(reference(*a)), multiple_results=True))
-    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
-    return prim
+    return _primitive(name, abstract, triton_rule, lambda *a: list(reference(*a)), multiple_results=True)
 
 
 # Four e4m3 bytes (one 32-bit register) -> four f16 (two registers): the hardware conversion, two per instruction.
@@ -91,34 +99,26 @@ def fp8_e4m3_to_f16(x):
 @functools.lru_cache(maxsize=None)
 def _fp8_dot_nt_p():
     from jax._src import core as jax_core
-    from jax._src import dispatch
     from jax._src.lib.triton import dialect as tt_dialect
     from jax._src.pallas.triton import lowering as tt_lowering
-    from jax.interpreters import mlir
 
-    prim = jax_core.Primitive("fp8_dot_nt_fast_accum")
-
-    @prim.def_abstract_eval
-    def _abstract(a, b):
+    def abstract(a, b):
         fp8 = {a.dtype, b.dtype} == {jnp.dtype(jnp.float8_e4m3fn)}
         if (a.ndim, b.ndim) != (2, 2) or a.shape[1] != b.shape[1] or not fp8:
             raise ValueError(f"fp8_dot_nt takes a [M, K] and b [N, K] float8_e4m3fn, got {a.dtype}{list(a.shape)} "
                              f"and {b.dtype}{list(b.shape)}")
         return jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
 
-    @tt_lowering.register_lowering(prim)
-    def _lower_triton(ctx, a, b):
+    def triton_rule(ctx, a, b):
         m, n = ctx.avals_out[0].shape
         acc = tt_lowering._zeros(ir.RankedTensorType.get([m, n], ir.F32Type.get()))
         return tt_dialect.dot(a, tt_dialect.trans(b, [1, 0]), acc, max_num_imprecise_acc=FP8_DOT_IMPRECISE_ACC)
 
-    def _reference(a, b):
+    def reference(a, b):
         return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
                                    precision=jax.lax.Precision.HIGHEST)
 
-    mlir.register_lowering(prim, mlir.lower_fun(_reference, multiple_results=False))
-    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
-    return prim
+    return _primitive("fp8_dot_nt_fast_accum", abstract, triton_rule, reference, multiple_results=False)
 
 
 # Triton runs an fp8 dot on Hopper's wgmma only when it may accumulate in the tensor core's reduced-precision
@@ -130,6 +130,6 @@ FP8_DOT_IMPRECISE_ACC = 1 << 30
 
 def fp8_dot_nt(a, b):
     """a `[M, K]` · b `[N, K]`ᵀ -> `[M, N]` float32 for float8_e4m3fn a and b: in a Pallas Triton kernel one
-    tensor-core dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup), with fast accumulation; elsewhere the
-    exact fp32 product (the reference). Pallas's own dot lowering cannot ask for fast accumulation."""
+    tensor-core dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup), with fast accumulation;
+    elsewhere the exact fp32 product (the reference). Pallas's own dot lowering cannot ask for fast accumulation."""
     return _fp8_dot_nt_p().bind(a, b)

@@ -133,11 +133,12 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
     are converted by `triton_prims.fp8_e4m3_to_f16`, an op Triton may not duplicate: each gathered block is converted
     once, staged in shared memory as f16 and read by both dots with ldmatrix, instead of being converted once per
     dot from byte-wise reads of the fp8 buffer (the PV operand's column reads: LDS of 1-2 bytes each). One load
-    feeds both dots (value_reload is ignored) and Triton still pipelines it (cp.async): 690 instead of 1,191 loop
-    instructions per 32 rows and 185 instead of 255 registers at K3 (bench/triton_regs.py --sass); "value" stages
-    only the PV dot's rows (their own load, as value_reload), where the byte-wise column reads were."""
+    feeds both dots (`decode` turns value_reload off) and Triton still pipelines it (cp.async): 690 instead of
+    1,191 loop instructions per 32 rows and 185 instead of 255 registers at K3 (bench/triton_regs.py --sass);
+    "value" stages only the PV dot's rows (their own load, as value_reload), where the byte-wise column reads
+    were."""
     *pool_refs, o_ref, lse_ref = refs
-    if value_reload and convert_once is not True:  # the pool passed a second time: a load CSE cannot merge
+    if value_reload:  # the pool passed a second time: a second load that CSE cannot merge with the first
         n_parts = len(pool_refs) // 2
         pool_refs, value_refs = pool_refs[:n_parts], pool_refs[n_parts:]
     b = pl.program_id(0)
@@ -240,8 +241,7 @@ def _kernel(bt_ref, idx_ref, q_ref, qs_ref, *refs, kv_dtype: str, R: int, rope: 
         p_hi, p_lo = _split(pexp, exact, cdt)
         new = []
         pv_vals = ([vblock_of(slot)] if vsplit else
-                   (rows_of(slot, value_refs, once=bool(convert_once))[0] if value_reload and convert_once is not True
-                    else vals))
+                   (rows_of(slot, value_refs, once=bool(convert_once))[0] if value_reload else vals))
         if lazy:  # corr = 1 on the skipped steps (m_use = m), so the accumulators are left as they are
             accs = jax.lax.cond(need, lambda a: [x * corr for x in a], lambda a: list(a), accs)
         for acc, v in zip(accs, pv_vals):
