@@ -299,7 +299,14 @@ def bench_bf16(args):
 # ------------------------------------------------------------------------------------------------ MXFP4 section
 
 Q_SWEEP = [  # 8 rows/expert. 2026-11-30 (f16-trick decode): "2d" 16x64x256 w4 best at 489 us; 3d, swap_ab, wider
-    # or deeper tiles and 8 warps slower. Now the PTX byte-permute decode ("asm", the default) against it.
+    # or deeper tiles and 8 warps slower. Then the PTX byte-permute decodes ("asm", "asm_sign"); session 10: the
+    # codes on fp8 tensor cores ("fp8", swap_ab: the weights the wgmma's register operand) first.
+    moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="fp8"),
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="fp8"),
+    moe_gpu.GpuConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=4, swap_ab=True, dequant="fp8"),
+    moe_gpu.GpuConfig(bm=16, bn=128, bk=512, num_warps=4, num_stages=3, swap_ab=True, dequant="fp8"),
+    moe_gpu.GpuConfig(bm=16, bn=256, bk=128, num_warps=8, num_stages=3, swap_ab=True, dequant="fp8"),
+    moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=8, num_stages=3, swap_ab=True, dequant="fp8"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm_sign"),  # +4% (session 7)
     moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm_sign"),
@@ -337,7 +344,11 @@ def bench_mxfp4(args, copy_bw):
             sweep = Q_SWEEP
         else:
             d = moe_gpu.default_config(m, E, K, N, True)
-            sweep = [d, dataclasses.replace(d, bn=64, bk=256), dataclasses.replace(d, dequant="2d")]
+            sweep = [d, dataclasses.replace(d, bn=64, bk=256), dataclasses.replace(d, dequant="2d"),
+                     moe_gpu.GpuConfig(bm=rows_per_expert, bn=128, bk=256, num_warps=4, num_stages=3, swap_ab=True,
+                                       dequant="fp8"),
+                     moe_gpu.GpuConfig(bm=rows_per_expert, bn=128, bk=128, num_warps=8, num_stages=3,
+                                       dequant="fp8")]
         best = (None, None)
         for cfg in sweep:
             if left(args.budget) < 25:
@@ -462,6 +473,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="try several block configs per kernel")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--no-ep", action="store_true")
+    ap.add_argument("--mxfp4-only", action="store_true", help="skip the bf16 section")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()
     if args.smoke:
@@ -473,7 +485,8 @@ def main():
     copy_bw = attempt("copy bandwidth", copy_bandwidth) or 4.3e12
     reserve = 0 if args.no_ep else 40  # seconds kept for the expert-parallel section
     args.budget -= reserve
-    attempt("bf16 section", lambda: bench_bf16(args))
+    if not args.mxfp4_only:
+        attempt("bf16 section", lambda: bench_bf16(args))
     attempt("MXFP4 section", lambda: bench_mxfp4(args, copy_bw))
     args.budget += reserve
     if not args.no_ep:

@@ -102,21 +102,26 @@ def _fp8_dot_nt_p():
     from jax._src.lib.triton import dialect as tt_dialect
     from jax._src.pallas.triton import lowering as tt_lowering
 
-    def abstract(a, b):
+    def abstract(a, b, *acc):
         fp8 = {a.dtype, b.dtype} == {jnp.dtype(jnp.float8_e4m3fn)}
         if (a.ndim, b.ndim) != (2, 2) or a.shape[1] != b.shape[1] or not fp8:
             raise ValueError(f"fp8_dot_nt takes a [M, K] and b [N, K] float8_e4m3fn, got {a.dtype}{list(a.shape)} "
                              f"and {b.dtype}{list(b.shape)}")
-        return jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
+        out = jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
+        if acc and (acc[0].shape != out.shape or acc[0].dtype != jnp.float32):
+            raise ValueError(f"fp8_dot_nt's acc must be float32 {list(out.shape)}, got {acc[0].dtype}"
+                             f"{list(acc[0].shape)}")
+        return out
 
-    def triton_rule(ctx, a, b):
+    def triton_rule(ctx, a, b, *acc):
         m, n = ctx.avals_out[0].shape
-        acc = tt_lowering._zeros(ir.RankedTensorType.get([m, n], ir.F32Type.get()))
-        return tt_dialect.dot(a, tt_dialect.trans(b, [1, 0]), acc, max_num_imprecise_acc=FP8_DOT_IMPRECISE_ACC)
+        c = acc[0] if acc else tt_lowering._zeros(ir.RankedTensorType.get([m, n], ir.F32Type.get()))
+        return tt_dialect.dot(a, tt_dialect.trans(b, [1, 0]), c, max_num_imprecise_acc=FP8_DOT_IMPRECISE_ACC)
 
-    def reference(a, b):
-        return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                   precision=jax.lax.Precision.HIGHEST)
+    def reference(a, b, *acc):
+        d = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                precision=jax.lax.Precision.HIGHEST)
+        return d + acc[0] if acc else d
 
     return _primitive("fp8_dot_nt_fast_accum", abstract, triton_rule, reference, multiple_results=False)
 
@@ -128,8 +133,9 @@ def _fp8_dot_nt_p():
 FP8_DOT_IMPRECISE_ACC = 1 << 30
 
 
-def fp8_dot_nt(a, b):
-    """a `[M, K]` · b `[N, K]`ᵀ -> `[M, N]` float32 for float8_e4m3fn a and b: in a Pallas Triton kernel one
-    tensor-core dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup), with fast accumulation;
-    elsewhere the exact fp32 product (the reference). Pallas's own dot lowering cannot ask for fast accumulation."""
-    return _fp8_dot_nt_p().bind(a, b)
+def fp8_dot_nt(a, b, acc=None):
+    """a `[M, K]` · b `[N, K]`ᵀ (+ acc `[M, N]` float32) -> `[M, N]` float32 for float8_e4m3fn a and b: in a
+    Pallas Triton kernel one tensor-core dot on the fp8 values (wgmma where Triton can: M ≥ 64 per warpgroup) with
+    fast accumulation, `acc` its accumulator input; elsewhere the exact fp32 product (the reference). Pallas's own
+    dot lowering cannot ask for fast accumulation."""
+    return _fp8_dot_nt_p().bind(a, b) if acc is None else _fp8_dot_nt_p().bind(a, b, acc)

@@ -195,6 +195,44 @@ def test_mxfp4_ptx_decode_is_exact(form):
     np.testing.assert_array_equal(np.asarray(hi, np.float64), mx.E2M1_VALUES[np.arange(256) >> 4][None] * mult)
 
 
+def test_mxfp4_e4m3_ptx_decode_is_exact():
+    """`mx.DECODE_E4M3_PTX` (modelled instruction by instruction) and its jnp twin turn every byte, in every position of
+    its register, into the e4m3 codes of 2^−6 · e2m1 of its low ($0) and high ($1) nibble; −0 for code 8."""
+    import ml_dtypes
+
+    want_lo = (mx.E2M1_VALUES[np.arange(256) & 15] * 2.0 ** -6).astype(ml_dtypes.float8_e4m3fn)
+    want_hi = (mx.E2M1_VALUES[np.arange(256) >> 4] * 2.0 ** -6).astype(ml_dtypes.float8_e4m3fn)
+    assert np.array_equal(want_lo.astype(np.float64) * 64, mx.E2M1_VALUES[np.arange(256) & 15])  # exact
+    for w0 in range(256):
+        b = np.array([w0, (37 * w0 + 11) % 256, (101 * w0 + 7) % 256, 255 - w0])
+        regs = _run_ptx(mx.DECODE_E4M3_PTX, {"$2": int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)})
+        for out, want in (("$0", want_lo), ("$1", want_hi)):
+            got = np.array([regs[out]], np.uint32).view(np.uint8)
+            np.testing.assert_array_equal(got, want[b].view(np.uint8), err_msg=f"{out} byte {w0}")
+    lo, hi = mx.decode_lo_hi_e4m3(jnp.arange(256, dtype=jnp.uint8))  # the jnp twin (no Triton here)
+    np.testing.assert_array_equal(np.asarray(lo).view(np.uint8), want_lo.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(hi).view(np.uint8), want_hi.view(np.uint8))
+    assert want_lo.view(np.uint8)[8] == 0x80  # code 8 is −0
+
+
+def test_x_as_two_e4m3_planes():
+    """x ≈ (hi + lo) · inv per row, |x·c| < 256, within 2^−8 relative per element (plus the subnormal step), inv a
+    power of two; zero rows stay zero."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 96)) * np.array([1e-30, 1e-3, 1.0, 7.0, 1e4, 0.0])[:, None]
+    x[2, 5] = 300.0  # one large element sets its row's scale
+    hi, lo, inv = mx.split_e4m3_planes(jnp.asarray(x, jnp.float32))
+    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and inv.shape == (6,)
+    inv = np.asarray(inv, np.float64)
+    assert np.all(np.log2(inv) == np.round(np.log2(inv)))
+    xs = x / inv[:, None]
+    assert np.all(np.abs(xs) < 128)
+    back = (np.asarray(hi, np.float64) + np.asarray(lo, np.float64)) * inv[:, None]
+    x32 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    assert np.all(np.abs(back - x32) <= 2.0 ** -8 * np.abs(x32) + 2.0 ** -10 * inv[:, None])
+    assert not back[5].any()
+
+
 CONFIGS = {
     ("gpu", "bf16"): gpu.GpuConfig(bm=32, bn=64, bk=64),
     ("gpu", "mxfp4"): gpu.GpuConfig(bm=32, bn=128, bk=128, dequant="3d"),
@@ -229,7 +267,9 @@ def test_grouped_matmul_kernels_match_ragged_dot(backend, kind):
                                  gpu.GpuConfig(bm=16, bn=32, bk=64, swap_ab=True, dequant="3d"),
                                  gpu.GpuConfig(bm=16, bn=32, bk=128, dequant="asm"),
                                  gpu.GpuConfig(bm=16, bn=32, bk=128, dequant="asm_sign"),
-                                 gpu.GpuConfig(bm=16, bn=64, bk=64, swap_ab=True, dequant="bf16")])
+                                 gpu.GpuConfig(bm=16, bn=64, bk=64, swap_ab=True, dequant="bf16"),
+                                 gpu.GpuConfig(bm=16, bn=64, bk=128, swap_ab=True, dequant="fp8"),
+                                 gpu.GpuConfig(bm=32, bn=64, bk=32, dequant="fp8")])
 def test_gpu_kernel_variants_mxfp4(cfg):
     sizes = [20, 0, 30, 5]
     E, K, N, M = len(sizes), 256, 64, 64
@@ -477,6 +517,12 @@ def test_ptx_decodes_lower_into_the_cuda_kernel():
         text = mod.operation.get_asm()
         assert name == "moe_grouped_matmul_q" and "tt.elementwise_inline_asm" in text
         assert ptx.replace("\n", "\\0A") in text  # MLIR prints the newlines of the asm string as \0A
+    cfg = gpu.GpuConfig(bm=16, bn=64, bk=128, swap_ab=True, dequant="fp8")
+    with _abstract_gpu_mesh():
+        [(name, mod)] = lowered_triton_modules(lambda a, g: gpu.grouped_matmul(a, (q,), g, config=cfg), x, gs)
+    text = mod.operation.get_asm()
+    assert mx.DECODE_E4M3_PTX.replace("\n", "\\0A") in text
+    assert text.count("maxNumImpreciseAcc") == 2 * 128 // mx.GROUP  # two fp8 dots (x hi, lo) per group of a step
 
 
 @pytest.mark.gpu
@@ -484,10 +530,14 @@ def test_ptx_decodes_lower_into_the_cuda_kernel():
                                  gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="asm_sign"),
                                  gpu.GpuConfig(bm=16, bn=64, bk=256, swap_ab=True, dequant="asm"),
                                  gpu.GpuConfig(bm=64, bn=128, bk=128, dequant="asm"),
-                                 gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="bf16")])
+                                 gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="bf16"),
+                                 gpu.GpuConfig(bm=16, bn=128, bk=256, swap_ab=True, dequant="fp8"),
+                                 gpu.GpuConfig(bm=64, bn=128, bk=128, swap_ab=True, dequant="fp8"),
+                                 gpu.GpuConfig(bm=64, bn=128, bk=128, dequant="fp8")])
 def test_gpu_mxfp4_decode_on_device(cfg):
     """The PTX decode compiled for the GPU: MXFP4 grouped matmul (decode-sized and larger groups, an empty one,
-    uncovered tail rows) against ragged_dot on the exactly dequantised weights, and the model's expert FFN."""
+    uncovered tail rows) against ragged_dot on the exactly dequantised weights, and the model's expert FFN.
+    `dequant="fp8"` runs fp8 tensor-core dots with fast accumulation on x as two e4m3 planes: bound 2e-3."""
     sizes = [8, 0, 70, 3, 8, 16, 1, 30]
     E, K, N, M = len(sizes), 1024, 512, 160
     x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
@@ -495,7 +545,7 @@ def test_gpu_mxfp4_decode_on_device(cfg):
     gs = jnp.asarray(sizes, jnp.int32)
     want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
     got = jax.jit(lambda a, b, g: ops.grouped_matmul(a, b, g, backend="gpu", config=cfg))(x, w, gs)
-    assert _rel(got, want) < 1e-4
+    assert _rel(got, want) < (2e-3 if cfg is not None and cfg.dequant == "fp8" else 1e-4)
     assert not np.asarray(got[sum(sizes):]).any()
     if cfg is None:
         xf, idx, wt, ws, ws_ref = _ffn_case("mxfp4")

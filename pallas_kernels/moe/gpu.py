@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ..triton_prims import fp8_dot_nt
 from . import mxfp4 as mx
 from .schedule import group_tiles
 
@@ -152,10 +153,46 @@ def _decode_tile(p_ref, s_ref, g, n0, kk, cfg: GpuConfig, dtype):
     return (lo * sc).astype(dtype), (hi * sc).astype(dtype)
 
 
+def _fp8_groups(x_refs, p_ref, s_ref, acc, g, ws, n0, kk, BM: int, cfg: GpuConfig):
+    """One contraction step of `dequant="fp8"`: for each 32-element group of the step, the weight codes as e4m3
+    `[bn, 32]` — the group's 16 low-nibble (even) elements, then its 16 high-nibble (odd) ones, the order x's
+    planes are stored in (`_fp8_x_planes`) — dotted on the fp8 tensor cores with x's hi and lo planes `[BM, 32]`
+    (one accumulator), the partial `[bn, BM]` (swap_ab) or `[BM, bn]` times the group's E8M0 scale, added to `acc`."""
+    bn, G = cfg.bn, mx.GROUP
+    ng = cfg.bk // G
+    _, exp = mx.E4M3_DECODES[cfg.dequant]
+    sc_all = mx.scale_f32(s_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * ng, ng), ng)], exp)  # [bn, ng]
+    scs = jnp.split(sc_all, ng, axis=1) if ng > 1 else [sc_all]
+    for j in range(ng):
+        kb = kk * ng + j  # the group's index along K
+        pb = p_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kb * (G // 2), G // 2), G // 2)]  # [bn, 16] uint8
+        lo, hi = mx.decode_lo_hi_e4m3(pb, cfg.dequant)
+        # [lo | hi] along the contraction: a register of 4 decoded codes is 4 consecutive operand elements
+        w = jnp.transpose(jnp.stack([lo, hi], axis=-1), (0, 2, 1)).reshape(bn, G)
+        xk = pl.ds(pl.multiple_of(kb * G, G), G)
+        xh, xl = x_refs[0][pl.ds(ws, BM), xk], x_refs[1][pl.ds(ws, BM), xk]
+        sc = scs[j]  # [bn, 1]
+        if cfg.swap_ab:
+            acc = acc + fp8_dot_nt(w, xl, fp8_dot_nt(w, xh)) * sc
+        else:
+            acc = acc + fp8_dot_nt(xl, w, fp8_dot_nt(xh, w)) * sc.reshape(1, bn)
+    return acc
+
+
+def _fp8_x_planes(x):
+    """x `[M, K]` for `dequant="fp8"`: each 32-element group's even elements then its odd ones (the order of the
+    decoded weight operand), as e4m3 planes hi, lo and each row's 1/scale (`mxfp4.split_e4m3_planes`)."""
+    M, K = x.shape
+    x = x.reshape(M, K // mx.GROUP, mx.GROUP // 2, 2).transpose(0, 1, 3, 2).reshape(M, K)
+    return list(mx.split_e4m3_planes(x))
+
+
 def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: int, M: int, K: int,
             n_blocks: int, quantized: bool, n_w: int, activation, fill_uncovered: bool):
     o_ref = refs[-1]
-    x_refs = refs[:2] if quantized else refs[:1]  # MXFP4: x split into even / odd input elements
+    fp8 = quantized and cfg.dequant in mx.E4M3_DECODES
+    # MXFP4: x split into even / odd input elements; "fp8": x as e4m3 planes hi, lo and each row's 1/scale
+    x_refs = refs[:3] if fp8 else refs[:2] if quantized else refs[:1]
     w_refs = refs[len(x_refs):-1]
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     pid = pl.program_id(0)
@@ -173,7 +210,11 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
 
         def step(kk, accs):
             new = []
-            if quantized:
+            if fp8:
+                for i in range(n_w):
+                    new.append(_fp8_groups(x_refs, w_refs[2 * i], w_refs[2 * i + 1], accs[i], g, ws, n0, kk, BM,
+                                           cfg))
+            elif quantized:
                 kh = bk // 2
                 k0 = pl.multiple_of(kk * kh, kh)
                 xe = x_refs[0][pl.ds(ws, BM), pl.ds(k0, kh)]
@@ -196,6 +237,9 @@ def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: 
         def _compute():
             accs = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_w))
             accs = jax.lax.fori_loop(0, K // bk, step, accs)
+            if fp8:  # undo each row's power-of-two scale of x
+                inv = x_refs[2][pl.ds(ws, BM)]
+                accs = tuple(a * (inv[None, :] if cfg.swap_ab else inv[:, None]) for a in accs)
             out = activation(*accs) if n_w == 2 else accs[0]
             if cfg.swap_ab:
                 out = out.T
@@ -257,7 +301,7 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
     tiles = group_tiles(group_sizes, M, cfg.bm)
     n_blocks = N // bn
     if quantized:  # even / odd input elements meet the low / high nibbles: no interleaving in the kernel
-        xs = [x[:, 0::2], x[:, 1::2]]
+        xs = _fp8_x_planes(x) if cfg.dequant in mx.E4M3_DECODES else [x[:, 0::2], x[:, 1::2]]
         arrays = []
         for w in weights:
             packed = w.packed.reshape(E, N, K // mx.GROUP, mx.GROUP // 2) if cfg.dequant == "3d" else w.packed

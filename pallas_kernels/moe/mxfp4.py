@@ -97,9 +97,9 @@ def quantize(w_ekn) -> MXFP4Weight:
 # ----------------------------------------------------------------------------------------------- in-kernel decoding
 
 def scale_f32(s_u8, extra_exp: int = 0):
-    """E8M0 codes -> float32 2^(s−127+extra_exp) from the exponent bits (s = 0 gives 0; overflow gives inf)."""
-    v = jax.lax.bitcast_convert_type(s_u8.astype(jnp.int32) << 23, jnp.float32)
-    return v * (2.0 ** extra_exp) if extra_exp else v
+    """E8M0 codes -> float32 2^(s−127+extra_exp) from the exponent bits: exact while s + extra_exp ∈ [1, 254];
+    s + extra_exp = 0 gives 0, above 254 inf or NaN (extra_exp ≥ 0; no real checkpoint holds s ≥ 249)."""
+    return jax.lax.bitcast_convert_type((s_u8.astype(jnp.int32) + extra_exp) << 23, jnp.float32)
 
 
 def expand_scale(s_f32, per: int = GROUP // 2):
@@ -257,6 +257,107 @@ def _decode_asm_p(form: str = "asm"):
 
     return inline_asm_primitive(f"moe_mxfp4_decode_{form}", PTX_DECODES[form], "=r,=r,=r,=r,r,r,r", 4,
                                 [jnp.bfloat16, jnp.bfloat16], decode_lo_hi_bf16_ref, check=_check_decode_args)
+
+
+# ------------------------------------------------------------- e2m1 -> e4m3 for the fp8 tensor cores (dequant="fp8")
+# Why: at decode-sized groups the bf16 decode above (21 instructions per 8 elements, plus the register shuffles
+# that build bf16 mma fragments from it) is what bounds the MXFP4 kernel, not HBM. Every e2m1 value times 2^−6 is an
+# e4m3 value with the same bit layout shifted: the code's three magnitude bits (e1 e0 m) placed as e4m3's lowest two
+# exponent bits and top mantissa bit read 2^(E−7)·(1 + m/2) for E = e1e0 ≥ 1 and m·2^−7 (an e4m3 subnormal) for
+# E = 0 — exactly 2^−6 times the e2m1 value 2^(E−1)·(1 + m/2), resp. m/2. So the codes go to Hopper's fp8 tensor
+# cores after two shifts and masks per register, the E8M0 scale (times 2^6) applied to each 32-element group's
+# partial dot instead of to every weight (one fp8 wgmma instruction contracts exactly 32 elements), x as two e4m3
+# planes (`split_e4m3_planes`). 7 instructions per 8 elements, no table constants; a register of 4 decoded codes is
+# exactly what an fp8 wgmma fragment holds.
+#   lo (even elements, low nibbles): magnitude bits 0..2 of each byte to bits 2..4 (<< 2), the sign bit 3 to 7 (<< 4);
+#   hi (odd elements, high nibbles): magnitude bits 4..6 to bits 2..4 (>> 2), the sign already at bit 7.
+E4M3_DECODE_EXP = 6  # the decoded codes are 2^−6 times the e2m1 values; the scales carry 2^6
+
+DECODE_E4M3_PTX = """{
+.reg .b32 e4a, e4b, e4c, e4d;
+shl.b32 e4a, $2, 2;
+shl.b32 e4b, $2, 4;
+and.b32 e4b, e4b, 0x80808080;
+lop3.b32 $0, e4a, 0x1C1C1C1C, e4b, 0xEA;
+shr.u32 e4c, $2, 2;
+and.b32 e4d, $2, 0x80808080;
+lop3.b32 $1, e4c, 0x1C1C1C1C, e4d, 0xEA;
+}"""
+
+
+# The same through a byte-permute table (`prmt` with the magnitude bits as selectors looks up the e4m3 codes of |v|
+# for four codes at once, two more sort them into lo / hi, `lop3` ORs in the signs): 9 instructions per 8 elements
+# and two table words, but every nonzero code a NORMAL e4m3 number (0.5 = 0x30), unscaled.
+E4M3_LUT = (0x3C383000, 0x4C484440)  # e4m3 codes of |v| = 0, 0.5, 1, 1.5 | 2, 3, 4, 6
+
+DECODE_E4M3_LUT_PTX = f"""{{
+.reg .b32 e4t0, e4t1, e4m, e4mh, e4a, e4b, e4lo, e4hi, e4s;
+mov.b32 e4t0, {E4M3_LUT[0]:#010x};
+mov.b32 e4t1, {E4M3_LUT[1]:#010x};
+and.b32 e4m, $2, 0x77777777;
+shr.u32 e4mh, e4m, 16;
+prmt.b32 e4a, e4t0, e4t1, e4m;
+prmt.b32 e4b, e4t0, e4t1, e4mh;
+prmt.b32 e4lo, e4a, e4b, 0x6420;
+prmt.b32 e4hi, e4a, e4b, 0x7531;
+shl.b32 e4s, $2, 4;
+lop3.b32 $0, e4lo, e4s, 0x80808080, 0xF8;
+lop3.b32 $1, e4hi, $2, 0x80808080, 0xF8;
+}}"""
+
+# dequant form -> (PTX, the power of two the decoded codes are below the e2m1 values)
+E4M3_DECODES = {"fp8": (DECODE_E4M3_PTX, E4M3_DECODE_EXP), "fp8_lut": (DECODE_E4M3_LUT_PTX, 0)}
+
+
+def decode_lo_hi_e4m3_ref(p_u8, exp: int = E4M3_DECODE_EXP):
+    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn: 2^−exp times the e2m1 values of the low / high nibbles
+    (exact; for exp = 6 the smallest nonzero is an e4m3 subnormal; code 8 gives −0). The jnp twin of
+    `decode_lo_hi_e4m3`."""
+    lut = jnp.asarray(E2M1_VALUES * 2.0 ** -exp).astype(jnp.float8_e4m3fn)
+    return lut[(p_u8 & 0x0F).astype(jnp.int32)], lut[(p_u8 >> 4).astype(jnp.int32)]
+
+
+def _check_e4m3_args(p):
+    if p.dtype != jnp.uint8:
+        raise ValueError(f"decode_lo_hi_e4m3 takes uint8 codes, got {p.dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_e4m3_p(form: str):
+    from ..triton_prims import inline_asm_primitive
+
+    ptx, exp = E4M3_DECODES[form]
+    return inline_asm_primitive(f"moe_mxfp4_decode_e4m3_{form}", ptx, "=r,=r,r", 4,
+                                [jnp.float8_e4m3fn, jnp.float8_e4m3fn],
+                                functools.partial(decode_lo_hi_e4m3_ref, exp=exp), check=_check_e4m3_args)
+
+
+def decode_lo_hi_e4m3(p_u8, form: str = "fp8"):
+    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn, 2^−exp · e2m1 (`E4M3_DECODES[form]`): the PTX in a
+    Pallas Triton kernel, `decode_lo_hi_e4m3_ref` (same bits) elsewhere. Elementwise per byte."""
+    return _decode_e4m3_p(form).bind(p_u8)
+
+
+X_FP8_RANGE = 128.0  # each row of x scaled by a power of two to |x| < 128 (e4m3: max 448, normal from 2^−6)
+
+
+def split_e4m3_planes(x):
+    """`x [M, K]` -> (x_hi, x_lo) float8_e4m3fn `[M, K]` and `inv [M]` float32 with x ≈ (x_hi + x_lo) · inv.
+
+    Each row is scaled by a power of two c (so |x·c| < 128), x_hi = e4m3(x·c), x_lo = e4m3(x·c − x_hi); inv = 1/c
+    (exact). hi + lo carry about 8 significant bits, like bf16: the relative error per element is ≤ 2^−8 (plus an
+    absolute ≤ 2^−10 / c where the residual is an e4m3 subnormal). A zero row gets c = 1.
+
+    x_hi is rounded with `reduce_precision` (4 exponent, 3 mantissa bits: e4m3's rounding below 240, except that it
+    flushes values under 2^−6 to zero — those go whole into x_lo), not by converting to e4m3 and back: inside a jit,
+    XLA on the GPU folded that pair of converts away and the residual came out as zeros (H200, session 10)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax < 2^e
+    c = jnp.ldexp(jnp.float32(1.0), 7 - e)  # amax · c < 2^7
+    xs = xf * c[:, None]
+    hi = jax.lax.reduce_precision(xs, exponent_bits=4, mantissa_bits=3)
+    return hi.astype(jnp.float8_e4m3fn), (xs - hi).astype(jnp.float8_e4m3fn), (1.0 / c).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
