@@ -15,6 +15,11 @@ Options:
   scaled bf16 (`mxfp4.DECODE_PTX`, < 2 integer ops per element; the interpreter runs its jnp twin), or with the
   older f16 bit trick (`dequant="2d"/"3d"`, `mxfp4.decode_lo_hi_f16`). x is split once (in XLA) into
   its even and odd input elements, so the nibbles need no interleaving: out += x_even @ W_lo^T + x_odd @ W_hi^T.
+* `dequant="fp8"` (opt-in, measured slower): the codes shifted into e4m3 (`mxfp4.DECODE_E4M3_PTX`, < 1 integer op
+  per element, no shuffles: a register of 4 codes is an fp8 wgmma fragment as it is), one fp8 wgmma per 32-element
+  group and its E8M0 scale applied to that group's partial, x as two e4m3 planes. Fewer instructions than the bf16
+  decode (491 vs 631 per 64 × 256 tile, pip Triton 3.6), but Triton waits for every one of those small wgmma
+  before the next (only a loop-carried accumulator is pipelined): 0.82 vs 1.95 TB/s at 8 rows per expert.
 * Two weights (gate, up) with `activation(g, u)` applied to the two fp32 accumulators before the single store:
   the gated FFN's first half in one kernel, h written once in bf16. On an H200 at K3 shapes this measured 0.92x
   two single-weight matmuls + the activation in XLA (two accumulators halve the column block that fits in
@@ -61,7 +66,8 @@ class GpuConfig:
     # MXFP4 tile decode: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`), "asm_sign" (one
     # magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; 4% faster than "asm" on the H200, session 7),
     # "bf16" (the same numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales
-    # broadcast [bn, bk/32, 16])
+    # broadcast [bn, bk/32, 16]), "fp8" (the codes as e4m3 on fp8 tensor cores, one dot per 32-element scale group,
+    # x as two e4m3 planes: `_fp8_groups`; 2.4x slower than "asm_sign" on the H200, session 10)
     dequant: str = "asm_sign"
     # > 0: a tile holding at most bm_small rows (a group's last tile, or a small group) runs a bm_small-row MMA
     # instead of bm rows (a second code path in the same program, picked per tile at run time). At K3 prefill's
@@ -94,12 +100,15 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
     (bm >= rows per expert, up to 64) and each weight tile is decoded once; 64x256 weight tiles, 4 warps (with the
     f16-trick "2d" decode: 1.34 TB/s at 8 rows per expert; 3d decode, wider/deeper tiles, 8 warps and swap_ab were
     slower). The decode is now `MXFP4_DECODE` (PTX byte permutes, ~4x fewer ops per element; block shapes re-swept
-    on the H200 in session 7: 16x64x256, 4 warps, 3 stages is still the best at 8 rows per expert)."""
+    on the H200 in session 7: 16x64x256, 4 warps, 3 stages was still the best at 8 rows per expert; session 10:
+    512-wide steps 3% faster there). The fp8 tensor-core path (`dequant="fp8"`) measured 2.4x slower: opt-in only."""
     avg = m_rows / max(num_groups, 1)
     if quantized:
         dq = MXFP4_DECODE
+        if avg <= 16:  # 512-wide steps: 1.98 vs 1.92-1.95 TB/s at 8 rows per expert (H200, s10_gpu1-2)
+            return GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant=dq)
         if avg <= 32:
-            return GpuConfig(bm=_pow2_at_least(avg, 16, 32), bn=64, bk=256, num_warps=4, num_stages=3, dequant=dq)
+            return GpuConfig(bm=32, bn=64, bk=256, num_warps=4, num_stages=3, dequant=dq)
         if avg <= 64:
             return GpuConfig(bm=64, bn=128, bk=128, num_warps=4, num_stages=3, dequant=dq)
         return GpuConfig(bm=128, bn=128 if n_w == 1 else 64, bk=128, num_warps=8, num_stages=3, dequant=dq)
