@@ -321,9 +321,6 @@ def decode_lo_hi_e4m3(p_u8, form: str = "fp8"):
     return _decode_e4m3_p(form).bind(p_u8)
 
 
-X_FP8_RANGE = 128.0  # each row of x scaled by a power of two to |x| < 128 (e4m3: max 448, normal from 2^−6)
-
-
 def split_e4m3_planes(x):
     """`x [M, K]` -> (x_hi, x_lo) float8_e4m3fn `[M, K]` and `inv [M]` float32 with x ≈ (x_hi + x_lo) · inv.
 
