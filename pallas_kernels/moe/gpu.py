@@ -169,13 +169,12 @@ def _fp8_groups(x_refs, p_ref, s_ref, acc, g, ws, n0, kk, BM: int, cfg: GpuConfi
     (one accumulator), the partial `[bn, BM]` (swap_ab) or `[BM, bn]` times the group's E8M0 scale, added to `acc`."""
     bn, G = cfg.bn, mx.GROUP
     ng = cfg.bk // G
-    _, exp = mx.E4M3_DECODES[cfg.dequant]
-    sc_all = mx.scale_f32(s_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * ng, ng), ng)], exp)  # [bn, ng]
+    sc_all = mx.scale_f32(s_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * ng, ng), ng)], mx.E4M3_DECODE_EXP)
     scs = jnp.split(sc_all, ng, axis=1) if ng > 1 else [sc_all]
     for j in range(ng):
         kb = kk * ng + j  # the group's index along K
         pb = p_ref[g, pl.ds(n0, bn), pl.ds(pl.multiple_of(kb * (G // 2), G // 2), G // 2)]  # [bn, 16] uint8
-        lo, hi = mx.decode_lo_hi_e4m3(pb, cfg.dequant)
+        lo, hi = mx.decode_lo_hi_e4m3(pb)
         # [lo | hi] along the contraction: a register of 4 decoded codes is 4 consecutive operand elements
         w = jnp.transpose(jnp.stack([lo, hi], axis=-1), (0, 2, 1)).reshape(bn, G)
         xk = pl.ds(pl.multiple_of(kb * G, G), G)
@@ -199,7 +198,7 @@ def _fp8_x_planes(x):
 def _kernel(group_ref, row0_ref, rowend_ref, num_ref, *refs, cfg: GpuConfig, E: int, M: int, K: int,
             n_blocks: int, quantized: bool, n_w: int, activation, fill_uncovered: bool):
     o_ref = refs[-1]
-    fp8 = quantized and cfg.dequant in mx.E4M3_DECODES
+    fp8 = quantized and cfg.dequant == "fp8"
     # MXFP4: x split into even / odd input elements; "fp8": x as e4m3 planes hi, lo and each row's 1/scale
     x_refs = refs[:3] if fp8 else refs[:2] if quantized else refs[:1]
     w_refs = refs[len(x_refs):-1]
@@ -310,7 +309,7 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
     tiles = group_tiles(group_sizes, M, cfg.bm)
     n_blocks = N // bn
     if quantized:  # even / odd input elements meet the low / high nibbles: no interleaving in the kernel
-        xs = _fp8_x_planes(x) if cfg.dequant in mx.E4M3_DECODES else [x[:, 0::2], x[:, 1::2]]
+        xs = _fp8_x_planes(x) if cfg.dequant == "fp8" else [x[:, 0::2], x[:, 1::2]]
         arrays = []
         for w in weights:
             packed = w.packed.reshape(E, N, K // mx.GROUP, mx.GROUP // 2) if cfg.dequant == "3d" else w.packed

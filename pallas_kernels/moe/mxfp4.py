@@ -285,18 +285,15 @@ lop3.b32 $1, e4c, 0x1C1C1C1C, e4d, 0xEA;
 }"""
 
 
-# dequant form -> (PTX, the power of two the decoded codes are below the e2m1 values). A byte-permute table
-# decode to normal e4m3 codes (0.5 = 0x30, unscaled; 9 instructions per 8 elements and two table words) was timed
-# beside it on the H200 (session 10): the same error, 3-5% slower; the tensor cores take the subnormal codes exactly
-# (`bench/moe_fp8_check.py`).
-E4M3_DECODES = {"fp8": (DECODE_E4M3_PTX, E4M3_DECODE_EXP)}
+# A byte-permute table decode to normal e4m3 codes (0.5 = 0x30, unscaled; 9 instructions per 8 elements and two
+# table words) was timed beside this one on the H200 (session 10): the same error, 3-5% slower; the tensor cores take
+# the subnormal codes exactly (`bench/moe_fp8_check.py`).
 
 
-def decode_lo_hi_e4m3_ref(p_u8, exp: int = E4M3_DECODE_EXP):
-    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn: 2^−exp times the e2m1 values of the low / high nibbles
-    (exact; for exp = 6 the smallest nonzero is an e4m3 subnormal; code 8 gives −0). The jnp twin of
-    `decode_lo_hi_e4m3`."""
-    lut = jnp.asarray(E2M1_VALUES * 2.0 ** -exp).astype(jnp.float8_e4m3fn)
+def decode_lo_hi_e4m3_ref(p_u8):
+    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn: 2^−6 times the e2m1 values of the low / high nibbles
+    (exact; the smallest nonzero is an e4m3 subnormal; code 8 gives −0). The jnp twin of `decode_lo_hi_e4m3`."""
+    lut = jnp.asarray(E2M1_VALUES * 2.0 ** -E4M3_DECODE_EXP).astype(jnp.float8_e4m3fn)
     return lut[(p_u8 & 0x0F).astype(jnp.int32)], lut[(p_u8 >> 4).astype(jnp.int32)]
 
 
@@ -306,19 +303,18 @@ def _check_e4m3_args(p):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_e4m3_p(form: str):
+def _decode_e4m3_p():
     from ..triton_prims import inline_asm_primitive
 
-    ptx, exp = E4M3_DECODES[form]
-    return inline_asm_primitive(f"moe_mxfp4_decode_e4m3_{form}", ptx, "=r,=r,r", 4,
-                                [jnp.float8_e4m3fn, jnp.float8_e4m3fn],
-                                functools.partial(decode_lo_hi_e4m3_ref, exp=exp), check=_check_e4m3_args)
+    return inline_asm_primitive("moe_mxfp4_decode_e4m3", DECODE_E4M3_PTX, "=r,=r,r", 4,
+                                [jnp.float8_e4m3fn, jnp.float8_e4m3fn], decode_lo_hi_e4m3_ref,
+                                check=_check_e4m3_args)
 
 
-def decode_lo_hi_e4m3(p_u8, form: str = "fp8"):
-    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn, 2^−exp · e2m1 (`E4M3_DECODES[form]`): the PTX in a
-    Pallas Triton kernel, `decode_lo_hi_e4m3_ref` (same bits) elsewhere. Elementwise per byte."""
-    return _decode_e4m3_p(form).bind(p_u8)
+def decode_lo_hi_e4m3(p_u8):
+    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn, 2^−6 · e2m1: `DECODE_E4M3_PTX` in a Pallas Triton
+    kernel, `decode_lo_hi_e4m3_ref` (same bits) elsewhere. Elementwise per byte."""
+    return _decode_e4m3_p().bind(p_u8)
 
 
 def split_e4m3_planes(x):
