@@ -72,14 +72,19 @@ def chain_check():
           f"lo nonzero {float(np.mean(np.asarray(lo, np.float64) != 0)):.2f}")
 
 
+def _case(x_dtype):
+    """x `[160, 1024]`, group sizes (decode-sized and larger groups, an empty one, uncovered tail rows) and MXFP4
+    weights `[8, 512, 1024]`: the shapes of tests/test_moe_kernels.py's device test."""
+    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
+    E, K, N, M = len(sizes), 1024, 512, 160
+    x = jax.random.normal(jax.random.key(11), (M, K), x_dtype)
+    return x, jnp.asarray(sizes, jnp.int32), mx.random_weight(jax.random.key(12), E, K, N)
+
+
 def planes_check():
     """The kernel with only x's hi plane, only its lo plane (the other zeroed), against the exact products; and the
     split under jit on this device."""
-    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
-    E, K, N, M = len(sizes), 1024, 512, 160
-    x = jax.random.normal(jax.random.key(11), (M, K), jnp.float32)
-    gs = jnp.asarray(sizes, jnp.int32)
-    w = mx.random_weight(jax.random.key(12), E, K, N)
+    x, gs, w = _case(jnp.float32)
     wd = mx.dequantize(w, jnp.float32)
     hi, lo, inv = jax.jit(mx.split_e4m3_planes)(x)
     h2, l2, _ = mx.split_e4m3_planes(x)
@@ -107,11 +112,7 @@ def main():
     dot_check(normal, "normal e4m3 (e2m1 values)")
     dot_check(mx.E2M1_VALUES * 2.0 ** -6, "e2m1 · 2^-6 (±0.5 -> subnormal 2^-7)")
     dot_check(np.array([2.0 ** -7, -(2.0 ** -7), 2.0 ** -9 * 3]), "subnormals only")
-    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
-    E, K, N, M = len(sizes), 1024, 512, 160
-    x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
-    gs = jnp.asarray(sizes, jnp.int32)
-    w = mx.random_weight(jax.random.key(12), E, K, N)
+    x, gs, w = _case(jnp.bfloat16)
     p = np.asarray(w.packed)
     no_half = np.where((p & 7) == 1, p + 1, p)  # |v| = 0.5 -> 1 in the low nibble
     no_half = np.where(((no_half >> 4) & 7) == 1, no_half + 16, no_half).astype(np.uint8)
