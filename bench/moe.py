@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from _timing import pipelined_seconds  # noqa: E402
 from pallas_kernels.moe import gpu as moe_gpu  # noqa: E402
+from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops  # noqa: E402
 
@@ -326,7 +327,7 @@ def bench_mxfp4(args, copy_bw):
     INFO["mxfp4_weight_bytes"] = wbytes
     w_deq = jax.jit(lambda p, s: mx.dequantize(mx.MXFP4Weight(p, s), jnp.bfloat16))(wq.packed, wq.scale)
     results = {}
-    for rows_per_expert in (8, 32, 64):
+    for rows_per_expert in [int(r) for r in args.q_rows.split(",")]:
         if left(args.budget) < 30:
             INFO["notes"].append(f"budget: MXFP4 rows/expert={rows_per_expert} skipped")
             break
@@ -336,7 +337,10 @@ def bench_mxfp4(args, copy_bw):
         ref = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))(
             x, w_deq, sizes)
         shape = f"E={E} {rows_per_expert} rows/expert {K}->{N} MXFP4"
-        if not args.sweep:
+        if args.q_configs:  # GpuConfig field overrides over the default config at these rows
+            d = moe_gpu.default_config(m, E, K, N, True)
+            sweep = [dataclasses.replace(d, **o) for o in json.loads(args.q_configs)]
+        elif not args.sweep:
             sweep = [None]
         elif rows_per_expert == 8:
             sweep = Q_SWEEP
@@ -362,6 +366,30 @@ def bench_mxfp4(args, copy_bw):
             t = attempt(f"MXFP4 {rows_per_expert} {cfg}", run)
             if t is not None and (best[0] is None or t < best[0]):
                 best = (t, cfg)
+        for mcfg in [dataclasses.replace(mgpu_mx.default_config(rows_per_expert), **o)
+                     for o in json.loads(args.mgpu_configs or "[]")]:
+            if left(args.budget) < 20:
+                break
+
+            def run_mgpu(mcfg=mcfg, x=x, sizes=sizes, ref=ref):
+                wp = mgpu_mx.prepare_weight(wq)
+                f = jax.jit(lambda a, w_, g: mgpu_mx.grouped_matmul(a, w_, g, config=mcfg, out_dtype=jnp.bfloat16))
+                err = rel_err(f(x, wp, sizes), ref)
+                if err > 2e-2:
+                    raise AssertionError(f"wrong result, rel err {err:.3g}")
+                t = time_jax(f, x, wp, sizes, reps=20)
+                prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:4])(x, sizes)
+                fk = jax.jit(lambda xe, xo, tg, nt, w_: mgpu_mx.kernel_call(xe, xo, tg, nt, w_, mcfg))
+                tk = time_jax(fk, *prep, wp, reps=20)
+                INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg}"] = dict(op=t * 1e6,
+                                                                                            kernel=tk * 1e6)
+                log(f"MXFP4 {rows_per_expert} rows/expert mosaic {mcfg}: op {wbytes / t / 1e12:.2f} TB/s "
+                    f"({t * 1e6:.0f} us), kernel alone {wbytes / tk / 1e12:.2f} TB/s ({tk * 1e6:.0f} us), "
+                    f"err {err:.2e}")
+                return t
+            t = attempt(f"MXFP4 {rows_per_expert} mosaic {mcfg}", run_mgpu)
+            if t is not None and (best[0] is None or t < best[0]):
+                best = (t, mcfg)
         t = best[0]
         results[rows_per_expert] = dict(us=t and t * 1e6, config=str(best[1]))
         row(f"MXFP4 grouped_matmul weight bytes/s vs copy ({rows_per_expert} rows/expert)", shape,
@@ -468,6 +496,12 @@ def main():
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--no-ep", action="store_true")
     ap.add_argument("--mxfp4-only", action="store_true", help="skip the bf16 section")
+    ap.add_argument("--q-rows", default="8,32,64", help="MXFP4 section: rows per expert to time")
+    ap.add_argument("--q-configs", default="", help="MXFP4 section: JSON list of GpuConfig field overrides of the "
+                    "default config, e.g. '[{\"bk\": 128}, {\"bk\": 128, \"num_stages\": 4}]' (instead of --sweep)")
+    ap.add_argument("--mgpu-configs", default="", help="MXFP4 section: also time the Mosaic GPU kernel "
+                    "(pallas_kernels.moe.mgpu_mxfp4), a JSON list of MgpuConfig field overrides of its default config at "
+                    "each rows-per-expert, e.g. '[{}, {\"steps\": 6}]'")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()
     if args.smoke:

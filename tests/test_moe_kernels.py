@@ -553,3 +553,84 @@ def test_gpu_mxfp4_decode_on_device(cfg):
         ref = reference.expert_ffn(xf, idx, wt, *ws_ref, situ)
         out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *ws)
         assert _rel(out, ref) < 2e-2
+
+
+# --------------------------------------------------------------- the Mosaic GPU MXFP4 kernel (pallas_kernels.moe.mgpu_mxfp4)
+
+def test_mgpu_contraction_order_is_a_permutation_per_64_byte_block():
+    """x's packed-column order for the Mosaic GPU kernel: a bijection within every 64-byte block, and thread quad q's
+    16 contiguous bytes (one 32-element scale group) become logical columns (2q, 2q+1, 2q+8, 2q+9) of the four
+    16-wide slabs — the A-operand fragment of lane q in each slab."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    perm = mm.x_permutation(256)
+    assert sorted(perm) == list(range(256))
+    assert all(set(perm[b:b + 64]) == set(range(b, b + 64)) for b in range(0, 256, 64))
+    inv = np.argsort(perm)  # physical byte -> logical column
+    for q in range(4):
+        logical = inv[16 * q:16 * q + 16].reshape(4, 4)  # word s, byte t
+        for s in range(4):
+            assert list(logical[s]) == [16 * s + 2 * q, 16 * s + 2 * q + 1, 16 * s + 2 * q + 8, 16 * s + 2 * q + 9]
+
+
+def test_mgpu_row_preparation_reproduces_the_grouped_matmul():
+    """The Mosaic GPU kernel's contract, computed in jnp on the CPU: per live 16-row tile t of `prepare_rows`, the
+    weight planes of expert tile_group[t] in the permuted contraction order, times that tile's xe / xo rows, give
+    the grouped matmul — padding, tile-to-group map, x permutation and the output gather together."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    sizes = [8, 0, 37, 3, 16, 1]
+    E, K, N, M = len(sizes), 256, 64, 70  # 5 uncovered tail rows
+    x = jax.random.normal(jax.random.key(5), (M, K), jnp.bfloat16)
+    w = mx.random_weight(jax.random.key(6), E, K, N)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = reference.grouped_matmul(x, mx.dequantize(w, jnp.bfloat16), gs)
+    for rows in (16, 32):
+        xe, xo, tile_group, num_tiles, pad_row, live = mm.prepare_rows(x, gs, E, rows)
+        assert int(num_tiles[0]) == sum(-(-s // rows) for s in sizes)
+        perm = mm.x_permutation(K // 2)
+        lo, hi = mx.decode_lo_hi_f32(w.packed)  # [E, N, K/2] even / odd input elements, unscaled
+        sc = jnp.repeat(mx.scale_f32(w.scale), mx.GROUP // 2, axis=-1)  # [E, N, K/2]: one scale per 16 bytes
+        lo, hi = (lo * sc)[:, :, perm], (hi * sc)[:, :, perm]
+        out_t = jnp.zeros((N, xe.shape[0]), jnp.float32)
+        for t in range(int(num_tiles[0])):
+            g, r = int(tile_group[t]), slice(t * rows, (t + 1) * rows)
+            part = lo[g] @ xe[r].astype(jnp.float32).T + hi[g] @ xo[r].astype(jnp.float32).T
+            out_t = out_t.at[:, r].set(part)
+        got = jnp.where(live[:, None], out_t[:, pad_row].T, 0)
+        assert _rel(got, want) < 1e-5
+        assert not np.asarray(got[sum(sizes):]).any()
+
+
+def test_mgpu_mxfp4_kernel_lowers_for_cuda():
+    """The Mosaic GPU kernel lowers for CUDA (its inline decode builds the WGMMA-layout registers at lowering time);
+    the custom call carries a Mosaic GPU module. Running it needs a Hopper GPU (the gpu-marked test below)."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    E, K, N = 4, 512, 128
+    x = jax.ShapeDtypeStruct((32, K), jnp.bfloat16)
+    w = mm.PreparedWeight(jax.ShapeDtypeStruct((E, N, K // 2), jnp.uint8),
+                          jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8))
+    gs = jax.ShapeDtypeStruct((E,), jnp.int32)
+    for cfg in (mm.MgpuConfig(), mm.MgpuConfig(kh=256, rows=32)):
+        text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3), dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3)])
+def test_gpu_mgpu_mxfp4_matches_reference(cfg):
+    """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of
+    8, 0, 70, 3, 16, 1 and 30 rows (tiles padded to 16 per group) and uncovered tail rows, which come back as zeros."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
+    E, K, N, M = len(sizes), 1024, 512, 160
+    x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
+    w = mx.random_weight(jax.random.key(12), E, K, N)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
+    got = mm.grouped_matmul(x, mm.prepare_weight(w), gs, config=mm.MgpuConfig(**cfg))
+    assert _rel(got, want) < 1e-4
+    assert not np.asarray(got[sum(sizes):]).any()

@@ -1,0 +1,277 @@
+"""MXFP4 grouped matmul for decode-sized expert groups on Hopper, in Pallas Mosaic GPU (GPU only).
+
+Why a second kernel: the Pallas Triton kernel (`gpu.grouped_matmul`, `dequant="asm_sign"`) is issue-bound at 0.46 of
+copy bandwidth at 8 rows per expert. Its e2m1 decode (`mxfp4.DECODE_PTX_SIGN`, ~20 instructions per 8 weights) is
+only half of its loop; the rest is Triton's operand shuffles, register moves and address arithmetic (0.14–0.15 warp
+instructions per weight for every tile shape, `bench/triton_regs.py --op moe --sass`). Here the decode writes its
+bf16 pairs straight into the registers of the wgmma A operand (`inline_mgpu`), the weights stream through a TMA
+pipeline, and the tensor cores take the weights as the M side (64 output columns per warpgroup) and a tile of 16, 32
+or 64 rows of x as the N side (the swap_ab form of the Triton kernel; one tile per decode-sized group).
+
+Layout trick: wgmma only needs A and B to agree on the order of the contraction, so the order is chosen to make the
+loads trivial. A thread's A-operand fragment for one 16-wide k slab is the pairs (r, 2q..2q+1) and (r, 2q+8..2q+9)
+of rows r and r + 8 (q = lane % 4). For each 64-byte block of a packed weight row, thread q loads the 16 contiguous
+bytes [16q, 16q + 16) (one `ld.shared.v4`, one E8M0 scale: they are one 32-element group) and word s of them (4
+bytes) becomes logical slab s: bytes t = 0..3 are logical columns 16s + (2q, 2q+1, 2q+8, 2q+9)[t]. x's even and odd
+planes are permuted the same way in XLA (`x_permutation`), so the products are unchanged. Each word goes through the
+tested PTX decode (`mxfp4.DECODE_PTX_SIGN`) into two lo-plane and two hi-plane registers, with the group's scale.
+
+Groups: rows are padded per expert to multiples of the tile's rows in XLA (a tile never holds two experts, no masked
+stores); the output is written transposed, `[N, padded rows]` fp32, and gathered back. Scales are read transposed, `[E, K/32, N]`
+(`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
+
+Measured (H200, session 11, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072): kernel alone 2.07–2.17 TB/s of
+weights at 8 rows per expert (Triton 1.94–1.97 for its whole op), 1.83–2.01 at 32 (Triton 1.25); with the XLA row
+preparation the op is 1.84–1.90 / 1.38–1.48 TB/s. ncu: 128 registers, ≤ 4 CTAs per SM, 4.7 cycles per issued
+instruction with 16 warps per SM — issue-bound on the decode (~20 of ~26 instructions per 8 weights), as the Triton
+kernel is: both stay below the 0.7-of-copy bar. Opt-in; `ops` keeps the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import mxfp4 as mx
+
+COLS = 64  # output columns per warpgroup: the wgmma M side
+BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    rows: int = 16  # x rows per tile (the wgmma N side): a group's rows are padded to a multiple of it
+    kh: int = 128  # packed bytes of a weight row per pipeline step (2 * kh weights)
+    steps: int = 4  # pipeline stages in flight
+    ctas_per_sm: int = 2
+
+
+def default_config(rows_per_group: float) -> MgpuConfig:
+    """One row tile per decode-sized group, so each expert's weights stream once (16, 32 or 64 rows)."""
+    rows = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
+    return MgpuConfig(rows=rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedWeight:
+    """MXFP4 weight in the kernel's layout: codes `[E, N, K/2]` uint8 as stored, scales transposed `[E, K/32, N]`."""
+    codes: jax.Array
+    scales_t: jax.Array
+
+    @property
+    def num_experts(self):
+        return self.codes.shape[0]
+
+    @property
+    def out_features(self):
+        return self.codes.shape[1]
+
+    @property
+    def in_features(self):
+        return self.codes.shape[2] * 2
+
+
+jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t"], meta_fields=[])
+
+
+def prepare_weight(w: mx.MXFP4Weight) -> PreparedWeight:
+    return PreparedWeight(w.packed, jnp.swapaxes(w.scale, 1, 2))
+
+
+def x_permutation(kh_total: int) -> np.ndarray:
+    """perm `[K/2]`: logical contraction column L reads physical packed column perm[L] (module docstring)."""
+    perm = np.empty(kh_total, np.int32)
+    for base in range(0, kh_total, BLOCK):
+        for q in range(4):
+            for s in range(4):
+                for t, off in enumerate((2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9)):
+                    perm[base + 16 * s + off] = base + 16 * q + 4 * s + t
+    return perm
+
+
+def _decode_fn(kh: int):
+    """The inline Mosaic GPU body: (codes smem `[64, kh]` u8, scales smem `[kh/16, 64]` u8) -> (lo, hi) bf16
+    `[64, kh]` in the WGMMA layout."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    def fn(ctx, codes_ref, scales_ref):
+        del ctx
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        index, bf16 = ir.IndexType.get(), ir.BF16Type.get()
+        layout = fa.WGMMA_LAYOUT
+        shape = (COLS, kh)
+        reg_shape = layout.registers_shape(shape)
+        reg_idx = list(np.ndindex(reg_shape))
+        coords = dict(zip(reg_idx, layout.thread_idxs(shape)))  # register -> (row, col) of its first element
+
+        def reg(c8, h):  # the register of column block c8 (8 wide) and row half h
+            i = [0] * len(reg_shape)
+            i[1], i[4] = c8, h
+            return tuple(i)
+
+        assert reg_shape[1] == kh // 8 and reg_shape[4] == 2 and np.prod(reg_shape) == kh // 4, reg_shape
+        rows = [coords[reg(0, h)][0] for h in (0, 1)]
+        two_q = coords[reg(0, 0)][1]  # 2q
+        q = arith.divui(two_q, mgu.c(2, index))
+        q16 = arith.muli(two_q, mgu.c(8, index))
+        v16i8 = ir.VectorType.get((16,), i8)
+        v4i32 = ir.VectorType.get((4,), i32)
+        v2bf16 = ir.VectorType.get((2,), bf16)
+        out_ty = llvm.StructType.get_literal([i32] * 4)
+        lo = np.empty(reg_shape, dtype=object)
+        hi = np.empty(reg_shape, dtype=object)
+        for h in (0, 1):
+            for b in range(kh // BLOCK):
+                col = arith.addi(q16, mgu.c(BLOCK * b, index))
+                words = mgu.bitcast(vector.load(v16i8, codes_ref, [rows[h], col]), v4i32)
+                grp = arith.addi(q, mgu.c(4 * b, index))
+                s32 = arith.extui(i32, memref.load(scales_ref, [grp, rows[h]]))
+                e = arith.subi(arith.maxui(s32, mgu.c(1, i32)), mgu.c(1, i32))
+                h2 = arith.muli(e, mgu.c(0x00800080, i32))  # bf16x2 (h, h), h = 2^(S-128) (`mxfp4.scale_half_bf16`)
+                for s in range(4):
+                    w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
+                    out = llvm.inline_asm(out_ty, [w, h2, h2], mx.DECODE_PTX_SIGN, "=r,=r,=r,=r,r,r,r")
+                    regs = [mgu.bitcast(llvm.extractvalue(i32, out, [k]), v2bf16) for k in range(4)]
+                    slab = 4 * b + s
+                    lo[reg(2 * slab, h)], lo[reg(2 * slab + 1, h)] = regs[0], regs[1]
+                    hi[reg(2 * slab, h)], hi[reg(2 * slab + 1, h)] = regs[2], regs[3]
+        return (fa.FragmentedArray(_registers=lo, _layout=layout, _is_signed=None),
+                fa.FragmentedArray(_registers=hi, _layout=layout, _is_signed=None))
+
+    return fn
+
+
+def _group_of(ends, idx):
+    """Group of each index for sorted group ends: a count of the ends ≤ idx (a compare-all, no search loop: XLA's
+    `searchsorted` scan costs tens of µs of small kernels on the GPU)."""
+    return jnp.sum(idx[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def _tiles(group_sizes, E: int, t_max: int, rows: int):
+    """Per-group padding to `rows`: (tile -> group `[t_max]`, live tiles `[1]`, padded row start per group)."""
+    sizes = group_sizes.astype(jnp.int32)
+    tiles_g = (sizes + rows - 1) // rows
+    tile_end = jnp.cumsum(tiles_g)
+    tile_start = tile_end - tiles_g
+    tile_group = jnp.minimum(_group_of(tile_end, jnp.arange(t_max, dtype=jnp.int32)), E - 1)
+    return tile_group, tile_end[-1:], tile_start * rows
+
+
+def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
+    """XLA side: rows padded per group to multiples of `rows`, x split into even / odd elements in the kernel's
+    contraction order -> (xe, xo `[m_pad, K/2]` bf16, tile -> group `[t_max]`, live tiles `[1]`, padded row of each
+    input row `[M]`, live row mask `[M]`)."""
+    M, K = x.shape
+    E = num_experts
+    t_max = -(-M // rows) + E
+    m_pad = t_max * rows
+    tile_group, num_tiles, pad_start = _tiles(group_sizes, E, t_max, rows)
+    # padded row of each sorted row; rows past Σ sizes go to the last padded row (never a live tile's) and are zeroed
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row = jnp.arange(M, dtype=jnp.int32)
+    g_of_row = jnp.minimum(_group_of(ends, row), E - 1)
+    live = row < ends[-1]
+    pad_row = jnp.where(live, pad_start[g_of_row] + row - (ends - group_sizes)[g_of_row], m_pad - 1)
+    # source row of each padded row (M: a zero row), then one column gather per plane: even / odd input elements
+    # in the kernel's contraction order
+    src = jnp.full((m_pad,), M, jnp.int32).at[jnp.where(live, pad_row, m_pad)].set(row, mode="drop")
+    x_rows = jnp.concatenate([x, jnp.zeros((1, K), x.dtype)])[src]
+    perm = jnp.asarray(x_permutation(K // 2))
+    xe = x_rows[:, 2 * perm].astype(jnp.bfloat16)
+    xo = x_rows[:, 2 * perm + 1].astype(jnp.bfloat16)
+    return xe, xo, tile_group, num_tiles, pad_row, live
+
+
+def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig()):
+    """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m_pad, KH = xe.shape
+    cfg = config
+    R, kh = cfg.rows, cfg.kh
+    t_max = m_pad // R
+    E, N, KH2 = w.codes.shape
+    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or m_pad % R:
+        raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
+                         f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
+    n_blocks = N // COLS
+    k_steps = KH // kh
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+                     plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
+    )(_decode_fn(kh))
+
+    def body(tile_group_ref, num_ref, xe_ref, xo_ref, codes_ref, scales_ref, out_ref, o_smem):
+        # work items: (row tile, 64-column block), column blocks innermost (programs in flight share the x tile)
+        @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
+        def _item(info):
+            (i,) = info.index
+            t = i // n_blocks
+            nb = i % n_blocks
+
+            @pl.when(t < num_ref[0])
+            def _live():
+                g = tile_group_ref[t]
+
+                def acc_scope(acc_ref):
+                    def step(_, codes_s, scales_s, xe_s, xo_s):
+                        lo, hi = decode(codes_s, scales_s)
+                        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xe_s, (1, 0)))
+                        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xo_s, (1, 0)))
+                        # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1),
+                        # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines
+                        plgpu.wgmma_wait(0)
+
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(k_steps,),
+                        in_specs=[
+                            plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                            plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
+                            plgpu.BlockSpec((R, kh), lambda kk: (t, kk)),
+                            plgpu.BlockSpec((R, kh), lambda kk: (t, kk)),
+                        ],
+                        max_concurrent_steps=cfg.steps,
+                    )(codes_ref.at[g], scales_ref.at[g], xe_ref, xo_ref)
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read o_smem
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((N, m_pad), jnp.float32),
+        grid=(num_sms * cfg.ctas_per_sm,),
+        grid_names=("sm",),
+        scratch_types=dict(o_smem=plgpu.SMEM((COLS, R), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(tile_group, num_tiles, xe, xo, w.codes, w.scales_t)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
+def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | None = None, out_dtype=jnp.float32):
+    """`x [M, K]` bf16 rows sorted by group, MXFP4 weight (`prepare_weight`), `group_sizes [E]` -> `[M, N]`:
+    x @ W[g]ᵀ per row with fp32 accumulation (the decoded weights are `mxfp4.decode_lo_hi_bf16_ref`'s bits). Rows
+    past Σ group_sizes are zeros."""
+    if x.shape[1] != w.in_features:
+        raise ValueError(f"MXFP4 weight has K={w.in_features}, x has K={x.shape[1]}")
+    config = config or default_config(x.shape[0] / w.num_experts)
+    xe, xo, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
+    out_t = kernel_call(xe, xo, tile_group, num_tiles, w, config)
+    return jnp.where(live[:, None], out_t[:, pad_row].T, 0).astype(out_dtype)
