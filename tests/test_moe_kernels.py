@@ -576,7 +576,8 @@ def test_mgpu_contraction_order_is_a_permutation_per_64_byte_block():
 def test_mgpu_row_preparation_reproduces_the_grouped_matmul():
     """The Mosaic GPU kernel's contract, computed in jnp on the CPU: per live 16-row tile t of `prepare_rows`, the
     weight planes of expert tile_group[t] in the permuted contraction order, times that tile's xe / xo rows, give
-    the grouped matmul — padding, tile-to-group map, x permutation and the output gather together."""
+    the grouped matmul — padding, tile-to-group map, x permutation and the output gather together; likewise the
+    fp8 path's `prepare_rows_fp8` (within the two-plane split's error)."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes = [8, 0, 37, 3, 16, 1]
@@ -600,6 +601,21 @@ def test_mgpu_row_preparation_reproduces_the_grouped_matmul():
         got = jnp.where(live[:, None], out_t[:, pad_row].T, 0)
         assert _rel(got, want) < 1e-5
         assert not np.asarray(got[sum(sizes):]).any()
+    # the fp8 path's contract: codes as e4m3 (2^-6 · e2m1), each group's [even | odd] elements, x as two e4m3
+    # planes, the group scale times 2^6 on each group's partial, each row's 1/scale at the end
+    lo8, hi8 = mx.decode_lo_hi_e4m3_ref(w.packed)
+    G = mx.GROUP
+    w8 = jnp.stack([lo8.astype(jnp.float32).reshape(E, N, K // G, G // 2),
+                    hi8.astype(jnp.float32).reshape(E, N, K // G, G // 2)], axis=3).reshape(E, N, K)
+    w8 = w8 * jnp.repeat(mx.scale_f32(w.scale, mx.E4M3_DECODE_EXP), G, axis=-1)
+    x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = mm.prepare_rows_fp8(x, gs, E, 16)
+    xp = x_hi.astype(jnp.float32) + x_lo.astype(jnp.float32)
+    out_t = jnp.zeros((N, xp.shape[0]), jnp.float32)
+    for t in range(int(num_tiles[0])):
+        r = slice(t * 16, (t + 1) * 16)
+        out_t = out_t.at[:, r].set(w8[int(tile_group[t])] @ xp[r].T)
+    got = jnp.where(live[:, None], out_t[:, pad_row].T * inv[pad_row][:, None], 0)
+    assert _rel(got, want) < 3e-3
 
 
 def test_mgpu_mxfp4_kernel_lowers_for_cuda():
@@ -612,14 +628,16 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     w = mm.PreparedWeight(jax.ShapeDtypeStruct((E, N, K // 2), jnp.uint8),
                           jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8))
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
-    for cfg in (mm.MgpuConfig(), mm.MgpuConfig(kh=256, rows=32)):
+    for cfg in (mm.MgpuConfig(), mm.MgpuConfig(kh=256, rows=32), mm.MgpuConfig(mma="fp8", rows=8)):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3), dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3)])
+@pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3),
+                                 dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
+                                 dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32)])
 def test_gpu_mgpu_mxfp4_matches_reference(cfg):
     """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of
     8, 0, 70, 3, 16, 1 and 30 rows (tiles padded to 16 per group) and uncovered tail rows, which come back as zeros."""
@@ -632,5 +650,5 @@ def test_gpu_mgpu_mxfp4_matches_reference(cfg):
     gs = jnp.asarray(sizes, jnp.int32)
     want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
     got = mm.grouped_matmul(x, mm.prepare_weight(w), gs, config=mm.MgpuConfig(**cfg))
-    assert _rel(got, want) < 1e-4
+    assert _rel(got, want) < (3e-3 if cfg.get("mma") == "fp8" else 1e-4)  # fp8: x as two e4m3 planes
     assert not np.asarray(got[sum(sizes):]).any()

@@ -20,11 +20,16 @@ Groups: rows are padded per expert to multiples of the tile's rows in XLA (a til
 stores); the output is written transposed, `[N, padded rows]` fp32, and gathered back. Scales are read transposed, `[E, K/32, N]`
 (`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
 
-Measured (H200, session 11, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072): kernel alone 2.07–2.17 TB/s of
-weights at 8 rows per expert (Triton 1.94–1.97 for its whole op), 1.83–2.01 at 32 (Triton 1.25); with the XLA row
-preparation the op is 1.84–1.90 / 1.38–1.48 TB/s. ncu: 128 registers, ≤ 4 CTAs per SM, 4.7 cycles per issued
-instruction with 16 warps per SM — issue-bound on the decode (~20 of ~26 instructions per 8 weights), as the Triton
-kernel is: both stay below the 0.7-of-copy bar. Opt-in; `ops` keeps the Triton kernel.
+Measured (H200, session 11, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072; bench/RESULTS.md): kernel alone
+2.03–2.17 TB/s of weights at 8 rows per expert with "bf16" and 2.17–2.32 with "fp8" (Triton: 1.94–1.97 for its
+whole op), 1.83–2.01 at 32 rows (Triton 1.25); with the XLA row preparation the op is 1.81–1.90 ("bf16") /
+1.52–1.73 ("fp8") at 8 rows and 1.38–1.48 at 32. ncu: "bf16" 128 registers, 0.64 instructions issued per scheduler
+cycle, stalls mostly not-selected / wait / math-pipe throttle (issue-bound on the decode, ~20 of ~26 instructions
+per 8 weights); "fp8" 154 registers (a step's 16 group accumulators), 2 CTAs per SM, 0.42 issued per cycle, stalls
+mostly short scoreboard and MIO throttle (one 4-byte shared load per word and the fold's scale loads) and waits for
+the MMAs. Both stay below the 0.7-of-copy bar; opt-in, `ops` keeps the Triton kernel. Next: 16-byte loads for the
+fp8 path (weights re-laid out by `prepare_weight`), the fold in chunks of groups, a warp-specialised pipeline
+(`emit_pipeline_warp_specialized`: TMA issue off the compute warpgroups) and the XLA row preparation fused.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ class MgpuConfig:
     kh: int = 128  # packed bytes of a weight row per pipeline step (2 * kh weights)
     steps: int = 4  # pipeline stages in flight
     ctas_per_sm: int = 2
+    # "bf16": weights decoded to scaled bf16 (`_decode_fn`); "fp8": codes shifted into e4m3 (`_decode_fp8_fn`, 7
+    # instructions per 8 weights instead of ~20), one wgmma pair (x as two e4m3 planes) per 32-element group into
+    # that group's accumulator, scaled and summed after the step (`_kernel_fp8`)
+    mma: str = "bf16"
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
@@ -148,6 +157,81 @@ def _decode_fn(kh: int):
     return fn
 
 
+def _decode_fp8_fn(kh: int):
+    """The inline Mosaic GPU body of the fp8 path: codes smem `[64, kh]` u8 -> one e4m3 array `[64, 32]` per
+    32-element group (WGMMA_8BIT layout: thread q holds columns 4q..4q+3 and 16+4q..16+4q+3 of rows r, r + 8).
+    Columns 0..15 are the group's even elements (low nibbles), 16..31 its odd ones; thread q's word is the 4 bytes
+    [4q, 4q + 4) of the group's 16 — the natural order, so x needs only its [even | odd] split per group."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    def fn(ctx, codes_ref):
+        del ctx
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        index, f8 = ir.IndexType.get(), ir.Float8E4M3FNType.get()
+        layout = fa.WGMMA_LAYOUT_8BIT
+        shape = (COLS, mx.GROUP)
+        reg_shape = layout.registers_shape(shape)
+        coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs(shape)))
+
+        def reg(c16, h):
+            i = [0] * len(reg_shape)
+            i[1], i[4] = c16, h
+            return tuple(i)
+
+        assert reg_shape[1] == 2 and reg_shape[4] == 2 and np.prod(reg_shape) == 4, reg_shape
+        rows = [coords[reg(0, h)][0] for h in (0, 1)]
+        four_q = coords[reg(0, 0)][1]  # 4q
+        v4i8, v4f8 = ir.VectorType.get((4,), i8), ir.VectorType.get((4,), f8)
+        out_ty = llvm.StructType.get_literal([i32] * 2)
+        planes = []
+        for grp in range(kh // (mx.GROUP // 2)):
+            regs = np.empty(reg_shape, dtype=object)
+            col = arith.addi(four_q, mgu.c(grp * (mx.GROUP // 2), index))
+            for h in (0, 1):
+                word = mgu.bitcast(vector.load(v4i8, codes_ref, [rows[h], col]), i32)
+                out = llvm.inline_asm(out_ty, [word], mx.DECODE_E4M3_PTX, "=r,=r,r")
+                regs[reg(0, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [0]), v4f8)  # low nibbles: even elements
+                regs[reg(1, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [1]), v4f8)  # high nibbles: odd elements
+            planes.append(fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
+        return tuple(planes)
+
+    return fn
+
+
+def _fold_fn(ng: int):
+    """The inline Mosaic GPU body that folds a step's per-group partials: (out, part_0 … part_{ng−1} `[64, R]` f32,
+    scales smem `[ng, 64]` u8) -> out + Σ_g part_g · 2^(S[g, row] − 127 + 6), the scale per output column (row of
+    the transposed product)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    def fn(ctx, out, *args):
+        del ctx
+        *parts, scales_ref = args
+        i32, f32, index = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
+        layout = out.layout
+        rows = [idx[0] for idx in layout.thread_idxs(out.shape)]
+        regs = out.registers.copy()
+        flat = list(np.ndindex(regs.shape))
+        for j, part in enumerate(parts):
+            assert part.layout == layout, (part.layout, layout)
+            for k, ri in enumerate(flat):
+                s32 = arith.extui(i32, memref.load(scales_ref, [mgu.c(j, index), rows[k]]))
+                e = arith.shli(arith.addi(s32, mgu.c(mx.E4M3_DECODE_EXP, i32)), mgu.c(23, i32))
+                sc = arith.bitcast(f32, e)
+                vt = regs[ri].type
+                sc_v = vector.broadcast(vt, sc) if isinstance(vt, ir.VectorType) else sc
+                regs[ri] = arith.addf(regs[ri], arith.mulf(part.registers[ri], sc_v))
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
 def _group_of(ends, idx):
     """Group of each index for sorted group ends: a count of the ends ≤ idx (a compare-all, no search loop: XLA's
     `searchsorted` scan costs tens of µs of small kernels on the GPU)."""
@@ -164,10 +248,9 @@ def _tiles(group_sizes, E: int, t_max: int, rows: int):
     return tile_group, tile_end[-1:], tile_start * rows
 
 
-def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
-    """XLA side: rows padded per group to multiples of `rows`, x split into even / odd elements in the kernel's
-    contraction order -> (xe, xo `[m_pad, K/2]` bf16, tile -> group `[t_max]`, live tiles `[1]`, padded row of each
-    input row `[M]`, live row mask `[M]`)."""
+def _pad_rows(x, group_sizes, num_experts: int, rows: int):
+    """Rows padded per group to multiples of `rows` -> (x's rows in padded order `[m_pad, K]` (zeros between
+    groups), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live row mask `[M]`)."""
     M, K = x.shape
     E = num_experts
     t_max = -(-M // rows) + E
@@ -179,14 +262,31 @@ def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
     g_of_row = jnp.minimum(_group_of(ends, row), E - 1)
     live = row < ends[-1]
     pad_row = jnp.where(live, pad_start[g_of_row] + row - (ends - group_sizes)[g_of_row], m_pad - 1)
-    # source row of each padded row (M: a zero row), then one column gather per plane: even / odd input elements
-    # in the kernel's contraction order
     src = jnp.full((m_pad,), M, jnp.int32).at[jnp.where(live, pad_row, m_pad)].set(row, mode="drop")
-    x_rows = jnp.concatenate([x, jnp.zeros((1, K), x.dtype)])[src]
-    perm = jnp.asarray(x_permutation(K // 2))
+    x_rows = jnp.concatenate([x, jnp.zeros((1, K), x.dtype)])[src]  # source row M: a zero row
+    return x_rows, tile_group, num_tiles, pad_row, live
+
+
+def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
+    """XLA side of the bf16 path: `_pad_rows`, x split into even / odd elements in the kernel's contraction order
+    -> (xe, xo `[m_pad, K/2]` bf16, tile -> group, live tiles, padded row of each input row, live row mask)."""
+    x_rows, tile_group, num_tiles, pad_row, live = _pad_rows(x, group_sizes, num_experts, rows)
+    perm = jnp.asarray(x_permutation(x.shape[1] // 2))
     xe = x_rows[:, 2 * perm].astype(jnp.bfloat16)
     xo = x_rows[:, 2 * perm + 1].astype(jnp.bfloat16)
     return xe, xo, tile_group, num_tiles, pad_row, live
+
+
+def prepare_rows_fp8(x, group_sizes, num_experts: int, rows: int = 16):
+    """XLA side of the fp8 path: `_pad_rows`, each 32-element group's even elements then its odd ones (the order of
+    the decoded codes), as two e4m3 planes -> (x_hi, x_lo `[m_pad, K]`, 1/row scale `[m_pad]`, tile -> group, live
+    tiles, padded row of each input row, live row mask). x ≈ (x_hi + x_lo)·inv (`mxfp4.split_e4m3_planes`)."""
+    x_rows, tile_group, num_tiles, pad_row, live = _pad_rows(x, group_sizes, num_experts, rows)
+    m_pad, K = x_rows.shape
+    g = mx.GROUP
+    x_rows = x_rows.reshape(m_pad, K // g, g // 2, 2).transpose(0, 1, 3, 2).reshape(m_pad, K)
+    x_hi, x_lo, inv = mx.split_e4m3_planes(x_rows)
+    return x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live
 
 
 def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig()):
@@ -264,6 +364,92 @@ def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuCo
     return kernel(tile_group, num_tiles, xe, xo, w.codes, w.scales_t)
 
 
+def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
+    """The fp8 path's kernel: `prepare_rows_fp8`' planes and the weight -> outᵀ `[N, m_pad]` fp32, still to be
+    multiplied by each row's `inv`. Per step and 32-element group g: acc_g = W_g(e4m3, 2^-6·e2m1) · (x_hi + x_lo)_g
+    on fresh accumulators, then out += acc_g · 2^(S_g − 127 + 6) per output column (the scale is per weight row)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m_pad, K = x_hi.shape
+    cfg = config
+    R, kh = cfg.rows, cfg.kh
+    t_max = m_pad // R
+    E, N, KH = w.codes.shape
+    if 2 * KH != K or KH % kh or kh % 16 or N % COLS or m_pad % R or R % 8:
+        raise ValueError(f"mgpu MXFP4 fp8: packed K/2={KH} (x: K={K}) must be a multiple of kh={kh} (a multiple of "
+                         f"16), N={N} of {COLS}, padded rows {m_pad} of rows={R} (a multiple of 8)")
+    G = mx.GROUP
+    ng = kh // (G // 2)
+    n_blocks = N // COLS
+    k_steps = KH // kh
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=tuple(plgpu.ShapeDtypeStruct((COLS, G), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+                          for _ in range(ng)),
+    )(_decode_fp8_fn(kh))
+    acc_ty = plgpu.ShapeDtypeStruct((COLS, R), jnp.float32, layout=plgpu.Layout.WGMMA)
+    fold = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, *[plgpu.Layout.WGMMA] * ng, plgpu.RefType()),
+                             return_type=acc_ty)(_fold_fn(ng))
+    # 32-byte rows of x per group: the wgmma's K (32 e4m3) must be one swizzle width
+    x_transforms = (plgpu.TilingTransform((8, G)), plgpu.SwizzleTransform(G))
+
+    def body(tile_group_ref, num_ref, xh_ref, xl_ref, codes_ref, scales_ref, out_ref, o_smem):
+        @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
+        def _item(info):
+            (i,) = info.index
+            t = i // n_blocks
+            nb = i % n_blocks
+
+            @pl.when(t < num_ref[0])
+            def _live():
+                g = tile_group_ref[t]
+
+                def step(_, codes_s, scales_s, xh_s, xl_s, out):
+                    w_groups = decode(codes_s)
+
+                    def mma(*acc_refs):
+                        for j, acc_ref in enumerate(acc_refs):
+                            xk = pl.ds(j * G, G)
+                            plgpu.wgmma(acc_ref, w_groups[j], plgpu.transpose_ref(xh_s.at[:, xk], (1, 0)))
+                            plgpu.wgmma(acc_ref, w_groups[j], plgpu.transpose_ref(xl_s.at[:, xk], (1, 0)))
+                        return [a[...] for a in acc_refs]
+
+                    parts = pl.run_scoped(mma, *[plgpu.ACC((COLS, R), jnp.float32) for _ in range(ng)])
+                    return fold(out, *parts, scales_s)
+
+                zeros = plgpu.layout_cast(jnp.zeros((COLS, R), jnp.float32), plgpu.Layout.WGMMA)
+                acc = plgpu.emit_pipeline(
+                    step,
+                    grid=(k_steps,),
+                    in_specs=[
+                        plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                        plgpu.BlockSpec((ng, COLS), lambda kk: (kk, nb)),
+                        plgpu.BlockSpec((R, 2 * kh), lambda kk: (t, kk), transforms=x_transforms),
+                        plgpu.BlockSpec((R, 2 * kh), lambda kk: (t, kk), transforms=x_transforms),
+                    ],
+                    max_concurrent_steps=cfg.steps,
+                    init_carry=zeros,
+                )(codes_ref.at[g], scales_ref.at[g], xh_ref, xl_ref)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read o_smem
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((N, m_pad), jnp.float32),
+        grid=(num_sms * cfg.ctas_per_sm,),
+        grid_names=("sm",),
+        scratch_types=dict(o_smem=plgpu.SMEM((COLS, R), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(tile_group, num_tiles, x_hi, x_lo, w.codes, w.scales_t)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | None = None, out_dtype=jnp.float32):
     """`x [M, K]` bf16 rows sorted by group, MXFP4 weight (`prepare_weight`), `group_sizes [E]` -> `[M, N]`:
@@ -272,6 +458,13 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     if x.shape[1] != w.in_features:
         raise ValueError(f"MXFP4 weight has K={w.in_features}, x has K={x.shape[1]}")
     config = config or default_config(x.shape[0] / w.num_experts)
-    xe, xo, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
-    out_t = kernel_call(xe, xo, tile_group, num_tiles, w, config)
-    return jnp.where(live[:, None], out_t[:, pad_row].T, 0).astype(out_dtype)
+    if config.mma == "fp8":
+        x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = prepare_rows_fp8(x, group_sizes, w.num_experts,
+                                                                                 config.rows)
+        out = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)[:, pad_row].T * inv[pad_row][:, None]
+    elif config.mma == "bf16":
+        xe, xo, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
+        out = kernel_call(xe, xo, tile_group, num_tiles, w, config)[:, pad_row].T
+    else:
+        raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
+    return jnp.where(live[:, None], out, 0).astype(out_dtype)
