@@ -14,7 +14,9 @@ EPILOG = """\
 Sharding: conversion writes a mesh-independent checkpoint, so there is no --mesh option here; placing parameters
 on a device mesh at load time (kimi_jax.load_model(path, mesh=...)) is the sharding issue's work.
 Loading: kimi_jax.load_model(DST) or kimi_jax.load_model(SRC) (a Hugging Face directory is converted in memory).
-MXFP4 experts stay packed in the checkpoint and are dequantised when a model is loaded."""
+MXFP4 experts stay packed in the checkpoint and in the loaded model (decoded inside the MoE kernels).
+The default --dtype keep stores every tensor as it is in SRC, so --export gives back identical safetensors; --dtype
+bf16 makes a smaller bfloat16 checkpoint (not lossless for float32 or FP8 sources)."""
 
 
 def _size(text: str) -> int:
@@ -35,10 +37,10 @@ def main(argv=None) -> int:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs=2, metavar="PATH", help="SRC DST (convert) or DST OUT (with --export)")
     ap.add_argument("--export", action="store_true", help="export the kimi_jax checkpoint DST to safetensors in OUT")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8", "keep"),
-                    help="bf16 (default): bfloat16 weights, FP8 dequantised; keep: every tensor as stored (lossless, "
-                         "FP8 stays FP8); fp8: projection/expert weights as FP8 e4m3 with 128x128 scales. MXFP4 "
-                         "experts stay packed in every mode")
+    ap.add_argument("--dtype", default="keep", choices=("bf16", "fp8", "keep"),
+                    help="keep (default): every tensor as stored (lossless: --export gives the same safetensors back; "
+                         "FP8 stays FP8); bf16: bfloat16 weights, FP8 dequantised; fp8: projection/expert weights as "
+                         "FP8 e4m3 with 128x128 scales. MXFP4 experts stay packed in every mode")
     ap.add_argument("--architecture", default="auto",
                     choices=("auto", "kimi_k3", "kimi_k31", "kimi_linear", "deepseek_v32"),
                     help="default: detected from config.json (an explicit value must agree with it)")

@@ -2,8 +2,8 @@
 
 Every HF tensor is rebuilt from the stored arrays by the inverse of its entry's layout change, under its original
 name (dense-MLP spelling, A_log padding, fused kv_b_proj, per-expert tensors, MXFP4 / FP8 pairs), and written in
-shards of at most `shard_bytes` with a `model.safetensors.index.json`. A checkpoint converted with `--dtype keep`
-exports bit-identical tensors.
+shards of at most `shard_bytes` with a `model.safetensors.index.json`. A checkpoint converted with `--dtype keep` (the
+default) exports bit-identical tensors.
 """
 
 from __future__ import annotations

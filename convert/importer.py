@@ -20,15 +20,15 @@ DTYPE_POLICIES = ("bf16", "fp8", "keep")
 log = logging.getLogger("convert")
 
 
-def convert(src: str, dst: str, *, dtype: str = "bf16", architecture: str = "auto", overwrite: bool = False,
+def convert(src: str, dst: str, *, dtype: str = "keep", architecture: str = "auto", overwrite: bool = False,
             progress: bool = True, part_bytes: int = store.DEFAULT_PART_BYTES) -> dict:
     """Convert the Hugging Face checkpoint directory `src` into a kimi_jax checkpoint at `dst`.
 
-    dtype: "bf16" (default) casts floating weights to the dtypes of a bfloat16 model (parameters the model keeps in
-    float32 — A_log, dt_bias, conv taps, o_norm, router, correction bias — stay float32) and dequantises FP8 block
-    weights; "keep" keeps every tensor's dtype and FP8 weights quantised (lossless, exact round trip); "fp8"
-    additionally stores plain projection / expert weights as FP8 e4m3 with 128x128 scales. MXFP4 experts stay
-    packed in every mode. Returns a summary dict (architecture, tensors, bytes, seconds, parts).
+    dtype: "keep" (default) keeps every tensor's dtype and FP8 weights quantised (lossless: `export` writes the
+    same safetensors back); "bf16" casts floating weights to the dtypes of a bfloat16 model (parameters the model
+    keeps in float32 — A_log, dt_bias, conv taps, o_norm, router, correction bias — stay float32) and dequantises FP8
+    block weights; "fp8" additionally stores plain projection / expert weights as FP8 e4m3 with 128x128 scales.
+    MXFP4 experts stay packed in every mode. Returns a summary dict (architecture, tensors, bytes, seconds, parts).
     """
     if dtype not in DTYPE_POLICIES:
         raise ConvertError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPE_POLICIES)}")

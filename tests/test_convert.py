@@ -258,12 +258,12 @@ def _named(model) -> dict:
 
 
 def test_dtype_bf16_dequantises_fp8(ds_fp8_dir, work):
-    """Default --dtype bf16: FP8 block weights dequantised (w * scale per 16x16 block) then bfloat16; parameters the
-    model keeps in float32 stay float32; export writes bf16 tensors and drops quantization_config."""
+    """--dtype bf16: FP8 block weights dequantised (w * scale per 16x16 block) then bfloat16; parameters the model
+    keeps in float32 stay float32; export writes bf16 tensors and drops quantization_config."""
     import ml_dtypes
 
     dst, out = work / "ds_bf16_jax", work / "ds_bf16_out"
-    assert cli_main([str(ds_fp8_dir), str(dst), "--quiet"]) == 0
+    assert cli_main([str(ds_fp8_dir), str(dst), "--dtype", "bf16", "--quiet"]) == 0
     meta = json.load(open(dst / "kimi_jax_checkpoint.json"))
     assert meta["dtype_policy"] == "bf16" and meta["param_dtype"] == "bfloat16"
     hf = read_all(ds_fp8_dir)
@@ -452,8 +452,11 @@ def test_load_reports_damaged_checkpoint(kl_dir, tmp_path):
 
 
 def test_cli(kl_dir, tmp_path, capsys):
-    assert cli_main([str(kl_dir), str(tmp_path / "a"), "--dtype", "keep", "--quiet"]) == 0
-    assert cli_main([str(kl_dir), str(tmp_path / "a"), "--quiet"]) == 2
+    """The command line with its defaults: conversion keeps every tensor (DESIGN: the round trip must be lossless),
+    so convert + --export gives the source tensors back bit for bit."""
+    assert cli_main([str(kl_dir), str(tmp_path / "a"), "--quiet"]) == 0
+    assert json.load(open(tmp_path / "a" / "kimi_jax_checkpoint.json"))["dtype_policy"] == "keep"
+    assert cli_main([str(kl_dir), str(tmp_path / "a"), "--dtype", "keep", "--quiet"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["--export", str(tmp_path / "a"), str(tmp_path / "b"), "--quiet", "--shard-size", "100KB"]) == 0
     assert_same_tensors(kl_dir, tmp_path / "b")
