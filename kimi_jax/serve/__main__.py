@@ -28,18 +28,18 @@ examples:
   python -m kimi_jax.serve                                  # tiny model on 127.0.0.1:8000
   python -m kimi_jax.serve --port 9000 --max-num-seqs 8 --max-model-len 1024 --api-key sk-local
   python -m kimi_jax.serve --checkpoint /ckpt/kimi-linear   # a converted or Hugging Face checkpoint dir
-  python -m kimi_jax.serve --mesh 2x1                       # tiny model split 2 ways (fakes 2 CPU devices if needed)
+  python -m kimi_jax.serve --mesh 2x1 --fake-cpu-devices    # tiny model split 2 ways over 2 faked CPU devices
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
 
 --mesh AxB is A-way model parallel x B-way data parallel over A*B devices (the named forms of sharding.mesh, e.g.
 model=4,data=2, work too).  Parameters are placed by sharding/rules.py (KDA / MLA heads, routed experts and the
 vocabulary split over the model axis); the engine's caches and batch live replicated on the mesh, so the data axis
-adds devices but not yet throughput.  With fewer than A*B devices:
-  * the built-in tiny model on CPU (no --checkpoint, --model tiny) fakes the devices itself: it sets JAX's CPU
-    device count to A*B before JAX starts its backend and logs that it did;
-  * anything else stops with an error naming the fix, on a CPU-only machine:
+adds devices but not yet throughput.  With fewer than A*B devices the server stops with an error naming the fix, on
+a CPU-only machine:
       XLA_FLAGS=--xla_force_host_platform_device_count=N python -m kimi_jax.serve --mesh ...
+or --fake-cpu-devices, which does the same from inside (JAX's CPU device count set to A*B before its backend
+starts; logged).
 Multi-host: with the standard JAX multi-process variables set (JAX_COORDINATOR_ADDRESS, ...), the server calls
 jax.distributed.initialize() first (sharding.mesh.initialize_distributed); serving across several processes is not
 implemented yet and stops with an error after initialising.
@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the full-size ones are too large to materialise; serve checkpoints for them)")
     p.add_argument("--mesh", default="1x1", metavar="AxB",
                    help="device mesh: A-way model parallel x B-way data parallel over A*B devices (default 1x1). "
-                        "Too few devices: the tiny model on CPU fakes them; otherwise an error naming "
-                        "XLA_FLAGS=--xla_force_host_platform_device_count=N (see below)")
+                        "Too few devices: an error naming XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                        "(see below), unless --fake-cpu-devices")
+    p.add_argument("--fake-cpu-devices", action="store_true",
+                   help="on a CPU-only machine with fewer devices than --mesh needs, fake them (JAX's CPU device "
+                        "count, the same as XLA_FLAGS=--xla_force_host_platform_device_count=N); a count set in "
+                        "XLA_FLAGS wins")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
@@ -150,9 +154,9 @@ def _fail(msg: str) -> int:
 def main(argv=None, *, auto_devices: bool = False) -> int:
     """Run the server; returns the exit status (2: bad arguments or a model that cannot be served).
 
-    ``auto_devices``: allowed to change the process's JAX CPU device count (fake devices for ``--mesh`` with the
-    tiny model).  Only the command line (``python -m kimi_jax.serve``), which owns its process, passes True; a
-    ``main([...])`` call inside a larger program never changes that program's JAX settings.
+    ``auto_devices``: allowed to change the process's JAX CPU device count (``--fake-cpu-devices``).  Only the
+    command line (``python -m kimi_jax.serve``), which owns its process, passes True; a ``main([...])`` call inside a
+    larger program never changes that program's JAX settings.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
@@ -187,22 +191,20 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             # engine schedules on one host and has no channel to replay its steps on the others yet.
             return _fail(f"serving across {jax.process_count()} processes is not implemented yet (the engine would "
                          "have to replay its schedule on every process); run one server per host")
-    tiny = args.checkpoint is None and (args.model or "tiny") == "tiny"
-    faked = auto_devices and tiny and need > 1 and fake_cpu_devices(need)
+    faked = auto_devices and args.fake_cpu_devices and need > 1 and fake_cpu_devices(need)
 
     import jax
 
     devices = jax.devices()
     platform = devices[0].platform
     if faked and platform == "cpu":
-        log.info("--mesh %s: faked %d CPU devices for the tiny model (jax_num_cpu_devices=%d, the same as "
+        log.info("--mesh %s: faked %d CPU devices (--fake-cpu-devices: jax_num_cpu_devices=%d, the same as "
                  "XLA_FLAGS=%s=%d)", args.mesh, len(devices), need, FAKE_DEVICES_FLAG, need)
     if need > len(devices):
         hint = ""
         if platform == "cpu":
             hint = (f" On a CPU-only machine you can fake devices: XLA_FLAGS={FAKE_DEVICES_FLAG}={need} python -m "
-                    f"kimi_jax.serve --mesh {args.mesh} ... (the built-in tiny model does this by itself when "
-                    "started from the command line)")
+                    f"kimi_jax.serve --mesh {args.mesh} ..., or add --fake-cpu-devices")
         return _fail(f"--mesh {args.mesh} needs {need} devices but only {len(devices)} {platform} device(s) are "
                      f"visible.{hint}")
     mesh = None
