@@ -195,6 +195,23 @@ def _mesh(mesh):
     return make_mesh(mesh)
 
 
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16"}
+
+
+def _parse_dtype(dtype):
+    """None, a dtype, or a name with the command lines' short spellings (bf16, fp32) -> a jnp dtype or None."""
+    if dtype is None:
+        return None
+    name = _DTYPE_NAMES.get(dtype.lower(), dtype) if isinstance(dtype, str) else dtype
+    try:
+        dt = jnp.dtype(name)
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r} is not a dtype; use bf16 / bfloat16 or fp32 / float32") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype; use bf16 / bfloat16 or fp32 / float32")
+    return dt
+
+
 def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0,
                kernels: Optional[KernelConfig] = None) -> Model:
     """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir.
@@ -202,8 +219,10 @@ def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0,
     `mesh`: a `jax.sharding.Mesh` with axes ("data", "model"), or a `--mesh` string such as "8x1"; parameters are
     placed by `sharding.rules` (heads, experts and vocab over "model"). `kernels`: which kernel implementation each
     op family runs (`KernelConfig`; default "auto": Pallas kernels on TPU/GPU, the jnp reference on CPU).
+    `dtype`: parameter / activation dtype — a JAX dtype or a name ("bf16", "fp32", "bfloat16", "float32", ...);
+    None keeps the checkpoint's (float32 for presets).
     """
-    dtype = jnp.dtype(dtype) if dtype is not None else None
+    dtype = _parse_dtype(dtype)
     if path_or_preset in PRESETS:
         return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32, mesh=mesh,
                             kernels=kernels)

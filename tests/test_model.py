@@ -145,3 +145,19 @@ def test_bad_input_ids_raise(tiny_model, bad):
         tiny_model.logits(bad)
     with pytest.raises(ValueError):
         tiny_model.generate(bad, 2)
+
+
+def test_load_model_dtype_names():
+    """`load_model(..., dtype=)` takes a dtype or a name, with the command lines' spellings (bf16, fp32); a name
+    that is not a floating-point dtype is a clear ValueError."""
+    import jax.numpy as jnp
+
+    import kimi_jax
+    from kimi_jax.model import _parse_dtype
+
+    assert _parse_dtype("bf16") == jnp.bfloat16 and _parse_dtype("bfloat16") == jnp.bfloat16
+    assert _parse_dtype("fp32") == jnp.float32 and _parse_dtype(jnp.float32) == jnp.float32
+    assert _parse_dtype(None) is None
+    for bad in ("int8", "banana"):
+        with pytest.raises(ValueError, match="bf16"):
+            kimi_jax.load_model("tiny", dtype=bad)
