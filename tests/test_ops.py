@@ -479,3 +479,20 @@ def test_attn_res_mix_vs_ref(S):
     assert max_rel(h, h_ref) < 1e-5
     # stacked-array input is accepted too
     np.testing.assert_array_equal(np.asarray(module_call(mix, jnp.stack([jnp.asarray(s_) for s_ in srcs]))), np.asarray(h))
+
+
+def test_op_interface_names_of_design():
+    """DESIGN.md's op interface: `pallas_kernels.kda.chunk / .recurrent`, `pallas_kernels.indexer...`,
+    `pallas_kernels.sparse_mla...`, `pallas_kernels.moe...` are importable by those names."""
+    import pallas_kernels.indexer as indexer
+    import pallas_kernels.kda as kda
+    import pallas_kernels.moe as moe
+    import pallas_kernels.sparse_mla as sparse_mla
+    from pallas_kernels.indexer import paged
+    from pallas_kernels.mla import sparse
+    from pallas_kernels.moe import ops
+
+    assert callable(kda.chunk) and callable(kda.recurrent)
+    assert indexer.decode is paged.decode and indexer.prefill is paged.prefill
+    assert sparse_mla.decode is sparse.decode and sparse_mla.sparse_mla is sparse.sparse_mla
+    assert moe.grouped_matmul is ops.grouped_matmul and moe.expert_ffn is ops.expert_ffn
