@@ -378,8 +378,13 @@ def bench_mxfp4(args, copy_bw):
                 if err > 2e-2:
                     raise AssertionError(f"wrong result, rel err {err:.3g}")
                 t = time_jax(f, x, wp, sizes, reps=20)
-                prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:4])(x, sizes)
-                fk = jax.jit(lambda xe, xo, tg, nt, w_: mgpu_mx.kernel_call(xe, xo, tg, nt, w_, mcfg))
+                if mcfg.mma == "fp8":  # the kernel alone, on its prepared rows (x planes, tiles)
+                    prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
+                    prep = (prep[0], prep[1], prep[3], prep[4])
+                    fk = jax.jit(lambda xh, xl, tg, nt, w_: mgpu_mx.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
+                else:
+                    prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:3])(x, sizes)
+                    fk = jax.jit(lambda xs, tg, nt, w_: mgpu_mx.kernel_call(xs, tg, nt, w_, mcfg))
                 tk = time_jax(fk, *prep, wp, reps=20)
                 INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg}"] = dict(op=t * 1e6,
                                                                                             kernel=tk * 1e6)

@@ -161,8 +161,8 @@ def _run_ptx(ptx: str, regs: dict) -> dict:
             x, y, z, lut = (val(t) for t in a[1:])
             r = sum(((lut >> ((((x >> i) & 1) << 2) | (((y >> i) & 1) << 1) | ((z >> i) & 1))) & 1) << i
                     for i in range(32))
-        elif op == "fma.rn.bf16x2":
-            x, y, z = (val(t) for t in a[1:])
+        elif op in ("fma.rn.bf16x2", "mul.rn.bf16x2"):
+            x, y, z = (val(t) for t in a[1:]) if op.startswith("fma") else (val(a[1]), val(a[2]), 0)
             r = 0
             for h in range(2):
                 f = bf((x >> 16 * h) & 0xFFFF) * bf((y >> 16 * h) & 0xFFFF) + bf((z >> 16 * h) & 0xFFFF)
@@ -193,6 +193,25 @@ def test_mxfp4_ptx_decode_is_exact(form):
     mult = 2.0 ** (np.asarray(scales)[:, None] - 127.0)
     np.testing.assert_array_equal(np.asarray(lo, np.float64), mx.E2M1_VALUES[np.arange(256) & 15][None] * mult)
     np.testing.assert_array_equal(np.asarray(hi, np.float64), mx.E2M1_VALUES[np.arange(256) >> 4][None] * mult)
+
+
+def test_mxfp4_ptx_decode_with_constant_operands_is_exact():
+    """`mx.DECODE_PTX_SIGN_OPERANDS` (the Mosaic GPU kernel's decode: table, 0x43 bytes, h and −192·h as operands,
+    −192·h from `mx.NEG192_PTX`), modelled instruction by instruction: e2m1 · 2^(S−127) exactly for every byte in every
+    position of its word, and E8M0 codes 2..248; $0..$3 = lo(b0,b1), lo(b2,b3), hi(b0,b1), hi(b2,b3)."""
+    scales = [2, 60, 100, 118, 127, 128, 140, 200, 248]
+    h = np.asarray(mx.scale_half_bf16(jnp.asarray(scales, jnp.uint8))).view(np.uint16).astype(np.int64)
+    for S, hs in zip(scales, h):
+        h2 = int(hs | hs << 16)
+        c2 = _run_ptx(mx.NEG192_PTX, {"$1": h2})["$0"]
+        for w0 in range(256):
+            b = np.array([w0, (37 * w0 + 11) % 256, (101 * w0 + 7) % 256, 255 - w0])
+            regs = _run_ptx(mx.DECODE_PTX_SIGN_OPERANDS, {
+                "$4": int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24), "$5": h2, "$6": c2,
+                "$7": mx.LUT_POS[0], "$8": mx.LUT_POS[1], "$9": 0x43434343})
+            got = np.array([regs[f"${i}"] for i in range(4)], np.uint32).view(np.uint16)
+            want = np.concatenate([mx.E2M1_VALUES[b & 15], mx.E2M1_VALUES[b >> 4]]) * 2.0 ** (S - 127)
+            np.testing.assert_array_equal(got.view(jnp.bfloat16).astype(np.float64), want, err_msg=f"S={S}")
 
 
 def test_mxfp4_e4m3_ptx_decode_is_exact():
@@ -587,7 +606,7 @@ def test_mgpu_row_preparation_reproduces_the_grouped_matmul():
     gs = jnp.asarray(sizes, jnp.int32)
     want = reference.grouped_matmul(x, mx.dequantize(w, jnp.bfloat16), gs)
     for rows in (16, 32):
-        xe, xo, tile_group, num_tiles, pad_row, live = mm.prepare_rows(x, gs, E, rows)
+        (xe, xo), tile_group, num_tiles, pad_row, live = mm.prepare_rows(x, gs, E, rows)
         assert int(num_tiles[0]) == sum(-(-s // rows) for s in sizes)
         perm = mm.x_permutation(K // 2)
         lo, hi = mx.decode_lo_hi_f32(w.packed)  # [E, N, K/2] even / odd input elements, unscaled

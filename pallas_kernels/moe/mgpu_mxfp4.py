@@ -20,16 +20,17 @@ Groups: rows are padded per expert to multiples of the tile's rows in XLA (a til
 stores); the output is written transposed, `[N, padded rows]` fp32, and gathered back. Scales are read transposed, `[E, K/32, N]`
 (`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
 
-Measured (H200, session 11, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072; bench/RESULTS.md): kernel alone
-2.03–2.17 TB/s of weights at 8 rows per expert with "bf16" and 2.17–2.32 with "fp8" (Triton: 1.94–1.97 for its
-whole op), 1.83–2.01 at 32 rows (Triton 1.25); with the XLA row preparation the op is 1.81–1.90 ("bf16") /
-1.52–1.73 ("fp8") at 8 rows and 1.38–1.48 at 32. ncu: "bf16" 128 registers, 0.64 instructions issued per scheduler
-cycle, stalls mostly not-selected / wait / math-pipe throttle (issue-bound on the decode, ~20 of ~26 instructions
-per 8 weights); "fp8" 154 registers (a step's 16 group accumulators), 2 CTAs per SM, 0.42 issued per cycle, stalls
-mostly short scoreboard and MIO throttle (one 4-byte shared load per word and the fold's scale loads) and waits for
-the MMAs. Both stay below the 0.7-of-copy bar; opt-in, `ops` keeps the Triton kernel. Next: 16-byte loads for the
-fp8 path (weights re-laid out by `prepare_weight`), the fold in chunks of groups, a warp-specialised pipeline
-(`emit_pipeline_warp_specialized`: TMA issue off the compute warpgroups) and the XLA row preparation fused.
+Measured (H200, session 11, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072; bench/RESULTS.md): at 8 rows per
+expert the kernel alone streams 2.06–2.28 TB/s of weights with "bf16" (best: 8-row tiles, 3 CTAs per SM) and
+1.79–1.91 with "fp8"; the whole op, XLA row preparation included, 1.77–1.90 / 1.53–1.62 — the Triton kernel's op
+runs 1.94–1.97. At 32 rows per expert "bf16" reaches 1.98 alone, 1.32–1.48 for the op (Triton 1.25). The "bf16"
+loop is 31.7 SASS instructions per 8 weights (decode 20, 2 copies of the table constants out of uniform registers,
+the rest shared loads, TMA and wgmma bookkeeping), 127 registers; ncu: 0.64 instructions issued per scheduler
+cycle, stalls mostly not-selected / fixed-latency waits / math-pipe throttle. "fp8" halves the decode but holds
+154 registers (a step's 16 group accumulators, 2 CTAs per SM) and stalls on shared-memory loads (one 4-byte load
+per word, the fold's scale bytes) and on the MMAs. Neither reaches the 0.7-of-copy bar; opt-in, `ops` keeps the
+Triton kernel. Next steps: a warp-specialised pipeline (`emit_pipeline_warp_specialized`: TMA issue off the compute
+warpgroups), 16-byte loads and chunked folds for "fp8", and the XLA row preparation fused (~55 µs of the op).
 """
 
 from __future__ import annotations
@@ -60,9 +61,16 @@ class MgpuConfig:
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
-    """One row tile per decode-sized group, so each expert's weights stream once (16, 32 or 64 rows)."""
-    rows = 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
-    return MgpuConfig(rows=rows)
+    """One row tile per decode-sized group, so each expert's weights stream once (8, 16, 32 or 64 rows); shapes from
+    the H200 runs of session 11 (bench/RESULTS.md): kernel alone 2.28 TB/s at 8 rows per expert (8-row tiles,
+    3 CTAs per SM), 2.23 with 16-row tiles and 256-byte steps, 1.98 at 32 rows (64 rows: correct, not timed)."""
+    if rows_per_group <= 8:
+        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=3)
+    if rows_per_group <= 16:
+        return MgpuConfig(rows=16, kh=256, steps=3, ctas_per_sm=2)
+    if rows_per_group <= 32:
+        return MgpuConfig(rows=32, kh=128, steps=4, ctas_per_sm=2)
+    return MgpuConfig(rows=64, kh=128, steps=3, ctas_per_sm=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +144,9 @@ def _decode_fn(kh: int):
         out_ty = llvm.StructType.get_literal([i32] * 4)
         lo = np.empty(reg_shape, dtype=object)
         hi = np.empty(reg_shape, dtype=object)
+        # the decode's constants as operands: materialised once, not once per word (`mx.DECODE_PTX_SIGN_OPERANDS`)
+        pa, pb = mgu.c(mx.LUT_POS[0], i32), mgu.c(mx.LUT_POS[1], i32)
+        c43 = mgu.c(0x43434343, i32)
         for h in (0, 1):
             for b in range(kh // BLOCK):
                 col = arith.addi(q16, mgu.c(BLOCK * b, index))
@@ -144,9 +155,11 @@ def _decode_fn(kh: int):
                 s32 = arith.extui(i32, memref.load(scales_ref, [grp, rows[h]]))
                 e = arith.subi(arith.maxui(s32, mgu.c(1, i32)), mgu.c(1, i32))
                 h2 = arith.muli(e, mgu.c(0x00800080, i32))  # bf16x2 (h, h), h = 2^(S-128) (`mxfp4.scale_half_bf16`)
+                c2 = llvm.inline_asm(i32, [h2], mx.NEG192_PTX, "=r,r")  # −192·h, once per group
                 for s in range(4):
                     w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
-                    out = llvm.inline_asm(out_ty, [w, h2, h2], mx.DECODE_PTX_SIGN, "=r,=r,=r,=r,r,r,r")
+                    out = llvm.inline_asm(out_ty, [w, h2, c2, pa, pb, c43], mx.DECODE_PTX_SIGN_OPERANDS,
+                                          "=r,=r,=r,=r,r,r,r,r,r,r")
                     regs = [mgu.bitcast(llvm.extractvalue(i32, out, [k]), v2bf16) for k in range(4)]
                     slab = 4 * b + s
                     lo[reg(2 * slab, h)], lo[reg(2 * slab + 1, h)] = regs[0], regs[1]
@@ -269,12 +282,12 @@ def _pad_rows(x, group_sizes, num_experts: int, rows: int):
 
 def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
     """XLA side of the bf16 path: `_pad_rows`, x split into even / odd elements in the kernel's contraction order
-    -> (xe, xo `[m_pad, K/2]` bf16, tile -> group, live tiles, padded row of each input row, live row mask)."""
+    -> (x planes `[2, m_pad, K/2]` bf16 (even, odd: one copy per step brings both), tile -> group, live tiles, padded
+    row of each input row, live row mask)."""
     x_rows, tile_group, num_tiles, pad_row, live = _pad_rows(x, group_sizes, num_experts, rows)
     perm = jnp.asarray(x_permutation(x.shape[1] // 2))
-    xe = x_rows[:, 2 * perm].astype(jnp.bfloat16)
-    xo = x_rows[:, 2 * perm + 1].astype(jnp.bfloat16)
-    return xe, xo, tile_group, num_tiles, pad_row, live
+    xs = jnp.moveaxis(x_rows[:, jnp.stack([2 * perm, 2 * perm + 1])], 1, 0).astype(jnp.bfloat16)
+    return xs, tile_group, num_tiles, pad_row, live
 
 
 def prepare_rows_fp8(x, group_sizes, num_experts: int, rows: int = 16):
@@ -289,12 +302,12 @@ def prepare_rows_fp8(x, group_sizes, num_experts: int, rows: int = 16):
     return x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live
 
 
-def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig()):
+def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig()):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    m_pad, KH = xe.shape
+    _, m_pad, KH = xs.shape
     cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = m_pad // R
@@ -310,7 +323,7 @@ def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuCo
                      plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
     )(_decode_fn(kh))
 
-    def body(tile_group_ref, num_ref, xe_ref, xo_ref, codes_ref, scales_ref, out_ref, o_smem):
+    def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
         # work items: (row tile, 64-column block), column blocks innermost (programs in flight share the x tile)
         @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
         def _item(info):
@@ -323,10 +336,10 @@ def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuCo
                 g = tile_group_ref[t]
 
                 def acc_scope(acc_ref):
-                    def step(_, codes_s, scales_s, xe_s, xo_s):
+                    def step(_, codes_s, scales_s, xs_s):
                         lo, hi = decode(codes_s, scales_s)
-                        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xe_s, (1, 0)))
-                        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xo_s, (1, 0)))
+                        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+                        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
                         # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1),
                         # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines
                         plgpu.wgmma_wait(0)
@@ -337,11 +350,10 @@ def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuCo
                         in_specs=[
                             plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
                             plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
-                            plgpu.BlockSpec((R, kh), lambda kk: (t, kk)),
-                            plgpu.BlockSpec((R, kh), lambda kk: (t, kk)),
+                            plgpu.BlockSpec((2, R, kh), lambda kk: (0, t, kk)),
                         ],
                         max_concurrent_steps=cfg.steps,
-                    )(codes_ref.at[g], scales_ref.at[g], xe_ref, xo_ref)
+                    )(codes_ref.at[g], scales_ref.at[g], xs_ref)
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
@@ -361,7 +373,7 @@ def kernel_call(xe, xo, tile_group, num_tiles, w: PreparedWeight, config: MgpuCo
         scratch_types=dict(o_smem=plgpu.SMEM((COLS, R), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return kernel(tile_group, num_tiles, xe, xo, w.codes, w.scales_t)
+    return kernel(tile_group, num_tiles, xs, w.codes, w.scales_t)
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
@@ -463,8 +475,8 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
                                                                                  config.rows)
         out = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)[:, pad_row].T * inv[pad_row][:, None]
     elif config.mma == "bf16":
-        xe, xo, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
-        out = kernel_call(xe, xo, tile_group, num_tiles, w, config)[:, pad_row].T
+        xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
+        out = kernel_call(xs, tile_group, num_tiles, w, config)[:, pad_row].T
     else:
         raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
     return jnp.where(live[:, None], out, 0).astype(out_dtype)

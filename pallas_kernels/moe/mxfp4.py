@@ -222,6 +222,41 @@ lop3.b32 $3, $3, d4s23, d4sm, 0xF8;
 }}"""
 PTX_DECODES = {"asm": DECODE_PTX, "asm_sign": DECODE_PTX_SIGN}
 
+# `DECODE_PTX_SIGN` with every constant an operand, for kernels that write their own loops (the Mosaic GPU kernel,
+# `mgpu_mxfp4`): $5 = h (bf16x2, both lanes 2^(S−128): all 4 bytes of the word share one scale group), $6 = −192·h
+# (`neg192h`, one multiply per group instead of one per word), $7 / $8 = the magnitude table `LUT_POS`, $9 =
+# 0x43434343. The sign copies use the word itself as the permute's second pool (its other bytes are masked away by
+# the 0x80008000 of the final lop3). In the first Mosaic GPU kernel each inline copy of `DECODE_PTX_SIGN`
+# re-materialised its 6 constants and its two −192·h products: 8 of ~28 PTX instructions per word.
+DECODE_PTX_SIGN_OPERANDS = """{
+.reg .b32 d4m, d4mh, d4q, d4qh, d4s01, d4s23, d4t01, d4t23;
+and.b32 d4m, $4, 0x77777777;
+shr.u32 d4mh, d4m, 16;
+prmt.b32 d4q, $7, $8, d4m;
+prmt.b32 d4qh, $7, $8, d4mh;
+prmt.b32 $0, d4q, $9, 0x4240;
+prmt.b32 $1, d4qh, $9, 0x4240;
+prmt.b32 $2, d4q, $9, 0x4341;
+prmt.b32 $3, d4qh, $9, 0x4341;
+fma.rn.bf16x2 $0, $0, $5, $6;
+fma.rn.bf16x2 $1, $1, $5, $6;
+fma.rn.bf16x2 $2, $2, $5, $6;
+fma.rn.bf16x2 $3, $3, $5, $6;
+prmt.b32 d4s01, $4, $4, 0x1000;
+prmt.b32 d4s23, $4, $4, 0x3222;
+shl.b32 d4t01, d4s01, 4;
+shl.b32 d4t23, d4s23, 4;
+lop3.b32 $0, $0, 0x80008000, d4t01, 0xF8;
+lop3.b32 $1, $1, 0x80008000, d4t23, 0xF8;
+lop3.b32 $2, $2, 0x80008000, d4s01, 0xF8;
+lop3.b32 $3, $3, 0x80008000, d4s23, 0xF8;
+}"""
+NEG192_PTX = """{
+.reg .b32 k;
+mov.b32 k, 0xC340C340;
+mul.rn.bf16x2 $0, $1, k;
+}"""  # $0 = −192·$1 (bf16x2): exact for h = 2^(S−128)
+
 
 def scale_half_bf16(s_u8):
     """E8M0 codes -> bfloat16 h = 2^(S−128) (half the scale) from the exponent bits; S ≤ 1 gives 0."""
