@@ -545,6 +545,18 @@ def test_ptx_decodes_lower_into_the_cuda_kernel():
     assert text.count("maxNumImpreciseAcc") == 2 * 128 // mx.GROUP  # two fp8 dots (x hi, lo) per group of a step
 
 
+def _device_mxfp4_case():
+    """The MXFP4 GPU tests' case: groups of 8, 0, 70, 3, 8, 16, 1 and 30 rows (decode-sized and larger, an empty
+    one) plus 8 uncovered tail rows; ragged_dot over the exactly dequantised weights as the reference."""
+    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
+    E, K, N, M = len(sizes), 1024, 512, 160
+    x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
+    w = mx.random_weight(jax.random.key(12), E, K, N)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
+    return sizes, x, w, gs, want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [None, gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="asm"),
                                  gpu.GpuConfig(bm=16, bn=64, bk=256, dequant="asm_sign"),
@@ -558,12 +570,7 @@ def test_gpu_mxfp4_decode_on_device(cfg):
     """The PTX decode compiled for the GPU: MXFP4 grouped matmul (decode-sized and larger groups, an empty one,
     uncovered tail rows) against ragged_dot on the exactly dequantised weights, and the model's expert FFN.
     `dequant="fp8"` runs fp8 tensor-core dots with fast accumulation on x as two e4m3 planes: bound 2e-3."""
-    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
-    E, K, N, M = len(sizes), 1024, 512, 160
-    x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
-    w = mx.random_weight(jax.random.key(12), E, K, N)
-    gs = jnp.asarray(sizes, jnp.int32)
-    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
+    sizes, x, w, gs, want = _device_mxfp4_case()
     got = jax.jit(lambda a, b, g: ops.grouped_matmul(a, b, g, backend="gpu", config=cfg))(x, w, gs)
     assert _rel(got, want) < (2e-3 if cfg is not None and cfg.dequant == "fp8" else 1e-4)
     assert not np.asarray(got[sum(sizes):]).any()
@@ -662,12 +669,7 @@ def test_gpu_mgpu_mxfp4_matches_reference(cfg):
     8, 0, 70, 3, 16, 1 and 30 rows (tiles padded to 16 per group) and uncovered tail rows, which come back as zeros."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    sizes = [8, 0, 70, 3, 8, 16, 1, 30]
-    E, K, N, M = len(sizes), 1024, 512, 160
-    x = jax.random.normal(jax.random.key(11), (M, K), jnp.bfloat16)
-    w = mx.random_weight(jax.random.key(12), E, K, N)
-    gs = jnp.asarray(sizes, jnp.int32)
-    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
+    sizes, x, w, gs, want = _device_mxfp4_case()
     got = mm.grouped_matmul(x, mm.prepare_weight(w), gs, config=mm.MgpuConfig(**cfg))
     assert _rel(got, want) < (3e-3 if cfg.get("mma") == "fp8" else 1e-4)  # fp8: x as two e4m3 planes
     assert not np.asarray(got[sum(sizes):]).any()

@@ -280,6 +280,51 @@ def _pad_rows(x, group_sizes, num_experts: int, rows: int):
     return x_rows, tile_group, num_tiles, pad_row, live
 
 
+def _store_tile(acc, o_smem, out_ref, nb, t):
+    """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] through shared memory and a TMA copy, once
+    the previous item's copy has read the staging buffer."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    R = o_smem.shape[1]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
+
+
+def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
+    """The CTAs' loop over work items (row tile t, 64-column block nb), column blocks innermost (the CTAs in flight
+    share the x tile): `item(t, nb, g)` for each live tile, g its expert."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
+    def _item(info):
+        (i,) = info.index
+        t = i // n_blocks
+
+        @pl.when(t < num_ref[0])
+        def _live():
+            item(t, i % n_blocks, tile_group_ref[t])
+
+
+def _launch(body, N: int, m_pad: int, cfg: MgpuConfig):
+    """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
+    (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((N, m_pad), jnp.float32),
+        grid=(num_sms * cfg.ctas_per_sm,),
+        grid_names=("sm",),
+        scratch_types=dict(o_smem=plgpu.SMEM((COLS, cfg.rows), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
 def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
     """XLA side of the bf16 path: `_pad_rows`, x split into even / odd elements in the kernel's contraction order
     -> (x planes `[2, m_pad, K/2]` bf16 (even, odd: one copy per step brings both), tile -> group, live tiles, padded
@@ -324,56 +369,35 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     )(_decode_fn(kh))
 
     def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
-        # work items: (row tile, 64-column block), column blocks innermost (programs in flight share the x tile)
-        @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
-        def _item(info):
-            (i,) = info.index
-            t = i // n_blocks
-            nb = i % n_blocks
+        def item(t, nb, g):
+            def acc_scope(acc_ref):
+                def step(_, codes_s, scales_s, xs_s):
+                    lo, hi = decode(codes_s, scales_s)
+                    plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+                    plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+                    # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1),
+                    # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines
+                    plgpu.wgmma_wait(0)
 
-            @pl.when(t < num_ref[0])
-            def _live():
-                g = tile_group_ref[t]
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(k_steps,),
+                    in_specs=[
+                        plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                        plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
+                        plgpu.BlockSpec((2, R, kh), lambda kk: (0, t, kk)),
+                    ],
+                    max_concurrent_steps=cfg.steps,
+                )(codes_ref.at[g], scales_ref.at[g], xs_ref)
+                return acc_ref[...]
 
-                def acc_scope(acc_ref):
-                    def step(_, codes_s, scales_s, xs_s):
-                        lo, hi = decode(codes_s, scales_s)
-                        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-                        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-                        # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1),
-                        # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines
-                        plgpu.wgmma_wait(0)
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
+            _store_tile(acc, o_smem, out_ref, nb, t)
 
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(k_steps,),
-                        in_specs=[
-                            plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-                            plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
-                            plgpu.BlockSpec((2, R, kh), lambda kk: (0, t, kk)),
-                        ],
-                        max_concurrent_steps=cfg.steps,
-                    )(codes_ref.at[g], scales_ref.at[g], xs_ref)
-                    return acc_ref[...]
-
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read o_smem
-                o_smem[...] = acc
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
-
+        _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((N, m_pad), jnp.float32),
-        grid=(num_sms * cfg.ctas_per_sm,),
-        grid_names=("sm",),
-        scratch_types=dict(o_smem=plgpu.SMEM((COLS, R), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return kernel(tile_group, num_tiles, xs, w.codes, w.scales_t)
+    return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, xs, w.codes, w.scales_t)
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
@@ -407,59 +431,39 @@ def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config
     x_transforms = (plgpu.TilingTransform((8, G)), plgpu.SwizzleTransform(G))
 
     def body(tile_group_ref, num_ref, xh_ref, xl_ref, codes_ref, scales_ref, out_ref, o_smem):
-        @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
-        def _item(info):
-            (i,) = info.index
-            t = i // n_blocks
-            nb = i % n_blocks
+        def item(t, nb, g):
+            def step(_, codes_s, scales_s, xh_s, xl_s, out):
+                w_groups = decode(codes_s)
 
-            @pl.when(t < num_ref[0])
-            def _live():
-                g = tile_group_ref[t]
+                def mma(*acc_refs):
+                    for j, acc_ref in enumerate(acc_refs):
+                        xk = pl.ds(j * G, G)
+                        plgpu.wgmma(acc_ref, w_groups[j], plgpu.transpose_ref(xh_s.at[:, xk], (1, 0)))
+                        plgpu.wgmma(acc_ref, w_groups[j], plgpu.transpose_ref(xl_s.at[:, xk], (1, 0)))
+                    return [a[...] for a in acc_refs]
 
-                def step(_, codes_s, scales_s, xh_s, xl_s, out):
-                    w_groups = decode(codes_s)
+                parts = pl.run_scoped(mma, *[plgpu.ACC((COLS, R), jnp.float32) for _ in range(ng)])
+                return fold(out, *parts, scales_s)
 
-                    def mma(*acc_refs):
-                        for j, acc_ref in enumerate(acc_refs):
-                            xk = pl.ds(j * G, G)
-                            plgpu.wgmma(acc_ref, w_groups[j], plgpu.transpose_ref(xh_s.at[:, xk], (1, 0)))
-                            plgpu.wgmma(acc_ref, w_groups[j], plgpu.transpose_ref(xl_s.at[:, xk], (1, 0)))
-                        return [a[...] for a in acc_refs]
+            zeros = plgpu.layout_cast(jnp.zeros((COLS, R), jnp.float32), plgpu.Layout.WGMMA)
+            acc = plgpu.emit_pipeline(
+                step,
+                grid=(k_steps,),
+                in_specs=[
+                    plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                    plgpu.BlockSpec((ng, COLS), lambda kk: (kk, nb)),
+                    plgpu.BlockSpec((R, 2 * kh), lambda kk: (t, kk), transforms=x_transforms),
+                    plgpu.BlockSpec((R, 2 * kh), lambda kk: (t, kk), transforms=x_transforms),
+                ],
+                max_concurrent_steps=cfg.steps,
+                init_carry=zeros,
+            )(codes_ref.at[g], scales_ref.at[g], xh_ref, xl_ref)
+            _store_tile(acc, o_smem, out_ref, nb, t)
 
-                    parts = pl.run_scoped(mma, *[plgpu.ACC((COLS, R), jnp.float32) for _ in range(ng)])
-                    return fold(out, *parts, scales_s)
-
-                zeros = plgpu.layout_cast(jnp.zeros((COLS, R), jnp.float32), plgpu.Layout.WGMMA)
-                acc = plgpu.emit_pipeline(
-                    step,
-                    grid=(k_steps,),
-                    in_specs=[
-                        plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-                        plgpu.BlockSpec((ng, COLS), lambda kk: (kk, nb)),
-                        plgpu.BlockSpec((R, 2 * kh), lambda kk: (t, kk), transforms=x_transforms),
-                        plgpu.BlockSpec((R, 2 * kh), lambda kk: (t, kk), transforms=x_transforms),
-                    ],
-                    max_concurrent_steps=cfg.steps,
-                    init_carry=zeros,
-                )(codes_ref.at[g], scales_ref.at[g], xh_ref, xl_ref)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read o_smem
-                o_smem[...] = acc
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
-
+        _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((N, m_pad), jnp.float32),
-        grid=(num_sms * cfg.ctas_per_sm,),
-        grid_names=("sm",),
-        scratch_types=dict(o_smem=plgpu.SMEM((COLS, R), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return kernel(tile_group, num_tiles, x_hi, x_lo, w.codes, w.scales_t)
+    return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, x_hi, x_lo, w.codes, w.scales_t)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
