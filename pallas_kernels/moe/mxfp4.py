@@ -224,10 +224,10 @@ PTX_DECODES = {"asm": DECODE_PTX, "asm_sign": DECODE_PTX_SIGN}
 
 # `DECODE_PTX_SIGN` with every constant an operand, for kernels that write their own loops (the Mosaic GPU kernel,
 # `mgpu_mxfp4`): $5 = h (bf16x2, both lanes 2^(S−128): all 4 bytes of the word share one scale group), $6 = −192·h
-# (`neg192h`, one multiply per group instead of one per word), $7 / $8 = the magnitude table `LUT_POS`, $9 =
+# (`NEG192_PTX`, one multiply per group instead of two per word), $7 / $8 = the magnitude table `LUT_POS`, $9 =
 # 0x43434343. The sign copies use the word itself as the permute's second pool (its other bytes are masked away by
-# the 0x80008000 of the final lop3). In the first Mosaic GPU kernel each inline copy of `DECODE_PTX_SIGN`
-# re-materialised its 6 constants and its two −192·h products: 8 of ~28 PTX instructions per word.
+# the 0x80008000 of the final lop3). Inline copies of `DECODE_PTX_SIGN` re-materialise 6 constants and two −192·h
+# products per word in the PTX; ptxas had already shared most of them (the same speed on the H200, session 11).
 DECODE_PTX_SIGN_OPERANDS = """{
 .reg .b32 d4m, d4mh, d4q, d4qh, d4s01, d4s23, d4t01, d4t23;
 and.b32 d4m, $4, 0x77777777;
