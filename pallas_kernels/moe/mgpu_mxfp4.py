@@ -30,7 +30,7 @@ cycle, stalls mostly not-selected / fixed-latency waits / math-pipe throttle. "f
 154 registers (a step's 16 group accumulators, 2 CTAs per SM) and stalls on shared-memory loads (one 4-byte load
 per word, the fold's scale bytes) and on the MMAs. Neither reaches the 0.7-of-copy bar; opt-in, `ops` keeps the
 Triton kernel. Next steps: a warp-specialised pipeline (`emit_pipeline_warp_specialized`: TMA issue off the compute
-warpgroups), 16-byte loads and chunked folds for "fp8", and the XLA row preparation fused (~55 µs of the op).
+warpgroups; a first version hung on the H200, `bench/runs/s11_gpu11_ws.patch`), 16-byte loads and chunked folds for "fp8", and the XLA row preparation fused (~55 µs of the op).
 """
 
 from __future__ import annotations
