@@ -56,7 +56,7 @@ class MgpuConfig:
     ctas_per_sm: int = 2
     # "bf16": weights decoded to scaled bf16 (`_decode_fn`); "fp8": codes shifted into e4m3 (`_decode_fp8_fn`, 7
     # instructions per 8 weights instead of ~20), one wgmma pair (x as two e4m3 planes) per 32-element group into
-    # that group's accumulator, scaled and summed after the step (`_kernel_fp8`)
+    # that group's accumulator, scaled and summed after the step (`kernel_call_fp8`)
     mma: str = "bf16"
 
 
@@ -96,6 +96,8 @@ jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t
 
 
 def prepare_weight(w: mx.MXFP4Weight) -> PreparedWeight:
+    """`MXFP4Weight` (packed `[E, N, K/2]`, scales `[E, N, K/32]`) -> the kernel's layout (scales transposed, so a
+    step's TMA box of them is 64 columns wide). Once per weight, not per call."""
     return PreparedWeight(w.packed, jnp.swapaxes(w.scale, 1, 2))
 
 
