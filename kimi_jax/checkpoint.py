@@ -58,6 +58,10 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
         default = np.dtype(meta["param_dtype"])
         packed = _mxfp4_expert_targets(meta["entries"]) if keep else set()
         arrays = lambda shapes, dtypes: _converted_arrays(path, meta, shapes, dtypes, packed)
+    elif os.path.isdir(os.path.join(path, store.PARAMS_DIR)) and not any(
+            f.endswith(".safetensors") for f in os.listdir(path)):
+        raise ConvertError(f"{path} looks like a kimi_jax checkpoint (it has {store.PARAMS_DIR}/) but its "
+                           f"{store.META_NAME} is missing: a damaged or unfinished copy; convert the source again")
     elif os.path.isfile(os.path.join(path, "config.json")):
         from convert.plan import make_plan
 

@@ -449,6 +449,10 @@ def test_load_reports_damaged_checkpoint(kl_dir, tmp_path):
         kimi_jax.load_model(str(dst))
     with pytest.raises(ConvertError, match="not a converted kimi_jax checkpoint"):
         export(str(kl_dir), str(tmp_path / "out"), progress=False)
+    # without its metadata file the directory still has config.json: it must not be read as a Hugging Face one
+    (dst / "kimi_jax_checkpoint.json").unlink()
+    with pytest.raises(ConvertError, match="kimi_jax_checkpoint.json is missing"):
+        kimi_jax.load_model(str(dst))
 
 
 def test_cli(kl_dir, tmp_path, capsys):
