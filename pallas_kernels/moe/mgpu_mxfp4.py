@@ -112,6 +112,20 @@ def x_permutation(kh_total: int) -> np.ndarray:
     return perm
 
 
+def _fragment_slots(layout, shape):
+    """A WGMMA-family layout's registers for one thread: (registers shape, `reg(c, h)` -> the index of the register
+    of column block c and row half h, this thread's rows (r, r + 8), the first column of its block-0 register)."""
+    reg_shape = layout.registers_shape(shape)
+    coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs(shape)))  # register -> (row, col) of its first element
+
+    def reg(c, h):
+        i = [0] * len(reg_shape)
+        i[1], i[4] = c, h
+        return tuple(i)
+
+    return reg_shape, reg, [coords[reg(0, h)][0] for h in (0, 1)], coords[reg(0, 0)][1]
+
+
 def _decode_fn(kh: int):
     """The inline Mosaic GPU body: (codes smem `[64, kh]` u8, scales smem `[kh/16, 64]` u8) -> (lo, hi) bf16
     `[64, kh]` in the WGMMA layout."""
@@ -125,19 +139,8 @@ def _decode_fn(kh: int):
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         index, bf16 = ir.IndexType.get(), ir.BF16Type.get()
         layout = fa.WGMMA_LAYOUT
-        shape = (COLS, kh)
-        reg_shape = layout.registers_shape(shape)
-        reg_idx = list(np.ndindex(reg_shape))
-        coords = dict(zip(reg_idx, layout.thread_idxs(shape)))  # register -> (row, col) of its first element
-
-        def reg(c8, h):  # the register of column block c8 (8 wide) and row half h
-            i = [0] * len(reg_shape)
-            i[1], i[4] = c8, h
-            return tuple(i)
-
+        reg_shape, reg, rows, two_q = _fragment_slots(layout, (COLS, kh))  # reg(8-column block, row half); 2q
         assert reg_shape[1] == kh // 8 and reg_shape[4] == 2 and np.prod(reg_shape) == kh // 4, reg_shape
-        rows = [coords[reg(0, h)][0] for h in (0, 1)]
-        two_q = coords[reg(0, 0)][1]  # 2q
         q = arith.divui(two_q, mgu.c(2, index))
         q16 = arith.muli(two_q, mgu.c(8, index))
         v16i8 = ir.VectorType.get((16,), i8)
@@ -187,18 +190,8 @@ def _decode_fp8_fn(kh: int):
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         index, f8 = ir.IndexType.get(), ir.Float8E4M3FNType.get()
         layout = fa.WGMMA_LAYOUT_8BIT
-        shape = (COLS, mx.GROUP)
-        reg_shape = layout.registers_shape(shape)
-        coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs(shape)))
-
-        def reg(c16, h):
-            i = [0] * len(reg_shape)
-            i[1], i[4] = c16, h
-            return tuple(i)
-
+        reg_shape, reg, rows, four_q = _fragment_slots(layout, (COLS, mx.GROUP))  # reg(16-column block, half); 4q
         assert reg_shape[1] == 2 and reg_shape[4] == 2 and np.prod(reg_shape) == 4, reg_shape
-        rows = [coords[reg(0, h)][0] for h in (0, 1)]
-        four_q = coords[reg(0, 0)][1]  # 4q
         v4i8, v4f8 = ir.VectorType.get((4,), i8), ir.VectorType.get((4,), f8)
         out_ty = llvm.StructType.get_literal([i32] * 2)
         planes = []
