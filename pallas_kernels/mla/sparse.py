@@ -20,7 +20,8 @@ uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` pic
 "tpu_interpret" / "gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "auto" (the platform's
 kernel for decode (T = 1) when it reads the format, else the reference). "pallas_tpu" / "interpret" are kept as the
 older names of "tpu" / "tpu_interpret". Kernel-only keyword arguments go through `kernel_kw` (e.g. the GPU kernel's
-`block_h`, `splits`, `exact`).
+`block_h`, `splits`, `exact`); on the GPU `kernel_kw={"impl": "mgpu", ...}` picks the Mosaic GPU kernel
+(`sparse_mgpu.py`: fp8 rows at storage precision, ≤ 16 heads; its other keys are `MgpuSparseConfig` fields).
 """
 
 from __future__ import annotations
@@ -147,9 +148,18 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
 
             o, lse = sparse_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], block_k=block_k,
                                        interpret=which == "tpu_interpret", **common, **kernel_kw)
+        elif kernel_kw.get("impl") == "mgpu":  # the Mosaic GPU kernel (fp8 rows, storage precision; GPU only)
+            from . import sparse_mgpu
+
+            if which == "gpu_interpret":
+                raise ValueError("the mgpu sparse MLA kernel has no interpret mode; use impl='triton' on CPU")
+            cfg = sparse_mgpu.MgpuSparseConfig(**{k: v for k, v in kernel_kw.items() if k != "impl"})
+            o, lse = sparse_mgpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], config=cfg,
+                                        **common)
         else:
             from . import sparse_gpu
 
+            kernel_kw.pop("impl", None)  # "triton": the default GPU kernel
             if precision == "storage":
                 kernel_kw = dict(sparse_gpu.storage_preset(B, H), **kernel_kw)
             o, lse = sparse_gpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],

@@ -1,0 +1,134 @@
+"""Sparse MLA decode on the GPU: the Mosaic GPU kernel (`pallas_kernels.mla.sparse_mgpu`) vs the Pallas Triton
+kernel at its storage preset, fp8 latent rows, latent bytes gathered per second vs copy bandwidth (BENCHMARKS.md:
+≥ 0.60). Every timed op is checked against the reference on the dequantised rows first (storage bar 5e-3).
+
+    python3 bench/mla_mgpu.py [--contexts 32768] [--batches 32] [--heads 12] [--configs '[{}, {"splits": 4}]']
+
+Times the whole op (q preparation, slot rows, kernel, merge) as a chain of calls on distinct selections in one
+program (`_timing.device_seconds`), and the Mosaic kernel alone on prepared inputs ("kernel" rows). Prints a table
+and writes $OUT/mla_mgpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _timing import device_seconds  # noqa: E402
+
+from kimi_jax import quant as Q  # noqa: E402
+from pallas_kernels.mla import sparse, sparse_gpu  # noqa: E402
+from pallas_kernels.mla import sparse_mgpu as sm  # noqa: E402
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--contexts", default="32768", help="comma-separated tokens per sequence")
+ap.add_argument("--batches", default="32", help="comma-separated sequences per call")
+ap.add_argument("--heads", default="12", help="comma-separated head counts (≤ 16: one TP shard of 96)")
+ap.add_argument("--configs", default="[{}]", help="JSON list of MgpuSparseConfig field dicts to time")
+ap.add_argument("--no-triton", action="store_true", help="skip the Triton storage preset")
+ap.add_argument("--chain", type=int, default=8, help="distinct selections per timing chain")
+ARGS = ap.parse_args()
+PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
+ROWS = []
+
+
+def copy_bandwidth():
+    import torch
+
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * (1 << 31) / statistics.median(ts)
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def row(name, shape, us, tbps, bw, err):
+    frac = tbps / (bw / 1e12)
+    ROWS.append(dict(name=name, shape=shape, us=us, TBps=tbps, copy_TBps=bw / 1e12, fraction=frac, rel_rms=err))
+    print(f"{name:42s} {shape:28s} {us:8.1f} us {tbps:6.2f} TB/s  {frac:5.3f} of copy  err {err:.1e}", flush=True)
+
+
+def main():
+    bw = copy_bandwidth()
+    print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; copy {bw / 1e12:.2f} TB/s", flush=True)
+    fmt = Q.LatentFormat("fp8", R, ROPE)
+    configs = json.loads(ARGS.configs)
+    for ctx in map(int, ARGS.contexts.split(",")):
+        for B in map(int, ARGS.batches.split(",")):
+            key = jax.random.PRNGKey(ctx + B)
+            nb = B * (ctx // PAGE) + 1
+            bits = jax.random.bits(key, (nb, PAGE, R + ROPE), jnp.uint8) & jnp.uint8(0xBF)  # |x| ≤ 1.875, no NaN
+            pool = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+            bt = jax.random.permutation(jax.random.fold_in(key, 1), jnp.arange(1, nb, dtype=jnp.int32)).reshape(
+                B, ctx // PAGE)
+            rng = np.random.default_rng(ctx)
+            sel = jnp.asarray(np.stack([np.stack([np.sort(rng.choice(ctx, TOPK, replace=False)) for _ in range(B)])
+                                        for _ in range(ARGS.chain)]), jnp.int32)
+            lat_bytes = B * TOPK * fmt.bytes_per_token
+            for H in map(int, ARGS.heads.split(",")):
+                q = jnp.asarray(rng.standard_normal((B, H, R + ROPE)), jnp.float32)
+                kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=R)
+                shape = f"ctx={ctx} B={B} H={H}"
+                ref = jax.jit(lambda q, bt, idx: sparse.decode(q, (pool,), bt, idx, backend="reference", **kw))
+                o_r, lse_r = ref(q, bt, sel[0])
+
+                def time_op(kernel_kw, name):
+                    f = jax.jit(lambda q, bt, idx: sparse.decode(q, (pool,), bt, idx, backend="gpu",
+                                                                 kernel_kw=kernel_kw, **kw))
+                    try:
+                        o, lse = f(q, bt, sel[0])
+                        err = max(rel_rms(o, o_r), rel_rms(lse, lse_r))
+                        t = device_seconds(f, q, bt, sel, stacked=(2,))[0]
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{name} {shape}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        return
+                    row(name, shape, t * 1e6, lat_bytes / t / 1e12, bw, err)
+
+                if not ARGS.no_triton:
+                    time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
+                for cfg in configs:
+                    time_op(dict(cfg, impl="mgpu"), f"mgpu op {json.dumps(cfg, separators=(',', ':'))}")
+                    c = sm.MgpuSparseConfig(**cfg)
+                    q16, c2 = sm.prepare_q(q, 0.5 * 192 ** -0.5)
+                    pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * PAGE, R + ROPE)
+                    slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(bt, idx, PAGE, nb, c.splits)))(sel)
+                    # a corner of o: the chain's per-call sum then reads 64 bytes, not the 8 MB of partials
+                    kern = jax.jit(lambda q16, c2, slots: jax.tree_util.tree_map(
+                        lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, pool_u8, R=R, config=c)))
+                    try:
+                        t = device_seconds(kern, q16, c2, slots, stacked=(2,))[0]
+                        row(f"mgpu kernel alone {json.dumps(cfg, separators=(',', ':'))}", shape, t * 1e6,
+                            lat_bytes / t / 1e12, bw, float("nan"))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"kernel alone {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+            del pool
+    out = os.environ.get("OUT")
+    if out:
+        json.dump(dict(rows=ROWS, jax=jax.__version__, copy_TBps=bw / 1e12), open(os.path.join(out, "mla_mgpu.json"),
+                                                                                  "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,560 @@
+"""Sparse MLA decode on Hopper in Pallas Mosaic GPU: fp8 latent rows, wgmma, one gathered load feeding both dots.
+
+Why a second GPU kernel: the Pallas Triton kernel (`sparse_gpu.py`) is issue- and occupancy-bound at 0.24 of copy
+bandwidth (B = 32, H = 12): Triton feeds `mma.sync` with 16-row tiles, loads every gathered row twice and converts
+it twice (bench/RESULTS.md, sessions 7–9). Here one CTA (one warpgroup) takes one sequence and one of `splits`
+slices of its top-k slots, and walks them in blocks of 64 keys:
+
+1. gather: threads 0..63 each issue one bulk copy (`cp.async.bulk`, no tensor map) of a whole stored row (576 fp8
+   bytes at K3) into a shared-memory stage, all completing on one mbarrier; `stages` blocks are in flight.
+2. logits: Sᵀ `[64 keys, 16 heads]` = rows · qᵀ on wgmma with the KEYS as the M side — the fp8 bytes are converted
+   (`cvt.rn.f16x2.e4m3x2`) straight into the A-operand registers, q (f16, heads padded to 16) is the B operand.
+3. softmax over the block's keys (per head; a cross-warp max through shared memory), fp32, in the log2 domain.
+4. PV: outᵀ `[R dims, 16 heads]` += Vᵀ · Pᵀ with the latent DIMS as the M side (8 tiles of 64 at R = 512): the same
+   shared-memory bytes, converted into the A registers a second way; Pᵀ (f16) is the B operand.
+
+Operand orders (wgmma only needs A and B to agree on the contraction order, and the M order is ours):
+- logits: thread t of a quad loads the 16 contiguous bytes [64j + 16t, +16) of its key row; word s becomes k-step s
+  of the 64-column chunk j (the `x_permutation` order of `moe.mgpu_mxfp4`, which q is permuted by in XLA).
+- PV: thread (warp w, group g) owns the 2T contiguous dims [2T(8w + g), +2T) of every key row (T = R / 64 tiles):
+  one load per key row, then `prmt` pairs the bytes of keys k, k + 1 for each dim; output row 64i + 16w + 8h + g of
+  tile i holds dim 2T(8w + g) + 2i + h (`value_dim_of_row`), undone in XLA.
+
+Precision is the storage formats' (`precision="storage"`): q in f16 after a per-head power-of-two normalisation
+(the same bits as `sparse_gpu._prep_q`), P in f16, fp32 accumulation and softmax (ex2 / lg2 approximations).
+Partial (o, lse) per split are merged exactly in XLA (`reference.merge_partials`'s formula).
+
+Opt-in (`sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu"})` is not wired; call `decode` directly); GPU
+only: the body lowers on CPU (tests), runs on an H200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..moe.mgpu_mxfp4 import _fragment_slots, x_permutation
+from .sparse_gpu import _pow2_at_least, pool_rows
+
+KEYS = 64  # keys per block: the M side of the logits wgmma
+HEADS = 16  # heads per CTA (the N side), zero-padded
+CHUNK = 64  # latent columns per 16-byte load of a thread quad (4 threads x 16 bytes)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuSparseConfig:
+    splits: int = 8  # CTAs per sequence, each over k / splits slots (a multiple of 64)
+    stages: int = 2  # gathered blocks in flight per CTA (36 KB each at K3)
+    logits_chunk: int = 192  # latent columns converted per logits wgmma call (a multiple of 64 dividing c)
+    value_keys: int = 32  # keys converted per PV wgmma call (16, 32 or 64)
+
+
+def supports(fmt) -> bool:
+    """fp8 rows whose latent width R is 128, 256 or 512 and whose row width c = R + rope is a multiple of 64."""
+    R, rope = getattr(fmt, "latent", 0), getattr(fmt, "rope", 0)
+    return getattr(fmt, "kv_dtype", None) == "fp8" and R in (128, 256, 512) and (R + rope) % CHUNK == 0
+
+
+def value_dim_of_row(R: int) -> np.ndarray:
+    """dims `[R]`: row r of the kernel's outᵀ holds latent dim dims[r] (module docstring, PV order)."""
+    T = R // 64
+    r = np.arange(R)
+    i, w, h, g = r // 64, (r % 64) // 16, (r % 16) // 8, r % 8
+    return (2 * T * (8 * w + g) + 2 * i + h).astype(np.int32)
+
+
+def prepare_q(q_bhc, qscale):
+    """q `[B, H, c]` (any float) and the logit scale (scale · layer scale) -> (q `[B, 16, c]` f16 in the kernel's
+    contraction order, heads zero-padded; c2 `[B, 16]` f32: each head's power of two times log2 e, which turns the
+    f16 dot back into log2-domain logits). The power of two is `sparse_gpu._pow2_at_least` of the head's max |q|."""
+    B, H, c = q_bhc.shape
+    if H > HEADS:
+        raise ValueError(f"the mgpu sparse MLA kernel takes ≤ {HEADS} heads per call, got {H}")
+    q = q_bhc.astype(jnp.float32) * qscale
+    s = _pow2_at_least(jnp.max(jnp.abs(q), axis=-1))  # [B, H]
+    q = (q / s[..., None])[..., jnp.asarray(x_permutation(c))]
+    q = jnp.pad(q, ((0, 0), (0, HEADS - H), (0, 0))).astype(jnp.float16)
+    c2 = jnp.pad(s * LOG2E, ((0, 0), (0, HEADS - H)), constant_values=LOG2E)
+    return q, c2
+
+
+def prepare_slots(block_tables, idx_bk, page: int, nblocks: int, splits: int):
+    """Top-k positions `[B, k]` -> pool rows `[B, splits, n_blk, 64]` int32 (−1 = empty), k padded with empty slots
+    to splits · n_blk · 64."""
+    B, k = idx_bk.shape
+    n_blk = -(-k // (splits * KEYS))
+    idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, splits * n_blk * KEYS - k)), constant_values=-1)
+    return pool_rows(block_tables, idx, page, nblocks).reshape(B, splits, n_blk, KEYS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inline Mosaic GPU pieces (MLIR built at lowering time; imported lazily so CPU-only installs never need them)
+
+
+def _mlir():
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    return ir, arith, llvm, memref, vector, fa, mgu
+
+
+def _thread_in_wg():
+    ir, arith, _, _, _, _, mgu = _mlir()
+    i32 = ir.IntegerType.get_signless(32)
+    return arith.remui(mgu.thread_idx(), mgu.c(128, i32))
+
+
+def _asm(ret, args, ptx, constraints):
+    _, _, llvm, _, _, _, _ = _mlir()
+    return llvm.inline_asm(ret, list(args), ptx, constraints, has_side_effects=True)
+
+
+def _init_barriers_fn(stages: int):
+    """mbarriers (8 bytes each, in an int32 scratch) initialised by thread 0 with one arrival, made visible."""
+    def fn(ctx, bar_ref):
+        del ctx
+        ir, arith, llvm, _, _, _, mgu = _mlir()
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        base = mgu.memref_ptr(bar_ref)
+        void = ir.Type.parse("!llvm.void")
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, _thread_in_wg(), mgu.c(0, i32))):
+            for s in range(stages):
+                _asm(void, [mgu.getelementptr(base, [8 * s], i8)], "mbarrier.init.shared::cta.b64 [$0], 1;", "l")
+            _asm(void, [], "fence.mbarrier_init.release.cluster;", "")
+            _asm(void, [], "fence.proxy.async.shared::cta;", "")
+        mgu.warpgroup_barrier()
+        del llvm
+
+    return fn
+
+
+def _issue_fn(row_bytes: int):
+    """Gather one block: a warpgroup barrier (every thread is done with the stage's previous block), thread 0 expects
+    64 rows' bytes on the stage's mbarrier, threads 0..63 each copy one pool row (`cp.async.bulk`; empty slots, −1,
+    copy row 0 and are masked in the softmax)."""
+    def fn(ctx, pool_ref, dst_ref, idx_ref, bar_ref):
+        del ctx
+        ir, arith, llvm, memref, _, _, mgu = _mlir()
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        index = ir.IndexType.get()
+        void = ir.Type.parse("!llvm.void")
+        mgu.warpgroup_barrier()
+        tid = _thread_in_wg()
+        bar = mgu.memref_ptr(bar_ref)
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, i32))):
+            _asm(void, [bar, mgu.c(KEYS * row_bytes, i32)],
+                 "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "l,r")
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, tid, mgu.c(KEYS, i32))):
+            row = memref.load(idx_ref, [arith.index_cast(index, tid)])
+            row = arith.maxsi(row, mgu.c(0, i32))
+            src = mgu.getelementptr(mgu.memref_ptr(pool_ref), [arith.muli(arith.extui(i64, row),
+                                                                          mgu.c(row_bytes, i64))], i8)
+            dst = mgu.getelementptr(mgu.memref_ptr(dst_ref), [arith.muli(tid, mgu.c(row_bytes, i32))], i8)
+            _asm(void, [dst, src, mgu.c(row_bytes, i32), bar],
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+                 "l,l,r,l")
+        del llvm
+
+    return fn
+
+
+def _wait_fn():
+    """Every thread waits for the stage's mbarrier to complete the phase of the given parity."""
+    def fn(ctx, bar_ref, parity):
+        del ctx
+        ir, arith, _, _, _, _, mgu = _mlir()
+        i1, i32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
+        if not isinstance(parity, ir.Value):  # a splat array of one register
+            parity = parity.registers.flat[0]
+        if isinstance(parity.type, ir.VectorType):
+            parity = _mlir()[4].extract(parity, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+        bit = arith.trunci(i1, arith.andi(parity, mgu.c(1, i32)))
+        mgu.BarrierRef(mgu.memref_ptr(bar_ref), mgu.c(0, i32), None, 1).wait_parity(bit)
+
+    return fn
+
+
+_CVT4 = """{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}"""
+
+# keys (a, b) -> dim pairs: bytes (a0 b0 a1 b1) and (a2 b2 a3 b3), each 16-bit half one f16x2 register
+_PAIR_CVT = """{
+.reg .b32 t0, t1;
+.reg .b16 x0, x1, x2, x3;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+mov.b32 {x0, x1}, t0;
+mov.b32 {x2, x3}, t1;
+cvt.rn.f16x2.e4m3x2 $0, x0;
+cvt.rn.f16x2.e4m3x2 $1, x1;
+cvt.rn.f16x2.e4m3x2 $2, x2;
+cvt.rn.f16x2.e4m3x2 $3, x3;
+}"""
+
+
+def _logits_operand_fn(col0: int, width: int):
+    """rows smem `[64, c]` u8 (one stage) -> the logits A operand for latent columns [col0, col0 + width):
+    `[64, width]` f16 in the WGMMA layout (keys = rows; thread t's 16 bytes per 64-column chunk, word s = k-step s)."""
+    def fn(ctx, rows_ref):
+        del ctx
+        ir, arith, llvm, _, vector, fa, mgu = _mlir()
+        i8, i32, f16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get()
+        index = ir.IndexType.get()
+        layout = fa.WGMMA_LAYOUT
+        reg_shape, reg, rows, two_t = _fragment_slots(layout, (KEYS, width))
+        t16 = arith.muli(two_t, mgu.c(8, index))
+        v16i8, v4i32, v2f16 = (ir.VectorType.get(s, t) for s, t in (((16,), i8), ((4,), i32), ((2,), f16)))
+        pair = llvm.StructType.get_literal([i32] * 2)
+        regs = np.empty(reg_shape, dtype=object)
+        for h in (0, 1):
+            for q in range(width // CHUNK):
+                col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
+                words = mgu.bitcast(vector.load(v16i8, rows_ref, [rows[h], col]), v4i32)
+                for s in range(4):
+                    w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
+                    out = llvm.inline_asm(pair, [w], _CVT4, "=r,=r,r")
+                    for e in (0, 1):
+                        regs[reg(8 * q + 2 * s + e, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [e]), v2f16)
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
+def _value_operand_fn(R: int, key0: int, nkeys: int):
+    """rows smem `[64, c]` u8 -> the PV A operand Vᵀ for keys [key0, key0 + nkeys): `[R, nkeys]` f16 in the WGMMA
+    layout (rows = latent dims in `value_dim_of_row` order, columns = keys in order)."""
+    T = R // 64
+    nbytes = 2 * T
+
+    def fn(ctx, rows_ref):
+        del ctx
+        ir, arith, llvm, _, vector, fa, mgu = _mlir()
+        i8, i32, f16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get()
+        index = ir.IndexType.get()
+        layout = fa.WGMMA_LAYOUT
+        reg_shape = layout.registers_shape((R, nkeys))
+        coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs((R, nkeys))))
+
+        def reg(i, cb, h):
+            ix = [0] * len(reg_shape)
+            ix[0], ix[1], ix[4] = i, cb, h
+            return tuple(ix)
+
+        row0, two_t = coords[reg(0, 0, 0)]  # 16w + g, 2t
+        w = arith.divui(row0, mgu.c(16, index))
+        g = arith.remui(row0, mgu.c(8, index))
+        dim0 = arith.muli(arith.addi(arith.muli(w, mgu.c(8, index)), g), mgu.c(nbytes, index))
+        vload, vword = ir.VectorType.get((nbytes,), i8), ir.VectorType.get((nbytes // 4,), i32)
+        v2f16 = ir.VectorType.get((2,), f16)
+        quad = llvm.StructType.get_literal([i32] * 4)
+        regs = np.empty(reg_shape, dtype=object)
+        for s in range(nkeys // 16):
+            for a in (0, 1):
+                ka = arith.addi(two_t, mgu.c(key0 + 16 * s + 8 * a, index))
+                kb = arith.addi(ka, mgu.c(1, index))
+                wa = mgu.bitcast(vector.load(vload, rows_ref, [ka, dim0]), vword)
+                wb = mgu.bitcast(vector.load(vload, rows_ref, [kb, dim0]), vword)
+                for u in range(nbytes // 4):
+                    pos = ir.DenseI64ArrayAttr.get([u])
+                    xa = vector.extract(wa, dynamic_position=[], static_position=pos)
+                    xb = vector.extract(wb, dynamic_position=[], static_position=pos)
+                    out = llvm.inline_asm(quad, [xa, xb], _PAIR_CVT, "=r,=r,=r,=r,r,r")
+                    for k, (i, h) in enumerate(((2 * u, 0), (2 * u, 1), (2 * u + 1, 0), (2 * u + 1, 1))):
+                        regs[reg(i, 2 * s + a, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [k]), v2f16)
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
+def _ex2(x):
+    """2^x elementwise on a vector<2xf32> (`ex2.approx.ftz`: −inf -> 0)."""
+    ir, _, llvm, _, vector, _, _ = _mlir()
+    f32 = ir.F32Type.get()
+    parts = []
+    for e in (0, 1):
+        v = vector.extract(x, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+        parts.append(llvm.inline_asm(f32, [v], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
+    return vector.from_elements(x.type, parts)
+
+
+def _lg2(x):
+    ir, _, llvm, _, vector, _, _ = _mlir()
+    f32 = ir.F32Type.get()
+    parts = []
+    for e in (0, 1):
+        v = vector.extract(x, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+        parts.append(llvm.inline_asm(f32, [v], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
+    return vector.from_elements(x.type, parts)
+
+
+def _warpgroup_reduce(vals, red_ref, rows0, col0, combine):
+    """vals [2] vector<2xf32> (heads col0 + 8c, +1) -> the same reduced over the warpgroup's 128 threads: over the
+    8 row groups of a warp by butterfly shuffles, over the 4 warps through red_ref `[4, 16]` f32 (one barrier)."""
+    ir, arith, _, _, vector, _, mgu = _mlir()
+    index = ir.IndexType.get()
+    v2 = ir.VectorType.get((2,), ir.F32Type.get())
+    for d in (4, 8, 16):
+        vals = [combine(v, mgu.shfl_bfly(v, d)) for v in vals]
+    w = arith.divui(rows0, mgu.c(16, index))
+    g0 = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(rows0, mgu.c(8, index)), mgu.c(0, index))
+    with mgu.when(g0):
+        for cb, v in enumerate(vals):
+            vector.store(v, red_ref, [w, arith.addi(col0, mgu.c(8 * cb, index))])
+    mgu.warpgroup_barrier()
+    out = []
+    for cb in range(2):
+        col = arith.addi(col0, mgu.c(8 * cb, index))
+        parts = [vector.load(v2, red_ref, [mgu.c(ww, index), col]) for ww in range(4)]
+        out.append(functools.reduce(combine, parts))
+    return out
+
+
+def _softmax_fn(R: int):
+    """One block's online softmax: (Sᵀ `[64, 16]` f32, stats `[64, 16]` f32 (registers (c, 0): running max m,
+    (c, 1): this thread's partial row sum l, both in log2 units), outᵀ `[R, 16]` f32, the block's pool rows
+    `[64]` i32 smem, the cross-warp buffer `[4, 16]` f32 smem, c2 `[16]` f32 smem) -> (Pᵀ `[64, 16]` f16, stats,
+    outᵀ rescaled). Empty slots (row < 0) get p = 0."""
+    def fn(ctx, s_t, stats, out, idx_ref, red_ref, c2_ref):
+        del ctx
+        ir, arith, _, memref, vector, fa, mgu = _mlir()
+        f32, f16, i32 = ir.F32Type.get(), ir.F16Type.get(), ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        v2, v2f16 = ir.VectorType.get((2,), f32), ir.VectorType.get((2,), f16)
+        layout = fa.WGMMA_LAYOUT
+        _, reg, rows, col0 = _fragment_slots(layout, (KEYS, HEADS))
+        neg_inf = vector.broadcast(v2, mgu.c(-math.inf, f32))
+        zero = vector.broadcast(v2, mgu.c(0.0, f32))
+        c2 = [vector.load(v2, c2_ref, [arith.addi(col0, mgu.c(8 * cb, index))]) for cb in range(2)]
+        valid = [arith.cmpi(arith.CmpIPredicate.sge, memref.load(idx_ref, [rows[h]]), mgu.c(0, i32)) for h in (0, 1)]
+        x = [[arith.select(valid[h], arith.mulf(s_t.registers[reg(cb, h)], c2[cb]), neg_inf) for cb in range(2)]
+             for h in (0, 1)]
+        block_max = _warpgroup_reduce([arith.maximumf(x[0][cb], x[1][cb]) for cb in range(2)], red_ref, rows[0],
+                                      col0, arith.maximumf)
+        st = stats.registers.copy()
+        corr, m_use = [], []
+        for cb in range(2):
+            m_old = st[reg(cb, 0)]
+            m_new = arith.maximumf(m_old, block_max[cb])
+            mu = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m_new, neg_inf), zero, m_new)
+            corr.append(_ex2(arith.subf(m_old, mu)))
+            m_use.append(mu)
+            st[reg(cb, 0)] = m_new
+        p_regs = np.empty(s_t.registers.shape, dtype=object)
+        for cb in range(2):
+            p = [_ex2(arith.subf(x[h][cb], m_use[cb])) for h in (0, 1)]
+            st[reg(cb, 1)] = arith.addf(arith.mulf(st[reg(cb, 1)], corr[cb]), arith.addf(p[0], p[1]))
+            for h in (0, 1):
+                p_regs[reg(cb, h)] = arith.truncf(v2f16, p[h])
+        o_regs = out.registers.copy()
+        for ri in np.ndindex(o_regs.shape):
+            o_regs[ri] = arith.mulf(o_regs[ri], corr[ri[1]])
+        del v2f16
+        return (fa.FragmentedArray(_registers=p_regs, _layout=layout, _is_signed=None),
+                fa.FragmentedArray(_registers=st, _layout=layout, _is_signed=None),
+                fa.FragmentedArray(_registers=o_regs, _layout=layout, _is_signed=None))
+
+    return fn
+
+
+def _init_stats_fn():
+    def fn(ctx):
+        del ctx
+        ir, _, _, _, vector, fa, mgu = _mlir()
+        f32 = ir.F32Type.get()
+        v2 = ir.VectorType.get((2,), f32)
+        layout = fa.WGMMA_LAYOUT
+        reg_shape, reg, _, _ = _fragment_slots(layout, (KEYS, HEADS))
+        regs = np.empty(reg_shape, dtype=object)
+        for cb in range(2):
+            regs[reg(cb, 0)] = vector.broadcast(v2, mgu.c(-math.inf, f32))
+            regs[reg(cb, 1)] = vector.broadcast(v2, mgu.c(0.0, f32))
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
+def _finish_fn(R: int):
+    """(stats, outᵀ `[R, 16]` f32, cross-warp buffer, o gmem `[R, 16]` f32, lse gmem `[16]` f32): the row sums
+    reduced over the warpgroup, o = outᵀ / l written straight from registers, lse = (m + log2 l)·ln 2 (−inf where
+    l = 0, o = 0 there)."""
+    def fn(ctx, stats, out, red_ref, o_ref, lse_ref):
+        del ctx
+        ir, arith, _, _, vector, fa, mgu = _mlir()
+        f32 = ir.F32Type.get()
+        index = ir.IndexType.get()
+        v2 = ir.VectorType.get((2,), f32)
+        layout = fa.WGMMA_LAYOUT
+        _, reg, rows, col0 = _fragment_slots(layout, (KEYS, HEADS))
+        neg_inf = vector.broadcast(v2, mgu.c(-math.inf, f32))
+        zero = vector.broadcast(v2, mgu.c(0.0, f32))
+        one = vector.broadcast(v2, mgu.c(1.0, f32))
+        l = _warpgroup_reduce([stats.registers[reg(cb, 1)] for cb in range(2)], red_ref, rows[0], col0, arith.addf)
+        inv, lse = [], []
+        for cb in range(2):
+            good = arith.cmpf(arith.CmpFPredicate.OGT, l[cb], zero)
+            l_safe = arith.select(good, l[cb], one)
+            inv.append(arith.select(good, arith.divf(one, l_safe), zero))
+            m = stats.registers[reg(cb, 0)]
+            m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
+            ln2 = vector.broadcast(v2, mgu.c(LN2, f32))
+            lse.append(arith.select(good, arith.mulf(arith.addf(m, _lg2(l_safe)), ln2), neg_inf))
+        shape = (R, HEADS)
+        for ri, (r, cidx) in zip(np.ndindex(layout.registers_shape(shape)), layout.thread_idxs(shape)):
+            vector.store(arith.mulf(out.registers[ri], inv[ri[1]]), o_ref, [r, cidx])
+        first = arith.cmpi(arith.CmpIPredicate.ult, rows[0], mgu.c(8, index))  # warp 0, row group 0: (w, g) = 0
+        first = arith.andi(first, arith.cmpi(arith.CmpIPredicate.eq, rows[0], mgu.c(0, index)))
+        with mgu.when(first):
+            for cb in range(2):
+                vector.store(lse[cb], lse_ref, [arith.addi(col0, mgu.c(8 * cb, index))])
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = MgpuSparseConfig()):
+    """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`), slots
+    `[B, splits, n_blk, 64]` int32 pool rows (`prepare_slots`), pool `[rows, c]` uint8 (fp8 bits) ->
+    (outᵀ `[splits, B, R, 16]` f32 in `value_dim_of_row` order, normalised per split; lse `[splits, B, 16]` f32)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    B, _, c = q16.shape
+    _, NS, n_blk, _ = slots.shape
+    cfg = config
+    S, LC, VK = cfg.stages, cfg.logits_chunk, cfg.value_keys
+    if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 64 or R > c:
+        raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
+                         f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
+    wg = plgpu.Layout.WGMMA
+    splat = plgpu.Layout.WG_SPLAT
+    f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg)
+    init_barriers = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_barriers_fn(S))
+    issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(_issue_fn(c))
+    wait = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat))(_wait_fn())
+    logits_a = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                                  return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg))(
+        _logits_operand_fn(j * LC, LC)) for j in range(c // LC)]
+    value_a = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                                 return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg))(
+        _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
+    softmax = plgpu.inline_mgpu(
+        arg_types=(wg, wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+        return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg), f32_acc,
+                     plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg)))(_softmax_fn(R))
+    init_stats = plgpu.inline_mgpu(return_type=f32_acc)(_init_stats_fn())
+    finish = plgpu.inline_mgpu(arg_types=(wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))(_finish_fn(R))
+
+    def body(slots_ref, q_ref, c2_ref, pool_ref, o_ref, lse_ref, q_smem, idx_smem, c2_smem, rows_smem, p_smem,
+             red_smem, bar_smem, q_bar):
+        sp = jax.lax.axis_index("s")
+        b = jax.lax.axis_index("b")
+        init_barriers(bar_smem)
+        plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
+        plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def bar(slot):
+            return bar_smem.at[pl.ds(2 * slot, 2)]
+
+        for s in range(min(S, n_blk)):
+            issue(pool_ref, rows_smem.at[s], idx_smem.at[s], bar(s))
+
+        def step(j, carry):
+            stats, out = carry
+            slot = j % S
+            wait(bar(slot), (j // S).astype(jnp.int32))
+            stage = rows_smem.at[slot]
+
+            def logits(acc):
+                for jj, fn in enumerate(logits_a):
+                    plgpu.wgmma(acc, fn(stage), plgpu.transpose_ref(q_smem.at[:, pl.ds(jj * LC, LC)], (1, 0)))
+                return acc[...]
+
+            s_t = pl.run_scoped(logits, plgpu.ACC((KEYS, HEADS), jnp.float32))
+            p, stats, out = softmax(s_t, stats, out, idx_smem.at[j], red_smem.at[j % 2], c2_smem)
+            p_smem[...] = p
+            plgpu.commit_smem()
+
+            def pv(acc):
+                for kk, fn in enumerate(value_a):
+                    plgpu.wgmma(acc, fn(stage), p_smem.at[pl.ds(kk * VK, VK)])
+
+            out = pl.run_state(pv)(plgpu.ACC.init(out))
+
+            @pl.when(j + S < n_blk)
+            def _refill():
+                issue(pool_ref, stage, idx_smem.at[j + S], bar(slot))
+
+            return stats, out
+
+        zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg)
+        stats, out = jax.lax.fori_loop(0, n_blk, step, (init_stats(), zeros))
+        finish(stats, out, red_smem.at[n_blk % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((NS, B, R, HEADS), jnp.float32),
+                  jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32)),
+        grid=(NS, B),
+        grid_names=("s", "b"),
+        scratch_types=dict(
+            q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
+            idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
+            c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
+            rows_smem=plgpu.SMEM((S, KEYS, c), jnp.uint8),
+            p_smem=plgpu.SMEM((KEYS, HEADS), jnp.float16),
+            red_smem=plgpu.SMEM((2, 4, HEADS), jnp.float32),
+            bar_smem=plgpu.SMEM((2 * S,), jnp.int32),
+            q_bar=plgpu.Barrier(num_arrivals=3),
+        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(slots, q16, c2, pool_u8)
+
+
+def merge_splits(o_t, lse, H: int, R: int, layer_scale=1.0):
+    """The kernel's per-split (outᵀ `[NS, B, R, 16]` in `value_dim_of_row` order, lse `[NS, B, 16]`) -> (o `[B, H, R]`
+    f32 times the layer scale, lse `[B, H]`): `reference.merge_partials` over the splits, rows put back in order."""
+    lse_all = jax.nn.logsumexp(lse, axis=0)  # [B, 16]
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(lse_all), lse_all, 0.0)), 0.0)
+    o = jnp.einsum("sbh,sbrh->bhr", w, o_t)  # [B, 16, R] in kernel row order
+    o = jnp.zeros_like(o).at[..., jnp.asarray(value_dim_of_row(R))].set(o)
+    return o[:, :H] * layer_scale, lse_all[:, :H]
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "config"))
+def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
+           config: MgpuSparseConfig = MgpuSparseConfig()):
+    """`sparse_gpu.decode`'s contract for fp8 rows at storage precision: q `[B, H, c]` (H ≤ 16), kv_parts the
+    pool's one fp8 part `[num_blocks, page, c]`, block_tables `[B, max_blocks]`, idx `[B, k]` positions (−1 =
+    empty) -> (o `[B, H, R]` f32, lse `[B, H]` f32)."""
+    if not supports(fmt):
+        raise ValueError(f"the mgpu sparse MLA kernel reads fp8 rows with R in (128, 256, 512), not {fmt}")
+    R = fmt.latent
+    if value_dim != R:
+        raise ValueError(f"value_dim must be the latent width {R}, got {value_dim}")
+    (pool,) = kv_parts
+    nblocks, page, c = pool.shape
+    B, H, _ = q_bhc.shape
+    ls = jnp.asarray(layer_scale, jnp.float32)
+    q16, c2 = prepare_q(q_bhc, scale * ls)
+    slots = prepare_slots(block_tables, idx_bk, page, nblocks, config.splits)
+    pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nblocks * page, c)
+    o_t, lse = kernel_call(q16, c2, slots, pool_u8, R=R, config=config)
+    return merge_splits(o_t, lse, H, R, ls)

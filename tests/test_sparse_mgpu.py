@@ -1,0 +1,147 @@
+"""The Mosaic GPU sparse MLA decode kernel (`pallas_kernels.mla.sparse_mgpu`): its XLA side and contract on CPU (the
+kernel's maths in jnp, the operand orders, lowering for CUDA at K3.1 shapes) and the kernel itself against the
+reference on the dequantised rows on a GPU (`gpu` marker)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax import quant as Q
+from pallas_kernels.mla import sparse
+from pallas_kernels.mla import sparse_mgpu as sm
+from pallas_kernels.moe.mgpu_mxfp4 import x_permutation
+
+R, ROPE = 512, 64  # K3.1 latent geometry: the kernel reads K3 widths only
+C = R + ROPE
+SCALE = 192 ** -0.5
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ok = np.isfinite(b)
+    assert (np.isfinite(a) == ok).all()
+    return float(np.sqrt(np.mean((a[ok] - b[ok]) ** 2)) / max(np.sqrt(np.mean(b[ok] ** 2)), 1e-30))
+
+
+def case(seed=0, B=3, H=12, k=300, page=64, nb=64, max_blocks=40):
+    """fp8 pool `[nb, page, 576]` (layer scale 0.5), block tables, top-k positions with empty slots, q."""
+    rng = np.random.default_rng(seed)
+    fmt = Q.LatentFormat("fp8", R, ROPE)
+    (pool,) = fmt.quantize(jnp.asarray(rng.standard_normal((nb, page, C)), jnp.float32), 0.5)
+    bt = np.stack([rng.permutation(nb)[:max_blocks] for _ in range(B)]).astype(np.int32)
+    ctx = page * max_blocks
+    idx = np.stack([rng.permutation(ctx)[:k] for _ in range(B)]).astype(np.int32)
+    idx[0, 7] = -1  # an empty slot inside a block
+    q = rng.standard_normal((B, H, C)).astype(np.float32)
+    kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=SCALE, value_dim=R)
+    return (pool,), bt, idx, q, kw
+
+
+def emulate_kernel(q16, c2, slots, pool_u8, *, R: int):
+    """`sm.kernel_call`'s contract in jnp (float32): for each (sequence, split), the softmax in log2 units over the
+    split's gathered rows (empty slots masked), o normalised, rows in `value_dim_of_row` order."""
+    B, NS, n_blk, keys = slots.shape
+    c = q16.shape[-1]
+    rows = jax.lax.bitcast_convert_type(pool_u8[jnp.maximum(slots, 0)], jnp.float8_e4m3fn).astype(jnp.float32)
+    rows = rows.reshape(B, NS, n_blk * keys, c)
+    valid = slots.reshape(B, NS, n_blk * keys) >= 0
+    logical = rows[..., jnp.asarray(x_permutation(c))]  # the A operand's column order, which q16 is stored in
+    s = jnp.einsum("bskc,bhc->bshk", logical, q16.astype(jnp.float32)) * c2[:, None, :, None]
+    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp2(s - m)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bshk,bskr->bshr", p, rows[..., :R]) / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, (m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0))) * np.log(2.0), -jnp.inf)
+    o_t = jnp.moveaxis(o[..., jnp.asarray(sm.value_dim_of_row(R))], (0, 1), (1, 0))  # [NS, B, H, R]
+    return jnp.swapaxes(o_t, -1, -2), jnp.moveaxis(lse, 0, 1)
+
+
+def test_value_rows_and_q_columns_are_permutations():
+    for r in (128, 256, 512):
+        assert sorted(sm.value_dim_of_row(r)) == list(range(r))
+    # thread (w, g) of the PV operand owns 16 contiguous dims at R = 512: rows g, g + 8 of each of the 8 tiles
+    dims = sm.value_dim_of_row(512)
+    owned = sorted(dims[64 * i + 16 * 1 + 8 * h + 3] for i in range(8) for h in (0, 1))  # w = 1, g = 3
+    assert owned == list(range(16 * (8 + 3), 16 * (8 + 3) + 16))
+    assert sorted(x_permutation(C)) == list(range(C))
+
+
+def test_prepare_q_keeps_every_logit():
+    """q in the kernel's column order dotted with the rows in that order = the plain logits (times log2 e), up to f16."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 12, C)).astype(np.float32)
+    rows = rng.standard_normal((5, C)).astype(np.float32)
+    q16, c2 = sm.prepare_q(jnp.asarray(q), 0.3)
+    assert q16.shape == (2, sm.HEADS, C) and q16.dtype == jnp.float16 and c2.shape == (2, sm.HEADS)
+    assert float(jnp.max(jnp.abs(q16[:, 12:]))) == 0.0
+    got = jnp.einsum("kc,bhc->bhk", rows[:, x_permutation(C)], q16.astype(jnp.float32)) * c2[..., None]
+    want = np.einsum("kc,bhc->bhk", rows, q * 0.3) * np.log2(np.e)
+    assert rel_rms(got[:, :12], want) <= 1e-3
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_contract_with_xla_side_matches_reference(splits, monkeypatch):
+    """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
+    at the storage bar, with empty slots, a split that is all padding and a sequence with no key."""
+    parts, bt, idx, q, kw = case(seed=2)
+    idx[2] = -1
+    monkeypatch.setattr(sm, "kernel_call", lambda q16, c2, slots, pool, *, R, config: emulate_kernel(
+        q16, c2, slots, pool, R=R))
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits), **kw)
+    o, lse = np.asarray(o), np.asarray(lse)
+    assert o.shape == (3, 12, R) and lse.shape == (3, 12)
+    assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
+    assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
+
+
+def test_supports_only_fp8_rows_at_kernel_widths():
+    assert sm.supports(Q.LatentFormat("fp8", 512, 64))
+    assert not sm.supports(Q.LatentFormat("nvfp4", 512, 64))
+    assert not sm.supports(Q.LatentFormat("fp8", 64, 16))  # the tiny preset's widths
+    with pytest.raises(ValueError, match="fp8 rows"):
+        sm.decode(np.zeros((1, 4, 80), np.float32), (jnp.zeros((2, 64, 80), jnp.float8_e4m3fn),),
+                  np.zeros((1, 2), np.int32), np.zeros((1, 64), np.int32), fmt=Q.LatentFormat("fp8", 64, 16),
+                  scale=1.0, value_dim=64)
+
+
+@pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(splits=4, stages=3, logits_chunk=64,
+                                                                             value_keys=64)])
+def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
+    fmt = Q.LatentFormat("fp8", R, ROPE)
+    args = (jax.ShapeDtypeStruct((4, 12, C), jnp.float32), jax.ShapeDtypeStruct((256, 64, C), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((4, 64), jnp.int32), jax.ShapeDtypeStruct((4, 2048), jnp.int32))
+    f = jax.jit(lambda q, pool, bt, idx: sm.decode(q, (pool,), bt, idx, fmt=fmt, scale=SCALE, value_dim=R,
+                                                   config=cfg))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------------------------ device
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,k,splits", [(12, 2048, 8), (16, 300, 4), (4, 2048, 2)])
+def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits):
+    parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
+    idx[1, 100:] = -1
+    idx[2] = -1
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits), **kw)
+    o, lse = np.asarray(o), np.asarray(lse)
+    assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
+    assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(stages=3), dict(logits_chunk=64, value_keys=16), dict(logits_chunk=576,
+                                                                                              value_keys=64)])
+def test_gpu_mgpu_sparse_mla_configs(cfg):
+    parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(**cfg), **kw)
+    assert rel_rms(o, o_r) <= 5e-3 and rel_rms(lse, lse_r) <= 5e-3
