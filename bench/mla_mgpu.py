@@ -34,7 +34,10 @@ ap.add_argument("--batches", default="32", help="comma-separated sequences per c
 ap.add_argument("--heads", default="12", help="comma-separated head counts (≤ 16: one TP shard of 96)")
 ap.add_argument("--configs", default="[{}]", help="JSON list of MgpuSparseConfig field dicts to time")
 ap.add_argument("--no-triton", action="store_true", help="skip the Triton storage preset")
-ap.add_argument("--chain", type=int, default=8, help="distinct selections per timing chain")
+ap.add_argument("--chain", type=int, default=3,
+                help="distinct selections per timing chain (≥ 2 keeps B = 32 out of the 50 MB L2; each chained "
+                     "Mosaic call compiles on its own)")
+ap.add_argument("--ops", default="kernel,op,parts", help="what to time: kernel (alone), op (whole), parts (XLA side)")
 ARGS = ap.parse_args()
 PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 ROWS = []
@@ -106,23 +109,36 @@ def main():
                         return
                     row(name, shape, t * 1e6, lat_bytes / t / 1e12, bw, err)
 
-                if not ARGS.no_triton:
-                    time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
-                for cfg in configs:
-                    time_op(dict(cfg, impl="mgpu"), f"mgpu op {json.dumps(cfg, separators=(',', ':'))}")
+                what = ARGS.ops.split(",")
+                pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * PAGE, R + ROPE)
+                for cfg in configs if "kernel" in what else ():
                     c = sm.MgpuSparseConfig(**cfg)
                     q16, c2 = sm.prepare_q(q, 0.5 * 192 ** -0.5)
-                    pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * PAGE, R + ROPE)
-                    slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(bt, idx, PAGE, nb, c.splits)))(sel)
+                    slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(idx, c.splits)))(sel)
                     # a corner of o: the chain's per-call sum then reads 64 bytes, not the 8 MB of partials
                     kern = jax.jit(lambda q16, c2, slots: jax.tree_util.tree_map(
-                        lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, pool_u8, R=R, config=c)))
+                        lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c)))
                     try:
                         t = device_seconds(kern, q16, c2, slots, stacked=(2,))[0]
                         row(f"mgpu kernel alone {json.dumps(cfg, separators=(',', ':'))}", shape, t * 1e6,
                             lat_bytes / t / 1e12, bw, float("nan"))
                     except Exception as e:  # noqa: BLE001
                         print(f"kernel alone {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+                if "parts" in what:
+                    c = sm.MgpuSparseConfig(**(configs[0] if configs else {}))
+                    prep = jax.jit(lambda q, idx: (sm.prepare_q(q, 0.1), sm.prepare_slots(idx, c.splits)))
+                    t = device_seconds(prep, q, sel, stacked=(1,))[0]
+                    row("xla side: q + slot padding", shape, t * 1e6, float("nan"), bw, float("nan"))
+                    o_t = jax.random.normal(key, (ARGS.chain, c.splits, B, sm.HEADS, R), jnp.float32)
+                    lse = jax.random.normal(key, (ARGS.chain, c.splits, B, sm.HEADS), jnp.float32)
+                    merge = jax.jit(lambda o_t, lse: sm.merge(o_t, lse, H, jnp.float32(0.5)))
+                    t = device_seconds(merge, o_t, lse, stacked=(0, 1))[0]
+                    row("xla side: merge of the splits", shape, t * 1e6, float("nan"), bw, float("nan"))
+                if "op" in what:
+                    if not ARGS.no_triton:
+                        time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
+                    for cfg in configs:
+                        time_op(dict(cfg, impl="mgpu"), f"mgpu op {json.dumps(cfg, separators=(',', ':'))}")
             del pool
     out = os.environ.get("OUT")
     if out:

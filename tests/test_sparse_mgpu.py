@@ -11,6 +11,7 @@ import pytest
 
 from kimi_jax import quant as Q
 from pallas_kernels.mla import sparse
+from pallas_kernels.mla.sparse_gpu import pool_rows
 from pallas_kernels.mla import sparse_mgpu as sm
 from pallas_kernels.moe.mgpu_mxfp4 import x_permutation
 
@@ -40,14 +41,16 @@ def case(seed=0, B=3, H=12, k=300, page=64, nb=64, max_blocks=40):
     return (pool,), bt, idx, q, kw
 
 
-def emulate_kernel(q16, c2, slots, pool_u8, *, R: int):
-    """`sm.kernel_call`'s contract in jnp (float32): for each (sequence, split), the softmax in log2 units over the
-    split's gathered rows (empty slots masked), o normalised, rows in `value_dim_of_row` order."""
+def emulate_kernel(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int):
+    """`sm.kernel_call`'s contract in jnp (float32): positions -> pool rows by the block table (`pool_rows`), then for
+    each (sequence, split) the softmax in log2 units over the split's gathered rows (empty slots masked), o
+    normalised, `[NS, B, 16, R]` in natural dim order."""
     B, NS, n_blk, keys = slots.shape
     c = q16.shape[-1]
-    rows = jax.lax.bitcast_convert_type(pool_u8[jnp.maximum(slots, 0)], jnp.float8_e4m3fn).astype(jnp.float32)
+    rows_id = pool_rows(block_tables, slots.reshape(B, -1), page, pool_u8.shape[0] // page)
+    rows = jax.lax.bitcast_convert_type(pool_u8[jnp.maximum(rows_id, 0)], jnp.float8_e4m3fn).astype(jnp.float32)
     rows = rows.reshape(B, NS, n_blk * keys, c)
-    valid = slots.reshape(B, NS, n_blk * keys) >= 0
+    valid = rows_id.reshape(B, NS, n_blk * keys) >= 0
     logical = rows[..., jnp.asarray(x_permutation(c))]  # the A operand's column order, which q16 is stored in
     s = jnp.einsum("bskc,bhc->bshk", logical, q16.astype(jnp.float32)) * c2[:, None, :, None]
     s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
@@ -57,8 +60,7 @@ def emulate_kernel(q16, c2, slots, pool_u8, *, R: int):
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("bshk,bskr->bshr", p, rows[..., :R]) / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, (m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0))) * np.log(2.0), -jnp.inf)
-    o_t = jnp.moveaxis(o[..., jnp.asarray(sm.value_dim_of_row(R))], (0, 1), (1, 0))  # [NS, B, H, R]
-    return jnp.swapaxes(o_t, -1, -2), jnp.moveaxis(lse, 0, 1)
+    return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
 
 
 def test_value_rows_and_q_columns_are_permutations():
@@ -69,6 +71,28 @@ def test_value_rows_and_q_columns_are_permutations():
     owned = sorted(dims[64 * i + 16 * 1 + 8 * h + 3] for i in range(8) for h in (0, 1))  # w = 1, g = 3
     assert owned == list(range(16 * (8 + 3), 16 * (8 + 3) + 16))
     assert sorted(x_permutation(C)) == list(range(C))
+    assert sorted(sm.KAPPA) == list(range(8))
+
+
+def test_gathered_row_loads_are_free_of_bank_conflicts():
+    """Every 8-thread phase of every 16-byte shared-memory load of both operands touches 8 distinct bank groups with
+    the row stride c + 32 and the KAPPA key order (the plain order gave the PV loads 4 per phase on the H200)."""
+    stride = sm.row_stride(C)
+    key = lambda pos: 8 * (pos // 8) + sm.KAPPA[pos % 8]  # noqa: E731
+
+    def phases_ok(addr_of):
+        for p in range(4):
+            lanes = [(g, t) for g in (2 * p, 2 * p + 1) for t in range(4)]
+            if len({(addr_of(g, t) // 16) % 8 for g, t in lanes}) != 8:
+                return False
+        return True
+
+    for w in range(4):
+        for h in (0, 1):  # logits operand: thread (g, t) loads key row 16w + 8h + g at byte 64j + 16t
+            assert all(phases_ok(lambda g, t: key(16 * w + 8 * h + g) * stride + 64 * j + 16 * t) for j in range(9))
+        for pos0 in (0, 8):  # PV operand: keys at K positions pos0 + 2t (+1), the thread's 16 dims at 16(8w + g)
+            for e in (0, 1):
+                assert phases_ok(lambda g, t: key(pos0 + 2 * t + e) * stride + 16 * (8 * w + g))
 
 
 def test_prepare_q_keeps_every_logit():
@@ -90,8 +114,10 @@ def test_contract_with_xla_side_matches_reference(splits, monkeypatch):
     at the storage bar, with empty slots, a split that is all padding and a sequence with no key."""
     parts, bt, idx, q, kw = case(seed=2)
     idx[2] = -1
-    monkeypatch.setattr(sm, "kernel_call", lambda q16, c2, slots, pool, *, R, config: emulate_kernel(
-        q16, c2, slots, pool, R=R))
+    monkeypatch.setattr(sm, "kernel_call", lambda q16, c2, slots, bt, pool, *, R, page, config: emulate_kernel(
+        q16, c2, slots, bt, pool, R=R, page=page))
+    real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
+    monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
     o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits), **kw)
     o, lse = np.asarray(o), np.asarray(lse)

@@ -3,29 +3,34 @@
 Why a second GPU kernel: the Pallas Triton kernel (`sparse_gpu.py`) is issue- and occupancy-bound at 0.24 of copy
 bandwidth (B = 32, H = 12): Triton feeds `mma.sync` with 16-row tiles, loads every gathered row twice and converts
 it twice (bench/RESULTS.md, sessions 7–9). Here one CTA (one warpgroup) takes one sequence and one of `splits`
-slices of its top-k slots, and walks them in blocks of 64 keys:
+slices of its top-k slots. It maps its slot positions to pool rows through the block table once (`pool_rows`'
+rule), then walks them in blocks of 64 keys:
 
 1. gather: threads 0..63 each issue one bulk copy (`cp.async.bulk`, no tensor map) of a whole stored row (576 fp8
-   bytes at K3) into a shared-memory stage, all completing on one mbarrier; `stages` blocks are in flight.
+   bytes at K3) into a shared-memory stage (row stride c + 32), all completing on one mbarrier; `stages` blocks are
+   in flight.
 2. logits: Sᵀ `[64 keys, 16 heads]` = rows · qᵀ on wgmma with the KEYS as the M side — the fp8 bytes are converted
    (`cvt.rn.f16x2.e4m3x2`) straight into the A-operand registers, q (f16, heads padded to 16) is the B operand.
 3. softmax over the block's keys (per head; a cross-warp max through shared memory), fp32, in the log2 domain.
 4. PV: outᵀ `[R dims, 16 heads]` += Vᵀ · Pᵀ with the latent DIMS as the M side (8 tiles of 64 at R = 512): the same
    shared-memory bytes, converted into the A registers a second way; Pᵀ (f16) is the B operand.
 
-Operand orders (wgmma only needs A and B to agree on the contraction order, and the M order is ours):
+Operand orders (wgmma only needs A and B to agree on the contraction order; the M order is ours):
 - logits: thread t of a quad loads the 16 contiguous bytes [64j + 16t, +16) of its key row; word s becomes k-step s
   of the 64-column chunk j (the `x_permutation` order of `moe.mgpu_mxfp4`, which q is permuted by in XLA).
 - PV: thread (warp w, group g) owns the 2T contiguous dims [2T(8w + g), +2T) of every key row (T = R / 64 tiles):
-  one load per key row, then `prmt` pairs the bytes of keys k, k + 1 for each dim; output row 64i + 16w + 8h + g of
-  tile i holds dim 2T(8w + g) + 2i + h (`value_dim_of_row`), undone in XLA.
+  one load per key row, then `prmt` pairs the bytes of two keys for each dim; output row 64i + 16w + 8h + g of tile
+  i holds dim 2T(8w + g) + 2i + h (`value_dim_of_row`); the epilogue writes o in natural order.
+- keys: fragment position p (a logits row, a PV column) holds key 8·(p // 8) + KAPPA[p % 8]. With the row stride
+  c + 32 this makes every 16-byte shared-memory load of both operands conflict-free (in plain order the PV loads
+  took 16 wavefronts instead of 4; ncu, session 12).
 
 Precision is the storage formats' (`precision="storage"`): q in f16 after a per-head power-of-two normalisation
 (the same bits as `sparse_gpu._prep_q`), P in f16, fp32 accumulation and softmax (ex2 / lg2 approximations).
-Partial (o, lse) per split are merged exactly in XLA (`reference.merge_partials`'s formula).
+Partial (o, lse) per split are merged exactly by `sparse_gpu`'s Pallas merge kernel.
 
-Opt-in (`sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu"})` is not wired; call `decode` directly); GPU
-only: the body lowers on CPU (tests), runs on an H200.
+Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
+the body lowers on CPU (tests), runs on an H200.
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..moe.mgpu_mxfp4 import _fragment_slots, x_permutation
-from .sparse_gpu import _pow2_at_least, pool_rows
+from .sparse_gpu import _merge_pallas, _pow2_at_least
 
 KEYS = 64  # keys per block: the M side of the logits wgmma
 HEADS = 16  # heads per CTA (the N side), zero-padded
 CHUNK = 64  # latent columns per 16-byte load of a thread quad (4 threads x 16 bytes)
+# key order inside each group of 8 (fragment row / column position g -> key 8·(g // 8) + KAPPA[g % 8]) and the
+# shared-memory row stride c + 32: with both, every 16-byte load of either operand is free of bank conflicts (found by
+# search; the plain order and stride c gave the PV loads 4-way conflicts: 16 wavefronts per load, ncu, session 12)
+KAPPA = (0, 2, 1, 3, 6, 4, 7, 5)  # bits: k0 = g1, k1 = g0 ^ g2, k2 = g2
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -57,9 +66,15 @@ class MgpuSparseConfig:
 
 
 def supports(fmt) -> bool:
-    """fp8 rows whose latent width R is 128, 256 or 512 and whose row width c = R + rope is a multiple of 64."""
+    """fp8 rows whose latent width R is 128, 256 or 512 and whose row width c = R + rope is 64 more than a multiple
+    of 128 (K3: 576; the conflict-free shared-memory stride `row_stride` assumes it)."""
     R, rope = getattr(fmt, "latent", 0), getattr(fmt, "rope", 0)
-    return getattr(fmt, "kv_dtype", None) == "fp8" and R in (128, 256, 512) and (R + rope) % CHUNK == 0
+    return getattr(fmt, "kv_dtype", None) == "fp8" and R in (128, 256, 512) and (R + rope) % 128 == 64
+
+
+def row_stride(c: int) -> int:
+    """Bytes between gathered rows in shared memory (c + 32, see KAPPA)."""
+    return c + 32
 
 
 def value_dim_of_row(R: int) -> np.ndarray:
@@ -85,13 +100,13 @@ def prepare_q(q_bhc, qscale):
     return q, c2
 
 
-def prepare_slots(block_tables, idx_bk, page: int, nblocks: int, splits: int):
-    """Top-k positions `[B, k]` -> pool rows `[B, splits, n_blk, 64]` int32 (−1 = empty), k padded with empty slots
-    to splits · n_blk · 64."""
+def prepare_slots(idx_bk, splits: int):
+    """Top-k positions `[B, k]` -> `[B, splits, n_blk, 64]` int32 (−1 = empty), k padded with empty slots to
+    splits · n_blk · 64. The kernel maps them to pool rows through the block table itself (`pool_rows`' rule)."""
     B, k = idx_bk.shape
     n_blk = -(-k // (splits * KEYS))
     idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, splits * n_blk * KEYS - k)), constant_values=-1)
-    return pool_rows(block_tables, idx, page, nblocks).reshape(B, splits, n_blk, KEYS)
+    return idx.reshape(B, splits, n_blk, KEYS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -111,6 +126,50 @@ def _thread_in_wg():
     ir, arith, _, _, _, _, mgu = _mlir()
     i32 = ir.IntegerType.get_signless(32)
     return arith.remui(mgu.thread_idx(), mgu.c(128, i32))
+
+
+def _kappa(g):
+    """KAPPA on an index value in [0, 8)."""
+    ir, arith, _, _, _, _, mgu = _mlir()
+    index = ir.IndexType.get()
+    bit = lambda k: arith.andi(arith.shrui(g, mgu.c(k, index)), mgu.c(1, index))  # noqa: E731
+    g0, g1, g2 = bit(0), bit(1), bit(2)
+    return arith.ori(arith.ori(g1, arith.shli(arith.xori(g0, g2), mgu.c(1, index))), arith.shli(g2, mgu.c(2, index)))
+
+
+def _key_of(pos):
+    """Fragment position (an index value) -> key: 8·(pos // 8) + KAPPA[pos % 8]."""
+    ir, arith, _, _, _, _, mgu = _mlir()
+    index = ir.IndexType.get()
+    g = arith.remui(pos, mgu.c(8, index))
+    return arith.addi(arith.subi(pos, g), _kappa(g))
+
+
+def _translate_fn(n_slots: int, page: int, nblocks: int, max_blocks: int):
+    """The CTA's slot positions (smem `[n_slots / 64, 64]` i32, −1 = empty) -> pool rows in place, through the sequence's
+    block-table row (gmem `[max_blocks]` i32): `pool_rows`' rule (table index clamped to the row, block ids into
+    [0, nblocks)); then a warpgroup barrier."""
+    def fn(ctx, idx_ref, bt_ref):
+        del ctx
+        ir, arith, _, memref, _, _, mgu = _mlir()
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        tid = arith.index_cast(index, _thread_in_wg())
+        for base in range(0, n_slots, 128):
+            i = arith.addi(tid, mgu.c(base, index))
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, i, mgu.c(n_slots, index))):
+                at = [arith.divui(i, mgu.c(KEYS, index)), arith.remui(i, mgu.c(KEYS, index))]
+                pos = memref.load(idx_ref, at)
+                safe = arith.maxsi(pos, mgu.c(0, i32))
+                col = arith.minsi(arith.divsi(safe, mgu.c(page, i32)), mgu.c(max_blocks - 1, i32))
+                blk = memref.load(bt_ref, [arith.index_cast(index, col)])
+                blk = arith.minsi(arith.maxsi(blk, mgu.c(0, i32)), mgu.c(nblocks - 1, i32))
+                row = arith.addi(arith.muli(blk, mgu.c(page, i32)), arith.remsi(safe, mgu.c(page, i32)))
+                empty = arith.cmpi(arith.CmpIPredicate.slt, pos, mgu.c(0, i32))
+                memref.store(arith.select(empty, mgu.c(-1, i32), row), idx_ref, at)
+        mgu.warpgroup_barrier()
+
+    return fn
 
 
 def _asm(ret, args, ptx, constraints):
@@ -137,7 +196,7 @@ def _init_barriers_fn(stages: int):
     return fn
 
 
-def _issue_fn(row_bytes: int):
+def _issue_fn(row_bytes: int, stride: int):
     """Gather one block: a warpgroup barrier (every thread is done with the stage's previous block), thread 0 expects
     64 rows' bytes on the stage's mbarrier, threads 0..63 each copy one pool row (`cp.async.bulk`; empty slots, −1,
     copy row 0 and are masked in the softmax)."""
@@ -158,7 +217,7 @@ def _issue_fn(row_bytes: int):
             row = arith.maxsi(row, mgu.c(0, i32))
             src = mgu.getelementptr(mgu.memref_ptr(pool_ref), [arith.muli(arith.extui(i64, row),
                                                                           mgu.c(row_bytes, i64))], i8)
-            dst = mgu.getelementptr(mgu.memref_ptr(dst_ref), [arith.muli(tid, mgu.c(row_bytes, i32))], i8)
+            dst = mgu.getelementptr(mgu.memref_ptr(dst_ref), [arith.muli(tid, mgu.c(stride, i32))], i8)
             _asm(void, [dst, src, mgu.c(row_bytes, i32), bar],
                  "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
                  "l,l,r,l")
@@ -216,13 +275,14 @@ def _logits_operand_fn(col0: int, width: int):
         layout = fa.WGMMA_LAYOUT
         reg_shape, reg, rows, two_t = _fragment_slots(layout, (KEYS, width))
         t16 = arith.muli(two_t, mgu.c(8, index))
+        keys = [_key_of(r) for r in rows]
         v16i8, v4i32, v2f16 = (ir.VectorType.get(s, t) for s, t in (((16,), i8), ((4,), i32), ((2,), f16)))
         pair = llvm.StructType.get_literal([i32] * 2)
         regs = np.empty(reg_shape, dtype=object)
         for h in (0, 1):
             for q in range(width // CHUNK):
                 col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
-                words = mgu.bitcast(vector.load(v16i8, rows_ref, [rows[h], col]), v4i32)
+                words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
                 for s in range(4):
                     w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
                     out = llvm.inline_asm(pair, [w], _CVT4, "=r,=r,r")
@@ -263,8 +323,8 @@ def _value_operand_fn(R: int, key0: int, nkeys: int):
         regs = np.empty(reg_shape, dtype=object)
         for s in range(nkeys // 16):
             for a in (0, 1):
-                ka = arith.addi(two_t, mgu.c(key0 + 16 * s + 8 * a, index))
-                kb = arith.addi(ka, mgu.c(1, index))
+                pa = arith.addi(two_t, mgu.c(key0 + 16 * s + 8 * a, index))  # K position of the pair (2t, 2t+1)
+                ka, kb = _key_of(pa), _key_of(arith.addi(pa, mgu.c(1, index)))
                 wa = mgu.bitcast(vector.load(vload, rows_ref, [ka, dim0]), vword)
                 wb = mgu.bitcast(vector.load(vload, rows_ref, [kb, dim0]), vword)
                 for u in range(nbytes // 4):
@@ -338,7 +398,8 @@ def _softmax_fn(R: int):
         neg_inf = vector.broadcast(v2, mgu.c(-math.inf, f32))
         zero = vector.broadcast(v2, mgu.c(0.0, f32))
         c2 = [vector.load(v2, c2_ref, [arith.addi(col0, mgu.c(8 * cb, index))]) for cb in range(2)]
-        valid = [arith.cmpi(arith.CmpIPredicate.sge, memref.load(idx_ref, [rows[h]]), mgu.c(0, i32)) for h in (0, 1)]
+        valid = [arith.cmpi(arith.CmpIPredicate.sge, memref.load(idx_ref, [_key_of(rows[h])]), mgu.c(0, i32))
+                 for h in (0, 1)]
         x = [[arith.select(valid[h], arith.mulf(s_t.registers[reg(cb, h)], c2[cb]), neg_inf) for cb in range(2)]
              for h in (0, 1)]
         block_max = _warpgroup_reduce([arith.maximumf(x[0][cb], x[1][cb]) for cb in range(2)], red_ref, rows[0],
@@ -387,9 +448,9 @@ def _init_stats_fn():
 
 
 def _finish_fn(R: int):
-    """(stats, outᵀ `[R, 16]` f32, cross-warp buffer, o gmem `[R, 16]` f32, lse gmem `[16]` f32): the row sums
-    reduced over the warpgroup, o = outᵀ / l written straight from registers, lse = (m + log2 l)·ln 2 (−inf where
-    l = 0, o = 0 there)."""
+    """(stats, outᵀ `[R, 16]` f32, cross-warp buffer, o gmem `[16, R]` f32, lse gmem `[16]` f32): the row sums
+    reduced over the warpgroup, o = outᵀ / l written straight from registers in natural dim order, lse =
+    (m + log2 l)·ln 2 (−inf where l = 0, o = 0 there)."""
     def fn(ctx, stats, out, red_ref, o_ref, lse_ref):
         del ctx
         ir, arith, _, _, vector, fa, mgu = _mlir()
@@ -411,9 +472,23 @@ def _finish_fn(R: int):
             m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
             ln2 = vector.broadcast(v2, mgu.c(LN2, f32))
             lse.append(arith.select(good, arith.mulf(arith.addf(m, _lg2(l_safe)), ln2), neg_inf))
-        shape = (R, HEADS)
-        for ri, (r, cidx) in zip(np.ndindex(layout.registers_shape(shape)), layout.thread_idxs(shape)):
-            vector.store(arith.mulf(out.registers[ri], inv[ri[1]]), o_ref, [r, cidx])
+        # register (i, cb, h) of outᵀ holds dim d0 + 2i + h (`value_dim_of_row`) for heads col0 + 8cb + (0, 1): the
+        # two halves h are adjacent dims, stored as one 8-byte write per head into o `[16, R]` (natural order)
+        T = R // 64
+        d0 = arith.muli(arith.addi(arith.muli(arith.divui(rows[0], mgu.c(16, index)), mgu.c(8, index)),
+                                   arith.remui(rows[0], mgu.c(8, index))), mgu.c(2 * T, index))
+        o_reg_shape = layout.registers_shape((R, HEADS))
+        ix = lambda i, cb, h: tuple([i, cb] + [0] * 2 + [h] + [0] * (len(o_reg_shape) - 5))  # noqa: E731
+        for i in range(T):
+            dim = arith.addi(d0, mgu.c(2 * i, index))
+            for cb in range(2):
+                halves = [arith.mulf(out.registers[ix(i, cb, h)], inv[cb]) for h in (0, 1)]
+                for e in (0, 1):
+                    pos = ir.DenseI64ArrayAttr.get([e])
+                    pair = vector.from_elements(v2, [vector.extract(x, dynamic_position=[], static_position=pos)
+                                                     for x in halves])
+                    head = arith.addi(col0, mgu.c(8 * cb + e, index))
+                    vector.store(pair, o_ref, [head, dim])
         first = arith.cmpi(arith.CmpIPredicate.ult, rows[0], mgu.c(8, index))  # warp 0, row group 0: (w, g) = 0
         first = arith.andi(first, arith.cmpi(arith.CmpIPredicate.eq, rows[0], mgu.c(0, index)))
         with mgu.when(first):
@@ -426,41 +501,48 @@ def _finish_fn(R: int):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = MgpuSparseConfig()):
+def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
+                config: MgpuSparseConfig = MgpuSparseConfig()):
     """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`), slots
-    `[B, splits, n_blk, 64]` int32 pool rows (`prepare_slots`), pool `[rows, c]` uint8 (fp8 bits) ->
-    (outᵀ `[splits, B, R, 16]` f32 in `value_dim_of_row` order, normalised per split; lse `[splits, B, 16]` f32)."""
+    `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`), block_tables `[B, max_blocks]` int32, pool
+    `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]` f32 normalised per split, lse
+    `[splits, B, 16]` f32)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, _, c = q16.shape
     _, NS, n_blk, _ = slots.shape
+    max_blocks = block_tables.shape[1]
+    nblocks = pool_u8.shape[0] // page
     cfg = config
     S, LC, VK = cfg.stages, cfg.logits_chunk, cfg.value_keys
     if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 64 or R > c:
         raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
+    stride = row_stride(c)
     wg = plgpu.Layout.WGMMA
     splat = plgpu.Layout.WG_SPLAT
+    ref = plgpu.RefType()
     f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg)
-    init_barriers = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_barriers_fn(S))
-    issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(_issue_fn(c))
-    wait = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat))(_wait_fn())
-    logits_a = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+    init_barriers = plgpu.inline_mgpu(arg_types=(ref,))(_init_barriers_fn(S))
+    translate = plgpu.inline_mgpu(arg_types=(ref, ref))(_translate_fn(n_blk * KEYS, page, nblocks, max_blocks))
+    issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(_issue_fn(c, stride))
+    wait = plgpu.inline_mgpu(arg_types=(ref, splat))(_wait_fn())
+    logits_a = [plgpu.inline_mgpu(arg_types=(ref,),
                                   return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg))(
         _logits_operand_fn(j * LC, LC)) for j in range(c // LC)]
-    value_a = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+    value_a = [plgpu.inline_mgpu(arg_types=(ref,),
                                  return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg))(
         _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
     softmax = plgpu.inline_mgpu(
-        arg_types=(wg, wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+        arg_types=(wg, wg, wg, ref, ref, ref),
         return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg), f32_acc,
                      plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg)))(_softmax_fn(R))
     init_stats = plgpu.inline_mgpu(return_type=f32_acc)(_init_stats_fn())
-    finish = plgpu.inline_mgpu(arg_types=(wg, wg, plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))(_finish_fn(R))
+    finish = plgpu.inline_mgpu(arg_types=(wg, wg, ref, ref, ref))(_finish_fn(R))
 
-    def body(slots_ref, q_ref, c2_ref, pool_ref, o_ref, lse_ref, q_smem, idx_smem, c2_smem, rows_smem, p_smem,
-             red_smem, bar_smem, q_bar):
+    def sparse_mla_mgpu(slots_ref, bt_ref, q_ref, c2_ref, pool_ref, o_ref, lse_ref, q_smem, idx_smem, c2_smem,
+                        rows_smem, p_smem, red_smem, bar_smem, q_bar):
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
         init_barriers(bar_smem)
@@ -468,6 +550,7 @@ def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = M
         plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
         plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
         plgpu.barrier_wait(q_bar)
+        translate(idx_smem, bt_ref.at[b])  # positions -> pool rows, in place
 
         def bar(slot):
             return bar_smem.at[pl.ds(2 * slot, 2)]
@@ -483,7 +566,7 @@ def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = M
 
             def logits(acc):
                 for jj, fn in enumerate(logits_a):
-                    plgpu.wgmma(acc, fn(stage), plgpu.transpose_ref(q_smem.at[:, pl.ds(jj * LC, LC)], (1, 0)))
+                    plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
                 return acc[...]
 
             s_t = pl.run_scoped(logits, plgpu.ACC((KEYS, HEADS), jnp.float32))
@@ -508,8 +591,8 @@ def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = M
         finish(stats, out, red_smem.at[n_blk % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
 
     kernel = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((NS, B, R, HEADS), jnp.float32),
+        sparse_mla_mgpu,
+        out_type=(jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32),
                   jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32)),
         grid=(NS, B),
         grid_names=("s", "b"),
@@ -517,7 +600,7 @@ def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = M
             q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
             idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
             c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
-            rows_smem=plgpu.SMEM((S, KEYS, c), jnp.uint8),
+            rows_smem=plgpu.SMEM((S, KEYS, stride), jnp.uint8),
             p_smem=plgpu.SMEM((KEYS, HEADS), jnp.float16),
             red_smem=plgpu.SMEM((2, 4, HEADS), jnp.float32),
             bar_smem=plgpu.SMEM((2 * S,), jnp.int32),
@@ -525,17 +608,7 @@ def kernel_call(q16, c2, slots, pool_u8, *, R: int, config: MgpuSparseConfig = M
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return kernel(slots, q16, c2, pool_u8)
-
-
-def merge_splits(o_t, lse, H: int, R: int, layer_scale=1.0):
-    """The kernel's per-split (outᵀ `[NS, B, R, 16]` in `value_dim_of_row` order, lse `[NS, B, 16]`) -> (o `[B, H, R]`
-    f32 times the layer scale, lse `[B, H]`): `reference.merge_partials` over the splits, rows put back in order."""
-    lse_all = jax.nn.logsumexp(lse, axis=0)  # [B, 16]
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(lse_all), lse_all, 0.0)), 0.0)
-    o = jnp.einsum("sbh,sbrh->bhr", w, o_t)  # [B, 16, R] in kernel row order
-    o = jnp.zeros_like(o).at[..., jnp.asarray(value_dim_of_row(R))].set(o)
-    return o[:, :H] * layer_scale, lse_all[:, :H]
+    return kernel(slots, jnp.asarray(block_tables, jnp.int32), q16, c2, pool_u8)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "config"))
@@ -543,7 +616,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
            config: MgpuSparseConfig = MgpuSparseConfig()):
     """`sparse_gpu.decode`'s contract for fp8 rows at storage precision: q `[B, H, c]` (H ≤ 16), kv_parts the
     pool's one fp8 part `[num_blocks, page, c]`, block_tables `[B, max_blocks]`, idx `[B, k]` positions (−1 =
-    empty) -> (o `[B, H, R]` f32, lse `[B, H]` f32)."""
+    empty) -> (o `[B, H, R]` f32, lse `[B, H]` f32). The splits' partials are merged by `sparse_gpu`'s Pallas
+    merge kernel (one launch; it also drops the padded heads and applies the layer scale)."""
     if not supports(fmt):
         raise ValueError(f"the mgpu sparse MLA kernel reads fp8 rows with R in (128, 256, 512), not {fmt}")
     R = fmt.latent
@@ -554,7 +628,14 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     B, H, _ = q_bhc.shape
     ls = jnp.asarray(layer_scale, jnp.float32)
     q16, c2 = prepare_q(q_bhc, scale * ls)
-    slots = prepare_slots(block_tables, idx_bk, page, nblocks, config.splits)
+    slots = prepare_slots(idx_bk, config.splits)
     pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nblocks * page, c)
-    o_t, lse = kernel_call(q16, c2, slots, pool_u8, R=R, config=config)
-    return merge_splits(o_t, lse, H, R, ls)
+    o, lse = kernel_call(q16, c2, slots, block_tables, pool_u8, R=R, page=page, config=config)
+    return merge(o, lse, H, ls)
+
+
+def merge(o, lse, H: int, layer_scale, interpret: bool = False):
+    """Per-split (o `[NS, B, 16, R]`, lse `[NS, B, 16]`) -> (o `[B, H, R]` · layer scale, lse `[B, H]`)."""
+    if o.shape[0] == 1:
+        return o[0, :, :H] * layer_scale, lse[0, :, :H]
+    return _merge_pallas(o, lse, layer_scale, H, interpret=interpret)
