@@ -33,6 +33,7 @@ ap.add_argument("--contexts", default="32768", help="comma-separated tokens per 
 ap.add_argument("--batches", default="32", help="comma-separated sequences per call")
 ap.add_argument("--heads", default="12", help="comma-separated head counts (≤ 16: one TP shard of 96)")
 ap.add_argument("--configs", default="[{}]", help="JSON list of MgpuSparseConfig field dicts to time")
+ap.add_argument("--op-configs", default=None, help="JSON list for the whole-op rows (default: --configs)")
 ap.add_argument("--no-triton", action="store_true", help="skip the Triton storage preset")
 ap.add_argument("--chain", type=int, default=3,
                 help="distinct selections per timing chain (≥ 2 keeps B = 32 out of the 50 MB L2; each chained "
@@ -137,7 +138,7 @@ def main():
                 if "op" in what:
                     if not ARGS.no_triton:
                         time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
-                    for cfg in configs:
+                    for cfg in json.loads(ARGS.op_configs) if ARGS.op_configs else configs:
                         time_op(dict(cfg, impl="mgpu"), f"mgpu op {json.dumps(cfg, separators=(',', ':'))}")
             del pool
     out = os.environ.get("OUT")

@@ -165,7 +165,8 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(stages=3), dict(logits_chunk=64, value_keys=16), dict(logits_chunk=576,
-                                                                                              value_keys=64)])
+                                                                                              value_keys=64),
+                                 dict(logits_accs=3), dict(logits_chunk=64, logits_accs=9)])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)

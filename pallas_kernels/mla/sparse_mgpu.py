@@ -63,6 +63,9 @@ class MgpuSparseConfig:
     stages: int = 2  # gathered blocks in flight per CTA (36 KB each at K3)
     logits_chunk: int = 192  # latent columns converted per logits wgmma call (a multiple of 64 dividing c)
     value_keys: int = 32  # keys converted per PV wgmma call (16, 32 or 64)
+    # independent logits accumulators (the chunks dealt round-robin, summed after): one accumulator makes the
+    # block's c/16 wgmmas one dependent chain on the tensor core (36 at K3)
+    logits_accs: int = 1
 
 
 def supports(fmt) -> bool:
@@ -516,6 +519,7 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     nblocks = pool_u8.shape[0] // page
     cfg = config
     S, LC, VK = cfg.stages, cfg.logits_chunk, cfg.value_keys
+    NA = max(1, min(cfg.logits_accs, c // LC))
     if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 64 or R > c:
         raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
@@ -564,12 +568,12 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             wait(bar(slot), (j // S).astype(jnp.int32))
             stage = rows_smem.at[slot]
 
-            def logits(acc):
+            def logits(*accs):
                 for jj, fn in enumerate(logits_a):
-                    plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
-                return acc[...]
+                    plgpu.wgmma(accs[jj % len(accs)], fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
+                return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
 
-            s_t = pl.run_scoped(logits, plgpu.ACC((KEYS, HEADS), jnp.float32))
+            s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
             p, stats, out = softmax(s_t, stats, out, idx_smem.at[j], red_smem.at[j % 2], c2_smem)
             p_smem[...] = p
             plgpu.commit_smem()
