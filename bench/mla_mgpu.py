@@ -4,9 +4,9 @@ kernel at its storage preset, fp8 latent rows, latent bytes gathered per second 
 
     python3 bench/mla_mgpu.py [--contexts 32768] [--batches 32] [--heads 12] [--configs '[{}, {"splits": 4}]']
 
-Times the whole op (q preparation, slot rows, kernel, merge) as a chain of calls on distinct selections in one
-program (`_timing.device_seconds`), and the Mosaic kernel alone on prepared inputs ("kernel" rows). Prints a table
-and writes $OUT/mla_mgpu.json.
+Times the whole op (q preparation, slot padding, kernel, merge) as a chain of calls on distinct selections in one
+program (`_timing.device_seconds`), and the Mosaic kernel alone on prepared inputs ("kernel" rows; op minus kernel
+is the XLA side and the merge). Prints a table and writes $OUT/mla_mgpu.json.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ ap.add_argument("--no-triton", action="store_true", help="skip the Triton storag
 ap.add_argument("--chain", type=int, default=3,
                 help="distinct selections per timing chain (≥ 2 keeps B = 32 out of the 50 MB L2; each chained "
                      "Mosaic call compiles on its own)")
-ap.add_argument("--ops", default="kernel,op,parts", help="what to time: kernel (alone), op (whole), parts (XLA side)")
+ap.add_argument("--ops", default="kernel,op", help="what to time: kernel (alone), op (whole)")
 ARGS = ap.parse_args()
 PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 ROWS = []
@@ -115,7 +115,7 @@ def main():
                 for cfg in configs if "kernel" in what else ():
                     c = sm.MgpuSparseConfig(**cfg)
                     q16, c2 = sm.prepare_q(q, 0.5 * 192 ** -0.5)
-                    slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(idx, c.splits)))(sel)
+                    slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(idx, c.splits, c.warpgroups)))(sel)
                     # a corner of o: the chain's per-call sum then reads 64 bytes, not the 8 MB of partials
                     kern = jax.jit(lambda q16, c2, slots: jax.tree_util.tree_map(
                         lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c)))
@@ -125,16 +125,6 @@ def main():
                             lat_bytes / t / 1e12, bw, float("nan"))
                     except Exception as e:  # noqa: BLE001
                         print(f"kernel alone {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
-                if "parts" in what:
-                    c = sm.MgpuSparseConfig(**(configs[0] if configs else {}))
-                    prep = jax.jit(lambda q, idx: (sm.prepare_q(q, 0.1), sm.prepare_slots(idx, c.splits)))
-                    t = device_seconds(prep, q, sel, stacked=(1,))[0]
-                    row("xla side: q + slot padding", shape, t * 1e6, float("nan"), bw, float("nan"))
-                    o_t = jax.random.normal(key, (ARGS.chain, c.splits, B, sm.HEADS, R), jnp.float32)
-                    lse = jax.random.normal(key, (ARGS.chain, c.splits, B, sm.HEADS), jnp.float32)
-                    merge = jax.jit(lambda o_t, lse: sm.merge(o_t, lse, H, jnp.float32(0.5)))
-                    t = device_seconds(merge, o_t, lse, stacked=(0, 1))[0]
-                    row("xla side: merge of the splits", shape, t * 1e6, float("nan"), bw, float("nan"))
                 if "op" in what:
                     if not ARGS.no_triton:
                         time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")

@@ -108,22 +108,34 @@ def test_prepare_q_keeps_every_logit():
     assert rel_rms(got[:, :12], want) <= 1e-3
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_contract_with_xla_side_matches_reference(splits, monkeypatch):
+@pytest.mark.parametrize("splits,warpgroups", [(1, 1), (4, 1), (2, 4)])
+def test_contract_with_xla_side_matches_reference(splits, warpgroups, monkeypatch):
     """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
     at the storage bar, with empty slots, a split that is all padding and a sequence with no key."""
     parts, bt, idx, q, kw = case(seed=2)
     idx[2] = -1
-    monkeypatch.setattr(sm, "kernel_call", lambda q16, c2, slots, bt, pool, *, R, page, config: emulate_kernel(
-        q16, c2, slots, bt, pool, R=R, page=page))
+    def fake_kernel(q16, c2, slots, bt, pool, *, R, page, config):
+        assert slots.shape[2] % config.warpgroups == 0  # each warpgroup gets the same number of blocks
+        return emulate_kernel(q16, c2, slots, bt, pool, R=R, page=page)
+
+    monkeypatch.setattr(sm, "kernel_call", fake_kernel)
     real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
     monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits), **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups), **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert o.shape == (3, 12, R) and lse.shape == (3, 12)
     assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
     assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
+
+
+def test_sparse_mla_routes_impl_mgpu_and_refuses_interpret_mode():
+    """`kernel_kw={"impl": "mgpu"}` picks this kernel on the GPU backend; it has no interpret mode (CPU) and says so."""
+    parts, bt, idx, q, kw = case(seed=5)
+    with pytest.raises(ValueError, match="no interpret mode"):
+        sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw={"impl": "mgpu"}, **kw)
+    with pytest.raises(TypeError):  # a key that is not an MgpuSparseConfig field
+        sparse.decode(q, parts, bt, idx, backend="gpu", kernel_kw={"impl": "mgpu", "block_h": 16}, **kw)
 
 
 def test_supports_only_fp8_rows_at_kernel_widths():
@@ -137,7 +149,9 @@ def test_supports_only_fp8_rows_at_kernel_widths():
 
 
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(splits=4, stages=3, logits_chunk=64,
-                                                                             value_keys=64)])
+                                                                             value_keys=64, logits_accs=3),
+                                 sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64,
+                                                     value_keys=16)])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     args = (jax.ShapeDtypeStruct((4, 12, C), jnp.float32), jax.ShapeDtypeStruct((256, 64, C), jnp.float8_e4m3fn),
@@ -151,13 +165,16 @@ def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
 # ------------------------------------------------------------------------------------------------------------ device
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,k,splits", [(12, 2048, 8), (16, 300, 4), (4, 2048, 2)])
-def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits):
+@pytest.mark.parametrize("H,k,splits,warpgroups", [(12, 2048, 8, 1), (16, 300, 4, 1), (4, 2048, 2, 1),
+                                                   (12, 300, 2, 4)])
+def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups):
     parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits), **kw)
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups,
+                              **(dict(stages=1, logits_chunk=64, value_keys=16) if warpgroups == 4 else {}))
+    o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
     assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
@@ -166,7 +183,9 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(stages=3), dict(logits_chunk=64, value_keys=16), dict(logits_chunk=576,
                                                                                               value_keys=64),
-                                 dict(logits_accs=3), dict(logits_chunk=64, logits_accs=9)])
+                                 dict(logits_accs=3), dict(logits_chunk=64, logits_accs=9),
+                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
+                                 dict(splits=4, stages=2, warpgroups=2)])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)

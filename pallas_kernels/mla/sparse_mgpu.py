@@ -66,6 +66,10 @@ class MgpuSparseConfig:
     # independent logits accumulators (the chunks dealt round-robin, summed after): one accumulator makes the
     # block's c/16 wgmmas one dependent chain on the tensor core (36 at K3)
     logits_accs: int = 1
+    # warpgroups per CTA, each walking every warpgroups-th block of the CTA's split with its own stages, softmax and
+    # accumulator, combined in shared memory at the end (512 threads cap ptxas at 128 registers: twice the warps
+    # per SM of one 255-register warpgroup per CTA, two CTAs per SM)
+    warpgroups: int = 1
 
 
 def supports(fmt) -> bool:
@@ -103,11 +107,13 @@ def prepare_q(q_bhc, qscale):
     return q, c2
 
 
-def prepare_slots(idx_bk, splits: int):
+def prepare_slots(idx_bk, splits: int, multiple: int = 1):
     """Top-k positions `[B, k]` -> `[B, splits, n_blk, 64]` int32 (−1 = empty), k padded with empty slots to
-    splits · n_blk · 64. The kernel maps them to pool rows through the block table itself (`pool_rows`' rule)."""
+    splits · n_blk · 64 (n_blk a multiple of `multiple`: the kernel's warpgroups). The kernel maps them to pool rows
+    through the block table itself (`pool_rows`' rule)."""
     B, k = idx_bk.shape
     n_blk = -(-k // (splits * KEYS))
+    n_blk = -(-n_blk // multiple) * multiple
     idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, splits * n_blk * KEYS - k)), constant_values=-1)
     return idx.reshape(B, splits, n_blk, KEYS)
 
@@ -148,20 +154,22 @@ def _key_of(pos):
     return arith.addi(arith.subi(pos, g), _kappa(g))
 
 
-def _translate_fn(n_slots: int, page: int, nblocks: int, max_blocks: int):
-    """The CTA's slot positions (smem `[n_slots / 64, 64]` i32, −1 = empty) -> pool rows in place, through the sequence's
-    block-table row (gmem `[max_blocks]` i32): `pool_rows`' rule (table index clamped to the row, block ids into
-    [0, nblocks)); then a warpgroup barrier."""
-    def fn(ctx, idx_ref, bt_ref):
+def _translate_fn(blocks: int, nw: int, page: int, nblocks: int, max_blocks: int):
+    """This warpgroup's slot positions (smem `[n_blk, 64]` i32, −1 = empty; its blocks are rows wg + nw·i for
+    i < `blocks`) -> pool rows in place, through the sequence's block-table row (gmem `[max_blocks]` i32):
+    `pool_rows`' rule (table index clamped to the row, block ids into [0, nblocks)); then a warpgroup barrier."""
+    def fn(ctx, idx_ref, bt_ref, wg=None):  # wg: a scalar argument, or None (one warpgroup: 0)
         del ctx
         ir, arith, _, memref, _, _, mgu = _mlir()
         i32 = ir.IntegerType.get_signless(32)
         index = ir.IndexType.get()
+        wg = mgu.c(0, index) if wg is None else arith.index_cast(index, _scalar(wg))
         tid = arith.index_cast(index, _thread_in_wg())
-        for base in range(0, n_slots, 128):
-            i = arith.addi(tid, mgu.c(base, index))
-            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, i, mgu.c(n_slots, index))):
-                at = [arith.divui(i, mgu.c(KEYS, index)), arith.remui(i, mgu.c(KEYS, index))]
+        half, lane = arith.divui(tid, mgu.c(KEYS, index)), arith.remui(tid, mgu.c(KEYS, index))
+        for i0 in range(0, blocks, 2):  # 128 threads: two blocks of 64 slots per pass
+            i = arith.addi(half, mgu.c(i0, index))
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, i, mgu.c(blocks, index))):
+                at = [arith.addi(wg, arith.muli(i, mgu.c(nw, index))), lane]
                 pos = memref.load(idx_ref, at)
                 safe = arith.maxsi(pos, mgu.c(0, i32))
                 col = arith.minsi(arith.divsi(safe, mgu.c(page, i32)), mgu.c(max_blocks - 1, i32))
@@ -173,6 +181,16 @@ def _translate_fn(n_slots: int, page: int, nblocks: int, max_blocks: int):
         mgu.warpgroup_barrier()
 
     return fn
+
+
+def _scalar(x):
+    """An inline_mgpu scalar argument (a splat array of one register, or an ir.Value) -> its ir.Value."""
+    ir, _, _, _, vector, _, _ = _mlir()
+    if not isinstance(x, ir.Value):
+        x = x.registers.flat[0]
+    if isinstance(x.type, ir.VectorType):
+        x = vector.extract(x, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+    return x
 
 
 def _asm(ret, args, ptx, constraints):
@@ -235,10 +253,7 @@ def _wait_fn():
         del ctx
         ir, arith, _, _, _, _, mgu = _mlir()
         i1, i32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
-        if not isinstance(parity, ir.Value):  # a splat array of one register
-            parity = parity.registers.flat[0]
-        if isinstance(parity.type, ir.VectorType):
-            parity = _mlir()[4].extract(parity, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+        parity = _scalar(parity)
         bit = arith.trunci(i1, arith.andi(parity, mgu.c(1, i32)))
         mgu.BarrierRef(mgu.memref_ptr(bar_ref), mgu.c(0, i32), None, 1).wait_parity(bit)
 
@@ -450,13 +465,15 @@ def _init_stats_fn():
     return fn
 
 
-def _finish_fn(R: int):
+def _finish_fn(R: int, to_smem: bool = False):
     """(stats, outᵀ `[R, 16]` f32, cross-warp buffer, o gmem `[16, R]` f32, lse gmem `[16]` f32): the row sums
     reduced over the warpgroup, o = outᵀ / l written straight from registers in natural dim order, lse =
-    (m + log2 l)·ln 2 (−inf where l = 0, o = 0 there)."""
+    (m + log2 l)·ln 2 (−inf where l = 0, o = 0 there). `to_smem`: o_ref is instead a shared-memory byte buffer
+    (this warpgroup's stages, ≥ 64·R bytes) that receives o `[16, R]` f32 row-major, and lse_ref a `[16]` f32
+    shared-memory row (`_combine_fn` reads both)."""
     def fn(ctx, stats, out, red_ref, o_ref, lse_ref):
         del ctx
-        ir, arith, _, _, vector, fa, mgu = _mlir()
+        ir, arith, llvm, _, vector, fa, mgu = _mlir()
         f32 = ir.F32Type.get()
         index = ir.IndexType.get()
         v2 = ir.VectorType.get((2,), f32)
@@ -481,6 +498,7 @@ def _finish_fn(R: int):
         d0 = arith.muli(arith.addi(arith.muli(arith.divui(rows[0], mgu.c(16, index)), mgu.c(8, index)),
                                    arith.remui(rows[0], mgu.c(8, index))), mgu.c(2 * T, index))
         o_reg_shape = layout.registers_shape((R, HEADS))
+        base = mgu.memref_ptr(o_ref) if to_smem else None
         ix = lambda i, cb, h: tuple([i, cb] + [0] * 2 + [h] + [0] * (len(o_reg_shape) - 5))  # noqa: E731
         for i in range(T):
             dim = arith.addi(d0, mgu.c(2 * i, index))
@@ -491,12 +509,67 @@ def _finish_fn(R: int):
                     pair = vector.from_elements(v2, [vector.extract(x, dynamic_position=[], static_position=pos)
                                                      for x in halves])
                     head = arith.addi(col0, mgu.c(8 * cb + e, index))
-                    vector.store(pair, o_ref, [head, dim])
+                    if to_smem:
+                        off = arith.muli(arith.addi(arith.muli(head, mgu.c(R, index)), dim), mgu.c(4, index))
+                        ptr = mgu.getelementptr(base, [arith.index_cast(ir.IntegerType.get_signless(32), off)],
+                                                ir.IntegerType.get_signless(8))
+                        llvm.store(pair, ptr, alignment=8)
+                    else:
+                        vector.store(pair, o_ref, [head, dim])
         first = arith.cmpi(arith.CmpIPredicate.ult, rows[0], mgu.c(8, index))  # warp 0, row group 0: (w, g) = 0
         first = arith.andi(first, arith.cmpi(arith.CmpIPredicate.eq, rows[0], mgu.c(0, index)))
         with mgu.when(first):
             for cb in range(2):
                 vector.store(lse[cb], lse_ref, [arith.addi(col0, mgu.c(8 * cb, index))])
+
+    return fn
+
+
+def _ex2_scalar(x):
+    ir, _, llvm, _, _, _, _ = _mlir()
+    return llvm.inline_asm(ir.F32Type.get(), [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+
+def _combine_fn(R: int, nw: int, wg_bytes: int):
+    """After every warpgroup's `_finish_fn(to_smem=True)` and a CTA barrier: warpgroup wg merges heads
+    [wg·16/nw, (wg + 1)·16/nw) of the nw partials (o `[16, R]` f32 at byte wg'·wg_bytes of the stage buffer,
+    lse `[nw, 16]` f32) exactly as `reference.merge_partials`, into o gmem `[16, R]` and lse gmem `[16]`; each thread
+    owns R / 128 adjacent dims of every head."""
+    dpt = R // 128
+    hpw = HEADS // nw
+
+    def fn(ctx, stage_ref, lse_parts_ref, o_ref, lse_ref, wg):
+        del ctx
+        ir, arith, llvm, memref, vector, _, mgu = _mlir()
+        f32, i8, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        vty = ir.VectorType.get((dpt,), f32)
+        wg = arith.index_cast(index, _scalar(wg))
+        tid = arith.index_cast(index, _thread_in_wg())
+        dim = arith.muli(tid, mgu.c(dpt, index))
+        base = mgu.memref_ptr(stage_ref)
+        neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
+        for hh in range(hpw):
+            head = arith.addi(arith.muli(wg, mgu.c(hpw, index)), mgu.c(hh, index))
+            lses = [memref.load(lse_parts_ref, [mgu.c(i, index), head]) for i in range(nw)]
+            m = functools.reduce(arith.maximumf, lses)
+            m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
+            ws = [_ex2_scalar(arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
+            tot = functools.reduce(arith.addf, ws)
+            good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
+            inv = arith.select(good, arith.divf(one, arith.select(good, tot, one)), zero)
+            acc = None
+            for i, w in enumerate(ws):
+                off = arith.muli(arith.addi(arith.muli(head, mgu.c(R, index)), dim), mgu.c(4, index))
+                off = arith.addi(off, mgu.c(i * wg_bytes, index))
+                part = llvm.load(vty, mgu.getelementptr(base, [arith.index_cast(i32, off)], i8), alignment=4 * dpt)
+                term = arith.mulf(part, vector.broadcast(vty, arith.mulf(w, inv)))
+                acc = term if acc is None else arith.addf(acc, term)
+            vector.store(acc, o_ref, [head, dim])
+            lg = llvm.inline_asm(f32, [arith.select(good, tot, one)], "lg2.approx.ftz.f32 $0, $1;", "=f,f")
+            lse = arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf)
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
+                memref.store(lse, lse_ref, [head])
 
     return fn
 
@@ -507,9 +580,9 @@ def _finish_fn(R: int):
 def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                 config: MgpuSparseConfig = MgpuSparseConfig()):
     """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`), slots
-    `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`), block_tables `[B, max_blocks]` int32, pool
-    `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]` f32 normalised per split, lse
-    `[splits, B, 16]` f32)."""
+    `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`; n_blk a multiple of the warpgroups), block_tables
+    `[B, max_blocks]` int32, pool `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]` f32
+    normalised per split, lse `[splits, B, 16]` f32)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -518,55 +591,81 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     max_blocks = block_tables.shape[1]
     nblocks = pool_u8.shape[0] // page
     cfg = config
-    S, LC, VK = cfg.stages, cfg.logits_chunk, cfg.value_keys
+    S, LC, VK, NW = cfg.stages, cfg.logits_chunk, cfg.value_keys, cfg.warpgroups
     NA = max(1, min(cfg.logits_accs, c // LC))
-    if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 64 or R > c:
+    if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 128 or R > c:
         raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
+    if NW not in (1, 2, 4) or n_blk % NW:
+        raise ValueError(f"warpgroups {NW} must be 1, 2 or 4 and divide the blocks per split {n_blk}")
     stride = row_stride(c)
-    wg = plgpu.Layout.WGMMA
+    wg_bytes = S * KEYS * stride  # one warpgroup's stages
+    if NW > 1 and wg_bytes < 4 * HEADS * R:
+        raise ValueError(f"{S} stage(s) of {KEYS} rows cannot hold a warpgroup's partial o ({4 * HEADS * R} bytes)")
+    nb_w = n_blk // NW  # blocks per warpgroup
+    lead = (NW,) if NW > 1 else ()  # the scratch's warpgroup axis
+    wg_ty = plgpu.Layout.WGMMA
     splat = plgpu.Layout.WG_SPLAT
     ref = plgpu.RefType()
-    f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg)
+    f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg_ty)
     init_barriers = plgpu.inline_mgpu(arg_types=(ref,))(_init_barriers_fn(S))
-    translate = plgpu.inline_mgpu(arg_types=(ref, ref))(_translate_fn(n_blk * KEYS, page, nblocks, max_blocks))
+    translate = plgpu.inline_mgpu(arg_types=(ref, ref) + ((splat,) if NW > 1 else ()))(
+        _translate_fn(nb_w, NW, page, nblocks, max_blocks))
     issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(_issue_fn(c, stride))
     wait = plgpu.inline_mgpu(arg_types=(ref, splat))(_wait_fn())
     logits_a = [plgpu.inline_mgpu(arg_types=(ref,),
-                                  return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg))(
+                                  return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg_ty))(
         _logits_operand_fn(j * LC, LC)) for j in range(c // LC)]
     value_a = [plgpu.inline_mgpu(arg_types=(ref,),
-                                 return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg))(
+                                 return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg_ty))(
         _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
     softmax = plgpu.inline_mgpu(
-        arg_types=(wg, wg, wg, ref, ref, ref),
-        return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg), f32_acc,
-                     plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg)))(_softmax_fn(R))
+        arg_types=(wg_ty, wg_ty, wg_ty, ref, ref, ref),
+        return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg_ty), f32_acc,
+                     plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg_ty)))(_softmax_fn(R))
     init_stats = plgpu.inline_mgpu(return_type=f32_acc)(_init_stats_fn())
-    finish = plgpu.inline_mgpu(arg_types=(wg, wg, ref, ref, ref))(_finish_fn(R))
+    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(_finish_fn(R, to_smem=NW > 1))
+    combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
 
     def sparse_mla_mgpu(slots_ref, bt_ref, q_ref, c2_ref, pool_ref, o_ref, lse_ref, q_smem, idx_smem, c2_smem,
-                        rows_smem, p_smem, red_smem, bar_smem, q_bar):
+                        rows_smem, p_smem, red_smem, bar_smem, q_bar, lse_parts=None, done_bar=None):
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
-        init_barriers(bar_smem)
-        plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
-        plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
+        wg = jax.lax.axis_index("wg") if NW > 1 else 0
+        wg_arg = (wg.astype(jnp.int32),) if NW > 1 else ()
+        # this warpgroup's scratch (one warpgroup: the scratch has no warpgroup axis — a literal index 0 does not
+        # lower inside run_state)
+        mine = (lambda r: r.at[wg]) if NW > 1 else (lambda r: r)  # noqa: E731
+        rows_wg, p_wg, red_wg, bar_wg = mine(rows_smem), mine(p_smem), mine(red_smem), mine(bar_smem)
+        init_barriers(bar_wg)
+
+        def load():  # by warpgroup 0; every warpgroup waits on q_bar
+            plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
+            plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
+
+        if NW > 1:
+            pl.when(wg == 0)(load)
+        else:
+            load()
+
         plgpu.barrier_wait(q_bar)
-        translate(idx_smem, bt_ref.at[b])  # positions -> pool rows, in place
+        translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
 
         def bar(slot):
-            return bar_smem.at[pl.ds(2 * slot, 2)]
+            return bar_wg.at[pl.ds(2 * slot, 2)]
 
-        for s in range(min(S, n_blk)):
-            issue(pool_ref, rows_smem.at[s], idx_smem.at[s], bar(s))
+        def block(i):  # the CTA's block row of this warpgroup's i-th block
+            return wg + NW * i
 
-        def step(j, carry):
+        for s in range(min(S, nb_w)):
+            issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
+
+        def step(i, carry):
             stats, out = carry
-            slot = j % S
-            wait(bar(slot), (j // S).astype(jnp.int32))
-            stage = rows_smem.at[slot]
+            slot = i % S
+            wait(bar(slot), (i // S).astype(jnp.int32))
+            stage = rows_wg.at[slot]
 
             def logits(*accs):
                 for jj, fn in enumerate(logits_a):
@@ -574,25 +673,31 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                 return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
 
             s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
-            p, stats, out = softmax(s_t, stats, out, idx_smem.at[j], red_smem.at[j % 2], c2_smem)
-            p_smem[...] = p
+            p, stats, out = softmax(s_t, stats, out, idx_smem.at[block(i)], red_wg.at[i % 2], c2_smem)
+            p_wg[...] = p
             plgpu.commit_smem()
 
             def pv(acc):
                 for kk, fn in enumerate(value_a):
-                    plgpu.wgmma(acc, fn(stage), p_smem.at[pl.ds(kk * VK, VK)])
+                    plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
 
             out = pl.run_state(pv)(plgpu.ACC.init(out))
 
-            @pl.when(j + S < n_blk)
+            @pl.when(i + S < nb_w)
             def _refill():
-                issue(pool_ref, stage, idx_smem.at[j + S], bar(slot))
+                issue(pool_ref, stage, idx_smem.at[block(i + S)], bar(slot))
 
             return stats, out
 
-        zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg)
-        stats, out = jax.lax.fori_loop(0, n_blk, step, (init_stats(), zeros))
-        finish(stats, out, red_smem.at[n_blk % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
+        zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
+        stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
+        if NW == 1:
+            finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
+        else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
+            finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
 
     kernel = plgpu.kernel(
         sparse_mla_mgpu,
@@ -600,15 +705,18 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                   jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32)),
         grid=(NS, B),
         grid_names=("s", "b"),
+        **(dict(num_threads=NW, thread_name="wg") if NW > 1 else {}),
         scratch_types=dict(
             q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
             idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
             c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
-            rows_smem=plgpu.SMEM((S, KEYS, stride), jnp.uint8),
-            p_smem=plgpu.SMEM((KEYS, HEADS), jnp.float16),
-            red_smem=plgpu.SMEM((2, 4, HEADS), jnp.float32),
-            bar_smem=plgpu.SMEM((2 * S,), jnp.int32),
+            rows_smem=plgpu.SMEM(lead + (S, KEYS, stride), jnp.uint8),
+            p_smem=plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16),
+            red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
+            bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
             q_bar=plgpu.Barrier(num_arrivals=3),
+            **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
+               if NW > 1 else {}),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
@@ -632,7 +740,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     B, H, _ = q_bhc.shape
     ls = jnp.asarray(layer_scale, jnp.float32)
     q16, c2 = prepare_q(q_bhc, scale * ls)
-    slots = prepare_slots(idx_bk, config.splits)
+    slots = prepare_slots(idx_bk, config.splits, config.warpgroups)
     pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nblocks * page, c)
     o, lse = kernel_call(q16, c2, slots, block_tables, pool_u8, R=R, page=page, config=config)
     return merge(o, lse, H, ls)
