@@ -29,6 +29,17 @@ Precision is the storage formats' (`precision="storage"`): q in f16 after a per-
 (the same bits as `sparse_gpu._prep_q`), P in f16, fp32 accumulation and softmax (ex2 / lg2 approximations).
 Partial (o, lse) per split are merged exactly by `sparse_gpu`'s Pallas merge kernel.
 
+Measured (H200, session 12, `bench/mla_mgpu.py`, B = 32, H = 12, ctx 32K, fp8, bench/RESULTS.md): correct on the
+device from the first run (`tests/test_sparse_mgpu.py -m gpu`); the kernel alone 30.1–30.2 µs (0.29–0.30 of copy;
+the Triton kernel ≈ 30–31.6), the whole op **38.7 µs (0.231 of copy) vs 42.3 for the Triton storage preset** (1.09×;
+bar 0.60 ≈ 15 µs). ncu: 255 registers and ≈ 98 KB of shared memory hold an SM to 2 CTAs (8 warps); each warp issues
+once per ≈ 8 cycles — waiting on the gathers (long scoreboard), on fixed-latency chains (LDS -> prmt -> cvt ->
+wgmma) and on the block's barriers; removing the PV loads' 4-way bank conflicts (v2) and independent logits
+accumulators (`logits_accs`, slower) did not move it. Knobs timed (kernel alone, µs): default 30.1, value_keys 64
+30.2–31.6 / 16 31.7, splits 4 + stages 3/4 33.5–35.0, splits 16 36.0–41.4, stages 3 37.8, logits_chunk 576 45.1.
+`warpgroups` 2 / 4 (more warps per SM at ≤ 128 registers) lowers on CPU but has NOT run on a GPU yet: the next
+device run must test it under a short timeout first.
+
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
 """
