@@ -58,3 +58,25 @@ def device_seconds(fn, *args, stacked=(), budget_s: float = 0.25, min_reps: int 
     est = max(time.perf_counter() - t, 1e-6)
     reps = int(max(min_reps, min(200, budget_s / est)))
     return pipelined_seconds(fn, *args, reps=reps) / n, n
+
+
+def torch_copy_bandwidth(nbytes: int = 1 << 31, reps: int = 20) -> float:
+    """Bytes read + written per second of a plain device copy of `nbytes` (torch `copy_`, CUDA events, median of
+    `reps`): the ≈ 4.2–4.3 TB/s H200 anchor of BENCHMARKS.md that the GPU benches divide by. Needs torch with CUDA."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(ts)

@@ -43,7 +43,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -77,7 +76,7 @@ if ARGS.smoke:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from _timing import device_seconds, pipelined_seconds  # noqa: E402
+from _timing import device_seconds, pipelined_seconds, torch_copy_bandwidth  # noqa: E402
 from kimi_jax import quant as Q  # noqa: E402
 from pallas_kernels.indexer import paged as ipaged  # noqa: E402
 from pallas_kernels.indexer import gpu as igpu  # noqa: E402
@@ -157,24 +156,9 @@ def copy_bandwidth():
     n = (1 << 31) if not ARGS.smoke else (1 << 24)
     if not ARGS.smoke:
         try:
-            import torch
-
-            a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-            b = torch.empty_like(a)
-            for _ in range(3):
-                b.copy_(a)
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(20):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                b.copy_(a)
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e) / 1e3)
+            bw = torch_copy_bandwidth(n)
             INFO["copy_method"] = "torch copy_ 2 GiB"
-            del a, b
-            return 2 * n / statistics.median(ts)
+            return bw
         except Exception as e:  # noqa: BLE001
             INFO["copy_torch_error"] = repr(e)
     x = jax.random.bits(jax.random.PRNGKey(0), (n // 4,), jnp.uint32)

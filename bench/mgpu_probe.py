@@ -25,29 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _timing import pipelined_seconds
+from _timing import pipelined_seconds, torch_copy_bandwidth
 
 E, K, N = 112, 3584, 3072
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 2 GiB copy: torch's device copy (4.28 TB/s on the H200; XLA's reverse
-    copy reaches only ~3.2 there), the denominator the other benches use."""
-    import torch
-
-    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(10):
-            dst.copy_(src)
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) / 10)
-    del src, dst
-    return 2 * (1 << 30) * 2 / sorted(ts)[len(ts) // 2]
 
 
 def main():
@@ -58,7 +38,7 @@ def main():
     t0 = time.time()
     from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as hm
 
-    bw = copy_bandwidth()
+    bw = torch_copy_bandwidth()  # the denominator the other benches use
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (torch device copy, bytes read + written)")
     m = E * N
     a = jax.random.randint(jax.random.key(0), (m, K), -127, 128, jnp.int8)  # 1.23 GB: the stacked expert weights

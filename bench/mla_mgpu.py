@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import jax
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _timing import device_seconds  # noqa: E402
+from _timing import device_seconds, torch_copy_bandwidth  # noqa: E402
 
 from kimi_jax import quant as Q  # noqa: E402
 from pallas_kernels.mla import sparse, sparse_gpu  # noqa: E402
@@ -44,25 +43,6 @@ PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 ROWS = []
 
 
-def copy_bandwidth():
-    import torch
-
-    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * (1 << 31) / statistics.median(ts)
-
-
 def rel_rms(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
@@ -75,7 +55,7 @@ def row(name, shape, us, tbps, bw, err):
 
 
 def main():
-    bw = copy_bandwidth()
+    bw = torch_copy_bandwidth()
     print(f"jax {jax.__version__} {jax.devices()[0].device_kind}; copy {bw / 1e12:.2f} TB/s", flush=True)
     fmt = Q.LatentFormat("fp8", R, ROPE)
     configs = json.loads(ARGS.configs)
@@ -130,7 +110,6 @@ def main():
                         time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
                     for cfg in json.loads(ARGS.op_configs) if ARGS.op_configs else configs:
                         time_op(dict(cfg, impl="mgpu"), f"mgpu op {json.dumps(cfg, separators=(',', ':'))}")
-            del pool
     out = os.environ.get("OUT")
     if out:
         json.dump(dict(rows=ROWS, jax=jax.__version__, copy_TBps=bw / 1e12), open(os.path.join(out, "mla_mgpu.json"),

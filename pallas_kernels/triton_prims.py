@@ -64,8 +64,9 @@ def inline_asm_primitive(name: str, ptx: str, constraints: str, packed_element: 
     return _primitive(name, abstract, triton_rule, lambda *a: list(reference(*a)), multiple_results=True)
 
 
-# Four e4m3 bytes (one 32-bit register) -> four f16 (two registers): the hardware conversion, two per instruction.
-_CVT_E4M3X4_F16 = """{
+# Four e4m3 bytes (one 32-bit register) -> four f16 (two registers): the hardware conversion, two per instruction
+# (also the Mosaic GPU sparse MLA kernel's logits-operand conversion, `mla.sparse_mgpu`).
+CVT_E4M3X4_F16_PTX = """{
 .reg .b16 e4lo, e4hi;
 mov.b32 {e4lo, e4hi}, $2;
 cvt.rn.f16x2.e4m3x2 $0, e4lo;
@@ -81,7 +82,7 @@ def _check_fp8(x):
 @functools.lru_cache(maxsize=None)
 def _fp8_to_f16_p():
     ref = lambda x: [jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn).astype(jnp.float16)]  # noqa: E731
-    return inline_asm_primitive("fp8_e4m3_to_f16_once", _CVT_E4M3X4_F16, "=r,=r,r", 4, [jnp.float16], ref,
+    return inline_asm_primitive("fp8_e4m3_to_f16_once", CVT_E4M3X4_F16_PTX, "=r,=r,r", 4, [jnp.float16], ref,
                                 pure=False, check=_check_fp8)
 
 

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..moe.mgpu_mxfp4 import _fragment_slots, x_permutation
+from ..triton_prims import CVT_E4M3X4_F16_PTX
 from .sparse_gpu import _merge_pallas, _pow2_at_least
 
 KEYS = 64  # keys per block: the M side of the logits wgmma
@@ -271,13 +272,6 @@ def _wait_fn():
     return fn
 
 
-_CVT4 = """{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}"""
-
 # keys (a, b) -> dim pairs: bytes (a0 b0 a1 b1) and (a2 b2 a3 b3), each 16-bit half one f16x2 register
 _PAIR_CVT = """{
 .reg .b32 t0, t1;
@@ -314,7 +308,7 @@ def _logits_operand_fn(col0: int, width: int):
                 words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
                 for s in range(4):
                     w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
-                    out = llvm.inline_asm(pair, [w], _CVT4, "=r,=r,r")
+                    out = llvm.inline_asm(pair, [w], CVT_E4M3X4_F16_PTX, "=r,=r,r")
                     for e in (0, 1):
                         regs[reg(8 * q + 2 * s + e, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [e]), v2f16)
         return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
@@ -368,25 +362,17 @@ def _value_operand_fn(R: int, key0: int, nkeys: int):
     return fn
 
 
-def _ex2(x):
-    """2^x elementwise on a vector<2xf32> (`ex2.approx.ftz`: −inf -> 0)."""
+def _approx(op: str, x):
+    """`op`.approx.ftz.f32 ("ex2": 2^x, −inf -> 0; "lg2": log2 x) on an f32 scalar or on each element of a vector."""
     ir, _, llvm, _, vector, _, _ = _mlir()
     f32 = ir.F32Type.get()
-    parts = []
-    for e in (0, 1):
-        v = vector.extract(x, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
-        parts.append(llvm.inline_asm(f32, [v], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
-    return vector.from_elements(x.type, parts)
-
-
-def _lg2(x):
-    ir, _, llvm, _, vector, _, _ = _mlir()
-    f32 = ir.F32Type.get()
-    parts = []
-    for e in (0, 1):
-        v = vector.extract(x, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
-        parts.append(llvm.inline_asm(f32, [v], "lg2.approx.ftz.f32 $0, $1;", "=f,f"))
-    return vector.from_elements(x.type, parts)
+    one = lambda v: llvm.inline_asm(f32, [v], f"{op}.approx.ftz.f32 $0, $1;", "=f,f")  # noqa: E731
+    if not isinstance(x.type, ir.VectorType):
+        return one(x)
+    n = ir.VectorType(x.type).shape[0]
+    return vector.from_elements(x.type, [one(vector.extract(x, dynamic_position=[],
+                                                            static_position=ir.DenseI64ArrayAttr.get([e])))
+                                         for e in range(n)])
 
 
 def _warpgroup_reduce(vals, red_ref, rows0, col0, combine):
@@ -439,12 +425,12 @@ def _softmax_fn(R: int):
             m_old = st[reg(cb, 0)]
             m_new = arith.maximumf(m_old, block_max[cb])
             mu = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m_new, neg_inf), zero, m_new)
-            corr.append(_ex2(arith.subf(m_old, mu)))
+            corr.append(_approx("ex2", arith.subf(m_old, mu)))
             m_use.append(mu)
             st[reg(cb, 0)] = m_new
         p_regs = np.empty(s_t.registers.shape, dtype=object)
         for cb in range(2):
-            p = [_ex2(arith.subf(x[h][cb], m_use[cb])) for h in (0, 1)]
+            p = [_approx("ex2", arith.subf(x[h][cb], m_use[cb])) for h in (0, 1)]
             st[reg(cb, 1)] = arith.addf(arith.mulf(st[reg(cb, 1)], corr[cb]), arith.addf(p[0], p[1]))
             for h in (0, 1):
                 p_regs[reg(cb, h)] = arith.truncf(v2f16, p[h])
@@ -502,7 +488,7 @@ def _finish_fn(R: int, to_smem: bool = False):
             m = stats.registers[reg(cb, 0)]
             m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
             ln2 = vector.broadcast(v2, mgu.c(LN2, f32))
-            lse.append(arith.select(good, arith.mulf(arith.addf(m, _lg2(l_safe)), ln2), neg_inf))
+            lse.append(arith.select(good, arith.mulf(arith.addf(m, _approx("lg2", l_safe)), ln2), neg_inf))
         # register (i, cb, h) of outᵀ holds dim d0 + 2i + h (`value_dim_of_row`) for heads col0 + 8cb + (0, 1): the
         # two halves h are adjacent dims, stored as one 8-byte write per head into o `[16, R]` (natural order)
         T = R // 64
@@ -536,11 +522,6 @@ def _finish_fn(R: int, to_smem: bool = False):
     return fn
 
 
-def _ex2_scalar(x):
-    ir, _, llvm, _, _, _, _ = _mlir()
-    return llvm.inline_asm(ir.F32Type.get(), [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-
-
 def _combine_fn(R: int, nw: int, wg_bytes: int):
     """After every warpgroup's `_finish_fn(to_smem=True)` and a CTA barrier: warpgroup wg merges heads
     [wg·16/nw, (wg + 1)·16/nw) of the nw partials (o `[16, R]` f32 at byte wg'·wg_bytes of the stage buffer,
@@ -565,7 +546,7 @@ def _combine_fn(R: int, nw: int, wg_bytes: int):
             lses = [memref.load(lse_parts_ref, [mgu.c(i, index), head]) for i in range(nw)]
             m = functools.reduce(arith.maximumf, lses)
             m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
-            ws = [_ex2_scalar(arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
+            ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
             tot = functools.reduce(arith.addf, ws)
             good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
             inv = arith.select(good, arith.divf(one, arith.select(good, tot, one)), zero)
@@ -577,7 +558,7 @@ def _combine_fn(R: int, nw: int, wg_bytes: int):
                 term = arith.mulf(part, vector.broadcast(vty, arith.mulf(w, inv)))
                 acc = term if acc is None else arith.addf(acc, term)
             vector.store(acc, o_ref, [head, dim])
-            lg = llvm.inline_asm(f32, [arith.select(good, tot, one)], "lg2.approx.ftz.f32 $0, $1;", "=f,f")
+            lg = _approx("lg2", arith.select(good, tot, one))
             lse = arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf)
             with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
                 memref.store(lse, lse_ref, [head])
