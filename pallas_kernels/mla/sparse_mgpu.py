@@ -287,14 +287,19 @@ cvt.rn.f16x2.e4m3x2 $3, x3;
 }"""
 
 
+def _operand_types():
+    """(i8, i32, f16, index) MLIR types of the operand builders."""
+    ir = _mlir()[0]
+    return ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
+
+
 def _logits_operand_fn(col0: int, width: int):
     """rows smem `[64, c]` u8 (one stage) -> the logits A operand for latent columns [col0, col0 + width):
     `[64, width]` f16 in the WGMMA layout (keys = rows; thread t's 16 bytes per 64-column chunk, word s = k-step s)."""
     def fn(ctx, rows_ref):
         del ctx
         ir, arith, llvm, _, vector, fa, mgu = _mlir()
-        i8, i32, f16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get()
-        index = ir.IndexType.get()
+        i8, i32, f16, index = _operand_types()
         layout = fa.WGMMA_LAYOUT
         reg_shape, reg, rows, two_t = _fragment_slots(layout, (KEYS, width))
         t16 = arith.muli(two_t, mgu.c(8, index))
@@ -325,8 +330,7 @@ def _value_operand_fn(R: int, key0: int, nkeys: int):
     def fn(ctx, rows_ref):
         del ctx
         ir, arith, llvm, _, vector, fa, mgu = _mlir()
-        i8, i32, f16 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get()
-        index = ir.IndexType.get()
+        i8, i32, f16, index = _operand_types()
         layout = fa.WGMMA_LAYOUT
         reg_shape = layout.registers_shape((R, nkeys))
         coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs((R, nkeys))))
