@@ -72,7 +72,7 @@ LN2 = 0.6931471805599453
 @dataclasses.dataclass(frozen=True)
 class MgpuSparseConfig:
     splits: int = 8  # CTAs per sequence, each over k / splits slots (a multiple of 64)
-    stages: int = 2  # gathered blocks in flight per CTA (36 KB each at K3)
+    stages: int = 2  # gathered blocks in flight per warpgroup (64 rows · (c + 32) B: 38 KB each at K3)
     logits_chunk: int = 192  # latent columns converted per logits wgmma call (a multiple of 64 dividing c)
     value_keys: int = 32  # keys converted per PV wgmma call (16, 32 or 64)
     # independent logits accumulators (the chunks dealt round-robin, summed after): one accumulator makes the
