@@ -321,6 +321,16 @@ def _logits_operand_fn(col0: int, width: int):
     return fn
 
 
+def _first_dim(row0, R: int):
+    """A thread's first PV row (16w + g, an index value) -> the first of its 2T contiguous latent dims,
+    2T(8w + g) (`value_dim_of_row`: the operand loads them, the epilogue writes them back in natural order)."""
+    ir, arith, _, _, _, _, mgu = _mlir()
+    index = ir.IndexType.get()
+    wg8 = arith.addi(arith.muli(arith.divui(row0, mgu.c(16, index)), mgu.c(8, index)),
+                     arith.remui(row0, mgu.c(8, index)))
+    return arith.muli(wg8, mgu.c(2 * (R // 64), index))
+
+
 def _value_operand_fn(R: int, key0: int, nkeys: int):
     """rows smem `[64, c]` u8 -> the PV A operand Vᵀ for keys [key0, key0 + nkeys): `[R, nkeys]` f16 in the WGMMA
     layout (rows = latent dims in `value_dim_of_row` order, columns = keys in order)."""
@@ -341,9 +351,7 @@ def _value_operand_fn(R: int, key0: int, nkeys: int):
             return tuple(ix)
 
         row0, two_t = coords[reg(0, 0, 0)]  # 16w + g, 2t
-        w = arith.divui(row0, mgu.c(16, index))
-        g = arith.remui(row0, mgu.c(8, index))
-        dim0 = arith.muli(arith.addi(arith.muli(w, mgu.c(8, index)), g), mgu.c(nbytes, index))
+        dim0 = _first_dim(row0, R)
         vload, vword = ir.VectorType.get((nbytes,), i8), ir.VectorType.get((nbytes // 4,), i32)
         v2f16 = ir.VectorType.get((2,), f16)
         quad = llvm.StructType.get_literal([i32] * 4)
@@ -441,7 +449,6 @@ def _softmax_fn(R: int):
         o_regs = out.registers.copy()
         for ri in np.ndindex(o_regs.shape):
             o_regs[ri] = arith.mulf(o_regs[ri], corr[ri[1]])
-        del v2f16
         return (fa.FragmentedArray(_registers=p_regs, _layout=layout, _is_signed=None),
                 fa.FragmentedArray(_registers=st, _layout=layout, _is_signed=None),
                 fa.FragmentedArray(_registers=o_regs, _layout=layout, _is_signed=None))
@@ -496,8 +503,7 @@ def _finish_fn(R: int, to_smem: bool = False):
         # register (i, cb, h) of outᵀ holds dim d0 + 2i + h (`value_dim_of_row`) for heads col0 + 8cb + (0, 1): the
         # two halves h are adjacent dims, stored as one 8-byte write per head into o `[16, R]` (natural order)
         T = R // 64
-        d0 = arith.muli(arith.addi(arith.muli(arith.divui(rows[0], mgu.c(16, index)), mgu.c(8, index)),
-                                   arith.remui(rows[0], mgu.c(8, index))), mgu.c(2 * T, index))
+        d0 = _first_dim(rows[0], R)
         o_reg_shape = layout.registers_shape((R, HEADS))
         base = mgu.memref_ptr(o_ref) if to_smem else None
         ix = lambda i, cb, h: tuple([i, cb] + [0] * 2 + [h] + [0] * (len(o_reg_shape) - 5))  # noqa: E731
