@@ -11,6 +11,7 @@ import pytest
 
 from kimi_jax import quant as Q
 from pallas_kernels.mla import sparse
+from pallas_kernels.mla.reference import merge_partials
 from pallas_kernels.mla.sparse_gpu import pool_rows
 from pallas_kernels.mla import sparse_mgpu as sm
 from pallas_kernels.moe.mgpu_mxfp4 import x_permutation
@@ -108,21 +109,29 @@ def test_prepare_q_keeps_every_logit():
     assert rel_rms(got[:, :12], want) <= 1e-3
 
 
-@pytest.mark.parametrize("splits,warpgroups", [(1, 1), (4, 1), (2, 4)])
-def test_contract_with_xla_side_matches_reference(splits, warpgroups, monkeypatch):
+@pytest.mark.parametrize("splits,warpgroups,merge", [(1, 1, "kernel"), (4, 1, "kernel"), (2, 4, "kernel"),
+                                                     (4, 2, "cluster"), (4, 2, "last")])
+def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, monkeypatch):
     """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
-    at the storage bar, with empty slots, a split that is all padding and a sequence with no key."""
+    at the storage bar, with empty slots, a split that is all padding and a sequence with no key. With the cluster
+    merge the kernel returns the merged heads · layer scale itself (`reference.merge_partials`' maths)."""
     parts, bt, idx, q, kw = case(seed=2)
     idx[2] = -1
-    def fake_kernel(q16, c2, slots, bt, pool, *, R, page, config):
+
+    def fake_kernel(q16, c2, slots, bt, pool, *, R, page, config, H, layer_scale):
         assert slots.shape[2] % config.warpgroups == 0  # each warpgroup gets the same number of blocks
-        return emulate_kernel(q16, c2, slots, bt, pool, R=R, page=page)
+        o, lse = emulate_kernel(q16, c2, slots, bt, pool, R=R, page=page)
+        if config.merge == "kernel":
+            return o, lse
+        o, lse = merge_partials(o[:, :, :H], lse[:, :, :H])
+        return o * layer_scale, lse
 
     monkeypatch.setattr(sm, "kernel_call", fake_kernel)
     real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
     monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups), **kw)
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge)
+    o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert o.shape == (3, 12, R) and lse.shape == (3, 12)
     assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
@@ -151,7 +160,11 @@ def test_supports_only_fp8_rows_at_kernel_widths():
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(splits=4, stages=3, logits_chunk=64,
                                                                              value_keys=64, logits_accs=3),
                                  sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64,
-                                                     value_keys=16)])
+                                                     value_keys=16),
+                                 sm.MgpuSparseConfig(splits=4, warpgroups=2, merge="cluster"),
+                                 sm.MgpuSparseConfig(splits=8, merge="cluster"),
+                                 sm.MgpuSparseConfig(splits=4, warpgroups=2, merge="last"),
+                                 sm.MgpuSparseConfig(splits=8, merge="last")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     args = (jax.ShapeDtypeStruct((4, 12, C), jnp.float32), jax.ShapeDtypeStruct((256, 64, C), jnp.float8_e4m3fn),
@@ -165,14 +178,17 @@ def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
 # ------------------------------------------------------------------------------------------------------------ device
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,k,splits,warpgroups", [(12, 2048, 8, 1), (16, 300, 4, 1), (4, 2048, 2, 1),
-                                                   (12, 300, 2, 4)])
-def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups):
+@pytest.mark.parametrize("H,k,splits,warpgroups,merge", [(12, 2048, 8, 1, "kernel"), (16, 300, 4, 1, "kernel"),
+                                                         (4, 2048, 2, 1, "kernel"), (12, 300, 2, 4, "kernel"),
+                                                         (12, 2048, 4, 2, "cluster"), (16, 300, 8, 1, "cluster"),
+                                                         (4, 300, 2, 4, "cluster"), (12, 2048, 4, 2, "last"),
+                                                         (16, 300, 8, 1, "last"), (4, 300, 2, 4, "last")])
+def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge):
     parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups,
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge,
                               **(dict(stages=1, logits_chunk=64, value_keys=16) if warpgroups == 4 else {}))
     o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)

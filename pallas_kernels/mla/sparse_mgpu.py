@@ -82,6 +82,13 @@ class MgpuSparseConfig:
     # accumulator, combined in shared memory at the end (512 threads cap ptxas at 128 registers: twice the warps
     # per SM of one 255-register warpgroup per CTA, two CTAs per SM)
     warpgroups: int = 1
+    # how the splits' partials meet: "kernel" — written to gmem and merged by `sparse_gpu`'s Pallas merge kernel (a
+    # second launch reading splits · 32 KB per sequence back); "last" — the same partials, merged in this kernel by
+    # the sequence's last CTA to finish (a global atomic counter per sequence, `_last_merge_fn`: the partials are
+    # read back from L2); "cluster" — the splits of one sequence run as one thread-block cluster and merge through
+    # distributed shared memory (`_cluster_combine_fn`; splits ≤ 8, the portable cluster size). "last" and
+    # "cluster" write the final o `[B, H, R]` themselves.
+    merge: str = "kernel"
 
 
 def supports(fmt) -> bool:
@@ -576,15 +583,166 @@ def _combine_fn(R: int, nw: int, wg_bytes: int):
     return fn
 
 
+def _last_merge_fn(R: int, ns: int, nw: int, H: int):
+    """After this CTA's partial is in gmem (o_part `[ns, 16, R]`, lse_part `[ns, 16]` f32, this sequence's
+    rows): every thread fences its writes (gpu scope), thread 0 counts this split done on the sequence's counter
+    (gmem `[1]` u32, zero before the kernel; acq_rel atomic add) and tells the CTA through flag smem `[1]` i32;
+    the CTA that saw ns − 1 — the last of the sequence's splits — merges all ns partials exactly as
+    `reference.merge_partials` into o gmem `[H, R]` (· layer scale) and lse gmem `[H]`; each of the nw · 128
+    threads owns R / (nw · 128) adjacent dims of every head."""
+    nthreads = 128 * nw
+    dpt = R // nthreads
+    if dpt < 1 or R % nthreads:
+        raise ValueError(f"merge='last': {nw} warpgroups ({nthreads} threads) must divide R = {R}")
+
+    def fn(ctx, o_part_ref, lse_part_ref, cnt_ref, flag_ref, o_ref, lse_ref, ls_ref, *wg):
+        del ctx
+        from jax._src.lib.mlir.dialects import gpu
+        ir, arith, _, memref, vector, _, mgu = _mlir()
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        void = ir.Type.parse("!llvm.void")
+        tid = _thread_in_wg()
+        if wg:
+            tid = arith.addi(tid, arith.muli(_scalar(wg[0]), mgu.c(128, i32)))
+        tid = arith.index_cast(index, tid)
+        _asm(void, [], "fence.acq_rel.gpu;", "")  # this thread's partial writes, before the count
+        gpu.barrier()
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
+            old = _asm(i32, [mgu.memref_ptr(cnt_ref), mgu.c(1, i32)], "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
+                       "=r,l,r")
+            memref.store(old, flag_ref, [mgu.c(0, index)])
+        gpu.barrier()
+        last = arith.cmpi(arith.CmpIPredicate.eq, memref.load(flag_ref, [mgu.c(0, index)]), mgu.c(ns - 1, i32))
+        with mgu.when(last):
+            _asm(void, [], "fence.acq_rel.gpu;", "")  # every other split's partial, after its count
+            vty = ir.VectorType.get((dpt,), f32)
+            dim = arith.muli(tid, mgu.c(dpt, index))
+            ls = memref.load(ls_ref, [mgu.c(0, index)])
+            neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
+            # every load first (one L2 round trip for all heads, not one per head), then the arithmetic
+            heads = [mgu.c(h, index) for h in range(H)]
+            lse_all = [[memref.load(lse_part_ref, [mgu.c(sp, index), hd]) for sp in range(ns)] for hd in heads]
+            o_all = [[vector.load(vty, o_part_ref, [mgu.c(sp, index), hd, dim]) for sp in range(ns)] for hd in heads]
+            lse_out = []
+            for hd, lses, parts in zip(heads, lse_all, o_all):
+                m = functools.reduce(arith.maximumf, lses)
+                m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
+                ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
+                tot = functools.reduce(arith.addf, ws)
+                good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
+                inv = arith.select(good, arith.divf(ls, arith.select(good, tot, one)), zero)
+                terms = [arith.mulf(part, vector.broadcast(vty, arith.mulf(wt, inv))) for part, wt in zip(parts, ws)]
+                vector.store(functools.reduce(arith.addf, terms), o_ref, [hd, dim])
+                lg = _approx("lg2", arith.select(good, tot, one))
+                lse_out.append(arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf))
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
+                for hd, lse in zip(heads, lse_out):
+                    memref.store(lse, lse_ref, [hd])
+
+    return fn
+
+
+def _cluster_sync_fn():
+    """Every thread of every CTA of the cluster: arrive (release) and wait (acquire) — shared-memory writes before it
+    are visible to the whole cluster after it, and no CTA passes it while another has not reached it."""
+    def fn(ctx):
+        del ctx
+        ir = _mlir()[0]
+        void = ir.Type.parse("!llvm.void")
+        _asm(void, [], "barrier.cluster.arrive.release.aligned;", "")
+        _asm(void, [], "barrier.cluster.wait.acquire.aligned;", "")
+
+    return fn
+
+
+def _cluster_combine_fn(R: int, nw: int, ns: int, wg_bytes: int, H: int):
+    """After every warpgroup of every CTA of the cluster wrote its partial (`_finish_fn(to_smem=True)`: o `[16, R]`
+    f32 at byte wg·wg_bytes of its CTA's stage buffer, lse in lse_parts `[nw, 16]`) and a cluster barrier: unit
+    u = rank·nw + wg of the ns·nw warpgroups merges its share of the heads (and of the dims, past 16 units) over
+    all ns·nw partials, read through distributed shared memory (`mapa` + `ld.shared::cluster`), exactly as
+    `reference.merge_partials`, and writes the final o · layer scale to gmem `[H, R]` and lse to gmem `[H]`
+    (padded heads ≥ H are dropped)."""
+    units = ns * nw
+    hpu = max(1, HEADS // units)  # heads per unit
+    dsl = max(1, units // HEADS)  # dim slices per head
+    dpt = R // (128 * dsl)  # dims per thread
+    if dpt not in (1, 2, 4) or units % HEADS and HEADS % units:
+        raise ValueError(f"cluster merge: {ns} splits × {nw} warpgroups do not tile 16 heads × {R} dims")
+
+    def fn(ctx, stage_ref, lse_parts_ref, o_ref, lse_ref, ls_ref, *scalars):  # scalars: (rank if ns > 1, wg if nw > 1)
+        del ctx
+        ir, arith, llvm, memref, vector, _, mgu = _mlir()
+        f32, i32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        index = ir.IndexType.get()
+        vty = ir.VectorType.get((dpt,), f32)
+        scalars = [arith.index_cast(index, _scalar(x)) for x in scalars]
+        rank = scalars.pop(0) if ns > 1 else mgu.c(0, index)
+        wg = scalars.pop(0) if nw > 1 else mgu.c(0, index)
+        unit = arith.addi(arith.muli(rank, mgu.c(nw, index)), wg)
+        tid = arith.index_cast(index, _thread_in_wg())
+        dim = arith.addi(arith.muli(arith.remui(unit, mgu.c(dsl, index)), mgu.c(R // dsl, index)),
+                         arith.muli(tid, mgu.c(dpt, index)))
+        h0 = arith.muli(arith.divui(unit, mgu.c(dsl, index)), mgu.c(hpu, index))
+        as_int = lambda ref: llvm.ptrtoint(i64, mgu.memref_ptr(ref))  # noqa: E731
+        remote = lambda addr, r: _asm(i64, [addr, mgu.c(r, i32)], "mapa.shared::cluster.u64 $0, $1, $2;",  # noqa
+                                      "=l,l,r")
+        o_base = [remote(as_int(stage_ref), r) for r in range(ns)]
+        lse_base = [remote(as_int(lse_parts_ref), r) for r in range(ns)]
+        ld_ret = llvm.StructType.get_literal([f32] * dpt) if dpt > 1 else f32
+        vec = {1: "", 2: ".v2", 4: ".v4"}[dpt]
+        outs = ", ".join(f"${e}" for e in range(dpt))
+        ld_o = f"ld.shared::cluster{vec}.f32 {{{outs}}}, [${dpt}];" if dpt > 1 else "ld.shared::cluster.f32 $0, [$1];"
+
+        def load_part(addr):
+            got = _asm(ld_ret, [addr], ld_o, ",".join(["=f"] * dpt + ["l"]))
+            vals = [llvm.extractvalue(f32, got, [e]) for e in range(dpt)] if dpt > 1 else [got]
+            return vector.from_elements(vty, vals)
+
+        def at(base, byte_off):
+            return arith.addi(base, arith.index_cast(i64, byte_off))
+
+        ls = memref.load(ls_ref, [mgu.c(0, index)])
+        neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
+        for hh in range(hpu):
+            head = arith.addi(h0, mgu.c(hh, index))
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, head, mgu.c(H, index))):
+                parts = [(r, w) for r in range(ns) for w in range(nw)]
+                lses = [_asm(f32, [at(lse_base[r], arith.muli(arith.addi(mgu.c(w * HEADS, index), head),
+                                                             mgu.c(4, index)))],
+                             "ld.shared::cluster.f32 $0, [$1];", "=f,l") for r, w in parts]
+                m = functools.reduce(arith.maximumf, lses)
+                m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
+                ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
+                tot = functools.reduce(arith.addf, ws)
+                good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
+                inv = arith.select(good, arith.divf(ls, arith.select(good, tot, one)), zero)
+                off = arith.muli(arith.addi(arith.muli(head, mgu.c(R, index)), dim), mgu.c(4, index))
+                acc = None
+                for (r, w), wt in zip(parts, ws):
+                    part = load_part(at(o_base[r], arith.addi(off, mgu.c(w * wg_bytes, index))))
+                    term = arith.mulf(part, vector.broadcast(vty, arith.mulf(wt, inv)))
+                    acc = term if acc is None else arith.addf(acc, term)
+                vector.store(acc, o_ref, [head, dim])
+                lg = _approx("lg2", arith.select(good, tot, one))
+                lse = arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf)
+                first = arith.cmpi(arith.CmpIPredicate.eq, dim, mgu.c(0, index))
+                with mgu.when(first):
+                    memref.store(lse, lse_ref, [head])
+
+    return fn
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
-                config: MgpuSparseConfig = MgpuSparseConfig()):
+                config: MgpuSparseConfig = MgpuSparseConfig(), H: int = HEADS, layer_scale=1.0):
     """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`), slots
     `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`; n_blk a multiple of the warpgroups), block_tables
     `[B, max_blocks]` int32, pool `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]` f32
-    normalised per split, lse `[splits, B, 16]` f32)."""
+    normalised per split, lse `[splits, B, 16]` f32); with `merge="cluster"` the merged result instead: (o
+    `[B, H, R]` f32 · layer_scale, lse `[B, H]` f32) for the first H heads."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -600,9 +758,13 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
     if NW not in (1, 2, 4) or n_blk % NW:
         raise ValueError(f"warpgroups {NW} must be 1, 2 or 4 and divide the blocks per split {n_blk}")
+    if cfg.merge not in ("kernel", "last", "cluster") or (cfg.merge == "cluster" and not 1 <= NS <= 8):
+        raise ValueError(f"merge must be 'kernel', 'last' or 'cluster' (splits ≤ 8, one cluster), got {cfg.merge!r} "
+                         f"with {NS} splits")
+    cluster, last = cfg.merge == "cluster", cfg.merge == "last"
     stride = row_stride(c)
     wg_bytes = S * KEYS * stride  # one warpgroup's stages
-    if NW > 1 and wg_bytes < 4 * HEADS * R:
+    if (NW > 1 or cluster) and wg_bytes < 4 * HEADS * R:
         raise ValueError(f"{S} stage(s) of {KEYS} rows cannot hold a warpgroup's partial o ({4 * HEADS * R} bytes)")
     nb_w = n_blk // NW  # blocks per warpgroup
     lead = (NW,) if NW > 1 else ()  # the scratch's warpgroup axis
@@ -626,11 +788,20 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg_ty), f32_acc,
                      plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg_ty)))(_softmax_fn(R))
     init_stats = plgpu.inline_mgpu(return_type=f32_acc)(_init_stats_fn())
-    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(_finish_fn(R, to_smem=NW > 1))
+    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(_finish_fn(R, to_smem=NW > 1 or cluster))
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
+    cluster_sync = plgpu.inline_mgpu()(_cluster_sync_fn())
+    cluster_combine = plgpu.inline_mgpu(arg_types=(ref,) * 5 + (splat,) * ((NS > 1) + (NW > 1)))(
+        _cluster_combine_fn(R, NW, NS, wg_bytes, H))
+    last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
 
-    def sparse_mla_mgpu(slots_ref, bt_ref, q_ref, c2_ref, pool_ref, o_ref, lse_ref, q_smem, idx_smem, c2_smem,
-                        rows_smem, p_smem, red_smem, bar_smem, q_bar, lse_parts=None, done_bar=None):
+    def sparse_mla_mgpu(slots_ref, bt_ref, q_ref, c2_ref, pool_ref, *io, q_smem, idx_smem, c2_smem, rows_smem,
+                        p_smem, red_smem, bar_smem, q_bar, lse_parts=None, done_bar=None, flag_smem=None):
+        # inputs of the in-kernel merges: the layer scale, and ("last") the per-sequence counters (a mutable ref)
+        if last:
+            ls_ref, cnt_ref, o_ref, lse_ref, o_fin, lse_fin = io
+        else:
+            ls_ref, o_ref, lse_ref = io if cluster else (None, *io)
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
         wg = jax.lax.axis_index("wg") if NW > 1 else 0
@@ -693,36 +864,65 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
         zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
         stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
-        if NW == 1:
+        if cluster:  # every partial into its warpgroup's stages, then the cluster merges them all
+            finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
+            cluster_sync()
+            rank_arg = (sp.astype(jnp.int32),) if NS > 1 else ()
+            cluster_combine(rows_smem, lse_parts, o_ref.at[b], lse_ref.at[b], ls_ref, *rank_arg, *wg_arg)
+            cluster_sync()  # no CTA leaves while a peer may still read its shared memory
+        elif NW == 1:
             finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
         else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
             finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
             plgpu.barrier_arrive(done_bar)
             plgpu.barrier_wait(done_bar)
             combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
+        if last:  # the sequence's last split to get here merges them all
+            last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
+                       lse_fin.at[b], ls_ref, *wg_arg)
 
-    kernel = plgpu.kernel(
-        sparse_mla_mgpu,
-        out_type=(jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32),
-                  jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32)),
-        grid=(NS, B),
-        grid_names=("s", "b"),
-        **(dict(num_threads=NW, thread_name="wg") if NW > 1 else {}),
-        scratch_types=dict(
-            q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
-            idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
-            c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
-            rows_smem=plgpu.SMEM(lead + (S, KEYS, stride), jnp.uint8),
-            p_smem=plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16),
-            red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
-            bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
-            q_bar=plgpu.Barrier(num_arrivals=3),
-            **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
-               if NW > 1 else {}),
-        ),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    if cluster:  # the splits of a sequence are one cluster
+        out_type = (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
+        mesh = dict(grid=(B,), grid_names=("b",), cluster=(NS,), cluster_names=("s",))
+    else:
+        out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32),
+                    jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
+        if last:  # + the merged result
+            out_type += (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
+        mesh = dict(grid=(NS, B), grid_names=("s", "b"))
+    scratch = dict(
+        q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
+        idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
+        c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
+        rows_smem=plgpu.SMEM(lead + (S, KEYS, stride), jnp.uint8),
+        p_smem=plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16),
+        red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
+        bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
+        q_bar=plgpu.Barrier(num_arrivals=3),
+        **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32)) if cluster else
+           dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
+           if NW > 1 else {}),
+        **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
     )
-    return kernel(slots, jnp.asarray(block_tables, jnp.int32), q16, c2, pool_u8)
+    thread_kw = dict(num_threads=NW, thread_name="wg") if NW > 1 else {}
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    args = (slots, jnp.asarray(block_tables, jnp.int32), q16, c2, pool_u8)
+    if cluster or last:
+        args += (jnp.reshape(jnp.asarray(layer_scale, jnp.float32), (1,)),)
+    if not last:
+        return plgpu.kernel(sparse_mla_mgpu, out_type=out_type, **mesh, **thread_kw, scratch_types=scratch,
+                            compiler_params=params)(*args)
+    # "last": the counters are a mutable ref aliased in and out, which `plgpu.kernel`'s vmap wrapper cannot take —
+    # launch through `pl.kernel` on the same mesh, the scratch allocated as `plgpu.kernel` does
+    counters = jax.new_ref(jnp.zeros((B,), jnp.int32))
+
+    def body(*refs):
+        pl.run_scoped(functools.partial(sparse_mla_mgpu, *refs), collective_axes=thread_kw.get("thread_name", ()),
+                      **scratch)
+
+    out = pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(**mesh, **thread_kw), compiler_params=params,
+                    name="sparse_mla_mgpu")(*args, counters)
+    return out[2], out[3]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "config"))
@@ -744,7 +944,10 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     q16, c2 = prepare_q(q_bhc, scale * ls)
     slots = prepare_slots(idx_bk, config.splits, config.warpgroups)
     pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nblocks * page, c)
-    o, lse = kernel_call(q16, c2, slots, block_tables, pool_u8, R=R, page=page, config=config)
+    o, lse = kernel_call(q16, c2, slots, block_tables, pool_u8, R=R, page=page, config=config, H=H,
+                         layer_scale=ls)
+    if config.merge in ("cluster", "last"):
+        return o, lse
     return merge(o, lse, H, ls)
 
 
