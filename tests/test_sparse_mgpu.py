@@ -110,11 +110,11 @@ def test_prepare_q_keeps_every_logit():
 
 
 @pytest.mark.parametrize("splits,warpgroups,merge", [(1, 1, "kernel"), (4, 1, "kernel"), (2, 4, "kernel"),
-                                                     (4, 2, "cluster"), (4, 2, "last")])
+                                                     (4, 2, "last")])
 def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, monkeypatch):
     """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
-    at the storage bar, with empty slots, a split that is all padding and a sequence with no key. With the cluster
-    merge the kernel returns the merged heads · layer scale itself (`reference.merge_partials`' maths)."""
+    at the storage bar, with empty slots, a split that is all padding and a sequence with no key. With merge="last"
+    the kernel returns the merged heads · layer scale itself (`reference.merge_partials`' maths)."""
     parts, bt, idx, q, kw = case(seed=2)
     idx[2] = -1
 
@@ -157,14 +157,13 @@ def test_supports_only_fp8_rows_at_kernel_widths():
                   scale=1.0, value_dim=64)
 
 
-@pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(splits=4, stages=3, logits_chunk=64,
-                                                                             value_keys=64, logits_accs=3),
-                                 sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64,
-                                                     value_keys=16),
-                                 sm.MgpuSparseConfig(splits=4, warpgroups=2, merge="cluster"),
-                                 sm.MgpuSparseConfig(splits=8, merge="cluster"),
-                                 sm.MgpuSparseConfig(splits=4, warpgroups=2, merge="last"),
-                                 sm.MgpuSparseConfig(splits=8, merge="last")])
+ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's default
+
+
+@pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG),
+                                 sm.MgpuSparseConfig(**ONE_WG, stages=3, logits_chunk=64, value_keys=64, logits_accs=3),
+                                 sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
+                                 sm.MgpuSparseConfig(merge="last"), sm.MgpuSparseConfig(**ONE_WG, merge="last")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     args = (jax.ShapeDtypeStruct((4, 12, C), jnp.float32), jax.ShapeDtypeStruct((256, 64, C), jnp.float8_e4m3fn),
@@ -180,8 +179,7 @@ def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,k,splits,warpgroups,merge", [(12, 2048, 8, 1, "kernel"), (16, 300, 4, 1, "kernel"),
                                                          (4, 2048, 2, 1, "kernel"), (12, 300, 2, 4, "kernel"),
-                                                         (12, 2048, 4, 2, "cluster"), (16, 300, 8, 1, "cluster"),
-                                                         (4, 300, 2, 4, "cluster"), (12, 2048, 4, 2, "last"),
+                                                         (12, 2048, 4, 2, "last"),
                                                          (16, 300, 8, 1, "last"), (4, 300, 2, 4, "last")])
 def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge):
     parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
@@ -197,11 +195,10 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(stages=3), dict(logits_chunk=64, value_keys=16), dict(logits_chunk=576,
-                                                                                              value_keys=64),
-                                 dict(logits_accs=3), dict(logits_chunk=64, logits_accs=9),
-                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
-                                 dict(splits=4, stages=2, warpgroups=2)])
+@pytest.mark.parametrize("cfg", [dict(ONE_WG, stages=3), dict(ONE_WG, logits_chunk=64, value_keys=16),
+                                 dict(ONE_WG, logits_chunk=576, value_keys=64), dict(ONE_WG, logits_accs=3),
+                                 dict(ONE_WG, logits_chunk=64, logits_accs=9),
+                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16), {}])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)

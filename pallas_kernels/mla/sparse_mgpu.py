@@ -27,7 +27,7 @@ Operand orders (wgmma only needs A and B to agree on the contraction order; the 
 
 Precision is the storage formats' (`precision="storage"`): q in f16 after a per-head power-of-two normalisation
 (the same bits as `sparse_gpu._prep_q`), P in f16, fp32 accumulation and softmax (ex2 / lg2 approximations).
-Partial (o, lse) per split are merged exactly by `sparse_gpu`'s Pallas merge kernel.
+Partial (o, lse) per split are merged exactly by `sparse_gpu`'s Pallas merge kernel (or in the kernel, `merge`).
 
 Measured (H200, session 12, `bench/mla_mgpu.py`, B = 32, H = 12, ctx 32K, fp8, bench/RESULTS.md): correct on the
 device from the first run (`tests/test_sparse_mgpu.py -m gpu`); the kernel alone 30.1–30.2 µs (0.29–0.30 of copy;
@@ -35,10 +35,13 @@ the Triton kernel ≈ 30–31.6), the whole op **38.7 µs (0.231 of copy) vs 42.
 bar 0.60 ≈ 15 µs). ncu: 255 registers and ≈ 98 KB of shared memory hold an SM to 2 CTAs (8 warps); each warp issues
 once per ≈ 8 cycles — waiting on the gathers (long scoreboard), on fixed-latency chains (LDS -> prmt -> cvt ->
 wgmma) and on the block's barriers; removing the PV loads' 4-way bank conflicts (v2) and independent logits
-accumulators (`logits_accs`, slower) did not move it. Knobs timed (kernel alone, µs): default 30.1, value_keys 64
-30.2–31.6 / 16 31.7, splits 4 + stages 3/4 33.5–35.0, splits 16 36.0–41.4, stages 3 37.8, logits_chunk 576 45.1.
-`warpgroups` 2 / 4 (more warps per SM at ≤ 128 registers) lowers on CPU but has NOT run on a GPU yet: the next
-device run must test it under a short timeout first.
+accumulators (`logits_accs`, slower) did not move it. Knobs timed (kernel alone, µs; one warpgroup and 8 splits,
+then the default): 30.1, value_keys 64 30.2–31.6 / 16 31.7, splits 4 + stages 3/4 33.5–35.0, splits 16 36.0–41.4, stages 3 37.8, logits_chunk 576 45.1.
+Session 13: `warpgroups` 2 / 4 correct on the device; **2 warpgroups × 4 splits (now the default) 26.5–29.9 µs**
+alone, whole op 35.9–39.7 µs (0.23–0.25 of copy) vs the Triton preset's 39.6–43.3 in the same runs; 4 warpgroups
+(128 registers) 34.9. Merging the splits in the kernel did not pay: `merge="last"` (the sequence's last CTA, an
+atomic counter) op 36.5 vs 35.9; a cluster merge through distributed shared memory (commit 43303f4, since removed)
+53.0 — 4-CTA clusters at one CTA per SM do not all fit at once.
 
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
@@ -71,7 +74,9 @@ LN2 = 0.6931471805599453
 
 @dataclasses.dataclass(frozen=True)
 class MgpuSparseConfig:
-    splits: int = 8  # CTAs per sequence, each over k / splits slots (a multiple of 64)
+    """Defaults: the fastest measured at B = 32, H = 12, 32K (session 13: kernel 26.5–29.9 µs vs 30.0 for one
+    warpgroup and 8 splits; whole op 35.9–39.7 vs 43.1)."""
+    splits: int = 4  # CTAs per sequence, each over k / splits slots (a multiple of 64)
     stages: int = 2  # gathered blocks in flight per warpgroup (64 rows · (c + 32) B: 38 KB each at K3)
     logits_chunk: int = 192  # latent columns converted per logits wgmma call (a multiple of 64 dividing c)
     value_keys: int = 32  # keys converted per PV wgmma call (16, 32 or 64)
@@ -79,15 +84,14 @@ class MgpuSparseConfig:
     # block's c/16 wgmmas one dependent chain on the tensor core (36 at K3)
     logits_accs: int = 1
     # warpgroups per CTA, each walking every warpgroups-th block of the CTA's split with its own stages, softmax and
-    # accumulator, combined in shared memory at the end (512 threads cap ptxas at 128 registers: twice the warps
-    # per SM of one 255-register warpgroup per CTA, two CTAs per SM)
-    warpgroups: int = 1
+    # accumulator, combined in shared memory at the end (`_combine_fn`). 2: 255 registers, ≈ 184 KB, one CTA of 8
+    # warps per SM, 128 CTAs at B = 32 (one wave); 4 caps ptxas at 128 registers (16 warps per SM) but was slower
+    # (34.9 µs with one stage)
+    warpgroups: int = 2
     # how the splits' partials meet: "kernel" — written to gmem and merged by `sparse_gpu`'s Pallas merge kernel (a
-    # second launch reading splits · 32 KB per sequence back); "last" — the same partials, merged in this kernel by
-    # the sequence's last CTA to finish (a global atomic counter per sequence, `_last_merge_fn`: the partials are
-    # read back from L2); "cluster" — the splits of one sequence run as one thread-block cluster and merge through
-    # distributed shared memory (`_cluster_combine_fn`; splits ≤ 8, the portable cluster size). "last" and
-    # "cluster" write the final o `[B, H, R]` themselves.
+    # second launch); "last" — the same partials, merged in this kernel by the sequence's last CTA to finish (a
+    # global atomic counter per sequence, `_last_merge_fn`; the partials come back from L2), which writes the final
+    # o `[B, H, R]` itself: one launch fewer, the same time so far (session 13: op 36.5 vs 35.9 µs)
     merge: str = "kernel"
 
 
@@ -643,96 +647,6 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int):
     return fn
 
 
-def _cluster_sync_fn():
-    """Every thread of every CTA of the cluster: arrive (release) and wait (acquire) — shared-memory writes before it
-    are visible to the whole cluster after it, and no CTA passes it while another has not reached it."""
-    def fn(ctx):
-        del ctx
-        ir = _mlir()[0]
-        void = ir.Type.parse("!llvm.void")
-        _asm(void, [], "barrier.cluster.arrive.release.aligned;", "")
-        _asm(void, [], "barrier.cluster.wait.acquire.aligned;", "")
-
-    return fn
-
-
-def _cluster_combine_fn(R: int, nw: int, ns: int, wg_bytes: int, H: int):
-    """After every warpgroup of every CTA of the cluster wrote its partial (`_finish_fn(to_smem=True)`: o `[16, R]`
-    f32 at byte wg·wg_bytes of its CTA's stage buffer, lse in lse_parts `[nw, 16]`) and a cluster barrier: unit
-    u = rank·nw + wg of the ns·nw warpgroups merges its share of the heads (and of the dims, past 16 units) over
-    all ns·nw partials, read through distributed shared memory (`mapa` + `ld.shared::cluster`), exactly as
-    `reference.merge_partials`, and writes the final o · layer scale to gmem `[H, R]` and lse to gmem `[H]`
-    (padded heads ≥ H are dropped)."""
-    units = ns * nw
-    hpu = max(1, HEADS // units)  # heads per unit
-    dsl = max(1, units // HEADS)  # dim slices per head
-    dpt = R // (128 * dsl)  # dims per thread
-    if dpt not in (1, 2, 4) or units % HEADS and HEADS % units:
-        raise ValueError(f"cluster merge: {ns} splits × {nw} warpgroups do not tile 16 heads × {R} dims")
-
-    def fn(ctx, stage_ref, lse_parts_ref, o_ref, lse_ref, ls_ref, *scalars):  # scalars: (rank if ns > 1, wg if nw > 1)
-        del ctx
-        ir, arith, llvm, memref, vector, _, mgu = _mlir()
-        f32, i32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        index = ir.IndexType.get()
-        vty = ir.VectorType.get((dpt,), f32)
-        scalars = [arith.index_cast(index, _scalar(x)) for x in scalars]
-        rank = scalars.pop(0) if ns > 1 else mgu.c(0, index)
-        wg = scalars.pop(0) if nw > 1 else mgu.c(0, index)
-        unit = arith.addi(arith.muli(rank, mgu.c(nw, index)), wg)
-        tid = arith.index_cast(index, _thread_in_wg())
-        dim = arith.addi(arith.muli(arith.remui(unit, mgu.c(dsl, index)), mgu.c(R // dsl, index)),
-                         arith.muli(tid, mgu.c(dpt, index)))
-        h0 = arith.muli(arith.divui(unit, mgu.c(dsl, index)), mgu.c(hpu, index))
-        as_int = lambda ref: llvm.ptrtoint(i64, mgu.memref_ptr(ref))  # noqa: E731
-        remote = lambda addr, r: _asm(i64, [addr, mgu.c(r, i32)], "mapa.shared::cluster.u64 $0, $1, $2;",  # noqa
-                                      "=l,l,r")
-        o_base = [remote(as_int(stage_ref), r) for r in range(ns)]
-        lse_base = [remote(as_int(lse_parts_ref), r) for r in range(ns)]
-        ld_ret = llvm.StructType.get_literal([f32] * dpt) if dpt > 1 else f32
-        vec = {1: "", 2: ".v2", 4: ".v4"}[dpt]
-        outs = ", ".join(f"${e}" for e in range(dpt))
-        ld_o = f"ld.shared::cluster{vec}.f32 {{{outs}}}, [${dpt}];" if dpt > 1 else "ld.shared::cluster.f32 $0, [$1];"
-
-        def load_part(addr):
-            got = _asm(ld_ret, [addr], ld_o, ",".join(["=f"] * dpt + ["l"]))
-            vals = [llvm.extractvalue(f32, got, [e]) for e in range(dpt)] if dpt > 1 else [got]
-            return vector.from_elements(vty, vals)
-
-        def at(base, byte_off):
-            return arith.addi(base, arith.index_cast(i64, byte_off))
-
-        ls = memref.load(ls_ref, [mgu.c(0, index)])
-        neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
-        for hh in range(hpu):
-            head = arith.addi(h0, mgu.c(hh, index))
-            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, head, mgu.c(H, index))):
-                parts = [(r, w) for r in range(ns) for w in range(nw)]
-                lses = [_asm(f32, [at(lse_base[r], arith.muli(arith.addi(mgu.c(w * HEADS, index), head),
-                                                             mgu.c(4, index)))],
-                             "ld.shared::cluster.f32 $0, [$1];", "=f,l") for r, w in parts]
-                m = functools.reduce(arith.maximumf, lses)
-                m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
-                ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
-                tot = functools.reduce(arith.addf, ws)
-                good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
-                inv = arith.select(good, arith.divf(ls, arith.select(good, tot, one)), zero)
-                off = arith.muli(arith.addi(arith.muli(head, mgu.c(R, index)), dim), mgu.c(4, index))
-                acc = None
-                for (r, w), wt in zip(parts, ws):
-                    part = load_part(at(o_base[r], arith.addi(off, mgu.c(w * wg_bytes, index))))
-                    term = arith.mulf(part, vector.broadcast(vty, arith.mulf(wt, inv)))
-                    acc = term if acc is None else arith.addf(acc, term)
-                vector.store(acc, o_ref, [head, dim])
-                lg = _approx("lg2", arith.select(good, tot, one))
-                lse = arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf)
-                first = arith.cmpi(arith.CmpIPredicate.eq, dim, mgu.c(0, index))
-                with mgu.when(first):
-                    memref.store(lse, lse_ref, [head])
-
-    return fn
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -741,7 +655,7 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`), slots
     `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`; n_blk a multiple of the warpgroups), block_tables
     `[B, max_blocks]` int32, pool `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]` f32
-    normalised per split, lse `[splits, B, 16]` f32); with `merge="cluster"` the merged result instead: (o
+    normalised per split, lse `[splits, B, 16]` f32); with `merge="last"` the merged result instead: (o
     `[B, H, R]` f32 · layer_scale, lse `[B, H]` f32) for the first H heads."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -758,13 +672,12 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
     if NW not in (1, 2, 4) or n_blk % NW:
         raise ValueError(f"warpgroups {NW} must be 1, 2 or 4 and divide the blocks per split {n_blk}")
-    if cfg.merge not in ("kernel", "last", "cluster") or (cfg.merge == "cluster" and not 1 <= NS <= 8):
-        raise ValueError(f"merge must be 'kernel', 'last' or 'cluster' (splits ≤ 8, one cluster), got {cfg.merge!r} "
-                         f"with {NS} splits")
-    cluster, last = cfg.merge == "cluster", cfg.merge == "last"
+    if cfg.merge not in ("kernel", "last"):
+        raise ValueError(f"merge must be 'kernel' or 'last', got {cfg.merge!r}")
+    last = cfg.merge == "last"
     stride = row_stride(c)
     wg_bytes = S * KEYS * stride  # one warpgroup's stages
-    if (NW > 1 or cluster) and wg_bytes < 4 * HEADS * R:
+    if NW > 1 and wg_bytes < 4 * HEADS * R:
         raise ValueError(f"{S} stage(s) of {KEYS} rows cannot hold a warpgroup's partial o ({4 * HEADS * R} bytes)")
     nb_w = n_blk // NW  # blocks per warpgroup
     lead = (NW,) if NW > 1 else ()  # the scratch's warpgroup axis
@@ -788,20 +701,14 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg_ty), f32_acc,
                      plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg_ty)))(_softmax_fn(R))
     init_stats = plgpu.inline_mgpu(return_type=f32_acc)(_init_stats_fn())
-    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(_finish_fn(R, to_smem=NW > 1 or cluster))
+    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(_finish_fn(R, to_smem=NW > 1))
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
-    cluster_sync = plgpu.inline_mgpu()(_cluster_sync_fn())
-    cluster_combine = plgpu.inline_mgpu(arg_types=(ref,) * 5 + (splat,) * ((NS > 1) + (NW > 1)))(
-        _cluster_combine_fn(R, NW, NS, wg_bytes, H))
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
 
     def sparse_mla_mgpu(slots_ref, bt_ref, q_ref, c2_ref, pool_ref, *io, q_smem, idx_smem, c2_smem, rows_smem,
                         p_smem, red_smem, bar_smem, q_bar, lse_parts=None, done_bar=None, flag_smem=None):
-        # inputs of the in-kernel merges: the layer scale, and ("last") the per-sequence counters (a mutable ref)
-        if last:
-            ls_ref, cnt_ref, o_ref, lse_ref, o_fin, lse_fin = io
-        else:
-            ls_ref, o_ref, lse_ref = io if cluster else (None, *io)
+        # merge="last": the layer scale and the per-sequence counters (a mutable ref) in, the merged result out
+        ls_ref, cnt_ref, o_ref, lse_ref, o_fin, lse_fin = io if last else (None, None, *io, None, None)
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
         wg = jax.lax.axis_index("wg") if NW > 1 else 0
@@ -864,13 +771,7 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
         zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
         stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
-        if cluster:  # every partial into its warpgroup's stages, then the cluster merges them all
-            finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
-            cluster_sync()
-            rank_arg = (sp.astype(jnp.int32),) if NS > 1 else ()
-            cluster_combine(rows_smem, lse_parts, o_ref.at[b], lse_ref.at[b], ls_ref, *rank_arg, *wg_arg)
-            cluster_sync()  # no CTA leaves while a peer may still read its shared memory
-        elif NW == 1:
+        if NW == 1:
             finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
         else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
             finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
@@ -881,15 +782,10 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
                        lse_fin.at[b], ls_ref, *wg_arg)
 
-    if cluster:  # the splits of a sequence are one cluster
-        out_type = (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
-        mesh = dict(grid=(B,), grid_names=("b",), cluster=(NS,), cluster_names=("s",))
-    else:
-        out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32),
-                    jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
-        if last:  # + the merged result
-            out_type += (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
-        mesh = dict(grid=(NS, B), grid_names=("s", "b"))
+    out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32), jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
+    if last:  # + the merged result
+        out_type += (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
+    mesh = dict(grid=(NS, B), grid_names=("s", "b"))
     scratch = dict(
         q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
         idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
@@ -899,22 +795,20 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
         q_bar=plgpu.Barrier(num_arrivals=3),
-        **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32)) if cluster else
-           dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
+        **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
            if NW > 1 else {}),
         **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
     )
     thread_kw = dict(num_threads=NW, thread_name="wg") if NW > 1 else {}
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     args = (slots, jnp.asarray(block_tables, jnp.int32), q16, c2, pool_u8)
-    if cluster or last:
-        args += (jnp.reshape(jnp.asarray(layer_scale, jnp.float32), (1,)),)
     if not last:
         return plgpu.kernel(sparse_mla_mgpu, out_type=out_type, **mesh, **thread_kw, scratch_types=scratch,
                             compiler_params=params)(*args)
     # "last": the counters are a mutable ref aliased in and out, which `plgpu.kernel`'s vmap wrapper cannot take —
     # launch through `pl.kernel` on the same mesh, the scratch allocated as `plgpu.kernel` does
     counters = jax.new_ref(jnp.zeros((B,), jnp.int32))
+    args += (jnp.reshape(jnp.asarray(layer_scale, jnp.float32), (1,)),)
 
     def body(*refs):
         pl.run_scoped(functools.partial(sparse_mla_mgpu, *refs), collective_axes=thread_kw.get("thread_name", ()),
@@ -946,7 +840,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nblocks * page, c)
     o, lse = kernel_call(q16, c2, slots, block_tables, pool_u8, R=R, page=page, config=config, H=H,
                          layer_scale=ls)
-    if config.merge in ("cluster", "last"):
+    if config.merge == "last":
         return o, lse
     return merge(o, lse, H, ls)
 
