@@ -36,7 +36,8 @@ bar 0.60 ≈ 15 µs). ncu: 255 registers and ≈ 98 KB of shared memory hold an 
 once per ≈ 8 cycles — waiting on the gathers (long scoreboard), on fixed-latency chains (LDS -> prmt -> cvt ->
 wgmma) and on the block's barriers; removing the PV loads' 4-way bank conflicts (v2) and independent logits
 accumulators (`logits_accs`, slower) did not move it. Knobs timed (kernel alone, µs; one warpgroup and 8 splits,
-then the default): 30.1, value_keys 64 30.2–31.6 / 16 31.7, splits 4 + stages 3/4 33.5–35.0, splits 16 36.0–41.4, stages 3 37.8, logits_chunk 576 45.1.
+then the default): 30.1, value_keys 64 30.2–31.6 / 16 31.7, splits 4 + stages 3/4 33.5–35.0, splits 16 36.0–41.4,
+stages 3 37.8, logits_chunk 576 45.1.
 Session 13: `warpgroups` 2 / 4 correct on the device; **2 warpgroups × 4 splits (now the default) 26.5–29.9 µs**
 alone, whole op 35.9–39.7 µs (0.23–0.25 of copy) vs the Triton preset's 39.6–43.3 in the same runs; 4 warpgroups
 (128 registers) 34.9. Merging the splits in the kernel did not pay: `merge="last"` (the sequence's last CTA, an
