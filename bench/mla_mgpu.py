@@ -94,11 +94,13 @@ def main():
                 pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * PAGE, R + ROPE)
                 for cfg in configs if "kernel" in what else ():
                     c = sm.MgpuSparseConfig(**cfg)
-                    q16, c2 = sm.prepare_q(q, 0.5 * 192 ** -0.5)
+                    # the kernel's q input: prepared by XLA (`prepare_q`), or raw with prep="kernel"
+                    q16, c2 = (q, None) if c.prep == "kernel" else sm.prepare_q(q, 0.5 * 192 ** -0.5)
                     slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(idx, c.splits, c.warpgroups)))(sel)
                     # a corner of o: the chain's per-call sum then reads 64 bytes, not the 8 MB of partials
                     kern = jax.jit(lambda q16, c2, slots: jax.tree_util.tree_map(
-                        lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c)))
+                        lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c,
+                                                             H=H, layer_scale=0.5, scale=192 ** -0.5)))
                     try:
                         t = device_seconds(kern, q16, c2, slots, stacked=(2,))[0]
                         row(f"mgpu kernel alone {json.dumps(cfg, separators=(',', ':'))}", shape, t * 1e6,

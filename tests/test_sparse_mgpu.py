@@ -96,6 +96,14 @@ def test_gathered_row_loads_are_free_of_bank_conflicts():
                 assert phases_ok(lambda g, t: key(pos0 + 2 * t + e) * stride + 16 * (8 * w + g))
 
 
+def test_in_kernel_q_columns_invert_the_contraction_order():
+    """`_prep_q_fn`'s lane l writes q's column 32i + l to `q_column_of(i, l)`: exactly where `prepare_q` puts it."""
+    inverse = np.argsort(x_permutation(C))
+    lanes = np.arange(32)
+    for i in range(C // 32):
+        assert (sm.q_column_of(i, lanes) == inverse[32 * i + lanes]).all()
+
+
 def test_prepare_q_keeps_every_logit():
     """q in the kernel's column order dotted with the rows in that order = the plain logits (times log2 e), up to f16."""
     rng = np.random.default_rng(1)
@@ -109,18 +117,22 @@ def test_prepare_q_keeps_every_logit():
     assert rel_rms(got[:, :12], want) <= 1e-3
 
 
-@pytest.mark.parametrize("splits,warpgroups,merge", [(1, 1, "kernel"), (4, 1, "kernel"), (2, 4, "kernel"),
-                                                     (4, 2, "last")])
-def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, monkeypatch):
+@pytest.mark.parametrize("splits,warpgroups,merge,prep", [(1, 1, "kernel", "xla"), (4, 1, "kernel", "xla"),
+                                                          (2, 4, "kernel", "xla"), (4, 2, "last", "xla"),
+                                                          (4, 2, "last", "kernel"), (8, 1, "kernel", "kernel")])
+def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, prep, monkeypatch):
     """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
     at the storage bar, with empty slots, a split that is all padding and a sequence with no key. With merge="last"
     the kernel returns the merged heads · layer scale itself (`reference.merge_partials`' maths)."""
     parts, bt, idx, q, kw = case(seed=2)
     idx[2] = -1
 
-    def fake_kernel(q16, c2, slots, bt, pool, *, R, page, config, H, layer_scale):
+    def fake_kernel(q, c2, slots, bt, pool, *, R, page, config, H, layer_scale, scale):
         assert slots.shape[2] % config.warpgroups == 0  # each warpgroup gets the same number of blocks
-        o, lse = emulate_kernel(q16, c2, slots, bt, pool, R=R, page=page)
+        if config.prep == "kernel":  # the raw q: the kernel prepares it as `prepare_q` does
+            assert c2 is None and q.shape[1] == H
+            q, c2 = sm.prepare_q(q, scale * layer_scale)
+        o, lse = emulate_kernel(q, c2, slots, bt, pool, R=R, page=page)
         if config.merge == "kernel":
             return o, lse
         o, lse = merge_partials(o[:, :, :H], lse[:, :, :H])
@@ -130,7 +142,7 @@ def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, mon
     real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
     monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge)
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep)
     o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert o.shape == (3, 12, R) and lse.shape == (3, 12)
@@ -163,10 +175,15 @@ ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's def
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG),
                                  sm.MgpuSparseConfig(**ONE_WG, stages=3, logits_chunk=64, value_keys=64, logits_accs=3),
                                  sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
-                                 sm.MgpuSparseConfig(merge="last"), sm.MgpuSparseConfig(**ONE_WG, merge="last")])
+                                 sm.MgpuSparseConfig(merge="last"), sm.MgpuSparseConfig(**ONE_WG, merge="last"),
+                                 sm.MgpuSparseConfig(merge="last", prep="kernel"),
+                                 sm.MgpuSparseConfig(**ONE_WG, prep="kernel"),
+                                 sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16,
+                                                     prep="kernel")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
-    args = (jax.ShapeDtypeStruct((4, 12, C), jnp.float32), jax.ShapeDtypeStruct((256, 64, C), jnp.float8_e4m3fn),
+    q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
+    args = (jax.ShapeDtypeStruct((4, 12, C), q_dtype), jax.ShapeDtypeStruct((256, 64, C), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((4, 64), jnp.int32), jax.ShapeDtypeStruct((4, 2048), jnp.int32))
     f = jax.jit(lambda q, pool, bt, idx: sm.decode(q, (pool,), bt, idx, fmt=fmt, scale=SCALE, value_dim=R,
                                                    config=cfg))
@@ -177,18 +194,24 @@ def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
 # ------------------------------------------------------------------------------------------------------------ device
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,k,splits,warpgroups,merge", [(12, 2048, 8, 1, "kernel"), (16, 300, 4, 1, "kernel"),
-                                                         (4, 2048, 2, 1, "kernel"), (12, 300, 2, 4, "kernel"),
-                                                         (12, 2048, 4, 2, "last"),
-                                                         (16, 300, 8, 1, "last"), (4, 300, 2, 4, "last")])
-def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge):
+@pytest.mark.parametrize("H,k,splits,warpgroups,merge,prep", [
+    (12, 2048, 8, 1, "kernel", "xla"), (16, 300, 4, 1, "kernel", "xla"), (4, 2048, 2, 1, "kernel", "xla"),
+    (12, 300, 2, 4, "kernel", "xla"), (12, 2048, 4, 2, "last", "xla"), (16, 300, 8, 1, "last", "xla"),
+    (4, 300, 2, 4, "last", "xla"), (12, 2048, 4, 2, "last", "kernel"), (16, 300, 8, 1, "kernel", "kernel"),
+    (4, 300, 2, 4, "last", "kernel"), (12, 300, 4, 2, "kernel", "kernel-bf16")])
+def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, prep):
     parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
+    if prep == "kernel-bf16":  # the kernel reads raw bf16 q; the reference gets the same values
+        q_in, prep = jnp.asarray(q, jnp.bfloat16), "kernel"
+        q = np.asarray(q_in.astype(jnp.float32))
+    else:
+        q_in = q
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge,
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep,
                               **(dict(stages=1, logits_chunk=64, value_keys=16) if warpgroups == 4 else {}))
-    o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
+    o, lse = sm.decode(q_in, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
     assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3

@@ -44,6 +44,11 @@ alone, whole op 35.9–39.7 µs (0.23–0.25 of copy) vs the Triton preset's 39.
 atomic counter) op 36.5 vs 35.9; a cluster merge through distributed shared memory (commit 43303f4, since removed)
 53.0 — 4-CTA clusters at one CTA per SM do not all fit at once.
 
+NOT yet run on a GPU (written after session 13's last device call; lowers for CUDA on CPU): `prep="kernel"` —
+each CTA prepares q itself from the raw row (`_prep_q_fn`: the same bits as `prepare_q`, written into q's tiled,
+128-byte-swizzled shared-memory layout by hand), so `prep="kernel", merge="last"` is the whole op in one launch.
+First device step: `pytest -x -q -m gpu tests/test_sparse_mgpu.py -k kernel-` under a short timeout.
+
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
 """
@@ -94,6 +99,10 @@ class MgpuSparseConfig:
     # global atomic counter per sequence, `_last_merge_fn`; the partials come back from L2), which writes the final
     # o `[B, H, R]` itself: one launch fewer, the same time so far (session 13: op 36.5 vs 35.9 µs)
     merge: str = "kernel"
+    # where q is prepared (scaled, normalised per head by a power of two, permuted into the contraction order, f16):
+    # "xla" — `prepare_q`, a separate XLA op; "kernel" — each CTA from the raw q row of its sequence (`_prep_q_fn`,
+    # the same bits), so with merge="last" the whole op is one launch
+    prep: str = "xla"
 
 
 def supports(fmt) -> bool:
@@ -129,6 +138,19 @@ def prepare_q(q_bhc, qscale):
     q = jnp.pad(q, ((0, 0), (0, HEADS - H), (0, 0))).astype(jnp.float16)
     c2 = jnp.pad(s * LOG2E, ((0, 0), (0, HEADS - H)), constant_values=LOG2E)
     return q, c2
+
+
+def q_column_of(i: int, lane):
+    """In-kernel q preparation: lane `lane` of a warp reads q's physical column 32·i + lane and writes it to this
+    column of the kernel's contraction order (the inverse of `x_permutation`): 64·(i // 2) + 4·(i % 2) plus a
+    lane-only part. Works on ints and numpy arrays (tests); `_prep_q_fn` builds the same sum in MLIR."""
+    return 64 * (i // 2) + 4 * (i % 2) + _q_lane_part(lane)
+
+
+def _q_lane_part(lane):
+    """The lane-only part of `q_column_of`: with quad q = lane // 16, s = (lane // 4) % 4, t = lane % 4 of the
+    physical column 16q + 4s + t of a 64-column block, the logical column is 16s + 2q + (t & 1) + 8 (t >> 1)."""
+    return 16 * ((lane // 4) % 4) + 2 * (lane // 16) + (lane % 2) + 8 * ((lane % 4) // 2)
 
 
 def prepare_slots(idx_bk, splits: int, multiple: int = 1):
@@ -588,6 +610,82 @@ def _combine_fn(R: int, nw: int, wg_bytes: int):
     return fn
 
 
+def _q_transforms():
+    """q smem's layout when the kernel writes it (prep="kernel"): tiles of 8 heads × 64 columns, 128-byte swizzle
+    (the inline code must address the tiles itself; with prep="xla" TMA fills q in the layout Mosaic infers)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _prep_q_fn(c: int, H: int, nw: int):
+    """`prepare_q` inside the kernel: raw q smem (f32 or bf16, this sequence's `[H, c]` row-major in any 2-D shape:
+    TMA boxes are ≤ 256 wide) and the logit scale (gmem `[1]` f32: scale · layer scale) -> q smem `[16, c]` f16 in
+    the contraction order (in `_q_transforms`' tiled, swizzled layout) and c2 smem `[16]` f32; heads ≥ H are zeros
+    with c2 = log2 e. Warp v of the CTA's 4·nw warps takes heads v, v + 4·nw, …: lane l reads columns
+    32i + l (i < c / 32), the head's max |q| is a butterfly over the warp, and each value is written to
+    `q_column_of(i, l)`. Ends with the async-proxy fence and a CTA barrier (the wgmma reads q)."""
+    nwarps = 4 * nw
+    if c % 64:
+        raise ValueError(f"in-kernel q preparation needs c % 64 == 0, got {c}")
+
+    def fn(ctx, qraw_ref, q_ref, c2_ref, qs_ref, *wg):
+        del ctx
+        from jax._src.lib.mlir.dialects import gpu, math as mlir_math
+        ir, arith, llvm, memref, _, _, mgu = _mlir()
+        f32, f16, i32 = ir.F32Type.get(), ir.F16Type.get(), ir.IntegerType.get_signless(32)
+        el_ty = ir.MemRefType(qraw_ref.type).element_type
+        nbytes = 4 if el_ty == f32 else 2
+        base = mgu.memref_ptr(qraw_ref)
+        index = ir.IndexType.get()
+        void = ir.Type.parse("!llvm.void")
+        tid = _thread_in_wg()
+        if wg:
+            tid = arith.addi(tid, arith.muli(_scalar(wg[0]), mgu.c(128, i32)))
+        tid = arith.index_cast(index, tid)
+        lane, warp = arith.remui(tid, mgu.c(32, index)), arith.divui(tid, mgu.c(32, index))
+        ci = lambda v: mgu.c(v, index)  # noqa: E731
+        # _q_lane_part in index arithmetic
+        quad, s4, t4 = arith.divui(lane, ci(16)), arith.remui(arith.divui(lane, ci(4)), ci(4)), arith.remui(lane, ci(4))
+        lane_part = arith.addi(arith.addi(arith.muli(s4, ci(16)), arith.muli(quad, ci(2))),
+                               arith.addi(arith.remui(t4, ci(2)), arith.muli(arith.divui(t4, ci(2)), ci(8))))
+        qscale = memref.load(qs_ref, [ci(0)])
+        zero = mgu.c(0.0, f32)
+        for j in range(-(-HEADS // nwarps)):
+            head = arith.addi(warp, ci(nwarps * j))
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, head, ci(HEADS))):
+                real = arith.cmpi(arith.CmpIPredicate.ult, head, ci(H))
+                src = arith.minui(head, ci(H - 1))
+                mult = arith.select(real, qscale, zero)  # padded heads: zeros (max 0 -> power 1)
+                xs = []
+                row0 = arith.addi(arith.muli(src, ci(c)), lane)  # element offset of column `lane` in q[src]
+                for i in range(c // 32):
+                    off = arith.index_cast(i32, arith.muli(arith.addi(row0, ci(32 * i)), ci(nbytes)))
+                    v = llvm.load(el_ty, mgu.getelementptr(base, [off], ir.IntegerType.get_signless(8)))
+                    v = v if el_ty == f32 else arith.extf(f32, v)
+                    xs.append(arith.mulf(v, mult))
+                m = functools.reduce(arith.maximumf, [mlir_math.absf(x) for x in xs])
+                for d in (16, 8, 4, 2, 1):
+                    m = arith.maximumf(m, mgu.shfl_bfly(m, d))
+                # `sparse_gpu._pow2_at_least`: 2^(e + 1) for m's exponent bits e, 1 where m = 0
+                e = arith.andi(arith.shrui(arith.bitcast(i32, m), mgu.c(23, i32)), mgu.c(0xFF, i32))
+                p2 = arith.bitcast(f32, arith.shli(arith.addi(e, mgu.c(1, i32)), mgu.c(23, i32)))
+                p2 = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, m, zero), p2, mgu.c(1.0, f32))
+                # q smem is tiled (8 heads, 64 columns) with the 128-byte swizzle: in each tile row the 16-byte chunk
+                # index (8 f16) is XORed with the row (the address bits the wgmma descriptor and TMA use)
+                h_tile, h_row = arith.divui(head, ci(8)), arith.remui(head, ci(8))
+                for i, x in enumerate(xs):
+                    cc = arith.addi(lane_part, ci(4 * (i % 2)))  # column in the 64-column tile i // 2
+                    chunk = arith.xori(arith.divui(cc, ci(8)), h_row)
+                    phys = arith.addi(arith.muli(chunk, ci(8)), arith.remui(cc, ci(8)))
+                    memref.store(arith.truncf(f16, arith.divf(x, p2)), q_ref, [h_tile, ci(i // 2), h_row, phys])
+                with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, lane, ci(0))):
+                    memref.store(arith.mulf(p2, mgu.c(LOG2E, f32)), c2_ref, [head])
+        _asm(void, [], "fence.proxy.async.shared::cta;", "")  # generic-proxy writes, read by wgmma
+        gpu.barrier()
+
+    return fn
+
+
 def _last_merge_fn(R: int, ns: int, nw: int, H: int):
     """After this CTA's partial is in gmem (o_part `[ns, 16, R]`, lse_part `[ns, 16]` f32, this sequence's
     rows): every thread fences its writes (gpu scope), thread 0 counts this split done on the sequence's counter
@@ -651,17 +749,18 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
-                config: MgpuSparseConfig = MgpuSparseConfig(), H: int = HEADS, layer_scale=1.0):
-    """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`), slots
-    `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`; n_blk a multiple of the warpgroups), block_tables
-    `[B, max_blocks]` int32, pool `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]` f32
-    normalised per split, lse `[splits, B, 16]` f32); with `merge="last"` the merged result instead: (o
+def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
+                config: MgpuSparseConfig = MgpuSparseConfig(), H: int = HEADS, layer_scale=1.0, scale=None):
+    """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`) — or, with
+    `prep="kernel"`, the raw q `[B, H, c]` f32 / bf16, c2 None and the logit `scale` (the layer scale multiplies
+    it) —, slots `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`; n_blk a multiple of the warpgroups),
+    block_tables `[B, max_blocks]` int32, pool `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]`
+    f32 normalised per split, lse `[splits, B, 16]` f32); with `merge="last"` the merged result instead: (o
     `[B, H, R]` f32 · layer_scale, lse `[B, H]` f32) for the first H heads."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    B, _, c = q16.shape
+    B, _, c = q.shape
     _, NS, n_blk, _ = slots.shape
     max_blocks = block_tables.shape[1]
     nblocks = pool_u8.shape[0] // page
@@ -675,7 +774,11 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         raise ValueError(f"warpgroups {NW} must be 1, 2 or 4 and divide the blocks per split {n_blk}")
     if cfg.merge not in ("kernel", "last"):
         raise ValueError(f"merge must be 'kernel' or 'last', got {cfg.merge!r}")
-    last = cfg.merge == "last"
+    if cfg.prep not in ("xla", "kernel"):
+        raise ValueError(f"prep must be 'xla' or 'kernel', got {cfg.prep!r}")
+    last, qk = cfg.merge == "last", cfg.prep == "kernel"
+    if qk and (c2 is not None or scale is None or q.shape[1] != H or q.dtype not in (jnp.float32, jnp.bfloat16)):
+        raise ValueError("prep='kernel' takes the raw q [B, H, c] (f32 or bf16), c2=None and the logit scale")
     stride = row_stride(c)
     wg_bytes = S * KEYS * stride  # one warpgroup's stages
     if NW > 1 and wg_bytes < 4 * HEADS * R:
@@ -687,6 +790,8 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     ref = plgpu.RefType()
     f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg_ty)
     init_barriers = plgpu.inline_mgpu(arg_types=(ref,))(_init_barriers_fn(S))
+    q_ref_ty = plgpu.RefType(transforms=_q_transforms())
+    prep_q = plgpu.inline_mgpu(arg_types=(ref, q_ref_ty, ref, ref) + (splat,) * (NW > 1))(_prep_q_fn(c, H, NW))
     translate = plgpu.inline_mgpu(arg_types=(ref, ref) + ((splat,) if NW > 1 else ()))(
         _translate_fn(nb_w, NW, page, nblocks, max_blocks))
     issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(_issue_fn(c, stride))
@@ -706,10 +811,17 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
 
-    def sparse_mla_mgpu(slots_ref, bt_ref, q_ref, c2_ref, pool_ref, *io, q_smem, idx_smem, c2_smem, rows_smem,
-                        p_smem, red_smem, bar_smem, q_bar, lse_parts=None, done_bar=None, flag_smem=None):
-        # merge="last": the layer scale and the per-sequence counters (a mutable ref) in, the merged result out
-        ls_ref, cnt_ref, o_ref, lse_ref, o_fin, lse_fin = io if last else (None, None, *io, None, None)
+    def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar,
+                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None):
+        refs = list(refs)
+        slots_ref, bt_ref, q_ref = refs[:3]
+        c2_ref = None if qk else refs.pop(3)
+        pool_ref = refs[3]
+        # prep="kernel" / merge="last": the scalars (logit scale, layer scale); "last": the per-sequence counters (a
+        # mutable ref) in, the merged result out
+        sc_ref = refs.pop(4) if qk or last else None
+        cnt_ref = refs.pop(4) if last else None
+        o_ref, lse_ref, o_fin, lse_fin = refs[4:] if last else (*refs[4:], None, None)
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
         wg = jax.lax.axis_index("wg") if NW > 1 else 0
@@ -721,9 +833,10 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         init_barriers(bar_wg)
 
         def load():  # by warpgroup 0; every warpgroup waits on q_bar
-            plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
             plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
-            plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
+            if not qk:
+                plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
 
         if NW > 1:
             pl.when(wg == 0)(load)
@@ -731,6 +844,8 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             load()
 
         plgpu.barrier_wait(q_bar)
+        if qk:
+            prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
         translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
 
         def bar(slot):
@@ -781,35 +896,42 @@ def kernel_call(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
         if last:  # the sequence's last split to get here merges them all
             last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
-                       lse_fin.at[b], ls_ref, *wg_arg)
+                       lse_fin.at[b], sc_ref.at[pl.ds(1, 1)], *wg_arg)
 
     out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32), jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
     if last:  # + the merged result
         out_type += (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
     mesh = dict(grid=(NS, B), grid_names=("s", "b"))
     scratch = dict(
-        q_smem=plgpu.SMEM((HEADS, c), jnp.float16),
+        q_smem=plgpu.SMEM((HEADS, c), jnp.float16, **({"transforms": _q_transforms()} if qk else {})),
         idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
         c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
         rows_smem=plgpu.SMEM(lead + (S, KEYS, stride), jnp.uint8),
         p_smem=plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
-        q_bar=plgpu.Barrier(num_arrivals=3),
+        q_bar=plgpu.Barrier(num_arrivals=2 if qk else 3),
         **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
            if NW > 1 else {}),
         **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
+        **(dict(qraw_smem=plgpu.SMEM((H * c // 128, 128), q.dtype)) if qk else {}),
     )
     thread_kw = dict(num_threads=NW, thread_name="wg") if NW > 1 else {}
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    args = (slots, jnp.asarray(block_tables, jnp.int32), q16, c2, pool_u8)
+    if qk:  # rows of 128: TMA boxes are at most 256 wide
+        if (H * c) % 128:
+            raise ValueError(f"prep='kernel' needs H·c a multiple of 128, got {H}·{c}")
+        q = q.reshape(B, H * c // 128, 128)
+    args = (slots, jnp.asarray(block_tables, jnp.int32), q) + (() if qk else (c2,)) + (pool_u8,)
+    if qk or last:
+        ls = jnp.asarray(layer_scale, jnp.float32)
+        args += (jnp.stack([ls * (scale if qk else 1.0), ls]),)
     if not last:
         return plgpu.kernel(sparse_mla_mgpu, out_type=out_type, **mesh, **thread_kw, scratch_types=scratch,
                             compiler_params=params)(*args)
     # "last": the counters are a mutable ref aliased in and out, which `plgpu.kernel`'s vmap wrapper cannot take —
     # launch through `pl.kernel` on the same mesh, the scratch allocated as `plgpu.kernel` does
     counters = jax.new_ref(jnp.zeros((B,), jnp.int32))
-    args += (jnp.reshape(jnp.asarray(layer_scale, jnp.float32), (1,)),)
 
     def body(*refs):
         pl.run_scoped(functools.partial(sparse_mla_mgpu, *refs), collective_axes=thread_kw.get("thread_name", ()),
@@ -836,11 +958,14 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     nblocks, page, c = pool.shape
     B, H, _ = q_bhc.shape
     ls = jnp.asarray(layer_scale, jnp.float32)
-    q16, c2 = prepare_q(q_bhc, scale * ls)
+    if config.prep == "kernel":
+        q, c2 = (q_bhc if q_bhc.dtype in (jnp.float32, jnp.bfloat16) else q_bhc.astype(jnp.float32)), None
+    else:
+        q, c2 = prepare_q(q_bhc, scale * ls)
     slots = prepare_slots(idx_bk, config.splits, config.warpgroups)
     pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nblocks * page, c)
-    o, lse = kernel_call(q16, c2, slots, block_tables, pool_u8, R=R, page=page, config=config, H=H,
-                         layer_scale=ls)
+    o, lse = kernel_call(q, c2, slots, block_tables, pool_u8, R=R, page=page, config=config, H=H,
+                         layer_scale=ls, scale=scale)
     if config.merge == "last":
         return o, lse
     return merge(o, lse, H, ls)
