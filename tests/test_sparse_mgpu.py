@@ -45,14 +45,19 @@ def case(seed=0, B=3, H=12, k=300, page=64, nb=64, max_blocks=40):
 def emulate_kernel(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int):
     """`sm.kernel_call`'s contract in jnp (float32): positions -> pool rows by the block table (`pool_rows`), then for
     each (sequence, split) the softmax in log2 units over the split's gathered rows (empty slots masked), o
-    normalised, `[NS, B, 16, R]` in natural dim order."""
+    normalised, `[NS, B, 16, R]` in natural dim order. q16: f16 in `x_permutation` order, or (logits_mma="fp8") the
+    (hi, lo) e4m3 planes in `fp8_q_permutation` order."""
     B, NS, n_blk, keys = slots.shape
+    if isinstance(q16, tuple):  # the fp8 planes: the tensor cores add both products in f32
+        q16, perm = q16[0].astype(jnp.float32) + q16[1].astype(jnp.float32), sm.fp8_q_permutation(q16[0].shape[-1])
+    else:
+        perm = x_permutation(q16.shape[-1])
     c = q16.shape[-1]
     rows_id = pool_rows(block_tables, slots.reshape(B, -1), page, pool_u8.shape[0] // page)
     rows = jax.lax.bitcast_convert_type(pool_u8[jnp.maximum(rows_id, 0)], jnp.float8_e4m3fn).astype(jnp.float32)
     rows = rows.reshape(B, NS, n_blk * keys, c)
     valid = rows_id.reshape(B, NS, n_blk * keys) >= 0
-    logical = rows[..., jnp.asarray(x_permutation(c))]  # the A operand's column order, which q16 is stored in
+    logical = rows[..., jnp.asarray(perm)]  # the A operand's column order, which q16 is stored in
     s = jnp.einsum("bskc,bhc->bshk", logical, q16.astype(jnp.float32)) * c2[:, None, :, None]
     s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -104,6 +109,33 @@ def test_in_kernel_q_columns_invert_the_contraction_order():
         assert (sm.q_column_of(i, lanes) == inverse[32 * i + lanes]).all()
 
 
+def test_fp8_q_order_is_the_wgmma_8bit_fragment_of_each_16_byte_load():
+    """fp8 logits: thread t's word s of the 64-column chunk j (stored bytes 64j + 16t + 4s .. + 3) is the WGMMA_8BIT
+    register of 32-column group 2j + s // 2, block s % 2: logical columns 32·(2j + s // 2) + 16·(s % 2) + 4t .. + 3."""
+    perm = sm.fp8_q_permutation(C)
+    assert sorted(perm) == list(range(C))
+    for j in range(C // 64):
+        for t in range(4):
+            for s in range(4):
+                logical = 32 * (2 * j + s // 2) + 16 * (s % 2) + 4 * t + np.arange(4)
+                assert (perm[logical] == 64 * j + 16 * t + 4 * s + np.arange(4)).all()
+
+
+def test_prepare_q_fp8_keeps_every_logit_to_bf16_precision():
+    """q as two e4m3 planes (hi + lo, about 8 significant bits) in the fp8 order, dotted with the stored rows in that
+    order and scaled by c2 = the plain logits · log2 e, to bf16-like precision."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 12, C)).astype(np.float32)
+    rows = np.asarray(jnp.asarray(rng.standard_normal((5, C)), jnp.float8_e4m3fn).astype(jnp.float32))
+    hi, lo, c2 = sm.prepare_q_fp8(jnp.asarray(q), 0.3)
+    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and hi.shape == (2, sm.HEADS, C) and c2.shape == (2, sm.HEADS)
+    assert float(jnp.max(jnp.abs(hi[:, 12:].astype(jnp.float32)))) == 0.0
+    qf = hi.astype(jnp.float32) + lo.astype(jnp.float32)
+    got = jnp.einsum("kc,bhc->bhk", rows[:, sm.fp8_q_permutation(C)], qf) * c2[..., None]
+    want = np.einsum("kc,bhc->bhk", rows, q * 0.3) * np.log2(np.e)
+    assert rel_rms(got[:, :12], want) <= 4e-3
+
+
 def test_prepare_q_keeps_every_logit():
     """q in the kernel's column order dotted with the rows in that order = the plain logits (times log2 e), up to f16."""
     rng = np.random.default_rng(1)
@@ -117,10 +149,11 @@ def test_prepare_q_keeps_every_logit():
     assert rel_rms(got[:, :12], want) <= 1e-3
 
 
-@pytest.mark.parametrize("splits,warpgroups,merge,prep", [(1, 1, "kernel", "xla"), (4, 1, "kernel", "xla"),
-                                                          (2, 4, "kernel", "xla"), (4, 2, "last", "xla"),
-                                                          (4, 2, "last", "kernel"), (8, 1, "kernel", "kernel")])
-def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, prep, monkeypatch):
+@pytest.mark.parametrize("splits,warpgroups,merge,prep,mma", [
+    (1, 1, "kernel", "xla", "f16"), (4, 1, "kernel", "xla", "f16"), (2, 4, "kernel", "xla", "f16"),
+    (4, 2, "last", "xla", "f16"), (4, 2, "last", "kernel", "f16"), (8, 1, "kernel", "kernel", "f16"),
+    (4, 2, "kernel", "xla", "fp8"), (2, 1, "last", "xla", "fp8")])
+def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, prep, mma, monkeypatch):
     """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
     at the storage bar, with empty slots, a split that is all padding and a sequence with no key. With merge="last"
     the kernel returns the merged heads · layer scale itself (`reference.merge_partials`' maths)."""
@@ -142,7 +175,7 @@ def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, pre
     real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
     monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep)
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep, logits_mma=mma)
     o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert o.shape == (3, 12, R) and lse.shape == (3, 12)
@@ -179,7 +212,9 @@ ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's def
                                  sm.MgpuSparseConfig(merge="last", prep="kernel"),
                                  sm.MgpuSparseConfig(**ONE_WG, prep="kernel"),
                                  sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16,
-                                                     prep="kernel")])
+                                                     prep="kernel"),
+                                 sm.MgpuSparseConfig(logits_mma="fp8"),
+                                 sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, merge="last")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
@@ -198,7 +233,8 @@ def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     (12, 2048, 8, 1, "kernel", "xla"), (16, 300, 4, 1, "kernel", "xla"), (4, 2048, 2, 1, "kernel", "xla"),
     (12, 300, 2, 4, "kernel", "xla"), (12, 2048, 4, 2, "last", "xla"), (16, 300, 8, 1, "last", "xla"),
     (4, 300, 2, 4, "last", "xla"), (12, 2048, 4, 2, "last", "kernel"), (16, 300, 8, 1, "kernel", "kernel"),
-    (4, 300, 2, 4, "last", "kernel"), (12, 300, 4, 2, "kernel", "kernel-bf16")])
+    (4, 300, 2, 4, "last", "kernel"), (12, 300, 4, 2, "kernel", "kernel-bf16"), (12, 2048, 4, 2, "kernel", "fp8"),
+    (16, 300, 8, 1, "last", "fp8"), (4, 300, 2, 4, "kernel", "fp8")])
 def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, prep):
     parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
     if prep == "kernel-bf16":  # the kernel reads raw bf16 q; the reference gets the same values
@@ -209,7 +245,8 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep,
+    mma, prep = ("fp8", "xla") if prep == "fp8" else ("f16", prep)  # "fp8": the logits on e4m3 tensor cores
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep, logits_mma=mma,
                               **(dict(stages=1, logits_chunk=64, value_keys=16) if warpgroups == 4 else {}))
     o, lse = sm.decode(q_in, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)

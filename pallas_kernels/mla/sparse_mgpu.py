@@ -47,7 +47,10 @@ atomic counter) op 36.5 vs 35.9; a cluster merge through distributed shared memo
 NOT yet run on a GPU (written after session 13's last device call; lowers for CUDA on CPU): `prep="kernel"` —
 each CTA prepares q itself from the raw row (`_prep_q_fn`: the same bits as `prepare_q`, written into q's tiled,
 128-byte-swizzled shared-memory layout by hand), so `prep="kernel", merge="last"` is the whole op in one launch.
-First device step: `pytest -x -q -m gpu tests/test_sparse_mgpu.py -k kernel-` under a short timeout.
+Also not yet run: `logits_mma="fp8"` — the logits on e4m3 tensor cores straight from the stored bytes (no
+conversion: 144 fewer `cvt` per thread and block, ≈ 13% of the instructions), q as two e4m3 planes (op error on CPU
+in the contract emulation 7.8e-4 vs 2.9e-4 with f16 q; bar 5e-3). First device step: `pytest -x -q -m gpu
+tests/test_sparse_mgpu.py -k "kernel- or fp8"` under a short timeout.
 
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
@@ -64,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..moe.mgpu_mxfp4 import _fragment_slots, x_permutation
+from ..moe.mxfp4 import split_e4m3_planes
 from ..triton_prims import CVT_E4M3X4_F16_PTX
 from .sparse_gpu import _merge_pallas, _pow2_at_least
 
@@ -103,6 +107,10 @@ class MgpuSparseConfig:
     # "xla" — `prepare_q`, a separate XLA op; "kernel" — each CTA from the raw q row of its sequence (`_prep_q_fn`,
     # the same bits), so with merge="last" the whole op is one launch
     prep: str = "xla"
+    # the logits' tensor-core type: "f16" — each stored e4m3 byte converted into the A registers (`cvt`), q in f16;
+    # "fp8" — the stored bytes ARE the A registers (no conversion), q as two e4m3 planes (hi + lo ≈ 8 significant
+    # bits, `moe.mxfp4.split_e4m3_planes`), two e4m3 wgmmas per 32 columns (`prepare_q_fp8`; prep="xla" only)
+    logits_mma: str = "f16"
 
 
 def supports(fmt) -> bool:
@@ -138,6 +146,28 @@ def prepare_q(q_bhc, qscale):
     q = jnp.pad(q, ((0, 0), (0, HEADS - H), (0, 0))).astype(jnp.float16)
     c2 = jnp.pad(s * LOG2E, ((0, 0), (0, HEADS - H)), constant_values=LOG2E)
     return q, c2
+
+
+def fp8_q_permutation(c: int) -> np.ndarray:
+    """perm `[c]` for the fp8 logits: contraction column L reads stored column perm[L]. Thread t of a quad loads the
+    16 bytes [64j + 16t, +16) of its key row; its word s is the WGMMA_8BIT register of 32-column group 2j + s // 2,
+    block s % 2 (columns 16·(s % 2) + 4t .. + 3 of that group)."""
+    L = np.arange(c)
+    j, r = L // 64, L % 64
+    s = 2 * (r // 32) + (r % 32) // 16
+    return (64 * j + 16 * ((r % 16) // 4) + 4 * s + r % 4).astype(np.int32)
+
+
+def prepare_q_fp8(q_bhc, qscale):
+    """`prepare_q` for logits_mma="fp8": q `[B, H, c]` and the logit scale -> (q_hi, q_lo `[B, 16, c]` e4m3 in
+    `fp8_q_permutation` order, heads zero-padded; c2 `[B, 16]` f32 = each head's 1/c (`split_e4m3_planes`) · log2 e)."""
+    B, H, c = q_bhc.shape
+    if H > HEADS:
+        raise ValueError(f"the mgpu sparse MLA kernel takes ≤ {HEADS} heads per call, got {H}")
+    q = q_bhc.astype(jnp.float32)[..., jnp.asarray(fp8_q_permutation(c))] * qscale
+    q = jnp.pad(q, ((0, 0), (0, HEADS - H), (0, 0)))
+    hi, lo, inv = split_e4m3_planes(q.reshape(B * HEADS, c))
+    return hi.reshape(B, HEADS, c), lo.reshape(B, HEADS, c), inv.reshape(B, HEADS) * LOG2E
 
 
 def q_column_of(i: int, lane):
@@ -351,6 +381,34 @@ def _logits_operand_fn(col0: int, width: int):
                     for e in (0, 1):
                         regs[reg(8 * q + 2 * s + e, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [e]), v2f16)
         return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
+def _logits_operand_fp8_fn(col0: int, width: int):
+    """rows smem `[64, c]` u8 (one stage) -> the fp8 logits A operands for latent columns [col0, col0 + width): one
+    `[64, 32]` e4m3 array (WGMMA_8BIT layout) per 32 columns — the stored bytes as they are, loaded 16 at a time
+    (`fp8_q_permutation`'s order; the same loads and key rows as the f16 path)."""
+    def fn(ctx, rows_ref):
+        del ctx
+        ir, arith, _, _, vector, fa, mgu = _mlir()
+        i8, i32, _, index = _operand_types()
+        f8 = ir.Float8E4M3FNType.get()
+        layout = fa.WGMMA_LAYOUT_8BIT
+        reg_shape, reg, rows, four_q = _fragment_slots(layout, (KEYS, 32))
+        assert reg_shape[1] == 2 and reg_shape[4] == 2 and np.prod(reg_shape) == 4, reg_shape
+        t16 = arith.muli(four_q, mgu.c(4, index))
+        keys = [_key_of(r) for r in rows]
+        v16i8, v4i32, v4f8 = (ir.VectorType.get(sh, t) for sh, t in (((16,), i8), ((4,), i32), ((4,), f8)))
+        groups = [np.empty(reg_shape, dtype=object) for _ in range(width // 32)]
+        for h in (0, 1):
+            for q in range(width // CHUNK):
+                col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
+                words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
+                for s in range(4):
+                    w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
+                    groups[2 * q + s // 2][reg(s % 2, h)] = mgu.bitcast(w, v4f8)
+        return tuple(fa.FragmentedArray(_registers=g, _layout=layout, _is_signed=None) for g in groups)
 
     return fn
 
@@ -617,6 +675,13 @@ def _q_transforms():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+def _q_fp8_transforms():
+    """q's e4m3 planes in smem (logits_mma="fp8"): tiles of 8 heads × 32 bytes, 32-byte swizzle — one tile row is
+    one wgmma's K (as for x in `moe.mgpu_mxfp4.kernel_call_fp8`)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    return (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))
+
+
 def _prep_q_fn(c: int, H: int, nw: int):
     """`prepare_q` inside the kernel: raw q smem (f32 or bf16, this sequence's `[H, c]` row-major in any 2-D shape:
     TMA boxes are ≤ 256 wide) and the logit scale (gmem `[1]` f32: scale · layer scale) -> q smem `[16, c]` f16 in
@@ -760,7 +825,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    B, _, c = q.shape
+    B, _, c = (q[0] if isinstance(q, tuple) else q).shape
     _, NS, n_blk, _ = slots.shape
     max_blocks = block_tables.shape[1]
     nblocks = pool_u8.shape[0] // page
@@ -777,6 +842,14 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     if cfg.prep not in ("xla", "kernel"):
         raise ValueError(f"prep must be 'xla' or 'kernel', got {cfg.prep!r}")
     last, qk = cfg.merge == "last", cfg.prep == "kernel"
+    f8 = cfg.logits_mma == "fp8"
+    if cfg.logits_mma not in ("f16", "fp8") or (f8 and qk):
+        raise ValueError(f"logits_mma must be 'f16' or 'fp8' (fp8 with prep='xla'), got {cfg.logits_mma!r}")
+    if f8 != (isinstance(q, tuple)):
+        raise ValueError("logits_mma='fp8' takes q as the (q_hi, q_lo) planes of `prepare_q_fp8`")
+    q_hi, q_lo = q if f8 else (None, None)
+    if f8:
+        q = q_hi
     if qk and (c2 is not None or scale is None or q.shape[1] != H or q.dtype not in (jnp.float32, jnp.bfloat16)):
         raise ValueError("prep='kernel' takes the raw q [B, H, c] (f32 or bf16), c2=None and the logit scale")
     stride = row_stride(c)
@@ -796,9 +869,14 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         _translate_fn(nb_w, NW, page, nblocks, max_blocks))
     issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(_issue_fn(c, stride))
     wait = plgpu.inline_mgpu(arg_types=(ref, splat))(_wait_fn())
-    logits_a = [plgpu.inline_mgpu(arg_types=(ref,),
-                                  return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg_ty))(
-        _logits_operand_fn(j * LC, LC)) for j in range(c // LC)]
+    if f8:
+        f8_ty = plgpu.ShapeDtypeStruct((KEYS, 32), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+        logits_a = [plgpu.inline_mgpu(arg_types=(ref,), return_type=(f8_ty,) * (LC // 32))(
+            _logits_operand_fp8_fn(j * LC, LC)) for j in range(c // LC)]
+    else:
+        logits_a = [plgpu.inline_mgpu(arg_types=(ref,),
+                                      return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg_ty))(
+            _logits_operand_fn(j * LC, LC)) for j in range(c // LC)]
     value_a = [plgpu.inline_mgpu(arg_types=(ref,),
                                  return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg_ty))(
         _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
@@ -812,9 +890,10 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
 
     def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar,
-                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None):
+                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None):
         refs = list(refs)
         slots_ref, bt_ref, q_ref = refs[:3]
+        q_lo_ref = refs.pop(3) if f8 else None
         c2_ref = None if qk else refs.pop(3)
         pool_ref = refs[3]
         # prep="kernel" / merge="last": the scalars (logit scale, layer scale); "last": the per-sequence counters (a
@@ -834,6 +913,8 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
         def load():  # by warpgroup 0; every warpgroup waits on q_bar
             plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
+            if f8:
+                plgpu.copy_gmem_to_smem(q_lo_ref.at[b], q_lo_smem, q_bar)
             plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
             if not qk:
                 plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
@@ -865,7 +946,14 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
             def logits(*accs):
                 for jj, fn in enumerate(logits_a):
-                    plgpu.wgmma(accs[jj % len(accs)], fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
+                    acc = accs[jj % len(accs)]
+                    if not f8:
+                        plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
+                        continue
+                    for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
+                        cols = pl.ds(jj * LC + 32 * g, 32)
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
                 return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
 
             s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
@@ -903,14 +991,16 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         out_type += (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
     mesh = dict(grid=(NS, B), grid_names=("s", "b"))
     scratch = dict(
-        q_smem=plgpu.SMEM((HEADS, c), jnp.float16, **({"transforms": _q_transforms()} if qk else {})),
+        q_smem=(plgpu.SMEM((HEADS, c), jnp.float8_e4m3fn, transforms=_q_fp8_transforms()) if f8 else
+                plgpu.SMEM((HEADS, c), jnp.float16, **({"transforms": _q_transforms()} if qk else {}))),
+        **({"q_lo_smem": plgpu.SMEM((HEADS, c), jnp.float8_e4m3fn, transforms=_q_fp8_transforms())} if f8 else {}),
         idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
         c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
         rows_smem=plgpu.SMEM(lead + (S, KEYS, stride), jnp.uint8),
         p_smem=plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
-        q_bar=plgpu.Barrier(num_arrivals=2 if qk else 3),
+        q_bar=plgpu.Barrier(num_arrivals=2 if qk else 4 if f8 else 3),
         **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
            if NW > 1 else {}),
         **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
@@ -922,7 +1012,8 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         if (H * c) % 128:
             raise ValueError(f"prep='kernel' needs H·c a multiple of 128, got {H}·{c}")
         q = q.reshape(B, H * c // 128, 128)
-    args = (slots, jnp.asarray(block_tables, jnp.int32), q) + (() if qk else (c2,)) + (pool_u8,)
+    args = (slots, jnp.asarray(block_tables, jnp.int32), q) + ((q_lo,) if f8 else ()) + (() if qk else (c2,)) + (
+        pool_u8,)
     if qk or last:
         ls = jnp.asarray(layer_scale, jnp.float32)
         args += (jnp.stack([ls * (scale if qk else 1.0), ls]),)
@@ -960,6 +1051,9 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     ls = jnp.asarray(layer_scale, jnp.float32)
     if config.prep == "kernel":
         q, c2 = (q_bhc if q_bhc.dtype in (jnp.float32, jnp.bfloat16) else q_bhc.astype(jnp.float32)), None
+    elif config.logits_mma == "fp8":
+        q_hi, q_lo, c2 = prepare_q_fp8(q_bhc, scale * ls)
+        q = (q_hi, q_lo)
     else:
         q, c2 = prepare_q(q_bhc, scale * ls)
     slots = prepare_slots(idx_bk, config.splits, config.warpgroups)
