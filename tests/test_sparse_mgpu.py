@@ -42,11 +42,12 @@ def case(seed=0, B=3, H=12, k=300, page=64, nb=64, max_blocks=40):
     return (pool,), bt, idx, q, kw
 
 
-def emulate_kernel(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int):
+def emulate_kernel(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int, value_mma: str = "f16"):
     """`sm.kernel_call`'s contract in jnp (float32): positions -> pool rows by the block table (`pool_rows`), then for
     each (sequence, split) the softmax in log2 units over the split's gathered rows (empty slots masked), o
     normalised, `[NS, B, 16, R]` in natural dim order. q16: f16 in `x_permutation` order, or (logits_mma="fp8") the
-    (hi, lo) e4m3 planes in `fp8_q_permutation` order."""
+    (hi, lo) e4m3 planes in `fp8_q_permutation` order. value_mma="fp8": the PV product sees P · 2^8 as e4m3 hi + lo
+    (the row sums stay f32)."""
     B, NS, n_blk, keys = slots.shape
     if isinstance(q16, tuple):  # the fp8 planes: the tensor cores add both products in f32
         q16, perm = q16[0].astype(jnp.float32) + q16[1].astype(jnp.float32), sm.fp8_q_permutation(q16[0].shape[-1])
@@ -64,6 +65,10 @@ def emulate_kernel(q16, c2, slots, block_tables, pool_u8, *, R: int, page: int):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp2(s - m)
     l = jnp.sum(p, axis=-1)
+    if value_mma == "fp8":
+        ps = p * sm.P_SCALE
+        hi = ps.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        p = (hi + (ps - hi).astype(jnp.float8_e4m3fn).astype(jnp.float32)) / sm.P_SCALE
     o = jnp.einsum("bshk,bskr->bshr", p, rows[..., :R]) / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, (m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0))) * np.log(2.0), -jnp.inf)
     return jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0)
@@ -136,6 +141,34 @@ def test_prepare_q_fp8_keeps_every_logit_to_bf16_precision():
     assert rel_rms(got[:, :12], want) <= 4e-3
 
 
+def test_fp8_value_transpose_ptx_moves_every_byte():
+    """fp8 PV: `_TRANSPOSE4` (modelled instruction by instruction) turns 4 keys' words (byte j = dim j) into 4 words
+    of one dim each (byte e = key e): the WGMMA_8BIT A register of 4 consecutive contraction positions."""
+    from test_moe_kernels import _run_ptx
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        keys = rng.integers(0, 256, (4, 4))  # [key, dim]
+        regs = _run_ptx(sm._TRANSPOSE4, {f"${4 + e}": int(sum(int(keys[e, j]) << 8 * j for j in range(4)))
+                                         for e in range(4)})
+        for dim in range(4):
+            assert [(regs[f"${dim}"] >> 8 * e) & 255 for e in range(4)] == list(keys[:, dim])
+
+
+def test_fp8_value_positions_spread_each_load_phase_over_8_bank_groups():
+    """fp8 PV: position p holds key `pv_key_of(p)` (an involution inside each 16); the 8 lanes (g, q) of a 16-byte
+    load phase read key pv_key_of(base + 4q + e) at dim byte 16(8w + g) of rows `row_stride` apart: 8 distinct
+    bank groups (16-byte units mod 8) for every base, e and w."""
+    stride = sm.row_stride(C)
+    assert [sm.pv_key_of(sm.pv_key_of(p)) for p in range(64)] == list(range(64))
+    for base in (0, 16, 32, 48):
+        for e in range(4):
+            for w in range(4):
+                groups = {((sm.pv_key_of(base + 4 * q + e) * stride) // 16 + 8 * w + g) % 8
+                          for g in (0, 1) for q in range(4)}
+                assert len(groups) == 8
+
+
 def test_prepare_q_keeps_every_logit():
     """q in the kernel's column order dotted with the rows in that order = the plain logits (times log2 e), up to f16."""
     rng = np.random.default_rng(1)
@@ -152,7 +185,7 @@ def test_prepare_q_keeps_every_logit():
 @pytest.mark.parametrize("splits,warpgroups,merge,prep,mma", [
     (1, 1, "kernel", "xla", "f16"), (4, 1, "kernel", "xla", "f16"), (2, 4, "kernel", "xla", "f16"),
     (4, 2, "last", "xla", "f16"), (4, 2, "last", "kernel", "f16"), (8, 1, "kernel", "kernel", "f16"),
-    (4, 2, "kernel", "xla", "fp8"), (2, 1, "last", "xla", "fp8")])
+    (4, 2, "kernel", "xla", "fp8"), (2, 1, "last", "xla", "fp8"), (4, 2, "kernel", "xla", "fp8-fp8")])
 def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, prep, mma, monkeypatch):
     """decode's XLA side (q, slots, merge, row order) around the kernel's contract (`emulate_kernel`) = the reference
     at the storage bar, with empty slots, a split that is all padding and a sequence with no key. With merge="last"
@@ -165,7 +198,7 @@ def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, pre
         if config.prep == "kernel":  # the raw q: the kernel prepares it as `prepare_q` does
             assert c2 is None and q.shape[1] == H
             q, c2 = sm.prepare_q(q, scale * layer_scale)
-        o, lse = emulate_kernel(q, c2, slots, bt, pool, R=R, page=page)
+        o, lse = emulate_kernel(q, c2, slots, bt, pool, R=R, page=page, value_mma=config.value_mma)
         if config.merge == "kernel":
             return o, lse
         o, lse = merge_partials(o[:, :, :H], lse[:, :, :H])
@@ -175,7 +208,9 @@ def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, pre
     real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
     monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep, logits_mma=mma)
+    mma, value_mma = mma.split("-") if "-" in mma else (mma, "f16")  # "fp8-fp8": both products on e4m3
+    cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep, logits_mma=mma,
+                              value_mma=value_mma)
     o, lse = sm.decode(q, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert o.shape == (3, 12, R) and lse.shape == (3, 12)
@@ -214,7 +249,9 @@ ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's def
                                  sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16,
                                                      prep="kernel"),
                                  sm.MgpuSparseConfig(logits_mma="fp8"),
-                                 sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, merge="last")])
+                                 sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, merge="last"),
+                                 sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8"),
+                                 sm.MgpuSparseConfig(**ONE_WG, value_mma="fp8", prep="kernel", merge="last")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
@@ -234,7 +271,8 @@ def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     (12, 300, 2, 4, "kernel", "xla"), (12, 2048, 4, 2, "last", "xla"), (16, 300, 8, 1, "last", "xla"),
     (4, 300, 2, 4, "last", "xla"), (12, 2048, 4, 2, "last", "kernel"), (16, 300, 8, 1, "kernel", "kernel"),
     (4, 300, 2, 4, "last", "kernel"), (12, 300, 4, 2, "kernel", "kernel-bf16"), (12, 2048, 4, 2, "kernel", "fp8"),
-    (16, 300, 8, 1, "last", "fp8"), (4, 300, 2, 4, "kernel", "fp8")])
+    (16, 300, 8, 1, "last", "fp8"), (4, 300, 2, 4, "kernel", "fp8"), (12, 2048, 4, 2, "kernel", "fp8-fp8"),
+    (16, 300, 8, 1, "last", "xla-fp8v"), (4, 300, 2, 4, "last", "kernel-fp8v")])
 def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, prep):
     parts, bt, idx, q, kw = case(seed=3, H=H, k=k)
     if prep == "kernel-bf16":  # the kernel reads raw bf16 q; the reference gets the same values
@@ -245,8 +283,12 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    mma, prep = ("fp8", "xla") if prep == "fp8" else ("f16", prep)  # "fp8": the logits on e4m3 tensor cores
+    # "fp8": the logits on e4m3 tensor cores; "…fp8v" / "fp8-fp8": the PV product too
+    value_mma = "fp8" if prep.endswith("fp8v") or prep == "fp8-fp8" else "f16"
+    prep = prep.removesuffix("-fp8v").replace("fp8-fp8", "fp8")
+    mma, prep = ("fp8", "xla") if prep == "fp8" else ("f16", prep)
     cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep, logits_mma=mma,
+                              value_mma=value_mma,
                               **(dict(stages=1, logits_chunk=64, value_keys=16) if warpgroups == 4 else {}))
     o, lse = sm.decode(q_in, parts, bt, idx, config=cfg, **kw)
     o, lse = np.asarray(o), np.asarray(lse)

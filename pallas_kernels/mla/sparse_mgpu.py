@@ -49,8 +49,12 @@ each CTA prepares q itself from the raw row (`_prep_q_fn`: the same bits as `pre
 128-byte-swizzled shared-memory layout by hand), so `prep="kernel", merge="last"` is the whole op in one launch.
 Also not yet run: `logits_mma="fp8"` — the logits on e4m3 tensor cores straight from the stored bytes (no
 conversion: 144 fewer `cvt` per thread and block, ≈ 13% of the instructions), q as two e4m3 planes (op error on CPU
-in the contract emulation 7.8e-4 vs 2.9e-4 with f16 q; bar 5e-3). First device step: `pytest -x -q -m gpu
-tests/test_sparse_mgpu.py -k "kernel- or fp8"` under a short timeout.
+in the contract emulation 7.8e-4 vs 2.9e-4 with f16 q; bar 5e-3); and `value_mma="fp8"` — the PV product on e4m3
+tensor cores: 4×4 byte transposes (`_TRANSPOSE4`, 8 `prmt` per 16 bytes) instead of `prmt` + `cvt` per 2 bytes
+(≈ 128 fewer instructions per thread and block), P · 2^8 as two e4m3 planes stored transposed by hand into the
+swizzled B layout (`_store_p_fp8_fn`), positions `pv_key_of` (conflict-free loads, checked on CPU). Both fp8
+products: 9.0e-4–9.8e-4 in the emulation. The PTX blocks assemble (pip triton's ptxas, sm_90a). First device step:
+`pytest -x -q -m gpu tests/test_sparse_mgpu.py -k "kernel- or fp8"` under a short timeout.
 
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
@@ -111,6 +115,10 @@ class MgpuSparseConfig:
     # "fp8" — the stored bytes ARE the A registers (no conversion), q as two e4m3 planes (hi + lo ≈ 8 significant
     # bits, `moe.mxfp4.split_e4m3_planes`), two e4m3 wgmmas per 32 columns (`prepare_q_fp8`; prep="xla" only)
     logits_mma: str = "f16"
+    # the PV product's tensor-core type: "f16" — key pairs `prmt`ed and converted into f16 A registers, P in f16;
+    # "fp8" — 4×4 byte transposes (8 `prmt` per 16 bytes, no conversion) make e4m3 A registers of 4 keys per dim,
+    # P · 2^8 as two e4m3 planes in shared memory (`_store_p_fp8_fn`), two wgmmas per 32 keys (value_keys ignored)
+    value_mma: str = "f16"
 
 
 def supports(fmt) -> bool:
@@ -228,6 +236,15 @@ def _key_of(pos):
     index = ir.IndexType.get()
     g = arith.remui(pos, mgu.c(8, index))
     return arith.addi(arith.subi(pos, g), _kappa(g))
+
+
+P_SCALE = 256.0  # fp8 PV: P · 2^8 in the e4m3 planes (probabilities down to 2^-17 survive), o · 2^-8 at the end
+
+
+def pv_key_of(p):
+    """fp8 PV: contraction position p (0..63) -> key: inside each 16, (4a + b) -> 4b + a (an involution). Thread q
+    of a quad then loads keys 4e + q for its 4 positions 4q + e: the 8 lanes of a load phase hit 8 bank groups."""
+    return (p // 16) * 16 + 4 * (p % 4) + (p % 16) // 4
 
 
 def _translate_fn(blocks: int, nw: int, page: int, nblocks: int, max_blocks: int):
@@ -466,6 +483,115 @@ def _value_operand_fn(R: int, key0: int, nkeys: int):
     return fn
 
 
+# 4 keys' words a, b, c, d (byte j = dim j) -> 4 words (byte e = key e) for dims 0..3
+_TRANSPOSE4 = """{
+.reg .b32 t0, t1, t2, t3;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+prmt.b32 t2, $6, $7, 0x5140;
+prmt.b32 t3, $6, $7, 0x7362;
+prmt.b32 $0, t0, t2, 0x5410;
+prmt.b32 $1, t0, t2, 0x7632;
+prmt.b32 $2, t1, t3, 0x5410;
+prmt.b32 $3, t1, t3, 0x7632;
+}"""
+
+# x (f32) -> hi = e4m3(x) in byte 0, lo = e4m3(x − hi) in byte 2
+_SPLIT_E4M3 = """{
+.reg .b16 h, l, hz;
+.reg .b32 hf;
+.reg .f32 z, hv, r;
+.reg .f16 h16;
+mov.f32 z, 0f00000000;
+cvt.rn.satfinite.e4m3x2.f32 h, z, $1;
+cvt.rn.f16x2.e4m3x2 hf, h;
+mov.b32 {h16, hz}, hf;
+cvt.f32.f16 hv, h16;
+sub.f32 r, $1, hv;
+cvt.rn.satfinite.e4m3x2.f32 l, z, r;
+mov.b32 $0, {h, l};
+}"""
+
+
+def _value_operand_fp8_fn(R: int, group: int):
+    """rows smem `[64, c]` u8 -> the fp8 PV A operand Vᵀ for contraction positions [32·group, +32): `[R, 32]` e4m3
+    (WGMMA_8BIT layout; rows = latent dims in `value_dim_of_row` order, columns = positions, keys `pv_key_of`).
+    Thread q of a quad loads its 2T contiguous dims of the keys at its positions 4q..4q+3 (+16), then 4×4 byte
+    transposes turn 4 keys × 4 dims into 4 registers of one dim × 4 keys."""
+    T = R // 64
+    nbytes = 2 * T
+
+    def fn(ctx, rows_ref):
+        del ctx
+        ir, arith, llvm, _, vector, fa, mgu = _mlir()
+        i8, i32, _, index = _operand_types()
+        f8 = ir.Float8E4M3FNType.get()
+        layout = fa.WGMMA_LAYOUT_8BIT
+        reg_shape = layout.registers_shape((R, 32))
+        coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs((R, 32))))
+
+        def reg(i, blk, h):
+            ix = [0] * len(reg_shape)
+            ix[0], ix[1], ix[4] = i, blk, h
+            return tuple(ix)
+
+        row0, four_q = coords[reg(0, 0, 0)]  # 16w + g, 4q
+        quad = arith.divui(four_q, mgu.c(4, index))
+        dim0 = _first_dim(row0, R)
+        vload, vword = ir.VectorType.get((nbytes,), i8), ir.VectorType.get((nbytes // 4,), i32)
+        v4f8 = ir.VectorType.get((4,), f8)
+        quad_ty = llvm.StructType.get_literal([i32] * 4)
+        regs = np.empty(reg_shape, dtype=object)
+        for blk in (0, 1):
+            base = 32 * group + 16 * blk  # positions base + 4q + e hold keys base + 4e + q
+            words = [mgu.bitcast(vector.load(vload, rows_ref, [arith.addi(quad, mgu.c(base + 4 * e, index)), dim0]),
+                                 vword) for e in range(4)]
+            for u in range(nbytes // 4):
+                pos = ir.DenseI64ArrayAttr.get([u])
+                x = [vector.extract(w, dynamic_position=[], static_position=pos) for w in words]
+                out = llvm.inline_asm(quad_ty, x, _TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r")
+                for v in range(4):  # dim 4u + v of the thread's 2T: tile i = (4u + v) // 2, half h = v % 2
+                    regs[reg((4 * u + v) // 2, blk, v % 2)] = mgu.bitcast(llvm.extractvalue(i32, out, [v]), v4f8)
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
+def _store_p_fp8_fn():
+    """(P `[64, 16]` f32 in the WGMMA layout — logits rows m, key `_key_of(m)` —, P planes smem hi, lo `[16, 64]`
+    e4m3 in `_q_fp8_transforms`' layout (tiled 8 × 32, 32-byte swizzle)): P · 2^8 split into e4m3 hi + lo, each
+    value stored at head n, contraction position `pv_key_of`⁻¹(key) = pv_key_of(key). Callers commit_smem after."""
+    def fn(ctx, p, hi_ref, lo_ref):
+        del ctx
+        ir, arith, llvm, memref, vector, fa, mgu = _mlir()
+        f32, i8, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        f8 = ir.Float8E4M3FNType.get()
+        ci = lambda v: mgu.c(v, index)  # noqa: E731
+        _, reg, rows, col0 = _fragment_slots(fa.WGMMA_LAYOUT, (KEYS, HEADS))
+        for h in (0, 1):
+            key = _key_of(rows[h])
+            pos = arith.addi(arith.addi(arith.muli(arith.divui(key, ci(16)), ci(16)),
+                                        arith.muli(arith.remui(key, ci(4)), ci(4))),
+                             arith.divui(arith.remui(key, ci(16)), ci(4)))  # pv_key_of(key)
+            pt, pc = arith.divui(pos, ci(32)), arith.remui(pos, ci(32))
+            for cb in range(2):
+                vals = p.registers[reg(cb, h)]
+                for e in (0, 1):
+                    head = arith.addi(col0, ci(8 * cb + e))
+                    nrow = arith.remui(head, ci(8))
+                    # 32-byte swizzle: the 16-byte half of a 32-byte tile row flips on the row's bit 2
+                    col = arith.xori(pc, arith.muli(arith.divui(nrow, ci(4)), ci(16)))
+                    at = [arith.divui(head, ci(8)), pt, nrow, col]
+                    x = vector.extract(vals, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+                    x = arith.mulf(x, mgu.c(P_SCALE, f32))
+                    both = llvm.inline_asm(i32, [x], _SPLIT_E4M3, "=r,f")
+                    memref.store(arith.bitcast(f8, arith.trunci(i8, both)), hi_ref, at)
+                    memref.store(arith.bitcast(f8, arith.trunci(i8, arith.shrui(both, mgu.c(16, i32)))), lo_ref, at)
+
+    return fn
+
+
 def _approx(op: str, x):
     """`op`.approx.ftz.f32 ("ex2": 2^x, −inf -> 0; "lg2": log2 x) on an f32 scalar or on each element of a vector."""
     ir, _, llvm, _, vector, _, _ = _mlir()
@@ -501,7 +627,7 @@ def _warpgroup_reduce(vals, red_ref, rows0, col0, combine):
     return out
 
 
-def _softmax_fn(R: int):
+def _softmax_fn(R: int, p_f32: bool = False):
     """One block's online softmax: (Sᵀ `[64, 16]` f32, stats `[64, 16]` f32 (registers (c, 0): running max m,
     (c, 1): this thread's partial row sum l, both in log2 units), outᵀ `[R, 16]` f32, the block's pool rows
     `[64]` i32 smem, the cross-warp buffer `[4, 16]` f32 smem, c2 `[16]` f32 smem) -> (Pᵀ `[64, 16]` f16, stats,
@@ -537,7 +663,7 @@ def _softmax_fn(R: int):
             p = [_approx("ex2", arith.subf(x[h][cb], m_use[cb])) for h in (0, 1)]
             st[reg(cb, 1)] = arith.addf(arith.mulf(st[reg(cb, 1)], corr[cb]), arith.addf(p[0], p[1]))
             for h in (0, 1):
-                p_regs[reg(cb, h)] = arith.truncf(v2f16, p[h])
+                p_regs[reg(cb, h)] = p[h] if p_f32 else arith.truncf(v2f16, p[h])
         o_regs = out.registers.copy()
         for ri in np.ndindex(o_regs.shape):
             o_regs[ri] = arith.mulf(o_regs[ri], corr[ri[1]])
@@ -565,9 +691,9 @@ def _init_stats_fn():
     return fn
 
 
-def _finish_fn(R: int, to_smem: bool = False):
+def _finish_fn(R: int, to_smem: bool = False, out_scale: float = 1.0):
     """(stats, outᵀ `[R, 16]` f32, cross-warp buffer, o gmem `[16, R]` f32, lse gmem `[16]` f32): the row sums
-    reduced over the warpgroup, o = outᵀ / l written straight from registers in natural dim order, lse =
+    reduced over the warpgroup, o = outᵀ · out_scale / l written straight from registers in natural dim order, lse =
     (m + log2 l)·ln 2 (−inf where l = 0, o = 0 there). `to_smem`: o_ref is instead a shared-memory byte buffer
     (this warpgroup's stages, ≥ 64·R bytes) that receives o `[16, R]` f32 row-major, and lse_ref a `[16]` f32
     shared-memory row (`_combine_fn` reads both)."""
@@ -587,7 +713,7 @@ def _finish_fn(R: int, to_smem: bool = False):
         for cb in range(2):
             good = arith.cmpf(arith.CmpFPredicate.OGT, l[cb], zero)
             l_safe = arith.select(good, l[cb], one)
-            inv.append(arith.select(good, arith.divf(one, l_safe), zero))
+            inv.append(arith.select(good, arith.divf(vector.broadcast(v2, mgu.c(out_scale, f32)), l_safe), zero))
             m = stats.registers[reg(cb, 0)]
             m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
             ln2 = vector.broadcast(v2, mgu.c(LN2, f32))
@@ -845,6 +971,9 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     f8 = cfg.logits_mma == "fp8"
     if cfg.logits_mma not in ("f16", "fp8") or (f8 and qk):
         raise ValueError(f"logits_mma must be 'f16' or 'fp8' (fp8 with prep='xla'), got {cfg.logits_mma!r}")
+    v8 = cfg.value_mma == "fp8"
+    if cfg.value_mma not in ("f16", "fp8"):
+        raise ValueError(f"value_mma must be 'f16' or 'fp8', got {cfg.value_mma!r}")
     if f8 != (isinstance(q, tuple)):
         raise ValueError("logits_mma='fp8' takes q as the (q_hi, q_lo) planes of `prepare_q_fp8`")
     q_hi, q_lo = q if f8 else (None, None)
@@ -880,12 +1009,19 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     value_a = [plgpu.inline_mgpu(arg_types=(ref,),
                                  return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg_ty))(
         _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
+    if v8:
+        v8_ty = plgpu.ShapeDtypeStruct((R, 32), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+        value_a = [plgpu.inline_mgpu(arg_types=(ref,), return_type=v8_ty)(_value_operand_fp8_fn(R, g))
+                   for g in range(KEYS // 32)]
+        p8_ref = plgpu.RefType(transforms=_q_fp8_transforms())
+        store_p = plgpu.inline_mgpu(arg_types=(wg_ty, p8_ref, p8_ref))(_store_p_fp8_fn())
     softmax = plgpu.inline_mgpu(
         arg_types=(wg_ty, wg_ty, wg_ty, ref, ref, ref),
-        return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float16, layout=wg_ty), f32_acc,
-                     plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg_ty)))(_softmax_fn(R))
+        return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32 if v8 else jnp.float16, layout=wg_ty),
+                     f32_acc, plgpu.ShapeDtypeStruct((R, HEADS), jnp.float32, layout=wg_ty)))(_softmax_fn(R, v8))
     init_stats = plgpu.inline_mgpu(return_type=f32_acc)(_init_stats_fn())
-    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(_finish_fn(R, to_smem=NW > 1))
+    finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(
+        _finish_fn(R, to_smem=NW > 1, out_scale=1 / P_SCALE if v8 else 1.0))
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
 
@@ -958,10 +1094,19 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
             s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
             p, stats, out = softmax(s_t, stats, out, idx_smem.at[block(i)], red_wg.at[i % 2], c2_smem)
-            p_wg[...] = p
+            if v8:  # P · 2^8 as e4m3 hi / lo planes, [heads, positions]
+                store_p(p, p_wg.at[0], p_wg.at[1])
+            else:
+                p_wg[...] = p
             plgpu.commit_smem()
 
             def pv(acc):
+                if v8:
+                    for g, fn in enumerate(value_a):
+                        a, cols = fn(stage), pl.ds(32 * g, 32)
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[0, :, cols], (1, 0)))
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[1, :, cols], (1, 0)))
+                    return
                 for kk, fn in enumerate(value_a):
                     plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
 
@@ -997,7 +1142,8 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         idx_smem=plgpu.SMEM((n_blk, KEYS), jnp.int32),
         c2_smem=plgpu.SMEM((HEADS,), jnp.float32),
         rows_smem=plgpu.SMEM(lead + (S, KEYS, stride), jnp.uint8),
-        p_smem=plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16),
+        p_smem=(plgpu.SMEM(lead + (2, HEADS, KEYS), jnp.float8_e4m3fn, transforms=_q_fp8_transforms()) if v8 else
+                plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16)),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
         q_bar=plgpu.Barrier(num_arrivals=2 if qk else 4 if f8 else 3),
