@@ -615,6 +615,9 @@ def test_mgpu_row_preparation_reproduces_the_grouped_matmul():
     for rows in (16, 32):
         (xe, xo), tile_group, num_tiles, pad_row, live = mm.prepare_rows(x, gs, E, rows)
         assert int(num_tiles[0]) == sum(-(-s // rows) for s in sizes)
+        padding = np.ones(xe.shape[0], bool)
+        padding[np.asarray(pad_row)[np.asarray(live)]] = False
+        assert not np.asarray(xe[padding]).any() and not np.asarray(xo[padding]).any()  # zeros between groups
         perm = mm.x_permutation(K // 2)
         lo, hi = mx.decode_lo_hi_f32(w.packed)  # [E, N, K/2] even / odd input elements, unscaled
         sc = jnp.repeat(mx.scale_f32(w.scale), mx.GROUP // 2, axis=-1)  # [E, N, K/2]: one scale per 16 bytes

@@ -30,7 +30,10 @@ cycle, stalls mostly not-selected / fixed-latency waits / math-pipe throttle. "f
 154 registers (a step's 16 group accumulators, 2 CTAs per SM) and stalls on shared-memory loads (one 4-byte load
 per word, the fold's scale bytes) and on the MMAs. Neither reaches the 0.7-of-copy bar; opt-in, `ops` keeps the
 Triton kernel. Next steps: a warp-specialised pipeline (`emit_pipeline_warp_specialized`: TMA issue off the compute
-warpgroups; a first version hung on the H200, `bench/runs/s11_gpu11_ws.patch`), 16-byte loads and chunked folds for "fp8", and the XLA row preparation fused (~55 µs of the op).
+warpgroups; a first version hung on the H200, `bench/runs/s11_gpu11_ws.patch`), 16-byte loads and chunked folds
+for "fp8", and a cheaper XLA row preparation (~55 µs of the op in session 11). Session 13 (not yet timed on a GPU):
+the bf16 path's rows are one gather — padded rows × permuted columns, out-of-range rows read as zeros — where
+they were a scatter-built index, a concatenated zero row (a copy of x), a row gather and a column gather.
 """
 
 from __future__ import annotations
@@ -256,23 +259,35 @@ def _tiles(group_sizes, E: int, t_max: int, rows: int):
     return tile_group, tile_end[-1:], tile_start * rows
 
 
-def _pad_rows(x, group_sizes, num_experts: int, rows: int):
-    """Rows padded per group to multiples of `rows` -> (x's rows in padded order `[m_pad, K]` (zeros between
-    groups), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live row mask `[M]`)."""
-    M, K = x.shape
+def _pad_plan(group_sizes, M: int, num_experts: int, rows: int):
+    """Rows padded per group to multiples of `rows`, as gathers only (no scatter) -> (source row of each padded row
+    `[m_pad]` (M: a zero row), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live
+    row mask `[M]`)."""
     E = num_experts
     t_max = -(-M // rows) + E
     m_pad = t_max * rows
     tile_group, num_tiles, pad_start = _tiles(group_sizes, E, t_max, rows)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    # padded row p: tile p // rows of group g, k-th padded row of g; a real row while k < the group's size
+    p = jnp.arange(m_pad, dtype=jnp.int32)
+    g = tile_group[p // rows]
+    k = p - pad_start[g]
+    src = jnp.where((p // rows < num_tiles[0]) & (k < sizes[g]), starts[g] + k, M)
     # padded row of each sorted row; rows past Σ sizes go to the last padded row (never a live tile's) and are zeroed
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     row = jnp.arange(M, dtype=jnp.int32)
     g_of_row = jnp.minimum(_group_of(ends, row), E - 1)
     live = row < ends[-1]
-    pad_row = jnp.where(live, pad_start[g_of_row] + row - (ends - group_sizes)[g_of_row], m_pad - 1)
-    src = jnp.full((m_pad,), M, jnp.int32).at[jnp.where(live, pad_row, m_pad)].set(row, mode="drop")
-    x_rows = jnp.concatenate([x, jnp.zeros((1, K), x.dtype)])[src]  # source row M: a zero row
-    return x_rows, tile_group, num_tiles, pad_row, live
+    pad_row = jnp.where(live, pad_start[g_of_row] + row - starts[g_of_row], m_pad - 1)
+    return src, tile_group, num_tiles, pad_row, live
+
+
+def _pad_rows(x, group_sizes, num_experts: int, rows: int):
+    """Rows padded per group to multiples of `rows` -> (x's rows in padded order `[m_pad, K]` (zeros between
+    groups), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live row mask `[M]`)."""
+    src, *plan = _pad_plan(group_sizes, x.shape[0], num_experts, rows)
+    return (x.at[src].get(mode="fill", fill_value=0), *plan)
 
 
 def _store_tile(acc, o_smem, out_ref, nb, t):
@@ -324,9 +339,11 @@ def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
     """XLA side of the bf16 path: `_pad_rows`, x split into even / odd elements in the kernel's contraction order
     -> (x planes `[2, m_pad, K/2]` bf16 (even, odd: one copy per step brings both), tile -> group, live tiles, padded
     row of each input row, live row mask)."""
-    x_rows, tile_group, num_tiles, pad_row, live = _pad_rows(x, group_sizes, num_experts, rows)
-    perm = jnp.asarray(x_permutation(x.shape[1] // 2))
-    xs = jnp.moveaxis(x_rows[:, jnp.stack([2 * perm, 2 * perm + 1])], 1, 0).astype(jnp.bfloat16)
+    src, tile_group, num_tiles, pad_row, live = _pad_plan(group_sizes, x.shape[0], num_experts, rows)
+    perm = x_permutation(x.shape[1] // 2)
+    cols = jnp.asarray(np.stack([2 * perm, 2 * perm + 1]))  # [2, K/2]: the even / odd planes' columns
+    # one gather: padded rows × permuted columns (row M, past the end, reads zeros)
+    xs = x.at[src[None, :, None], cols[:, None, :]].get(mode="fill", fill_value=0).astype(jnp.bfloat16)
     return xs, tile_group, num_tiles, pad_row, live
 
 
