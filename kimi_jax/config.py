@@ -587,7 +587,17 @@ def _deepseek_from_hf(hf: dict) -> ModelConfig:
 
 
 def from_hf_config(hf_top: dict) -> ModelConfig:
-    """Parse a Hugging Face `config.json` dict (kimi_k3 with `text_config`, kimi_linear, deepseek_v32)."""
+    """Parse a Hugging Face `config.json` dict (kimi_k3 with `text_config`, kimi_linear, deepseek_v32). A missing
+    required key is a ConfigError naming it."""
+    if not isinstance(hf_top, dict):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(hf_top).__name__}")
+    try:
+        return _from_hf_config(hf_top)
+    except KeyError as e:
+        raise ConfigError(f"{hf_top.get('model_type')} config.json lacks the required key {e.args[0]!r}") from None
+
+
+def _from_hf_config(hf_top: dict) -> ModelConfig:
     model_type = hf_top.get("model_type")
     if model_type == "kimi_k3":
         text = hf_top.get("text_config")
@@ -605,6 +615,21 @@ def from_hf_config(hf_top: dict) -> ModelConfig:
         f"unknown architecture: model_type={model_type!r}; supported: {', '.join(SUPPORTED_HF_TYPES)}")
 
 
+def _parse_file(path: str, parse) -> ModelConfig:
+    """A config file through `parse`; unreadable JSON or a bad config is a ConfigError naming the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON ({e})") from None
+    try:
+        return parse(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a valid config ({type(e).__name__}: {e})") from None
+
+
 def load_config(path_or_preset: str) -> ModelConfig:
     """A preset name, a kimi_jax checkpoint dir (`kimi_jax_config.json`) or a Hugging Face dir (`config.json`)."""
     if path_or_preset in PRESETS:
@@ -612,11 +637,9 @@ def load_config(path_or_preset: str) -> ModelConfig:
     if os.path.isdir(path_or_preset):
         ours = os.path.join(path_or_preset, "kimi_jax_config.json")
         if os.path.exists(ours):
-            with open(ours) as f:
-                return ModelConfig.from_dict(json.load(f))
+            return _parse_file(ours, ModelConfig.from_dict)
         hf = os.path.join(path_or_preset, "config.json")
         if os.path.exists(hf):
-            with open(hf) as f:
-                return from_hf_config(json.load(f))
+            return _parse_file(hf, from_hf_config)
         raise ConfigError(f"{path_or_preset} holds neither kimi_jax_config.json nor config.json")
     raise ConfigError(f"{path_or_preset!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory")

@@ -187,7 +187,13 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=Non
 
 
 def _mesh(mesh):
-    """Accept a Mesh, a `--mesh` string such as "8x1", or None."""
+    """Accept a Mesh, a `--mesh` string such as "8x1", or None. A Mesh with Explicit axes (`jax.make_mesh`'s
+    default) is re-made with Auto axes: the engine places its arrays with shardings and lets XLA propagate them."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        auto = jax.sharding.AxisType.Auto
+        if any(t != auto for t in mesh.axis_types):
+            mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+        return mesh
     if mesh is None or not isinstance(mesh, (str, dict)):
         return mesh
     from sharding.mesh import make_mesh

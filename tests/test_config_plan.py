@@ -73,6 +73,24 @@ def test_unknown_architecture_and_bad_layer_lists_are_clear_errors():
         C.get_preset("kimi-k9")
 
 
+def test_missing_keys_and_bad_json_are_clear_errors_naming_the_file(tmp_path):
+    """A config.json without a required key, or not JSON at all: a ConfigError naming the file (and the key);
+    the planner exits 2 with it, no traceback."""
+    hf = k3_hf_config()
+    del hf["text_config"]["moe_intermediate_size"]
+    with pytest.raises(C.ConfigError, match="lacks the required key 'moe_intermediate_size'"):
+        C.from_hf_config(hf)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(C.ConfigError, match="config.json: .*moe_intermediate_size"):
+        C.load_config(str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "kimi_jax.plan", "--config", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "moe_intermediate_size" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "config.json").write_text('{"model_type": "kimi_k3",')
+    with pytest.raises(C.ConfigError, match="config.json: cannot read it as JSON"):
+        C.load_config(str(tmp_path))
+
+
 def test_param_counts_of_k31_pro_from_abstract_shapes():
     counts = count_params(C.get_preset("kimi-k3.1-pro"))
     assert abs(counts["params_total"] / 2.8e12 - 1) <= 0.02
@@ -103,6 +121,15 @@ def test_dcp_holds_more_tokens_than_tp():
     assert tp["fits"] and dcp["fits"]
     assert dcp["max_cached_tokens"] > 8 * tp["max_cached_tokens"]
     assert dcp["max_1m_sequences"] > 5 * tp["max_1m_sequences"] >= 5
+
+
+def test_plan_reproduces_the_published_1m_token_capacities():
+    """SPEC §10: 3 concurrent 1M-token contexts on 8 × GB300 (288 GB) with TP8 + FP8, about 36 with DCP8 +
+    NVFP4 / MXFP4 (MXFP4 routed experts, the KDA state counted per sequence)."""
+    cfg = C.get_preset("kimi-k3.1-pro")
+    assert plan(cfg, mesh=(8, 1), hbm_gb=288)["max_1m_sequences"] == 3
+    dcp = plan(cfg, mesh=(8, 1), dcp=8, hbm_gb=288, kv_dtype="nvfp4", index_dtype="mxfp4")["max_1m_sequences"]
+    assert 33 <= dcp <= 39
 
 
 def test_plan_cli_json_keys():

@@ -80,12 +80,14 @@ def test_rules_experts_over_the_expert_axes():
 
 
 SCRIPT = textwrap.dedent("""
-    import numpy as np, kimi_jax
+    import jax, numpy as np, kimi_jax
     ids = np.random.RandomState(0).randint(0, 1000, (2, 20))
     ref = kimi_jax.load_model("tiny")
     r, g = ref.logits(ids), ref.generate(ids[:, :6], 3)
-    for mesh in ("2x4", "8x1", "expert=8,tensor=1,context=8"):
+    explicit = jax.make_mesh((4, 2), ("model", "data"))  # jax.make_mesh's default axes are Explicit
+    for mesh in ("2x4", "8x1", "expert=8,tensor=1,context=8", explicit):
         m = kimi_jax.load_model("tiny", mesh=mesh)
+        mesh = mesh if isinstance(mesh, str) else "make_mesh"
         assert len(m.params["embed_tokens"][...].sharding.device_set) == 8
         l = m.logits(ids)
         err = float(np.abs(l - r).max() / r.std())
@@ -102,3 +104,4 @@ def test_sharded_layouts_match_one_device():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2x4 ok" in out.stdout and "8x1 ok" in out.stdout and "context=8 ok" in out.stdout
+    assert "make_mesh ok" in out.stdout
