@@ -322,8 +322,10 @@ def _tiny() -> ModelConfig:
                       output_gate_rank=None, a_log_checkpoint_size=4),
         mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, output_gate=True, rope=None, q_norm_eps=1e-5, kv_norm_eps=1e-5),
-        indexer=IndexerConfig(num_heads=2, head_dim=16, topk=8, rope_dims=0, norm_eps=1e-5),
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2, latent_size=48,
+        # index head dim and latent width are multiples of 32, so every format runs on it: MXFP4 index keys (one
+        # E8M0 scale per 32) and MXFP4 routed experts (input widths 64 and 32)
+        indexer=IndexerConfig(num_heads=2, head_dim=32, topk=8, rope_dims=0, norm_eps=1e-5),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, num_shared_experts=2, latent_size=64,
                       latent_norm=True, routed_scaling_factor=1.0),
         attn_res_block_size=3,  # blocks close at layers 0, 3, 6: three stored blocks + the partial sum
         activation="situ",
@@ -591,10 +593,23 @@ def from_hf_config(hf_top: dict) -> ModelConfig:
     required key is a ConfigError naming it."""
     if not isinstance(hf_top, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(hf_top).__name__}")
+    _check_router(hf_top.get("text_config") if isinstance(hf_top.get("text_config"), dict) else hf_top)
     try:
         return _from_hf_config(hf_top)
     except KeyError as e:
         raise ConfigError(f"{hf_top.get('model_type')} config.json lacks the required key {e.args[0]!r}") from None
+
+
+# the routers this package implements (SPEC §7: sigmoid scores, a selection-only bias, group-limited top-k); a
+# config that names another is refused rather than run with the wrong router
+_ROUTER_KEYS = {"moe_router_activation_func": ("sigmoid",), "scoring_func": ("sigmoid",),
+                "topk_method": ("noaux_tc", "greedy", "group_limited_greedy")}
+
+
+def _check_router(hf: dict) -> None:
+    for key, ok in _ROUTER_KEYS.items():
+        if hf.get(key) is not None and hf[key] not in ok:
+            raise ConfigError(f"unsupported router: {key}={hf[key]!r} (supported: {', '.join(ok)})")
 
 
 def _from_hf_config(hf_top: dict) -> ModelConfig:

@@ -71,6 +71,10 @@ def test_unknown_architecture_and_bad_layer_lists_are_clear_errors():
         C.from_hf_config(bad)
     with pytest.raises(C.ConfigError, match="unknown preset"):
         C.get_preset("kimi-k9")
+    softmax = k3_hf_config()
+    softmax["text_config"]["moe_router_activation_func"] = "softmax"
+    with pytest.raises(C.ConfigError, match="unsupported router: moe_router_activation_func='softmax'"):
+        C.from_hf_config(softmax)
 
 
 def test_missing_keys_and_bad_json_are_clear_errors_naming_the_file(tmp_path):

@@ -486,8 +486,7 @@ def test_mxfp4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
     from kimi_jax.model import _flat, abstract_params
     from kimi_jax.plan import count_params, weight_bytes
 
-    cfg = get_preset("tiny")
-    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, latent_size=64))  # MXFP4 groups of 32 divide the width
+    cfg = get_preset("tiny")  # latent width 64: MXFP4 groups of 32 divide it
     hf, conv = tmp_path / "hf", tmp_path / "jax"
     write_k3_checkpoint(str(hf), cfg, seed=1, dtype="F32", shard_bytes=200_000)
     convert(str(hf), str(conv), dtype="keep", progress=False)

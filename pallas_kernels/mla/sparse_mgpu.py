@@ -440,28 +440,37 @@ def _first_dim(row0, R: int):
     return arith.muli(wg8, mgu.c(2 * (R // 64), index))
 
 
+def _value_slots(layout, R: int, ncols: int):
+    """A PV A operand's registers for one thread (`[R, ncols]`, WGMMA or WGMMA_8BIT layout): (registers shape,
+    `reg(i, block, half)` -> a register index, the first of the thread's 2T contiguous latent dims, the first column
+    of its block-0 register, and the vector types of one load of those dims: 2T bytes, as 2T / 4 words)."""
+    ir, _, _, _, _, _, _ = _mlir()
+    i8, i32, _, _ = _operand_types()
+    reg_shape = layout.registers_shape((R, ncols))
+    coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs((R, ncols))))
+
+    def reg(i, blk, h):
+        ix = [0] * len(reg_shape)
+        ix[0], ix[1], ix[4] = i, blk, h
+        return tuple(ix)
+
+    row0, col0 = coords[reg(0, 0, 0)]  # 16w + g and the thread's first column
+    nbytes = R // 32
+    return (reg_shape, reg, _first_dim(row0, R), col0, ir.VectorType.get((nbytes,), i8),
+            ir.VectorType.get((nbytes // 4,), i32))
+
+
 def _value_operand_fn(R: int, key0: int, nkeys: int):
     """rows smem `[64, c]` u8 -> the PV A operand Vᵀ for keys [key0, key0 + nkeys): `[R, nkeys]` f16 in the WGMMA
     layout (rows = latent dims in `value_dim_of_row` order, columns = keys in order)."""
-    T = R // 64
-    nbytes = 2 * T
+    nbytes = R // 32  # the thread's 2T dims
 
     def fn(ctx, rows_ref):
         del ctx
         ir, arith, llvm, _, vector, fa, mgu = _mlir()
-        i8, i32, f16, index = _operand_types()
+        _, i32, f16, index = _operand_types()
         layout = fa.WGMMA_LAYOUT
-        reg_shape = layout.registers_shape((R, nkeys))
-        coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs((R, nkeys))))
-
-        def reg(i, cb, h):
-            ix = [0] * len(reg_shape)
-            ix[0], ix[1], ix[4] = i, cb, h
-            return tuple(ix)
-
-        row0, two_t = coords[reg(0, 0, 0)]  # 16w + g, 2t
-        dim0 = _first_dim(row0, R)
-        vload, vword = ir.VectorType.get((nbytes,), i8), ir.VectorType.get((nbytes // 4,), i32)
+        reg_shape, reg, dim0, two_t, vload, vword = _value_slots(layout, R, nkeys)  # two_t: 2t
         v2f16 = ir.VectorType.get((2,), f16)
         quad = llvm.StructType.get_literal([i32] * 4)
         regs = np.empty(reg_shape, dtype=object)
@@ -518,27 +527,16 @@ def _value_operand_fp8_fn(R: int, group: int):
     (WGMMA_8BIT layout; rows = latent dims in `value_dim_of_row` order, columns = positions, keys `pv_key_of`).
     Thread q of a quad loads its 2T contiguous dims of the keys at its positions 4q..4q+3 (+16), then 4×4 byte
     transposes turn 4 keys × 4 dims into 4 registers of one dim × 4 keys."""
-    T = R // 64
-    nbytes = 2 * T
+    nbytes = R // 32  # the thread's 2T dims
 
     def fn(ctx, rows_ref):
         del ctx
         ir, arith, llvm, _, vector, fa, mgu = _mlir()
-        i8, i32, _, index = _operand_types()
+        _, i32, _, index = _operand_types()
         f8 = ir.Float8E4M3FNType.get()
         layout = fa.WGMMA_LAYOUT_8BIT
-        reg_shape = layout.registers_shape((R, 32))
-        coords = dict(zip(np.ndindex(reg_shape), layout.thread_idxs((R, 32))))
-
-        def reg(i, blk, h):
-            ix = [0] * len(reg_shape)
-            ix[0], ix[1], ix[4] = i, blk, h
-            return tuple(ix)
-
-        row0, four_q = coords[reg(0, 0, 0)]  # 16w + g, 4q
+        reg_shape, reg, dim0, four_q, vload, vword = _value_slots(layout, R, 32)  # four_q: 4q
         quad = arith.divui(four_q, mgu.c(4, index))
-        dim0 = _first_dim(row0, R)
-        vload, vword = ir.VectorType.get((nbytes,), i8), ir.VectorType.get((nbytes // 4,), i32)
         v4f8 = ir.VectorType.get((4,), f8)
         quad_ty = llvm.StructType.get_literal([i32] * 4)
         regs = np.empty(reg_shape, dtype=object)
