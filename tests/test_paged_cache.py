@@ -68,8 +68,11 @@ def test_for_budget_and_bad_sizes():
     assert spec.num_blocks == 10
     with pytest.raises(ValueError, match="at least 2"):
         PagedCacheSpec.create(cfg, num_blocks=1)
+    tiny = get_preset("tiny")
+    narrow = tiny.replace(indexer=dataclasses.replace(tiny.indexer, head_dim=16))  # 16-wide keys
     with pytest.raises(ValueError, match="multiple of 32"):
-        PagedCacheSpec.create(get_preset("tiny"), num_blocks=4, index_dtype="mxfp4")  # 16-wide keys
+        PagedCacheSpec.create(narrow, num_blocks=4, index_dtype="mxfp4")
+    assert PagedCacheSpec.create(tiny, num_blocks=4, index_dtype="mxfp4").num_blocks == 4  # tiny's keys: 32 wide
 
 
 # ------------------------------------------------------------------------------------------------ allocator
