@@ -129,7 +129,8 @@ def main(argv=None) -> int:
                "excluded), from abstract shapes of the real modules. params_active = total minus the routed "
                "experts a token does not use: (num_experts - top_k) x one expert x MoE layers. Capacity: each "
                "device gets hbm x utilisation minus its share of the weights (split over the model-parallel axis); "
-               "under TP every device keeps every token's latent, under --dcp N tokens are split N ways.",
+               "under TP every device keeps every token's latent, under --dcp N tokens are split N ways; each "
+               "sequence's KDA state is counted whole on every device, as the published capacities count it.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="preset name (e.g. kimi-k3.1-pro, tiny) or checkpoint directory")
     p.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES, help="latent cache format (default fp8)")
