@@ -1,4 +1,5 @@
 # Session 13, call 2: the cluster merge (merge="cluster": a sequence's splits as one thread-block cluster, merged
+# (merge="cluster" was removed after this run; its code is in commit 43303f4.)
 # through distributed shared memory) under a short timeout first; then its ptxas report, the op's parts (prepare_q,
 # the merge kernel) and whole-op timings against the Triton storage preset at B = 32, H = 12, ctx 32K.
 source bench/device_env.sh

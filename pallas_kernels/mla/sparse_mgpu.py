@@ -974,9 +974,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         raise ValueError(f"value_mma must be 'f16' or 'fp8', got {cfg.value_mma!r}")
     if f8 != (isinstance(q, tuple)):
         raise ValueError("logits_mma='fp8' takes q as the (q_hi, q_lo) planes of `prepare_q_fp8`")
-    q_hi, q_lo = q if f8 else (None, None)
-    if f8:
-        q = q_hi
+    q, q_lo = q if f8 else (q, None)  # fp8 logits: q's hi plane goes where the f16 q would, lo beside it
     if qk and (c2 is not None or scale is None or q.shape[1] != H or q.dtype not in (jnp.float32, jnp.bfloat16)):
         raise ValueError("prep='kernel' takes the raw q [B, H, c] (f32 or bf16), c2=None and the logit scale")
     stride = row_stride(c)
@@ -1004,15 +1002,16 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         logits_a = [plgpu.inline_mgpu(arg_types=(ref,),
                                       return_type=plgpu.ShapeDtypeStruct((KEYS, LC), jnp.float16, layout=wg_ty))(
             _logits_operand_fn(j * LC, LC)) for j in range(c // LC)]
-    value_a = [plgpu.inline_mgpu(arg_types=(ref,),
-                                 return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg_ty))(
-        _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
     if v8:
         v8_ty = plgpu.ShapeDtypeStruct((R, 32), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
         value_a = [plgpu.inline_mgpu(arg_types=(ref,), return_type=v8_ty)(_value_operand_fp8_fn(R, g))
                    for g in range(KEYS // 32)]
         p8_ref = plgpu.RefType(transforms=_q_fp8_transforms())
         store_p = plgpu.inline_mgpu(arg_types=(wg_ty, p8_ref, p8_ref))(_store_p_fp8_fn())
+    else:
+        value_a = [plgpu.inline_mgpu(arg_types=(ref,),
+                                     return_type=plgpu.ShapeDtypeStruct((R, VK), jnp.float16, layout=wg_ty))(
+            _value_operand_fn(R, j * VK, VK)) for j in range(KEYS // VK)]
     softmax = plgpu.inline_mgpu(
         arg_types=(wg_ty, wg_ty, wg_ty, ref, ref, ref),
         return_type=(plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32 if v8 else jnp.float16, layout=wg_ty),
