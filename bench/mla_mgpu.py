@@ -94,8 +94,15 @@ def main():
                 pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * PAGE, R + ROPE)
                 for cfg in configs if "kernel" in what else ():
                     c = sm.MgpuSparseConfig(**cfg)
-                    # the kernel's q input: prepared by XLA (`prepare_q`), or raw with prep="kernel"
-                    q16, c2 = (q, None) if c.prep == "kernel" else sm.prepare_q(q, 0.5 * 192 ** -0.5)
+                    # the kernel's q input: prepared by XLA (`prepare_q`, or its two e4m3 planes for the fp8
+                    # logits), or raw with prep="kernel"
+                    if c.prep == "kernel":
+                        q16, c2 = q, None
+                    elif c.logits_mma == "fp8":
+                        *q16, c2 = sm.prepare_q_fp8(q, 0.5 * 192 ** -0.5)
+                        q16 = tuple(q16)
+                    else:
+                        q16, c2 = sm.prepare_q(q, 0.5 * 192 ** -0.5)
                     slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(idx, c.splits, c.warpgroups)))(sel)
                     # a corner of o: the chain's per-call sum then reads 64 bytes, not the 8 MB of partials
                     kern = jax.jit(lambda q16, c2, slots: jax.tree_util.tree_map(
