@@ -23,8 +23,8 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -177,6 +177,19 @@ def check_destination(dst: str, overwrite: bool, *, sources=()) -> None:
         raise ConvertError(f"destination {dst} already exists; pass --overwrite to replace it")
 
 
+def _fresh_dir(prefix: str) -> str:
+    """A new directory `prefix` + a random suffix, made by a plain mkdir: the mode a user expects of their output
+    (0777 less the umask; `tempfile.mkdtemp` would leave the finished checkpoint private, 0700)."""
+    for _ in range(100):
+        path = prefix + secrets.token_hex(4)
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise ConvertError(f"could not create a temporary directory {prefix}*")
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str, overwrite: bool):
     """Yield a fresh temporary directory beside `dst`; on success rename it to `dst` (replacing an existing one only
@@ -184,7 +197,7 @@ def atomic_directory(dst: str, overwrite: bool):
     dst = os.path.abspath(dst)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    tmp = _fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
     try:
         yield tmp
         if os.path.lexists(dst):

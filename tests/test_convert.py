@@ -410,6 +410,10 @@ def test_destination_exists_and_overwrite(kl_dir, tmp_path):
     convert(str(kl_dir), str(dst), overwrite=True, dtype="keep", progress=False)
     assert not (dst / "keep.txt").exists() and (dst / "kimi_jax_checkpoint.json").exists()
     assert leftovers(tmp_path) == []
+    # the finished checkpoint has a plain directory's mode (not a temp dir's private 0700)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (dst.stat().st_mode & 0o777) == 0o777 & ~umask
     (tmp_path / "out").mkdir()
     with pytest.raises(ConvertError, match="already exists"):
         export(str(dst), str(tmp_path / "out"), progress=False)
