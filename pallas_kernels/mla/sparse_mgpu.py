@@ -168,7 +168,8 @@ def fp8_q_permutation(c: int) -> np.ndarray:
 
 def prepare_q_fp8(q_bhc, qscale):
     """`prepare_q` for logits_mma="fp8": q `[B, H, c]` and the logit scale -> (q_hi, q_lo `[B, 16, c]` e4m3 in
-    `fp8_q_permutation` order, heads zero-padded; c2 `[B, 16]` f32 = each head's 1/c (`split_e4m3_planes`) · log2 e)."""
+    `fp8_q_permutation` order, heads zero-padded; c2 `[B, 16]` f32 = each head's 1/c (`split_e4m3_planes`) ·
+    log2 e)."""
     B, H, c = q_bhc.shape
     if H > HEADS:
         raise ValueError(f"the mgpu sparse MLA kernel takes ≤ {HEADS} heads per call, got {H}")
@@ -374,29 +375,38 @@ def _operand_types():
     return ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
 
 
+def _logits_words(rows_ref, rows, t16, col0: int, width: int):
+    """The logits operand's loads, shared by the f16 and fp8 builders: for each row half h (key rows `_key_of` of
+    the thread's fragment rows) and 64-column chunk q, thread t's 16 bytes [col0 + 64q + 16t, +16) as 4 words ->
+    yields (h, q, s, word s) (t16 = 16t, an index value)."""
+    ir, arith, _, _, vector, _, mgu = _mlir()
+    i8, i32, _, index = _operand_types()
+    v16i8, v4i32 = ir.VectorType.get((16,), i8), ir.VectorType.get((4,), i32)
+    keys = [_key_of(r) for r in rows]
+    for h in (0, 1):
+        for q in range(width // CHUNK):
+            col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
+            words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
+            for s in range(4):
+                yield h, q, s, vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
+
+
 def _logits_operand_fn(col0: int, width: int):
     """rows smem `[64, c]` u8 (one stage) -> the logits A operand for latent columns [col0, col0 + width):
     `[64, width]` f16 in the WGMMA layout (keys = rows; thread t's 16 bytes per 64-column chunk, word s = k-step s)."""
     def fn(ctx, rows_ref):
         del ctx
-        ir, arith, llvm, _, vector, fa, mgu = _mlir()
-        i8, i32, f16, index = _operand_types()
+        ir, arith, llvm, _, _, fa, mgu = _mlir()
+        _, i32, f16, index = _operand_types()
         layout = fa.WGMMA_LAYOUT
         reg_shape, reg, rows, two_t = _fragment_slots(layout, (KEYS, width))
-        t16 = arith.muli(two_t, mgu.c(8, index))
-        keys = [_key_of(r) for r in rows]
-        v16i8, v4i32, v2f16 = (ir.VectorType.get(s, t) for s, t in (((16,), i8), ((4,), i32), ((2,), f16)))
+        v2f16 = ir.VectorType.get((2,), f16)
         pair = llvm.StructType.get_literal([i32] * 2)
         regs = np.empty(reg_shape, dtype=object)
-        for h in (0, 1):
-            for q in range(width // CHUNK):
-                col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
-                words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
-                for s in range(4):
-                    w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
-                    out = llvm.inline_asm(pair, [w], CVT_E4M3X4_F16_PTX, "=r,=r,r")
-                    for e in (0, 1):
-                        regs[reg(8 * q + 2 * s + e, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [e]), v2f16)
+        for h, q, s, w in _logits_words(rows_ref, rows, arith.muli(two_t, mgu.c(8, index)), col0, width):
+            out = llvm.inline_asm(pair, [w], CVT_E4M3X4_F16_PTX, "=r,=r,r")
+            for e in (0, 1):
+                regs[reg(8 * q + 2 * s + e, h)] = mgu.bitcast(llvm.extractvalue(i32, out, [e]), v2f16)
         return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
     return fn
@@ -408,23 +418,15 @@ def _logits_operand_fp8_fn(col0: int, width: int):
     (`fp8_q_permutation`'s order; the same loads and key rows as the f16 path)."""
     def fn(ctx, rows_ref):
         del ctx
-        ir, arith, _, _, vector, fa, mgu = _mlir()
-        i8, i32, _, index = _operand_types()
-        f8 = ir.Float8E4M3FNType.get()
+        ir, arith, _, _, _, fa, mgu = _mlir()
+        _, _, _, index = _operand_types()
         layout = fa.WGMMA_LAYOUT_8BIT
         reg_shape, reg, rows, four_q = _fragment_slots(layout, (KEYS, 32))
         assert reg_shape[1] == 2 and reg_shape[4] == 2 and np.prod(reg_shape) == 4, reg_shape
-        t16 = arith.muli(four_q, mgu.c(4, index))
-        keys = [_key_of(r) for r in rows]
-        v16i8, v4i32, v4f8 = (ir.VectorType.get(sh, t) for sh, t in (((16,), i8), ((4,), i32), ((4,), f8)))
+        v4f8 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
         groups = [np.empty(reg_shape, dtype=object) for _ in range(width // 32)]
-        for h in (0, 1):
-            for q in range(width // CHUNK):
-                col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
-                words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
-                for s in range(4):
-                    w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
-                    groups[2 * q + s // 2][reg(s % 2, h)] = mgu.bitcast(w, v4f8)
+        for h, q, s, w in _logits_words(rows_ref, rows, arith.muli(four_q, mgu.c(4, index)), col0, width):
+            groups[2 * q + s // 2][reg(s % 2, h)] = mgu.bitcast(w, v4f8)
         return tuple(fa.FragmentedArray(_registers=g, _layout=layout, _is_signed=None) for g in groups)
 
     return fn
