@@ -222,6 +222,16 @@ def _thread_in_wg():
     return arith.remui(mgu.thread_idx(), mgu.c(128, i32))
 
 
+def _thread_in_cta(wg):
+    """The thread's index in the CTA (an index value): 128 · warpgroup + its index in the warpgroup; `wg` is the
+    inline function's optional warpgroup argument (empty with one warpgroup)."""
+    ir, arith, _, _, _, _, mgu = _mlir()
+    tid = _thread_in_wg()
+    if wg:
+        tid = arith.addi(tid, arith.muli(_scalar(wg[0]), mgu.c(128, ir.IntegerType.get_signless(32))))
+    return arith.index_cast(ir.IndexType.get(), tid)
+
+
 def _kappa(g):
     """KAPPA on an index value in [0, 8)."""
     ir, arith, _, _, _, _, mgu = _mlir()
@@ -750,6 +760,23 @@ def _finish_fn(R: int, to_smem: bool = False, out_scale: float = 1.0):
     return fn
 
 
+def _merge_coefs(lses, scale):
+    """Partials' lse values (f32 scalars, natural log) and an output scale -> (each partial's coefficient
+    w_i · scale / Σ w, the merged lse), `reference.merge_partials`' maths; no mass at all: coefficients 0, lse −inf."""
+    ir, arith, _, _, _, _, mgu = _mlir()
+    f32 = ir.F32Type.get()
+    neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
+    m = functools.reduce(arith.maximumf, lses)
+    m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
+    ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
+    tot = functools.reduce(arith.addf, ws)
+    good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
+    inv = arith.select(good, arith.divf(scale, arith.select(good, tot, one)), zero)
+    lg = _approx("lg2", arith.select(good, tot, one))
+    lse = arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf)
+    return [arith.mulf(w, inv) for w in ws], lse
+
+
 def _combine_fn(R: int, nw: int, wg_bytes: int):
     """After every warpgroup's `_finish_fn(to_smem=True)` and a CTA barrier: warpgroup wg merges heads
     [wg·16/nw, (wg + 1)·16/nw) of the nw partials (o `[16, R]` f32 at byte wg'·wg_bytes of the stage buffer,
@@ -768,26 +795,18 @@ def _combine_fn(R: int, nw: int, wg_bytes: int):
         tid = arith.index_cast(index, _thread_in_wg())
         dim = arith.muli(tid, mgu.c(dpt, index))
         base = mgu.memref_ptr(stage_ref)
-        neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
         for hh in range(hpw):
             head = arith.addi(arith.muli(wg, mgu.c(hpw, index)), mgu.c(hh, index))
             lses = [memref.load(lse_parts_ref, [mgu.c(i, index), head]) for i in range(nw)]
-            m = functools.reduce(arith.maximumf, lses)
-            m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
-            ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
-            tot = functools.reduce(arith.addf, ws)
-            good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
-            inv = arith.select(good, arith.divf(one, arith.select(good, tot, one)), zero)
+            coefs, lse = _merge_coefs(lses, mgu.c(1.0, f32))
             acc = None
-            for i, w in enumerate(ws):
+            for i, coef in enumerate(coefs):
                 off = arith.muli(arith.addi(arith.muli(head, mgu.c(R, index)), dim), mgu.c(4, index))
                 off = arith.addi(off, mgu.c(i * wg_bytes, index))
                 part = llvm.load(vty, mgu.getelementptr(base, [arith.index_cast(i32, off)], i8), alignment=4 * dpt)
-                term = arith.mulf(part, vector.broadcast(vty, arith.mulf(w, inv)))
+                term = arith.mulf(part, vector.broadcast(vty, coef))
                 acc = term if acc is None else arith.addf(acc, term)
             vector.store(acc, o_ref, [head, dim])
-            lg = _approx("lg2", arith.select(good, tot, one))
-            lse = arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf)
             with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
                 memref.store(lse, lse_ref, [head])
 
@@ -829,10 +848,7 @@ def _prep_q_fn(c: int, H: int, nw: int):
         base = mgu.memref_ptr(qraw_ref)
         index = ir.IndexType.get()
         void = ir.Type.parse("!llvm.void")
-        tid = _thread_in_wg()
-        if wg:
-            tid = arith.addi(tid, arith.muli(_scalar(wg[0]), mgu.c(128, i32)))
-        tid = arith.index_cast(index, tid)
+        tid = _thread_in_cta(wg)
         lane, warp = arith.remui(tid, mgu.c(32, index)), arith.divui(tid, mgu.c(32, index))
         ci = lambda v: mgu.c(v, index)  # noqa: E731
         # _q_lane_part in index arithmetic
@@ -896,10 +912,7 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int):
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         index = ir.IndexType.get()
         void = ir.Type.parse("!llvm.void")
-        tid = _thread_in_wg()
-        if wg:
-            tid = arith.addi(tid, arith.muli(_scalar(wg[0]), mgu.c(128, i32)))
-        tid = arith.index_cast(index, tid)
+        tid = _thread_in_cta(wg)
         _asm(void, [], "fence.acq_rel.gpu;", "")  # this thread's partial writes, before the count
         gpu.barrier()
         with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
@@ -913,23 +926,16 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int):
             vty = ir.VectorType.get((dpt,), f32)
             dim = arith.muli(tid, mgu.c(dpt, index))
             ls = memref.load(ls_ref, [mgu.c(0, index)])
-            neg_inf, zero, one = (mgu.c(v, f32) for v in (-math.inf, 0.0, 1.0))
             # every load first (one L2 round trip for all heads, not one per head), then the arithmetic
             heads = [mgu.c(h, index) for h in range(H)]
             lse_all = [[memref.load(lse_part_ref, [mgu.c(sp, index), hd]) for sp in range(ns)] for hd in heads]
             o_all = [[vector.load(vty, o_part_ref, [mgu.c(sp, index), hd, dim]) for sp in range(ns)] for hd in heads]
             lse_out = []
             for hd, lses, parts in zip(heads, lse_all, o_all):
-                m = functools.reduce(arith.maximumf, lses)
-                m = arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, m, neg_inf), zero, m)
-                ws = [_approx("ex2", arith.mulf(arith.subf(x, m), mgu.c(LOG2E, f32))) for x in lses]
-                tot = functools.reduce(arith.addf, ws)
-                good = arith.cmpf(arith.CmpFPredicate.OGT, tot, zero)
-                inv = arith.select(good, arith.divf(ls, arith.select(good, tot, one)), zero)
-                terms = [arith.mulf(part, vector.broadcast(vty, arith.mulf(wt, inv))) for part, wt in zip(parts, ws)]
+                coefs, lse = _merge_coefs(lses, ls)
+                terms = [arith.mulf(part, vector.broadcast(vty, coef)) for part, coef in zip(parts, coefs)]
                 vector.store(functools.reduce(arith.addf, terms), o_ref, [hd, dim])
-                lg = _approx("lg2", arith.select(good, tot, one))
-                lse_out.append(arith.select(good, arith.addf(m, arith.mulf(lg, mgu.c(LN2, f32))), neg_inf))
+                lse_out.append(lse)
             with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
                 for hd, lse in zip(heads, lse_out):
                     memref.store(lse, lse_ref, [hd])
