@@ -31,9 +31,10 @@ cycle, stalls mostly not-selected / fixed-latency waits / math-pipe throttle. "f
 per word, the fold's scale bytes) and on the MMAs. Neither reaches the 0.7-of-copy bar; opt-in, `ops` keeps the
 Triton kernel. Next steps: a warp-specialised pipeline (`emit_pipeline_warp_specialized`: TMA issue off the compute
 warpgroups; a first version hung on the H200, `bench/runs/s11_gpu11_ws.patch`), 16-byte loads and chunked folds
-for "fp8", and a cheaper XLA row preparation (~55 µs of the op in session 11). Session 13 (not yet timed on a GPU):
-the bf16 path's rows are one gather — padded rows × permuted columns, out-of-range rows read as zeros — where
-they were a scatter-built index, a concatenated zero row (a copy of x), a row gather and a column gather.
+for "fp8", and a cheaper XLA row preparation (~55 µs of the op in session 11). Session 13 made the bf16 path's rows
+one element gather (padded rows × permuted columns): 100–355 µs around the kernel on the H200 (session 14), its
+index array being 16 bytes per element. They are now a row gather and a static reshape / transpose (the column
+permutation is a permutation of digits, `_planes_in_contraction_order`).
 """
 
 from __future__ import annotations
@@ -335,16 +336,23 @@ def _launch(body, N: int, m_pad: int, cfg: MgpuConfig):
     )
 
 
+def _planes_in_contraction_order(x_rows):
+    """`[m, K]` -> the even / odd element planes in the kernel's contraction order `[2, m, K/2]`: plane e, column L
+    holds x[:, 2·perm[L] + e] (`x_permutation`). perm is a digit permutation — within each 64-byte block the
+    physical byte 16q + 4s + 2t₁ + t₀ is logical column 16s + 8t₁ + 2q + t₀ — so this is a reshape and a transpose
+    (one fused copy), not an element gather (whose index array is 16 bytes per element of x)."""
+    m, K = x_rows.shape
+    # x column 2·P + e with P = 64·b + 16q + 4s + 2t₁ + t₀
+    x7 = x_rows.reshape(m, K // (2 * BLOCK), 4, 4, 2, 2, 2)  # [m, b, q, s, t1, t0, e]
+    return x7.transpose(6, 0, 1, 3, 4, 2, 5).reshape(2, m, K // 2)  # [e, m, b, s, t1, q, t0]
+
+
 def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
     """XLA side of the bf16 path: `_pad_rows`, x split into even / odd elements in the kernel's contraction order
     -> (x planes `[2, m_pad, K/2]` bf16 (even, odd: one copy per step brings both), tile -> group, live tiles, padded
     row of each input row, live row mask)."""
-    src, tile_group, num_tiles, pad_row, live = _pad_plan(group_sizes, x.shape[0], num_experts, rows)
-    perm = x_permutation(x.shape[1] // 2)
-    cols = jnp.asarray(np.stack([2 * perm, 2 * perm + 1]))  # [2, K/2]: the even / odd planes' columns
-    # one gather: padded rows × permuted columns (row M, past the end, reads zeros)
-    xs = x.at[src[None, :, None], cols[:, None, :]].get(mode="fill", fill_value=0).astype(jnp.bfloat16)
-    return xs, tile_group, num_tiles, pad_row, live
+    x_rows, tile_group, num_tiles, pad_row, live = _pad_rows(x.astype(jnp.bfloat16), group_sizes, num_experts, rows)
+    return _planes_in_contraction_order(x_rows), tile_group, num_tiles, pad_row, live
 
 
 def prepare_rows_fp8(x, group_sizes, num_experts: int, rows: int = 16):
@@ -489,10 +497,18 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     if config.mma == "fp8":
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = prepare_rows_fp8(x, group_sizes, w.num_experts,
                                                                                  config.rows)
-        out = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)[:, pad_row].T * inv[pad_row][:, None]
+        out_t = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
+        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
-        out = kernel_call(xs, tile_group, num_tiles, w, config)[:, pad_row].T
-    else:
-        raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
+        return unpad_output(kernel_call(xs, tile_group, num_tiles, w, config), pad_row, live, out_dtype)
+    raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
+
+
+def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None):
+    """The kernel's outᵀ `[N, m_pad]` fp32 -> `[M, N]` `out_dtype`: each input row's padded row (`pad_row [M]`),
+    times `row_scale[padded row]` if given (the fp8 path's 1/row scale), zeros where `live [M]` is false."""
+    out = out_t[:, pad_row].T
+    if row_scale is not None:
+        out = out * row_scale[pad_row][:, None]
     return jnp.where(live[:, None], out, 0).astype(out_dtype)
