@@ -238,19 +238,21 @@ def test_supports_only_fp8_rows_at_kernel_widths():
 
 
 ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's default
+TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel (session 13)
 
 
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG),
                                  sm.MgpuSparseConfig(**ONE_WG, stages=3, logits_chunk=64, value_keys=64, logits_accs=3),
                                  sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
-                                 sm.MgpuSparseConfig(merge="last"), sm.MgpuSparseConfig(**ONE_WG, merge="last"),
-                                 sm.MgpuSparseConfig(merge="last", prep="kernel"),
-                                 sm.MgpuSparseConfig(**ONE_WG, prep="kernel"),
+                                 sm.MgpuSparseConfig(**TWO_LAUNCHES),
+                                 sm.MgpuSparseConfig(**ONE_WG, **TWO_LAUNCHES),
+                                 sm.MgpuSparseConfig(merge="last", prep="xla"),
+                                 sm.MgpuSparseConfig(**ONE_WG, prep="kernel", merge="kernel"),
                                  sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16,
                                                      prep="kernel"),
-                                 sm.MgpuSparseConfig(logits_mma="fp8"),
-                                 sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, merge="last"),
-                                 sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8"),
+                                 sm.MgpuSparseConfig(logits_mma="fp8", **TWO_LAUNCHES),
+                                 sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, prep="xla"),
+                                 sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8", **TWO_LAUNCHES),
                                  sm.MgpuSparseConfig(**ONE_WG, value_mma="fp8", prep="kernel", merge="last")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
@@ -300,7 +302,8 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
 @pytest.mark.parametrize("cfg", [dict(ONE_WG, stages=3), dict(ONE_WG, logits_chunk=64, value_keys=16),
                                  dict(ONE_WG, logits_chunk=576, value_keys=64), dict(ONE_WG, logits_accs=3),
                                  dict(ONE_WG, logits_chunk=64, logits_accs=9),
-                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16), {}])
+                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
+                                 TWO_LAUNCHES, {}])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)

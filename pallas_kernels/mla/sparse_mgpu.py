@@ -44,17 +44,17 @@ alone, whole op 35.9–39.7 µs (0.23–0.25 of copy) vs the Triton preset's 39.
 atomic counter) op 36.5 vs 35.9; a cluster merge through distributed shared memory (commit 43303f4, since removed)
 53.0 — 4-CTA clusters at one CTA per SM do not all fit at once.
 
-NOT yet run on a GPU (written after session 13's last device call; lowers for CUDA on CPU): `prep="kernel"` —
-each CTA prepares q itself from the raw row (`_prep_q_fn`: the same bits as `prepare_q`, written into q's tiled,
-128-byte-swizzled shared-memory layout by hand), so `prep="kernel", merge="last"` is the whole op in one launch.
-Also not yet run: `logits_mma="fp8"` — the logits on e4m3 tensor cores straight from the stored bytes (no
-conversion: 144 fewer `cvt` per thread and block, ≈ 13% of the instructions), q as two e4m3 planes (op error on CPU
-in the contract emulation 7.8e-4 vs 2.9e-4 with f16 q; bar 5e-3); and `value_mma="fp8"` — the PV product on e4m3
-tensor cores: 4×4 byte transposes (`_TRANSPOSE4`, 8 `prmt` per 16 bytes) instead of `prmt` + `cvt` per 2 bytes
-(≈ 128 fewer instructions per thread and block), P · 2^8 as two e4m3 planes stored transposed by hand into the
-swizzled B layout (`_store_p_fp8_fn`), positions `pv_key_of` (conflict-free loads, checked on CPU). Both fp8
-products: 9.0e-4–9.8e-4 in the emulation. The PTX blocks assemble (pip triton's ptxas, sm_90a). First device step:
-`pytest -x -q -m gpu tests/test_sparse_mgpu.py -k "kernel- or fp8"` under a short timeout.
+Written in session 13, first run on the H200 in session 14 (all correct the first time, `bench/runs/s14_gpu1.sh`):
+`prep="kernel"` — each CTA prepares q itself from the raw row (`_prep_q_fn`: the same bits as `prepare_q`, written
+into q's tiled, 128-byte-swizzled shared-memory layout by hand), so `prep="kernel", merge="last"` is the whole op in
+one launch: **op 33.8 µs vs 43.2** for the two-launch op with q prepared in XLA (Triton preset 42.1, copy 4.23 TB/s;
+0.26 of copy against the 0.60 bar), now the default. `logits_mma="fp8"` — the logits on e4m3 tensor cores straight
+from the stored bytes (no conversion), q as two e4m3 planes (CPU contract emulation error 7.8e-4 vs 2.9e-4 with
+f16 q; bar 5e-3) — and `value_mma="fp8"` — the PV product on e4m3 tensor cores: 4×4 byte transposes
+(`_TRANSPOSE4`, 8 `prmt` per 16 bytes) instead of `prmt` + `cvt` per 2 bytes, P · 2^8 as two e4m3 planes stored
+transposed by hand into the swizzled B layout (`_store_p_fp8_fn`), positions `pv_key_of` — remove ≈ 270 of ≈ 1,070
+instructions per warp and block but barely move the kernel (25.3 / 25.5 µs vs 26.3 alone): it is not issue-bound.
+As whole ops they lose (50.8 µs: the q planes are XLA work); opt-in.
 
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
@@ -88,8 +88,9 @@ LN2 = 0.6931471805599453
 
 @dataclasses.dataclass(frozen=True)
 class MgpuSparseConfig:
-    """Defaults: the fastest measured at B = 32, H = 12, 32K (session 13: kernel 26.5–29.9 µs vs 30.0 for one
-    warpgroup and 8 splits; whole op 35.9–39.7 vs 43.1)."""
+    """Defaults: the fastest measured at B = 32, H = 12, 32K: 2 warpgroups × 4 splits (session 13: kernel
+    26.5–29.9 µs vs 30.0 for one warpgroup and 8 splits), the whole op in one launch (session 14: 33.8 µs vs 43.2
+    with q prepared in XLA and a merge launch, Triton 42.1)."""
     splits: int = 4  # CTAs per sequence, each over k / splits slots (a multiple of 64)
     stages: int = 2  # gathered blocks in flight per warpgroup (64 rows · (c + 32) B: 38 KB each at K3)
     logits_chunk: int = 192  # latent columns converted per logits wgmma call (a multiple of 64 dividing c)
@@ -105,19 +106,21 @@ class MgpuSparseConfig:
     # how the splits' partials meet: "kernel" — written to gmem and merged by `sparse_gpu`'s Pallas merge kernel (a
     # second launch); "last" — the same partials, merged in this kernel by the sequence's last CTA to finish (a
     # global atomic counter per sequence, `_last_merge_fn`; the partials come back from L2), which writes the final
-    # o `[B, H, R]` itself: one launch fewer, the same time so far (session 13: op 36.5 vs 35.9 µs)
-    merge: str = "kernel"
+    # o `[B, H, R]` itself: one launch fewer (session 13: op 36.5 vs 35.9 µs alone; with prep="kernel" 33.8 vs 43.2)
+    merge: str = "last"
     # where q is prepared (scaled, normalised per head by a power of two, permuted into the contraction order, f16):
     # "xla" — `prepare_q`, a separate XLA op; "kernel" — each CTA from the raw q row of its sequence (`_prep_q_fn`,
     # the same bits), so with merge="last" the whole op is one launch
-    prep: str = "xla"
+    prep: str = "kernel"
     # the logits' tensor-core type: "f16" — each stored e4m3 byte converted into the A registers (`cvt`), q in f16;
     # "fp8" — the stored bytes ARE the A registers (no conversion), q as two e4m3 planes (hi + lo ≈ 8 significant
-    # bits, `moe.mxfp4.split_e4m3_planes`), two e4m3 wgmmas per 32 columns (`prepare_q_fp8`; prep="xla" only)
+    # bits, `moe.mxfp4.split_e4m3_planes`), two e4m3 wgmmas per 32 columns (`prepare_q_fp8`; prep="xla" only).
+    # Session 14: kernel 25.3 vs 26.3 µs, but the op (q planes in XLA) 50.8 vs 43.2 with prep="xla"
     logits_mma: str = "f16"
     # the PV product's tensor-core type: "f16" — key pairs `prmt`ed and converted into f16 A registers, P in f16;
     # "fp8" — 4×4 byte transposes (8 `prmt` per 16 bytes, no conversion) make e4m3 A registers of 4 keys per dim,
-    # P · 2^8 as two e4m3 planes in shared memory (`_store_p_fp8_fn`), two wgmmas per 32 keys (value_keys ignored)
+    # P · 2^8 as two e4m3 planes in shared memory (`_store_p_fp8_fn`), two wgmmas per 32 keys (value_keys ignored).
+    # Session 14, with fp8 logits: kernel 25.5 µs (no gain over fp8 logits alone)
     value_mma: str = "f16"
 
 
@@ -1066,8 +1069,6 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             load()
 
         plgpu.barrier_wait(q_bar)
-        if qk:
-            prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
         translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
 
         def bar(slot):
@@ -1078,6 +1079,8 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
         for s in range(min(S, nb_w)):
             issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
+        if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
+            prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
 
         def step(i, carry):
             stats, out = carry
