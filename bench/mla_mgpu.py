@@ -37,7 +37,8 @@ ap.add_argument("--no-triton", action="store_true", help="skip the Triton storag
 ap.add_argument("--chain", type=int, default=3,
                 help="distinct selections per timing chain (≥ 2 keeps B = 32 out of the 50 MB L2; each chained "
                      "Mosaic call compiles on its own)")
-ap.add_argument("--ops", default="kernel,op", help="what to time: kernel (alone), op (whole)")
+ap.add_argument("--ops", default="kernel,op", help="what to time: kernel (alone), op (whole), gather (XLA reading "
+                "the same rows, summed per sequence: what a plain gather of 576-byte rows reaches on this chip)")
 ARGS = ap.parse_args()
 PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 ROWS = []
@@ -114,6 +115,12 @@ def main():
                             lat_bytes / t / 1e12, bw, float("nan"))
                     except Exception as e:  # noqa: BLE001
                         print(f"kernel alone {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+                if "gather" in what:  # the same rows read by an XLA gather fused into a per-sequence sum
+                    def gather_sum(bt, idx):
+                        rows = jnp.take_along_axis(bt, idx // PAGE, axis=1) * PAGE + idx % PAGE  # [B, k]
+                        return jnp.sum(pool_u8[rows].astype(jnp.int32), axis=1)  # [B, c]
+                    t = device_seconds(jax.jit(gather_sum), bt, sel, stacked=(1,))[0]
+                    row("XLA gather + sum of the same rows", shape, t * 1e6, lat_bytes / t / 1e12, bw, float("nan"))
                 if "op" in what:
                     if not ARGS.no_triton:
                         time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
