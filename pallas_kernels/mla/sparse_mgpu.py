@@ -54,7 +54,9 @@ f16 q; bar 5e-3) — and `value_mma="fp8"` — the PV product on e4m3 tensor cor
 (`_TRANSPOSE4`, 8 `prmt` per 16 bytes) instead of `prmt` + `cvt` per 2 bytes, P · 2^8 as two e4m3 planes stored
 transposed by hand into the swizzled B layout (`_store_p_fp8_fn`), positions `pv_key_of` — remove ≈ 270 of ≈ 1,070
 instructions per warp and block but barely move the kernel (25.3 / 25.5 µs vs 26.3 alone): it is not issue-bound.
-As whole ops they lose (50.8 µs: the q planes are XLA work); opt-in.
+As whole ops they lose (50.8 µs: the q planes are XLA work); opt-in. After session 14's device time (lowers on CPU,
+NOT yet run on a GPU): the slots load on their own barrier, so a CTA translates and issues its first gathers without
+waiting for q's 27 KB.
 
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
@@ -1033,7 +1035,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
 
-    def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar,
+    def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar, idx_bar,
                         lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None):
         refs = list(refs)
         slots_ref, bt_ref, q_ref = refs[:3]
@@ -1055,11 +1057,12 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         rows_wg, p_wg, red_wg, bar_wg = mine(rows_smem), mine(p_smem), mine(red_smem), mine(bar_smem)
         init_barriers(bar_wg)
 
-        def load():  # by warpgroup 0; every warpgroup waits on q_bar
+        def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
+            # the slots first, on their own barrier: the gathers start without waiting for q (27 KB raw at K3)
+            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, idx_bar)
             plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
             if f8:
                 plgpu.copy_gmem_to_smem(q_lo_ref.at[b], q_lo_smem, q_bar)
-            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, q_bar)
             if not qk:
                 plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
 
@@ -1068,7 +1071,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         else:
             load()
 
-        plgpu.barrier_wait(q_bar)
+        plgpu.barrier_wait(idx_bar)
         translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
 
         def bar(slot):
@@ -1079,6 +1082,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
         for s in range(min(S, nb_w)):
             issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
+        plgpu.barrier_wait(q_bar)
         if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
             prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
 
@@ -1154,7 +1158,8 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                 plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16)),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
-        q_bar=plgpu.Barrier(num_arrivals=2 if qk else 4 if f8 else 3),
+        q_bar=plgpu.Barrier(num_arrivals=1 if qk else 3 if f8 else 2),
+        idx_bar=plgpu.Barrier(num_arrivals=1),
         **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
            if NW > 1 else {}),
         **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
