@@ -137,12 +137,14 @@ def test_guide_parts(tok):
 
 def _drive(guide, masks, rng, free_end: int):
     """Run a guide without a model: forced tokens as given, other choices at random among the allowed ones (an
-    unconstrained step emits ``free_end`` one time in ten, so free reasoning ends)."""
+    unconstrained step, or one that may end text with ``free_end``, emits it one time in ten, so reasoning ends)."""
     out = []
     while not guide.finished and len(out) < 500:
         c = guide.constraint()
-        if c is None:
-            t = free_end if rng.random() < 0.1 else int(rng.integers(1000))
+        if (c is None or free_end in c.ids) and rng.random() < 0.1:
+            t = free_end
+        elif c is None:
+            t = int(rng.integers(1000))
         else:
             allowed = list(c.ids) + list(np.nonzero(masks[c.vocab_class])[0])
             t = int(rng.choice(allowed))
@@ -179,6 +181,22 @@ def test_k3_tool_guide_yields_parsable_calls(tok, thinking):
             assert isinstance(args["metric"], bool) and args["unit"] in ("c", "f")
         else:
             assert args == {}
+
+
+def test_k3_tool_guide_reasoning_leaves_room_for_the_call(tok):
+    """thinking on: reasoning that never ends by itself is closed when only the call's longest form still fits, so
+    the whole answer — reasoning, call, end of message — is at most the request's max_tokens."""
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "n": {"type": "integer"}},
+        "required": ["unit", "n"]}}}]
+    masks = vocab_class_masks(tok, 1024)
+    for max_tokens in (120, 300):  # the call itself takes ≈ 95 of the tiny tokenizer's tokens
+        guide = K3ToolCallGuideBuilder(tok, tools, thinking=True, max_tokens=max_tokens).build(None)
+        ids = _drive(guide, masks, np.random.default_rng(1), free_end=-1)  # the model never closes its reasoning
+        assert ids[-1] == tok.eos_id and len(ids) <= max_tokens
+        p = K3OutputParser(tok, thinking=True)
+        p.feed_many(ids)
+        assert p.result().finish_reason == "tool_calls"
 
 
 # ================================================================================================== engine vs model

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import string
 import subprocess
 import sys
 import time
@@ -257,6 +258,40 @@ def test_tool_call_required_and_auto(client, http):
     assert r.usage.prompt_tokens == without
 
 
+def test_required_tool_call_with_thinking_cannot_end_without_the_call(client, http):
+    """thinking on (the default): the reasoning may not end the message, and it gets at most half of max_tokens —
+    even a model pushed hard towards <|end_of_msg|> (id from the tokenizer) answers with the call."""
+    eos = http.post("/tokenize", json={"prompt": "<|end_of_msg|>"}).json()["tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("Time?"), tools=TOOLS, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       max_tokens=120, logit_bias={str(eos[-1]): 100})
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+
+
+def test_huge_top_k_means_off_and_the_engine_lives(client, http):
+    kw = dict(model=MODEL, messages=_msgs("hi"), max_tokens=3, seed=1, temperature=0.7)
+    big = client.chat.completions.create(**kw, extra_body={"top_k": 2 ** 31})
+    off = client.chat.completions.create(**kw)
+    assert big.choices[0].message.content == off.choices[0].message.content
+    assert http.get("/health").status_code == 200
+
+
+def test_a_refused_prompt_in_a_batch_leaves_nothing_running(client, http):
+    with pytest.raises(openai.BadRequestError) as e:  # the third prompt is empty
+        client.completions.create(model=MODEL, prompt=["hello", "hi", ""], max_tokens=400)
+    assert "empty" in e.value.body["message"]
+    _wait_idle(http, timeout=10.0)
+
+
+def test_model_of_the_wrong_type_and_tokenize_like_chat(http):
+    r = http.post("/v1/chat/completions", json={"model": 5, "messages": _msgs("x")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    none = http.post("/tokenize", json={"messages": _msgs("x"), "tools": TOOLS, "tool_choice": "none"}).json()
+    plain = http.post("/tokenize", json={"messages": _msgs("x")}).json()
+    assert none["count"] == plain["count"]  # as chat completions: tool_choice "none" leaves the tools out
+
+
 # ================================================================================================== concurrency
 def _chunk_aligned_prompt(http, text: str) -> str:
     """Pad ``text`` until its chat prompt is 65 tokens: the first 64 are one prefill chunk and only the last token
@@ -329,10 +364,17 @@ def test_32_concurrent_streams_match_serial(client, served, http):
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "yes"}},
      "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    # an int too large for a float: a 400, not an OverflowError's 500
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 10 ** 400}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": -10 ** 400}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10 ** 400}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "pick", "parameters": {"type": "object", "properties": {"v": {"enum": list(string.ascii_letters + string.digits + "!#$%&")}},
+                                       "required": ["v"]}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_bad_parameters_get_400(client, body, param):
     known = {"messages", "temperature", "n", "top_p", "max_tokens", "logit_bias", "top_logprobs", "stream_options",
-             "tools", "tool_choice", "reasoning_effort", "response_format"}
+             "tools", "tool_choice", "reasoning_effort", "response_format", "presence_penalty"}
     kw = {k: v for k, v in body.items() if k in known}
     extra = {k: v for k, v in body.items() if k not in known}
     with pytest.raises(openai.BadRequestError) as e:
@@ -462,6 +504,16 @@ def test_cli_help_and_refusals(capsys):
     err = capsys.readouterr().err
     assert "8 devices" in err and "XLA_FLAGS=--xla_force_host_platform_device_count=8" in err
     assert main(["--mesh", "banana"]) == 2 and "AxB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not a TCP port
+        main(["--port", "99999"])
+    assert "0–65535" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as taken:  # a port in use: refused before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["--port", str(taken.getsockname()[1])]) == 2
+        assert "in use" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse refuses a format the paged cache does not have
         main(["--kv-dtype", "int4"])
     capsys.readouterr()

@@ -120,6 +120,13 @@ class Choice(_Part):
             for b, _ in opts:
                 if a != b and b[: len(a)] == a:
                     raise ValueError(f"choice option {a} is a prefix of {b}; options must be prefix-free")
+        next_ids: dict[tuple, set] = {}  # the trie's branching: the tokens that may follow each prefix
+        for key, _ in opts:
+            for n in range(len(key)):
+                next_ids.setdefault(key[:n], set()).add(key[n])
+        widest = max(len(v) for v in next_ids.values()) if next_ids else 0
+        if widest > MAX_ALLOWED_IDS:
+            raise ValueError(f"a choice branches {widest} ways at one token; at most {MAX_ALLOWED_IDS}")
         self.options = opts
         self.prefix: list[int] = []
 

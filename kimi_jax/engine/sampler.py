@@ -157,7 +157,7 @@ class RowParams:
     def set(self, slot: int, p: SamplingParams, seed: int, choice: int) -> None:
         self.temperature[slot] = p.temperature
         self.top_p[slot] = p.top_p
-        self.top_k[slot] = p.top_k
+        self.top_k[slot] = min(p.top_k, self.V)  # any k ≥ the vocabulary keeps every token (and fits int32)
         self.min_p[slot] = p.min_p
         self.presence[slot] = p.presence_penalty
         self.frequency[slot] = p.frequency_penalty

@@ -117,8 +117,9 @@ def _int_at_least(x, lo: int, name: str) -> None:
 
 
 def _finite_between(x, lo: float, hi: float, name: str) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not lo <= x <= hi:
-        raise ParamError(f"{name} must be a number in [{lo:g}, {hi:g}], got {x!r}", name)
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi or not math.isfinite(x):
+        # the range test first: math.isfinite overflows on an int too large for a float
+        raise ParamError(f"{name} must be a number in [{lo:g}, {hi:g}], got {repr(x)[:40]}", name)
 
 
 def as_stop_tuple(stop: Optional[str | Sequence[str]]) -> tuple[str, ...]:

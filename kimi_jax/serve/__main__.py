@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "count, the same as XLA_FLAGS=--xla_force_host_platform_device_count=N); a count set in "
                         "XLA_FLAGS wins")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="TCP port, 0–65535 (default 8000; 0: any free port). Checked free before the model loads")
     p.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
                    help="cache slots = sequences decoded together in one step (default 32)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -146,6 +147,37 @@ def fake_cpu_devices(n: int) -> bool:
     return True
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0–65535, got {port}")
+    return port
+
+
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on (host, port) — a bad address, a port in use — or None. Checked before the
+    model loads (minutes for a real checkpoint) rather than found by uvicorn after it; the probe socket is closed
+    again, with SO_REUSEADDR as uvicorn binds."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        return f"--host {host}: {e.strerror or e}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
 def _fail(msg: str) -> int:
     print(f"error: {msg}", file=sys.stderr)
     return 2
@@ -171,6 +203,9 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--prefill-chunk-sizes: {e}")
     if args.max_num_seqs < 1:
         return _fail("--max-num-seqs must be at least 1")
+    busy = cannot_listen(args.host, args.port)
+    if busy:
+        return _fail(busy)
     from ..engine.runner import resolve_kv_dtype
 
     try:

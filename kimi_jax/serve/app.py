@@ -135,6 +135,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- helpers
     def check_model(body: dict) -> None:
         m = body.get("model")
+        if m is not None and not isinstance(m, str):
+            raise bad_request(f"'model' must be a string, got {json.dumps(m)[:80]}", "model", "invalid_type")
         if m is not None and m != st.model_name:
             raise APIError(404, f"The model `{m}` does not exist. This server serves `{st.model_name}`.",
                            param="model", code="model_not_found")
@@ -244,9 +246,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         if "messages" in body:
             if st.chat_format is None:
                 raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
-            tools, _ = parse_tools(body)
+            tools, tool_choice = parse_tools(body)
             opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-            ids = encode_messages(body.get("messages"), tools, opts,
+            # as chat completions encodes them: tool_choice "none" leaves the tools out of the prompt
+            ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts,
                                   opt_bool(body, "add_generation_prompt", True))
         else:
             prompt = body.get("prompt")
@@ -299,8 +302,13 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                                   "chat format; use 'auto'", "tool_choice", "unsupported")
             builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
                                              escape_attributes=opts.escape_attributes,
-                                             max_string_tokens=guided_string_max_tokens)
+                                             max_string_tokens=guided_string_max_tokens,
+                                             max_tokens=params.max_tokens)
             name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+            try:  # built once here, so a schema the guide cannot follow is a 400, not a failure mid-decode
+                builder.build(name)
+            except ValueError as e:
+                raise bad_request(f"cannot guide a call of these tools: {e}", "tools", "unsupported") from None
             guide_factory = lambda: builder.build(name)  # noqa: E731
         rid = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
@@ -405,8 +413,15 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         plans = [(ids, fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
         rid = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
-        streams = [submit(ids, params, c.n, f"{rid}-{k}") for k, (ids, params) in enumerate(plans)]
-        rids = [f"{rid}-{k}" for k in range(len(streams))]
+        rids = [f"{rid}-{k}" for k in range(len(plans))]
+        streams = []
+        try:
+            for (ids, params), sub_id in zip(plans, rids):
+                streams.append(submit(ids, params, c.n, sub_id))
+        except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
+            for sub_id in rids[:len(streams)]:
+                engine.abort(sub_id)
+            raise
         echo_texts = [tokenizer.decode(ids, skip_special=skip_special) if echo else "" for ids, _ in plans]
         if c.stream:
             return SSEResponse(completion_stream(streams, rids, rid, created, c, echo_texts, skip_special),

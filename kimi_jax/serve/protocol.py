@@ -61,9 +61,13 @@ def opt_number(d: dict, name: str, default: Optional[float] = None) -> Optional[
     v = d.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _type_error(name, "a number", v)
-    return float(v)
+    try:  # an int too large for a float overflows here
+        f = None if isinstance(v, bool) or not isinstance(v, (int, float)) else float(v)
+    except OverflowError:
+        f = None
+    if f is None or not math.isfinite(f):
+        raise _type_error(name, "a finite number", v)
+    return f
 
 
 def opt_str(d: dict, name: str, default: Optional[str] = None) -> Optional[str]:
@@ -130,7 +134,7 @@ def parse_common(d: dict, *, vocab_size: int, chat: bool, max_n: int = MAX_N) ->
                 raise bad_request(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad_request(f"logit_bias value for {k!r} must be a number", "logit_bias")
-            bias[tid] = float(v)
+            bias[tid] = v  # range-checked by SamplingParams.validate (a float() here could overflow)
     try:
         stop = as_stop_tuple(d.get("stop"))
     except ParamError as e:

@@ -3,8 +3,9 @@
 The guide (``kimi_jax.engine.guide``) writes the structure of one K3 tool call with canonical tokens -- exactly the
 ids ``encode_chat`` produces for an assistant turn with that call -- and lets the model choose what is free:
 
-    [thinking on]  free reasoning until the model closes it: <|close|> then "think<|sep|>" is forced,
-                   then an empty response block
+    [thinking on]  reasoning in text tokens until the model closes it (no end-of-message; <|close|> forced once
+                   only the call's longest form still fits in ``max_tokens``), then "think<|sep|>" and an empty
+                   response block
     [thinking off] "<|close|>response<|sep|>" (the prompt opened the response block)
     <|open|>tools<|sep|>
     <|open|>call tool="NAME" index="1"<|sep|>        NAME: the named tool, or the model picks among all tools
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
-from ..engine.guide import DIGITS, NUMBER_START, TEXT, Choice, Forced, FreeUntil, ProgramGuide, Text
+from ..engine.guide import DIGITS, NUMBER_START, TEXT, Choice, Forced, ProgramGuide, Text
 from .chat import CALL_INDEX_BASE, escape_attribute, json_type_name
 
 _TYPE_ATTR = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
@@ -32,13 +33,14 @@ _TYPE_ATTR = {"string": "string", "integer": "number", "number": "number", "bool
 
 class K3ToolCallGuideBuilder:
     def __init__(self, tokenizer, tools: Sequence[dict], *, thinking: bool, escape_attributes: bool = True,
-                 max_string_tokens: int = 256, max_number_tokens: int = 4):
+                 max_string_tokens: int = 256, max_number_tokens: int = 4, max_tokens: int = 1 << 30):
         self.tok = tokenizer
         self.tools = [t["function"] for t in tools]
         self.thinking = thinking
         self.escape = escape_attributes
         self.max_string_tokens = max_string_tokens
         self.max_number_tokens = max_number_tokens
+        self.max_tokens = max_tokens  # the request's completion budget: reasoning gets what the call leaves
         tid = tokenizer.token_id
         self.O, self.C, self.S, self.E = tid("<|open|>"), tid("<|close|>"), tid("<|sep|>"), tid("<|end_of_msg|>")
 
@@ -110,17 +112,31 @@ class K3ToolCallGuideBuilder:
         fns = [f for f in self.tools if name is None or f.get("name") == name]
         if not fns:
             raise ValueError(f"no declared tool named {name!r}")
-        parts: list = []
-        if self.thinking:
-            parts += [FreeUntil([self.C]), Forced(self._text("think") + [self.S] + self._open("response")
-                                                  + self._close("response"))]
-        else:
-            parts.append(Forced(self._close("response")))
-        parts.append(Forced(self._open("tools")))
         options = []
         for f in fns:
             header = f'call tool="{self._attr(f["name"])}" index="{CALL_INDEX_BASE}"'
             options.append((self._open(header), self._call_parts(f)))
-        parts.append(Choice(options))
-        parts.append(Forced(self._close("tools") + self._close("message") + [self.E]))
-        return ProgramGuide(parts)
+        call = [Forced(self._open("tools")), Choice(options),
+                Forced(self._close("tools") + self._close("message") + [self.E])]
+        if not self.thinking:
+            return ProgramGuide([Forced(self._close("response"))] + call)
+        # reasoning: text tokens (no end-of-message: the call must come) until the model closes it, forced closed
+        # when only the call's longest form still fits in max_tokens
+        after = [Forced(self._text("think") + [self.S] + self._open("response") + self._close("response"))] + call
+        budget = max(0, self.max_tokens - 1 - longest(after))  # 1: the <|close|> that ends the reasoning
+        return ProgramGuide([Text(TEXT, [self.C], budget)] + after)
+
+
+def longest(parts: Sequence) -> int:
+    """The most tokens these guide parts can produce (a Text's end id included)."""
+    total = 0
+    for p in parts:
+        if isinstance(p, Forced):
+            total += len(p.ids)
+        elif isinstance(p, Choice):
+            total += max(len(ids) + longest(then) for ids, then in p.options)
+        elif isinstance(p, Text):
+            total += p.max_tokens + 1
+        else:
+            raise TypeError(f"no length bound for {type(p).__name__}")
+    return total
