@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion never needs an accelerator
 
@@ -50,12 +52,25 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-size", type=_size, default="5GiB", help="--export: maximum safetensors shard size")
     ap.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    level = logging.WARNING if args.quiet else logging.INFO
+    fmt = "%(asctime)s %(name)s %(levelname)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt)
+    # absl (imported with Orbax) may have configured the root logger first, leaving it at WARNING: the package's
+    # own progress lines get their own handler and level
+    pkg = logging.getLogger("convert")
+    if not any(getattr(h, "_kimi_jax_cli", False) for h in pkg.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(fmt))
+        handler._kimi_jax_cli = True
+        pkg.addHandler(handler)
+        pkg.propagate = False
+    pkg.setLevel(level)
     for noisy in ("absl", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from . import ConvertError, convert, export
 
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None  # SIGTERM cleans up as Ctrl-C does
     try:
         if args.export:
             export(args.paths[0], args.paths[1], overwrite=args.overwrite, shard_bytes=args.shard_size,
@@ -66,10 +81,21 @@ def main(argv=None) -> int:
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the conversion is so that its temporary directory is removed on the way out."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
 
 
 if __name__ == "__main__":

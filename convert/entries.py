@@ -32,7 +32,7 @@ import numpy as np
 
 from . import quant
 from .errors import ConvertError
-from .safetensors_io import SourceSet, read_array, row_blocks
+from .safetensors_io import DTYPES, SourceSet, dtype_name, read_array, row_blocks
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -331,12 +331,21 @@ def _dequant(form, a, s, fp8_block, name):
     return quant.mxfp4_dequant(a, s, np.float32, name)
 
 
+def _plain_export_dtype(entry: Entry, stored_dtype: str) -> str:
+    """A plain tensor goes back in its source's float dtype (`--dtype bf16` stores some parameters in float32, e.g.
+    A_log and norms, and keeps bf16 sources' values exactly); one dequantised from an fp8 source keeps the stored
+    dtype (the quantised pair is not rebuilt)."""
+    src_plain = (entry.extra or {}).get("src_form", "plain") == "plain"
+    return entry.src_dtype if src_plain and entry.src_dtype in FLOAT_DTYPES and stored_dtype in FLOAT_DTYPES else stored_dtype
+
+
 def export_tensors(entry: Entry, stored: dict) -> list[tuple[str, np.ndarray]]:
     """Stored arrays of an entry -> [(HF name, tensor)] in HF order (expert by expert)."""
     if entry.kind == "extra":
         return [(entry.src, np.asarray(stored[entry.targets[0]]))]
     if entry.form == "plain":
         w = inverse(entry, [np.asarray(stored[t]) for t in entry.targets])
+        w = w.astype(DTYPES[_plain_export_dtype(entry, dtype_name(w.dtype))], copy=False)
         if entry.kind == "experts":
             return [(entry.src_name(e), np.ascontiguousarray(w[e])) for e in range(entry.num)]
         return [(entry.src, w)]
@@ -355,7 +364,7 @@ def export_specs(entry: Entry, stored_meta: dict) -> list[tuple[str, str, tuple]
     if entry.kind == "extra":
         return [(entry.src, entry.src_dtype, tuple(entry.src_shape))]
     if entry.form == "plain":
-        dt = stored_meta[entry.targets[0]][0]
+        dt = _plain_export_dtype(entry, stored_meta[entry.targets[0]][0])
         if entry.kind == "experts":
             return [(entry.src_name(e), dt, tuple(entry.src_shape)) for e in range(entry.num)]
         return [(entry.src, dt, tuple(entry.src_shape))]

@@ -49,7 +49,7 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
     from convert import store
     from convert.errors import ConvertError
 
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))  # Orbax reads absolute paths only
     if not os.path.isdir(path):
         raise ConfigError(f"{path!r} is not a checkpoint directory")
     if os.path.isfile(os.path.join(path, store.META_NAME)):

@@ -503,7 +503,9 @@ def _kimi_from_hf(hf: dict, top: dict) -> ModelConfig:
         situ_beta=float(hf.get("activation_situ_beta", 4.0)),
         situ_linear_beta=float(hf.get("activation_situ_linear_beta", 25.0)),
         rms_norm_eps=eps,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # never tied, whatever tie_word_embeddings says: transformers' KimiLinearForCausalLM declares no tied weights
+        # (it saves and uses its own lm_head.weight), and K3's lm_head is untied (SPEC)
+        tie_embeddings=False,
         max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("model_max_length", 1 << 20))),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=_first(hf.get("eos_token_id")),
@@ -529,7 +531,8 @@ def _deepseek_from_hf(hf: dict) -> ModelConfig:
         factor = float(hf.get("max_position_embeddings", orig)) / orig
     rope = RopeConfig(
         theta=theta,
-        interleaved=bool(hf.get("rope_interleave", True)),
+        # always interleaved: transformers' DeepseekV32Config drops a rope_interleave key, so it changes nothing there
+        interleaved=True,
         yarn_factor=float(factor) if yarn else None,
         original_max_positions=orig,
         beta_fast=float(rp.get("beta_fast") or 32.0),

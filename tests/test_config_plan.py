@@ -56,6 +56,20 @@ def test_hf_k31_config_parses_to_the_preset():
     assert C.from_hf_config(k3_hf_config(with_dsa=False)).architecture == "kimi_k3"
 
 
+def test_hf_keys_that_transformers_ignores_are_ignored_here_too():
+    """Kimi: tie_word_embeddings (KimiLinearForCausalLM declares no tied weights and keeps its lm_head.weight);
+    DeepSeek-V3.2: rope_interleave (DeepseekV32Config drops it: RoPE is always interleaved)."""
+    kimi = dict(k3_hf_config(), tie_word_embeddings=True)
+    assert C.from_hf_config(kimi).tie_embeddings is False
+    ds = C.from_hf_config({"model_type": "deepseek_v32", "num_hidden_layers": 2, "hidden_size": 64,
+                           "intermediate_size": 128, "moe_intermediate_size": 32, "vocab_size": 256,
+                           "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+                           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                           "n_routed_experts": 4, "num_experts_per_tok": 2, "rope_interleave": False,
+                           "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8})
+    assert ds.mla.rope.interleaved is True
+
+
 def test_config_round_trips_through_json():
     for name in C.PRESETS:
         cfg = C.get_preset(name)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -456,6 +458,36 @@ def test_load_reports_damaged_checkpoint(kl_dir, tmp_path):
     (dst / "kimi_jax_checkpoint.json").unlink()
     with pytest.raises(ConvertError, match="kimi_jax_checkpoint.json is missing"):
         kimi_jax.load_model(str(dst))
+
+
+def test_bf16_policy_on_a_bf16_source_round_trips(k3_bf16_dir, work):
+    """--dtype bf16 keeps some parameters in float32 (A_log, norms, router…); export gives them back in the source's
+    dtype, so a bf16 source comes back bit for bit."""
+    dst, out = work / "rt_bf16_policy_jax", work / "rt_bf16_policy_out"
+    convert(str(k3_bf16_dir), str(dst), dtype="bf16", progress=False)
+    meta = json.load(open(dst / "kimi_jax_checkpoint.json"))
+    assert any(a[0] == "F32" for e in meta["entries"] for a in e["extra"]["arrays"].values())  # stored wider
+    export(str(dst), str(out), progress=False)
+    assert_same_tensors(k3_bf16_dir, out)
+
+
+def test_cli_logs_loads_by_relative_path_and_cleans_up_on_sigterm(kl_dir, tmp_path, monkeypatch):
+    r = subprocess.run([sys.executable, "-m", "convert", str(kl_dir), str(tmp_path / "a")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "wrote " in r.stderr and "kimi_linear" in r.stderr  # the progress lines, not only the bar
+    proc = subprocess.Popen([sys.executable, "-m", "convert", str(kl_dir), str(tmp_path / "b"), "--part-size",
+                             "20KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not any(n.startswith(".b.tmp-") for n in os.listdir(tmp_path)) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "nothing was written" in err, err[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no temporary directory left, no b
+    monkeypatch.chdir(tmp_path)
+    assert kimi_jax.load_model("a").config.architecture == "kimi_linear"  # a relative path (Orbax wants absolute)
 
 
 def test_cli(kl_dir, tmp_path, capsys):

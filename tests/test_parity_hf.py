@@ -164,6 +164,14 @@ def test_kimi_linear_strong_decay(kimi):
     _check(_decode(ours, ids, 66), ref, "kimi_linear strong decay decode")
 
 
+def test_kimi_linear_tie_word_embeddings_true_still_uses_lm_head(kimi, root):
+    """transformers' KimiLinearForCausalLM never ties: with tie_word_embeddings=True it saves and uses its own
+    lm_head.weight, and so do we (the config is the untied one, so the compiled functions are shared)."""
+    hf, ours, _ = _build("kl", root, "kl_tied", 5, tie_word_embeddings=True)
+    ids = kimi.ids(12, 5)
+    _check(_same_jit(kimi.base, ours).logits(ids), H.reference_logits(hf, ids), "kimi_linear tied-flag logits")
+
+
 @pytest.mark.slow
 def test_kimi_linear_q_lora_grouped_routing(root):
     """q LoRA (q_a_proj / q_a_layernorm eps 1e-6 / q_b_proj), 4 expert groups keep 2, 2 shared experts; two layers
