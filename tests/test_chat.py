@@ -326,6 +326,16 @@ def test_k3_parser_json_form(tok):
     assert join_deltas(deltas)[2][0]["arguments"] == res.tool_calls[0]["function"]["arguments"]
 
 
+def test_k3_parser_call_cut_inside_its_json_gives_back_only_what_was_written(tok):
+    """Generation ends inside a json-form call: the call fails and its text comes back as content exactly as the
+    model wrote it — without the closing tags that the end of generation implied."""
+    parts = [O, "response", S, "A", O, 'call tool="f" index="1"', S, O, 'json type="object"', S, '{"a": 1']
+    deltas, res = feed_k3_text(tok, K3OutputParser(tok, thinking=False), parts)
+    assert res.tool_calls == []
+    assert res.content == 'A<|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>{"a": 1'
+    assert join_deltas(deltas)[1] == res.content
+
+
 def test_k3_parser_malformed_calls_fall_back_to_content(tok):
     parts = [O, "response", S, "A", C, "response", S, O, "tools", S,
              O, 'call index="1"', S, O, 'argument key="k"', S, "v", C, "argument", S, C, "call", S,

@@ -307,6 +307,7 @@ class K3OutputParser(_OutputParserBase):
         if start in ("think", "response"):
             self._stack.append(_Elem(start, {}, ""))
         self._mode = "body"  # body | open | close (collecting a tag header after <|open|> / <|close|>)
+        self._cut = False  # closing what the end of generation left open: no closing tag was written
         self._hdr: list[str] = []
 
     # ---------------------------------------------------------------- helpers
@@ -496,8 +497,14 @@ class K3OutputParser(_OutputParserBase):
     def _close_all(self) -> None:
         if self._mode != "body":
             self._abandon_header()
+        self._cut = True
         while self._stack:
             self._finalize(self._stack.pop())
+
+    def _closing(self, tag: str) -> str:
+        """The closing tag as the model wrote it — nothing when the element was cut off by the end of generation
+        (text given back as content must not gain tags the model never produced)."""
+        return "" if self._cut else f"<|close|>{tag}<|sep|>"
 
     def _finalize(self, e: _Elem) -> None:
         call = self._open_call()  # the enclosing call (e has been popped already)
@@ -505,11 +512,11 @@ class K3OutputParser(_OutputParserBase):
             if call is None:
                 return
             if call.raw is not None:
-                call.raw.append("<|close|>argument<|sep|>")
+                call.raw.append(self._closing("argument"))
             if call.index is None:
                 return
             if e.vtype == "skip":  # an argument without key in an announced call: give its text back
-                self._stray(e.header + "".join(e.buf) + "<|close|>argument<|sep|>")
+                self._stray(e.header + "".join(e.buf) + self._closing("argument"))
                 return
             if e.vtype == "string":
                 self._emit_args(call.index, '"')
@@ -526,7 +533,7 @@ class K3OutputParser(_OutputParserBase):
                 return
             text = "".join(e.buf).strip()
             if call.raw is not None:
-                call.raw.append("<|close|>json<|sep|>")
+                call.raw.append(self._closing("json"))
             ok = False
             try:
                 ok = isinstance(json.loads(text), dict)
@@ -540,7 +547,7 @@ class K3OutputParser(_OutputParserBase):
             call.buf = [text]
         elif e.tag == "call":
             if e.failed and e.index is None:
-                self._stray("".join(e.raw or []) + "<|close|>call<|sep|>")
+                self._stray("".join(e.raw or []) + self._closing("call"))
                 return
             if e.index is None:
                 self._announce(e)
