@@ -215,6 +215,9 @@ def _parse_dtype(dtype):
         raise ValueError(f"dtype {dtype!r} is not a dtype; use bf16 / bfloat16 or fp32 / float32") from None
     if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"dtype {dtype!r} is not a floating-point dtype; use bf16 / bfloat16 or fp32 / float32")
+    if dt == jnp.float64 and not jax.config.jax_enable_x64:  # JAX would silently keep float32 parameters
+        raise ValueError("dtype float64 needs 64-bit JAX (jax.config.update('jax_enable_x64', True) before loading); "
+                         "use bf16 / bfloat16 or fp32 / float32")
     return dt
 
 

@@ -158,6 +158,6 @@ def test_load_model_dtype_names():
     assert _parse_dtype("bf16") == jnp.bfloat16 and _parse_dtype("bfloat16") == jnp.bfloat16
     assert _parse_dtype("fp32") == jnp.float32 and _parse_dtype(jnp.float32) == jnp.float32
     assert _parse_dtype(None) is None
-    for bad in ("int8", "banana"):
+    for bad in ("int8", "banana", "float64"):  # float64 without jax_enable_x64 would silently stay float32
         with pytest.raises(ValueError, match="bf16"):
             kimi_jax.load_model("tiny", dtype=bad)
