@@ -628,6 +628,8 @@ def _from_hf_config(hf_top: dict) -> ModelConfig:
     if model_type == "kimi_linear":
         return _kimi_from_hf(hf_top, hf_top)
     if model_type == "deepseek_v32":
+        if hf_top.get("attention_bias"):  # transformers then adds biases to the attention projections
+            raise ConfigError("deepseek_v32 with attention_bias=true (biased attention projections) is not supported")
         return _deepseek_from_hf(hf_top)
     raise ConfigError(
         f"unknown architecture: model_type={model_type!r}; supported: {', '.join(SUPPORTED_HF_TYPES)}")

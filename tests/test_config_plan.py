@@ -68,6 +68,8 @@ def test_hf_keys_that_transformers_ignores_are_ignored_here_too():
                            "n_routed_experts": 4, "num_experts_per_tok": 2, "rope_interleave": False,
                            "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8})
     assert ds.mla.rope.interleaved is True
+    with pytest.raises(C.ConfigError, match="attention_bias"):  # a refusal naming the key, not a tensor list
+        C.from_hf_config({"model_type": "deepseek_v32", "attention_bias": True})
 
 
 def test_config_round_trips_through_json():
