@@ -133,6 +133,8 @@ def test_guide_parts(tok):
     assert g.finished
     with pytest.raises(ValueError):
         Choice([([1, 2], []), ([1, 2, 3], [])])
+    with pytest.raises(ValueError, match="branches 65 ways"):  # wider than the sampler's explicit ids, at any depth
+        Choice([([7, i], []) for i in range(65)])
 
 
 def _drive(guide, masks, rng, free_end: int):

@@ -136,9 +136,7 @@ class Choice(_Part):
 
     def constraint(self):
         n = len(self.prefix)
-        nxt = sorted({ids[n] for ids, _ in self._live()})
-        if len(nxt) > MAX_ALLOWED_IDS:
-            raise ValueError(f"a choice branches {len(nxt)} ways at one token; at most {MAX_ALLOWED_IDS}")
+        nxt = sorted({ids[n] for ids, _ in self._live()})  # at most MAX_ALLOWED_IDS: checked when built
         return Constraint(ONLY_IDS, tuple(nxt))
 
     def advance(self, token_id):
