@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import serve_helpers
-from kimi_jax.engine import Engine, EngineConfig, EngineDeadError, SamplingParams, SeqEvent, TokenSequenceGuide
+from kimi_jax.engine import (Engine, EngineConfig, EngineDeadError, ParamError, SamplingParams, SeqEvent,
+                             TokenSequenceGuide)
 from kimi_jax.engine import compile_watch
 from kimi_jax.engine.detok import OutputText
 from kimi_jax.engine.guide import (ALL, DIGITS, NUMBER_START, ONLY_IDS, TEXT, Choice, Constraint, Forced, FreeUntil,
@@ -391,6 +392,13 @@ def test_abort_frees_slots_and_guide_failure_is_contained(engine):
 
     o = engine.generate(_prompt(6, 5), SamplingParams(max_tokens=5), guide_factory=Broken)[0]
     assert o.finish_reason == "abort"
+    assert engine.alive
+
+    def unbuildable():
+        raise ValueError("no such tool")
+
+    with pytest.raises(ParamError, match="no such tool"):  # refused at submit, never on the engine thread
+        engine.submit(_prompt(6, 5), SamplingParams(max_tokens=2), guide_factory=unbuildable)
     assert engine.alive
     assert engine.generate(_prompt(6, 5), SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
     st = engine.stats()

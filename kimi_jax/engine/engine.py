@@ -278,6 +278,11 @@ class Engine:
         if need > self.alloc.num_blocks - 1:
             raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of {PAGE_TOKENS} "
                              f"tokens; this server's pool has {self.alloc.num_blocks - 1}", "n")
+        if guide_factory is not None:  # a guide that cannot be built fails here, not on the engine thread
+            try:
+                guide_factory()
+            except Exception as e:  # noqa: BLE001 -- any failure of the caller's factory is a bad request
+                raise ParamError(f"the guide cannot be built: {e}", "guide") from None
         rid = request_id or uuid.uuid4().hex
         if rid in self._requests:
             raise ParamError(f"request id {rid!r} is already in use", "request_id")
