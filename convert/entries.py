@@ -336,7 +336,8 @@ def _plain_export_dtype(entry: Entry, stored_dtype: str) -> str:
     A_log and norms, and keeps bf16 sources' values exactly); one dequantised from an fp8 source keeps the stored
     dtype (the quantised pair is not rebuilt)."""
     src_plain = (entry.extra or {}).get("src_form", "plain") == "plain"
-    return entry.src_dtype if src_plain and entry.src_dtype in FLOAT_DTYPES and stored_dtype in FLOAT_DTYPES else stored_dtype
+    floats = entry.src_dtype in FLOAT_DTYPES and stored_dtype in FLOAT_DTYPES
+    return entry.src_dtype if src_plain and floats else stored_dtype
 
 
 def export_tensors(entry: Entry, stored: dict) -> list[tuple[str, np.ndarray]]:
