@@ -125,3 +125,45 @@ def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bou
     assert np.abs(got - want).max() <= bound * np.abs(want).max()
     with pytest.raises(ValueError, match="precision"):
         KernelConfig(dsa_precision="fp16")
+
+
+def test_storage_precision_sends_fp8_rows_with_few_heads_to_the_mosaic_gpu_kernel():
+    """The sparse-MLA GPU dispatch (`sparse._gpu_impl`): fp8 rows, storage precision, ≤ 16 heads, one pool part ->
+    the one-launch Mosaic kernel; exact products, more heads, other row formats, interpret mode or Triton settings
+    -> the Triton kernel; an explicit impl always wins."""
+    from kimi_jax.quant import LatentFormat
+    from pallas_kernels.mla import sparse
+
+    fp8, nvfp4 = LatentFormat("fp8", 512, 64), LatentFormat("nvfp4", 512, 64)
+    one = (object(),)
+    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 12, one) == "mgpu"
+    assert sparse._gpu_impl("gpu", {}, "exact", fp8, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 96, one) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", nvfp4, 12, (object(),) * 3) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 512, 8), 12, one) == "triton"
+    assert sparse._gpu_impl("gpu_interpret", {}, "storage", fp8, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {"block_h": 16}, "storage", fp8, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {"impl": "triton"}, "storage", fp8, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {"impl": "mgpu"}, "exact", fp8, 96, one) == "mgpu"
+
+
+@pytest.mark.gpu
+def test_mosaic_sparse_mla_in_the_paged_decode_equals_reference_path(monkeypatch):
+    """On a GPU, KernelConfig(dsa="gpu", dsa_precision="storage") with fp8 pages and MLA rows the Mosaic kernel
+    reads (latent 128 + rope 64 = 192 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode step;
+    logits equal the reference path's within the storage formats' bar."""
+    from pallas_kernels.mla import sparse_mgpu
+
+    launched = []
+    real = sparse_mgpu.decode
+    monkeypatch.setattr(sparse_mgpu, "decode", lambda *a, **k: launched.append(k) or real(*a, **k))
+    cfg = get_preset("tiny")
+    cfg = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, kv_lora_rank=128, qk_rope_head_dim=64),
+                              indexer=dataclasses.replace(cfg.indexer, num_heads=8))
+    ref = random_model(cfg, kernels=KernelConfig.reference())
+    ker = random_model(cfg, kernels=dataclasses.replace(KernelConfig.reference(), dsa="gpu",
+                                                        dsa_precision="storage"))
+    with jax.default_matmul_precision("highest"):
+        want, got = _paged_decode_step_logits((ref, ker), seed=2, batch=8)
+    assert launched
+    assert np.abs(got - want).max() <= 5e-3 * np.abs(want).max()
