@@ -141,6 +141,7 @@ def test_storage_precision_sends_fp8_rows_with_few_heads_to_the_mosaic_gpu_kerne
     assert sparse._gpu_impl("gpu", {}, "storage", fp8, 96, one) == "triton"
     assert sparse._gpu_impl("gpu", {}, "storage", nvfp4, 12, (object(),) * 3) == "triton"
     assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 512, 8), 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 128, 64), 12, one) == "triton"  # 2 wg ∤ R
     assert sparse._gpu_impl("gpu_interpret", {}, "storage", fp8, 12, one) == "triton"
     assert sparse._gpu_impl("gpu", {"block_h": 16}, "storage", fp8, 12, one) == "triton"
     assert sparse._gpu_impl("gpu", {"impl": "triton"}, "storage", fp8, 12, one) == "triton"
@@ -150,7 +151,7 @@ def test_storage_precision_sends_fp8_rows_with_few_heads_to_the_mosaic_gpu_kerne
 @pytest.mark.gpu
 def test_mosaic_sparse_mla_in_the_paged_decode_equals_reference_path(monkeypatch):
     """On a GPU, KernelConfig(dsa="gpu", dsa_precision="storage") with fp8 pages and MLA rows the Mosaic kernel
-    reads (latent 128 + rope 64 = 192 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode step;
+    reads (K3's latent 512 + rope 64 = 576 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode step;
     logits equal the reference path's within the storage formats' bar."""
     from pallas_kernels.mla import sparse_mgpu
 
@@ -158,7 +159,7 @@ def test_mosaic_sparse_mla_in_the_paged_decode_equals_reference_path(monkeypatch
     real = sparse_mgpu.decode
     monkeypatch.setattr(sparse_mgpu, "decode", lambda *a, **k: launched.append(k) or real(*a, **k))
     cfg = get_preset("tiny")
-    cfg = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, kv_lora_rank=128, qk_rope_head_dim=64),
+    cfg = dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, kv_lora_rank=512, qk_rope_head_dim=64),
                               indexer=dataclasses.replace(cfg.indexer, num_heads=8))
     ref = random_model(cfg, kernels=KernelConfig.reference())
     ker = random_model(cfg, kernels=dataclasses.replace(KernelConfig.reference(), dsa="gpu",

@@ -227,17 +227,22 @@ def test_sparse_mla_routes_impl_mgpu_and_refuses_interpret_mode():
         sparse.decode(q, parts, bt, idx, backend="gpu", kernel_kw={"impl": "mgpu", "block_h": 16}, **kw)
 
 
+ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's default
+ONE_WG_CFG = sm.MgpuSparseConfig(**ONE_WG)
+
+
 def test_supports_only_fp8_rows_at_kernel_widths():
     assert sm.supports(Q.LatentFormat("fp8", 512, 64))
     assert not sm.supports(Q.LatentFormat("nvfp4", 512, 64))
     assert not sm.supports(Q.LatentFormat("fp8", 64, 16))  # the tiny preset's widths
+    assert sm.supports(Q.LatentFormat("fp8", 128, 64)) and sm.supports(Q.LatentFormat("fp8", 128, 64), ONE_WG_CFG)
+    assert not sm.supports(Q.LatentFormat("fp8", 128, 64), sm.MgpuSparseConfig())  # merge="last": 256 threads ∤ 128
     with pytest.raises(ValueError, match="fp8 rows"):
         sm.decode(np.zeros((1, 4, 80), np.float32), (jnp.zeros((2, 64, 80), jnp.float8_e4m3fn),),
                   np.zeros((1, 2), np.int32), np.zeros((1, 64), np.int32), fmt=Q.LatentFormat("fp8", 64, 16),
                   scale=1.0, value_dim=64)
 
 
-ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's default
 TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel (session 13)
 
 

@@ -131,7 +131,7 @@ def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, H: int, kv_parts
         return "triton"
     from . import sparse_mgpu
 
-    return "mgpu" if sparse_mgpu.supports(fmt) else "triton"
+    return "mgpu" if sparse_mgpu.supports(fmt, sparse_mgpu.MgpuSparseConfig()) else "triton"
 
 
 def _pick_backend(backend: str, fmt, T: int, kv_parts=()) -> str:

@@ -126,11 +126,15 @@ class MgpuSparseConfig:
     value_mma: str = "f16"
 
 
-def supports(fmt) -> bool:
+def supports(fmt, config: MgpuSparseConfig | None = None) -> bool:
     """fp8 rows whose latent width R is 128, 256 or 512 and whose row width c = R + rope is 64 more than a multiple
-    of 128 (K3: 576; the conflict-free shared-memory stride `row_stride` assumes it)."""
+    of 128 (K3: 576; the conflict-free shared-memory stride `row_stride` assumes it); with a `config`, also that
+    config's shape rules (merge="last" needs the CTA's 128 · warpgroups threads to divide R)."""
     R, rope = getattr(fmt, "latent", 0), getattr(fmt, "rope", 0)
-    return getattr(fmt, "kv_dtype", None) == "fp8" and R in (128, 256, 512) and (R + rope) % 128 == 64
+    ok = getattr(fmt, "kv_dtype", None) == "fp8" and R in (128, 256, 512) and (R + rope) % 128 == 64
+    if ok and config is not None and config.merge == "last":
+        ok = R % (128 * config.warpgroups) == 0
+    return ok
 
 
 def row_stride(c: int) -> int:
