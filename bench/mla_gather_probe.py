@@ -31,40 +31,6 @@ PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 C = R + ROPE
 
 
-def issue_lsu_fn(row_bytes: int, stride: int):
-    """`sm._issue_fn`'s contract with the load/store units instead of the TMA: the warpgroup's 128 threads copy the
-    block's 64 rows as 16-byte `cp.async` chunks (chunk j of the block: row j // (row_bytes / 16), so a warp's 32
-    chunks are 512 contiguous bytes of one or two rows), each thread's copies tracked on the stage's mbarrier by
-    `cp.async.mbarrier.arrive` (which raises the pending count itself); after a warpgroup barrier thread 0 gives
-    the barrier's one expected arrival."""
-    def fn(ctx, pool_ref, dst_ref, idx_ref, bar_ref):
-        del ctx
-        ir, arith, _, memref, _, _, mgu = sm._mlir()
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        index = ir.IndexType.get()
-        void = ir.Type.parse("!llvm.void")
-        per_row = row_bytes // 16
-        mgu.warpgroup_barrier()
-        tid = sm._thread_in_wg()
-        pool, dst0, bar = mgu.memref_ptr(pool_ref), mgu.memref_ptr(dst_ref), mgu.memref_ptr(bar_ref)
-        for i in range(-(-sm.KEYS * per_row // 128)):
-            j = arith.addi(tid, mgu.c(128 * i, i32))
-            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, j, mgu.c(sm.KEYS * per_row, i32))):
-                r, col = arith.divui(j, mgu.c(per_row, i32)), arith.remui(j, mgu.c(per_row, i32))
-                row = arith.maxsi(memref.load(idx_ref, [arith.index_cast(index, r)]), mgu.c(0, i32))
-                src_off = arith.addi(arith.muli(arith.extui(i64, row), mgu.c(row_bytes, i64)),
-                                     arith.extui(i64, arith.muli(col, mgu.c(16, i32))))
-                dst_off = arith.addi(arith.muli(r, mgu.c(stride, i32)), arith.muli(col, mgu.c(16, i32)))
-                sm._asm(void, [mgu.getelementptr(dst0, [dst_off], i8), mgu.getelementptr(pool, [src_off], i8)],
-                        "cp.async.cg.shared.global [$0], [$1], 16;", "l,l")
-        sm._asm(void, [bar], "cp.async.mbarrier.arrive.shared::cta.b64 [$0];", "l")
-        mgu.warpgroup_barrier()
-        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, i32))):
-            sm._asm(void, [bar], "mbarrier.arrive.shared::cta.b64 _, [$0];", "l")
-
-    return fn
-
-
 def gather_only(slots, block_tables, pool_u8, *, page: int, stages: int, warpgroups: int, issue_with: str = "tma"):
     """slots `[B, NS, n_blk, 64]` (`sm.prepare_slots`), block tables `[B, max_blocks]`, pool rows `[N, c]` u8 ->
     `[NS, B, 16]` f32 (unwritten: the kernel only gathers; the output exists because a kernel must have one)."""
@@ -81,7 +47,7 @@ def gather_only(slots, block_tables, pool_u8, *, page: int, stages: int, warpgro
     init_barriers = plgpu.inline_mgpu(arg_types=(ref,))(sm._init_barriers_fn(S))
     translate = plgpu.inline_mgpu(arg_types=(ref, ref) + ((splat,) if NW > 1 else ()))(
         sm._translate_fn(nb_w, NW, page, nblocks, max_blocks))
-    issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)((sm._issue_fn if issue_with == "tma" else issue_lsu_fn)(c, stride))
+    issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(sm.issue_fn(issue_with)(c, stride))
     wait = plgpu.inline_mgpu(arg_types=(ref, splat))(sm._wait_fn())
     lead = (NW,) if NW > 1 else ()
 

@@ -258,7 +258,8 @@ TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits
                                  sm.MgpuSparseConfig(logits_mma="fp8", **TWO_LAUNCHES),
                                  sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, prep="xla"),
                                  sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8", **TWO_LAUNCHES),
-                                 sm.MgpuSparseConfig(**ONE_WG, value_mma="fp8", prep="kernel", merge="last")])
+                                 sm.MgpuSparseConfig(**ONE_WG, value_mma="fp8", prep="kernel", merge="last"),
+                                 sm.MgpuSparseConfig(gather="lsu"), sm.MgpuSparseConfig(**ONE_WG, gather="lsu")])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
@@ -308,9 +309,29 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
                                  dict(ONE_WG, logits_chunk=576, value_keys=64), dict(ONE_WG, logits_accs=3),
                                  dict(ONE_WG, logits_chunk=64, logits_accs=9),
                                  dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
-                                 TWO_LAUNCHES, {}])
+                                 TWO_LAUNCHES, {}, dict(gather="lsu"), dict(ONE_WG, gather="lsu"),
+                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, gather="lsu")])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
     o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(**cfg), **kw)
     assert rel_rms(o, o_r) <= 5e-3 and rel_rms(lse, lse_r) <= 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_lsu_gather_with_empty_slots_matches_reference():
+    """gather="lsu" (16-byte cp.async chunks): a short selection (k = 300, padded with empty slots), a sequence
+    cut at 100 keys and one with no key at all, as the TMA gather is checked above."""
+    parts, bt, idx, q, kw = case(seed=5, H=12, k=300)
+    idx[1, 100:] = -1
+    idx[2] = -1
+    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(gather="lsu"), **kw)
+    o, lse = np.asarray(o), np.asarray(lse)
+    assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
+    assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
+
+
+def test_gather_must_be_tma_or_lsu():
+    with pytest.raises(ValueError, match="gather"):
+        sm.MgpuSparseConfig(gather="dma")

@@ -124,6 +124,14 @@ class MgpuSparseConfig:
     # P · 2^8 as two e4m3 planes in shared memory (`_store_p_fp8_fn`), two wgmmas per 32 keys (value_keys ignored).
     # Session 14, with fp8 logits: kernel 25.5 µs (no gain over fp8 logits alone)
     value_mma: str = "f16"
+    # how a block's 64 rows reach shared memory: "tma" — one `cp.async.bulk` per 576-byte row by threads 0..63;
+    # "lsu" — all 128 threads copy 16-byte `cp.async` chunks (coalesced 512 B per warp). Gather alone (no maths,
+    # bench/mla_gather_probe.py, session 15, B = 32): tma 17.7 / 25.7 µs in two calls, lsu 15.2 (0.59 of copy)
+    gather: str = "tma"
+
+    def __post_init__(self):
+        if self.gather not in ("tma", "lsu"):
+            raise ValueError(f"gather must be 'tma' or 'lsu', not {self.gather!r}")
 
 
 def supports(fmt, config: MgpuSparseConfig | None = None) -> bool:
@@ -358,6 +366,45 @@ def _issue_fn(row_bytes: int, stride: int):
         del llvm
 
     return fn
+
+
+def _issue_lsu_fn(row_bytes: int, stride: int):
+    """`_issue_fn`'s contract with the load/store units instead of the TMA: the warpgroup's 128 threads copy the
+    block's 64 rows as 16-byte `cp.async` chunks (chunk j of the block: row j // (row_bytes / 16), so a warp's 32
+    chunks are 512 contiguous bytes of one or two rows), each thread's copies tracked on the stage's mbarrier by
+    `cp.async.mbarrier.arrive` (which raises the pending count itself); after a warpgroup barrier thread 0 gives
+    the barrier's one expected arrival."""
+    def fn(ctx, pool_ref, dst_ref, idx_ref, bar_ref):
+        del ctx
+        ir, arith, _, memref, _, _, mgu = _mlir()
+        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+        index = ir.IndexType.get()
+        void = ir.Type.parse("!llvm.void")
+        per_row = row_bytes // 16
+        mgu.warpgroup_barrier()
+        tid = _thread_in_wg()
+        pool, dst0, bar = mgu.memref_ptr(pool_ref), mgu.memref_ptr(dst_ref), mgu.memref_ptr(bar_ref)
+        for i in range(-(-KEYS * per_row // 128)):
+            j = arith.addi(tid, mgu.c(128 * i, i32))
+            with mgu.when(arith.cmpi(arith.CmpIPredicate.ult, j, mgu.c(KEYS * per_row, i32))):
+                r, col = arith.divui(j, mgu.c(per_row, i32)), arith.remui(j, mgu.c(per_row, i32))
+                row = arith.maxsi(memref.load(idx_ref, [arith.index_cast(index, r)]), mgu.c(0, i32))
+                src_off = arith.addi(arith.muli(arith.extui(i64, row), mgu.c(row_bytes, i64)),
+                                     arith.extui(i64, arith.muli(col, mgu.c(16, i32))))
+                dst_off = arith.addi(arith.muli(r, mgu.c(stride, i32)), arith.muli(col, mgu.c(16, i32)))
+                _asm(void, [mgu.getelementptr(dst0, [dst_off], i8), mgu.getelementptr(pool, [src_off], i8)],
+                        "cp.async.cg.shared.global [$0], [$1], 16;", "l,l")
+        _asm(void, [bar], "cp.async.mbarrier.arrive.shared::cta.b64 [$0];", "l")
+        mgu.warpgroup_barrier()
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, i32))):
+            _asm(void, [bar], "mbarrier.arrive.shared::cta.b64 _, [$0];", "l")
+
+    return fn
+
+
+def issue_fn(gather: str):
+    """The block gather's builder for `MgpuSparseConfig.gather`: "tma" (`_issue_fn`) or "lsu" (`_issue_lsu_fn`)."""
+    return {"tma": _issue_fn, "lsu": _issue_lsu_fn}[gather]
 
 
 def _wait_fn():
@@ -1009,7 +1056,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     prep_q = plgpu.inline_mgpu(arg_types=(ref, q_ref_ty, ref, ref) + (splat,) * (NW > 1))(_prep_q_fn(c, H, NW))
     translate = plgpu.inline_mgpu(arg_types=(ref, ref) + ((splat,) if NW > 1 else ()))(
         _translate_fn(nb_w, NW, page, nblocks, max_blocks))
-    issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(_issue_fn(c, stride))
+    issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(issue_fn(config.gather)(c, stride))
     wait = plgpu.inline_mgpu(arg_types=(ref, splat))(_wait_fn())
     if f8:
         f8_ty = plgpu.ShapeDtypeStruct((KEYS, 32), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
