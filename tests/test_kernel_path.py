@@ -128,30 +128,31 @@ def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bou
 
 
 def test_storage_precision_sends_fp8_rows_with_few_heads_to_the_mosaic_gpu_kernel():
-    """The sparse-MLA GPU dispatch (`sparse._gpu_impl`): fp8 rows, storage precision, ≤ 16 heads, one pool part ->
-    the one-launch Mosaic kernel; exact products, more heads, other row formats, interpret mode or Triton settings
-    -> the Triton kernel; an explicit impl always wins."""
+    """The sparse-MLA GPU dispatch (`sparse._gpu_impl`): fp8 rows, storage precision, ≤ 16 heads, ≥ 16 sequences,
+    one pool part -> the one-launch Mosaic kernel; fewer sequences, exact products, more heads, other row formats,
+    interpret mode or Triton settings -> the Triton kernel; an explicit impl always wins."""
     from kimi_jax.quant import LatentFormat
     from pallas_kernels.mla import sparse
 
     fp8, nvfp4 = LatentFormat("fp8", 512, 64), LatentFormat("nvfp4", 512, 64)
     one = (object(),)
-    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 12, one) == "mgpu"
-    assert sparse._gpu_impl("gpu", {}, "exact", fp8, 12, one) == "triton"
-    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 96, one) == "triton"
-    assert sparse._gpu_impl("gpu", {}, "storage", nvfp4, 12, (object(),) * 3) == "triton"
-    assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 512, 8), 12, one) == "triton"
-    assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 128, 64), 12, one) == "triton"  # 2 wg ∤ R
-    assert sparse._gpu_impl("gpu_interpret", {}, "storage", fp8, 12, one) == "triton"
-    assert sparse._gpu_impl("gpu", {"block_h": 16}, "storage", fp8, 12, one) == "triton"
-    assert sparse._gpu_impl("gpu", {"impl": "triton"}, "storage", fp8, 12, one) == "triton"
-    assert sparse._gpu_impl("gpu", {"impl": "mgpu"}, "exact", fp8, 96, one) == "mgpu"
+    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 32, 12, one) == "mgpu"
+    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 8, 12, one) == "triton"  # small batch: Triton is faster
+    assert sparse._gpu_impl("gpu", {}, "exact", fp8, 32, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 32, 96, one) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", nvfp4, 32, 12, (object(),) * 3) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 512, 8), 32, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {}, "storage", LatentFormat("fp8", 128, 64), 32, 12, one) == "triton"  # 2 wg ∤ R
+    assert sparse._gpu_impl("gpu_interpret", {}, "storage", fp8, 32, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {"block_h": 16}, "storage", fp8, 32, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {"impl": "triton"}, "storage", fp8, 32, 12, one) == "triton"
+    assert sparse._gpu_impl("gpu", {"impl": "mgpu"}, "exact", fp8, 32, 96, one) == "mgpu"
 
 
 @pytest.mark.gpu
 def test_mosaic_sparse_mla_in_the_paged_decode_equals_reference_path(monkeypatch):
     """On a GPU, KernelConfig(dsa="gpu", dsa_precision="storage") with fp8 pages and MLA rows the Mosaic kernel
-    reads (K3's latent 512 + rope 64 = 576 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode step;
+    reads (K3's latent 512 + rope 64 = 576 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode step (16 sequences: the dispatch's smallest batch for it);
     logits equal the reference path's within the storage formats' bar."""
     from pallas_kernels.mla import sparse_mgpu
 
@@ -165,6 +166,6 @@ def test_mosaic_sparse_mla_in_the_paged_decode_equals_reference_path(monkeypatch
     ker = random_model(cfg, kernels=dataclasses.replace(KernelConfig.reference(), dsa="gpu",
                                                         dsa_precision="storage"))
     with jax.default_matmul_precision("highest"):
-        want, got = _paged_decode_step_logits((ref, ker), seed=2, batch=8)
+        want, got = _paged_decode_step_logits((ref, ker), seed=2, batch=16)
     assert launched
     assert np.abs(got - want).max() <= 5e-3 * np.abs(want).max()

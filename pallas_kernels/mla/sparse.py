@@ -20,7 +20,7 @@ uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` pic
 "tpu_interpret" / "gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "auto" (the platform's
 kernel for decode (T = 1) when it reads the format, else the reference). "pallas_tpu" / "interpret" are kept as the
 older names of "tpu" / "tpu_interpret". Kernel-only keyword arguments go through `kernel_kw` (e.g. the GPU kernel's
-`block_h`, `splits`, `exact`). On the GPU, fp8 rows at `precision="storage"` with ≤ 16 heads go to the Mosaic GPU
+`block_h`, `splits`, `exact`). On the GPU, fp8 rows at `precision="storage"` with ≤ 16 heads and ≥ 16 sequences go to the Mosaic GPU
 kernel (`sparse_mgpu.py`, one launch; its keys are `MgpuSparseConfig` fields) and everything else to the Triton
 kernel; `kernel_kw={"impl": "mgpu" | "triton", ...}` picks one explicitly.
 """
@@ -118,16 +118,21 @@ def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     return sparse_tpu.supports(fmt)
 
 
-def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, H: int, kv_parts) -> str:
+MGPU_MIN_BATCH = 16  # below this the Triton storage preset is faster (H200, H = 12: B = 8 26.9 vs 28.3 µs, B = 1
+# 18.9 vs 25.5; B = 32 42.0 vs 33.5; bench/RESULTS.md session 15)
+
+
+def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, kv_parts) -> str:
     """Which GPU kernel: kernel_kw["impl"] when given; otherwise the Mosaic one-launch kernel for fp8 rows at
-    storage precision with ≤ 16 heads (one TP shard of K3's 96; H200, bench/RESULTS.md session 14: 33.7 µs vs the
-    Triton storage preset's 42–48 at B = 32, H = 12, 32K), and the Triton kernel for everything else (exact
-    products, other formats, more heads, interpret mode)."""
+    storage precision with ≤ 16 heads (one TP shard of K3's 96) and ≥ `MGPU_MIN_BATCH` sequences (H200,
+    bench/RESULTS.md sessions 14-15: 33.5 µs vs the Triton storage preset's 42–48 at B = 32, H = 12, 32K), and
+    the Triton kernel for everything else (small batches, exact products, other formats, more heads, interpret
+    mode)."""
     if "impl" in kernel_kw:
         return kernel_kw["impl"]
     if kernel_kw:  # settings without an impl are the Triton kernel's (block_h, splits, ...), as before mgpu
         return "triton"
-    if which != "gpu" or precision != "storage" or H > 16 or len(kv_parts) != 1:
+    if which != "gpu" or precision != "storage" or B < MGPU_MIN_BATCH or H > 16 or len(kv_parts) != 1:
         return "triton"
     from . import sparse_mgpu
 
@@ -165,7 +170,7 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
 
             o, lse = sparse_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], block_k=block_k,
                                        interpret=which == "tpu_interpret", **common, **kernel_kw)
-        elif _gpu_impl(which, kernel_kw, precision, fmt, H, kv_parts) == "mgpu":
+        elif _gpu_impl(which, kernel_kw, precision, fmt, B, H, kv_parts) == "mgpu":
             # the Mosaic GPU kernel (fp8 rows, storage precision; GPU only)
             from . import sparse_mgpu
 
