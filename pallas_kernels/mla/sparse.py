@@ -118,8 +118,8 @@ def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     return sparse_tpu.supports(fmt)
 
 
-MGPU_MIN_BATCH = 16  # below this the Triton storage preset is faster (H200, H = 12: B = 8 26.9 vs 28.3 µs, B = 1
-# 18.9 vs 25.5; B = 32 42.0 vs 33.5; bench/RESULTS.md session 15)
+MGPU_MIN_BATCH = 16  # below this the Triton storage preset is faster (H200, H = 12, Triton vs Mosaic op: B = 1
+# 18.9 vs 25.5 µs, B = 8 26.9 vs 28.3, B = 16 29.7 vs 29.5 (a tie), B = 32 42.0 vs 33.5; bench/RESULTS.md session 15)
 
 
 def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, kv_parts) -> str:
