@@ -20,7 +20,8 @@ class KernelConfig:
     dsa: str = "auto"
     # DSA products: "exact" (≈ fp32 against the dequantised cache, hi/lo split operands) or "storage" (the GPU
     # kernels' single-pass settings, within the quantised cache formats' 5e-3 bar: 2.5-3x faster on the H200 at
-    # B = 32, bench/RESULTS.md session 7). Only the GPU kernels differ.
+    # B = 32, bench/RESULTS.md session 7; fp8 pages with ≤ 16 heads per device and ≥ 16 sequences then run the
+    # one-launch Mosaic GPU sparse-MLA kernel, session 15). Only the GPU kernels differ.
     dsa_precision: str = "exact"
 
     def __post_init__(self):
