@@ -338,16 +338,21 @@ def _init_barriers_fn(stages: int):
     return fn
 
 
+def _copy_types():
+    """(i8, i32, i64, index, void) MLIR types of the gather builders."""
+    ir = _mlir()[0]
+    i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
+    return i8, i32, i64, ir.IndexType.get(), ir.Type.parse("!llvm.void")
+
+
 def _issue_fn(row_bytes: int, stride: int):
     """Gather one block: a warpgroup barrier (every thread is done with the stage's previous block), thread 0 expects
     64 rows' bytes on the stage's mbarrier, threads 0..63 each copy one pool row (`cp.async.bulk`; empty slots, −1,
     copy row 0 and are masked in the softmax)."""
     def fn(ctx, pool_ref, dst_ref, idx_ref, bar_ref):
         del ctx
-        ir, arith, llvm, memref, _, _, mgu = _mlir()
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        index = ir.IndexType.get()
-        void = ir.Type.parse("!llvm.void")
+        _, arith, llvm, memref, _, _, mgu = _mlir()
+        i8, i32, i64, index, void = _copy_types()
         mgu.warpgroup_barrier()
         tid = _thread_in_wg()
         bar = mgu.memref_ptr(bar_ref)
@@ -376,10 +381,8 @@ def _issue_lsu_fn(row_bytes: int, stride: int):
     the barrier's one expected arrival."""
     def fn(ctx, pool_ref, dst_ref, idx_ref, bar_ref):
         del ctx
-        ir, arith, _, memref, _, _, mgu = _mlir()
-        i8, i32, i64 = (ir.IntegerType.get_signless(n) for n in (8, 32, 64))
-        index = ir.IndexType.get()
-        void = ir.Type.parse("!llvm.void")
+        _, arith, _, memref, _, _, mgu = _mlir()
+        i8, i32, i64, index, void = _copy_types()
         per_row = row_bytes // 16
         mgu.warpgroup_barrier()
         tid = _thread_in_wg()
