@@ -104,7 +104,8 @@ def _prod(shape) -> int:
 
 
 def _write_config(src: str, dst: str, meta: dict, entries) -> None:
-    """The original config.json, adjusted when conversion changed what the weights are (dtype, FP8)."""
+    """The original config.json, adjusted when conversion changed what the weights are (FP8 quantisation). Its
+    dtype stays the source's: plain tensors are exported in their source dtype under every `--dtype` policy."""
     with open(src) as f:
         hf = json.load(f)
     dequantised = any(e.extra.get("src_form") == "fp8" and e.form == "plain" for e in entries)
@@ -115,10 +116,6 @@ def _write_config(src: str, dst: str, meta: dict, entries) -> None:
         qc = d.get("quantization_config")
         if dequantised and isinstance(qc, dict) and qc.get("quant_method") == "fp8":
             del d["quantization_config"]
-        if meta.get("dtype_policy") != "keep":
-            for key in ("torch_dtype", "dtype"):
-                if key in d:
-                    d[key] = "bfloat16"
     if requantised and "quantization_config" not in hf:
         hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(meta.get("fp8_block", [128, 128]))}

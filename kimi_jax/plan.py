@@ -75,8 +75,14 @@ def parse_mesh(text: str) -> tuple[int, int]:
 def plan(cfg: ModelConfig, *, kv_dtype="fp8", index_dtype="fp8", mesh=(1, 1), dcp=1, hbm_gb=141.0,
          weights_dtype="release", gpu_memory_utilization=0.9) -> dict:
     tp, dp = mesh
-    if dcp < 1 or tp % dcp:
+    if dcp < 1:
+        raise ValueError(f"--dcp must be at least 1 (1: no context parallelism), got {dcp}")
+    if tp % dcp:
         raise ValueError(f"--dcp {dcp} must divide the model-parallel size {tp}")
+    if not hbm_gb > 0:
+        raise ValueError(f"--hbm-gb must be a positive number of GB per device, got {hbm_gb}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {gpu_memory_utilization}")
     counts = count_params(cfg)
     layout = CacheLayout(cfg, kv_dtype=kv_dtype, index_dtype=index_dtype)
     wbytes = weight_bytes(cfg, counts["sizes"], weights_dtype)

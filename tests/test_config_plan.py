@@ -162,3 +162,27 @@ def test_plan_cli_json_keys():
     assert r["kv_bytes_per_token"] == 16_992
     bad = subprocess.run([sys.executable, "-m", "kimi_jax.plan", "--config", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
+
+
+@pytest.mark.parametrize("kw,match", [(dict(dcp=0), "at least 1"), (dict(dcp=3, mesh=(8, 1)), "divide"),
+                                      (dict(hbm_gb=0), "positive"), (dict(hbm_gb=-5), "positive"),
+                                      (dict(gpu_memory_utilization=1.5), r"\(0, 1\]")])
+def test_plan_refuses_meaningless_capacity_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        plan(C.get_preset("kimi-k3.1-pro"), **kw)
+
+
+def test_full_size_presets_build_abstractly_under_eval_shape():
+    """DESIGN.md: the full-size presets are usable abstractly with jax.eval_shape — load_model's size guard only
+    stops materialising them (48B parameters here, shapes only, no memory)."""
+    import jax
+
+    import kimi_jax
+    from kimi_jax.model import param_count
+
+    shapes = jax.eval_shape(lambda: kimi_jax.load_model("kimi-linear-48b").params)
+    leaves = jax.tree.leaves(shapes)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(x.size for x in leaves) == param_count(C.get_preset("kimi-linear-48b"))
+    with pytest.raises(ValueError, match="too large to materialise"):
+        kimi_jax.load_model("kimi-linear-48b")

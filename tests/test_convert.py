@@ -471,6 +471,20 @@ def test_bf16_policy_on_a_bf16_source_round_trips(k3_bf16_dir, work):
     assert_same_tensors(k3_bf16_dir, out)
 
 
+def test_bf16_export_keeps_the_source_dtypes_and_says_so_in_config(kl_dir, work):
+    """--dtype bf16 on a float32 source: the export gives every plain tensor back in float32 (bf16-rounded values),
+    and its config.json keeps the source's dtype rather than claiming bfloat16."""
+    dst, out = work / "kl_bf16_jax", work / "kl_bf16_out"
+    convert(str(kl_dir), str(dst), dtype="bf16", progress=False)
+    export(str(dst), str(out), progress=False)
+    src_t, out_t = read_all(kl_dir), read_all(out)
+    assert sorted(src_t) == sorted(out_t)
+    assert all(out_t[n].dtype == src_t[n].dtype for n in src_t)
+    src_cfg, out_cfg = (json.load(open(d / "config.json")) for d in (kl_dir, out))
+    for key in ("torch_dtype", "dtype"):
+        assert out_cfg.get(key) == src_cfg.get(key)
+
+
 def test_cli_logs_loads_by_relative_path_and_cleans_up_on_sigterm(kl_dir, tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "-m", "convert", str(kl_dir), str(tmp_path / "a")], capture_output=True,
                        text=True, timeout=300)

@@ -139,12 +139,20 @@ def test_generate_sampling_seeded(tiny_model, ids_1x70):
     np.array([[1, -1, 3]]),               # negative id
     np.array([[1.0, 2.0]]),               # float ids
     np.zeros((1, 2, 3), np.int64),        # wrong rank
-], ids=["too_large", "negative", "float", "rank3"])
+    np.zeros((1, 0), np.int64),           # no token
+    np.zeros((0, 3), np.int64),           # no sequence
+], ids=["too_large", "negative", "float", "rank3", "empty_sequence", "no_sequence"])
 def test_bad_input_ids_raise(tiny_model, bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="input_ids|token ids"):
         tiny_model.logits(bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="input_ids|token ids"):
         tiny_model.generate(bad, 2)
+
+
+@pytest.mark.parametrize("n", [-1, 2.0, "2", True])
+def test_generate_refuses_a_bad_max_new_tokens(tiny_model, n):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tiny_model.generate(np.array([[1, 2]]), n)
 
 
 def test_load_model_dtype_names():
