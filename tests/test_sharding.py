@@ -105,3 +105,28 @@ def test_sharded_layouts_match_one_device():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2x4 ok" in out.stdout and "8x1 ok" in out.stdout and "context=8 ok" in out.stdout
     assert "make_mesh ok" in out.stdout
+
+
+KIMI_LINEAR_DP_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, kimi_jax
+    ids = np.random.RandomState(0).randint(0, 250, (2, 6))
+    ref = kimi_jax.load_model(sys.argv[1]).logits(ids)
+    got = kimi_jax.load_model(sys.argv[1], mesh="1x8").logits(ids)
+    print("1x8 err", float(np.abs(got - ref).max() / np.abs(ref).max()))
+""")
+
+
+@pytest.mark.slow
+def test_kimi_linear_on_eight_data_parallel_cpu_devices(tmp_path):
+    """A Kimi-Linear checkpoint on a 1x8 mesh of fake CPU devices gives the one-device logits. It used to hang: the
+    KDA reference's batched LAPACK triangular solve waited on the thread pool that ran all 8 device programs."""
+    import hf_fixtures as H
+
+    # 4 KDA heads: B·H = 8 solves per call, enough for jaxlib to spread them over the pool (2 heads never hung)
+    H.make_kimi_linear(str(tmp_path / "kl"), seed=0, num_attention_heads=4, num_key_value_heads=4,
+                       linear_attn_config={"num_heads": 4})
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", KIMI_LINEAR_DP_SCRIPT, str(tmp_path / "kl")], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split("1x8 err")[1]) < 1e-5, out.stdout

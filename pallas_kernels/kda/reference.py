@@ -21,6 +21,29 @@ def _einsum(*operands):
     return jnp.einsum(*operands, precision=PRECISION)
 
 
+def _solve_unit_lower(unit_lower_bhcc, rhs_bhcx):
+    """X `[B, H, C, x]` with L X = rhs for unit lower-triangular L `[B, H, C, C]`.
+
+    On CPU: forward substitution, one row per step (row r uses the finished rows above it). jaxlib's batched
+    LAPACK trsm spreads its batch over the same thread pool that runs each device's program; with several CPU
+    devices (`--xla_force_host_platform_device_count`) that deadlocked a Kimi-Linear forward on a 1x8 mesh. Other
+    platforms keep XLA's triangular solve."""
+    def substitute(L, R):
+        C = L.shape[-1]
+        col = jnp.arange(C)
+
+        def row(r, X):
+            l_r = jnp.where(col < r, L[..., r, :], 0.0)  # only the finished rows above r
+            return X.at[..., r, :].set(R[..., r, :] - _einsum("...c,...cx->...x", l_r, X))
+
+        return jax.lax.fori_loop(1, C, row, R)
+
+    def trsm(L, R):
+        return solve_triangular(L, R, lower=True, unit_diagonal=True)
+
+    return jax.lax.platform_dependent(unit_lower_bhcc, rhs_bhcx, cpu=substitute, default=trsm)
+
+
 def _zeros_state(q, v):
     B, _, H, dk = q.shape
     return jnp.zeros((B, H, dk, v.shape[-1]), jnp.float32)
@@ -87,8 +110,10 @@ def chunk(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv=None, sca
         Aqk = jnp.where(lower, _einsum("bhrk,bhck,bhrck->bhrc", q_bhck, k_bhck, decay), 0.0)
         unit_lower = Akk + eye  # T = (I + Akk)^-1, applied by a triangular solve
         eG = jnp.exp(G)
-        W = solve_triangular(unit_lower, b_bhc[..., None] * k_bhck * eG, lower=True, unit_diagonal=True)
-        U = solve_triangular(unit_lower, b_bhc[..., None] * v_bhcv, lower=True, unit_diagonal=True)
+        # both right-hand sides in one solve: [β k e^Γ | β v]
+        WU = _solve_unit_lower(unit_lower, jnp.concatenate([b_bhc[..., None] * k_bhck * eG,
+                                                             b_bhc[..., None] * v_bhcv], axis=-1))
+        W, U = WU[..., :dk], WU[..., dk:]
         Vn = U - _einsum("bhck,bhkv->bhcv", W, S_bhkv)
         O = _einsum("bhck,bhkv->bhcv", q_bhck * eG, S_bhkv) + _einsum("bhrc,bhcv->bhrv", Aqk, Vn)
         G_last = G[..., -1:, :]  # [B, H, 1, dk]
