@@ -43,8 +43,16 @@ def count_params(cfg: ModelConfig) -> dict:
     return {"sizes": sizes, "params_total": total, "params_active": total - inactive, "routed_params": routed}
 
 
+# the format each family's weights are published in (`--weights-dtype release`): K3 / K3.1 routed experts MXFP4
+# and the rest bf16 (SPEC); DeepSeek-V3.2 block-scaled FP8; Kimi-Linear bf16
+RELEASE_FORMAT = {"kimi_k3": "release", "kimi_k31": "release", "deepseek_v32": "fp8", "kimi_linear": "bf16"}
+
+
 def weight_bytes(cfg: ModelConfig, sizes: dict, weights_dtype: str) -> int:
-    """Bytes of all weights. 'release': routed experts MXFP4 (4.25 bits), the rest bf16, fp32 small tensors."""
+    """Bytes of all weights. 'release': the family's published format (`RELEASE_FORMAT`; for K3: routed experts
+    MXFP4, 4.25 bits, the rest bf16), with fp32 small tensors in every format."""
+    if weights_dtype == "release":
+        weights_dtype = RELEASE_FORMAT.get(cfg.architecture, "release")
     def mxfp4(n):
         return n // 2 + n // 32
 
@@ -146,7 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--hbm-gb", type=float, default=141.0, help="memory per device in GB (default 141, an H200)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of HBM usable (default 0.9)")
     p.add_argument("--weights-dtype", default="release", choices=WEIGHT_DTYPES,
-                   help="release = routed experts MXFP4, the rest bf16 (default)")
+                   help="release (default) = the family's published format: K3 / K3.1 routed experts MXFP4 and "
+                        "the rest bf16, DeepSeek-V3.2 fp8, Kimi-Linear bf16")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     try:

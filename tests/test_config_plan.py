@@ -186,3 +186,13 @@ def test_full_size_presets_build_abstractly_under_eval_shape():
     assert sum(x.size for x in leaves) == param_count(C.get_preset("kimi-linear-48b"))
     with pytest.raises(ValueError, match="too large to materialise"):
         kimi_jax.load_model("kimi-linear-48b")
+
+
+def test_release_weights_follow_each_familys_published_format():
+    """--weights-dtype release: MXFP4 routed experts for K3.1, FP8 for DeepSeek-V3.2, bf16 for Kimi-Linear."""
+    def weights(preset, dtype):
+        return plan(C.get_preset(preset), weights_dtype=dtype)["weight_bytes"]
+
+    assert weights("deepseek-v3.2", "release") == weights("deepseek-v3.2", "fp8")
+    assert weights("kimi-linear-48b", "release") == weights("kimi-linear-48b", "bf16")
+    assert weights("kimi-k3.1-pro", "release") < weights("kimi-k3.1-pro", "fp8")
