@@ -189,7 +189,9 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=Non
         raise ValueError(
             f"{cfg.architecture} has {n / 1e9:.1f}B parameters: too large to materialise with random weights. "
             "Use `python -m kimi_jax.plan` or jax.eval_shape for the full-size presets, or load a checkpoint.")
-    module = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype, kernels=kernels or KernelConfig())
+    with jax.ensure_compile_time_eval():  # a concrete rng state even under eval_shape (see layers.param_key)
+        rngs = nnx.Rngs(seed)
+    module = KimiForCausalLM(cfg, rngs=rngs, dtype=dtype, kernels=kernels or KernelConfig())
     return Model(module, dtype, mesh=_mesh(mesh))
 
 

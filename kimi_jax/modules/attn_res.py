@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import normal_init
+from .layers import normal_init, param_key
 
 
 class AttnResMix(nnx.Module):
@@ -19,7 +19,7 @@ class AttnResMix(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.eps = eps
-        self.norm_weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
+        self.norm_weight = nnx.Param((1.0 + 0.1 * jax.random.normal(param_key(rngs), (dim,))).astype(dtype))
         self.proj_weight = nnx.Param(normal_init(rngs, (dim,), dim ** -0.5, dtype))
 
     def __call__(self, sources):

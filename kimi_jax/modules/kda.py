@@ -26,7 +26,7 @@ from sharding import context_parallel as cp
 
 from ..config import KDAConfig
 from ..kernels import KernelConfig
-from .layers import Linear, normal_init
+from .layers import Linear, normal_init, param_key
 
 
 class KDACache(NamedTuple):
@@ -59,9 +59,9 @@ class KimiDeltaAttention(nnx.Module):
         self.f_a_proj = Linear(hidden, d, rngs=rngs, dtype=dtype)
         self.f_b_proj = Linear(d, P, rngs=rngs, dtype=dtype)
         self.b_proj = Linear(hidden, H, rngs=rngs, dtype=dtype)
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 1.0, 16.0)))
-        self.dt_bias = nnx.Param(jax.random.normal(rngs.params(), (P,), jnp.float32) * 0.5 - 2.0)
-        self.o_norm = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (d,))).astype(jnp.float32))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(param_key(rngs), (H,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(jax.random.normal(param_key(rngs), (P,), jnp.float32) * 0.5 - 2.0)
+        self.o_norm = nnx.Param((1.0 + 0.1 * jax.random.normal(param_key(rngs), (d,))).astype(jnp.float32))
         if cfg.output_gate_rank is None:
             self.g_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
         else:

@@ -11,8 +11,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def param_key(rngs: nnx.Rngs):
+    """The next parameter key, drawn eagerly even while a caller traces (`jax.eval_shape` of a full-size preset):
+    a traced draw updates nnx's rng counter with a tracer, and each such update cost a scan of the whole trace
+    (3.5-7 min for K3.1's 2,970 draws); eager draws keep the abstract build to the parameters' own ops."""
+    with jax.ensure_compile_time_eval():
+        return rngs.params()
+
+
 def normal_init(rngs: nnx.Rngs, shape, std: float, dtype):
-    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+    return (jax.random.normal(param_key(rngs), shape, jnp.float32) * std).astype(dtype)
 
 
 class Linear(nnx.Module):
@@ -33,7 +41,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.eps = eps
-        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
+        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(param_key(rngs), (dim,))).astype(dtype))
 
     def __call__(self, x):
         return rmsnorm(x, self.weight[...], self.eps)
@@ -50,8 +58,8 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.eps = eps
-        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
-        self.bias = nnx.Param((0.1 * jax.random.normal(rngs.params(), (dim,))).astype(dtype))
+        self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(param_key(rngs), (dim,))).astype(dtype))
+        self.bias = nnx.Param((0.1 * jax.random.normal(param_key(rngs), (dim,))).astype(dtype))
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
