@@ -176,7 +176,7 @@ def _as_ids(input_ids, cfg: ModelConfig):
         raise ValueError(f"input_ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
     if ids.size == 0:
         raise ValueError(f"input_ids must hold at least one token per sequence and one sequence, got shape {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
     return jnp.asarray(ids, jnp.int32)
 

@@ -152,8 +152,9 @@ def test_storage_precision_sends_fp8_rows_with_few_heads_to_the_mosaic_gpu_kerne
 @pytest.mark.gpu
 def test_mosaic_sparse_mla_in_the_paged_decode_equals_reference_path(monkeypatch):
     """On a GPU, KernelConfig(dsa="gpu", dsa_precision="storage") with fp8 pages and MLA rows the Mosaic kernel
-    reads (K3's latent 512 + rope 64 = 576 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode step (16 sequences: the dispatch's smallest batch for it);
-    logits equal the reference path's within the storage formats' bar."""
+    reads (K3's latent 512 + rope 64 = 576 bytes, 2 heads) runs `sparse_mgpu.decode` in every MLA layer's decode
+    step (16 sequences: the dispatch's smallest batch for it); logits equal the reference path's within the storage
+    formats' bar."""
     from pallas_kernels.mla import sparse_mgpu
 
     launched = []

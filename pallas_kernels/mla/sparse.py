@@ -20,9 +20,9 @@ uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` pic
 "tpu_interpret" / "gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "auto" (the platform's
 kernel for decode (T = 1) when it reads the format, else the reference). "pallas_tpu" / "interpret" are kept as the
 older names of "tpu" / "tpu_interpret". Kernel-only keyword arguments go through `kernel_kw` (e.g. the GPU kernel's
-`block_h`, `splits`, `exact`). On the GPU, fp8 rows at `precision="storage"` with ≤ 16 heads and ≥ 16 sequences go to the Mosaic GPU
-kernel (`sparse_mgpu.py`, one launch; its keys are `MgpuSparseConfig` fields) and everything else to the Triton
-kernel; `kernel_kw={"impl": "mgpu" | "triton", ...}` picks one explicitly.
+`block_h`, `splits`, `exact`). On the GPU, fp8 rows at `precision="storage"` with ≤ 16 heads and ≥ 16 sequences
+go to the Mosaic GPU kernel (`sparse_mgpu.py`, one launch; its keys are `MgpuSparseConfig` fields) and everything
+else to the Triton kernel; `kernel_kw={"impl": "mgpu" | "triton", ...}` picks one explicitly.
 """
 
 from __future__ import annotations
