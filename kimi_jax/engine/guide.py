@@ -88,6 +88,15 @@ class _Part:
         """Consume a token; returns (this part is done, parts to run next before the remaining ones)."""
         raise NotImplementedError
 
+    def most_tokens(self) -> int:
+        """The most tokens this part (with what it leads to) can produce, from its start."""
+        raise TypeError(f"no length bound for {type(self).__name__}")
+
+
+def most_tokens(parts: Sequence[_Part]) -> int:
+    """The most tokens a sequence of parts can produce (e.g. what a budget must leave for a guided call)."""
+    return sum(p.most_tokens() for p in parts)
+
 
 class Forced(_Part):
     def __init__(self, ids: Sequence[int]):
@@ -100,6 +109,9 @@ class Forced(_Part):
     def advance(self, token_id):
         self.pos += 1
         return self.pos >= len(self.ids), []
+
+    def most_tokens(self):
+        return len(self.ids)
 
 
 class Choice(_Part):
@@ -149,6 +161,9 @@ class Choice(_Part):
             return True, []
         return False, []
 
+    def most_tokens(self):
+        return max(len(ids) + most_tokens(then) for ids, then in self.options)
+
 
 class Text(_Part):
     """Tokens of ``vocab_class`` until one of ``end_ids`` (at least ``min_tokens`` first, at most ``max_tokens``);
@@ -180,6 +195,9 @@ class Text(_Part):
             return True, []
         self.count += 1
         return False, []
+
+    def most_tokens(self):
+        return self.max_tokens + 1  # the end id included
 
 
 class FreeUntil(_Part):

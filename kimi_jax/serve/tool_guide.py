@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
-from ..engine.guide import DIGITS, NUMBER_START, TEXT, Choice, Forced, ProgramGuide, Text
+from ..engine.guide import DIGITS, NUMBER_START, TEXT, Choice, Forced, ProgramGuide, Text, most_tokens
 from .chat import CALL_INDEX_BASE, escape_attribute, json_type_name
 
 _TYPE_ATTR = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
@@ -123,20 +123,6 @@ class K3ToolCallGuideBuilder:
         # reasoning: text tokens (no end-of-message: the call must come) until the model closes it, forced closed
         # when only the call's longest form still fits in max_tokens
         after = [Forced(self._text("think") + [self.S] + self._open("response") + self._close("response"))] + call
-        budget = max(0, self.max_tokens - 1 - longest(after))  # 1: the <|close|> that ends the reasoning
+        budget = max(0, self.max_tokens - 1 - most_tokens(after))  # 1: the <|close|> that ends the reasoning
         return ProgramGuide([Text(TEXT, [self.C], budget)] + after)
 
-
-def longest(parts: Sequence) -> int:
-    """The most tokens these guide parts can produce (a Text's end id included)."""
-    total = 0
-    for p in parts:
-        if isinstance(p, Forced):
-            total += len(p.ids)
-        elif isinstance(p, Choice):
-            total += max(len(ids) + longest(then) for ids, then in p.options)
-        elif isinstance(p, Text):
-            total += p.max_tokens + 1
-        else:
-            raise TypeError(f"no length bound for {type(p).__name__}")
-    return total
