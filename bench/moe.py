@@ -366,13 +366,18 @@ def bench_mxfp4(args, copy_bw):
             t = attempt(f"MXFP4 {rows_per_expert} {cfg}", run)
             if t is not None and (best[0] is None or t < best[0]):
                 best = (t, cfg)
-        for mcfg in [dataclasses.replace(mgpu_mx.default_config(rows_per_expert), **o)
-                     for o in json.loads(args.mgpu_configs or "[]")]:
+        mgpu_runs = []
+        for o in json.loads(args.mgpu_configs or "[]"):
+            o = dict(o)
+            mcfg = dataclasses.replace(mgpu_mx.default_config(rows_per_expert), **{k: v for k, v in o.items()
+                                                                                 if k != "layout"})
+            mgpu_runs.append((mcfg, o.get("layout", "natural" if mcfg.mma == "fp8" else "placed")))
+        for mcfg, layout in mgpu_runs:
             if left(args.budget) < 20:
                 break
 
-            def run_mgpu(mcfg=mcfg, x=x, sizes=sizes, ref=ref):
-                wp = mgpu_mx.prepare_weight(wq)
+            def run_mgpu(mcfg=mcfg, layout=layout, x=x, sizes=sizes, ref=ref):
+                wp = mgpu_mx.prepare_weight(wq, layout)
                 f = jax.jit(lambda a, w_, g: mgpu_mx.grouped_matmul(a, w_, g, config=mcfg, out_dtype=jnp.bfloat16))
                 err = rel_err(f(x, wp, sizes), ref)
                 if err > 2e-2:
@@ -393,13 +398,13 @@ def bench_mxfp4(args, copy_bw):
                 out_t = fk(*prep, wp)
                 tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16)),
                               out_t, pad_row, live, reps=20)
-                INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg}"] = dict(
+                INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg} {layout}"] = dict(
                     op=t * 1e6, kernel=tk * 1e6, prep=tp * 1e6, unpad=tu * 1e6)
-                log(f"MXFP4 {rows_per_expert} rows/expert mosaic {mcfg}: op {wbytes / t / 1e12:.2f} TB/s "
+                log(f"MXFP4 {rows_per_expert} rows/expert mosaic {mcfg} {layout}: op {wbytes / t / 1e12:.2f} TB/s "
                     f"({t * 1e6:.0f} us), kernel alone {wbytes / tk / 1e12:.2f} TB/s ({tk * 1e6:.0f} us), "
                     f"row prep {tp * 1e6:.0f} us, unpad {tu * 1e6:.0f} us, err {err:.2e}")
                 return t
-            t = attempt(f"MXFP4 {rows_per_expert} mosaic {mcfg}", run_mgpu)
+            t = attempt(f"MXFP4 {rows_per_expert} mosaic {mcfg} {layout}", run_mgpu)
             if t is not None and (best[0] is None or t < best[0]):
                 best = (t, mcfg)
         t = best[0]
@@ -513,7 +518,8 @@ def main():
                     "default config, e.g. '[{\"bk\": 128}, {\"bk\": 128, \"num_stages\": 4}]' (instead of --sweep)")
     ap.add_argument("--mgpu-configs", default="", help="MXFP4 section: also time the Mosaic GPU kernel "
                     "(pallas_kernels.moe.mgpu_mxfp4), a JSON list of MgpuConfig field overrides of its default config at "
-                    "each rows-per-expert, e.g. '[{}, {\"steps\": 6}]'")
+                    "each rows-per-expert, e.g. '[{}, {\"steps\": 6}]'; a \"layout\" key picks the codes' layout "
+                    "(prepare_weight: \"placed\" by default, \"natural\" for the table decode; fp8 needs natural)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()
     if args.smoke:

@@ -150,6 +150,9 @@ def _run_ptx(ptx: str, regs: dict) -> dict:
             r = val(a[1]) >> val(a[2])
         elif op == "shl.b32":
             r = val(a[1]) << val(a[2])
+        elif op == "shf.l.wrap.b32":  # funnel shift of (a[2]:a[1]) left; with both halves one word, a rotation
+            hi_lo = val(a[2]) << 32 | val(a[1])
+            r = (hi_lo << (val(a[3]) % 32)) >> 32
         elif op == "prmt.b32":  # output byte i = pool[sel_i & 7], or its sign replicated when sel_i & 8
             pool = [(val(a[1]) >> 8 * i) & 255 for i in range(4)] + [(val(a[2]) >> 8 * i) & 255 for i in range(4)]
             r = 0
@@ -212,6 +215,28 @@ def test_mxfp4_ptx_decode_with_constant_operands_is_exact():
             got = np.array([regs[f"${i}"] for i in range(4)], np.uint32).view(np.uint16)
             want = np.concatenate([mx.E2M1_VALUES[b & 15], mx.E2M1_VALUES[b >> 4]]) * 2.0 ** (S - 127)
             np.testing.assert_array_equal(got.view(jnp.bfloat16).astype(np.float64), want, err_msg=f"S={S}")
+
+
+def test_mxfp4_placed_decode_is_exact():
+    """The "placed" layout: `mx.place_codes` permutes each word's bits, and `mx.DECODE_PTX_PLACED` (rotations, masks
+    and one bf16x2 multiply by `scale_placed_bf16`, modelled instruction by instruction) gives e2m1 · 2^(S−127)
+    exactly for every byte in every position of its word and E8M0 codes 1..128; $0..$3 = lo(b0,b1), lo(b2,b3),
+    hi(b0,b1), hi(b2,b3) of the natural word. Code 0 of the scale is a zero scale (as `scale_f32`)."""
+    assert sorted(mx.PLACED_SOURCES) == list(range(32))
+    scales = [0, 1, 2, 60, 100, 118, 127, 128]
+    h = np.asarray(mx.scale_placed_bf16(jnp.asarray(scales, jnp.uint8))).view(np.uint16).astype(np.int64)
+    natural = np.array([[w0, (37 * w0 + 11) % 256, (101 * w0 + 7) % 256, 255 - w0] for w0 in range(256)], np.uint8)
+    placed = np.asarray(mx.place_codes(jnp.asarray(natural))).astype(np.int64)
+    for S, hs in zip(scales, h):
+        mult = 0.0 if S == 0 else 2.0 ** (S - 127)
+        for b, pb in zip(natural, placed):
+            regs = _run_ptx(mx.DECODE_PTX_PLACED, {"$4": int(pb[0] | pb[1] << 8 | pb[2] << 16 | pb[3] << 24),
+                                                   "$5": int(hs | hs << 16)})
+            got = np.array([regs[f"${i}"] for i in range(4)], np.uint32).view(np.uint16)
+            want = np.concatenate([mx.E2M1_VALUES[b & 15], mx.E2M1_VALUES[b >> 4]]) * mult
+            np.testing.assert_array_equal(got.view(jnp.bfloat16).astype(np.float64), want, err_msg=f"S={S}")
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        mx.place_codes(jnp.zeros((2, 6), jnp.uint8))
 
 
 def test_mxfp4_e4m3_ptx_decode_is_exact():
@@ -653,25 +678,86 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
 
     E, K, N = 4, 512, 128
     x = jax.ShapeDtypeStruct((32, K), jnp.bfloat16)
-    w = mm.PreparedWeight(jax.ShapeDtypeStruct((E, N, K // 2), jnp.uint8),
-                          jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8))
+    codes, scales_t = jax.ShapeDtypeStruct((E, N, K // 2), jnp.uint8), jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8)
+    natural = mm.PreparedWeight(codes, scales_t)
+    placed = mm.PreparedWeight(codes, scales_t, jax.ShapeDtypeStruct((E,), jnp.int32), layout="placed")
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
-    for cfg in (mm.MgpuConfig(), mm.MgpuConfig(kh=256, rows=32), mm.MgpuConfig(mma="fp8", rows=8)):
+    for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
+                   (natural, mm.MgpuConfig(mma="fp8", rows=8))):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+        placed_decode = w.layout == "placed" and cfg.mma == "bf16"  # else the table (bf16) or e4m3 shifts (fp8)
+        assert ("shf.l.wrap" in text, "prmt.b32" in text) == (placed_decode, cfg.mma == "bf16" and not placed_decode)
+    with pytest.raises(ValueError, match="layout='natural'"):
+        jax.jit(lambda a, b, g: mm.grouped_matmul(a, b, g, config=mm.MgpuConfig(mma="fp8", rows=8))).trace(
+            x, placed, gs)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        mm.PreparedWeight(codes, scales_t, layout="swizzled")
+
+
+def test_mgpu_placed_weight_keeps_every_value():
+    """`prepare_weight(w, "placed")`: the codes are a bit permutation of each word (`mxfp4.PLACED_SOURCES`), and an
+    expert with scale codes above 128 is lowered as a whole by its excess, which the output gets back as
+    2^exp_offset — so codes, lowered scales and offsets together still dequantise to exactly the same weight."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    E, K, N = 3, 128, 8
+    w = mx.random_weight(jax.random.key(3), E, K, N)
+    scale = np.asarray(w.scale).copy()
+    scale[1] += 80  # codes 198..206: 2^(S−1) overflows bf16
+    scale[2, 0, 0] = 0  # a zero scale stays zero
+    w = mx.MXFP4Weight(w.packed, jnp.asarray(scale))
+    p = mm.prepare_weight(w)
+    assert p.layout == "placed" and list(np.asarray(p.exp_offset)) == [0, scale[1].max() - 128, 0]
+    assert int(np.asarray(p.scales_t).max()) <= mm.PLACED_MAX_SCALE
+    words = np.asarray(p.codes).view("<u4").astype(np.int64)  # [E, N, K/8]
+    natural_words = sum(((words >> pos) & 1) << int(src) for pos, src in enumerate(mx.PLACED_SOURCES))
+    natural = natural_words.astype("<u4").view(np.uint8).reshape(w.packed.shape)
+    np.testing.assert_array_equal(natural, np.asarray(w.packed))
+    scales_back = np.where(np.asarray(p.scales_t) == 0, 0,
+                           np.asarray(p.scales_t) + np.asarray(p.exp_offset)[:, None, None])
+    np.testing.assert_array_equal(scales_back, np.swapaxes(scale, 1, 2))
+    np.testing.assert_array_equal(np.asarray(mm.prepare_weight(w, "natural").codes), np.asarray(w.packed))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        mm.prepare_weight(w, "swizzled")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3),
                                  dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
                                  dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32)])
-def test_gpu_mgpu_mxfp4_matches_reference(cfg):
+@pytest.mark.parametrize("layout", ["placed", "natural"])
+def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of
-    8, 0, 70, 3, 16, 1 and 30 rows (tiles padded to 16 per group) and uncovered tail rows, which come back as zeros."""
+    8, 0, 70, 3, 16, 1 and 30 rows (tiles padded to 16 per group) and uncovered tail rows, which come back as zeros;
+    both code layouts (the fp8 path decodes natural codes only)."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
+    if cfg.get("mma") == "fp8" and layout == "placed":
+        pytest.skip("the fp8 path takes natural codes (a ValueError, tested on the CPU)")
     sizes, x, w, gs, want = _device_mxfp4_case()
-    got = mm.grouped_matmul(x, mm.prepare_weight(w), gs, config=mm.MgpuConfig(**cfg))
+    got = mm.grouped_matmul(x, mm.prepare_weight(w, layout), gs, config=mm.MgpuConfig(**cfg))
     assert _rel(got, want) < (3e-3 if cfg.get("mma") == "fp8" else 1e-4)  # fp8: x as two e4m3 planes
     assert not np.asarray(got[sum(sizes):]).any()
+
+
+@pytest.mark.gpu
+def test_gpu_mgpu_mxfp4_placed_with_large_and_zero_scales():
+    """The placed decode on the device at the edges of its multiplier: one expert's scale codes above 128 (lowered
+    per expert, restored in fp32), codes 1 and 0 (a zero scale) in another; every group's rows against ragged_dot
+    over the exactly dequantised weights on their own."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    sizes, x, w, gs, _ = _device_mxfp4_case()
+    scale = np.asarray(w.scale).copy()
+    scale[2] += 70  # the 70-row group: codes 188..196
+    scale[4, :, ::3] = 1
+    scale[4, :, 1::3] = 0
+    w = mx.MXFP4Weight(w.packed, jnp.asarray(scale))
+    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
+    got = mm.grouped_matmul(x, mm.prepare_weight(w), gs)
+    ends = np.cumsum(sizes)
+    for g, (a, b) in enumerate(zip(ends - np.asarray(sizes), ends)):
+        if b > a:
+            assert _rel(got[a:b], want[a:b]) < 1e-4, g

@@ -77,11 +77,26 @@ def default_config(rows_per_group: float) -> MgpuConfig:
     return MgpuConfig(rows=64, kh=128, steps=3, ctas_per_sm=1)
 
 
+LAYOUTS = ("natural", "placed")
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedWeight:
-    """MXFP4 weight in the kernel's layout: codes `[E, N, K/2]` uint8 as stored, scales transposed `[E, K/32, N]`."""
+    """MXFP4 weight in the kernel's layout: codes `[E, N, K/2]` uint8, scales transposed `[E, K/32, N]`.
+
+    `layout` "natural": codes as stored, decoded through the byte-permute table (`mxfp4.DECODE_PTX_SIGN_OPERANDS`).
+    "placed": each 32-bit word's bits permuted (`mxfp4.place_codes`) for the table-free decode
+    (`mxfp4.DECODE_PTX_PLACED`, 15 instead of 20 instructions per 8 weights); its multiplier 2^(S−1) must fit
+    bf16, so an expert whose largest scale code exceeds 128 has all its codes lowered by `exp_offset[e]` (their
+    excess) and its output multiplied back by 2^exp_offset[e] in fp32. Real checkpoints have exp_offset 0."""
     codes: jax.Array
     scales_t: jax.Array
+    exp_offset: jax.Array | None = None  # [E] int32, "placed" only
+    layout: str = "natural"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"PreparedWeight.layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @property
     def num_experts(self):
@@ -96,13 +111,27 @@ class PreparedWeight:
         return self.codes.shape[2] * 2
 
 
-jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t"], meta_fields=[])
+jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t", "exp_offset"],
+                                 meta_fields=["layout"])
+
+PLACED_MAX_SCALE = 128  # largest E8M0 code whose placed-decode multiplier 2^(S−1) is a finite bf16
 
 
-def prepare_weight(w: mx.MXFP4Weight) -> PreparedWeight:
+def prepare_weight(w: mx.MXFP4Weight, layout: str = "placed") -> PreparedWeight:
     """`MXFP4Weight` (packed `[E, N, K/2]`, scales `[E, N, K/32]`) -> the kernel's layout (scales transposed, so a
-    step's TMA box of them is 64 columns wide). Once per weight, not per call."""
-    return PreparedWeight(w.packed, jnp.swapaxes(w.scale, 1, 2))
+    step's TMA box of them is 64 columns wide; codes bit-placed for `layout="placed"`). Once per weight, not per
+    call. Under "placed", an expert whose scale codes exceed 128 is lowered as a whole (`PreparedWeight`); a code
+    that would fall to 0 or below then reads as a zero scale — only an expert whose scales span more than 2^127
+    could lose anything that way."""
+    scales_t = jnp.swapaxes(w.scale, 1, 2)
+    if layout == "natural":
+        return PreparedWeight(w.packed, scales_t, layout="natural")
+    if layout != "placed":
+        raise ValueError(f"prepare_weight: layout must be one of {LAYOUTS}, got {layout!r}")
+    s = scales_t.astype(jnp.int32)
+    offset = jnp.maximum(jnp.max(s, axis=(1, 2)) - PLACED_MAX_SCALE, 0)  # [E]
+    lowered = jnp.where(s == 0, 0, jnp.maximum(s - offset[:, None, None], 0)).astype(jnp.uint8)
+    return PreparedWeight(mx.place_codes(w.packed), lowered, offset.astype(jnp.int32), layout="placed")
 
 
 def x_permutation(kh_total: int) -> np.ndarray:
@@ -130,9 +159,9 @@ def _fragment_slots(layout, shape):
     return reg_shape, reg, [coords[reg(0, h)][0] for h in (0, 1)], coords[reg(0, 0)][1]
 
 
-def _decode_fn(kh: int):
-    """The inline Mosaic GPU body: (codes smem `[64, kh]` u8, scales smem `[kh/16, 64]` u8) -> (lo, hi) bf16
-    `[64, kh]` in the WGMMA layout."""
+def _decode_fn(kh: int, code_layout: str = "natural"):
+    """The inline Mosaic GPU body: (codes smem `[64, kh]` u8 in `code_layout` (`PreparedWeight.layout`), scales
+    smem `[kh/16, 64]` u8) -> (lo, hi) bf16 `[64, kh]` in the WGMMA layout."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -162,13 +191,20 @@ def _decode_fn(kh: int):
                 words = mgu.bitcast(vector.load(v16i8, codes_ref, [rows[h], col]), v4i32)
                 grp = arith.addi(q, mgu.c(4 * b, index))
                 s32 = arith.extui(i32, memref.load(scales_ref, [grp, rows[h]]))
-                e = arith.subi(arith.maxui(s32, mgu.c(1, i32)), mgu.c(1, i32))
-                h2 = arith.muli(e, mgu.c(0x00800080, i32))  # bf16x2 (h, h), h = 2^(S-128) (`mxfp4.scale_half_bf16`)
-                c2 = llvm.inline_asm(i32, [h2], mx.NEG192_PTX, "=r,r")  # −192·h, once per group
+                if code_layout == "placed":  # bf16x2 (h, h), h = 2^(S−1), S = 0 a zero scale (`scale_placed_bf16`)
+                    h2 = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s32, mgu.c(0, i32)), mgu.c(0, i32),
+                                      arith.muli(arith.addi(s32, mgu.c(126, i32)), mgu.c(0x00800080, i32)))
+                else:  # bf16x2 (h, h), h = 2^(S-128) (`mxfp4.scale_half_bf16`), and −192·h, once per group
+                    e = arith.subi(arith.maxui(s32, mgu.c(1, i32)), mgu.c(1, i32))
+                    h2 = arith.muli(e, mgu.c(0x00800080, i32))
+                    c2 = llvm.inline_asm(i32, [h2], mx.NEG192_PTX, "=r,r")
                 for s in range(4):
                     w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
-                    out = llvm.inline_asm(out_ty, [w, h2, c2, pa, pb, c43], mx.DECODE_PTX_SIGN_OPERANDS,
-                                          "=r,=r,=r,=r,r,r,r,r,r,r")
+                    if code_layout == "placed":
+                        out = llvm.inline_asm(out_ty, [w, h2], mx.DECODE_PTX_PLACED, "=r,=r,=r,=r,r,r")
+                    else:
+                        out = llvm.inline_asm(out_ty, [w, h2, c2, pa, pb, c43], mx.DECODE_PTX_SIGN_OPERANDS,
+                                              "=r,=r,=r,=r,r,r,r,r,r,r")
                     regs = [mgu.bitcast(llvm.extractvalue(i32, out, [k]), v2bf16) for k in range(4)]
                     slab = 4 * b + s
                     lo[reg(2 * slab, h)], lo[reg(2 * slab + 1, h)] = regs[0], regs[1]
@@ -386,7 +422,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
         arg_types=(plgpu.RefType(), plgpu.RefType()),
         return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
                      plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
-    )(_decode_fn(kh))
+    )(_decode_fn(kh, w.layout))
 
     def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
         def item(t, nb, g):
@@ -432,6 +468,9 @@ def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config
     R, kh = cfg.rows, cfg.kh
     t_max = m_pad // R
     E, N, KH = w.codes.shape
+    if w.layout != "natural":
+        raise ValueError(f"the fp8 path decodes natural codes: prepare the weight with layout='natural', not "
+                         f"{w.layout!r}")
     if 2 * KH != K or KH % kh or kh % 16 or N % COLS or m_pad % R or R % 8:
         raise ValueError(f"mgpu MXFP4 fp8: packed K/2={KH} (x: K={K}) must be a multiple of kh={kh} (a multiple of "
                          f"16), N={N} of {COLS}, padded rows {m_pad} of rows={R} (a multiple of 8)")
@@ -501,13 +540,18 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
         return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
-        return unpad_output(kernel_call(xs, tile_group, num_tiles, w, config), pad_row, live, out_dtype)
+        out_t = kernel_call(xs, tile_group, num_tiles, w, config)
+        row_scale = None
+        if w.layout == "placed":  # each padded row's expert's 2^exp_offset (1 for real checkpoints)
+            row_scale = jnp.repeat(jnp.ldexp(jnp.float32(1), w.exp_offset)[tile_group], config.rows)
+        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
 
 
 def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None):
     """The kernel's outᵀ `[N, m_pad]` fp32 -> `[M, N]` `out_dtype`: each input row's padded row (`pad_row [M]`),
-    times `row_scale[padded row]` if given (the fp8 path's 1/row scale), zeros where `live [M]` is false."""
+    times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed layout's 2^exp_offset), zeros
+    where `live [M]` is false."""
     out = out_t[:, pad_row].T
     if row_scale is not None:
         out = out * row_scale[pad_row][:, None]

@@ -294,6 +294,89 @@ def _decode_asm_p(form: str = "asm"):
                                 [jnp.bfloat16, jnp.bfloat16], decode_lo_hi_bf16_ref, check=_check_decode_args)
 
 
+# --------------------------------------------- e2m1 bits placed under bf16's exponent ("placed" weight layout)
+# Why: the table decode above is ~20 instructions per 8 weights, and that (not HBM) bounds the Mosaic GPU kernel at
+# decode-sized groups. A code (s e1 e0 m) whose magnitude bits sit at bf16 bits 8, 7, 6 (the two lowest exponent
+# bits and the top mantissa bit) and whose sign sits at bit 15 reads exactly 2^−126 · v: for e1e0 ≥ 1 it is
+# 2^(e1e0 − 127)·(1 + m/2), and for e1e0 = 0 the bf16 subnormal m · 2^−127. One bf16x2 multiply by 2^(S−1)
+# then gives v · 2^(S−127) (exact: at most 2 significant bits). No table, no offset.
+# The bits only have to be moved into place, and the weight is ours to lay out once (`place_codes`): the 32 bits of
+# each word are permuted so that every output register is one rotation of the word under a mask, or two (magnitudes
+# from one rotation, signs from another). Four disjoint translates of a lane's bit pattern {6, 7, 8, 15} cannot
+# tile 32 bits (checked exhaustively), so two registers take their signs from a second rotation: 5 rotations,
+# 6 logic ops and 4 multiplies = 15 instructions per 8 weights.
+# Output registers as in the table decodes: $0..$3 = lo(b0, b1), lo(b2, b3), hi(b0, b1), hi(b2, b3) of the natural
+# word (byte b, low / high nibble), lane 0 in the low half.
+PLACED_ROTATIONS = ((0, 0), (3, 4), (6, 6), (10, 5))  # per output register: left rotations of (magnitudes, signs)
+_MAG_MASK, _SIGN_MASK = 0x01C001C0, 0x80008000  # bf16x2 bits 6..8 of each lane; bit 15 of each lane
+
+
+def _placed_sources() -> np.ndarray:
+    """src `[32]`: bit p of a placed word holds bit src[p] of the natural word (byte b, nibble n, code bit j at
+    8b + 4n + j)."""
+    src = np.full(32, -1, np.int64)
+    for r, (t_mag, t_sign) in enumerate(PLACED_ROTATIONS):
+        nibble = r // 2
+        for lane in (0, 1):
+            code = 8 * (2 * (r % 2) + lane) + 4 * nibble  # the natural bit of the code's bit 0
+            for j in range(3):
+                src[(6 + j + 16 * lane - t_mag) % 32] = code + j
+            src[(15 + 16 * lane - t_sign) % 32] = code + 3
+    assert sorted(src) == list(range(32)), src  # a permutation: the rotations' sources tile the word
+    return src
+
+
+PLACED_SOURCES = _placed_sources()
+
+
+def _ptx_placed() -> str:
+    rots = sorted({t for pair in PLACED_ROTATIONS for t in pair} - {0})
+    split = [r for r, (t_mag, t_sign) in enumerate(PLACED_ROTATIONS) if t_mag != t_sign]
+    lines = [".reg .b32 " + ", ".join([f"d4r{t}" for t in rots] + [f"d4s{r}" for r in split]) + ";"]
+    lines += [f"shf.l.wrap.b32 d4r{t}, $4, $4, {t};" for t in rots]
+
+    def src(t):
+        return "$4" if t == 0 else f"d4r{t}"
+
+    for r, (t_mag, t_sign) in enumerate(PLACED_ROTATIONS):
+        if t_mag == t_sign:
+            lines.append(f"and.b32 ${r}, {src(t_mag)}, {_MAG_MASK | _SIGN_MASK:#010x};")
+        else:  # (magnitudes & mask) | clean signs: lop3 0xEA = (a & b) | c
+            lines.append(f"and.b32 d4s{r}, {src(t_sign)}, {_SIGN_MASK:#010x};")
+            lines.append(f"lop3.b32 ${r}, {src(t_mag)}, {_MAG_MASK:#010x}, d4s{r}, 0xEA;")
+    lines += [f"mul.rn.bf16x2 ${r}, ${r}, $5;" for r in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+DECODE_PTX_PLACED = _ptx_placed()  # $4 = a placed word, $5 = bf16x2 (h, h) with h = 2^(S−1) (`scale_placed_bf16`)
+
+
+def place_codes(packed):
+    """Packed codes `[..., K/2]` uint8 (natural) -> the placed layout, same shape: each little-endian 32-bit word's
+    bits permuted by `PLACED_SOURCES`. Once per weight (elementwise: one shift-and-mask per distinct bit move)."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"place_codes needs whole 32-bit words: packed width {packed.shape[-1]} is not a "
+                         "multiple of 4")
+    b = packed.reshape(*packed.shape[:-1], -1, 4).astype(jnp.uint32)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    moves: dict[int, int] = {}
+    for p, n in enumerate(PLACED_SOURCES):
+        moves[p - int(n)] = moves.get(p - int(n), 0) | 1 << int(n)
+    out = jnp.zeros_like(word)
+    for delta, mask in sorted(moves.items()):
+        part = word & jnp.uint32(mask)
+        out = out | (part << delta if delta >= 0 else part >> -delta)
+    out_b = jnp.stack([(out >> 8 * i) & 0xFF for i in range(4)], axis=-1).astype(jnp.uint8)
+    return out_b.reshape(packed.shape)
+
+
+def scale_placed_bf16(s_u8):
+    """E8M0 codes S ∈ [0, 128] -> bfloat16 2^(S−1), the placed decode's multiplier; S = 0 gives 0 (a zero scale, as
+    `scale_f32`). Codes above 128 overflow bf16 here: `mgpu_mxfp4.prepare_weight` lowers them per expert first."""
+    s = s_u8.astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.where(s == 0, 0, (s + 126) << 7).astype(jnp.uint16), jnp.bfloat16)
+
+
 # ------------------------------------------------------------- e2m1 -> e4m3 for the fp8 tensor cores (dequant="fp8")
 # Why: at decode-sized groups the bf16 decode above (21 instructions per 8 elements, plus the register shuffles
 # that build bf16 mma fragments from it) is what bounds the MXFP4 kernel, not HBM. Every e2m1 value times 2^−6 is an
