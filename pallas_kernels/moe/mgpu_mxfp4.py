@@ -66,15 +66,16 @@ class MgpuConfig:
 
 def default_config(rows_per_group: float) -> MgpuConfig:
     """One row tile per decode-sized group, so each expert's weights stream once (8, 16, 32 or 64 rows); shapes from
-    the H200 runs of session 11 (bench/RESULTS.md): kernel alone 2.28 TB/s at 8 rows per expert (8-row tiles,
-    3 CTAs per SM), 2.23 with 16-row tiles and 256-byte steps, 1.98 at 32 rows (64 rows: correct, not timed)."""
+    the H200 runs of session 16 with the placed decode (bench/RESULTS.md), kernel alone: 2.78-2.81 TB/s at 8 rows
+    per expert (8-row tiles, 4 CTAs per SM; 3 CTAs: 2.67), 2.31 at 32 rows (256-byte steps, 2 stages; 128-byte
+    steps: 2.14-2.19), 1.47 at 64 (128-byte steps: 1.29-1.33)."""
     if rows_per_group <= 8:
-        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=3)
+        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=4)
     if rows_per_group <= 16:
         return MgpuConfig(rows=16, kh=256, steps=3, ctas_per_sm=2)
     if rows_per_group <= 32:
-        return MgpuConfig(rows=32, kh=128, steps=4, ctas_per_sm=2)
-    return MgpuConfig(rows=64, kh=128, steps=3, ctas_per_sm=1)
+        return MgpuConfig(rows=32, kh=256, steps=2, ctas_per_sm=2)
+    return MgpuConfig(rows=64, kh=256, steps=2, ctas_per_sm=1)
 
 
 LAYOUTS = ("natural", "placed")
@@ -432,7 +433,9 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
                     plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
                     plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
                     # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1),
-                    # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines
+                    # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines in
+                    # session 11, and again in session 16 with the pipeline's own delay_release=1 on x (rel. err
+                    # 0.03-0.07 at bench shapes, not every config; no faster where right)
                     plgpu.wgmma_wait(0)
 
                 plgpu.emit_pipeline(
