@@ -150,9 +150,8 @@ def _run_ptx(ptx: str, regs: dict) -> dict:
             r = val(a[1]) >> val(a[2])
         elif op == "shl.b32":
             r = val(a[1]) << val(a[2])
-        elif op == "shf.l.wrap.b32":  # funnel shift of (a[2]:a[1]) left; with both halves one word, a rotation
-            hi_lo = val(a[2]) << 32 | val(a[1])
-            r = (hi_lo << (val(a[3]) % 32)) >> 32
+        elif op == "mul.lo.u32":
+            r = val(a[1]) * val(a[2])
         elif op == "prmt.b32":  # output byte i = pool[sel_i & 7], or its sign replicated when sel_i & 8
             pool = [(val(a[1]) >> 8 * i) & 255 for i in range(4)] + [(val(a[2]) >> 8 * i) & 255 for i in range(4)]
             r = 0
@@ -218,7 +217,7 @@ def test_mxfp4_ptx_decode_with_constant_operands_is_exact():
 
 
 def test_mxfp4_placed_decode_is_exact():
-    """The "placed" layout: `mx.place_codes` permutes each word's bits, and `mx.DECODE_PTX_PLACED` (rotations, masks
+    """The "placed" layout: `mx.place_codes` permutes each word's bits, and `mx.DECODE_PTX_PLACED` (shifts, masks
     and one bf16x2 multiply by `scale_placed_bf16`, modelled instruction by instruction) gives e2m1 · 2^(S−127)
     exactly for every byte in every position of its word and E8M0 codes 1..128; $0..$3 = lo(b0,b1), lo(b2,b3),
     hi(b0,b1), hi(b2,b3) of the natural word. Code 0 of the scale is a zero scale (as `scale_f32`)."""
@@ -688,7 +687,7 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
         placed_decode = w.layout == "placed" and cfg.mma == "bf16"  # else the table (bf16) or e4m3 shifts (fp8)
-        assert ("shf.l.wrap" in text, "prmt.b32" in text) == (placed_decode, cfg.mma == "bf16" and not placed_decode)
+        assert ("mul.lo.u32" in text, "prmt.b32" in text) == (placed_decode, cfg.mma == "bf16" and not placed_decode)
     with pytest.raises(ValueError, match="layout='natural'"):
         jax.jit(lambda a, b, g: mm.grouped_matmul(a, b, g, config=mm.MgpuConfig(mma="fp8", rows=8))).trace(
             x, placed, gs)

@@ -13,28 +13,31 @@ loads trivial. A thread's A-operand fragment for one 16-wide k slab is the pairs
 of rows r and r + 8 (q = lane % 4). For each 64-byte block of a packed weight row, thread q loads the 16 contiguous
 bytes [16q, 16q + 16) (one `ld.shared.v4`, one E8M0 scale: they are one 32-element group) and word s of them (4
 bytes) becomes logical slab s: bytes t = 0..3 are logical columns 16s + (2q, 2q+1, 2q+8, 2q+9)[t]. x's even and odd
-planes are permuted the same way in XLA (`x_permutation`), so the products are unchanged. Each word goes through the
-tested PTX decode (`mxfp4.DECODE_PTX_SIGN`) into two lo-plane and two hi-plane registers, with the group's scale.
+planes are permuted the same way in XLA (`x_permutation`), so the products are unchanged. Each word goes through a
+tested PTX decode into two lo-plane and two hi-plane registers, with the group's scale: by default the table-free
+`mxfp4.DECODE_PTX_PLACED` over codes whose bits `prepare_weight` permuted once (`layout="placed"`: shifts, masks
+and one bf16 multiply, 15 instructions per 8 weights), else the byte-permute table `mxfp4.DECODE_PTX_SIGN_OPERANDS`
+over the stored codes (`layout="natural"`, 20; the fp8 path's layout).
 
 Groups: rows are padded per expert to multiples of the tile's rows in XLA (a tile never holds two experts, no masked
-stores); the output is written transposed, `[N, padded rows]` fp32, and gathered back. Scales are read transposed, `[E, K/32, N]`
-(`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
+stores); the output is written transposed, `[N, padded rows]` fp32, and gathered back. Scales are read transposed,
+`[E, K/32, N]` (`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
 
-Measured (H200, session 11, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072; bench/RESULTS.md): at 8 rows per
-expert the kernel alone streams 2.06–2.28 TB/s of weights with "bf16" (best: 8-row tiles, 3 CTAs per SM) and
-1.79–1.91 with "fp8"; the whole op, XLA row preparation included, 1.77–1.90 / 1.53–1.62 — the Triton kernel's op
-runs 1.94–1.97. At 32 rows per expert "bf16" reaches 1.98 alone, 1.32–1.48 for the op (Triton 1.25). The "bf16"
-loop is 31.7 SASS instructions per 8 weights (decode 20, 2 copies of the table constants out of uniform registers,
-the rest shared loads, TMA and wgmma bookkeeping), 127 registers; ncu: 0.64 instructions issued per scheduler
-cycle, stalls mostly not-selected / fixed-latency waits / math-pipe throttle. "fp8" halves the decode but holds
-154 registers (a step's 16 group accumulators, 2 CTAs per SM) and stalls on shared-memory loads (one 4-byte load
-per word, the fold's scale bytes) and on the MMAs. Neither reaches the 0.7-of-copy bar; opt-in, `ops` keeps the
-Triton kernel. Next steps: a warp-specialised pipeline (`emit_pipeline_warp_specialized`: TMA issue off the compute
-warpgroups; a first version hung on the H200, `bench/runs/s11_gpu11_ws.patch`), 16-byte loads and chunked folds
-for "fp8", and a cheaper XLA row preparation (~55 µs of the op in session 11). Session 13 made the bf16 path's rows
-one element gather (padded rows × permuted columns): 100–355 µs around the kernel on the H200 (session 14), its
-index array being 16 bytes per element. They are now a row gather and a static reshape / transpose (the column
-permutation is a permutation of digits, `_planes_in_contraction_order`).
+Measured (H200, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072, copy 4.24 TB/s; bench/RESULTS.md, session 16):
+at 8 rows per expert the kernel alone streams **3.28–3.30 TB/s of weights (0.77 of copy)** with the placed decode
+(5 CTAs per SM; 2.26 with the table decode), the whole op 2.65–2.66 (0.63; the Triton kernel's op 1.93): the XLA row
+preparation and output gather cost ~46 µs of 246. At 32 rows: 2.58 alone, 1.68 as an op (Triton 1.25); at 64 rows
+1.51 / 0.94 (Triton 1.19). How it got there: the table decode's loop was 31.7 SASS instructions per 8 weights
+(session 11); the placed decode with rotations made it ~21 (2.67–2.94 TB/s), and ncu then showed "math pipe
+throttle": the integer ALU pipe (half the issue rate) carried the rotations and masks. With plain shifts, four of
+them multiplies by 2^k, ptxas puts those on the FMA pipe (IMAD.SHL) and half the bf16 multiplies on the MMA pipe
+(HFMA2.MMA), leaving 8 ALU instructions per 8 weights. "fp8" (session 11: 1.79–1.91 TB/s alone) holds 154 registers
+and stalls on shared-memory loads. Leaving a step's MMAs running into the next step (wgmma_wait(1) with x released
+a step late) gave wrong results in sessions 11 and 16. What stands between the op and the 0.7 bar is the XLA around
+the kernel: rows padded per expert and permuted into planes before, outᵀ gathered back after. Fusing both into the
+kernel (rows fetched by index, outputs stored to their rows) is the next step. `ops` does not route to this kernel
+yet: its weights must be stored prepared (placed codes, transposed scales) at load time, which the model's MoE
+parameters (kept in the checkpoint's layout) do not do.
 """
 
 from __future__ import annotations
@@ -66,11 +69,11 @@ class MgpuConfig:
 
 def default_config(rows_per_group: float) -> MgpuConfig:
     """One row tile per decode-sized group, so each expert's weights stream once (8, 16, 32 or 64 rows); shapes from
-    the H200 runs of session 16 with the placed decode (bench/RESULTS.md), kernel alone: 2.78-2.81 TB/s at 8 rows
-    per expert (8-row tiles, 4 CTAs per SM; 3 CTAs: 2.67), 2.31 at 32 rows (256-byte steps, 2 stages; 128-byte
-    steps: 2.14-2.19), 1.47 at 64 (128-byte steps: 1.29-1.33)."""
+    the H200 runs of session 16 with the placed decode (bench/RESULTS.md), kernel alone: 3.28-3.30 TB/s at 8 rows
+    per expert (8-row tiles, 5 CTAs per SM; 4: 3.28, 6: 2.90), 2.58 at 32 rows (256-byte steps, 2 stages, 2 CTAs;
+    3 CTAs: 2.05), 1.51 at 64 (256-byte steps)."""
     if rows_per_group <= 8:
-        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=4)
+        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=5)
     if rows_per_group <= 16:
         return MgpuConfig(rows=16, kh=256, steps=3, ctas_per_sm=2)
     if rows_per_group <= 32:

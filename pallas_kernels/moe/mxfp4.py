@@ -301,13 +301,16 @@ def _decode_asm_p(form: str = "asm"):
 # 2^(e1e0 − 127)·(1 + m/2), and for e1e0 = 0 the bf16 subnormal m · 2^−127. One bf16x2 multiply by 2^(S−1)
 # then gives v · 2^(S−127) (exact: at most 2 significant bits). No table, no offset.
 # The bits only have to be moved into place, and the weight is ours to lay out once (`place_codes`): the 32 bits of
-# each word are permuted so that every output register is one rotation of the word under a mask, or two (magnitudes
-# from one rotation, signs from another). Four disjoint translates of a lane's bit pattern {6, 7, 8, 15} cannot
-# tile 32 bits (checked exhaustively), so two registers take their signs from a second rotation: 5 rotations,
-# 6 logic ops and 4 multiplies = 15 instructions per 8 weights.
+# each word are permuted so that every output register is one shift of the word under a mask, or two (magnitudes
+# from one shift, signs from another). Four disjoint translates of a lane's bit pattern {6, 7, 8, 15} cannot tile
+# 32 bits (checked exhaustively), so two registers take their signs from a second shift: 5 shifts, 6 logic ops and
+# 4 multiplies = 15 instructions per 8 weights. The shifts do not wrap, and four of the five go left: those are
+# written as multiplies by 2^k, which ptxas issues as IMAD on the FMA pipe, next to the bf16 multiplies, instead of
+# on the integer ALU pipe that the masks (and rotations) use — ncu put the first version of this decode (five
+# rotations) on "math pipe throttle" (session 16).
 # Output registers as in the table decodes: $0..$3 = lo(b0, b1), lo(b2, b3), hi(b0, b1), hi(b2, b3) of the natural
 # word (byte b, low / high nibble), lane 0 in the low half.
-PLACED_ROTATIONS = ((0, 0), (3, 4), (6, 6), (10, 5))  # per output register: left rotations of (magnitudes, signs)
+PLACED_SHIFTS = ((-6, 4), (0, 0), (3, 5), (6, 6))  # per output register: left shifts of (magnitudes, signs); < 0: right
 _MAG_MASK, _SIGN_MASK = 0x01C001C0, 0x80008000  # bf16x2 bits 6..8 of each lane; bit 15 of each lane
 
 
@@ -315,14 +318,14 @@ def _placed_sources() -> np.ndarray:
     """src `[32]`: bit p of a placed word holds bit src[p] of the natural word (byte b, nibble n, code bit j at
     8b + 4n + j)."""
     src = np.full(32, -1, np.int64)
-    for r, (t_mag, t_sign) in enumerate(PLACED_ROTATIONS):
+    for r, (t_mag, t_sign) in enumerate(PLACED_SHIFTS):
         nibble = r // 2
         for lane in (0, 1):
             code = 8 * (2 * (r % 2) + lane) + 4 * nibble  # the natural bit of the code's bit 0
             for j in range(3):
-                src[(6 + j + 16 * lane - t_mag) % 32] = code + j
-            src[(15 + 16 * lane - t_sign) % 32] = code + 3
-    assert sorted(src) == list(range(32)), src  # a permutation: the rotations' sources tile the word
+                src[6 + j + 16 * lane - t_mag] = code + j
+            src[15 + 16 * lane - t_sign] = code + 3
+    assert sorted(src) == list(range(32)), src  # a permutation: the shifts' sources tile the word, none wraps
     return src
 
 
@@ -330,15 +333,15 @@ PLACED_SOURCES = _placed_sources()
 
 
 def _ptx_placed() -> str:
-    rots = sorted({t for pair in PLACED_ROTATIONS for t in pair} - {0})
-    split = [r for r, (t_mag, t_sign) in enumerate(PLACED_ROTATIONS) if t_mag != t_sign]
-    lines = [".reg .b32 " + ", ".join([f"d4r{t}" for t in rots] + [f"d4s{r}" for r in split]) + ";"]
-    lines += [f"shf.l.wrap.b32 d4r{t}, $4, $4, {t};" for t in rots]
+    shifts = sorted({t for pair in PLACED_SHIFTS for t in pair} - {0})
+    split = [r for r, (t_mag, t_sign) in enumerate(PLACED_SHIFTS) if t_mag != t_sign]
 
     def src(t):
-        return "$4" if t == 0 else f"d4r{t}"
+        return "$4" if t == 0 else f"d4l{t}" if t > 0 else f"d4r{-t}"
 
-    for r, (t_mag, t_sign) in enumerate(PLACED_ROTATIONS):
+    lines = [".reg .b32 " + ", ".join([src(t) for t in shifts] + [f"d4s{r}" for r in split]) + ";"]
+    lines += [f"mul.lo.u32 {src(t)}, $4, {1 << t};" if t > 0 else f"shr.u32 {src(t)}, $4, {-t};" for t in shifts]
+    for r, (t_mag, t_sign) in enumerate(PLACED_SHIFTS):
         if t_mag == t_sign:
             lines.append(f"and.b32 ${r}, {src(t_mag)}, {_MAG_MASK | _SIGN_MASK:#010x};")
         else:  # (magnitudes & mask) | clean signs: lop3 0xEA = (a & b) | c
