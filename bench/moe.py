@@ -396,7 +396,8 @@ def bench_mxfp4(args, copy_bw):
                 tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
                 _, _, _, pad_row, live = mgpu_mx.prepare_rows(x, sizes, E, mcfg.rows)
                 out_t = fk(*prep, wp)
-                tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16)),
+                tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16,
+                                                                             store=mcfg.store)),
                               out_t, pad_row, live, reps=20)
                 INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg} {layout}"] = dict(
                     op=t * 1e6, kernel=tk * 1e6, prep=tp * 1e6, unpad=tu * 1e6)

@@ -682,6 +682,7 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     placed = mm.PreparedWeight(codes, scales_t, jax.ShapeDtypeStruct((E,), jnp.int32), layout="placed")
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
     for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
+                   (placed, mm.MgpuConfig(rows=8, store="rows")), (natural, mm.MgpuConfig(mma="fp8", store="rows")),
                    (natural, mm.MgpuConfig(mma="fp8", rows=8))):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
@@ -725,7 +726,9 @@ def test_mgpu_placed_weight_keeps_every_value():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3),
                                  dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
-                                 dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32)])
+                                 dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32),
+                                 dict(rows=8, store="rows"), dict(rows=32, kh=256, steps=2, store="rows"),
+                                 dict(mma="fp8", rows=16, store="rows")])
 @pytest.mark.parametrize("layout", ["placed", "natural"])
 def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of

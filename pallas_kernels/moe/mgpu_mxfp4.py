@@ -65,6 +65,11 @@ class MgpuConfig:
     # instructions per 8 weights instead of ~20), one wgmma pair (x as two e4m3 planes) per 32-element group into
     # that group's accumulator, scaled and summed after the step (`kernel_call_fp8`)
     mma: str = "bf16"
+    # the kernel's output: "rows" = `[padded rows, N]` (each thread writes its accumulator transposed into the
+    # staging tile, `_store_transposed_fn`), gathered back as whole rows; "cols" = outᵀ `[N, padded rows]` (the
+    # staging tile as the accumulator holds it), gathered back column by column — op 2.63 vs 2.78 TB/s at 8 rows
+    # per expert, 1.70 vs 1.94 at 32 (H200, session 16)
+    store: str = "rows"
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
@@ -331,17 +336,43 @@ def _pad_rows(x, group_sizes, num_experts: int, rows: int):
     return (x.at[src].get(mode="fill", fill_value=0), *plan)
 
 
-def _store_tile(acc, o_smem, out_ref, nb, t):
-    """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] through shared memory and a TMA copy, once
-    the previous item's copy has read the staging buffer."""
+def _store_transposed_fn():
+    """The inline Mosaic GPU body that writes a WGMMA-layout `[64, R]` fp32 accumulator transposed into a `[R, 64]`
+    shared-memory tile: each thread stores its own registers' elements (4-byte stores; R·64·4 bytes per item)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    def fn(ctx, acc, o_ref):
+        del ctx
+        index = ir.IndexType.get()
+        regs = acc.registers
+        for (row, col), ri in zip(acc.layout.thread_idxs(acc.shape), np.ndindex(regs.shape)):
+            reg = regs[ri]  # vector<2xf32>: columns col, col + 1 of row `row`
+            for j in range(ir.VectorType(reg.type).shape[0]):
+                v = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([j]))
+                memref.store(v, o_ref, [arith.addi(col, mgu.c(j, index)), row])
+
+    return fn
+
+
+def _store_tile(acc, o_smem, out_ref, nb, t, store: str = "cols"):
+    """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] ("cols") or out[rows·t …, 64·nb …] ("rows")
+    through shared memory and a TMA copy, once the previous item's copy has read the staging buffer."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    R = o_smem.shape[1]
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
+    if store == "rows":
+        R = o_smem.shape[0]
+        plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)])
+    else:
+        R = o_smem.shape[1]
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
 
 
 def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
@@ -362,16 +393,20 @@ def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
 
 def _launch(body, N: int, m_pad: int, cfg: MgpuConfig):
     """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
-    (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer."""
+    (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer (`store="rows"`: out
+    `[m_pad, N]`, staging `[rows, 64]`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if cfg.store not in ("cols", "rows"):
+        raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {cfg.store!r}")
+    rows_major = cfg.store == "rows"
     num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((N, m_pad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((m_pad, N) if rows_major else (N, m_pad), jnp.float32),
         grid=(num_sms * cfg.ctas_per_sm,),
         grid_names=("sm",),
-        scratch_types=dict(o_smem=plgpu.SMEM((COLS, cfg.rows), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS) if rows_major else (COLS, cfg.rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
@@ -454,7 +489,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
-            _store_tile(acc, o_smem, out_ref, nb, t)
+            _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -523,7 +558,7 @@ def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config
                 max_concurrent_steps=cfg.steps,
                 init_carry=zeros,
             )(codes_ref.at[g], scales_ref.at[g], xh_ref, xl_ref)
-            _store_tile(acc, o_smem, out_ref, nb, t)
+            _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -543,22 +578,22 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = prepare_rows_fp8(x, group_sizes, w.num_experts,
                                                                                  config.rows)
         out_t = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
-        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv)
+        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv, store=config.store)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
         out_t = kernel_call(xs, tile_group, num_tiles, w, config)
         row_scale = None
         if w.layout == "placed":  # each padded row's expert's 2^exp_offset (1 for real checkpoints)
             row_scale = jnp.repeat(jnp.ldexp(jnp.float32(1), w.exp_offset)[tile_group], config.rows)
-        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale)
+        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale, store=config.store)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
 
 
-def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None):
-    """The kernel's outᵀ `[N, m_pad]` fp32 -> `[M, N]` `out_dtype`: each input row's padded row (`pad_row [M]`),
-    times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed layout's 2^exp_offset), zeros
-    where `live [M]` is false."""
-    out = out_t[:, pad_row].T
+def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, store: str = "cols"):
+    """The kernel's outᵀ `[N, m_pad]` fp32 (`store="rows"`: out `[m_pad, N]`) -> `[M, N]` `out_dtype`: each input
+    row's padded row (`pad_row [M]`), times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed
+    layout's 2^exp_offset), zeros where `live [M]` is false."""
+    out = out_t[pad_row] if store == "rows" else out_t[:, pad_row].T
     if row_scale is not None:
         out = out * row_scale[pad_row][:, None]
     return jnp.where(live[:, None], out, 0).astype(out_dtype)
