@@ -25,17 +25,17 @@ stores); the output is written transposed, `[N, padded rows]` fp32, and gathered
 
 Measured (H200, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072, copy 4.24 TB/s; bench/RESULTS.md, session 16):
 at 8 rows per expert the kernel alone streams **3.28–3.30 TB/s of weights (0.77 of copy)** with the placed decode
-(5 CTAs per SM; 2.26 with the table decode), the whole op 2.65–2.66 (0.63; the Triton kernel's op 1.93): the XLA row
-preparation and output gather cost ~46 µs of 246. At 32 rows: 2.58 alone, 1.68 as an op (Triton 1.25); at 64 rows
-1.51 / 0.94 (Triton 1.19). How it got there: the table decode's loop was 31.7 SASS instructions per 8 weights
+(5 CTAs per SM; 2.26 with the table decode), the whole op 2.78 (0.656; the Triton kernel's op 1.93): the XLA row
+preparation, padding plan and output gather cost ~32 µs of 236. At 32 rows: 2.50–2.58 alone, 1.94 as an op (Triton
+1.25); at 64 rows 1.51 / 0.94 (Triton 1.19). How it got there: the table decode's loop was 31.7 SASS instructions per 8 weights
 (session 11); the placed decode with rotations made it ~21 (2.67–2.94 TB/s), and ncu then showed "math pipe
 throttle": the integer ALU pipe (half the issue rate) carried the rotations and masks. With plain shifts, four of
 them multiplies by 2^k, ptxas puts those on the FMA pipe (IMAD.SHL) and half the bf16 multiplies on the MMA pipe
 (HFMA2.MMA), leaving 8 ALU instructions per 8 weights. "fp8" (session 11: 1.79–1.91 TB/s alone) holds 154 registers
 and stalls on shared-memory loads. Leaving a step's MMAs running into the next step (wgmma_wait(1) with x released
 a step late) gave wrong results in sessions 11 and 16. What stands between the op and the 0.7 bar is the XLA around
-the kernel: rows padded per expert and permuted into planes before, outᵀ gathered back after. Fusing both into the
-kernel (rows fetched by index, outputs stored to their rows) is the next step. `ops` does not route to this kernel
+the kernel (ncu: the x gather + plane transpose 11 µs, the output row gather 7 µs, seven small plan kernels ≈ 17 µs):
+fusing it into the kernel (plan per CTA, rows fetched by offset, outputs stored to their rows) is the next step. `ops` does not route to this kernel
 yet: its weights must be stored prepared (placed codes, transposed scales) at load time, which the model's MoE
 parameters (kept in the checkpoint's layout) do not do.
 """
