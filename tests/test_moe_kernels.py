@@ -721,6 +721,30 @@ def test_mgpu_placed_weight_keeps_every_value():
     np.testing.assert_array_equal(np.asarray(mm.prepare_weight(w, "natural").codes), np.asarray(w.packed))
     with pytest.raises(ValueError, match="layout must be one of"):
         mm.prepare_weight(w, "swizzled")
+    for layout in ("placed", "natural"):  # and back, bit for bit
+        back = mm.unprepare_weight(mm.prepare_weight(w, layout))
+        np.testing.assert_array_equal(np.asarray(back.packed), np.asarray(w.packed))
+        np.testing.assert_array_equal(np.asarray(back.scale), scale)
+
+
+def test_ops_take_prepared_weights_on_every_backend():
+    """`ops` accepts a `mgpu_mxfp4.PreparedWeight` wherever it takes an MXFP4 weight: off the GPU (here: the
+    reference backend) it runs as the unprepared weight, with the same bits as the `MXFP4Weight` it came from —
+    for one grouped matmul and for the expert FFN with all three weights prepared."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    sizes, E, K, N = [5, 0, 9, 2], 4, 256, 128
+    x = jax.random.normal(jax.random.key(7), (sum(sizes) + 3, K), jnp.bfloat16)
+    w = mx.random_weight(jax.random.key(8), E, K, N)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = ops.grouped_matmul(x, w, gs, backend="reference")
+    for layout in ("placed", "natural"):
+        got = ops.grouped_matmul(x, mm.prepare_weight(w, layout), gs, backend="reference")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    xf, idx, wt, ws, _ = _ffn_case("mxfp4")
+    want = ops.expert_ffn(xf, idx, wt, *ws, situ, backend="reference")
+    got = ops.expert_ffn(xf, idx, wt, *[mm.prepare_weight(mx.as_mxfp4(q)) for q in ws], situ, backend="reference")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.gpu
@@ -742,6 +766,30 @@ def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     got = mm.grouped_matmul(x, mm.prepare_weight(w, layout), gs, config=mm.MgpuConfig(**cfg))
     assert _rel(got, want) < (3e-3 if cfg.get("mma") == "fp8" else 1e-4)  # fp8: x as two e4m3 planes
     assert not np.asarray(got[sum(sizes):]).any()
+
+
+@pytest.mark.gpu
+def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
+    """On the GPU, `ops` runs a prepared weight through the Mosaic MXFP4 kernel (a grouped matmul and the expert FFN
+    with all three weights prepared), against the reference over the exactly dequantised weights."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    sizes, x, w, gs, want = _device_mxfp4_case()
+    got = jax.jit(lambda a, b, g: ops.grouped_matmul(a, b, g, backend="gpu"))(x, mm.prepare_weight(w), gs)
+    assert _rel(got, want) < 1e-4
+    assert not np.asarray(got[sum(sizes):]).any()
+    # an FFN wide enough for the kernel's tiles (D = 512, F = 256: 128-byte steps for the down projection)
+    N, D, F, E, k = 40, 512, 256, 4, 2
+    rng = np.random.default_rng(3)
+    xf = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
+    wt = jnp.asarray(rng.random((N, k)), jnp.float32)
+    keys = jax.random.split(jax.random.key(3), 3)
+    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    assert all(ops._mosaic_takes(xf[:N * k // E], mm.prepare_weight(q), None) for q in ws)
+    ref = reference.expert_ffn(xf, idx, wt, *[mx.dequantize(q, jnp.bfloat16) for q in ws], situ)
+    out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *map(mm.prepare_weight, ws))
+    assert _rel(out, ref) < 2e-2
 
 
 @pytest.mark.gpu

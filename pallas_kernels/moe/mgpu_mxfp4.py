@@ -143,6 +143,34 @@ def prepare_weight(w: mx.MXFP4Weight, layout: str = "placed") -> PreparedWeight:
     return PreparedWeight(mx.place_codes(w.packed), lowered, offset.astype(jnp.int32), layout="placed")
 
 
+def unprepare_weight(p: PreparedWeight) -> mx.MXFP4Weight:
+    """The inverse of `prepare_weight`: the checkpoint's layout (natural codes `[E, N, K/2]`, scales `[E, N, K/32]`),
+    bit for bit (except scale codes that `prepare_weight` had to flush to zero, see there). For the backends that
+    take `MXFP4Weight`s (the reference, Triton, TPU) when handed a prepared weight."""
+    s = p.scales_t
+    if p.layout == "placed":
+        s32 = s.astype(jnp.int32)
+        s = jnp.where(s32 == 0, 0, s32 + p.exp_offset[:, None, None]).astype(jnp.uint8)
+        return mx.MXFP4Weight(mx.unplace_codes(p.codes), jnp.swapaxes(s, 1, 2))
+    return mx.MXFP4Weight(p.codes, jnp.swapaxes(s, 1, 2))
+
+
+def fit_config(config: MgpuConfig, in_features: int) -> MgpuConfig:
+    """`config` with its step width halved (down to one 64-byte block) until it divides K/2 — for narrow weights
+    the default steps would not tile."""
+    kh = config.kh
+    while kh > BLOCK and (in_features // 2) % kh:
+        kh //= 2
+    return dataclasses.replace(config, kh=kh) if kh != config.kh else config
+
+
+def supports(in_features: int, out_features: int, config: MgpuConfig) -> bool:
+    """Whether `kernel_call` takes this weight shape with this config: K/2 a multiple of the step width kh (itself a
+    multiple of 64 bytes), N a multiple of 64 output columns."""
+    kh2 = in_features // 2
+    return in_features % 2 == 0 and config.kh % BLOCK == 0 and kh2 % config.kh == 0 and out_features % COLS == 0
+
+
 def x_permutation(kh_total: int) -> np.ndarray:
     """perm `[K/2]`: logical contraction column L reads physical packed column perm[L] (module docstring)."""
     perm = np.empty(kh_total, np.int32)
@@ -573,7 +601,7 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     past Σ group_sizes are zeros."""
     if x.shape[1] != w.in_features:
         raise ValueError(f"MXFP4 weight has K={w.in_features}, x has K={x.shape[1]}")
-    config = config or default_config(x.shape[0] / w.num_experts)
+    config = config or fit_config(default_config(x.shape[0] / w.num_experts), w.in_features)
     if config.mma == "fp8":
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = prepare_rows_fp8(x, group_sizes, w.num_experts,
                                                                                  config.rows)

@@ -354,16 +354,16 @@ def _ptx_placed() -> str:
 DECODE_PTX_PLACED = _ptx_placed()  # $4 = a placed word, $5 = bf16x2 (h, h) with h = 2^(S−1) (`scale_placed_bf16`)
 
 
-def place_codes(packed):
-    """Packed codes `[..., K/2]` uint8 (natural) -> the placed layout, same shape: each little-endian 32-bit word's
-    bits permuted by `PLACED_SOURCES`. Once per weight (elementwise: one shift-and-mask per distinct bit move)."""
+def _permute_word_bits(packed, sources):
+    """Packed bytes `[..., 4n]` uint8 -> same shape: in each little-endian 32-bit word, bit p of the result is bit
+    sources[p] of the input (one shift-and-mask per distinct bit move, elementwise)."""
     if packed.shape[-1] % 4:
         raise ValueError(f"place_codes needs whole 32-bit words: packed width {packed.shape[-1]} is not a "
                          "multiple of 4")
     b = packed.reshape(*packed.shape[:-1], -1, 4).astype(jnp.uint32)
     word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
     moves: dict[int, int] = {}
-    for p, n in enumerate(PLACED_SOURCES):
+    for p, n in enumerate(sources):
         moves[p - int(n)] = moves.get(p - int(n), 0) | 1 << int(n)
     out = jnp.zeros_like(word)
     for delta, mask in sorted(moves.items()):
@@ -371,6 +371,17 @@ def place_codes(packed):
         out = out | (part << delta if delta >= 0 else part >> -delta)
     out_b = jnp.stack([(out >> 8 * i) & 0xFF for i in range(4)], axis=-1).astype(jnp.uint8)
     return out_b.reshape(packed.shape)
+
+
+def place_codes(packed):
+    """Packed codes `[..., K/2]` uint8 (natural) -> the placed layout, same shape: each little-endian 32-bit word's
+    bits permuted by `PLACED_SOURCES`. Once per weight."""
+    return _permute_word_bits(packed, PLACED_SOURCES)
+
+
+def unplace_codes(placed):
+    """The inverse of `place_codes`: placed codes -> the natural (checkpoint) layout, bit for bit."""
+    return _permute_word_bits(placed, np.argsort(PLACED_SOURCES))
 
 
 def scale_placed_bf16(s_u8):

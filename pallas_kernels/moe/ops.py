@@ -6,7 +6,10 @@
 
 Weights are dense `[E, K, N]` (K = input width, N = output width) or MXFP4: `MXFP4Weight(packed [E, N, K/2],
 scale [E, N, K/32])`, a `(packed, scale)` pair, or `w=packed, w_scale=scale` — the checkpoint's torch `[out, in]`
-orientation, decoded inside the kernels tile by tile.
+orientation, decoded inside the kernels tile by tile. A weight prepared once for the Mosaic GPU MXFP4 kernel
+(`mgpu_mxfp4.prepare_weight`: placed codes, transposed scales; 0.66 of copy bandwidth at 8 rows per expert on an
+H200, the Triton kernel 0.46) runs that kernel on the "gpu" backend where its shape allows, and is turned back into
+an `MXFP4Weight` (`mgpu_mxfp4.unprepare_weight`, exact) for every other backend or shape.
 
 Backends: "reference" (jax.lax.ragged_dot, fp32 accumulation; MXFP4 is dequantised whole — a definition, not a
 fast path), "gpu" (Pallas → Triton, `gpu.py`), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from . import gpu as _gpu
+from . import mgpu_mxfp4 as _mgpu_mx
 from . import mxfp4 as mx
 from . import reference
 from . import tpu as _tpu
@@ -57,13 +61,19 @@ def resolve_backend(backend: str = "auto", *, quantized: bool = False) -> str:
 
 
 def _as_weight(w, w_scale=None):
+    if isinstance(w, _mgpu_mx.PreparedWeight):
+        return w
     q = mx.as_mxfp4(w, w_scale)
     return q if q is not None else w
 
 
+def _quantized(w) -> bool:
+    return isinstance(w, (mx.MXFP4Weight, _mgpu_mx.PreparedWeight))
+
+
 def _check(x, w, group_sizes):
     M, K = x.shape
-    if isinstance(w, mx.MXFP4Weight):
+    if _quantized(w):
         E, Kw = w.num_experts, w.in_features
     else:
         if w.ndim != 3:
@@ -84,8 +94,18 @@ def _reference_gmm(x, weights, group_sizes, activation, out_dtype):
 
 def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.float32, interpret=False,
          config=None, fill_uncovered=True):
-    quantized = isinstance(weights[0], mx.MXFP4Weight)
+    quantized = _quantized(weights[0])
     b = resolve_backend(backend, quantized=quantized)
+    if any(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
+        mcfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else None
+        if (b == "gpu" and not interpret and jax.default_backend() in ("gpu", "cuda")
+                and all(_mosaic_takes(x, w, mcfg) for w in weights)):
+            # the Mosaic GPU MXFP4 kernel, one matmul per weight, activation in XLA (always zero-fills uncovered rows)
+            outs = [_mgpu_mx.grouped_matmul(x, w, group_sizes, config=mcfg) for w in weights]
+            return (activation(*outs) if len(outs) == 2 else outs[0]).astype(out_dtype)
+        weights = tuple(_mgpu_mx.unprepare_weight(w) if isinstance(w, _mgpu_mx.PreparedWeight) else w
+                        for w in weights)
+        config = None if mcfg is not None else config
     if b == "reference":
         return _reference_gmm(x, weights, group_sizes, activation, out_dtype)
     if b == "gpu":
@@ -99,12 +119,21 @@ def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.flo
     return (activation(*outs) if len(outs) == 2 else outs[0]).astype(out_dtype)
 
 
+def _mosaic_takes(x, w, config) -> bool:
+    """Whether the Mosaic GPU MXFP4 kernel runs this prepared weight (its layout's decode, its shape constraints)."""
+    if not isinstance(w, _mgpu_mx.PreparedWeight):
+        return False
+    cfg = config or _mgpu_mx.fit_config(_mgpu_mx.default_config(x.shape[0] / w.num_experts), w.in_features)
+    return _mgpu_mx.supports(w.in_features, w.out_features, cfg) and (cfg.mma == "bf16" or w.layout == "natural")
+
+
 def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", out_dtype=jnp.float32,
                    interpret: bool = False, config=None):
     """Rows of `x [M, K]` sorted by group; rows [off_e, off_e + size_e) multiply expert e. Returns `[M, N]`.
 
     `w`: dense `[E, K, N]`, or MXFP4 (`MXFP4Weight`, `(packed, scale)`, or `w=packed` uint8 `[E, N, K/2]` with
-    `w_scale` uint8 E8M0 `[E, N, K/32]`). Rows past Σ group_sizes are zeros (as `jax.lax.ragged_dot`).
+    `w_scale` uint8 E8M0 `[E, N, K/32]`, or a `mgpu_mxfp4.PreparedWeight`). Rows past Σ group_sizes are zeros (as
+    `jax.lax.ragged_dot`).
     `config`: block shapes for the chosen kernel (`gpu.GpuConfig`, `gpu.MgpuConfig`, `tpu.TpuConfig`).
     """
     w = _as_weight(w, w_scale)
@@ -162,12 +191,12 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
     act = resolve_activation(activation)
     w_gate, w_up, w_down = _as_weight(w_gate), _as_weight(w_up), _as_weight(w_down)
     if h_dtype is None:
-        h_dtype = x_rows.dtype if isinstance(w_down, mx.MXFP4Weight) else w_down.dtype
+        h_dtype = x_rows.dtype if _quantized(w_down) else w_down.dtype
     c_up, c_down = configs or (None, None)
-    b = resolve_backend(backend, quantized=isinstance(w_gate, mx.MXFP4Weight))
+    b = resolve_backend(backend, quantized=_quantized(w_gate))
     if fuse is None:
         fuse = FUSE_GATE_UP[b]
-    if fuse and b in ("gpu", "tpu"):
+    if fuse and b in ("gpu", "tpu") and not isinstance(w_gate, _mgpu_mx.PreparedWeight):
         h = _gmm(x_rows, (w_gate, w_up), group_sizes, backend=b, activation=act, out_dtype=h_dtype,
                  interpret=interpret, config=c_up, fill_uncovered=fill_uncovered)
     else:
@@ -187,7 +216,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
     Drop-in for `reference.expert_ffn` (same arguments and result) with a backend choice. Dropless: every
     (token, slot) pair is computed, whatever the load per expert. Deterministic on every backend."""
     w_gate = _as_weight(w_gate)
-    E = w_gate.num_experts if isinstance(w_gate, mx.MXFP4Weight) else w_gate.shape[0]
+    E = w_gate.num_experts if _quantized(w_gate) else w_gate.shape[0]
     order, token_of_row, sizes = sort_tokens(expert_idx_nk, E)
     y = expert_ffn_sorted(x_nd[token_of_row], sizes, w_gate, w_up, w_down, activation, backend=backend,
                           interpret=interpret, fuse=fuse, configs=configs)
