@@ -8,7 +8,18 @@ file / tensor at fault. See `store.py` for the checkpoint layout and `entries.py
 """
 
 from .errors import ConvertError
-from .exporter import export
-from .importer import DTYPE_POLICIES, convert
 
 __all__ = ["ConvertError", "convert", "export", "DTYPE_POLICIES"]
+
+
+def __getattr__(name: str):
+    # imported on first use: `python -m convert` installs its Ctrl-C handling before JAX and Orbax load
+    if name == "export":
+        from .exporter import export
+
+        return export
+    if name in ("convert", "DTYPE_POLICIES"):
+        from . import importer
+
+        return getattr(importer, name)
+    raise AttributeError(f"module 'convert' has no attribute {name!r}")

@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 
+from . import interrupt
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion never needs an accelerator
 
 EPILOG = """\
@@ -32,6 +34,26 @@ def _size(text: str) -> int:
 
 
 def main(argv=None) -> int:
+    """The command line; returns the exit status (0, 2 for a refused or failed conversion, 130 / 143 when
+    interrupted by Ctrl-C / SIGTERM, with nothing written)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    # Installed before anything heavy is imported. SIGTERM cleans up as Ctrl-C does; both are also recorded, so one
+    # whose exception Python swallowed (raised inside a GC callback) is raised again at the next tensor
+    # (`convert.interrupt`).
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    interrupt.clear()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        interrupt.clear()
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _main(argv) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m convert",
         description="Convert a Hugging Face safetensors checkpoint (Kimi K3 / K3.1, Kimi-Linear, DeepSeek-V3.2) "
@@ -69,8 +91,6 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from . import ConvertError, convert, export
 
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None  # SIGTERM cleans up as Ctrl-C does
     try:
         if args.export:
             export(args.paths[0], args.paths[1], overwrite=args.overwrite, shard_bytes=args.shard_size,
@@ -81,12 +101,6 @@ def main(argv=None) -> int:
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:
-        print("interrupted; nothing was written", file=sys.stderr)
-        return 143 if isinstance(e, _Terminated) else 130
-    finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return 0
 
 
@@ -94,8 +108,10 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the conversion is so that its temporary directory is removed on the way out."""
 
 
-def _terminate(signum, frame):
-    raise _Terminated()
+def _interrupt(signum, frame):
+    exc = _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    interrupt.request(exc)
+    raise exc()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 
-from . import store
+from . import interrupt, store
 from .entries import export_specs, export_tensors, from_json
 from .errors import ConvertError
 from .safetensors_io import DTYPES, INDEX_NAME, StreamingWriter
@@ -63,6 +63,7 @@ def export(ckpt: str, out: str, *, overwrite: bool = False, shard_bytes: int = D
                    dynamic_ncols=True)
         try:
             for entry, _ in specs:
+                interrupt.check()
                 part = reader.get(entry.extra["part"])
                 stored = {k: part[k] for k in entry.extra["arrays"]}
                 for name, arr in export_tensors(entry, stored):

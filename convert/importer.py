@@ -10,7 +10,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from . import store
+from . import interrupt, store
 from .entries import build, to_json
 from .errors import ConvertError
 from .plan import Plan, make_plan, param_dtypes
@@ -61,6 +61,7 @@ def _write(plan: Plan, tmp: str, policy: str, progress: bool, part_bytes: int) -
                dynamic_ncols=True)
     try:
         for entry in plan.entries:
+            interrupt.check()
             src_form = entry.form
             keep_quant = entry.form == "mxfp4" or (entry.form == "fp8" and policy in ("keep", "fp8"))
             requant = policy == "fp8" and entry.quantizable and entry.form == "plain"

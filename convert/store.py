@@ -29,6 +29,7 @@ import shutil
 import numpy as np
 import orbax.checkpoint as ocp
 
+from . import interrupt
 from .errors import ConvertError
 
 META_NAME = "kimi_jax_checkpoint.json"
@@ -200,6 +201,7 @@ def atomic_directory(dst: str, overwrite: bool):
     tmp = _fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
     try:
         yield tmp
+        interrupt.check()  # an interrupt whose exception was swallowed on the way: still nothing is written
         if os.path.lexists(dst):
             if not overwrite:
                 raise ConvertError(f"destination {dst} already exists; pass --overwrite to replace it")

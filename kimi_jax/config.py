@@ -415,6 +415,8 @@ def _activation(hf: dict) -> Activation:
 def _dense_layers(hf: dict, n: int) -> tuple[int, ...]:
     mlp_types = hf.get("mlp_layer_types")
     if mlp_types:
+        if len(mlp_types) != n:
+            raise ConfigError(f"mlp_layer_types lists {len(mlp_types)} layers but num_hidden_layers is {n}")
         return tuple(i for i, t in enumerate(mlp_types) if t == "dense")
     k = int(hf.get("first_k_dense_replace", 1))
     return tuple(range(min(k, n)))
@@ -424,6 +426,8 @@ def _kimi_from_hf(hf: dict, top: dict) -> ModelConfig:
     n = int(hf["num_hidden_layers"])
     lin = hf.get("linear_attn_config") or {}
     if hf.get("layer_types"):
+        if len(hf["layer_types"]) != n:
+            raise ConfigError(f"layer_types lists {len(hf['layer_types'])} layers but num_hidden_layers is {n}")
         kinds = tuple("mla" if t == "full_attention" else "kda" for t in hf["layer_types"])
     elif "full_attn_layers" in lin and "kda_layers" in lin:
         kinds = _layer_kinds_from_lists(n, lin["full_attn_layers"], lin["kda_layers"])

@@ -302,6 +302,43 @@ def test_k3_parser_truncated_output_never_raises(tok):
         assert res.finish_reason == "length"
 
 
+def test_k3_parser_drops_tag_headers_cut_off_by_the_end_of_generation(tok):
+    """A forced call cut short by max_tokens (seen through the server: content '<|close|>respon'): a tag header that
+    generation ended inside is markup, not text — dropped; a call whose header was complete is closed as '{}'.
+    The same header ended by the end-of-message token instead is malformed output and stays spelled out."""
+    head = [C, "response", S, O, "tools", S]
+    for parts, calls in (([C], []), ([C, "respon"], []), (head + [O, 'call tool="f" inde'], []),
+                         (head + [O, 'call tool="f" index="1"', S, O, "argument"], [("f", {})]),
+                         (head + [O, 'call tool="f" index="1"', S, O, 'argument key="x" type="integer"', S, "3"],
+                          [("f", {"x": 3})])):
+        parser = K3OutputParser(tok, thinking=False)
+        deltas = []
+        for p in parts:
+            deltas += parser.feed(tok.token_id(p)) if p in K3_CONTROLS else sum((parser.feed(i)
+                                                                                 for i in tok.encode(p)), [])
+        deltas += parser.finish("length")
+        res = parser.result()
+        assert res.content == "" and join_deltas(deltas)[1] == "", parts
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in res.tool_calls] == calls
+        assert res.finish_reason == "length"
+    parser = K3OutputParser(tok, thinking=False)
+    for p in (C, "respon"):
+        parser.feed(tok.token_id(p)) if p in K3_CONTROLS else [parser.feed(i) for i in tok.encode(p)]
+    parser.feed(tok.token_id(E))
+    assert parser.result().content == "<|close|>respon"
+
+
+def test_kimi_linear_parser_drops_a_call_id_cut_off_by_the_end_of_generation(tok_k2):
+    parser = KimiLinearOutputParser(tok_k2)
+    for p in ("Hi", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.get_wea"):
+        ids = [tok_k2.token_id(p)] if p.startswith("<|") else tok_k2.encode(p)
+        for i in ids:
+            parser.feed(i)
+    parser.finish("length")
+    res = parser.result()
+    assert res.content == "Hi" and res.tool_calls == [] and res.finish_reason == "length"
+
+
 def feed_k3_text(tok, parser, parts):
     """parts: control names and text pieces."""
     deltas = []

@@ -91,6 +91,12 @@ def test_unknown_architecture_and_bad_layer_lists_are_clear_errors():
     softmax["text_config"]["moe_router_activation_func"] = "softmax"
     with pytest.raises(C.ConfigError, match="unsupported router: moe_router_activation_func='softmax'"):
         C.from_hf_config(softmax)
+    # a per-layer list that disagrees with num_hidden_layers (transformers' Kimi-Linear config writes layer_types)
+    for key, kinds in (("layer_types", ["linear_attention"] * 3 + ["full_attention"]), ("mlp_layer_types", ["dense"])):
+        short = k3_hf_config()
+        short["text_config"][key] = kinds
+        with pytest.raises(C.ConfigError, match=f"{key} lists {len(kinds)} layers but num_hidden_layers is 93"):
+            C.from_hf_config(short)
 
 
 def test_missing_keys_and_bad_json_are_clear_errors_naming_the_file(tmp_path):

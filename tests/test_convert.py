@@ -504,6 +504,23 @@ def test_cli_logs_loads_by_relative_path_and_cleans_up_on_sigterm(kl_dir, tmp_pa
     assert kimi_jax.load_model("a").config.architecture == "kimi_linear"  # a relative path (Orbax wants absolute)
 
 
+def test_an_interrupt_whose_exception_was_swallowed_still_stops_the_conversion(kl_dir, tmp_path):
+    """Ctrl-C's exception can land in a callback whose exceptions Python ignores (JAX's GC hook), and the
+    conversion would run on. The CLI's handler also records it (`convert.interrupt`): the next tensor, or at the
+    latest the final commit, raises it, and nothing is written."""
+    from convert import interrupt
+
+    for job in (lambda: convert(str(kl_dir), str(tmp_path / "a"), progress=False),
+                lambda: export(str(tmp_path / "ok"), str(tmp_path / "b"), progress=False)):
+        if not (tmp_path / "ok").exists():
+            convert(str(kl_dir), str(tmp_path / "ok"), progress=False)
+        interrupt.request(KeyboardInterrupt)  # as the handler does, after its own raise went nowhere
+        with pytest.raises(KeyboardInterrupt):
+            job()
+    assert sorted(os.listdir(tmp_path)) == ["ok"]  # no a, no b, no temporary directory
+    interrupt.check()  # raised once, then clear
+
+
 def test_cli(kl_dir, tmp_path, capsys):
     """The command line with its defaults: conversion keeps every tensor (DESIGN: the round trip must be lossless),
     so convert + --export gives the source tensors back bit for bit."""

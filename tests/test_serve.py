@@ -396,7 +396,10 @@ def test_malformed_json_too_long_and_unknown_model(http, client):
     assert e.value.code == "context_length_exceeded" and "maximum context length" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=serve_helpers.MAX_MODEL_LEN)
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # the error names the parameter the request used
+        client.chat.completions.create(model=MODEL, messages=_msgs("hi"), max_completion_tokens=10 ** 12)
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "max_completion_tokens"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=_msgs("x"), max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
@@ -520,3 +523,4 @@ def test_cli_help_and_refusals(capsys):
     # a pool too small for one full-length sequence: a clear error before anything is compiled or served (a key
     # format the model's index keys cannot take fails the same way: `test_paged_cache`; tiny's keys take them all)
     assert main(["--num-blocks", "3"]) == 2 and "cannot hold one sequence" in capsys.readouterr().err
+    assert main(["--max-model-len", "0"]) == 2 and "max_model_len" in capsys.readouterr().err  # not "the default"

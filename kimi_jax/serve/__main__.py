@@ -272,7 +272,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     cfg = model.config
     log.info("loaded %s (%s, %d layers, vocab %d) in %.1fs; tokenizer %s", what, cfg.architecture, cfg.num_layers,
              cfg.vocab_size, time.perf_counter() - t0, tokenizer)
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, 2048)
+    max_len = args.max_model_len if args.max_model_len is not None else min(cfg.max_position_embeddings, 2048)
     try:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,

@@ -156,7 +156,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         if mt is not None and mt > room:
             raise bad_request(f"This model's maximum context length is {L} tokens. However, you requested "
                               f"{prompt_len + mt} tokens ({prompt_len} in the {what}, {mt} in the completion). "
-                              f"Please reduce the length of the {what} or completion.", "max_tokens",
+                              f"Please reduce the length of the {what} or completion.", c.max_tokens_param,
                               "context_length_exceeded")
         if mt is None:
             mt = min(c.max_tokens, room) if c.max_tokens is not None else room

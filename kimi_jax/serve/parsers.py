@@ -23,7 +23,8 @@ K3 (``K3OutputParser``), after the generation prompt ``...<|open|>think<|sep|>``
   a ``<|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>`` body is used as the arguments when it parses
   as a JSON object.  A call's first delta (its name) goes out when its first argument opens, or when it closes;
   a call whose header lacks ``tool=`` or whose json body does not parse is given back as ``content`` text (with
-  the control tokens spelled out).  Truncated argument-form calls are closed so their arguments stay valid JSON.
+  the control tokens spelled out).  Truncated argument-form calls are closed so their arguments stay valid JSON;
+  a tag header that the end of generation cut off (``<|close|>respon``) is dropped, not given back as text.
 * ``<|end_of_msg|>`` / ``[EOS]`` end the message; later tokens are ignored.
 
 Kimi-Linear / K2 (``KimiLinearOutputParser``): ``<think>...</think>`` (text, or control ids where the tokenizer has
@@ -130,6 +131,7 @@ class _OutputParserBase:
         self._pending: list[dict] = []
         self._done = False
         self._finished = False
+        self._truncated = False
         self._finish_reason = "stop"
 
     # ---------------------------------------------------------------- public
@@ -181,6 +183,7 @@ class _OutputParserBase:
         if self._finished:
             return []
         self._on_text(self._decoder.flush())
+        self._truncated = True  # what is still open was cut by the end of generation, not closed by the model
         self._close_all()
         self._finished = True
         self._finish_reason = finish_reason
@@ -496,7 +499,10 @@ class K3OutputParser(_OutputParserBase):
 
     def _close_all(self) -> None:
         if self._mode != "body":
-            self._abandon_header()
+            if self._truncated:  # a tag header cut off by the end of generation is markup, not text: dropped
+                self._mode, self._hdr = "body", []
+            else:
+                self._abandon_header()
         self._cut = True
         while self._stack:
             self._finalize(self._stack.pop())
@@ -711,7 +717,7 @@ class KimiLinearOutputParser(_OutputParserBase):
 
     def _close_all(self) -> None:
         self._flush_held()
-        if self._state == "call_id" and self._id_buf:
+        if self._state == "call_id" and self._id_buf and not self._truncated:  # a cut-off call id: dropped
             self._emit_content("<|tool_call_begin|>" + "".join(self._id_buf))
         self._end_call()
         self._state = "content"

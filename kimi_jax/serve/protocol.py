@@ -90,6 +90,7 @@ class Common:
     params: SamplingParams
     max_tokens: Optional[int]  # as requested (None: up to the context end, or the endpoint default)
     extra: dict = field(default_factory=dict)
+    max_tokens_param: str = "max_tokens"  # the request's name for it (chat: max_completion_tokens when given)
 
 
 def parse_common(d: dict, *, vocab_size: int, chat: bool, max_n: int = MAX_N) -> Common:
@@ -178,7 +179,7 @@ def parse_common(d: dict, *, vocab_size: int, chat: bool, max_n: int = MAX_N) ->
         ).validate(vocab_size)
     except ParamError as e:
         raise bad_request(str(e), e.param) from None
-    return Common(model, stream, include_usage, n, params, max_tokens)
+    return Common(model, stream, include_usage, n, params, max_tokens, max_tokens_param=name_mt)
 
 
 def parse_tools(d: dict) -> tuple[list[dict], Any]:

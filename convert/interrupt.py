@@ -1,0 +1,31 @@
+"""Interrupts that cannot be lost.
+
+The command line turns Ctrl-C and SIGTERM into an exception raised wherever Python happens to be. When that is
+inside a callback whose exceptions Python ignores (JAX's garbage-collection hook, a `__del__`), the exception
+is printed as "Exception ignored" and the conversion would run on to the end. So the CLI's handlers also record
+the interrupt here, and the conversion loops (one check per tensor) and the final commit of the output directory
+(`store.atomic_directory`) raise it again. Without the CLI nothing is ever recorded and `check` does nothing.
+"""
+
+from __future__ import annotations
+
+_pending: type[BaseException] | None = None
+
+
+def request(exc_type: type[BaseException]) -> None:
+    """Record an interrupt (from a signal handler) for the next `check`."""
+    global _pending
+    _pending = exc_type
+
+
+def clear() -> None:
+    global _pending
+    _pending = None
+
+
+def check() -> None:
+    """Raise the recorded interrupt, if any (once)."""
+    global _pending
+    if _pending is not None:
+        exc, _pending = _pending, None
+        raise exc()
