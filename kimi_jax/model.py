@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from typing import Optional
 
@@ -121,6 +122,9 @@ class Model:
     def logits(self, input_ids, *, mla_form: str = "absorbed") -> np.ndarray:
         """Full causal forward. input_ids int `[B, T]` -> float32 numpy `[B, T, vocab]`."""
         ids = _as_ids(input_ids, self.config)
+        if ids.shape[1] > self.config.max_position_embeddings:  # as generate and the engine refuse them
+            raise ValueError(f"{ids.shape[1]} tokens exceed max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
         out, _ = self._forward(self.params, ids, None, mla_form=mla_form)
         return np.asarray(out, np.float32)
 
@@ -149,6 +153,12 @@ class Model:
             raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+        if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.number)) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature!r}")
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+                or not -2 ** 63 <= int(seed) < 2 ** 63:
+            raise ValueError(f"seed must be an int in [-2**63, 2**63) (jax.random.PRNGKey's int64), got {seed!r}")
         ids = _as_ids(input_ids, self.config)
         B, T = ids.shape
         if max_new_tokens == 0:
@@ -169,13 +179,17 @@ class Model:
 
 
 def _as_ids(input_ids, cfg: ModelConfig):
-    ids = np.asarray(input_ids)
+    try:
+        ids = np.asarray(input_ids)
+    except ValueError:  # numpy's "inhomogeneous shape": sequences of different lengths
+        raise ValueError("input_ids must be a rectangular integer array [B, T]: pad the sequences to one length "
+                         "or pass them one at a time") from None
     if ids.ndim == 1:
         ids = ids[None]
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
     if ids.size == 0:
         raise ValueError(f"input_ids must hold at least one token per sequence and one sequence, got shape {ids.shape}")
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer array [B, T], got {ids.dtype} {ids.shape}")
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
     return jnp.asarray(ids, jnp.int32)

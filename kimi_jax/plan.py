@@ -87,8 +87,8 @@ def plan(cfg: ModelConfig, *, kv_dtype="fp8", index_dtype="fp8", mesh=(1, 1), dc
         raise ValueError(f"--dcp must be at least 1 (1: no context parallelism), got {dcp}")
     if tp % dcp:
         raise ValueError(f"--dcp {dcp} must divide the model-parallel size {tp}")
-    if not hbm_gb > 0:
-        raise ValueError(f"--hbm-gb must be a positive number of GB per device, got {hbm_gb}")
+    if not 0 < hbm_gb < 1e9:  # also refuses nan and inf (whose capacity would be no integer)
+        raise ValueError(f"--hbm-gb must be a positive, finite number of GB per device, got {hbm_gb}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {gpu_memory_utilization}")
     counts = count_params(cfg)

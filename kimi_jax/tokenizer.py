@@ -26,6 +26,11 @@ the style of cl100k/o200k with one Kimi-specific change -- runs of Han ideograph
 Every piece is later BPE-merged with the checkpoint's ranks, so any split regex yields a valid, losslessly decodable
 encoding; a regex differing from the one used in training only changes which (valid) token split some rare inputs
 get.  Pass ``pat_str=`` to use another regex.
+
+Long inputs (``encode``): as in the Kimi / Llama 3 tiktoken tokenizers, text is encoded in windows of at most
+400,000 characters, and a run of more than 25,000 consecutive whitespace (or non-whitespace) characters is cut
+every 25,000 characters.  Without the cuts, tiktoken's regex engine gives up on a run of ~1M spaces ("Max stack
+size exceeded for backtracking"); the cuts only change how such runs are split into tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import base64
 import codecs
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -247,6 +253,27 @@ _EOS_PREFERENCE = ("<|end_of_msg|>", "<|im_end|>", "[EOS]")
 _STOP_NAMES = ("<|end_of_msg|>", "<|im_end|>", "[EOS]", "[EOT]")
 
 
+MAX_WINDOW_CHARS = 400_000  # characters encoded at once
+MAX_RUN_CHARS = 25_000  # longest run of whitespace or of non-whitespace encoded as one piece
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+
+
+def encode_pieces(text: str) -> list[str]:
+    """``text`` cut into the pieces ``Tokenizer.encode`` encodes one by one: windows of ``MAX_WINDOW_CHARS``
+    characters, and inside each, a run of more than ``MAX_RUN_CHARS`` whitespace (``str.isspace``) or
+    non-whitespace characters cut every ``MAX_RUN_CHARS`` characters from the run's start."""
+    pieces = []
+    for w in range(0, len(text), MAX_WINDOW_CHARS):
+        window = text[w:w + MAX_WINDOW_CHARS]
+        start = 0
+        for m in _LONG_RUN.finditer(window):
+            for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
+                pieces.append(window[start:cut])
+                start = cut
+        pieces.append(window[start:])
+    return [p for p in pieces if p]
+
+
 class Tokenizer:
     """tiktoken BPE over bytes + named control tokens.
 
@@ -420,8 +447,14 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- encode / decode
     def encode(self, text: str) -> list[int]:
-        """Ordinary BPE ids for ``text``; control-token spellings in the text are encoded as plain text."""
-        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+        """Ordinary BPE ids for ``text``; control-token spellings in the text are encoded as plain text.  Long runs
+        and long texts are encoded in pieces (`encode_pieces`, module docstring)."""
+        if len(text) <= MAX_RUN_CHARS:  # the common case: nothing to cut
+            return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+        ids: list[int] = []
+        for piece in encode_pieces(text):
+            ids += self._enc.encode(piece, allowed_special=set(), disallowed_special=())
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """Bytes of one id: the BPE bytes, a control token's name, or ``b""`` for an unknown id."""

@@ -328,6 +328,20 @@ def test_k3_parser_drops_tag_headers_cut_off_by_the_end_of_generation(tok):
     assert parser.result().content == "<|close|>respon"
 
 
+def test_k3_parser_arguments_are_strict_json(tok):
+    """NaN / Infinity are Python's JSON extensions, not JSON: a number argument written as NaN comes back as the
+    string "NaN", and a json-form body holding NaN is not taken as arguments."""
+    parts = [O, "response", S, C, "response", S, O, "tools", S,
+             O, 'call tool="f" index="1"', S, O, 'argument key="x" type="number"', S, "NaN", C, "argument", S,
+             O, 'argument key="y" type="number"', S, "-Infinity", C, "argument", S, C, "call", S,
+             O, 'call tool="g" index="2"', S, O, 'json type="object"', S, '{"a": NaN}', C, "json", S, C, "call", S,
+             C, "tools", S, C, "message", S, E]
+    _, res = feed_k3_text(tok, K3OutputParser(tok, thinking=False), parts)
+    assert [c["function"]["name"] for c in res.tool_calls] == ["f"]
+    assert res.tool_calls[0]["function"]["arguments"] == '{"x":"NaN","y":"-Infinity"}'
+    assert '{"a": NaN}' in res.content  # the json-form call falls back to text
+
+
 def test_kimi_linear_parser_drops_a_call_id_cut_off_by_the_end_of_generation(tok_k2):
     parser = KimiLinearOutputParser(tok_k2)
     for p in ("Hi", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.get_wea"):

@@ -172,6 +172,8 @@ def test_plan_cli_json_keys():
 
 @pytest.mark.parametrize("kw,match", [(dict(dcp=0), "at least 1"), (dict(dcp=3, mesh=(8, 1)), "divide"),
                                       (dict(hbm_gb=0), "positive"), (dict(hbm_gb=-5), "positive"),
+                                      (dict(hbm_gb=float("inf")), "finite"), (dict(hbm_gb=1e300), "finite"),
+                                      (dict(hbm_gb=float("nan")), "finite"),
                                       (dict(gpu_memory_utilization=1.5), r"\(0, 1\]")])
 def test_plan_refuses_meaningless_capacity_arguments(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -141,7 +141,9 @@ def test_generate_sampling_seeded(tiny_model, ids_1x70):
     np.zeros((1, 2, 3), np.int64),        # wrong rank
     np.zeros((1, 0), np.int64),           # no token
     np.zeros((0, 3), np.int64),           # no sequence
-], ids=["too_large", "negative", "float", "rank3", "empty_sequence", "no_sequence"])
+    [[1, 2, 3], [4, 5]],                  # ragged: numpy's own message was "inhomogeneous shape"
+    [[]],                                 # empty (numpy makes it float64)
+], ids=["too_large", "negative", "float", "rank3", "empty_sequence", "no_sequence", "ragged", "empty_list"])
 def test_bad_input_ids_raise(tiny_model, bad):
     with pytest.raises(ValueError, match="input_ids|token ids"):
         tiny_model.logits(bad)
@@ -153,6 +155,21 @@ def test_bad_input_ids_raise(tiny_model, bad):
 def test_generate_refuses_a_bad_max_new_tokens(tiny_model, n):
     with pytest.raises(ValueError, match="max_new_tokens"):
         tiny_model.generate(np.array([[1, 2]]), n)
+
+
+def test_generate_refuses_bad_sampling_arguments_and_logits_too_long_an_input(tiny_model):
+    """temperature NaN sampled token 0 every step and a negative one was silently greedy; a seed outside int64
+    failed inside JAX; logits took inputs longer than max_position_embeddings, which generate refuses."""
+    for temperature in (float("nan"), float("inf"), -1.0, True, "0.5"):
+        with pytest.raises(ValueError, match="temperature"):
+            tiny_model.generate(np.array([[1, 2]]), 2, temperature=temperature)
+    for seed in (2 ** 63, None, 1.5):
+        with pytest.raises(ValueError, match="seed"):
+            tiny_model.generate(np.array([[1, 2]]), 2, temperature=0.5, seed=seed)
+    assert tiny_model.generate(np.array([[1, 2]]), 2, temperature=0.5, seed=-(2 ** 63)).shape == (1, 4)
+    too_long = np.ones((1, tiny_model.config.max_position_embeddings + 1), np.int64)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tiny_model.logits(too_long)
 
 
 def test_load_model_dtype_names():

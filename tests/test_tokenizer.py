@@ -109,6 +109,24 @@ def test_merges_compress_common_text(tok):
     assert len(tok.encode(text)) < len(text.encode()) * 0.6
 
 
+def test_long_runs_and_long_texts_encode_in_pieces(tok):
+    """A run of ~1M spaces made tiktoken's regex engine give up ("Max stack size exceeded for backtracking"; the
+    server answered 500). As in the Kimi / Llama 3 tokenizers, runs longer than 25,000 characters are cut every
+    25,000 characters and text is encoded in 400,000-character windows; every input still round-trips."""
+    from kimi_jax.tokenizer import MAX_RUN_CHARS, MAX_WINDOW_CHARS, encode_pieces
+
+    assert MAX_RUN_CHARS == 25_000 and MAX_WINDOW_CHARS == 400_000
+    assert [len(p) for p in encode_pieces("x" * 25_001 + " " * 50_001)] == [25_000, 25_001, 25_000, 1]
+    assert encode_pieces("short text") == ["short text"]
+    assert [len(p) for p in encode_pieces("ab " * 200_000)] == [400_000, 200_000]
+    for text in (" " * 1_000_000, "\t" * 999_999, "a" * 60_000 + "\n" * 30_000 + "b"):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert ids == [i for p in encode_pieces(text) for i in tok.encode(p)]
+    text = "hello world, " * 2_000  # under the limits: one piece, as before
+    assert tok.encode(text) == tok._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+
 def test_control_spellings_are_plain_text(tok):
     for name, tid in TINY_IDS.items():
         ids = tok.encode(f"before {name} after")

@@ -12,7 +12,8 @@ Feed generated token ids one at a time (``feed``), or text pieces and control to
 
 ``finish(finish_reason)`` closes whatever is still open (truncated output), returns the last deltas, and
 ``result()`` returns the aggregate ``ParsedMessage``.  The concatenation of all deltas always equals the aggregate.
-Nothing here raises on model output: malformed or unparsable tool text ends up in ``content``.
+Nothing here raises on model output. K3: malformed or unparsable tool text ends up in ``content``, and arguments
+are always a valid (strict) JSON object; K2: see below.
 
 K3 (``K3OutputParser``), after the generation prompt ``...<|open|>think<|sep|>`` (or ``<|open|>response<|sep|>``):
 
@@ -30,7 +31,9 @@ K3 (``K3OutputParser``), after the generation prompt ``...<|open|>think<|sep|>``
 Kimi-Linear / K2 (``KimiLinearOutputParser``): ``<think>...</think>`` (text, or control ids where the tokenizer has
 them) -> reasoning; ``<|tool_calls_section_begin|>`` ... ``<|tool_call_begin|>functions.NAME:IDX
 <|tool_call_argument_begin|>{json}<|tool_call_end|>`` ... ``<|tool_calls_section_end|>`` -> tool calls (arguments
-streamed as the model writes them; the call id is the ``functions.NAME:IDX`` text); ``<|im_end|>`` / ``[EOS]`` end.
+streamed as the model writes them, so not checked: like OpenAI's own API, whose docs tell clients to validate
+``arguments``, a call's arguments are invalid JSON when the model wrote them so; the call id is the
+``functions.NAME:IDX`` text); ``<|im_end|>`` / ``[EOS]`` end.
 """
 
 from __future__ import annotations
@@ -529,7 +532,7 @@ class K3OutputParser(_OutputParserBase):
             else:
                 text = "".join(e.buf).strip()
                 try:
-                    json.loads(text)
+                    _strict_json(text)
                     value = text
                 except ValueError:
                     value = json.dumps("".join(e.buf), ensure_ascii=False)
@@ -542,7 +545,7 @@ class K3OutputParser(_OutputParserBase):
                 call.raw.append(self._closing("json"))
             ok = False
             try:
-                ok = isinstance(json.loads(text), dict)
+                ok = isinstance(_strict_json(text), dict)
             except ValueError:
                 ok = False
             if not ok or call.failed or call.nargs > 0 or call.json_ok:
@@ -721,6 +724,16 @@ class KimiLinearOutputParser(_OutputParserBase):
             self._emit_content("<|tool_call_begin|>" + "".join(self._id_buf))
         self._end_call()
         self._state = "content"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str):
+    """`json.loads` without Python's extensions NaN / Infinity / -Infinity, which OpenAI clients (and JSON.parse)
+    reject: a value written as NaN is not valid JSON in a tool call's arguments."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
