@@ -358,8 +358,8 @@ def _permute_word_bits(packed, sources):
     """Packed bytes `[..., 4n]` uint8 -> same shape: in each little-endian 32-bit word, bit p of the result is bit
     sources[p] of the input (one shift-and-mask per distinct bit move, elementwise)."""
     if packed.shape[-1] % 4:
-        raise ValueError(f"place_codes needs whole 32-bit words: packed width {packed.shape[-1]} is not a "
-                         "multiple of 4")
+        raise ValueError(f"the placed code layout needs whole 32-bit words: packed width {packed.shape[-1]} is "
+                         "not a multiple of 4")
     b = packed.reshape(*packed.shape[:-1], -1, 4).astype(jnp.uint32)
     word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
     moves: dict[int, int] = {}
