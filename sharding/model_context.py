@@ -468,8 +468,9 @@ def decode_step(model, cache, token_ids, mesh: Mesh, *, mode: str = "dcp", axis:
                 layout: str = "contiguous"):
     """One token per sequence (`token_ids` int `[B]`). The cache is donated. Returns (logits float32 `[B, V]`,
     cache). mode "dcp": the cache's MLA rows split over `axis` in `layout` order (as `prefill(mode="token")`
-    returns them; a position-ordered cache is re-placed as "contiguous"); "tp": the cache replicated, heads split
-    over the same devices (`prefill(mode="head")`'s layout)."""
+    returns them; a position-ordered cache is re-placed as "contiguous"); "tp": the cache in position order
+    (`prefill(mode="head")`'s, or a token prefill's after `to_position_order`), re-placed replicated while the
+    heads split over the same devices."""
     if mode not in MODES_DECODE:
         raise ValueError(f"unknown decode mode {mode!r}; choose one of {MODES_DECODE}")
     _check(model, mesh, axis, layout)
@@ -478,8 +479,13 @@ def decode_step(model, cache, token_ids, mesh: Mesh, *, mode: str = "dcp", axis:
     if mode == "tp":
         hm = _head_mesh(mesh, axis)
         f = _head_fn(model, hm, "decode", 0, False, 0)
-        logits, cache = f(_placed_params(model, hm), jax.device_put(tok, NamedSharding(hm, P(_batch_axis(hm, B)))),
-                          cache)
+        bax = _batch_axis(hm, B)
+        # the cache as a head-split prefill leaves it (replicated but for the batch, on the head mesh): a cache from
+        # a token-split prefill is still split over `axis` of `mesh`, whose "model" axis is not the head mesh's
+        cspec = _cache_specs(model.config, bax, None, False)
+        cache = jax.tree.map(lambda s, a: jax.device_put(a, NamedSharding(hm, s)), cspec, cache,
+                             is_leaf=lambda x: isinstance(x, P))
+        logits, cache = f(_placed_params(model, hm), jax.device_put(tok, NamedSharding(hm, P(bax))), cache)
         return logits[:, 0], cache
     n = mesh.shape[axis]
     if cache.max_len % n:
@@ -506,6 +512,8 @@ def generate(model, input_ids, max_new_tokens: int, mesh: Mesh, *, prefill_mode:
                          "layout='contiguous'")
     logits, cache = prefill(model, ids, mesh, mode=prefill_mode, max_len=ids.shape[1] + max_new_tokens, axis=axis,
                             layout=layout, logits="last")
+    if prefill_mode == "token" and decode_mode == "tp":  # TP decode reads the cache in position order
+        cache = to_position_order(cache, mesh.shape[axis], layout)
     tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     out = [np.asarray(tok)]
     for _ in range(1, max_new_tokens):

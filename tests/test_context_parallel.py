@@ -362,6 +362,10 @@ MODEL_SCRIPT = textwrap.dedent(r"""
         assert (np.stack(got, 1) == np.stack(r_tokens, 1)).all(), spec
         assert (mc.generate(ref, ids, N, mesh, layout=layout) == r_gen).all(), spec
         check(f"{spec} greedy tokens (prefill + DCP decode) == one device", 0.0)
+        # the same token-split prefill decoded tensor-parallel: its cache is re-placed on the head mesh (with
+        # tensor=2 this used to fail inside JAX: the token mesh's "model" axis is not the head mesh's)
+        assert (mc.generate(ref, ids, N, mesh, layout=layout, decode_mode="tp") == r_gen).all(), spec
+        check(f"{spec} greedy tokens (token prefill + TP decode, {layout}) == one device", 0.0)
 
     # head split over 2 devices (tensor parallel), then one TP decode step
     mesh = make_mesh("context=2")
