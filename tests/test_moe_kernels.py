@@ -694,6 +694,8 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
             x, placed, gs)
     with pytest.raises(ValueError, match="layout must be one of"):
         mm.PreparedWeight(codes, scales_t, layout="swizzled")
+    with pytest.raises(ValueError, match="store must be 'cols' or 'rows'"):
+        mm.MgpuConfig(store="tiles")
 
 
 def test_mgpu_placed_weight_keeps_every_value():

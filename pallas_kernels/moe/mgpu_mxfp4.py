@@ -20,24 +20,25 @@ and one bf16 multiply, 15 instructions per 8 weights), else the byte-permute tab
 over the stored codes (`layout="natural"`, 20; the fp8 path's layout).
 
 Groups: rows are padded per expert to multiples of the tile's rows in XLA (a tile never holds two experts, no masked
-stores); the output is written transposed, `[N, padded rows]` fp32, and gathered back. Scales are read transposed,
-`[E, K/32, N]` (`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
+stores); the output `[padded rows, N]` fp32 (`MgpuConfig.store`) is gathered back by row. Scales are read
+transposed, `[E, K/32, N]` (`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
 
 Measured (H200, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072, copy 4.24 TB/s; bench/RESULTS.md, session 16):
 at 8 rows per expert the kernel alone streams **3.28–3.30 TB/s of weights (0.77 of copy)** with the placed decode
 (5 CTAs per SM; 2.26 with the table decode), the whole op 2.78 (0.656; the Triton kernel's op 1.93): the XLA row
 preparation, padding plan and output gather cost ~32 µs of 236. At 32 rows: 2.50–2.58 alone, 1.94 as an op (Triton
-1.25); at 64 rows 1.51 / 0.94 (Triton 1.19). How it got there: the table decode's loop was 31.7 SASS instructions per 8 weights
-(session 11); the placed decode with rotations made it ~21 (2.67–2.94 TB/s), and ncu then showed "math pipe
-throttle": the integer ALU pipe (half the issue rate) carried the rotations and masks. With plain shifts, four of
-them multiplies by 2^k, ptxas puts those on the FMA pipe (IMAD.SHL) and half the bf16 multiplies on the MMA pipe
-(HFMA2.MMA), leaving 8 ALU instructions per 8 weights. "fp8" (session 11: 1.79–1.91 TB/s alone) holds 154 registers
-and stalls on shared-memory loads. Leaving a step's MMAs running into the next step (wgmma_wait(1) with x released
-a step late) gave wrong results in sessions 11 and 16. What stands between the op and the 0.7 bar is the XLA around
-the kernel (ncu: the x gather + plane transpose 11 µs, the output row gather 7 µs, seven small plan kernels ≈ 17 µs):
-fusing it into the kernel (plan per CTA, rows fetched by offset, outputs stored to their rows) is the next step. `ops` does not route to this kernel
-yet: its weights must be stored prepared (placed codes, transposed scales) at load time, which the model's MoE
-parameters (kept in the checkpoint's layout) do not do.
+1.25); at 64 rows 1.51 / 0.94 (Triton 1.19). How it got there: the table decode's loop was 31.7 SASS instructions
+per 8 weights (session 11); the placed decode with rotations made it ~21 (2.67–2.94 TB/s), and ncu then showed
+"math pipe throttle": the integer ALU pipe (half the issue rate) carried the rotations and masks. With plain
+shifts, four of them multiplies by 2^k, ptxas puts those on the FMA pipe (IMAD.SHL) and half the bf16 multiplies on
+the MMA pipe (HFMA2.MMA), leaving 8 ALU instructions per 8 weights. "fp8" (session 11: 1.79–1.91 TB/s alone) holds
+154 registers and stalls on shared-memory loads. Leaving a step's MMAs running into the next step (wgmma_wait(1)
+with x released a step late) gave wrong results in sessions 11 and 16. What stands between the op and the 0.7 bar
+is the XLA around the kernel (ncu: the x gather + plane transpose 11 µs, the output row gather 7 µs, seven small
+plan kernels ≈ 17 µs): fusing it into the kernel (plan per CTA, rows fetched by offset, outputs stored to their
+rows) is the next step.
+`ops` runs this kernel for weights handed to it prepared; the model's own MXFP4 experts do not reach it yet, since
+their parameters stay in the checkpoint's layout (placed codes and transposed scales would be prepared at load).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ class MgpuConfig:
     # staging tile as the accumulator holds it), gathered back column by column — op 2.63 vs 2.78 TB/s at 8 rows
     # per expert, 1.70 vs 1.94 at 32 (H200, session 16)
     store: str = "rows"
+
+    def __post_init__(self):
+        if self.store not in ("cols", "rows"):
+            raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {self.store!r}")
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
@@ -384,7 +389,7 @@ def _store_transposed_fn():
     return fn
 
 
-def _store_tile(acc, o_smem, out_ref, nb, t, store: str = "cols"):
+def _store_tile(acc, o_smem, out_ref, nb, t, store: str):
     """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] ("cols") or out[rows·t …, 64·nb …] ("rows")
     through shared memory and a TMA copy, once the previous item's copy has read the staging buffer."""
     import jax.experimental.pallas as pl
@@ -425,8 +430,6 @@ def _launch(body, N: int, m_pad: int, cfg: MgpuConfig):
     `[m_pad, N]`, staging `[rows, 64]`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if cfg.store not in ("cols", "rows"):
-        raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {cfg.store!r}")
     rows_major = cfg.store == "rows"
     num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
     return plgpu.kernel(
@@ -617,7 +620,7 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
 
 
-def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, store: str = "cols"):
+def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):
     """The kernel's outᵀ `[N, m_pad]` fp32 (`store="rows"`: out `[m_pad, N]`) -> `[M, N]` `out_dtype`: each input
     row's padded row (`pad_row [M]`), times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed
     layout's 2^exp_offset), zeros where `live [M]` is false."""
