@@ -169,6 +169,12 @@ def fit_config(config: MgpuConfig, in_features: int) -> MgpuConfig:
     return dataclasses.replace(config, kh=kh) if kh != config.kh else config
 
 
+def config_for(rows: int, w: PreparedWeight) -> MgpuConfig:
+    """The config `grouped_matmul` uses when given none: `default_config` for `rows` rows over the weight's
+    experts, its step width fitted to the weight (`fit_config`)."""
+    return fit_config(default_config(rows / w.num_experts), w.in_features)
+
+
 def supports(in_features: int, out_features: int, config: MgpuConfig) -> bool:
     """Whether `kernel_call` takes this weight shape with this config: K/2 a multiple of the step width kh (itself a
     multiple of 64 bytes), N a multiple of 64 output columns."""
@@ -604,7 +610,7 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     past Σ group_sizes are zeros."""
     if x.shape[1] != w.in_features:
         raise ValueError(f"MXFP4 weight has K={w.in_features}, x has K={x.shape[1]}")
-    config = config or fit_config(default_config(x.shape[0] / w.num_experts), w.in_features)
+    config = config or config_for(x.shape[0], w)
     if config.mma == "fp8":
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = prepare_rows_fp8(x, group_sizes, w.num_experts,
                                                                                  config.rows)

@@ -123,7 +123,7 @@ def _mosaic_takes(x, w, config) -> bool:
     """Whether the Mosaic GPU MXFP4 kernel runs this prepared weight (its layout's decode, its shape constraints)."""
     if not isinstance(w, _mgpu_mx.PreparedWeight):
         return False
-    cfg = config or _mgpu_mx.fit_config(_mgpu_mx.default_config(x.shape[0] / w.num_experts), w.in_features)
+    cfg = config or _mgpu_mx.config_for(x.shape[0], w)
     return _mgpu_mx.supports(w.in_features, w.out_features, cfg) and (cfg.mma == "bf16" or w.layout == "natural")
 
 
