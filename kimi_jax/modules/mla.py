@@ -37,6 +37,7 @@ from ..cache import PAGE_TOKENS
 from ..config import IndexerConfig, MLAConfig
 from ..kernels import KernelConfig
 from ..paged_cache import LayerPool, PagedCacheSpec
+from ..quant import hadamard
 from .layers import LayerNorm, Linear, RMSNorm, normal_init
 from .rope import apply_rope, rope_cos_sin
 
@@ -116,7 +117,7 @@ class Indexer(nnx.Module):
         if self.cfg.rope_dims and cos_sin is not None:
             r = self.cfg.rope_dims
             k = jnp.concatenate([apply_rope(k[..., :r], *cos_sin, interleaved=False), k[..., r:]], axis=-1)
-        return k
+        return hadamard(k) if self.cfg.hadamard_rotate else k
 
     def queries(self, x_btd, cq_btr, cos_sin):
         """Index queries `[B, T, Hi, d]` and head weights float32 `[B, T, Hi]` (Hi^-0.5 · d^-0.5 folded in)."""
@@ -126,6 +127,8 @@ class Indexer(nnx.Module):
         if cfg.rope_dims and cos_sin is not None:
             r = cfg.rope_dims
             q = jnp.concatenate([apply_rope(q[..., :r], *cos_sin, interleaved=False), q[..., r:]], axis=-1)
+        if cfg.hadamard_rotate:  # SPEC §6: rotate both q and k or neither (keys in `keys`)
+            q = hadamard(q)
         w = self.weights_proj(x_btd, out_dtype=jnp.float32) * (cfg.num_heads ** -0.5 * cfg.head_dim ** -0.5)
         return q, w
 
