@@ -682,8 +682,8 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     placed = mm.PreparedWeight(codes, scales_t, jax.ShapeDtypeStruct((E,), jnp.int32), layout="placed")
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
     for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
-                   (placed, mm.MgpuConfig(rows=8, store="rows")), (natural, mm.MgpuConfig(mma="fp8", store="rows")),
-                   (natural, mm.MgpuConfig(mma="fp8", rows=8))):
+                   (placed, mm.MgpuConfig(rows=8, plan="xla")), (natural, mm.MgpuConfig(plan="xla", store="cols")),
+                   (natural, mm.MgpuConfig(mma="fp8", store="rows")), (natural, mm.MgpuConfig(mma="fp8", rows=8))):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -696,6 +696,40 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
         mm.PreparedWeight(codes, scales_t, layout="swizzled")
     with pytest.raises(ValueError, match="store must be 'cols' or 'rows'"):
         mm.MgpuConfig(store="tiles")
+    with pytest.raises(ValueError, match="plan must be 'kernel', 'tiles' or 'xla'"):
+        mm.MgpuConfig(plan="host")
+    with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
+        mm.MgpuConfig(store="cols")
+
+
+def test_mgpu_group_bounds():
+    """The in-kernel plan's only XLA input: expert e's rows are [b[e], b[e + 1]), clipped to the M rows there are,
+    and the last span [Σ sizes, M) is the rows the kernel zeroes."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    b = mm.group_bounds(jnp.asarray([3, 0, 5, 2], jnp.int32), 12)
+    assert list(np.asarray(b)) == [0, 3, 3, 8, 10, 12]
+    b = mm.group_bounds(jnp.asarray([3, 6, 5], jnp.int32), 10)  # more rows routed than given: clipped at M
+    assert list(np.asarray(b)) == [0, 3, 9, 10, 10]
+
+
+def test_mgpu_tile_table_cuts_each_group_into_row_tiles():
+    """plan="tiles": every group's rows (and the rows past Σ sizes, as group E) cut into tiles of R rows in order —
+    each row in exactly one live tile of its own group; tiles past the last hold no rows."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    sizes, M, R = [3, 0, 17, 8, 1], 40, 8
+    b = mm.group_bounds(jnp.asarray(sizes, jnp.int32), M)
+    T = -(-M // R) + len(sizes) + 1
+    g, row0, count = np.asarray(mm.tile_table(b, R, T))
+    live = count > 0
+    assert list(zip(g[live], row0[live], count[live])) == [
+        (0, 0, 3), (2, 3, 8), (2, 11, 8), (2, 19, 1), (3, 20, 8), (4, 28, 1), (5, 29, 8), (5, 37, 3)]
+    assert not live[live.sum():].any()
+    x = jnp.arange(M, dtype=jnp.float32)[:, None] + 1  # row r holds r + 1
+    xp = np.asarray(mm.pad_rows_by_table(x, np.stack([g, row0, count]), R))[:, 0].reshape(T, R)
+    for t in range(T):
+        assert list(xp[t]) == [row0[t] + i + 1 if i < count[t] else 0 for i in range(R)]
 
 
 def test_mgpu_placed_weight_keeps_every_value():
@@ -753,13 +787,15 @@ def test_ops_take_prepared_weights_on_every_backend():
 @pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3),
                                  dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
                                  dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32),
-                                 dict(rows=8, store="rows"), dict(rows=32, kh=256, steps=2, store="rows"),
-                                 dict(mma="fp8", rows=16, store="rows")])
+                                 dict(rows=8, plan="xla"), dict(rows=32, kh=256, steps=2, plan="xla"),
+                                 dict(rows=16, plan="xla", store="cols"), dict(mma="fp8", rows=16, store="rows"),
+                                 dict(rows=8, plan="tiles"), dict(rows=32, kh=256, steps=2, plan="tiles")])
 @pytest.mark.parametrize("layout", ["placed", "natural"])
 def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of
-    8, 0, 70, 3, 16, 1 and 30 rows (tiles padded to 16 per group) and uncovered tail rows, which come back as zeros;
-    both code layouts (the fp8 path decodes natural codes only)."""
+    8, 0, 70, 3, 8, 16, 1 and 30 rows (starting off the 8-row grid) and uncovered tail rows, which come back as
+    zeros; both code layouts (the fp8 path decodes natural codes only), both group plans (in the kernel, the
+    default; padded in XLA)."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     if cfg.get("mma") == "fp8" and layout == "placed":
@@ -768,6 +804,29 @@ def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     got = mm.grouped_matmul(x, mm.prepare_weight(w, layout), gs, config=mm.MgpuConfig(**cfg))
     assert _rel(got, want) < (3e-3 if cfg.get("mma") == "fp8" else 1e-4)  # fp8: x as two e4m3 planes
     assert not np.asarray(got[sum(sizes):]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 32])
+@pytest.mark.parametrize("plan", ["kernel", "tiles"])
+def test_gpu_mgpu_mxfp4_in_kernel_plan_edges(rows, plan):
+    """The in-kernel group plan at its edges: fewer rows than one x tile (M = 5), more rows routed than given
+    (Σ sizes > M: clipped), and a group that fills whole tiles from an 8-aligned start next to ones that do not."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    E, K, N = 4, 512, 128
+    w = mx.random_weight(jax.random.key(21), E, K, N)
+    wd = mx.dequantize(w, jnp.bfloat16)
+    cfg = mm.MgpuConfig(rows=rows, kh=128, steps=2, plan=plan)
+    for M, sizes in ((5, [2, 0, 1, 1]), (40, [16, 24, 0, 0]), (40, [16, 5, 30, 9]), (64, [3, 40, 1, 7])):
+        x = jax.random.normal(jax.random.key(M + sizes[1]), (M, K), jnp.bfloat16)
+        gs = jnp.asarray(sizes, jnp.int32)
+        clipped = jnp.asarray(np.diff(np.minimum(np.cumsum([0] + sizes), M)), jnp.int32)
+        want = reference.grouped_matmul(x, wd, clipped)
+        got = mm.grouped_matmul(x, mm.prepare_weight(w), gs, config=cfg)
+        assert got.shape == (M, N)
+        assert _rel(got, want) < 1e-4, (M, sizes)
+        assert not np.asarray(got[int(clipped.sum()):]).any()
 
 
 @pytest.mark.gpu

@@ -71,10 +71,19 @@ class MgpuConfig:
     # staging tile as the accumulator holds it), gathered back column by column — op 2.63 vs 2.78 TB/s at 8 rows
     # per expert, 1.70 vs 1.94 at 32 (H200, session 16)
     store: str = "rows"
+    # where the group plan lives (bf16 path): "kernel" = each work item is (expert, 64-column block), the kernel
+    # reads the expert's row bounds, fetches its x rows by offset and stores each output row in place
+    # (`kernel_call_grouped`: no padding, no gathers); "xla" = rows padded per expert to whole tiles in XLA
+    # (`prepare_rows`, `kernel_call`, `unpad_output`), the fp8 path's only plan
+    plan: str = "xla"
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
             raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {self.store!r}")
+        if self.plan not in ("kernel", "tiles", "xla"):
+            raise ValueError(f"MgpuConfig.plan must be 'kernel', 'tiles' or 'xla', got {self.plan!r}")
+        if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
+            raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
@@ -83,7 +92,7 @@ def default_config(rows_per_group: float) -> MgpuConfig:
     per expert (8-row tiles, 5 CTAs per SM; 4: 3.28, 6: 2.90), 2.58 at 32 rows (256-byte steps, 2 stages, 2 CTAs;
     3 CTAs: 2.05), 1.51 at 64 (256-byte steps)."""
     if rows_per_group <= 8:
-        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=5)
+        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=4, plan="kernel")
     if rows_per_group <= 16:
         return MgpuConfig(rows=16, kh=256, steps=3, ctas_per_sm=2)
     if rows_per_group <= 32:
@@ -603,6 +612,216 @@ def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config
     return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, x_hi, x_lo, w.codes, w.scales_t)
 
 
+def group_bounds(group_sizes, M: int):
+    """`group_sizes [E]` -> row bounds `[E + 2]` int32: expert e's rows are [b[e], b[e + 1]) (sizes clipped so that
+    every bound lies in [0, M]); the rows [b[E], b[E + 1] = M) past Σ sizes, which the kernel zeroes."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), M)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends, jnp.full((1,), M, jnp.int32)])
+
+
+def tile_table(bounds, rows: int, num_tiles: int):
+    """`group_bounds` -> per R-row tile `[3, num_tiles]` int32 (group, first row, rows): each group's rows (group E:
+    the rows past Σ sizes) cut into tiles of `rows`, in order; tiles past the last hold 0 rows. `num_tiles` must be
+    at least ceil(M / rows) + E + 1."""
+    sizes = jnp.diff(bounds)  # [E + 1]
+    tiles = (sizes + rows - 1) // rows
+    tile_end = jnp.cumsum(tiles)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    g = jnp.minimum(jnp.sum(t[:, None] >= tile_end[None, :], axis=1, dtype=jnp.int32), sizes.shape[0] - 1)
+    j = t - (tile_end[g] - tiles[g])
+    count = jnp.clip(sizes[g] - j * rows, 0, rows)
+    return jnp.stack([g, bounds[g] + j * rows, count])
+
+
+def _store_direct_fn():
+    """The inline Mosaic GPU body that stores a WGMMA-layout `[64, RX]` fp32 tile straight from registers: element
+    (c, r) -> out[base + r, col0 + c] where lo ≤ r < hi, else nothing (a predicated 4-byte global store; a warp's
+    store covers 4 rows × 32 contiguous bytes). base, lo, hi and col0 come as int32 splats in the same layout (each
+    thread reads its own register: no shared scratch to race on between work items)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    def fn(ctx, acc, base_a, lo_a, hi_a, col0_a, out_ref):
+        del ctx
+        index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+        first = tuple(0 for _ in base_a.registers.shape)
+
+        def scalar(a):
+            reg = a.registers[first]
+            if isinstance(reg.type, ir.VectorType):
+                reg = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+            return reg
+
+        base, lo, hi, col0 = (scalar(a) for a in (base_a, lo_a, hi_a, col0_a))
+        base_i, col0_i = arith.index_cast(index, base), arith.index_cast(index, col0)
+        regs = acc.registers
+        for (c, r), ri in zip(acc.layout.thread_idxs(acc.shape), np.ndindex(regs.shape)):
+            reg = regs[ri]  # vector<2xf32>: N-side positions r, r + 1 of M-side position c
+            out_c = arith.addi(col0_i, c)
+            for k in range(ir.VectorType(reg.type).shape[0]):
+                rk = arith.addi(r, mgu.c(k, index))
+                rk32 = arith.index_cast(i32, rk)
+                ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, rk32, lo),
+                                arith.cmpi(arith.CmpIPredicate.slt, rk32, hi))
+                v = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
+                if_op = scf.IfOp(ok)
+                with ir.InsertionPoint(if_op.then_block):
+                    memref.store(v, out_ref, [arith.addi(base_i, rk), out_c])
+                    scf.yield_([])
+
+    return fn
+
+
+ROW_ALIGN = 8  # x's TMA row offset must be a multiple of its smem tile's 8 rows: a tile fetches R + 8 rows from there
+
+
+def pad_rows_by_table(x, table, rows: int):
+    """plan="tiles": x's rows laid out by `tile_table` -> `[T·rows, K]`: tile t's rows [t·rows, t·rows + count) are x's
+    rows [row0, row0 + count), the rest zeros (one gather; XLA fuses the plane transpose after it). The zeroed rows'
+    tiles (group E) gather rows too, which the kernel never multiplies."""
+    _, row0, count = table
+    p = jnp.arange(table.shape[1] * rows, dtype=jnp.int32)
+    t, i = p // rows, p % rows
+    return x.at[jnp.where(i < count[t], row0[t] + i, x.shape[0])].get(mode="fill", fill_value=0)
+
+
+def prepare_grouped(x, group_sizes, num_experts: int, config: MgpuConfig):
+    """XLA side of plans "kernel" / "tiles": `x [M, K]` -> (x planes in the contraction order `[2, rows, K/2]` bf16,
+    the plan: `group_bounds` or `tile_table`, with x padded by it)."""
+    M, R = x.shape[0], config.rows
+    x = x.astype(jnp.bfloat16)
+    plan = group_bounds(group_sizes, M)
+    if config.plan == "tiles":
+        plan = tile_table(plan, R, -(-M // R) + num_experts + 1)
+        x = pad_rows_by_table(x, plan, R)
+    elif M < R + ROW_ALIGN:  # one x tile (R + 8 rows) fits the array
+        x = jnp.pad(x, ((0, R + ROW_ALIGN - M), (0, 0)))
+    return _planes_in_contraction_order(x), plan
+
+
+def kernel_call_grouped(xs, plan, w: PreparedWeight, config: MgpuConfig, row_scale=None, *, out_rows=None):
+    """The kernel with its group plan inside: x planes `[2, M, K/2]` bf16 in the contraction order
+    (`_planes_in_contraction_order`, rows as sorted), the weight, for the placed layout each expert's fp32 output
+    factor `row_scale [E]` (2^exp_offset), and `plan`: `group_bounds` `[E + 2]` (`MgpuConfig.plan="kernel"`) or
+    `tile_table` `[3, T]` ("tiles", x padded by `pad_rows_by_table`) -> out `[out_rows, N]` fp32 (default M).
+
+    Work items: "kernel" — (expert e, 64-column block nb), looping over e's rows (no XLA beyond the bounds, but
+    items as uneven as the groups): each tile fetches R + 8 x rows from its first row rounded down to a multiple of
+    8 (TMA into the 8-row-tiled smem operand needs that; the MMA's N side is R + 8) and takes as many of the group's
+    rows as they hold (R + 1 … R + 8); rows of other groups or past M ride along (TMA reads zeros past M) and are
+    never stored. "tiles" — (tile, nb), one padded R-row tile each (even items, x padded in XLA). Each thread then stores its own
+    elements of the tile's rows in place (`_store_direct_fn`). Group E's tiles (the rows past Σ sizes) store zeros.
+    No padding and no gathers outside the kernel."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    _, M, KH = xs.shape
+    cfg = config
+    R, kh = cfg.rows, cfg.kh
+    E, N, KH2 = w.codes.shape
+    per_tile = plan.ndim == 2
+    # x rows per tile (the MMA's N): padded tiles of R, or R + 8 fetched from an 8-aligned row
+    RX = R if per_tile else R + ROW_ALIGN
+    x_spec = R if per_tile else pl.Element(RX)
+    if R % ROW_ALIGN:
+        raise ValueError(f"the in-kernel group plan takes row tiles of a multiple of {ROW_ALIGN} (got rows={R})")
+    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or (plan.shape[0] != 3 if per_tile else plan.shape != (E + 2,)):
+        raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
+                         f"{BLOCK}), N={N} of {COLS}; plan {plan.shape} must be [E + 2 = {E + 2}] or [3, T]")
+    n_blocks = N // COLS
+    k_steps = KH // kh
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+                     plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
+    )(_decode_fn(kh, w.layout))
+    store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5 + (plgpu.RefType(),))(_store_direct_fn())
+    scaled = row_scale is not None
+
+    def splat(v):
+        return plgpu.layout_cast(jnp.full((COLS, RX), v, jnp.int32), plgpu.Layout.WGMMA)
+
+    def body(plan_ref, *refs):
+        if scaled:
+            scale_ref, xs_ref, codes_ref, scales_ref, out_ref = refs
+        else:
+            xs_ref, codes_ref, scales_ref, out_ref = refs
+
+        def tile(g, nb, x_rows, base, lo, hi):
+            """Group g's (g = E: zeros) tile at column block nb: x rows `x_rows` (a block index of `x_spec`) ->
+            acc row r is out row base + r, stored where lo ≤ r < hi."""
+            def store_tile(acc):  # the splats made here, after the pipeline: not live (registers) across it
+                store(acc, splat(base), splat(lo), splat(hi), splat(nb * COLS), out_ref)
+
+            @pl.when(g < E)
+            def _matmul():
+                def acc_scope(acc_ref):
+                    def step(_, codes_s, scales_s, xs_s):
+                        lo_w, hi_w = decode(codes_s, scales_s)
+                        plgpu.wgmma(acc_ref, lo_w, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+                        plgpu.wgmma(acc_ref, hi_w, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+                        plgpu.wgmma_wait(0)  # as in `kernel_call`: nothing left in flight past a step
+
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(k_steps,),
+                        in_specs=[
+                            plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                            plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
+                            plgpu.BlockSpec((2, x_spec, kh), lambda kk: (0, x_rows, kk)),
+                        ],
+                        max_concurrent_steps=cfg.steps,
+                    )(codes_ref.at[g], scales_ref.at[g], xs_ref)
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, RX), jnp.float32))
+                store_tile(acc * scale_ref[g] if scaled else acc)
+
+            @pl.when(g == E)
+            def _zeros():
+                store_tile(plgpu.layout_cast(jnp.zeros((COLS, RX), jnp.float32), plgpu.Layout.WGMMA))
+
+        if per_tile:  # x padded by tile in XLA: tile t is x rows [t·R, t·R + R), its rows are out [row0, row0 + count)
+            @plgpu.nd_loop((plan.shape[1] * n_blocks,), collective_axes="sm")
+            def _item(info):
+                (i,) = info.index
+                t = i // n_blocks
+                count = plan_ref[2, t]
+
+                @pl.when(count > 0)
+                def _live():
+                    tile(plan_ref[0, t], i % n_blocks, t, plan_ref[1, t], 0, count)
+        else:
+            @plgpu.nd_loop(((E + 1) * n_blocks,), collective_axes="sm")
+            def _item(info):
+                (i,) = info.index
+                g = i // n_blocks
+                start = plan_ref[g]
+                size = plan_ref[g + 1] - start
+
+                end = start + size
+
+                def next_tile(row0):  # a tile takes as many of the group's rows as its R + 8 fetched rows hold
+                    x_row = jax.lax.div(row0, ROW_ALIGN) * ROW_ALIGN  # a multiple of 8 the lowering can see
+                    first = row0 - x_row
+                    hi = jnp.minimum(end - x_row, RX)
+                    tile(g, i % n_blocks, x_row, x_row, first, hi)
+                    return x_row + hi
+
+                jax.lax.while_loop(lambda row0: row0 < end, next_tile, start)
+
+    args = (plan, *((row_scale,) if scaled else ()), xs, w.codes, w.scales_t)
+    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((out_rows or M, N), jnp.float32),
+        grid=(num_sms * cfg.ctas_per_sm,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*args)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | None = None, out_dtype=jnp.float32):
     """`x [M, K]` bf16 rows sorted by group, MXFP4 weight (`prepare_weight`), `group_sizes [E]` -> `[M, N]`:
@@ -616,6 +835,10 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
                                                                                  config.rows)
         out_t = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
         return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv, store=config.store)
+    elif config.mma == "bf16" and config.plan in ("kernel", "tiles"):
+        row_scale = jnp.ldexp(jnp.float32(1), w.exp_offset) if w.layout == "placed" else None
+        xs, plan = prepare_grouped(x, group_sizes, w.num_experts, config)
+        return kernel_call_grouped(xs, plan, w, config, row_scale, out_rows=x.shape[0]).astype(out_dtype)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
         out_t = kernel_call(xs, tile_group, num_tiles, w, config)
