@@ -385,7 +385,7 @@ def bench_mxfp4(args, copy_bw):
                 t = time_jax(f, x, wp, sizes, reps=20)
                 if mcfg.mma == "bf16" and mcfg.plan != "xla":  # the kernel alone; the XLA before it
                     def prep_f(a, g, E_, rows_):
-                        return mgpu_mx.prepare_grouped(a, g, E_, mcfg)
+                        return mgpu_mx.prepare_grouped(a, g, mcfg)
                     prep = jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows))(x, sizes)
                     fk = jax.jit(lambda xs, b, w_: mgpu_mx.kernel_call_grouped(
                         xs, b, w_, mcfg, jnp.ldexp(jnp.float32(1), w_.exp_offset) if layout == "placed" else None,

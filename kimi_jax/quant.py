@@ -39,8 +39,10 @@ Index keys (one key of d values per token):
   (OCP MX's own rule, e = floor(log2 amax) − 2, saturates the top of the range; this one never clips; it is the
   rule `convert.quant.mxfp4_quant` uses, with ties to even instead of ties to the smaller magnitude.)
 
-The queries of FP8 index scoring as deployed go through the same per-128 FP8 rounding (`fake_quant_index_fp8`),
-optionally after a Hadamard rotation of both q and k (`hadamard`; rotate both or neither).
+The queries of FP8 index scoring as deployed go through the same per-128 FP8 rounding; `fake_quant_index_fp8`
+models that for a caller, but the model's indexer scores exact queries against the dequantised keys (only the
+keys are stored in the cache format). Both q and k may be rotated by a Hadamard transform first (`hadamard`,
+`IndexerConfig.hadamard_rotate`; rotate both or neither).
 """
 
 from __future__ import annotations

@@ -682,7 +682,8 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     placed = mm.PreparedWeight(codes, scales_t, jax.ShapeDtypeStruct((E,), jnp.int32), layout="placed")
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
     for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
-                   (placed, mm.MgpuConfig(rows=8, plan="xla")), (natural, mm.MgpuConfig(plan="xla", store="cols")),
+                   (placed, mm.MgpuConfig(rows=8, plan="kernel")), (natural, mm.default_config(8)),
+                   (natural, mm.MgpuConfig(plan="xla", store="cols")),
                    (natural, mm.MgpuConfig(mma="fp8", store="rows")), (natural, mm.MgpuConfig(mma="fp8", rows=8))):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
@@ -696,10 +697,10 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
         mm.PreparedWeight(codes, scales_t, layout="swizzled")
     with pytest.raises(ValueError, match="store must be 'cols' or 'rows'"):
         mm.MgpuConfig(store="tiles")
-    with pytest.raises(ValueError, match="plan must be 'kernel', 'tiles' or 'xla'"):
+    with pytest.raises(ValueError, match="plan must be 'kernel' or 'xla'"):
         mm.MgpuConfig(plan="host")
     with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
-        mm.MgpuConfig(store="cols")
+        mm.MgpuConfig(store="cols", plan="kernel")
 
 
 def test_mgpu_group_bounds():
@@ -711,25 +712,6 @@ def test_mgpu_group_bounds():
     assert list(np.asarray(b)) == [0, 3, 3, 8, 10, 12]
     b = mm.group_bounds(jnp.asarray([3, 6, 5], jnp.int32), 10)  # more rows routed than given: clipped at M
     assert list(np.asarray(b)) == [0, 3, 9, 10, 10]
-
-
-def test_mgpu_tile_table_cuts_each_group_into_row_tiles():
-    """plan="tiles": every group's rows (and the rows past Σ sizes, as group E) cut into tiles of R rows in order —
-    each row in exactly one live tile of its own group; tiles past the last hold no rows."""
-    from pallas_kernels.moe import mgpu_mxfp4 as mm
-
-    sizes, M, R = [3, 0, 17, 8, 1], 40, 8
-    b = mm.group_bounds(jnp.asarray(sizes, jnp.int32), M)
-    T = -(-M // R) + len(sizes) + 1
-    g, row0, count = np.asarray(mm.tile_table(b, R, T))
-    live = count > 0
-    assert list(zip(g[live], row0[live], count[live])) == [
-        (0, 0, 3), (2, 3, 8), (2, 11, 8), (2, 19, 1), (3, 20, 8), (4, 28, 1), (5, 29, 8), (5, 37, 3)]
-    assert not live[live.sum():].any()
-    x = jnp.arange(M, dtype=jnp.float32)[:, None] + 1  # row r holds r + 1
-    xp = np.asarray(mm.pad_rows_by_table(x, np.stack([g, row0, count]), R))[:, 0].reshape(T, R)
-    for t in range(T):
-        assert list(xp[t]) == [row0[t] + i + 1 if i < count[t] else 0 for i in range(R)]
 
 
 def test_mgpu_placed_weight_keeps_every_value():
@@ -789,7 +771,8 @@ def test_ops_take_prepared_weights_on_every_backend():
                                  dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32),
                                  dict(rows=8, plan="xla"), dict(rows=32, kh=256, steps=2, plan="xla"),
                                  dict(rows=16, plan="xla", store="cols"), dict(mma="fp8", rows=16, store="rows"),
-                                 dict(rows=8, plan="tiles"), dict(rows=32, kh=256, steps=2, plan="tiles")])
+                                 dict(rows=8, plan="kernel"), dict(rows=32, kh=256, steps=2, plan="kernel"),
+                                 dict(rows=16, ctas_per_sm=4, plan="kernel")])
 @pytest.mark.parametrize("layout", ["placed", "natural"])
 def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of
@@ -808,8 +791,7 @@ def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [8, 32])
-@pytest.mark.parametrize("plan", ["kernel", "tiles"])
-def test_gpu_mgpu_mxfp4_in_kernel_plan_edges(rows, plan):
+def test_gpu_mgpu_mxfp4_in_kernel_plan_edges(rows):
     """The in-kernel group plan at its edges: fewer rows than one x tile (M = 5), more rows routed than given
     (Σ sizes > M: clipped), and a group that fills whole tiles from an 8-aligned start next to ones that do not."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
@@ -817,7 +799,7 @@ def test_gpu_mgpu_mxfp4_in_kernel_plan_edges(rows, plan):
     E, K, N = 4, 512, 128
     w = mx.random_weight(jax.random.key(21), E, K, N)
     wd = mx.dequantize(w, jnp.bfloat16)
-    cfg = mm.MgpuConfig(rows=rows, kh=128, steps=2, plan=plan)
+    cfg = mm.MgpuConfig(rows=rows, kh=128, steps=2, plan="kernel")
     for M, sizes in ((5, [2, 0, 1, 1]), (40, [16, 24, 0, 0]), (40, [16, 5, 30, 9]), (64, [3, 40, 1, 7])):
         x = jax.random.normal(jax.random.key(M + sizes[1]), (M, K), jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)

@@ -19,24 +19,31 @@ tested PTX decode into two lo-plane and two hi-plane registers, with the group's
 and one bf16 multiply, 15 instructions per 8 weights), else the byte-permute table `mxfp4.DECODE_PTX_SIGN_OPERANDS`
 over the stored codes (`layout="natural"`, 20; the fp8 path's layout).
 
-Groups: rows are padded per expert to multiples of the tile's rows in XLA (a tile never holds two experts, no masked
-stores); the output `[padded rows, N]` fp32 (`MgpuConfig.store`) is gathered back by row. Scales are read
-transposed, `[E, K/32, N]` (`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
+Groups, two plans (`MgpuConfig.plan`). "xla": rows are padded per expert to multiples of the tile's rows in XLA (a
+tile never holds two experts, no masked stores); the output `[padded rows, N]` fp32 (`MgpuConfig.store`) is gathered
+back by row. "kernel" (`kernel_call_grouped`, the default at <= 8 rows per expert): work items are (expert, column
+block); the kernel reads the expert's row bounds, fetches R + 8 x rows by offset from an 8-aligned row (TMA into
+the tiled smem operand needs the alignment) and stores each of its rows in place with predicated global stores —
+no padding, no gathers, only x's plane transpose and the bounds in XLA. Scales are read transposed, `[E, K/32, N]`
+(`prepare_weight`, once per weight), so a TMA box of them is 64 bytes wide.
 
-Measured (H200, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072, copy 4.24 TB/s; bench/RESULTS.md, session 16):
-at 8 rows per expert the kernel alone streams **3.28–3.30 TB/s of weights (0.77 of copy)** with the placed decode
-(5 CTAs per SM; 2.26 with the table decode), the whole op 2.78 (0.656; the Triton kernel's op 1.93): the XLA row
-preparation, padding plan and output gather cost ~32 µs of 236. At 32 rows: 2.50–2.58 alone, 1.94 as an op (Triton
-1.25); at 64 rows 1.51 / 0.94 (Triton 1.19). How it got there: the table decode's loop was 31.7 SASS instructions
-per 8 weights (session 11); the placed decode with rotations made it ~21 (2.67–2.94 TB/s), and ncu then showed
-"math pipe throttle": the integer ALU pipe (half the issue rate) carried the rotations and masks. With plain
-shifts, four of them multiplies by 2^k, ptxas puts those on the FMA pipe (IMAD.SHL) and half the bf16 multiplies on
-the MMA pipe (HFMA2.MMA), leaving 8 ALU instructions per 8 weights. "fp8" (session 11: 1.79–1.91 TB/s alone) holds
-154 registers and stalls on shared-memory loads. Leaving a step's MMAs running into the next step (wgmma_wait(1)
-with x released a step late) gave wrong results in sessions 11 and 16. What stands between the op and the 0.7 bar
-is the XLA around the kernel (ncu: the x gather + plane transpose 11 µs, the output row gather 7 µs, seven small
-plan kernels ≈ 17 µs): fusing it into the kernel (plan per CTA, rows fetched by offset, outputs stored to their
-rows) is the next step.
+Measured (H200, `bench/moe.py --mgpu-configs`, E = 112, 3584 -> 3072, copy 4.24-4.28 TB/s; bench/RESULTS.md,
+sessions 16-17): at 8 rows per expert the kernel alone streams **3.17-3.30 TB/s of weights (0.74-0.77 of copy)**
+with the placed decode and the XLA plan (5 CTAs per SM; 2.26 with the table decode), the whole op 2.73-2.79
+(0.64-0.656; the Triton kernel's op 1.93-1.96). The in-kernel plan cuts the XLA around the kernel from ~30 to
+~12 µs, but its kernel needs 127 registers per thread (the R + 8 = 16-row MMA; the XLA plan's 95), so 4 CTAs fit
+per SM instead of 5 and the kernel alone runs 2.88-2.94 TB/s: the op is 2.75-2.86, equal to the XLA plan's within
+the runs' spread. At 32 and 64 rows the in-kernel plan is slower (up to 254 registers); there the XLA plan is the
+default: 2.49-2.58 alone, 1.89-2.01 as an op (Triton 1.24), at 64 rows 1.50 / 1.13 (Triton 1.19). How the decode
+got there: the table decode's loop was 31.7 SASS instructions per 8 weights (session 11); the placed decode with
+rotations made it ~21 (2.67-2.94 TB/s), and ncu then showed "math pipe throttle": the integer ALU pipe (half the
+issue rate) carried the rotations and masks. With plain shifts, four of them multiplies by 2^k, ptxas puts those on
+the FMA pipe (IMAD.SHL) and half the bf16 multiplies on the MMA pipe (HFMA2.MMA), leaving 8 ALU instructions per 8
+weights. "fp8" (session 11: 1.79-1.91 TB/s alone) holds 154 registers and stalls on shared-memory loads. Leaving a
+step's MMAs running into the next step (wgmma_wait(1) with x released a step late) gave wrong results in sessions
+11 and 16. What stands between the op and the 0.7 bar: the in-kernel plan's registers (back to <= 96 for 5 CTAs
+per SM would put the op near 215 µs) and the x plane transpose (a byte order chosen in `prepare_weight` so natural
+x rows are the MMA's B operand).
 `ops` runs this kernel for weights handed to it prepared; the model's own MXFP4 experts do not reach it yet, since
 their parameters stay in the checkpoint's layout (placed codes and transposed scales would be prepared at load).
 """
@@ -71,26 +78,27 @@ class MgpuConfig:
     # staging tile as the accumulator holds it), gathered back column by column — op 2.63 vs 2.78 TB/s at 8 rows
     # per expert, 1.70 vs 1.94 at 32 (H200, session 16)
     store: str = "rows"
-    # where the group plan lives (bf16 path): "kernel" = each work item is (expert, 64-column block), the kernel
-    # reads the expert's row bounds, fetches its x rows by offset and stores each output row in place
-    # (`kernel_call_grouped`: no padding, no gathers); "xla" = rows padded per expert to whole tiles in XLA
-    # (`prepare_rows`, `kernel_call`, `unpad_output`), the fp8 path's only plan
+    # where the group plan lives (bf16 path): "xla" = rows padded per expert to whole tiles in XLA (`prepare_rows`,
+    # `kernel_call`, `unpad_output`; the fp8 path's only plan); "kernel" = each work item is (expert, 64-column
+    # block), the kernel reads the expert's row bounds, fetches its x rows by offset and stores each output row in
+    # place (`kernel_call_grouped`: no padding, no gathers; `default_config` at <= 8 rows per expert)
     plan: str = "xla"
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
             raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {self.store!r}")
-        if self.plan not in ("kernel", "tiles", "xla"):
-            raise ValueError(f"MgpuConfig.plan must be 'kernel', 'tiles' or 'xla', got {self.plan!r}")
+        if self.plan not in ("kernel", "xla"):
+            raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
     """One row tile per decode-sized group, so each expert's weights stream once (8, 16, 32 or 64 rows); shapes from
-    the H200 runs of session 16 with the placed decode (bench/RESULTS.md), kernel alone: 3.28-3.30 TB/s at 8 rows
-    per expert (8-row tiles, 5 CTAs per SM; 4: 3.28, 6: 2.90), 2.58 at 32 rows (256-byte steps, 2 stages, 2 CTAs;
-    3 CTAs: 2.05), 1.51 at 64 (256-byte steps)."""
+    the H200 runs of sessions 16-17 with the placed decode (bench/RESULTS.md). At <= 8 rows per expert the in-kernel
+    plan with 4 CTAs per SM (its 127 registers fit 4): op 2.75-2.86 TB/s against the XLA plan's 2.73-2.79 (8-row
+    tiles, 5 CTAs: kernel alone 3.17-3.30); at 32 rows the XLA plan with 256-byte steps, 2 stages, 2 CTAs (2.49-2.58
+    alone; 3 CTAs: 2.05; the in-kernel plan 1.6), at 64 the same with 1 CTA (1.50)."""
     if rows_per_group <= 8:
         return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=4, plan="kernel")
     if rows_per_group <= 16:
@@ -619,20 +627,6 @@ def group_bounds(group_sizes, M: int):
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends, jnp.full((1,), M, jnp.int32)])
 
 
-def tile_table(bounds, rows: int, num_tiles: int):
-    """`group_bounds` -> per R-row tile `[3, num_tiles]` int32 (group, first row, rows): each group's rows (group E:
-    the rows past Σ sizes) cut into tiles of `rows`, in order; tiles past the last hold 0 rows. `num_tiles` must be
-    at least ceil(M / rows) + E + 1."""
-    sizes = jnp.diff(bounds)  # [E + 1]
-    tiles = (sizes + rows - 1) // rows
-    tile_end = jnp.cumsum(tiles)
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    g = jnp.minimum(jnp.sum(t[:, None] >= tile_end[None, :], axis=1, dtype=jnp.int32), sizes.shape[0] - 1)
-    j = t - (tile_end[g] - tiles[g])
-    count = jnp.clip(sizes[g] - j * rows, 0, rows)
-    return jnp.stack([g, bounds[g] + j * rows, count])
-
-
 def _store_direct_fn():
     """The inline Mosaic GPU body that stores a WGMMA-layout `[64, RX]` fp32 tile straight from registers: element
     (c, r) -> out[base + r, col0 + c] where lo ≤ r < hi, else nothing (a predicated 4-byte global store; a warp's
@@ -676,43 +670,28 @@ def _store_direct_fn():
 ROW_ALIGN = 8  # x's TMA row offset must be a multiple of its smem tile's 8 rows: a tile fetches R + 8 rows from there
 
 
-def pad_rows_by_table(x, table, rows: int):
-    """plan="tiles": x's rows laid out by `tile_table` -> `[T·rows, K]`: tile t's rows [t·rows, t·rows + count) are x's
-    rows [row0, row0 + count), the rest zeros (one gather; XLA fuses the plane transpose after it). The zeroed rows'
-    tiles (group E) gather rows too, which the kernel never multiplies."""
-    _, row0, count = table
-    p = jnp.arange(table.shape[1] * rows, dtype=jnp.int32)
-    t, i = p // rows, p % rows
-    return x.at[jnp.where(i < count[t], row0[t] + i, x.shape[0])].get(mode="fill", fill_value=0)
-
-
-def prepare_grouped(x, group_sizes, num_experts: int, config: MgpuConfig):
-    """XLA side of plans "kernel" / "tiles": `x [M, K]` -> (x planes in the contraction order `[2, rows, K/2]` bf16,
-    the plan: `group_bounds` or `tile_table`, with x padded by it)."""
+def prepare_grouped(x, group_sizes, config: MgpuConfig):
+    """XLA side of plan "kernel": `x [M, K]` -> (x planes in the contraction order `[2, max(M, R + 8), K/2]` bf16,
+    `group_bounds` `[E + 2]`)."""
     M, R = x.shape[0], config.rows
     x = x.astype(jnp.bfloat16)
-    plan = group_bounds(group_sizes, M)
-    if config.plan == "tiles":
-        plan = tile_table(plan, R, -(-M // R) + num_experts + 1)
-        x = pad_rows_by_table(x, plan, R)
-    elif M < R + ROW_ALIGN:  # one x tile (R + 8 rows) fits the array
+    if M < R + ROW_ALIGN:  # one x tile (R + 8 rows) fits the array
         x = jnp.pad(x, ((0, R + ROW_ALIGN - M), (0, 0)))
-    return _planes_in_contraction_order(x), plan
+    return _planes_in_contraction_order(x), group_bounds(group_sizes, M)
 
 
-def kernel_call_grouped(xs, plan, w: PreparedWeight, config: MgpuConfig, row_scale=None, *, out_rows=None):
-    """The kernel with its group plan inside: x planes `[2, M, K/2]` bf16 in the contraction order
-    (`_planes_in_contraction_order`, rows as sorted), the weight, for the placed layout each expert's fp32 output
-    factor `row_scale [E]` (2^exp_offset), and `plan`: `group_bounds` `[E + 2]` (`MgpuConfig.plan="kernel"`) or
-    `tile_table` `[3, T]` ("tiles", x padded by `pad_rows_by_table`) -> out `[out_rows, N]` fp32 (default M).
+def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_scale=None, *, out_rows=None):
+    """The kernel with its group plan inside (`MgpuConfig.plan="kernel"`): x planes `[2, M, K/2]` bf16 in the
+    contraction order (`prepare_grouped`, rows as sorted), `group_bounds` `[E + 2]`, the weight, and for the placed
+    layout each expert's fp32 output factor `row_scale [E]` (2^exp_offset) -> out `[out_rows, N]` fp32 (default M).
 
-    Work items: "kernel" — (expert e, 64-column block nb), looping over e's rows (no XLA beyond the bounds, but
-    items as uneven as the groups): each tile fetches R + 8 x rows from its first row rounded down to a multiple of
-    8 (TMA into the 8-row-tiled smem operand needs that; the MMA's N side is R + 8) and takes as many of the group's
-    rows as they hold (R + 1 … R + 8); rows of other groups or past M ride along (TMA reads zeros past M) and are
-    never stored. "tiles" — (tile, nb), one padded R-row tile each (even items, x padded in XLA). Each thread then stores its own
-    elements of the tile's rows in place (`_store_direct_fn`). Group E's tiles (the rows past Σ sizes) store zeros.
-    No padding and no gathers outside the kernel."""
+    Work item (expert e, 64-column block nb), looping over e's rows: each tile fetches R + 8 x rows from its first
+    row rounded down to a multiple of 8 (TMA into the 8-row-tiled smem operand needs that; the MMA's N side is
+    R + 8) and takes as many of the group's rows as they hold (R + 1 … R + 8, so fewer passes over the expert's
+    weights than R-row tiles); rows of other groups or past M ride along (TMA reads zeros past M) and are never
+    stored. Each thread then stores its own elements of the tile's rows in place (`_store_direct_fn`). Item (E, nb)
+    zeroes the rows past Σ sizes. No padding and no gathers outside the kernel; the items are as uneven as the
+    groups."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -720,15 +699,12 @@ def kernel_call_grouped(xs, plan, w: PreparedWeight, config: MgpuConfig, row_sca
     cfg = config
     R, kh = cfg.rows, cfg.kh
     E, N, KH2 = w.codes.shape
-    per_tile = plan.ndim == 2
-    # x rows per tile (the MMA's N): padded tiles of R, or R + 8 fetched from an 8-aligned row
-    RX = R if per_tile else R + ROW_ALIGN
-    x_spec = R if per_tile else pl.Element(RX)
+    RX = R + ROW_ALIGN  # x rows per tile: the MMA's N side
     if R % ROW_ALIGN:
         raise ValueError(f"the in-kernel group plan takes row tiles of a multiple of {ROW_ALIGN} (got rows={R})")
-    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or (plan.shape[0] != 3 if per_tile else plan.shape != (E + 2,)):
+    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or bounds.shape != (E + 2,):
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {COLS}; plan {plan.shape} must be [E + 2 = {E + 2}] or [3, T]")
+                         f"{BLOCK}), N={N} of {COLS}; bounds {bounds.shape} must be [E + 2 = {E + 2}]")
     n_blocks = N // COLS
     k_steps = KH // kh
     decode = plgpu.inline_mgpu(
@@ -742,17 +718,17 @@ def kernel_call_grouped(xs, plan, w: PreparedWeight, config: MgpuConfig, row_sca
     def splat(v):
         return plgpu.layout_cast(jnp.full((COLS, RX), v, jnp.int32), plgpu.Layout.WGMMA)
 
-    def body(plan_ref, *refs):
+    def body(bounds_ref, *refs):
         if scaled:
             scale_ref, xs_ref, codes_ref, scales_ref, out_ref = refs
         else:
             xs_ref, codes_ref, scales_ref, out_ref = refs
 
-        def tile(g, nb, x_rows, base, lo, hi):
-            """Group g's (g = E: zeros) tile at column block nb: x rows `x_rows` (a block index of `x_spec`) ->
-            acc row r is out row base + r, stored where lo ≤ r < hi."""
+        def tile(g, nb, x_row, lo, hi):
+            """Group g's (g = E: zeros) tile at column block nb: x rows [x_row, x_row + RX) -> acc row r is out row
+            x_row + r, stored where lo ≤ r < hi."""
             def store_tile(acc):  # the splats made here, after the pipeline: not live (registers) across it
-                store(acc, splat(base), splat(lo), splat(hi), splat(nb * COLS), out_ref)
+                store(acc, splat(x_row), splat(lo), splat(hi), splat(nb * COLS), out_ref)
 
             @pl.when(g < E)
             def _matmul():
@@ -769,7 +745,7 @@ def kernel_call_grouped(xs, plan, w: PreparedWeight, config: MgpuConfig, row_sca
                         in_specs=[
                             plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
                             plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
-                            plgpu.BlockSpec((2, x_spec, kh), lambda kk: (0, x_rows, kk)),
+                            plgpu.BlockSpec((2, pl.Element(RX), kh), lambda kk: (0, x_row, kk)),
                         ],
                         max_concurrent_steps=cfg.steps,
                     )(codes_ref.at[g], scales_ref.at[g], xs_ref)
@@ -782,36 +758,22 @@ def kernel_call_grouped(xs, plan, w: PreparedWeight, config: MgpuConfig, row_sca
             def _zeros():
                 store_tile(plgpu.layout_cast(jnp.zeros((COLS, RX), jnp.float32), plgpu.Layout.WGMMA))
 
-        if per_tile:  # x padded by tile in XLA: tile t is x rows [t·R, t·R + R), its rows are out [row0, row0 + count)
-            @plgpu.nd_loop((plan.shape[1] * n_blocks,), collective_axes="sm")
-            def _item(info):
-                (i,) = info.index
-                t = i // n_blocks
-                count = plan_ref[2, t]
+        @plgpu.nd_loop(((E + 1) * n_blocks,), collective_axes="sm")
+        def _item(info):
+            (i,) = info.index
+            g = i // n_blocks
+            start, end = bounds_ref[g], bounds_ref[g + 1]
 
-                @pl.when(count > 0)
-                def _live():
-                    tile(plan_ref[0, t], i % n_blocks, t, plan_ref[1, t], 0, count)
-        else:
-            @plgpu.nd_loop(((E + 1) * n_blocks,), collective_axes="sm")
-            def _item(info):
-                (i,) = info.index
-                g = i // n_blocks
-                start = plan_ref[g]
-                size = plan_ref[g + 1] - start
+            def next_tile(row0):  # a tile takes as many of the group's rows as its R + 8 fetched rows hold
+                x_row = jax.lax.div(row0, ROW_ALIGN) * ROW_ALIGN  # a multiple of 8 the lowering can see
+                first = row0 - x_row
+                hi = jnp.minimum(end - x_row, RX)
+                tile(g, i % n_blocks, x_row, first, hi)
+                return x_row + hi
 
-                end = start + size
+            jax.lax.while_loop(lambda row0: row0 < end, next_tile, start)
 
-                def next_tile(row0):  # a tile takes as many of the group's rows as its R + 8 fetched rows hold
-                    x_row = jax.lax.div(row0, ROW_ALIGN) * ROW_ALIGN  # a multiple of 8 the lowering can see
-                    first = row0 - x_row
-                    hi = jnp.minimum(end - x_row, RX)
-                    tile(g, i % n_blocks, x_row, x_row, first, hi)
-                    return x_row + hi
-
-                jax.lax.while_loop(lambda row0: row0 < end, next_tile, start)
-
-    args = (plan, *((row_scale,) if scaled else ()), xs, w.codes, w.scales_t)
+    args = (bounds, *((row_scale,) if scaled else ()), xs, w.codes, w.scales_t)
     num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
     return plgpu.kernel(
         body,
@@ -835,10 +797,10 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
                                                                                  config.rows)
         out_t = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
         return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv, store=config.store)
-    elif config.mma == "bf16" and config.plan in ("kernel", "tiles"):
+    elif config.mma == "bf16" and config.plan == "kernel":
         row_scale = jnp.ldexp(jnp.float32(1), w.exp_offset) if w.layout == "placed" else None
-        xs, plan = prepare_grouped(x, group_sizes, w.num_experts, config)
-        return kernel_call_grouped(xs, plan, w, config, row_scale, out_rows=x.shape[0]).astype(out_dtype)
+        xs, bounds = prepare_grouped(x, group_sizes, config)
+        return kernel_call_grouped(xs, bounds, w, config, row_scale, out_rows=x.shape[0]).astype(out_dtype)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
         out_t = kernel_call(xs, tile_group, num_tiles, w, config)

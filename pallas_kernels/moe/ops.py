@@ -7,7 +7,7 @@
 Weights are dense `[E, K, N]` (K = input width, N = output width) or MXFP4: `MXFP4Weight(packed [E, N, K/2],
 scale [E, N, K/32])`, a `(packed, scale)` pair, or `w=packed, w_scale=scale` — the checkpoint's torch `[out, in]`
 orientation, decoded inside the kernels tile by tile. A weight prepared once for the Mosaic GPU MXFP4 kernel
-(`mgpu_mxfp4.prepare_weight`: placed codes, transposed scales; 0.66 of copy bandwidth at 8 rows per expert on an
+(`mgpu_mxfp4.prepare_weight`: placed codes, transposed scales; 0.64-0.67 of copy bandwidth at 8 rows per expert on an
 H200, the Triton kernel 0.46) runs that kernel on the "gpu" backend where its shape allows, and is turned back into
 an `MXFP4Weight` (`mgpu_mxfp4.unprepare_weight`, exact) for every other backend or shape.
 
