@@ -562,3 +562,27 @@ def test_quantised_cache_serves_what_the_model_computes(tiny_model, tok, kv_dtyp
     # The larger moves come from the index keys: fp8 keys can flip a near-tied top-8 selection of the indexer
     # (this prompt's first pick: fp8 latent + bf16 keys keep the fp32 argmax; fp8 keys give its 6th, 0.67 nats down).
     assert rank.max() <= {"fp8": 7, "nvfp4": 31}[kv_dtype], rank
+
+
+def test_prefix_snapshot_after_a_hit_is_keyed_by_the_tokens_it_holds(tiny_model, tok):
+    """Chunk sizes 32 and 24 do not divide one another, so after a prefix-cache hit the rest of a prompt need not
+    split into whole chunks: a 57-token prompt leaves a 56-token snapshot (32 + 24); a 65-token prompt that extends
+    it plans 32 + 32 = 64 prefill tokens, reuses the 56 and has 8 left that no chunk fits -- they ride the decode
+    steps.  The snapshot taken after that prefill holds 56 tokens and must be stored as such (not as the 64 planned):
+    asking the 65-token prompt again gives the same greedy tokens, those of the full forward."""
+    eng = Engine(tiny_model, tok, EngineConfig(max_num_seqs=1, max_model_len=128, prefill_chunk_sizes=(32, 24),
+                                               prefix_cache_entries=2)).start()
+    try:
+        short = _prompt(40, 57)
+        longer = short + _prompt(41, 8)
+        p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        _, d0 = eng.submit(short, p).collect(1)
+        first, d1 = eng.submit(longer, p).collect(1)
+        again, d2 = eng.submit(longer, p).collect(1)
+    finally:
+        eng.shutdown()
+    assert (d0.num_cached_tokens, d1.num_cached_tokens, d2.num_cached_tokens) == (0, 56, 56)
+    assert again[0].token_ids == first[0].token_ids
+    seq = (longer + first[0].token_ids + [0] * REF_LEN)[:REF_LEN]
+    ref = tiny_model.logits(np.array([seq]))[0]
+    np.testing.assert_array_equal(ref[np.arange(64, 69)].argmax(-1), first[0].token_ids)

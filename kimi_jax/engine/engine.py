@@ -459,6 +459,9 @@ class Engine:
             if job.seq is None:
                 req.cached_tokens = job.pos
             job.chunks, _ = self.runner.plan_chunks(prefill_len - job.pos)
+            # the chunks may not cover the rest exactly (sizes that do not divide one another, e.g. 64 and 48): the
+            # prefill then ends, and its snapshot is taken, at pos + sum(chunks); the remainder rides the decode steps
+            job.prefill_len = job.pos + sum(job.chunks)
         else:
             job.cache1 = self.runner.new_cache1()
         self._prefilling = job
