@@ -109,6 +109,9 @@ def plan(cfg: ModelConfig, *, kv_dtype="fp8", index_dtype="fp8", mesh=(1, 1), dc
         "params_total": counts["params_total"],
         "params_active": counts["params_active"],
         "kv_bytes_per_token": layout.kv_bytes_per_token,
+        # the two parts of kv_bytes_per_token over all MLA layers (K3.1 Pro, FP8: 13,824 latent + 3,168 index key)
+        "latent_bytes_per_token": len(cfg.mla_layers) * layout.latent_bytes_per_token_layer,
+        "index_bytes_per_token": len(cfg.mla_layers) * layout.index_bytes_per_token_layer,
         "latent_bytes_per_token_layer": layout.latent_bytes_per_token_layer,
         "index_bytes_per_token_layer": layout.index_bytes_per_token_layer,
         "mla_layers": len(cfg.mla_layers),
@@ -123,7 +126,7 @@ def plan(cfg: ModelConfig, *, kv_dtype="fp8", index_dtype="fp8", mesh=(1, 1), dc
         "max_1m_sequences": max_1m,
         "fits": fits,
         "kv_dtype": kv_dtype,
-        "index_dtype": index_dtype,
+        "index_dtype": index_dtype if cfg.indexer is not None else None,  # no DSA indexer: no index key cached
         "weights_dtype": weights_dtype,
     }
 
@@ -174,14 +177,21 @@ def main(argv=None) -> int:
     print(f"  parameters        total {_human(r['params_total'])}   active per token {_human(r['params_active'])}")
     print(f"  weights           {r['weight_bytes'] / 1e9:.1f} GB ({r['weights_dtype']}), "
           f"{r['weight_bytes_per_device'] / 1e9:.1f} GB per device on mesh {r['mesh']}")
-    print(f"  cache per token   {r['kv_bytes_per_token']:,} B over {r['mla_layers']} MLA layers "
-          f"(latent {r['latent_bytes_per_token_layer']} B {r['kv_dtype']} + index key "
-          f"{r['index_bytes_per_token_layer']} B {r['index_dtype']} per layer)")
+    latent = (f"latent {r['latent_bytes_per_token']:,} B ({r['latent_bytes_per_token_layer']} B {r['kv_dtype']} "
+              f"per layer)")
+    if r["index_dtype"] is None:
+        parts = f"{latent}; no index key (no DSA indexer)"
+    else:
+        parts = (f"{latent} + index key {r['index_bytes_per_token']:,} B ({r['index_bytes_per_token_layer']} B "
+                 f"{r['index_dtype']} per layer)")
+    print(f"  cache per token   {r['kv_bytes_per_token']:,} B over {r['mla_layers']} MLA layers = {parts}")
     print(f"  state per seq     {r['state_bytes_per_sequence'] / 2**20:,.1f} MiB (KDA)")
     if not r["fits"]:
         print(f"  capacity          the weights do not fit {r['hbm_gb_per_device']} GB per device on this mesh")
     else:
-        mode = f"DCP{r['dcp']}" if r["dcp"] > 1 else "TP (latent replicated on every device)"
+        tp = int(r["mesh"].split("x")[0])
+        mode = (f"DCP{r['dcp']} (tokens split {r['dcp']} ways)" if r["dcp"] > 1 else
+                f"TP{tp} (latent replicated on every device)" if tp > 1 else "one device per model replica")
         print(f"  capacity          {mode}: {r['max_cached_tokens']:,} cached tokens, "
               f"{r['max_1m_sequences']} concurrent 1M-token sequences")
     return 0

@@ -208,3 +208,31 @@ def test_release_weights_follow_each_familys_published_format():
     assert weights("deepseek-v3.2", "release") == weights("deepseek-v3.2", "fp8")
     assert weights("kimi-linear-48b", "release") == weights("kimi-linear-48b", "bf16")
     assert weights("kimi-k3.1-pro", "release") < weights("kimi-k3.1-pro", "fp8")
+
+
+def test_plan_gives_the_k31_pro_cache_figures_of_issue_5_over_24_mla_layers():
+    """SPEC §10 / issue 5 item 6: over the 24 MLA layers of K3.1 Pro the planner gives 13,824 B/token of FP8 latent
+    (K3's whole cache), 16,992 with FP8 index keys and 10,080 with an NVFP4 latent and MXFP4 keys; K3 (no DSA
+    indexer) caches no index key. The capacities follow from those bytes: each device holds hbm × utilisation minus
+    its share of the weights; a token costs its bytes on every device under TP and 1/dcp of them under DCP; a 1M-token
+    (2^20) sequence costs 2^20 tokens plus the fixed KDA state."""
+    k31, k3 = C.get_preset("kimi-k3.1-pro"), C.get_preset("kimi-k3")
+    fp8 = plan(k31, mesh=(8, 1), hbm_gb=288)
+    assert (fp8["latent_bytes_per_token"], fp8["index_bytes_per_token"], fp8["kv_bytes_per_token"]) == \
+        (13_824, 24 * 132, 16_992)
+    nv = plan(k31, mesh=(8, 1), hbm_gb=288, dcp=8, kv_dtype="nvfp4", index_dtype="mxfp4")
+    assert (nv["latent_bytes_per_token"], nv["index_bytes_per_token"], nv["kv_bytes_per_token"]) == \
+        (24 * 352, 24 * 68, 10_080)
+    only = plan(k3, mesh=(8, 1), hbm_gb=288)
+    assert only["kv_bytes_per_token"] == only["latent_bytes_per_token"] == 13_824
+    assert only["index_bytes_per_token"] == 0 and only["index_dtype"] is None
+    for r in (fp8, nv, only):
+        per_token = r["kv_bytes_per_token"] / r["dcp"]
+        cache = 288e9 * 0.9 - r["weight_bytes"] / 8
+        assert r["cache_bytes_per_device"] == int(cache)
+        assert r["max_cached_tokens"] == int(cache // per_token)
+        assert r["max_1m_sequences"] == int(cache // (2**20 * per_token + r["state_bytes_per_sequence"]))
+    out = subprocess.run([sys.executable, "-m", "kimi_jax.plan", "--config", "kimi-k3.1-pro", "--mesh", "8x1",
+                          "--hbm-gb", "288"], capture_output=True, text=True, check=True).stdout
+    assert "16,992 B over 24 MLA layers = latent 13,824 B" in out and "index key 3,168 B" in out
+    assert "TP8 (latent replicated on every device)" in out and "3 concurrent 1M-token sequences" in out
