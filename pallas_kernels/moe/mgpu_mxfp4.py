@@ -496,6 +496,48 @@ def prepare_rows_fp8(x, group_sizes, num_experts: int, rows: int = 16):
     return x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live
 
 
+def _bf16_decode(kh: int, code_layout: str):
+    """The inline decode of a step's codes and scales into the (lo, hi) bf16 WGMMA operands (`_decode_fn`)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+                     plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
+    )(_decode_fn(kh, code_layout))
+
+
+def _mma_over_k(decode, acc_ref, codes_ref, scales_ref, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
+    """One tile's loop over K into `acc_ref` `[64, rows]`: per step, the 64-column block nb's codes and scales
+    (one expert's, `codes_ref [N, K/2]`, `scales_ref [K/32, N]`) decoded and multiplied with the x planes' tile
+    (`BlockSpec` row dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA pipeline
+    of `cfg.steps` stages."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    kh = cfg.kh
+
+    def step(_, codes_s, scales_s, xs_s):
+        lo, hi = decode(codes_s, scales_s)
+        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+        # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1), x released a
+        # step late) gave wrong results and NaNs on the H200 for 3-stage pipelines in session 11, and again in
+        # session 16 with the pipeline's own delay_release=1 on x (rel. err 0.03-0.07 at bench shapes, not every
+        # config; no faster where right)
+        plgpu.wgmma_wait(0)
+
+    plgpu.emit_pipeline(
+        step,
+        grid=(xs_ref.shape[-1] // kh,),
+        in_specs=[
+            plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+            plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
+            plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk)),
+        ],
+        max_concurrent_steps=cfg.steps,
+    )(codes_ref, scales_ref, xs_ref)
+
+
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig()):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32."""
     import jax.experimental.pallas as pl
@@ -510,36 +552,12 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
     n_blocks = N // COLS
-    k_steps = KH // kh
-    decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType()),
-        return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-                     plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
-    )(_decode_fn(kh, w.layout))
+    decode = _bf16_decode(kh, w.layout)
 
     def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
         def item(t, nb, g):
             def acc_scope(acc_ref):
-                def step(_, codes_s, scales_s, xs_s):
-                    lo, hi = decode(codes_s, scales_s)
-                    plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-                    plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-                    # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1),
-                    # x released a step late) gave wrong results and NaNs on the H200 for 3-stage pipelines in
-                    # session 11, and again in session 16 with the pipeline's own delay_release=1 on x (rel. err
-                    # 0.03-0.07 at bench shapes, not every config; no faster where right)
-                    plgpu.wgmma_wait(0)
-
-                plgpu.emit_pipeline(
-                    step,
-                    grid=(k_steps,),
-                    in_specs=[
-                        plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-                        plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
-                        plgpu.BlockSpec((2, R, kh), lambda kk: (0, t, kk)),
-                    ],
-                    max_concurrent_steps=cfg.steps,
-                )(codes_ref.at[g], scales_ref.at[g], xs_ref)
+                _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, R, t, cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
@@ -706,12 +724,7 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}; bounds {bounds.shape} must be [E + 2 = {E + 2}]")
     n_blocks = N // COLS
-    k_steps = KH // kh
-    decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType()),
-        return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
-                     plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
-    )(_decode_fn(kh, w.layout))
+    decode = _bf16_decode(kh, w.layout)
     store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5 + (plgpu.RefType(),))(_store_direct_fn())
     scaled = row_scale is not None
 
@@ -733,22 +746,8 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
             @pl.when(g < E)
             def _matmul():
                 def acc_scope(acc_ref):
-                    def step(_, codes_s, scales_s, xs_s):
-                        lo_w, hi_w = decode(codes_s, scales_s)
-                        plgpu.wgmma(acc_ref, lo_w, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-                        plgpu.wgmma(acc_ref, hi_w, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-                        plgpu.wgmma_wait(0)  # as in `kernel_call`: nothing left in flight past a step
-
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(k_steps,),
-                        in_specs=[
-                            plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-                            plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
-                            plgpu.BlockSpec((2, pl.Element(RX), kh), lambda kk: (0, x_row, kk)),
-                        ],
-                        max_concurrent_steps=cfg.steps,
-                    )(codes_ref.at[g], scales_ref.at[g], xs_ref)
+                    _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, pl.Element(RX),
+                                x_row, cfg)
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, RX), jnp.float32))
