@@ -321,6 +321,40 @@ def test_auto_matches_reference_chunk():
     assert rel_rms(o, o_r) < 1e-5 and rel_rms(s, s_r) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["reference"] + KERNEL_BACKENDS)
+def test_no_tokens_leave_the_states_as_they_are(backend):
+    """T = 0 (a batch, a packed batch of empty sequences, a decode step of no tokens) is a legal call on every
+    backend: o is empty and the final states are the initial ones."""
+    q, k, v, g, beta = inputs(41, 2, 0, 2, 16, 32, -1.0, 0.0, jnp.float32)
+    s0 = jnp.asarray(np.random.default_rng(42).standard_normal((2, 2, 16, 32)), jnp.float32)
+    o, s = ops.chunk(q, k, v, g, beta, initial_state=s0, backend=backend)
+    assert o.shape == (2, 0, 2, 32)
+    np.testing.assert_array_equal(s, s0)
+    packed = tuple(a[:1] for a in (q, k, v, g, beta))
+    o, s = ops.chunk(*packed, initial_state=s0, cu_seqlens=np.array([0, 0, 0]), backend=backend)
+    assert o.shape == (1, 0, 2, 32)
+    np.testing.assert_array_equal(s, s0)
+    o, pool = ops.recurrent(q, k, v, g, beta, s0, backend=backend)
+    assert o.shape == (2, 0, 2, 32)
+    np.testing.assert_array_equal(pool, s0)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + KERNEL_BACKENDS)
+def test_chunk_rejects_a_bad_packed_layout_on_every_backend(backend):
+    """cu_seqlens must start at 0, not decrease and end at T, and initial_state must be [N or B, H, dk, dv]: a
+    ValueError naming the constraint on every backend (the reference used to run a bad cu_seqlens, the GPU kernel
+    a wrongly shaped initial state)."""
+    q, k, v, g, beta = inputs(43, 1, 5, 1, 16, 16, -1.0, 0.0, jnp.float32)
+    for cu in ([0, 3], [0, 4, 2, 5], [1, 5], [0, 6]):
+        with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+            ops.chunk(q, k, v, g, beta, cu_seqlens=np.array(cu), backend=backend)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        ops.chunk(q, k, v, g, beta, initial_state=jnp.zeros((1, 1, 16, 8)), backend=backend)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        ops.chunk(q, k, v, g, beta, initial_state=jnp.zeros((3, 1, 16, 16)), cu_seqlens=np.array([0, 2, 5]),
+                  backend=backend)
+
+
 def _sds(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 

@@ -61,6 +61,27 @@ def _check(q, k, v, g, beta):
         raise ValueError(f"v must be [B, T, H, dv] and beta [B, T, H]; got {v.shape}, {beta.shape}")
 
 
+def _check_chunk_layout(B, T, H, dk, dv, initial_state, cu_seqlens):
+    """The packed layout and the initial states, checked the same way for every backend (the kernels' chunk table
+    refuses a bad concrete cu_seqlens; the reference would silently run it)."""
+    if cu_seqlens is None:
+        n = B
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs the packed layout with B = 1; got B = {B}")
+        if isinstance(cu_seqlens, jax.core.Tracer):
+            n = cu_seqlens.shape[0] - 1
+        else:
+            cu = np.asarray(cu_seqlens)
+            if (cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != T):
+                raise ValueError(f"cu_seqlens must be non-decreasing, start at 0 and end at T = {T}; got {cu}")
+            n = cu.shape[0] - 1
+    if initial_state is not None and tuple(initial_state.shape) != (n, H, dk, dv):
+        what = "N = len(cu_seqlens) - 1" if cu_seqlens is not None else "B"
+        raise ValueError(f"initial_state must be [{what} = {n}, H = {H}, dk = {dk}, dv = {dv}]; "
+                         f"got {tuple(initial_state.shape)}")
+
+
 def _gate_kwargs(A_log, dt_bias, gate_form, lower_bound):
     if gate_form is None:
         return {}
@@ -94,16 +115,15 @@ def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, bac
     _check(q, k, v, g, beta)
     B, T, H, dk = q.shape
     dv = v.shape[-1]
+    _check_chunk_layout(B, T, H, dk, dv, initial_state, cu_seqlens)
     be = resolve_backend(backend)
-    if be.startswith("gpu") and not _gpu_shapes_ok(dk, dv):
-        be = "reference"
+    if (be.startswith("gpu") and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
+        be = "reference"  # no tokens: nothing for a kernel to do (the final states are the initial ones)
     if cu_seqlens is None:
         cu = chunk_math.uniform_cu_seqlens(B, T)
         flat = lambda a: a.reshape((1, B * T) + a.shape[2:])
         args = tuple(map(flat, (q, k, v, g, beta)))
     else:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs the packed layout with B = 1; got B = {B}")
         cu = cu_seqlens
         args = (q, k, v, g, beta)
 
@@ -147,8 +167,8 @@ def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str =
     if state.shape[1:] != (H, dk, dv):
         raise ValueError(f"state must be [S, {H}, {dk}, {dv}]; got {state.shape}")
     be = resolve_backend(backend)
-    if be.startswith("gpu") and not _gpu_shapes_ok(dk, dv):
-        be = "reference"
+    if (be.startswith("gpu") and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
+        be = "reference"  # no tokens: the pool is returned as it is
     if be == "reference":
         gg = _reference_gate(g, H, dk, A_log, dt_bias, gate_form, lower_bound)
         return reference.recurrent_slots(q, k, v, gg, beta, state, slot_ids, scale=scale)
