@@ -387,6 +387,26 @@ def test_fused_expert_ffn_matches_reference_and_is_deterministic(backend, kind):
     assert np.array_equal(np.asarray(got).view(np.int32), np.asarray(again).view(np.int32))
 
 
+@pytest.mark.parametrize("backend", ["reference", "gpu", "tpu"])
+@pytest.mark.parametrize("kind", ["bf16", "mxfp4"])
+def test_no_rows_give_empty_outputs(backend, kind):
+    """M = 0 rows (an expert shard that received no tokens) is a legal call: grouped_matmul returns [0, N] and
+    expert_ffn [0, D] on every backend (the TPU kernel's schedule used to address row block −1; the combine could
+    not reshape zero tokens)."""
+    E, D, F = 3, 64, 32
+    x = jnp.zeros((0, D), jnp.bfloat16)
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    if kind == "mxfp4":
+        ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    else:
+        ws = [jax.random.normal(kk, s, jnp.bfloat16) for kk, s in zip(keys, [(E, D, F), (E, D, F), (E, F, D)])]
+    out = ops.grouped_matmul(x, ws[0], jnp.zeros((E,), jnp.int32), backend=backend, interpret=True)
+    assert out.shape == (0, F)
+    y = ops.expert_ffn(x, jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2)), *ws, situ, backend=backend,
+                       interpret=True)
+    assert y.shape == (0, D) and y.dtype == jnp.float32
+
+
 def test_reference_backend_is_deterministic_and_routes_like_the_module():
     from kimi_jax.config import MoEConfig
     from kimi_jax.modules.moe import route

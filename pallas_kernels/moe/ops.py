@@ -175,7 +175,7 @@ def combine(y_rows, order, weight_nk):
     Rows may be masked beforehand (e.g. zeroed where a pair's expert lives elsewhere)."""
     N, k = weight_nk.shape
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
-    y = y_rows[inv].astype(jnp.float32).reshape(N, k, -1)
+    y = y_rows[inv].astype(jnp.float32).reshape(N, k, y_rows.shape[-1])  # (-1 is ambiguous when N = 0)
     return jnp.sum(y * weight_nk.astype(jnp.float32)[:, :, None], axis=1)
 
 

@@ -125,6 +125,8 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
         E, N = weights[0].num_experts, weights[0].out_features
     else:
         E, _, N = weights[0].shape
+    if M == 0:  # no rows: no tile to visit (the schedule would address row block -1)
+        return jnp.zeros((0, N), out_dtype)
     cfg = config or TpuConfig()
     bm = cfg.bm if M >= cfg.bm else max(16, 1 << (max(M, 1) - 1).bit_length())
     bk = _fit(K, cfg.bk, 256 if quantized else 128)
