@@ -257,6 +257,18 @@ def test_tpu_decode_kernel_in_interpret_mode_matches_reference(kv):
     np.testing.assert_allclose(np.asarray(lse_k), np.asarray(lse_r), rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "tpu_interpret", "gpu_interpret"])
+def test_sparse_decode_with_an_empty_selection_gives_zeros_and_minus_inf(backend):
+    """k = 0 selected keys (idx `[B, 0]`) is a query with no key: o = 0 and lse = −inf, as the docstring says for
+    all-empty slots (the TPU kernel returned NaN, the GPU kernel could not slice the empty index array)."""
+    fmt = Q.LatentFormat("fp8", 64, 16)
+    parts = fmt.quantize(jnp.asarray(np.random.default_rng(3).standard_normal((4, 16, 80)), jnp.float32), 0.5)
+    o, lse = sparse.decode(jnp.ones((2, 3, 80)), parts, np.array([[1], [2]]), jnp.zeros((2, 0), jnp.int32),
+                           fmt=fmt, layer_scale=0.5, scale=SCALE, value_dim=64, backend=backend)
+    assert o.shape == (2, 3, 64) and lse.shape == (2, 3)
+    assert (np.asarray(o) == 0).all() and (np.asarray(lse) == -np.inf).all()
+
+
 def test_backend_choice_and_errors():
     assert sparse._pick_backend("auto", Q.LatentFormat("fp8", R, ROPE), 1) == "reference"  # CPU
     with pytest.raises(ValueError, match="unknown sparse MLA backend"):

@@ -159,6 +159,8 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
     """
     B, T, H, c = q_bthc.shape
     check_precision(precision)
+    if idx_btk.shape[-1] == 0:  # an empty selection is one empty slot: o = 0, lse = −inf on every backend
+        idx_btk = jnp.full(tuple(idx_btk.shape[:-1]) + (1,), -1, jnp.int32)
     which = _pick_backend(backend, fmt, T, tuple(kv_parts))
     kernel_kw = dict(kernel_kw or {})
     if which != "reference":
