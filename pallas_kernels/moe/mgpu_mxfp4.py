@@ -447,6 +447,12 @@ def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
             item(t, i % n_blocks, tile_group_ref[t])
 
 
+def _cta_grid(cfg: MgpuConfig) -> tuple[int]:
+    """`ctas_per_sm` CTAs per SM of the default device (132 SMs, an H100/H200, when lowering without a GPU)."""
+    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
+    return (num_sms * cfg.ctas_per_sm,)
+
+
 def _launch(body, N: int, m_pad: int, cfg: MgpuConfig):
     """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
     (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer (`store="rows"`: out
@@ -454,11 +460,10 @@ def _launch(body, N: int, m_pad: int, cfg: MgpuConfig):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rows_major = cfg.store == "rows"
-    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m_pad, N) if rows_major else (N, m_pad), jnp.float32),
-        grid=(num_sms * cfg.ctas_per_sm,),
+        grid=_cta_grid(cfg),
         grid_names=("sm",),
         scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS) if rows_major else (COLS, cfg.rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -773,11 +778,10 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
             jax.lax.while_loop(lambda row0: row0 < end, next_tile, start)
 
     args = (bounds, *((row_scale,) if scaled else ()), xs, w.codes, w.scales_t)
-    num_sms = jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 132
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((out_rows or M, N), jnp.float32),
-        grid=(num_sms * cfg.ctas_per_sm,),
+        grid=_cta_grid(cfg),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(*args)
