@@ -358,6 +358,10 @@ def test_32_concurrent_streams_match_serial(client, served, http):
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    # the server is text-only (README): an image part is refused, not dropped
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]},
+     "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}, "reasoning_effort"),
