@@ -383,43 +383,37 @@ def bench_mxfp4(args, copy_bw):
                 if err > 2e-2:
                     raise AssertionError(f"wrong result, rel err {err:.3g}")
                 t = time_jax(f, x, wp, sizes, reps=20)
-                if mcfg.mma == "bf16" and mcfg.plan != "xla":  # the kernel alone; the XLA before it
-                    def prep_f(a, g, E_, rows_):
-                        return mgpu_mx.prepare_grouped(a, g, mcfg)
-                    prep = jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows))(x, sizes)
+                if mcfg.mma == "bf16" and mcfg.plan == "kernel":  # the kernel alone; the XLA before it
+                    prep = jax.jit(lambda a, g: mgpu_mx.prepare_grouped(a, g, mcfg))(x, sizes)
                     fk = jax.jit(lambda xs, b, w_: mgpu_mx.kernel_call_grouped(
-                        xs, b, w_, mcfg, jnp.ldexp(jnp.float32(1), w_.exp_offset) if layout == "placed" else None,
-                        out_rows=x.shape[0]))
+                        xs, b, w_, mcfg, mgpu_mx.expert_scale(w_), out_rows=x.shape[0]))
                     tk = time_jax(fk, *prep, wp, reps=20)
-                    tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
+                    tp = time_jax(jax.jit(lambda a, g: mgpu_mx.prepare_grouped(a, g, mcfg)), x, sizes, reps=20)
                     tu = 0.0  # the kernel writes the rows in place
-                    INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg} {layout}"] = dict(
-                        op=t * 1e6, kernel=tk * 1e6, prep=tp * 1e6, unpad=tu)
-                    log(f"MXFP4 {rows_per_expert} rows/expert mosaic {mcfg} {layout}: op {wbytes / t / 1e12:.2f} "
-                        f"TB/s ({t * 1e6:.0f} us), kernel alone {wbytes / tk / 1e12:.2f} TB/s ({tk * 1e6:.0f} us), "
-                        f"x planes + plan {tp * 1e6:.0f} us, err {err:.2e}")
-                    return t
-                if mcfg.mma == "fp8":  # the kernel alone, on its prepared rows (x planes, tiles)
-                    prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
-                    prep = (prep[0], prep[1], prep[3], prep[4])
-                    fk = jax.jit(lambda xh, xl, tg, nt, w_: mgpu_mx.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
+                    around = f"x planes + plan {tp * 1e6:.0f} us"
                 else:
-                    prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:3])(x, sizes)
-                    fk = jax.jit(lambda xs, tg, nt, w_: mgpu_mx.kernel_call(xs, tg, nt, w_, mcfg))
-                tk = time_jax(fk, *prep, wp, reps=20)
-                # the XLA around the kernel, each side alone: the row preparation and the unpadding of outᵀ
-                prep_f = mgpu_mx.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
-                tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
-                _, _, _, pad_row, live = mgpu_mx.prepare_rows(x, sizes, E, mcfg.rows)
-                out_t = fk(*prep, wp)
-                tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16,
-                                                                             store=mcfg.store)),
-                              out_t, pad_row, live, reps=20)
+                    if mcfg.mma == "fp8":  # the kernel alone, on its prepared rows (x planes, tiles)
+                        prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
+                        prep = (prep[0], prep[1], prep[3], prep[4])
+                        fk = jax.jit(lambda xh, xl, tg, nt, w_: mgpu_mx.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
+                    else:
+                        prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:3])(x, sizes)
+                        fk = jax.jit(lambda xs, tg, nt, w_: mgpu_mx.kernel_call(xs, tg, nt, w_, mcfg))
+                    tk = time_jax(fk, *prep, wp, reps=20)
+                    # the XLA around the kernel, each side alone: the row preparation and the unpadding of outᵀ
+                    prep_f = mgpu_mx.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
+                    tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
+                    _, _, _, pad_row, live = mgpu_mx.prepare_rows(x, sizes, E, mcfg.rows)
+                    out_t = fk(*prep, wp)
+                    tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16,
+                                                                                 store=mcfg.store)),
+                                  out_t, pad_row, live, reps=20)
+                    around = f"row prep {tp * 1e6:.0f} us, unpad {tu * 1e6:.0f} us"
                 INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg} {layout}"] = dict(
                     op=t * 1e6, kernel=tk * 1e6, prep=tp * 1e6, unpad=tu * 1e6)
                 log(f"MXFP4 {rows_per_expert} rows/expert mosaic {mcfg} {layout}: op {wbytes / t / 1e12:.2f} TB/s "
                     f"({t * 1e6:.0f} us), kernel alone {wbytes / tk / 1e12:.2f} TB/s ({tk * 1e6:.0f} us), "
-                    f"row prep {tp * 1e6:.0f} us, unpad {tu * 1e6:.0f} us, err {err:.2e}")
+                    f"{around}, err {err:.2e}")
                 return t
             t = attempt(f"MXFP4 {rows_per_expert} mosaic {mcfg} {layout}", run_mgpu)
             if t is not None and (best[0] is None or t < best[0]):

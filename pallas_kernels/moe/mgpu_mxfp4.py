@@ -643,6 +643,12 @@ def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config
     return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, x_hi, x_lo, w.codes, w.scales_t)
 
 
+def expert_scale(w: PreparedWeight):
+    """Each expert's fp32 output factor 2^exp_offset `[E]` for the placed layout (1 for real checkpoints), None for
+    the natural layout, which needs none."""
+    return jnp.ldexp(jnp.float32(1), w.exp_offset) if w.layout == "placed" else None
+
+
 def group_bounds(group_sizes, M: int):
     """`group_sizes [E]` -> row bounds `[E + 2]` int32: expert e's rows are [b[e], b[e + 1]) (sizes clipped so that
     every bound lies in [0, M]); the rows [b[E], b[E + 1] = M) past Σ sizes, which the kernel zeroes."""
@@ -801,15 +807,14 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
         out_t = kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
         return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv, store=config.store)
     elif config.mma == "bf16" and config.plan == "kernel":
-        row_scale = jnp.ldexp(jnp.float32(1), w.exp_offset) if w.layout == "placed" else None
         xs, bounds = prepare_grouped(x, group_sizes, config)
-        return kernel_call_grouped(xs, bounds, w, config, row_scale, out_rows=x.shape[0]).astype(out_dtype)
+        return kernel_call_grouped(xs, bounds, w, config, expert_scale(w), out_rows=x.shape[0]).astype(out_dtype)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
         out_t = kernel_call(xs, tile_group, num_tiles, w, config)
         row_scale = None
         if w.layout == "placed":  # each padded row's expert's 2^exp_offset (1 for real checkpoints)
-            row_scale = jnp.repeat(jnp.ldexp(jnp.float32(1), w.exp_offset)[tile_group], config.rows)
+            row_scale = jnp.repeat(expert_scale(w)[tile_group], config.rows)
         return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale, store=config.store)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
 
