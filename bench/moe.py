@@ -12,7 +12,10 @@
 2. MXFP4 weights (packed [E, N, K/2] + E8M0 [E, N, K/32], decoded in the kernel) at decode-sized groups (8 rows per
    expert; 32 and 64 for information): weight bytes read per second vs the measured copy bandwidth (bytes read +
    written per second of a device-to-device copy) — bar ≥ 70%.
-3. With ≥ 2 GPUs: expert-parallel FFN over a 2-device "model" axis (ragged_all_to_all and all-gather methods) vs the
+3. The MXFP4 expert FFN (gate, up, down) on the Mosaic kernel: the tile layout (rows padded once for the three
+   matmuls, `mgpu_mxfp4.expert_ffn_tiled`) against padding around each matmul; one tile-layout matmul's weight
+   bytes/s vs copy (bar ≥ 70%) and the whole FFN's.
+4. With ≥ 2 GPUs: expert-parallel FFN over a 2-device "model" axis (ragged_all_to_all and all-gather methods) vs the
    one-device result, and timings; the determinism check (same input twice -> same bits).
 
 Every kernel's output is checked against XLA's ragged_dot in the same run before it is timed. The table
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -443,6 +447,93 @@ def bench_mxfp4(args, copy_bw):
     INFO["mxfp4"] = results
 
 
+# -------------------------------------------------------------------------------- MXFP4 expert FFN, tile layout
+
+def bench_ffn(args, copy_bw):
+    """The MXFP4 expert FFN on sorted rows (gate, up: K -> N; down: N -> K), weights prepared for the Mosaic kernel:
+    the tile-layout FFN (`mgpu_mxfp4.expert_ffn_tiled`: rows padded once, three kernels, one gather back) against
+    three `grouped_matmul` calls that each pad and unpad, and one tile-layout matmul on its own (x planes + kernel +
+    expert scale, and the kernel alone)."""
+    keys = jax.random.split(jax.random.key(11), 3)
+    ws = [mx.random_weight(keys[0], E, K, N), mx.random_weight(keys[1], E, K, N), mx.random_weight(keys[2], E, N, K)]
+    wp = [mgpu_mx.prepare_weight(q) for q in ws]
+    wbytes = sum(q.nbytes for q in ws)
+    for rows_per_expert in [int(r) for r in args.ffn_rows.split(",")]:
+        if left(args.budget) < 30:
+            INFO["notes"].append(f"budget: FFN rows/expert={rows_per_expert} skipped")
+            break
+        m = E * rows_per_expert
+        x = jax.random.normal(jax.random.key(100 + rows_per_expert), (m, K), jnp.bfloat16)
+        sizes = ffn_sizes(args.ffn_sizes, 200 + rows_per_expert, m)
+        shape = f"E={E} {rows_per_expert} rows/expert ({args.ffn_sizes} sizes, max {int(sizes.max())}) {K}->{N}->{K} MXFP4"
+        log(f"FFN {rows_per_expert} rows/expert, {args.ffn_sizes} sizes: max {int(sizes.max())}, "
+            f"empty {int((sizes == 0).sum())}, 8-row tiles {int(((sizes + 7) // 8).sum())}, 16-row tiles "
+            f"{int(((sizes + 15) // 16).sum())}")
+        configs = [mgpu_mx.tiled_config(rows_per_expert)] + [
+            dataclasses.replace(mgpu_mx.tiled_config(rows_per_expert), **o) for o in json.loads(args.ffn_configs or "[]")]
+
+        ref = jax.jit(lambda a, g: ops.expert_ffn_sorted(a, g, *ws, situ, backend="reference"))(x, sizes)
+        per_mm = jax.jit(lambda a, g, *w: mgpu_mx.grouped_matmul(
+            situ(*[mgpu_mx.grouped_matmul(a, w_, g) for w_ in w[:2]]).astype(jnp.bfloat16), w[2], g))
+
+        def timed_per_matmul(x=x, sizes=sizes, ref=ref, per_mm=per_mm):
+            err = rel_err(per_mm(x, sizes, *wp), ref)
+            if err > 2e-2:
+                raise AssertionError(f"wrong result, rel err {err:.3g}")
+            return time_jax(per_mm, x, sizes, *wp, reps=20)
+        t_per = attempt(f"MXFP4 FFN {rows_per_expert} per matmul", timed_per_matmul)
+
+        def run(cfg, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per):
+            tiled = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg))
+            err_t = rel_err(tiled(x, sizes, *wp), ref)
+            if err_t > 2e-2:
+                raise AssertionError(f"wrong result, rel err {err_t:.3g}")
+            t_tiled = time_jax(tiled, x, sizes, *wp, reps=20)
+            # one matmul in the tile layout (gate: K -> N), as the FFN runs it
+            plan = jax.jit(lambda g: mgpu_mx.tile_plan(g, m, E, cfg.rows))(sizes)
+            x_pad = jax.jit(lambda a, p: a.at[p.src].get(mode="fill", fill_value=0))(x, plan)
+            t_mm = time_jax(jax.jit(lambda a, p, w_: mgpu_mx.tiled_matmul(a, p, w_, cfg)), x_pad, plan, wp[0],
+                            reps=20)
+            xs = jax.jit(mgpu_mx._planes_in_contraction_order)(x_pad)
+            kcfg = mgpu_mx.fit_config(cfg, K)
+            t_k = time_jax(jax.jit(lambda a, p, w_: mgpu_mx.kernel_call(a, p.tile_group, p.num_tiles, w_, kcfg)),
+                           xs, plan, wp[0], reps=20)
+            b1 = ws[0].nbytes
+            INFO.setdefault("ffn_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
+                tiled=t_tiled * 1e6, per_matmul=t_per and t_per * 1e6, tiled_matmul=t_mm * 1e6, kernel=t_k * 1e6)
+            per = f"{t_per * 1e6:.0f} us ({wbytes / t_per / 1e12:.2f})" if t_per else "-"
+            log(f"MXFP4 FFN {rows_per_expert} rows/expert: tile layout {t_tiled * 1e6:.0f} us "
+                f"({wbytes / t_tiled / 1e12:.2f} TB/s of weights), per-matmul padding {per}; one tile-layout matmul "
+                f"{t_mm * 1e6:.0f} us ({b1 / t_mm / 1e12:.2f} TB/s), its kernel alone {t_k * 1e6:.0f} us "
+                f"({b1 / t_k / 1e12:.2f}); err {err_t:.2e}; {cfg}")
+            info = rows_per_expert != 8
+            row(f"MXFP4 grouped matmul in the FFN's tile layout, weight bytes/s vs copy ({rows_per_expert} "
+                "rows/expert)", shape.replace(f"->{K} ", " "), b1 / t_mm / 1e12, copy_bw / 1e12, 0.7, "TB/s",
+                info=info)
+            row(f"MXFP4 expert FFN (3 matmuls, tile layout), weight bytes/s vs copy ({rows_per_expert} rows/expert)",
+                shape, wbytes / t_tiled / 1e12, copy_bw / 1e12, 0.7, "TB/s", info=info)
+            row(f"MXFP4 expert FFN: tile layout vs per-matmul padding ({rows_per_expert} rows/expert)", shape,
+                t_per and 1e6 * t_per, 1e6 * t_tiled, None, "us (peer / ours = speedup)", info=True)
+        for cfg in configs:
+            if left(args.budget) < 20:
+                break
+            attempt(f"MXFP4 FFN {rows_per_expert} {cfg}", functools.partial(run, cfg))
+
+
+def ffn_sizes(kind: str, seed: int, m: int):
+    """Group sizes summing to m: "routed" — each row's expert uniform at random (a balanced router's load:
+    multinomial, about m/E ± sqrt(m/E)); "cuts" — e − 1 uniform cut points (`random_sizes`: far more skewed,
+    many empty experts and a few large); "equal" — m/E each."""
+    if kind == "routed":
+        counts = np.random.default_rng(seed).multinomial(m, [1 / E] * E)
+        return jnp.asarray(counts, jnp.int32)
+    if kind == "cuts":
+        return random_sizes(jax.random.key(seed), m, E)
+    if kind == "equal":
+        return jnp.full((E,), m // E, jnp.int32)
+    raise ValueError(f"--ffn-sizes must be routed, cuts or equal, not {kind!r}")
+
+
 # ------------------------------------------------------------------------------------- expert parallel, 2 GPUs
 
 def bench_ep(args):
@@ -531,20 +622,31 @@ def main():
                     "(pallas_kernels.moe.mgpu_mxfp4), a JSON list of MgpuConfig field overrides of its default config at "
                     "each rows-per-expert, e.g. '[{}, {\"steps\": 6}]'; a \"layout\" key picks the codes' layout "
                     "(prepare_weight: \"placed\" by default, \"natural\" for the table decode; fp8 needs natural)")
+    ap.add_argument("--ffn-rows", default="8", help="MXFP4 expert FFN section (Mosaic kernel, tile layout vs "
+                    "per-matmul padding): rows per expert to time, comma-separated; empty skips it")
+    ap.add_argument("--ffn-sizes", default="routed", help="FFN section: group sizes — routed (multinomial, a "
+                    "balanced router), cuts (uniform cut points, skewed) or equal")
+    ap.add_argument("--ffn-configs", default="", help="FFN section: also time the tile layout with these MgpuConfig "
+                    "overrides of tiled_config (JSON list), e.g. '[{\"rows\": 16, \"ctas_per_sm\": 4}]'")
+    ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()
     if args.smoke:
         global E, M, K, N
         E, M, K, N = 8, 256, 256, 256
         KW["interpret"] = True
+        args.ffn_rows = ""  # the Mosaic GPU kernel has no interpreter
     INFO["versions"] = versions()
     log("versions", INFO["versions"])
     copy_bw = attempt("copy bandwidth", copy_bandwidth) or 4.3e12
     reserve = 0 if args.no_ep else 40  # seconds kept for the expert-parallel section
     args.budget -= reserve
-    if not args.mxfp4_only:
+    if not (args.mxfp4_only or args.ffn_only):
         attempt("bf16 section", lambda: bench_bf16(args))
-    attempt("MXFP4 section", lambda: bench_mxfp4(args, copy_bw))
+    if not args.ffn_only:
+        attempt("MXFP4 section", lambda: bench_mxfp4(args, copy_bw))
+    if args.ffn_rows:
+        attempt("MXFP4 FFN section", lambda: bench_ffn(args, copy_bw))
     args.budget += reserve
     if not args.no_ep:
         attempt("expert-parallel section", lambda: bench_ep(args))

@@ -785,6 +785,59 @@ def test_ops_take_prepared_weights_on_every_backend():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _reference_tiled_matmul(x_pad, plan, w, cfg):
+    """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p times its tile's expert's weight (the
+    exactly dequantised codes), fp32."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    wd = mx.dequantize(mm.unprepare_weight(w), jnp.float32)  # [E, K, N]
+    expert_of_row = jnp.repeat(plan.tile_group, cfg.rows)
+    return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row])
+
+
+@pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
+def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
+    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back) with the
+    kernel swapped for its definition: equal to the reference FFN on the same sorted rows, zeros past Σ sizes —
+    groups that fill whole tiles, empty groups, none at all, and one larger than two tiles."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    E, D, F = 4, 128, 64
+    keys = jax.random.split(jax.random.key(sum(sizes) + extra), 4)
+    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    x = jax.random.normal(keys[3], (sum(sizes) + extra, D), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
+    for rows in (8, 16):
+        cfg = mm.MgpuConfig(rows=rows, kh=64)
+        got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
+                                                           matmul=_reference_tiled_matmul))(
+            x, gs, *[mm.prepare_weight(q) for q in ws])
+        assert got.shape == want.shape
+        if sum(sizes):
+            assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
+        assert not np.asarray(got[sum(sizes):]).any()
+
+
+def test_tiled_config_and_the_ffn_lower_for_cuda():
+    """The tile layout's config is the padded plan (8-row tiles, 5 CTAs per SM at <= 8 rows per expert), and the
+    whole tile-layout FFN — three Mosaic kernels, the activation and the gathers — lowers for CUDA."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    assert mm.tiled_config(8) == mm.MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=5, plan="xla")
+    assert all(mm.tiled_config(r).plan == "xla" and mm.tiled_config(r).rows >= r for r in (2, 16, 32, 64))
+    E, D, F, M = 4, 512, 256, 40
+    sds = jax.ShapeDtypeStruct
+    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
+                             layout="placed")
+    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
+                              layout="placed")
+    text = jax.jit(lambda a, g, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ)).trace(
+        sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(), dict(kh=256, steps=2), dict(rows=32, ctas_per_sm=4, steps=3),
                                  dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
@@ -853,6 +906,35 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
     ref = reference.expert_ffn(xf, idx, wt, *[mx.dequantize(q, jnp.bfloat16) for q in ws], situ)
     out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *map(mm.prepare_weight, ws))
     assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
+    """The tile-layout FFN on the device (three Mosaic kernels on padded rows) against the reference FFN over the
+    exactly dequantised weights, and against the same FFN with each matmul padded and unpadded on its own; skewed
+    groups (one empty, one of 70 rows) and uncovered tail rows."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    E, D, F = 4, 512, 256
+    sizes = [3, 0, 70, 9]
+    keys = jax.random.split(jax.random.key(31), 4)
+    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    x = jax.random.normal(keys[3], (sum(sizes) + 5, D), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
+    prepared = [mm.prepare_weight(q) for q in ws]
+    for cfg in (None, mm.tiled_config(32)):
+        got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
+        assert _rel(got, want) < 1e-2, cfg
+        assert not np.asarray(got[sum(sizes):]).any()
+    per_matmul = [mm.grouped_matmul(x, w, gs) for w in prepared[:2]]
+    h = situ(*per_matmul).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(mm.grouped_matmul(h, prepared[2], gs)), rtol=2e-2,
+                               atol=2e-2 * float(jnp.abs(want).max()))
+    # and `ops` takes this path for three prepared weights on the GPU
+    assert ops._tiled_ffn_takes(x, prepared, "gpu", False, None)
+    got = jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="gpu"))(x, gs, *prepared)
+    assert _rel(got, want) < 1e-2
 
 
 @pytest.mark.gpu

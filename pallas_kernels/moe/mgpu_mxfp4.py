@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -817,6 +818,65 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
             row_scale = jnp.repeat(expert_scale(w)[tile_group], config.rows)
         return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale, store=config.store)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")
+
+
+class TilePlan(NamedTuple):
+    """Rows padded per expert to whole tiles of `rows` (`tile_plan`): the layout `expert_ffn_tiled` keeps x, the
+    gate / up outputs, h and the down output in, so the padding happens once per FFN instead of around each matmul."""
+    src: jax.Array  # [m_pad] int32: the sorted row each padded row holds (M: none, a zero row)
+    tile_group: jax.Array  # [t_max] int32: each tile's expert (dead tiles: clamped, never computed)
+    num_tiles: jax.Array  # [1] int32: live tiles
+    pad_row: jax.Array  # [M] int32: each sorted row's padded row
+    live: jax.Array  # [M] bool: rows inside Σ group_sizes
+
+
+def tile_plan(group_sizes, M: int, num_experts: int, rows: int) -> TilePlan:
+    """The padded-row plan of `M` sorted rows over `group_sizes [E]` for `rows`-row tiles (`_pad_plan`)."""
+    return TilePlan(*_pad_plan(group_sizes, M, num_experts, rows))
+
+
+def tiled_config(rows_per_group: float) -> MgpuConfig:
+    """The kernel's config for rows already in the tile layout (the padded plan at every size). At <= 8 rows per
+    expert: 8-row tiles and 5 CTAs per SM (the padded plan's kernel holds 95 registers, so 5 fit; kernel alone
+    202-208 µs = 3.14-3.25 TB/s, 0.74-0.76 of copy, session 17); above, `default_config`'s padded-plan shapes."""
+    if rows_per_group <= 8:
+        return MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=5, plan="xla")
+    return dataclasses.replace(default_config(rows_per_group), plan="xla")
+
+
+def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig):
+    """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them) -> `[m_pad, N]` fp32,
+    each live tile's rows times its expert's weight (placed layout: times 2^exp_offset). Rows of dead tiles are
+    left unwritten (never read back). The x plane transpose here is elementwise XLA work that fuses into whatever
+    produced x_pad (the dispatch gather, the activation)."""
+    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w.in_features)
+    out = kernel_call(_planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), plan.tile_group, plan.num_tiles, w,
+                      cfg)
+    if w.layout == "placed":
+        out = out * jnp.repeat(expert_scale(w)[plan.tile_group], cfg.rows)[:, None]
+    return out
+
+
+def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
+                     activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None):
+    """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
+    in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
+    activation runs on those rows, down reads them as they are, and one gather brings the rows back — instead of a
+    pad gather and an unpad gather around each of the three matmuls (`grouped_matmul`). Rows past Σ group_sizes
+    are zeros. Padded rows carry zeros (or, in dead tiles, whatever memory held); each output row depends only on
+    its own input row, so none of that reaches a real row.
+
+    `config`: the kernel's tile shape (default `tiled_config(M / E)`); `matmul`: the tile-layout matmul
+    (default `tiled_matmul`, the Mosaic GPU kernel; tests pass a reference one to check the plumbing on CPU)."""
+    M = x_rows.shape[0]
+    E = w_gate.num_experts
+    cfg = config or tiled_config(M / E)
+    matmul = matmul or tiled_matmul
+    plan = tile_plan(group_sizes, M, E, cfg.rows)
+    x_pad = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
+    h = activation(matmul(x_pad, plan, w_gate, cfg), matmul(x_pad, plan, w_up, cfg)).astype(h_dtype)
+    y_pad = matmul(h, plan, w_down, cfg)
+    return jnp.where(plan.live[:, None], y_pad[plan.pad_row], 0.0)
 
 
 def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):

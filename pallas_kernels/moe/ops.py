@@ -127,6 +127,18 @@ def _mosaic_takes(x, w, config) -> bool:
     return _mgpu_mx.supports(w.in_features, w.out_features, cfg) and (cfg.mma == "bf16" or w.layout == "natural")
 
 
+def _tiled_ffn_takes(x_rows, weights, backend, interpret, config) -> bool:
+    """Whether `expert_ffn_sorted` runs `mgpu_mxfp4.expert_ffn_tiled`: on a GPU, not interpreted, all three weights
+    prepared, and each weight's shape and layout taken by the kernel at the tile-layout config."""
+    if backend != "gpu" or interpret or jax.default_backend() not in ("gpu", "cuda"):
+        return False
+    if not all(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
+        return False
+    cfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
+        x_rows.shape[0] / weights[0].num_experts)
+    return all(_mosaic_takes(x_rows, w, _mgpu_mx.fit_config(cfg, w.in_features)) for w in weights)
+
+
 def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", out_dtype=jnp.float32,
                    interpret: bool = False, config=None):
     """Rows of `x [M, K]` sorted by group; rows [off_e, off_e + size_e) multiply expert e. Returns `[M, N]`.
@@ -194,6 +206,11 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
         h_dtype = x_rows.dtype if _quantized(w_down) else w_down.dtype
     c_up, c_down = configs or (None, None)
     b = resolve_backend(backend, quantized=_quantized(w_gate))
+    if _tiled_ffn_takes(x_rows, (w_gate, w_up, w_down), b, interpret, c_up):
+        # all three weights prepared for the Mosaic MXFP4 kernel: one tile layout for the whole FFN (x padded once,
+        # h kept padded, one gather back) instead of padding around each matmul
+        return _mgpu_mx.expert_ffn_tiled(x_rows, group_sizes, w_gate, w_up, w_down, act, h_dtype=h_dtype,
+                                         config=c_up)
     if fuse is None:
         fuse = FUSE_GATE_UP[b]
     if fuse and b in ("gpu", "tpu") and not isinstance(w_gate, _mgpu_mx.PreparedWeight):
