@@ -48,8 +48,12 @@ def _checkpointer():
 
     # numpy leaves; no defensive deep copy of each array (we keep them alive until the save returns);
     # no compression (weights barely compress and zstd would dominate the conversion time)
+    try:
+        numpy_handler = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    except TypeError:  # orbax releases before the switch: they do not copy (found with the CUDA image's orbax)
+        numpy_handler = ocp.type_handlers.NumpyHandler()
     registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (np.ndarray, numpy_handler),
         (jax.Array, ocp.type_handlers.ArrayHandler()))
     handler = ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False, type_handler_registry=registry)
     return ocp.Checkpointer(handler)

@@ -73,6 +73,10 @@ class Model:
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
         self.mesh = mesh
+        if jax.default_backend() in ("gpu", "cuda"):  # MXFP4 experts laid out once for the Mosaic GPU kernel
+            from .modules.moe import use_mosaic_experts
+
+            use_mosaic_experts(module)
         self.graphdef, self.params = nnx.split(module)
         if mesh is not None:
             from sharding.rules import shard_params

@@ -33,7 +33,8 @@ RULES: tuple = (
     (r"self_attn\.(A_log|dt_bias)$", 0),
     (r"self_attn\.(k_up_proj|v_up_proj)$", 1),
     (r"self_attn\.o_proj\.kernel$", 0),
-    (r"block_sparse_moe\.(w1|w2|w3)(_packed|_scale)?$", (0, EXPERT)),  # packed MXFP4 experts split by expert too
+    # packed MXFP4 experts split by expert too, in the checkpoint's layout and in the Mosaic GPU kernel's
+    (r"block_sparse_moe\.(w1|w2|w3)(_packed|_scale|_codes|_scales_t|_exp_offset)?$", (0, EXPERT)),
     (r"(mlp|shared_experts)\.(gate_proj|up_proj)\.kernel$", 1),
     (r"(mlp|shared_experts)\.down_proj\.kernel$", 0),
 )

@@ -820,11 +820,12 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
 
 
 def test_tiled_config_and_the_ffn_lower_for_cuda():
-    """The tile layout's config is the padded plan (8-row tiles, 5 CTAs per SM at <= 8 rows per expert), and the
+    """The tile layout's config is the padded plan (one 16-row tile per router-sized group at <= 8 rows per expert
+    on average), and the
     whole tile-layout FFN — three Mosaic kernels, the activation and the gathers — lowers for CUDA."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    assert mm.tiled_config(8) == mm.MgpuConfig(rows=8, kh=128, steps=3, ctas_per_sm=5, plan="xla")
+    assert mm.tiled_config(8) == mm.MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
     assert all(mm.tiled_config(r).plan == "xla" and mm.tiled_config(r).rows >= r for r in (2, 16, 32, 64))
     E, D, F, M = 4, 512, 256, 40
     sds = jax.ShapeDtypeStruct
@@ -938,6 +939,30 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
 
 
 @pytest.mark.gpu
+def test_gpu_model_runs_its_mxfp4_experts_on_the_mosaic_kernel(tmp_path):
+    """On a GPU host a loaded model with MXFP4 experts (K3.1's expert layout at latent and intermediate widths of
+    128) re-lays them for the Mosaic kernel when its MoE backend is the GPU one, and its logits equal the reference
+    path's (which keeps the checkpoint's layout)."""
+    from convert.synthetic import write_k3_checkpoint
+    from kimi_jax import checkpoint
+    from kimi_jax.config import get_preset
+    from kimi_jax.kernels import KernelConfig
+    from kimi_jax.model import _flat
+
+    cfg = get_preset("tiny")
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, latent_size=128, intermediate_size=128))
+    write_k3_checkpoint(str(tmp_path), cfg, seed=1, dtype="F32", shard_bytes=400_000)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+    ref = checkpoint.load(str(tmp_path), kernels=KernelConfig.reference())  # the Hugging Face directory itself
+    assert not any(k.endswith("_codes") for k in _flat(ref.params))
+    want = ref.logits(ids)
+    model = checkpoint.load(str(tmp_path), kernels=KernelConfig(moe="gpu"))
+    flat = _flat(model.params)
+    assert any(k.endswith("w1_codes") for k in flat) and not any(k.endswith("_packed") for k in flat)
+    np.testing.assert_allclose(model.logits(ids), want, rtol=0, atol=2e-2 * float(np.abs(want).max()))
+
+
+@pytest.mark.gpu
 def test_gpu_mgpu_mxfp4_placed_with_large_and_zero_scales():
     """The placed decode on the device at the edges of its multiplier: one expert's scale codes above 128 (lowered
     per expert, restored in fp32), codes 1 and 0 (a zero scale) in another; every group's rows against ragged_dot
@@ -956,3 +981,42 @@ def test_gpu_mgpu_mxfp4_placed_with_large_and_zero_scales():
     for g, (a, b) in enumerate(zip(ends - np.asarray(sizes), ends)):
         if b > a:
             assert _rel(got[a:b], want[a:b]) < 1e-4, g
+
+
+def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():
+    """`MoE.use_mosaic_experts` (what `Model` does on a GPU host): the MXFP4 expert parameters become the Mosaic
+    kernel's layout (placed codes, transposed scales, exponent offsets), split by expert like the checkpoint's;
+    the layer's output is bit-for-bit the same (off the GPU the ops turn the layout back exactly). Only layers whose
+    kernel backend is the GPU one are re-laid; shapes the kernel does not take stay as they are."""
+    from flax import nnx
+
+    from kimi_jax.config import MoEConfig
+    from kimi_jax.kernels import KernelConfig
+    from kimi_jax.modules.moe import MoE, use_mosaic_experts
+    from sharding.rules import param_partition_spec
+
+    def layer(moe_backend, latent=128, F=128):
+        cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=F, latent_size=latent)
+        m = MoE(96, cfg, situ, 1e-6, rngs=nnx.Rngs(0), kernels=KernelConfig(moe=moe_backend))
+        m.use_mxfp4_experts()
+        keys = iter(jax.random.split(jax.random.key(5), 3))
+        for name, (k, n) in (("w1", (latent, F)), ("w3", (latent, F)), ("w2", (F, latent))):
+            q = mx.random_weight(next(keys), 4, k, n)
+            getattr(m, name + "_packed")[...] = q.packed
+            getattr(m, name + "_scale")[...] = q.scale
+        return m
+
+    x = jax.random.normal(jax.random.key(6), (2, 5, 96), jnp.float32)
+    m = layer("reference")
+    want = np.asarray(m(x))
+    assert use_mosaic_experts(m) == 0 and m.expert_format == "mxfp4"  # its backend is not the GPU kernels
+    assert m.use_mosaic_experts() and m.expert_format == "mxfp4_mosaic"
+    assert not m.use_mosaic_experts()  # once
+    assert not hasattr(m, "w1_packed")
+    assert m.w1_codes.shape == (4, 128, 64) and m.w1_scales_t.shape == (4, 4, 128) and m.w1_exp_offset.shape == (4,)
+    np.testing.assert_array_equal(np.asarray(m(x)), want)
+    for name in ("w1_codes", "w2_scales_t", "w3_exp_offset"):
+        shape = getattr(m, name).shape
+        assert param_partition_spec(f"layers.3.block_sparse_moe.{name}", shape, 2)[0] == "model"
+    assert use_mosaic_experts(layer("gpu")) == 1
+    assert use_mosaic_experts(layer("gpu", latent=64)) == 0  # K = 64: not a multiple of the kernel's 128

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import ops as moe_ops
 
@@ -65,7 +66,11 @@ class MoE(nnx.Module):
     * "mxfp4" (after `use_mxfp4_experts`, how a checkpoint with MXFP4 experts loads): `<w>_packed` uint8
       `[E, N, K/2]` and `<w>_scale` uint8 E8M0 `[E, N, K/32]`, the checkpoint's own arrays. The forward hands them
       to the MoE kernels, which decode them tile by tile (the reference backend dequantises per call inside the
-      jitted forward); no dequantised copy is ever stored.
+      jitted forward); no dequantised copy is ever stored;
+    * "mxfp4_mosaic" (after `use_mosaic_experts`, which `Model` calls on a GPU): the same weights laid out once for
+      the Mosaic GPU MXFP4 kernel (`mgpu_mxfp4.prepare_weight`, "placed"): `<w>_codes` uint8 `[E, N, K/2]` (each
+      word's bits permuted), `<w>_scales_t` uint8 `[E, K/32, N]`, `<w>_exp_offset` int32 `[E]`. Same values,
+      exactly (`mgpu_mxfp4.unprepare_weight` gives the checkpoint's arrays back).
     """
 
     def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -104,8 +109,33 @@ class MoE(nnx.Module):
             setattr(self, name + "_scale", nnx.Param(jnp.zeros((E, N, K // mx.GROUP), jnp.uint8)))
         self.expert_format = "mxfp4"
 
+    def use_mosaic_experts(self) -> bool:
+        """Re-lay MXFP4 expert parameters out for the Mosaic GPU MXFP4 kernel (format "mxfp4_mosaic"), once, where
+        the kernel takes their shapes (K a multiple of 128, N of 64 for all three). The MoE ops then run the expert
+        FFN in one tile layout on that kernel (`mgpu_mxfp4.expert_ffn_tiled`) on a GPU, and turn the weights back
+        (exactly) on any other backend. Returns whether the parameters were re-laid."""
+        if self.expert_format != "mxfp4":
+            return False
+        weights = self.expert_weights()
+        if not all(w.in_features % 128 == 0 and w.out_features % mgpu_mx.COLS == 0 for w in weights):
+            return False
+        for name, w in zip(EXPERT_WEIGHTS, weights):
+            p = mgpu_mx.prepare_weight(w, "placed")
+            delattr(self, name + "_packed")
+            delattr(self, name + "_scale")
+            setattr(self, name + "_codes", nnx.Param(p.codes))
+            setattr(self, name + "_scales_t", nnx.Param(p.scales_t))
+            setattr(self, name + "_exp_offset", nnx.Param(p.exp_offset))
+        self.expert_format = "mxfp4_mosaic"
+        return True
+
     def expert_weights(self):
-        """(gate, up, down): dense `[E, K, N]` arrays, or `mx.MXFP4Weight`s as the MoE ops take them."""
+        """(gate, up, down): dense `[E, K, N]` arrays, `mx.MXFP4Weight`s or `mgpu_mxfp4.PreparedWeight`s, as the
+        MoE ops take them."""
+        if self.expert_format == "mxfp4_mosaic":
+            return tuple(mgpu_mx.PreparedWeight(getattr(self, n + "_codes")[...], getattr(self, n + "_scales_t")[...],
+                                                getattr(self, n + "_exp_offset")[...], layout="placed")
+                         for n in EXPERT_WEIGHTS)
         if self.expert_format == "mxfp4":
             return tuple(mx.MXFP4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
                          for n in EXPERT_WEIGHTS)
@@ -126,3 +156,15 @@ class MoE(nnx.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.reshape(B, T, D)
+
+
+def use_mosaic_experts(module) -> int:
+    """`MoE.use_mosaic_experts` for every MoE layer of `module` whose kernel backend resolves to the GPU kernels
+    (and is not interpreted). Meant for a GPU host, right after loading; returns how many layers were re-laid."""
+    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
+    count = 0
+    for _, m in iter_modules(module):
+        if (isinstance(m, MoE) and not m.interpret
+                and moe_ops.resolve_backend(m.backend, quantized=True) == "gpu"):
+            count += m.use_mosaic_experts()
+    return count
