@@ -44,8 +44,15 @@ step's MMAs running into the next step (wgmma_wait(1) with x released a step lat
 11 and 16. What stands between the op and the 0.7 bar: the in-kernel plan's registers (back to <= 96 for 5 CTAs
 per SM would put the op near 215 µs) and the x plane transpose (a byte order chosen in `prepare_weight` so natural
 x rows are the MMA's B operand).
-`ops` runs this kernel for weights handed to it prepared; the model's own MXFP4 experts do not reach it yet, since
-their parameters stay in the checkpoint's layout (placed codes and transposed scales would be prepared at load).
+The expert FFN in one tile layout (`expert_ffn_tiled`, session 18): the padding around each matmul is the XLA cost
+of the padded plan, so the FFN pads x once (one gather, as the dispatch already does), runs gate, up and down on
+the padded rows (the activation and each matmul's x plane transpose fuse into the neighbouring XLA work) and
+gathers the rows back once. At 8 rows per expert with a router's group sizes (multinomial; up to 16 rows) it
+takes 16-row tiles (`tiled_config`: one tile per expert, each expert's weights stream once): kernel alone 200-211
+µs per matmul (3.10-3.27 TB/s, 0.72-0.77 of copy), **the whole FFN 647-672 µs = 2.93-3.04 TB/s of weights
+(0.68-0.72 of copy)** against 749-762 µs with each matmul padded on its own (H200, bench/moe.py's FFN section,
+bench/RESULTS.md). `ops.expert_ffn_sorted` takes it for three prepared weights on a GPU, and a model loaded on a
+GPU re-lays its MXFP4 experts into this layout once (`kimi_jax.modules.moe.MoE.use_mosaic_experts`).
 """
 
 from __future__ import annotations

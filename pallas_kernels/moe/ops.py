@@ -8,8 +8,10 @@ Weights are dense `[E, K, N]` (K = input width, N = output width) or MXFP4: `MXF
 scale [E, N, K/32])`, a `(packed, scale)` pair, or `w=packed, w_scale=scale` — the checkpoint's torch `[out, in]`
 orientation, decoded inside the kernels tile by tile. A weight prepared once for the Mosaic GPU MXFP4 kernel
 (`mgpu_mxfp4.prepare_weight`: placed codes, transposed scales; 0.64-0.67 of copy bandwidth at 8 rows per expert on an
-H200, the Triton kernel 0.46) runs that kernel on the "gpu" backend where its shape allows, and is turned back into
-an `MXFP4Weight` (`mgpu_mxfp4.unprepare_weight`, exact) for every other backend or shape.
+H200 as one grouped matmul, the Triton kernel 0.46) runs that kernel on the "gpu" backend where its shape allows, and
+is turned back into an `MXFP4Weight` (`mgpu_mxfp4.unprepare_weight`, exact) for every other backend or shape. With all
+three FFN weights prepared, `expert_ffn_sorted` runs the FFN in one tile layout (`mgpu_mxfp4.expert_ffn_tiled`: 0.68-0.72
+of copy for the whole FFN at 8 rows per expert; a model on a GPU prepares its MXFP4 experts at load).
 
 Backends: "reference" (jax.lax.ragged_dot, fp32 accumulation; MXFP4 is dequantised whole — a definition, not a
 fast path), "gpu" (Pallas → Triton, `gpu.py`), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
