@@ -795,6 +795,12 @@ def _reference_tiled_matmul(x_pad, plan, w, cfg):
     return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row])
 
 
+def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg):
+    """What `mgpu_mxfp4.tiled_gated_matmul` computes, by definition: the activation of the two tile-layout
+    products."""
+    return activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg), _reference_tiled_matmul(x_pad, plan, w_up, cfg))
+
+
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
 def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back) with the
@@ -808,10 +814,11 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     x = jax.random.normal(keys[3], (sum(sizes) + extra, D), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
-    for rows in (8, 16):
-        cfg = mm.MgpuConfig(rows=rows, kh=64)
+    for rows, gate_up in ((8, "separate"), (16, "separate"), (16, "fused")):
+        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
         got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
-                                                           matmul=_reference_tiled_matmul))(
+                                                           matmul=_reference_tiled_matmul,
+                                                           gated_matmul=_reference_tiled_gated_matmul))(
             x, gs, *[mm.prepare_weight(q) for q in ws])
         assert got.shape == want.shape
         if sum(sizes):
@@ -833,10 +840,14 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
                              layout="placed")
     w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
                               layout="placed")
-    text = jax.jit(lambda a, g, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ)).trace(
-        sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 3
+    for gate_up, kernels in (("separate", 3), ("fused", 2)):  # fused: SiTU's tanh and logistic in the epilogue
+        cfg = dataclasses.replace(mm.tiled_config(M / E), gate_up=gate_up)
+        text = jax.jit(lambda a, g, w1, w3, w2, cfg=cfg: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)
+                       ).trace(sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
+    with pytest.raises(ValueError, match="gate_up must be"):
+        mm.MgpuConfig(gate_up="both")
 
 
 @pytest.mark.gpu
@@ -911,9 +922,9 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
 
 @pytest.mark.gpu
 def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
-    """The tile-layout FFN on the device (three Mosaic kernels on padded rows) against the reference FFN over the
-    exactly dequantised weights, and against the same FFN with each matmul padded and unpadded on its own; skewed
-    groups (one empty, one of 70 rows) and uncovered tail rows."""
+    """The tile-layout FFN on the device (three Mosaic kernels on padded rows; or gate, up and SiTU fused into one)
+    against the reference FFN over the exactly dequantised weights, and against the same FFN with each matmul
+    padded and unpadded on its own; skewed groups (one empty, one of 70 rows) and uncovered tail rows."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     E, D, F = 4, 512, 256
@@ -924,7 +935,8 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     gs = jnp.asarray(sizes, jnp.int32)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     prepared = [mm.prepare_weight(q) for q in ws]
-    for cfg in (None, mm.tiled_config(32)):
+    fused = dataclasses.replace(mm.tiled_config(8), gate_up="fused", kh=128)  # gate, up and SiTU in one kernel
+    for cfg in (fused, mm.tiled_config(32), None):
         got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
         assert _rel(got, want) < 1e-2, cfg
         assert not np.asarray(got[sum(sizes):]).any()

@@ -53,6 +53,10 @@ takes 16-row tiles (`tiled_config`: one tile per expert, each expert's weights s
 (0.68-0.72 of copy)** against 749-762 µs with each matmul padded on its own (H200, bench/moe.py's FFN section,
 bench/RESULTS.md). `ops.expert_ffn_sorted` takes it for three prepared weights on a GPU, and a model loaded on a
 GPU re-lays its MXFP4 experts into this layout once (`kimi_jax.modules.moe.MoE.use_mosaic_experts`).
+Opt-in, written after the session's device time (lowers for CUDA on the CPU with SiTU in its epilogue; NOT yet run
+on a GPU): `MgpuConfig(gate_up="fused")`, gate, up and the activation as one kernel (`kernel_call_gated`) — each x
+tile fetched once, no fp32 gate / up outputs written and read back by XLA. Two weights' stages need twice the
+shared memory: 128-byte steps, or 2 CTAs per SM at 256-byte steps.
 """
 
 from __future__ import annotations
@@ -91,12 +95,18 @@ class MgpuConfig:
     # block), the kernel reads the expert's row bounds, fetches its x rows by offset and stores each output row in
     # place (`kernel_call_grouped`: no padding, no gathers; `default_config` at <= 8 rows per expert)
     plan: str = "xla"
+    # the tile-layout FFN's gate and up (`expert_ffn_tiled`): "separate" — two kernels, the activation in XLA;
+    # "fused" — one kernel computing both products of each x tile and the activation in its epilogue
+    # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
+    gate_up: str = "separate"
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
             raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {self.store!r}")
         if self.plan not in ("kernel", "xla"):
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
+        if self.gate_up not in ("separate", "fused"):
+            raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
 
@@ -520,35 +530,36 @@ def _bf16_decode(kh: int, code_layout: str):
     )(_decode_fn(kh, code_layout))
 
 
-def _mma_over_k(decode, acc_ref, codes_ref, scales_ref, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
-    """One tile's loop over K into `acc_ref` `[64, rows]`: per step, the 64-column block nb's codes and scales
-    (one expert's, `codes_ref [N, K/2]`, `scales_ref [K/32, N]`) decoded and multiplied with the x planes' tile
-    (`BlockSpec` row dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA pipeline
-    of `cfg.steps` stages."""
+def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
+    """One tile's loop over K: per step, for each (accumulator `[64, rows]`, (codes `[N, K/2]`, scales `[K/32, N]`)
+    of one expert's weight), the 64-column block nb's codes and scales decoded and multiplied with the x planes'
+    tile (`BlockSpec` row dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA
+    pipeline of `cfg.steps` stages. One weight: a grouped matmul; two (gate, up): both products of the same x tile,
+    one weight after the other (each waits for its MMAs before the next decode reuses the registers)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     kh = cfg.kh
 
-    def step(_, codes_s, scales_s, xs_s):
-        lo, hi = decode(codes_s, scales_s)
-        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-        # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1), x released a
-        # step late) gave wrong results and NaNs on the H200 for 3-stage pipelines in session 11, and again in
-        # session 16 with the pipeline's own delay_release=1 on x (rel. err 0.03-0.07 at bench shapes, not every
-        # config; no faster where right)
-        plgpu.wgmma_wait(0)
+    def step(_, *bufs):
+        *w_bufs, xs_s = bufs
+        for i, acc_ref in enumerate(acc_refs):
+            lo, hi = decode(w_bufs[2 * i], w_bufs[2 * i + 1])
+            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+            # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1), x released a
+            # step late) gave wrong results and NaNs on the H200 for 3-stage pipelines in session 11, and again in
+            # session 16 with the pipeline's own delay_release=1 on x (rel. err 0.03-0.07 at bench shapes, not
+            # every config; no faster where right)
+            plgpu.wgmma_wait(0)
 
+    weight_specs = [plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                    plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb))]
     plgpu.emit_pipeline(
         step,
         grid=(xs_ref.shape[-1] // kh,),
-        in_specs=[
-            plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-            plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
-            plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk)),
-        ],
+        in_specs=weight_specs * len(acc_refs) + [plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk))],
         max_concurrent_steps=cfg.steps,
-    )(codes_ref, scales_ref, xs_ref)
+    )(*[r for pair in weight_refs for r in pair], xs_ref)
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig()):
@@ -570,7 +581,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
         def item(t, nb, g):
             def acc_scope(acc_ref):
-                _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, R, t, cfg)
+                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, R, t, cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
@@ -580,6 +591,58 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, xs, w.codes, w.scales_t)
+
+
+def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
+                      config: MgpuConfig, gate_scale=None, up_scale=None):
+    """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
+    shape and layout -> h `[m_pad, F]` fp32 = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile, with
+    `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
+    `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
+    arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
+    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    _, m_pad, KH = xs.shape
+    cfg = dataclasses.replace(config, store="rows")
+    R, kh = cfg.rows, cfg.kh
+    t_max = m_pad // R
+    E, N, KH2 = w_gate.codes.shape
+    if w_up.codes.shape != w_gate.codes.shape or w_up.layout != w_gate.layout:
+        raise ValueError(f"fused gate / up need one shape and layout: gate {w_gate.codes.shape} {w_gate.layout}, "
+                         f"up {w_up.codes.shape} {w_up.layout}")
+    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or m_pad % R:
+        raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
+                         f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
+    n_blocks = N // COLS
+    decode = _bf16_decode(kh, w_gate.layout)
+    scaled = gate_scale is not None
+
+    def body(tile_group_ref, num_ref, *refs, o_smem):
+        if scaled:
+            sg_ref, su_ref, xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
+        else:
+            xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
+
+        def item(t, nb, g):
+            def acc_scope(acc_g, acc_u):
+                _mma_over_k(decode, (acc_g, acc_u), ((cg_ref.at[g], scg_ref.at[g]), (cu_ref.at[g], scu_ref.at[g])),
+                            xs_ref, nb, R, t, cfg)
+                return acc_g[...], acc_u[...]
+
+            acc = plgpu.ACC((COLS, R), jnp.float32)
+            gate, up = pl.run_scoped(acc_scope, acc, acc)
+            if scaled:
+                gate, up = gate * sg_ref[g], up * su_ref[g]
+            _store_tile(activation(gate, up), o_smem, out_ref, nb, t, "rows")
+
+        _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scales = (gate_scale, up_scale) if scaled else ()
+    return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, *scales, xs, w_gate.codes, w_gate.scales_t,
+                                        w_up.codes, w_up.scales_t)
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
@@ -765,8 +828,8 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
             @pl.when(g < E)
             def _matmul():
                 def acc_scope(acc_ref):
-                    _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, pl.Element(RX),
-                                x_row, cfg)
+                    _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb,
+                                pl.Element(RX), x_row, cfg)
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, RX), jnp.float32))
@@ -868,8 +931,19 @@ def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig):
     return out
 
 
+def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
+                       config: MgpuConfig):
+    """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
+    h `[m_pad, F]` fp32 (rows of dead tiles unwritten)."""
+    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w_gate.in_features)
+    scales = (expert_scale(w_gate), expert_scale(w_up)) if w_gate.layout == "placed" else (None, None)
+    return kernel_call_gated(_planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), plan.tile_group,
+                             plan.num_tiles, w_gate, w_up, activation, cfg, *scales)
+
+
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
-                     activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None):
+                     activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None,
+                     gated_matmul=None):
     """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
     in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
     activation runs on those rows, down reads them as they are, and one gather brings the rows back — instead of a
@@ -877,15 +951,21 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     are zeros. Padded rows carry zeros (or, in dead tiles, whatever memory held); each output row depends only on
     its own input row, so none of that reaches a real row.
 
-    `config`: the kernel's tile shape (default `tiled_config(M / E)`); `matmul`: the tile-layout matmul
-    (default `tiled_matmul`, the Mosaic GPU kernel; tests pass a reference one to check the plumbing on CPU)."""
+    `config`: the kernel's tile shape (default `tiled_config(M / E)`; `gate_up="fused"` runs gate, up and the
+    activation as one kernel); `matmul` / `gated_matmul`: the tile-layout matmul and fused gate / up (default
+    `tiled_matmul` / `tiled_gated_matmul`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing
+    on CPU)."""
     M = x_rows.shape[0]
     E = w_gate.num_experts
     cfg = config or tiled_config(M / E)
     matmul = matmul or tiled_matmul
+    gated_matmul = gated_matmul or tiled_gated_matmul
     plan = tile_plan(group_sizes, M, E, cfg.rows)
     x_pad = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
-    h = activation(matmul(x_pad, plan, w_gate, cfg), matmul(x_pad, plan, w_up, cfg)).astype(h_dtype)
+    if cfg.gate_up == "fused":
+        h = gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg).astype(h_dtype)
+    else:
+        h = activation(matmul(x_pad, plan, w_gate, cfg), matmul(x_pad, plan, w_up, cfg)).astype(h_dtype)
     y_pad = matmul(h, plan, w_down, cfg)
     return jnp.where(plan.live[:, None], y_pad[plan.pad_row], 0.0)
 
