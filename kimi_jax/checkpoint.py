@@ -161,6 +161,9 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
         raise ConvertError(f"{where}: checkpoint lacks parameter(s) {listing(missing)}")
     params = jax.tree_util.tree_map_with_path(lambda p, _: filled[_path_name(p)], params)
     module = nnx.merge(graphdef, params, rest)
+    # the module now holds the only references to the arrays: whatever Model re-lays at load (MXFP4 experts on a
+    # GPU, `MoE.use_mosaic_experts`) frees each old array as its replacement is made, not all of them at the end
+    del filled, params
     return Model(module, dtype, mesh=mesh)  # Model re-applies sharding.rules: a no-op for arrays placed here
 
 
