@@ -434,6 +434,27 @@ def test_k3_parser_text_pieces_api(tok):
     assert out == [{"reasoning_content": "hmm"}, {"content": "yes"}]
 
 
+def test_k3_parser_text_between_calls_does_not_depend_on_how_it_was_cut(tok):
+    """Text written inside ``tools`` between calls: all-whitespace is dropped, anything else is content, whole --
+    whether it arrives as one piece, per token or per character."""
+    def parse(text_pieces):
+        p = K3OutputParser(tok, thinking=False, id_factory=lambda: "call_0")
+        p.feed_control(O); p.feed_text("tools"); p.feed_control(S)
+        for t in text_pieces:
+            p.feed_text(t)
+        p.feed_control(O); p.feed_text('call tool="f" index="1"'); p.feed_control(S)
+        p.feed_control(C); p.feed_text("call"); p.feed_control(S)
+        p.feed_control(C); p.feed_text("tools"); p.feed_control(S)
+        p.feed_control(E)
+        return p.result()
+
+    for text, want in (("  a", "  a"), (" \n ", "")):
+        for pieces in ([text], list(text), [tok.decode([i]) for i in tok.encode(text)]):
+            res = parse(pieces)
+            assert res.content == want, pieces
+            assert [c["function"]["arguments"] for c in res.tool_calls] == ["{}"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Kimi-Linear / K2 format
 

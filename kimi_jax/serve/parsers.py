@@ -381,13 +381,22 @@ class K3OutputParser(_OutputParserBase):
         elif tag == "call":
             self._capture(s)  # text between arguments: kept only for the fallback
         elif tag == "tools":
-            if s.strip():
-                self._emit_content(s)
+            top.buf.append(s)  # text between calls: decided at the next control token (_flush_tools_text)
         else:
             self._emit_content(s)
 
     # ---------------------------------------------------------------- control tokens
+    def _flush_tools_text(self) -> None:
+        """Text written directly inside ``tools`` (between calls) is content unless it is all whitespace.  It is held
+        until the next control token, so the answer does not depend on how the text was cut into pieces."""
+        top = self._top()
+        if top is not None and top.tag == "tools" and top.buf:
+            text, top.buf = "".join(top.buf), []
+            if text.strip():
+                self._emit_content(text)
+
     def _on_control(self, name: str) -> None:
+        self._flush_tools_text()
         if name in ("<|open|>", "<|close|>"):
             if self._mode != "body":
                 self._abandon_header()
@@ -501,6 +510,7 @@ class K3OutputParser(_OutputParserBase):
                 return
 
     def _close_all(self) -> None:
+        self._flush_tools_text()
         if self._mode != "body":
             if self._truncated:  # a tag header cut off by the end of generation is markup, not text: dropped
                 self._mode, self._hdr = "body", []
