@@ -13,8 +13,9 @@
    expert; 32 and 64 for information): weight bytes read per second vs the measured copy bandwidth (bytes read +
    written per second of a device-to-device copy) — bar ≥ 70%.
 3. The MXFP4 expert FFN (gate, up, down) on the Mosaic kernel: the tile layout (rows padded once for the three
-   matmuls, `mgpu_mxfp4.expert_ffn_tiled`) against padding around each matmul; one tile-layout matmul's weight
-   bytes/s vs copy (bar ≥ 70%) and the whole FFN's.
+   matmuls, `mgpu_mxfp4.expert_ffn_tiled`) against padding around each matmul and against the Triton kernel on the
+   checkpoint's layout; one tile-layout matmul's weight bytes/s vs copy (bar ≥ 70%) and the whole FFN's
+   (`--ffn-rows 8,32,146`: 146 rows per expert is a 16K-token prefill's load).
 4. With ≥ 2 GPUs: expert-parallel FFN over a 2-device "model" axis (ragged_all_to_all and all-gather methods) vs the
    one-device result, and timings; the determinism check (same input twice -> same bits).
 
@@ -482,8 +483,21 @@ def bench_ffn(args, copy_bw):
                 raise AssertionError(f"wrong result, rel err {err:.3g}")
             return time_jax(per_mm, x, sizes, *wp, reps=20)
         t_per = attempt(f"MXFP4 FFN {rows_per_expert} per matmul", timed_per_matmul)
+        # the Triton MXFP4 kernel on the checkpoint's layout (what the model ran before it re-laid its experts)
+        triton = jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="gpu"))
 
-        def run(cfg, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per):
+        def timed_triton(x=x, sizes=sizes, ref=ref, triton=triton, rows_per_expert=rows_per_expert):
+            err = rel_err(triton(x, sizes, *ws), ref)
+            if err > 2e-2:
+                raise AssertionError(f"wrong result, rel err {err:.3g}")
+            t = time_jax(triton, x, sizes, *ws, reps=10)
+            log(f"MXFP4 FFN {rows_per_expert} rows/expert, Triton kernel (checkpoint layout): {t * 1e6:.0f} us "
+                f"({wbytes / t / 1e12:.2f} TB/s of weights)")
+            return t
+        t_triton = attempt(f"MXFP4 FFN {rows_per_expert} Triton", timed_triton)
+
+        def run(cfg, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per,
+                t_triton=t_triton):
             tiled = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg))
             err_t = rel_err(tiled(x, sizes, *wp), ref)
             if err_t > 2e-2:
@@ -514,6 +528,8 @@ def bench_ffn(args, copy_bw):
                 shape, wbytes / t_tiled / 1e12, copy_bw / 1e12, 0.7, "TB/s", info=info)
             row(f"MXFP4 expert FFN: tile layout vs per-matmul padding ({rows_per_expert} rows/expert)", shape,
                 t_per and 1e6 * t_per, 1e6 * t_tiled, None, "us (peer / ours = speedup)", info=True)
+            row(f"MXFP4 expert FFN: tile layout vs the Triton kernel ({rows_per_expert} rows/expert)", shape,
+                t_triton and 1e6 * t_triton, 1e6 * t_tiled, None, "us (peer / ours = speedup)", info=True)
         for cfg in configs:
             if left(args.budget) < 20:
                 break
