@@ -405,6 +405,31 @@ def test_abort_frees_slots_and_guide_failure_is_contained(engine):
     assert st["free_slots"] == st["max_num_seqs"] and st["running_seqs"] == 0
 
 
+def test_abort_stops_a_long_prefill_at_its_next_chunk(engine, monkeypatch):
+    """A client that disconnects while its long prompt is prefilling (nothing else running) frees the engine at the
+    next chunk, not after the whole prompt (and no token is generated for it)."""
+    ids = _prompt(11, 450)  # 449 prompt tokens before the last: 7 chunks of 64
+    calls = []
+    prefill = engine.runner.prefill
+
+    def spy(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            engine.abort("abort-in-prefill")  # the disconnect arrives while the first chunk runs
+        return prefill(*a, **kw)
+
+    monkeypatch.setattr(engine.runner, "prefill", spy)
+    s = engine.submit(ids, SamplingParams(max_tokens=5, ignore_eos=True), request_id="abort-in-prefill")
+    evs = list(s)
+    monkeypatch.undo()
+    assert len(calls) == 1
+    assert s.done.finish_reasons == ["abort"] and s.done.num_generated == [0]
+    assert [e.finish_reason for e in evs if isinstance(e, SeqEvent)] in ([], ["abort"])
+    st = engine.stats()
+    assert st["free_slots"] == st["max_num_seqs"] and st["free_blocks"] + st["prefix_cache_blocks"] == st["total_blocks"]
+    assert engine.generate(_prompt(6, 5), SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
+
+
 def test_prefix_cache_snapshot_gives_identical_output(engine):
     ids = _prompt(7, 100)  # 99 tokens before the last: chunks 64 + 16 + 16 = 96, the snapshot; 3 ride the steps
     p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

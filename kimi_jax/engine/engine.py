@@ -196,6 +196,7 @@ class Engine:
         self.listeners: list = []  # objects with on_request_done(RequestDone) (metrics), called on the engine thread
 
         self._inbox: "queue.Queue" = queue.Queue()
+        self._abort_posted: set = set()  # ids passed to abort() whose inbox message is not handled yet
         self._waiting: deque = deque()
         self._prefilling: Optional[_Prefill] = None
         self._orders = 0
@@ -294,7 +295,9 @@ class Engine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (queued, prefilling or running); its slots are freed on the next iteration."""
+        """Stop a request (queued, prefilling or running); its slots are freed on the next iteration.  A prefill in
+        progress stops at its next chunk (not after the whole prompt)."""
+        self._abort_posted.add(request_id)
         self._inbox.put(("abort", request_id))
 
     def generate(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, n: int = 1,
@@ -380,6 +383,7 @@ class Engine:
                 return
 
     def _abort(self, request_id: str) -> None:
+        self._abort_posted.discard(request_id)
         req = self._requests.get(request_id)
         if req is None or req.done:
             return
@@ -416,6 +420,8 @@ class Engine:
                 size = job.chunks[0]
                 if self._running and spent > 0 and spent + size > budget:
                     return  # resume next iteration, after a decode step
+                if job.req.request_id in self._abort_posted:
+                    return  # the next intake takes the abort and cancels this prefill
                 ids = np.asarray(job.ids[job.pos: job.pos + size], np.int32)
                 table = self.alloc.block_table([job.keys[0]], self.runner.max_blocks)
                 job.cache1, self._state = self.runner.prefill(job.cache1, ids, self._state, table)
