@@ -455,6 +455,28 @@ def test_k3_parser_text_between_calls_does_not_depend_on_how_it_was_cut(tok):
             assert [c["function"]["arguments"] for c in res.tool_calls] == ["{}"]
 
 
+def test_k3_tool_guide_writes_each_enum_value_with_its_own_type(tok):
+    """A forced call (tool_choice) over ``enum: ["auto", 3, true, null]`` may write exactly what ``encode_chat`` writes for
+    each value -- ``type="number"`` for 3, ``type="null"`` for null -- so the parsed arguments keep the JSON types."""
+    from kimi_jax.engine.guide import vocab_class_masks
+    from kimi_jax.serve.tool_guide import K3ToolCallGuideBuilder
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"v": {"enum": ["auto", 3, True, None]}}, "required": ["v"]}}}]
+    masks = vocab_class_masks(tok, tok.vocab_size)
+    for value in ("auto", 3, True, None):
+        call = {"id": "c", "type": "function", "function": {"name": "pick", "arguments": json.dumps({"v": value})}}
+        want = model_output(tok, {"role": "assistant", "content": "", "tool_calls": [call]}, thinking=False)
+        guide = K3ToolCallGuideBuilder(tok, tools, thinking=False).build("pick")
+        for t in want:
+            assert not guide.finished and guide.constraint().allows(t, masks), (value, tok.decode(want))
+            guide.advance(t)
+        assert guide.finished
+        p = K3OutputParser(tok, thinking=False)
+        p.feed_many(want)
+        assert json.loads(p.result().tool_calls[0]["function"]["arguments"]) == {"v": value}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Kimi-Linear / K2 format
 

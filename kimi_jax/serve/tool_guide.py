@@ -58,8 +58,8 @@ class K3ToolCallGuideBuilder:
         return [self.C] + self._text(tag) + [self.S]
 
     # ---------------------------------------------------------------- parts
-    def _value_parts(self, schema: Any) -> tuple[str, list]:
-        """(type attribute, parts that write the value and the <|close|> after it)."""
+    def _value_parts(self, schema: Any, head) -> list:
+        """Parts that write an argument's header ``head(type attribute)``, its value and the <|close|> after it."""
         schema = schema if isinstance(schema, dict) else {}
         C = self.C
         enum = schema.get("enum")
@@ -72,23 +72,25 @@ class K3ToolCallGuideBuilder:
                     continue
                 text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, separators=(",", ":"))
                 opts.append((vtype, self._text(text) + [C]))
-            if opts:
-                return opts[0][0], [Choice([(ids, []) for _, ids in opts])]
+            if opts:  # each value with its own type attribute: enum [1, "auto", null] keeps 1 a number
+                return [Choice([(head(vtype) + ids, []) for vtype, ids in opts])]
         stype = schema.get("type")
         if isinstance(stype, list):
             stype = next((t for t in stype if t != "null"), "string")
         attr = _TYPE_ATTR.get(stype, "string")
         if stype in ("integer", "number"):
-            return attr, [Text(DIGITS, [C], self.max_number_tokens, min_tokens=1, first_class=NUMBER_START)]
-        if stype == "boolean":
-            return attr, [Choice([(self._text("true") + [C], []), (self._text("false") + [C], [])])]
-        if stype == "null":
-            return attr, [Forced(self._text("null") + [C])]
-        if stype == "object":
-            return attr, [Forced(self._text("{}") + [C])]
-        if stype == "array":
-            return attr, [Forced(self._text("[]") + [C])]
-        return "string", [Text(TEXT, [C], self.max_string_tokens)]
+            value = Text(DIGITS, [C], self.max_number_tokens, min_tokens=1, first_class=NUMBER_START)
+        elif stype == "boolean":
+            value = Choice([(self._text("true") + [C], []), (self._text("false") + [C], [])])
+        elif stype == "null":
+            value = Forced(self._text("null") + [C])
+        elif stype == "object":
+            value = Forced(self._text("{}") + [C])
+        elif stype == "array":
+            value = Forced(self._text("[]") + [C])
+        else:
+            attr, value = "string", Text(TEXT, [C], self.max_string_tokens)
+        return [Forced(head(attr)), value]
 
     def _call_parts(self, fn: dict) -> list:
         params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
@@ -100,9 +102,9 @@ class K3ToolCallGuideBuilder:
             keys = list(props)
         parts: list = []
         for key in keys:
-            vtype, value = self._value_parts(props.get(key, {}))
-            parts.append(Forced(self._open(f'argument key="{self._attr(key)}" type="{vtype}"')))
-            parts += value
+            def head(vtype, key=key):
+                return self._open(f'argument key="{self._attr(key)}" type="{vtype}"')
+            parts += self._value_parts(props.get(key, {}), head)
             parts.append(Forced(self._text("argument") + [self.S]))
         parts.append(Forced(self._close("call")))
         return parts
