@@ -101,6 +101,9 @@ def _main(argv) -> int:
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the file system refused (destination not creatable, disk full, permissions): nothing kept
+        print(f"error: {e}; nothing was written", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -114,5 +117,16 @@ def _interrupt(signum, frame):
     raise exc()
 
 
+def _quiet_unraisable(unraisable, default=sys.unraisablehook):
+    """Orbax restores a part through asyncio; when one read fails (a damaged part) its event loop closes while
+    TensorStore still completes the other reads, and each late callback would print an "Event loop is closed"
+    traceback around the clear error message. Those are dropped; anything else is reported as usual."""
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    default(unraisable)
+
+
 if __name__ == "__main__":
+    sys.unraisablehook = _quiet_unraisable  # the command's own process only (late callbacks arrive after main)
     raise SystemExit(main())

@@ -149,6 +149,15 @@ def resolve(entry: Entry, sources: SourceSet, tshapes: list, fp8_block=quant.FP8
                                    f"{quant.MXFP4_GROUP}")
             _check(name + "_packed", sources.info(name + "_packed"), ("U8",), [(out, inn // 2)])
             _check(name + "_scale", sources.info(name + "_scale"), E8M0_DTYPES, [(out, inn // quant.MXFP4_GROUP)])
+    if entry.kind == "experts":  # stacked into one array each: a different dtype would be cast by value
+        for s in QUANT_SUFFIXES.get(entry.form, ("",)):
+            want = sources.info(entry.src_name(0) + s).dtype
+            for e in range(1, entry.num):
+                found = sources.info(entry.src_name(e) + s).dtype
+                if found != want:
+                    raise ConvertError(f"dtype mismatch for {entry.src_name(e) + s}: expected {want} like expert 0 "
+                                       f"({entry.src_name(0) + s}), found {found}; experts are stacked, so all must "
+                                       "share one dtype")
     main = first + ("_packed" if entry.form == "mxfp4" else "")
     entry.src_dtype = sources.info(main).dtype
     entry.src_shape = tuple(shapes[0]) if entry.form == "mxfp4" else tuple(sources.info(first).shape)

@@ -174,6 +174,10 @@ class SourceSet:
                     self.index_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ConvertError(f"{index_path} is not a valid safetensors index ({e})") from None
+            if not isinstance(self.index_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in self.index_map.items()):
+                raise ConvertError(f"{index_path} is not a valid safetensors index (its weight_map must map tensor "
+                                   "names to shard file names)")
             files = sorted(set(self.index_map.values()))
             missing = [f for f in files if not os.path.exists(os.path.join(directory, f))]
             if missing:

@@ -145,6 +145,9 @@ class PartReader:
     def get(self, idx: int) -> dict:
         if idx != self._idx:
             self._arrays = None  # free the previous part first
+            if not 0 <= idx < len(self.parts):
+                raise ConvertError(f"{self.root}: an entry names part {idx}, but the checkpoint lists "
+                                   f"{len(self.parts)} part(s); its {META_NAME} is damaged")
             path = os.path.join(self.root, self.parts[idx])
             if not os.path.isdir(path):
                 raise ConvertError(f"checkpoint part {path} is missing")
@@ -165,9 +168,14 @@ def read_meta(path: str) -> dict:
             meta = json.load(f)
     except json.JSONDecodeError as e:
         raise ConvertError(f"{meta_path} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ConvertError(f"{meta_path} must hold a JSON object, found {type(meta).__name__}")
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise ConvertError(f"{meta_path}: unsupported checkpoint format {meta.get('format')!r} "
                            f"version {meta.get('version')!r} (expected {FORMAT} {FORMAT_VERSION})")
+    for key in ("parts", "entries"):
+        if not isinstance(meta.get(key), list):
+            raise ConvertError(f"{meta_path} is damaged: its {key!r} list is missing")
     return meta
 
 
@@ -180,6 +188,11 @@ def check_destination(dst: str, overwrite: bool, *, sources=()) -> None:
             raise ConvertError(f"destination {dst} overlaps the source {s}; choose another directory")
     if os.path.lexists(dst) and not overwrite:
         raise ConvertError(f"destination {dst} already exists; pass --overwrite to replace it")
+    up = os.path.dirname(os.path.abspath(dst))
+    while not os.path.exists(up):  # the nearest existing ancestor must be a directory to create dst in
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ConvertError(f"cannot create destination {dst}: {up} is not a directory")
 
 
 def _fresh_dir(prefix: str) -> str:

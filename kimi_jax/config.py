@@ -650,7 +650,7 @@ def _parse_file(path: str, parse) -> ModelConfig:
         return parse(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: not a valid config ({type(e).__name__}: {e})") from None
 
 

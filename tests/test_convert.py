@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -338,6 +339,14 @@ def test_unknown_architecture(kl_dir, tmp_path):
     _expect_error(kl_dir, tmp_path / "dst3", "unknown architecture 'gpt'", architecture="gpt")
 
 
+def test_malformed_config(kl_dir, tmp_path):
+    """A config.json that is JSON but not the expected objects is a ConvertError naming it, not a traceback."""
+    src = rewrite_dir(kl_dir, tmp_path / "src", config=lambda hf: [1, 2])
+    _expect_error(src, tmp_path / "dst", "config.json must hold a JSON object", "list")
+    src2 = rewrite_dir(kl_dir, tmp_path / "src2", config=lambda hf: hf.update(linear_attn_config="x"))
+    _expect_error(src2, tmp_path / "dst2", "config.json", "malformed kimi_linear config")
+
+
 def test_missing_tensor(kl_dir, tmp_path):
     name = "model.layers.2.self_attn.kv_b_proj.weight"
     src = rewrite_dir(kl_dir, tmp_path / "src", lambda t: {k: v for k, v in t.items() if k != name})
@@ -363,6 +372,15 @@ def test_dtype_mismatch(kl_dir, tmp_path):
     name = "model.layers.3.self_attn.o_proj.weight"
     src = rewrite_dir(kl_dir, tmp_path / "src", lambda t: {**t, name: t[name].astype(np.int32)})
     _expect_error(src, tmp_path / "dst", f"dtype mismatch for {name}", "found I32")
+
+
+def test_experts_must_share_one_dtype(k3_dir, tmp_path):
+    """Experts are stacked into one array: an E8M0 scale among uint8 ones would be cast by value (127 -> 134)."""
+    import ml_dtypes
+
+    name = "language_model.model.layers.1.block_sparse_moe.experts.2.w1.weight_scale"
+    src = rewrite_dir(k3_dir, tmp_path / "src", lambda t: {**t, name: t[name].view(ml_dtypes.float8_e8m0fnu)})
+    _expect_error(src, tmp_path / "dst", f"dtype mismatch for {name}", "expected U8 like expert 0", "F8_E8M0")
 
 
 def test_a_log_padding_must_be_zero(k3_dir, tmp_path):
@@ -398,6 +416,10 @@ def test_index_naming_missing_shard(k3_dir, tmp_path):
     victim = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[1]
     os.remove(src / victim)
     _expect_error(src, tmp_path / "dst", "shard file(s) that do not exist", victim)
+    index = src / "model.safetensors.index.json"
+    for weight_map in ([victim], {"embed.weight": None}):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        _expect_error(src, tmp_path / "dst", str(index), "weight_map must map tensor names to shard file names")
 
 
 def test_destination_exists_and_overwrite(kl_dir, tmp_path):
@@ -419,6 +441,9 @@ def test_destination_exists_and_overwrite(kl_dir, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ConvertError, match="already exists"):
         export(str(dst), str(tmp_path / "out"), progress=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConvertError, match="cannot create destination .*afile is not a directory"):
+        convert(str(kl_dir), str(tmp_path / "afile" / "sub" / "dst"), progress=False)
 
 
 def test_failure_midway_leaves_nothing(kl_dir, tmp_path, monkeypatch):
@@ -454,6 +479,13 @@ def test_load_reports_damaged_checkpoint(kl_dir, tmp_path):
         kimi_jax.load_model(str(dst))
     with pytest.raises(ConvertError, match="not a converted kimi_jax checkpoint"):
         export(str(kl_dir), str(tmp_path / "out"), progress=False)
+    meta_path = dst / "kimi_jax_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    for damaged, says in (([], "must hold a JSON object"), ({**meta, "entries": None}, "'entries' list is missing"),
+                          ({**meta, "parts": meta["parts"][:1]}, "lists 1 part(s)")):
+        meta_path.write_text(json.dumps(damaged))
+        with pytest.raises(ConvertError, match=re.escape(says)):
+            kimi_jax.load_model(str(dst))
     # without its metadata file the directory still has config.json: it must not be read as a Hugging Face one
     (dst / "kimi_jax_checkpoint.json").unlink()
     with pytest.raises(ConvertError, match="kimi_jax_checkpoint.json is missing"):
@@ -519,6 +551,30 @@ def test_an_interrupt_whose_exception_was_swallowed_still_stops_the_conversion(k
             job()
     assert sorted(os.listdir(tmp_path)) == ["ok"]  # no a, no b, no temporary directory
     interrupt.check()  # raised once, then clear
+
+
+def test_cli_reports_file_system_and_damaged_part_errors_without_tracebacks(kl_dir, tmp_path, capsys, monkeypatch):
+    """A refusal of the file system (disk full) is one "error:" line, exit 2, nothing left; so is a damaged part, and
+    Orbax's late "Event loop is closed" callbacks after its failed read print nothing."""
+    import convert.importer as imp
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(imp, "build", full)
+        assert cli_main([str(kl_dir), str(tmp_path / "a"), "--quiet"]) == 2
+    assert "No space left on device; nothing was written" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+    convert(str(kl_dir), str(tmp_path / "a"), part_bytes=50_000, progress=False)
+    part = tmp_path / "a" / "params" / "part_00001"
+    data = max((p for p in part.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(data, 100)
+    r = subprocess.run([sys.executable, "-m", "convert", "--export", str(tmp_path / "a"), str(tmp_path / "b"),
+                        "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "cannot read checkpoint part" in r.stderr and "part_00001" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a"]
 
 
 def test_cli(kl_dir, tmp_path, capsys):

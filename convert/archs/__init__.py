@@ -71,6 +71,8 @@ def detect(hf: dict, requested: str = "auto", where: str = "config.json") -> Mod
     """Parse config.json into a ModelConfig; `requested` (if not "auto") must agree with what the file says."""
     if requested not in ("auto",) + ARCHITECTURES:
         raise ConvertError(f"unknown architecture {requested!r}; choose one of auto, {', '.join(ARCHITECTURES)}")
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{where} must hold a JSON object, found {type(hf).__name__}")
     mt = hf.get("model_type")
     if mt not in SUPPORTED_HF_TYPES:
         raise ConvertError(f"unknown architecture: {where} has model_type={mt!r}; supported model types: "
@@ -79,7 +81,7 @@ def detect(hf: dict, requested: str = "auto", where: str = "config.json") -> Mod
         cfg = from_hf_config(hf)
     except ConfigError as e:
         raise ConvertError(f"{where}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # e.g. a sub-config that is not an object
         raise ConvertError(f"{where}: incomplete or malformed {mt} config ({type(e).__name__}: {e})") from None
     if requested != "auto" and requested != cfg.architecture:
         raise ConvertError(f"--architecture {requested} does not match {where}, which describes {cfg.architecture} "
