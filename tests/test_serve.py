@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import string
 import subprocess
@@ -411,8 +412,24 @@ def test_malformed_json_too_long_and_unknown_model(http, client):
     assert r.status_code == 404 and "error" in r.json()
 
 
+
+def test_wrong_method_and_response_format_shape_and_errors_logged(http, caplog):
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"  # RFC 9110: a 405 names the allowed methods
+    assert r.json()["error"]["code"] == "method_not_allowed" and "use POST" in r.json()["error"]["message"]
+    with caplog.at_level(logging.INFO, logger="kimi_jax.serve"):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": _msgs("x"), "max_tokens": 2,
+                                                     "response_format": "text"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "response_format" and err["code"] == "invalid_type"
+    assert "object" in err["message"]
+    # the access log says only "400"; the server's own log says why
+    assert any("response_format" in rec.getMessage() and "400" in rec.getMessage() for rec in caplog.records)
+
+
 # ================================================================================================== disconnects
-def test_client_disconnect_mid_stream_frees_slot(http, served):
+def test_client_disconnect_mid_stream_frees_slot(http, served, caplog):
+    caplog.set_level(logging.INFO, logger="kimi_jax.serve")
     _wait_idle(http)
     body = {"model": MODEL, "messages": _msgs("Talk for a long time."), "max_tokens": 400, "stream": True,
             "ignore_eos": True}
@@ -438,6 +455,8 @@ def test_client_disconnect_mid_stream_frees_slot(http, served):
         http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 450, "ignore_eos": True},
                   timeout=1.0)
     _wait_idle(http)
+    said = [rec.getMessage() for rec in caplog.records if "client disconnected" in rec.getMessage()]
+    assert any("mid-stream" in m for m in said) and any("cmpl-" in m for m in said)  # both aborts are logged
 
 
 # ================================================================================================== other front ends

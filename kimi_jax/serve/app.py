@@ -108,13 +108,20 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
     # -------------------------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)
-    async def _api_error(_req, e: APIError):
+    async def _api_error(req: Request, e: APIError):
+        # the access log shows only the status; say why (a client's 4xx at info, a 5xx as a warning)
+        log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s -> %d %s: %s", req.method,
+                req.url.path, e.status, e.code or e.type, e.message)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_req, e: StarletteHTTPException):
+    async def _http_error(req: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error", None, code), status_code=e.status_code)
+        msg = str(e.detail)
+        if e.status_code == 405 and e.headers and e.headers.get("Allow"):
+            msg = f"{req.method} is not allowed on {req.url.path}; use {e.headers['Allow']}"
+        return JSONResponse(error_body(msg, "invalid_request_error", None, code), status_code=e.status_code,
+                            headers=e.headers)  # a 405 keeps its Allow header
 
     @app.exception_handler(Exception)
     async def _internal(_req, e: Exception):
@@ -174,11 +181,12 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from None
 
-    async def watch_disconnect(request: Request, rids: list[str]):
+    async def watch_disconnect(request: Request, rids: list[str], label: str):
         try:
             while True:
                 await asyncio.sleep(0.25)
                 if await request.is_disconnected():
+                    log.info("%s: client disconnected; request aborted", label)
                     for rid in rids:
                         engine.abort(rid)
                     return
@@ -355,7 +363,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
         finally:
-            if done is None:
+            if done is None and engine.alive:
+                log.info("%s: client disconnected mid-stream; request aborted", rid)
                 engine.abort(rid)
 
     async def chat_full(request, stream, rid, created, c, opts):
@@ -363,7 +372,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
         outs = [SequenceOutput(i) for i in range(n)]
         done = None
-        watcher = asyncio.create_task(watch_disconnect(request, [rid]))
+        watcher = asyncio.create_task(watch_disconnect(request, [rid], rid))
         try:
             async for ev in stream:
                 if isinstance(ev, RequestDone):
@@ -522,6 +531,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
         finally:
+            if len(dones) < len(rids) and engine.alive:
+                log.info("%s: client disconnected mid-stream; request aborted", rid)
             for k, r in enumerate(rids):
                 if k not in dones:
                     engine.abort(r)
@@ -532,7 +543,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         texts: dict[int, list[str]] = {idx: [] for idx in outs}  # text of each generated token
         extra_text: dict[int, str] = {idx: "" for idx in outs}  # text flushed by a final event without a token
         dones: dict[int, RequestDone] = {}
-        watcher = asyncio.create_task(watch_disconnect(request, rids))
+        watcher = asyncio.create_task(watch_disconnect(request, rids, rid))
         try:
             async for k, ev in merged(streams):
                 if isinstance(ev, RequestDone):
