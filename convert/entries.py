@@ -137,6 +137,10 @@ def resolve(entry: Entry, sources: SourceSet, tshapes: list, fp8_block=quant.FP8
     for e in idx:
         name = entry.src_name(e)
         if entry.form == "plain":
+            found = sources.info(name).dtype
+            if found in FP8_DTYPES and name + "_scale_inv" not in sources:
+                raise ConvertError(f"dtype mismatch for {name}: expected {' or '.join(FLOAT_DTYPES)}, found {found}, "
+                                   f"and an FP8 weight needs its {name}_scale_inv, which is missing")
             _check(name, sources.info(name), FLOAT_DTYPES, shapes)
         elif entry.form == "fp8":
             _check(name, sources.info(name), FP8_DTYPES, shapes)

@@ -374,6 +374,13 @@ def test_dtype_mismatch(kl_dir, tmp_path):
     _expect_error(src, tmp_path / "dst", f"dtype mismatch for {name}", "found I32")
 
 
+def test_fp8_weight_without_its_scale(ds_fp8_dir, tmp_path):
+    name = "model.layers.0.mlp.down_proj.weight"
+    src = rewrite_dir(ds_fp8_dir, tmp_path / "src", lambda t: {k: v for k, v in t.items() if k != name + "_scale_inv"})
+    _expect_error(src, tmp_path / "dst", f"dtype mismatch for {name}", "found F8_E4M3",
+                  f"needs its {name}_scale_inv, which is missing")
+
+
 def test_experts_must_share_one_dtype(k3_dir, tmp_path):
     """Experts are stacked into one array: an E8M0 scale among uint8 ones would be cast by value (127 -> 134)."""
     import ml_dtypes
