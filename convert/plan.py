@@ -50,12 +50,15 @@ def read_hf_config(src: str) -> dict:
         raise ConvertError(f"{path} is not valid JSON ({e})") from None
 
 
-def fp8_block_of(hf: dict) -> tuple:
+def fp8_block_of(hf: dict, where: str = "config.json") -> tuple:
     for d in (hf, hf.get("text_config") or {}):
         qc = d.get("quantization_config") or {}
         if isinstance(qc, dict) and qc.get("weight_block_size"):
             b = qc["weight_block_size"]
-            return (int(b[0]), int(b[1]))
+            if not (isinstance(b, list) and len(b) == 2 and all(type(x) is int and x > 0 for x in b)):
+                raise ConvertError(f"{where}: quantization_config.weight_block_size must be two positive integers "
+                                   f"such as [128, 128], found {b!r}")
+            return (b[0], b[1])
     return quant.FP8_BLOCK
 
 
@@ -85,7 +88,7 @@ def make_plan(src: str, architecture: str = "auto") -> Plan:
         raise ConvertError(f"internal: the {cfg.architecture} name map does not cover the model's parameters "
                            f"(extra {listing(set(produced) - set(shapes))}; "
                            f"uncovered {listing(set(shapes) - set(produced))})")
-    block = fp8_block_of(hf)
+    block = fp8_block_of(hf, os.path.join(src, "config.json"))
     missing, claimed = [], set()
     for e in entries:
         missing += resolve(e, sources, [shapes[t] for t in e.targets], block)

@@ -381,6 +381,14 @@ def test_fp8_weight_without_its_scale(ds_fp8_dir, tmp_path):
                   f"needs its {name}_scale_inv, which is missing")
 
 
+def test_bad_fp8_block_size(ds_fp8_dir, tmp_path):
+    for i, block in enumerate(([128], [0, 0], "x")):
+        src = rewrite_dir(ds_fp8_dir, tmp_path / f"src{i}",
+                          config=lambda hf: hf["quantization_config"].update(weight_block_size=block))
+        _expect_error(src, tmp_path / f"dst{i}", "config.json: quantization_config.weight_block_size must be two "
+                      "positive integers", repr(block))
+
+
 def test_experts_must_share_one_dtype(k3_dir, tmp_path):
     """Experts are stacked into one array: an E8M0 scale among uint8 ones would be cast by value (127 -> 134)."""
     import ml_dtypes
