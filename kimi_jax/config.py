@@ -178,6 +178,22 @@ class ModelConfig:
             raise ConfigError(f"layer kinds must be 'kda' or 'mla', got {sorted(set(self.layer_kinds))}")
         if "kda" in self.layer_kinds and self.kda is None:
             raise ConfigError("config has KDA layers but no kda block")
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                 "attention heads": self.mla.num_heads, "kv_lora_rank": self.mla.kv_lora_rank,
+                 "v_head_dim": self.mla.v_head_dim, "num_experts": self.moe.num_experts,
+                 "moe_intermediate_size": self.moe.intermediate_size, "expert groups": self.moe.num_groups}
+        if self.mla.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.mla.q_lora_rank
+        if self.dense_layers:
+            sizes["intermediate_size"] = self.dense_intermediate_size
+        if self.kda is not None:
+            sizes.update({"KDA heads": self.kda.num_heads, "KDA head_dim": self.kda.head_dim})
+        bad = [f"{k} = {v}" for k, v in sizes.items() if not v > 0]
+        if bad:
+            raise ConfigError(f"sizes must be positive: {', '.join(bad)}")
+        if not 1 <= self.moe.top_k <= self.moe.num_experts:
+            raise ConfigError(f"experts per token ({self.moe.top_k}) must be between 1 and the number of experts "
+                              f"({self.moe.num_experts})")
         if self.moe.num_experts % self.moe.num_groups:
             raise ConfigError(f"{self.moe.num_experts} experts do not split into {self.moe.num_groups} groups")
         if self.kda is not None and self.kda.a_log_checkpoint_size is not None:

@@ -99,6 +99,22 @@ def test_unknown_architecture_and_bad_layer_lists_are_clear_errors():
             C.from_hf_config(short)
 
 
+def test_impossible_sizes_are_clear_errors():
+    """Zero heads would fail deep inside the model build; more experts per token than experts would convert and fail
+    at the first forward: both are refused when the config is read."""
+    for key, value, match in (("num_attention_heads", 0, "attention heads = 0"), ("kv_lora_rank", 0, "kv_lora_rank = 0"),
+                              ("hidden_size", -1, "hidden_size = -1"),
+                              ("num_experts_per_token", 900, r"experts per token \(900\) .* experts \(896\)")):
+        hf = k3_hf_config()
+        hf["text_config"][key] = value
+        with pytest.raises(C.ConfigError, match=match):
+            C.from_hf_config(hf)
+    hf = k3_hf_config()
+    hf["text_config"]["linear_attn_config"]["num_heads"] = 0
+    with pytest.raises(C.ConfigError, match="KDA heads = 0"):
+        C.from_hf_config(hf)
+
+
 def test_missing_keys_and_bad_json_are_clear_errors_naming_the_file(tmp_path):
     """A config.json without a required key, or not JSON at all: a ConfigError naming the file (and the key);
     the planner exits 2 with it, no traceback."""
