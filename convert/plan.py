@@ -77,6 +77,9 @@ def param_dtypes(cfg: ModelConfig, dtype) -> dict:
 def make_plan(src: str, architecture: str = "auto") -> Plan:
     if not os.path.isdir(src):
         raise ConvertError(f"source {src} is not a directory")
+    if os.path.isfile(os.path.join(src, "kimi_jax_checkpoint.json")):
+        raise ConvertError(f"source {src} is already a converted kimi_jax checkpoint; to write it back as "
+                           f"safetensors use --export (python -m convert --export {src} OUT)")
     hf = read_hf_config(src)
     cfg = archs.detect(hf, architecture, where=os.path.join(src, "config.json"))
     sources = SourceSet(src)

@@ -599,6 +599,9 @@ def test_cli(kl_dir, tmp_path, capsys):
     assert json.load(open(tmp_path / "a" / "kimi_jax_checkpoint.json"))["dtype_policy"] == "keep"
     assert cli_main([str(kl_dir), str(tmp_path / "a"), "--dtype", "keep", "--quiet"]) == 2
     assert "already exists" in capsys.readouterr().err
+    assert cli_main([str(tmp_path / "a"), str(tmp_path / "c"), "--quiet"]) == 2  # the arguments the wrong way round
+    assert "already a converted kimi_jax checkpoint; to write it back as safetensors use --export" in \
+        capsys.readouterr().err
     assert cli_main(["--export", str(tmp_path / "a"), str(tmp_path / "b"), "--quiet", "--shard-size", "100KB"]) == 0
     assert_same_tensors(kl_dir, tmp_path / "b")
     r = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, timeout=60)
