@@ -61,19 +61,29 @@ def _main(argv) -> int:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs=2, metavar="PATH", help="SRC DST (convert) or DST OUT (with --export)")
     ap.add_argument("--export", action="store_true", help="export the kimi_jax checkpoint DST to safetensors in OUT")
-    ap.add_argument("--dtype", default="keep", choices=("bf16", "fp8", "keep"),
+    ap.add_argument("--dtype", choices=("bf16", "fp8", "keep"),
                     help="keep (default): every tensor as stored (lossless: --export gives the same safetensors back; "
                          "FP8 stays FP8); bf16: bfloat16 weights, FP8 dequantised; fp8: projection/expert weights as "
                          "FP8 e4m3 with 128x128 scales. MXFP4 experts stay packed in every mode")
-    ap.add_argument("--architecture", default="auto",
+    ap.add_argument("--architecture",
                     choices=("auto", "kimi_k3", "kimi_k31", "kimi_linear", "deepseek_v32"),
                     help="default: detected from config.json (an explicit value must agree with it)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    ap.add_argument("--part-size", type=_size, default="1GiB",
+    ap.add_argument("--part-size", type=_size,
                     help="approximate size of each Orbax part of the checkpoint (bounds memory; default 1GiB)")
-    ap.add_argument("--shard-size", type=_size, default="5GiB", help="--export: maximum safetensors shard size")
+    ap.add_argument("--shard-size", type=_size, help="--export: maximum safetensors shard size (default 5GiB)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     args = ap.parse_args(argv)
+    # options of the other mode would be silently ignored (e.g. --export --dtype bf16 still exports source dtypes)
+    other = ["--dtype", "--architecture", "--part-size"] if args.export else ["--shard-size"]
+    given = [o for o in other if getattr(args, o[2:].replace("-", "_")) is not None]
+    if given:
+        ap.error(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                 f"{'only without --export' if args.export else 'only with --export'}")
+    defaults = {"dtype": "keep", "architecture": "auto", "part_size": _size("1GiB"), "shard_size": _size("5GiB")}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     level = logging.WARNING if args.quiet else logging.INFO
     fmt = "%(asctime)s %(name)s %(levelname)s: %(message)s"
     logging.basicConfig(level=level, format=fmt)

@@ -604,5 +604,12 @@ def test_cli(kl_dir, tmp_path, capsys):
         capsys.readouterr().err
     assert cli_main(["--export", str(tmp_path / "a"), str(tmp_path / "b"), "--quiet", "--shard-size", "100KB"]) == 0
     assert_same_tensors(kl_dir, tmp_path / "b")
+    # an option of the other mode is refused, not silently ignored (--export writes the source dtypes back)
+    for args, says in ((["--export", "a", "x", "--dtype", "bf16"], "--dtype applies only without --export"),
+                       (["a", "x", "--shard-size", "1GB"], "--shard-size applies only with --export")):
+        with pytest.raises(SystemExit) as ei:
+            cli_main([str(tmp_path / p) if p in ("a", "x") else p for p in args])
+        assert ei.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     r = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--mesh" in r.stdout and "sharding issue" in r.stdout
