@@ -550,3 +550,32 @@ def test_k3_parser_unescaped_quote_in_key_falls_back(tok):
     ids = model_output(tok, asst, escape=True)
     deltas, res = run_parser(K3OutputParser(tok), ids)
     assert json.loads(res.tool_calls[0]["function"]["arguments"]) == {'a"b': 1}
+
+
+def test_parsers_give_calls_back_as_content_when_the_request_allows_no_tool_calls(tok, tok_k2):
+    """OpenAI's contract: with no tools, or tool_choice "none", a response carries no tool_calls. A call the model
+    writes anyway comes back as content text (the K3 call with its control tokens spelled out, the K2 call's id and
+    arguments), finish reason "stop" — streamed per token or cut anywhere, never a tool-call delta."""
+    k3_ids = model_output(tok, ASSISTANT)
+    prompt = encode_chat_kimi_linear(tok_k2, USER, TOOLS)
+    k2_ids = encode_chat_kimi_linear(tok_k2, USER + [ASSISTANT], TOOLS, add_generation_prompt=False)[len(prompt):]
+    for make, ids in ((lambda: K3OutputParser(tok, thinking=True, tool_calls=False), k3_ids),
+                      (lambda: KimiLinearOutputParser(tok_k2, tool_calls=False), k2_ids)):
+        deltas, res = run_parser(make(), ids)
+        assert res.tool_calls == [] and res.finish_reason == "stop"
+        assert not any("tool_calls" in d for d in deltas)
+        reasoning, content, _ = join_deltas(deltas)
+        assert (reasoning, content) == (res.reasoning_content, res.content)
+        assert reasoning == ASSISTANT["reasoning_content"] and content.startswith(ASSISTANT["content"])
+        assert "get_weather" in content and "search" in content
+        for n in range(len(ids) + 1):
+            deltas, res = run_parser(make(), ids[:n], "length")
+            assert res.tool_calls == [] and not any("tool_calls" in d for d in deltas)
+    # the server's options: calls allowed only with tools and a tool_choice other than "none"
+    from kimi_jax.serve.formats import ChatOptions, K3Format
+
+    opts = ChatOptions(thinking=True, reasoning_effort=None)
+    for tools, choice, allowed in (([], "auto", False), (TOOLS, "none", False), (TOOLS, "auto", True),
+                                   (TOOLS, "required", True)):
+        _, res = run_parser(K3Format(tok).new_parser(opts.with_tools(tools, choice)), k3_ids)
+        assert bool(res.tool_calls) == allowed, (tools, choice)

@@ -3,7 +3,8 @@
 Endpoints
   POST /v1/chat/completions   chat (stream or not); reasoning as ``reasoning_content`` (alias ``reasoning``); tool calls
                               parsed into ``tool_calls`` (streamed as deltas); ``tool_choice`` none / auto / required /
-                              a named function (the last two guided, K3 format); n, logprobs, top_logprobs, seed,
+                              a named function (the last two guided, K3 format; with no tools or "none" a call the
+                              model writes anyway is content, never ``tool_calls``); n, logprobs, top_logprobs, seed,
                               stop, logit_bias, penalties; ``stream_options.include_usage``
   POST /v1/completions        text completion: prompt as a string, a list of strings, token ids or lists of ids
   GET  /v1/models             the served model
@@ -301,6 +302,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         check_response_format(body)
         tools, tool_choice = parse_tools(body)
         opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+        opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
         ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts)
         params = fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
         guide_factory = None

@@ -14,7 +14,7 @@ the two choices SPEC §11 leaves open (see ``chat.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from .chat import encode_chat, encode_chat_kimi_linear, normalize_reasoning_effort
@@ -31,6 +31,12 @@ class ChatOptions:
     reasoning_effort: Optional[str]
     keep_past_reasoning: bool = False
     escape_attributes: bool = True
+    # whether the request lets the model call tools (tools given and tool_choice not "none"); when not, a tool-call
+    # section the model writes anyway comes back as content text, never as tool_calls (OpenAI's contract)
+    tool_calls: bool = True
+
+    def with_tools(self, tools, tool_choice) -> "ChatOptions":
+        return replace(self, tool_calls=bool(tools) and tool_choice != "none")
 
 
 class ChatFormat:
@@ -82,7 +88,8 @@ class K3Format(ChatFormat):
                            add_generation_prompt=add_generation_prompt)
 
     def new_parser(self, opts):
-        return K3OutputParser(self.tok, thinking=opts.thinking, unescape_attributes=opts.escape_attributes)
+        return K3OutputParser(self.tok, thinking=opts.thinking, unescape_attributes=opts.escape_attributes,
+                              tool_calls=opts.tool_calls)
 
 
 class KimiLinearFormat(ChatFormat):
@@ -95,7 +102,7 @@ class KimiLinearFormat(ChatFormat):
                                        add_generation_prompt=add_generation_prompt)
 
     def new_parser(self, opts):
-        return KimiLinearOutputParser(self.tok, in_reasoning=opts.thinking)
+        return KimiLinearOutputParser(self.tok, in_reasoning=opts.thinking, tool_calls=opts.tool_calls)
 
 
 def chat_format_for(architecture: str, tokenizer) -> Optional[ChatFormat]:

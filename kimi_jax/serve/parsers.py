@@ -13,7 +13,9 @@ Feed generated token ids one at a time (``feed``), or text pieces and control to
 ``finish(finish_reason)`` closes whatever is still open (truncated output), returns the last deltas, and
 ``result()`` returns the aggregate ``ParsedMessage``.  The concatenation of all deltas always equals the aggregate.
 Nothing here raises on model output. K3: malformed or unparsable tool text ends up in ``content``, and arguments
-are always a valid (strict) JSON object; K2: see below.
+are always a valid (strict) JSON object; K2: see below. ``tool_calls=False`` (the request gave no tools, or
+tool_choice "none"): a call the model writes anyway is given back as ``content`` text the same way, never as a
+tool call.
 
 K3 (``K3OutputParser``), after the generation prompt ``...<|open|>think<|sep|>`` (or ``<|open|>response<|sep|>``):
 
@@ -124,8 +126,9 @@ def _copy_delta(d: dict) -> dict:
 class _OutputParserBase:
     """Delta bookkeeping shared by the two formats."""
 
-    def __init__(self, tokenizer: Tokenizer, id_factory: Callable[[], str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, id_factory: Callable[[], str] | None = None, tool_calls: bool = True):
         self.tok = tokenizer
+        self._allow_calls = tool_calls
         self._decoder = StreamDecoder(tokenizer)
         self._id_factory = id_factory or new_tool_call_id
         self._reasoning: list[str] = []
@@ -301,8 +304,9 @@ class K3OutputParser(_OutputParserBase):
         start: str | None = None,
         unescape_attributes: bool = True,
         id_factory: Callable[[], str] | None = None,
+        tool_calls: bool = True,
     ):
-        super().__init__(tokenizer, id_factory)
+        super().__init__(tokenizer, id_factory, tool_calls)
         self._unescape = unescape_attributes
         self._stack: list[_Elem] = []
         start = start or ("think" if thinking else "response")
@@ -457,7 +461,7 @@ class K3OutputParser(_OutputParserBase):
                 self._close_to(self._open_call())  # a new call closes an unterminated one
             elem = _Elem("call", attrs, raw)
             name = self._attr(attrs, "tool")
-            if not name:
+            if not name or not self._allow_calls:  # no tool calls allowed: the call goes back as content text
                 elem.failed = True
             else:
                 elem.name = name
@@ -601,8 +605,9 @@ class KimiLinearOutputParser(_OutputParserBase):
         *,
         in_reasoning: bool = False,
         id_factory: Callable[[], str] | None = None,
+        tool_calls: bool = True,
     ):
-        super().__init__(tokenizer, id_factory)
+        super().__init__(tokenizer, id_factory, tool_calls)
         self._state = "reasoning" if in_reasoning else "content"  # content | reasoning | section | call_id | args
         self._seen_content = False
         self._held = ""  # text held back while it may be the start of a <think> tag
@@ -696,8 +701,8 @@ class KimiLinearOutputParser(_OutputParserBase):
             return
         if name == "<|tool_call_argument_begin|>" and st == "call_id":
             ref = "".join(self._id_buf)
-            m = _K2_ID_RE.match(ref)
-            if m is None:
+            m = _K2_ID_RE.match(ref) if self._allow_calls else None
+            if m is None:  # an id that does not parse (or no calls allowed): the call goes back as content text
                 self._emit_content("<|tool_call_begin|>" + ref + "<|tool_call_argument_begin|>")
                 self._state = "args"
                 self._call_index = None
