@@ -11,8 +11,9 @@ abstract model switch to MXFP4 parameters (`MoE.use_mxfp4_experts`; `layers.L.bl
 they are; the MoE kernels decode them tile by tile. `mxfp4_experts="dequantize"` loads them as plain `dtype` arrays
 instead (tests, comparisons). FP8 block weights kept by `--dtype keep` are dequantised here into the plain arrays.
 
-With `mesh`, each parameter is placed as it is filled, with the partition spec of `sharding.param_partition_spec`
-(the sharding package's rules; a mesh without a "model" axis replicates), so no host ever holds a second copy.
+With `mesh`, each parameter is placed as it is filled, with the partition spec of `sharding.mesh_partition_spec`
+(the sharding package's rules, routed experts over the mesh's expert axes; a mesh without a "model" axis
+replicates), so no host ever holds a second copy.
 """
 
 from __future__ import annotations
@@ -177,16 +178,13 @@ def _sharding(name, shape, mesh) -> Optional[jax.sharding.Sharding]:
         return None
     from jax.sharding import NamedSharding, PartitionSpec
 
-    spec = PartitionSpec()
-    axes = dict(mesh.shape)
-    if "model" in axes:
-        try:
-            from sharding import param_partition_spec
-        except ImportError:
-            param_partition_spec = None
-        if param_partition_spec is not None:
-            spec = param_partition_spec(name, shape, axes["model"])
-    return NamedSharding(mesh, spec)
+    try:
+        from sharding import mesh_partition_spec
+    except ImportError:
+        return NamedSharding(mesh, PartitionSpec())
+    # the mesh's own expert axes too: with experts over ("context", "model") (`expert=8,tensor=1,context=8`) a
+    # "model"-only spec would first put every expert on every device
+    return NamedSharding(mesh, mesh_partition_spec(name, shape, mesh))
 
 
 def _as_u8(a) -> np.ndarray:

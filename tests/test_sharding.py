@@ -130,3 +130,28 @@ def test_kimi_linear_on_eight_data_parallel_cpu_devices(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.split("1x8 err")[1]) < 1e-5, out.stdout
+
+
+CKPT_EXPERT_SCRIPT = textwrap.dedent("""
+    from jax.sharding import PartitionSpec as P
+    from kimi_jax.checkpoint import _sharding
+    from sharding import make_mesh
+    for text, axes in (("expert=8,tensor=1,context=8", "context"), ("expert=8,tensor=2,context=4", ("context", "model")),
+                       ("8x1", "model")):
+        mesh = make_mesh(text)
+        for name in ("layers.3.block_sparse_moe.w1", "layers.3.block_sparse_moe.w2_packed"):
+            assert _sharding(name, (16, 32, 32), mesh).spec == P(axes, None, None), (text, name)
+        assert _sharding("lm_head.kernel", (64, 1024), mesh).spec == (P() if "tensor=1" in text else P(None, "model"))
+    print("ok")
+""")
+
+
+def test_checkpoint_places_experts_over_the_expert_axes_directly():
+    """Loading a checkpoint places each routed-expert array on the mesh's expert axes as it is read. With experts
+    over ("context", "model") (`expert=8,tensor=1,context=8`) the loader used the "model"-only rule, so every
+    device first received every expert (a full replica of the expert weights per device) before `Model` re-split
+    them."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", CKPT_EXPERT_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
