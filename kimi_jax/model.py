@@ -77,6 +77,10 @@ class Model:
             from .modules.moe import use_mosaic_experts
 
             use_mosaic_experts(module)
+        if mesh is not None:  # routed experts computed where they live, not gathered by GSPMD
+            from .modules.moe import use_expert_parallel
+
+            use_expert_parallel(module, mesh)
         self.graphdef, self.params = nnx.split(module)
         if mesh is not None:
             from sharding.rules import shard_params

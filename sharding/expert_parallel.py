@@ -24,7 +24,9 @@ data (psum_scatter sums a fixed number of partials in the collective's fixed ord
 `expert_ffn` up to that fp32 summation order.
 
 Entry points: `ep_expert_ffn` (routing given, as `ops.expert_ffn`) and `ep_moe` (routes with
-`kimi_jax.modules.moe.route` inside the shard_map first). Inputs are global arrays; outputs are global `[N, D]`
+`kimi_jax.modules.moe.route` inside the shard_map first). A `Model` on a mesh whose "model" axis splits the routed
+experts runs every MoE layer through `ep_expert_ffn` (`kimi_jax.modules.moe.use_expert_parallel`): under plain GSPMD
+the kernels' custom calls (Pallas on GPU and TPU) cannot be split, so XLA would gather every expert to every device. Inputs are global arrays; outputs are global `[N, D]`
 float32 arrays sharded like the tokens.
 """
 
@@ -52,7 +54,9 @@ def _shard_map(f, mesh, in_specs, out_specs):
 
 
 def _num_experts(w):
-    return w.num_experts if isinstance(w, mx.MXFP4Weight) else w.shape[0]
+    """Experts of a dense `[E, K, N]` array, an `MXFP4Weight` or a Mosaic-prepared weight."""
+    n = getattr(w, "num_experts", None)
+    return w.shape[0] if n is None else n
 
 
 def _excl_cumsum(a, axis):

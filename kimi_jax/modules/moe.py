@@ -87,6 +87,10 @@ class MoE(nnx.Module):
         self.w3 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # up
         self.w2 = nnx.Param(normal_init(rngs, (E, F, width), F ** -0.5, dtype))  # down
         self.expert_format = "plain"
+        # a mesh whose "model" axis splits the routed experts (`use_expert_parallel`, set by `Model`): the FFN then
+        # runs where each expert lives (`sharding.expert_parallel`) instead of under GSPMD, which cannot split a
+        # kernel's custom call and would gather every expert to every device
+        self.ep_mesh = None
         if cfg.latent_size:
             self.routed_expert_down_proj = Linear(hidden, width, rngs=rngs, dtype=dtype)
             self.routed_expert_up_proj = Linear(width, hidden, rngs=rngs, dtype=dtype)
@@ -147,8 +151,15 @@ class MoE(nnx.Module):
         x = x_btd.reshape(B * T, D)
         w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
         xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
-        y = moe_ops.expert_ffn(xr, idx, w, *self.expert_weights(), self.act,
-                               backend=self.backend, interpret=self.interpret).astype(x.dtype)
+        if self.ep_mesh is not None and not jax.sharding.get_abstract_mesh().manual_axes:
+            from sharding.expert_parallel import ep_expert_ffn
+
+            y = ep_expert_ffn(xr, idx, w, *self.expert_weights(), self.act, mesh=self.ep_mesh, backend=self.backend,
+                              interpret=self.interpret)
+        else:  # one device, or inside a shard_map (the context-parallel programs keep GSPMD for the experts)
+            y = moe_ops.expert_ffn(xr, idx, w, *self.expert_weights(), self.act,
+                                   backend=self.backend, interpret=self.interpret)
+        y = y.astype(x.dtype)
         if cfg.latent_size:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
@@ -167,4 +178,21 @@ def use_mosaic_experts(module) -> int:
         if (isinstance(m, MoE) and not m.interpret
                 and moe_ops.resolve_backend(m.backend, quantized=True) == "gpu"):
             count += m.use_mosaic_experts()
+    return count
+
+
+def use_expert_parallel(module, mesh) -> int:
+    """Run every MoE layer of `module` expert-parallel on `mesh` (`MoE.ep_mesh`) when the mesh splits the routed
+    experts over its "model" axis alone, in more than one piece, and the expert count divides; returns how many
+    layers were set. (Experts overlaid on ("context", "model") stay under GSPMD.)"""
+    from sharding.mesh import expert_axes
+
+    if mesh is None or expert_axes(mesh) != ("model",) or int(mesh.shape["model"]) < 2:
+        return 0
+    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
+    count = 0
+    for _, m in iter_modules(module):
+        if isinstance(m, MoE) and m.cfg.num_experts % int(mesh.shape["model"]) == 0:
+            m.ep_mesh = mesh
+            count += 1
     return count
