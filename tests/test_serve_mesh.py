@@ -142,3 +142,15 @@ def test_too_few_devices_is_a_clear_error_naming_the_fix(model):
     assert "needs 8 devices" in r.stderr
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in r.stderr
     assert "--fake-cpu-devices" in r.stderr
+
+
+def test_fake_cpu_devices_overruled_by_xla_flags_says_so():
+    """A device count in XLA_FLAGS wins over --fake-cpu-devices; when it is too small the error says that XLA_FLAGS
+    set it (it used to tell the user to add --fake-cpu-devices, which they had given)."""
+    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run([sys.executable, "-m", "kimi_jax.serve", "--mesh", "4x1", "--fake-cpu-devices", "--port", "0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "needs 4 devices but only 2" in r.stderr
+    assert "or add --fake-cpu-devices" not in r.stderr
+    assert "--xla_force_host_platform_device_count=4 there or unset it" in r.stderr, r.stderr[-2000:]

@@ -237,7 +237,11 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
                  "XLA_FLAGS=%s=%d)", args.mesh, len(devices), need, FAKE_DEVICES_FLAG, need)
     if need > len(devices):
         hint = ""
-        if platform == "cpu":
+        if platform == "cpu" and args.fake_cpu_devices and FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", ""):
+            # the flag was given but a count in XLA_FLAGS wins: suggesting the flag again would not help
+            hint = (f" --fake-cpu-devices leaves the CPU device count that XLA_FLAGS sets "
+                    f"({os.environ['XLA_FLAGS']!r}); set {FAKE_DEVICES_FLAG}={need} there or unset it")
+        elif platform == "cpu":
             hint = (f" On a CPU-only machine you can fake devices: XLA_FLAGS={FAKE_DEVICES_FLAG}={need} python -m "
                     f"kimi_jax.serve --mesh {args.mesh} ..., or add --fake-cpu-devices")
         return _fail(f"--mesh {args.mesh} needs {need} devices but only {len(devices)} {platform} device(s) are "
