@@ -98,13 +98,10 @@ def _mxfp4_expert_targets(entries) -> set:
 def _packed_modules(module, targets: set) -> set:
     """Switch every MoE module whose three expert weights are all in `targets` to MXFP4 parameters (see
     `MoE.use_mxfp4_experts`). Returns the expert targets that were switched."""
-    from .modules.moe import EXPERT_WEIGHTS, MoE
+    from .modules.moe import EXPERT_WEIGHTS, moe_layers
 
     switched = set()
-    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
-    for path, m in iter_modules(module):
-        if not isinstance(m, MoE):
-            continue
+    for path, m in moe_layers(module):
         prefix = ".".join(str(p) for p in path)
         names = {f"{prefix}.{w}" for w in EXPERT_WEIGHTS}
         if names <= targets:

@@ -73,14 +73,11 @@ class Model:
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
         self.mesh = mesh
+        from .modules.moe import use_expert_parallel, use_mosaic_experts
+
         if jax.default_backend() in ("gpu", "cuda"):  # MXFP4 experts laid out once for the Mosaic GPU kernel
-            from .modules.moe import use_mosaic_experts
-
             use_mosaic_experts(module)
-        if mesh is not None:  # routed experts computed where they live, not gathered by GSPMD
-            from .modules.moe import use_expert_parallel
-
-            use_expert_parallel(module, mesh)
+        use_expert_parallel(module, mesh)  # on a mesh: routed experts computed where they live, not gathered
         self.graphdef, self.params = nnx.split(module)
         if mesh is not None:
             from sharding.rules import shard_params

@@ -169,16 +169,17 @@ class MoE(nnx.Module):
         return y.reshape(B, T, D)
 
 
+def moe_layers(module):
+    """(path, `MoE`) for every MoE layer inside `module`, in graph order."""
+    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
+    return [(path, m) for path, m in iter_modules(module) if isinstance(m, MoE)]
+
+
 def use_mosaic_experts(module) -> int:
     """`MoE.use_mosaic_experts` for every MoE layer of `module` whose kernel backend resolves to the GPU kernels
     (and is not interpreted). Meant for a GPU host, right after loading; returns how many layers were re-laid."""
-    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
-    count = 0
-    for _, m in iter_modules(module):
-        if (isinstance(m, MoE) and not m.interpret
-                and moe_ops.resolve_backend(m.backend, quantized=True) == "gpu"):
-            count += m.use_mosaic_experts()
-    return count
+    return sum(m.use_mosaic_experts() for _, m in moe_layers(module)
+               if not m.interpret and moe_ops.resolve_backend(m.backend, quantized=True) == "gpu")
 
 
 def use_expert_parallel(module, mesh) -> int:
@@ -189,10 +190,9 @@ def use_expert_parallel(module, mesh) -> int:
 
     if mesh is None or expert_axes(mesh) != ("model",) or int(mesh.shape["model"]) < 2:
         return 0
-    iter_modules = getattr(nnx, "iter_modules", None) or (lambda mod: mod.iter_modules())  # flax >= 0.12 / older
     count = 0
-    for _, m in iter_modules(module):
-        if isinstance(m, MoE) and m.cfg.num_experts % int(mesh.shape["model"]) == 0:
+    for _, m in moe_layers(module):
+        if m.cfg.num_experts % int(mesh.shape["model"]) == 0:
             m.ep_mesh = mesh
             count += 1
     return count
