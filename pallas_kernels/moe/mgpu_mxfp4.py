@@ -918,14 +918,19 @@ def tiled_config(rows_per_group: float) -> MgpuConfig:
     return dataclasses.replace(default_config(rows_per_group), plan="xla")
 
 
+def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
+    """x planes of padded rows and the kernel's config for weight `w` (rows stored in place, step width fitted)."""
+    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w.in_features)
+    return _planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), cfg
+
+
 def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig):
     """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them) -> `[m_pad, N]` fp32,
     each live tile's rows times its expert's weight (placed layout: times 2^exp_offset). Rows of dead tiles are
     left unwritten (never read back). The x plane transpose here is elementwise XLA work that fuses into whatever
     produced x_pad (the dispatch gather, the activation)."""
-    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w.in_features)
-    out = kernel_call(_planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), plan.tile_group, plan.num_tiles, w,
-                      cfg)
+    xs, cfg = _tile_layout_operands(x_pad, w, config)
+    out = kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg)
     if w.layout == "placed":
         out = out * jnp.repeat(expert_scale(w)[plan.tile_group], cfg.rows)[:, None]
     return out
@@ -935,10 +940,9 @@ def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: Prep
                        config: MgpuConfig):
     """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
     h `[m_pad, F]` fp32 (rows of dead tiles unwritten)."""
-    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w_gate.in_features)
-    scales = (expert_scale(w_gate), expert_scale(w_up)) if w_gate.layout == "placed" else (None, None)
-    return kernel_call_gated(_planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), plan.tile_group,
-                             plan.num_tiles, w_gate, w_up, activation, cfg, *scales)
+    xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
+    return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
+                             expert_scale(w_up))
 
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
