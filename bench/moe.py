@@ -450,6 +450,14 @@ def bench_mxfp4(args, copy_bw):
 
 # -------------------------------------------------------------------------------- MXFP4 expert FFN, tile layout
 
+def checked_time(f, args, ref, reps):
+    """(seconds per call of `f(*args)`, its relative error vs `ref`), refusing to time a wrong result."""
+    err = rel_err(f(*args), ref)
+    if err > 2e-2:
+        raise AssertionError(f"wrong result, rel err {err:.3g}")
+    return time_jax(f, *args, reps=reps), err
+
+
 def bench_ffn(args, copy_bw):
     """The MXFP4 expert FFN on sorted rows (gate, up: K -> N; down: N -> K), weights prepared for the Mosaic kernel:
     the tile-layout FFN (`mgpu_mxfp4.expert_ffn_tiled`: rows padded once, three kernels, one gather back) against
@@ -477,20 +485,13 @@ def bench_ffn(args, copy_bw):
         per_mm = jax.jit(lambda a, g, *w: mgpu_mx.grouped_matmul(
             situ(*[mgpu_mx.grouped_matmul(a, w_, g) for w_ in w[:2]]).astype(jnp.bfloat16), w[2], g))
 
-        def timed_per_matmul(x=x, sizes=sizes, ref=ref, per_mm=per_mm):
-            err = rel_err(per_mm(x, sizes, *wp), ref)
-            if err > 2e-2:
-                raise AssertionError(f"wrong result, rel err {err:.3g}")
-            return time_jax(per_mm, x, sizes, *wp, reps=20)
-        t_per = attempt(f"MXFP4 FFN {rows_per_expert} per matmul", timed_per_matmul)
+        t_per = attempt(f"MXFP4 FFN {rows_per_expert} per matmul",
+                        lambda: checked_time(per_mm, (x, sizes, *wp), ref, reps=20)[0])
         # the Triton MXFP4 kernel on the checkpoint's layout (what the model ran before it re-laid its experts)
         triton = jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="gpu"))
 
         def timed_triton(x=x, sizes=sizes, ref=ref, triton=triton, rows_per_expert=rows_per_expert):
-            err = rel_err(triton(x, sizes, *ws), ref)
-            if err > 2e-2:
-                raise AssertionError(f"wrong result, rel err {err:.3g}")
-            t = time_jax(triton, x, sizes, *ws, reps=10)
+            t, _ = checked_time(triton, (x, sizes, *ws), ref, reps=10)
             log(f"MXFP4 FFN {rows_per_expert} rows/expert, Triton kernel (checkpoint layout): {t * 1e6:.0f} us "
                 f"({wbytes / t / 1e12:.2f} TB/s of weights)")
             return t
@@ -499,10 +500,7 @@ def bench_ffn(args, copy_bw):
         def run(cfg, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per,
                 t_triton=t_triton):
             tiled = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg))
-            err_t = rel_err(tiled(x, sizes, *wp), ref)
-            if err_t > 2e-2:
-                raise AssertionError(f"wrong result, rel err {err_t:.3g}")
-            t_tiled = time_jax(tiled, x, sizes, *wp, reps=20)
+            t_tiled, err_t = checked_time(tiled, (x, sizes, *wp), ref, reps=20)
             # one matmul in the tile layout (gate: K -> N), as the FFN runs it
             plan = jax.jit(lambda g: mgpu_mx.tile_plan(g, m, E, cfg.rows))(sizes)
             x_pad = jax.jit(lambda a, p: a.at[p.src].get(mode="fill", fill_value=0))(x, plan)
