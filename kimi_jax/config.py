@@ -132,9 +132,26 @@ class MoEConfig:
         return self.intermediate_size * self.num_shared_experts
 
 
+VisionNorm = Literal["rms", "layer"]
+PosResize = Literal["bilinear", "bicubic"]
+ProjectorNorm = Literal["post", "pre"]
+
+
 @dataclass(frozen=True)
 class VisionConfig:
-    """MoonViT3d (SPEC §9); carried for parameter counts and conversion."""
+    """MoonViT3d vision tower + multimodal projector (SPEC §9); `kimi_jax/modules/vision.py` runs it.
+
+    Defaults are K3 / K3.1 as SPEC §9 reads: width 1024, 27 pre-norm blocks, 12 heads of 128 (so the fused qkv is
+    3·1536 wide, not 3·width), gelu-tanh MLP 4096, RMSNorm, no biases, the learned 64×64 position table resized
+    bilinearly, 2-D RoPE, 2×2 merge to 4096, projector Linear 4096→4096, exact GELU, Linear 4096→7168, RMSNorm on the
+    output. `kimi_k25()` is the variant transformers 5.23 ships as Kimi-K2.5 (LayerNorm with bias, biased linears,
+    width 1152, 16 heads of 72, MLP 4304, bicubic table resize, an additive time sinusoid for video, projector
+    LayerNorm before the merge-and-project).
+
+    Not in SPEC, chosen here and worth checking against a real K3 config: `norm_eps` (1e-5; one third-party K3 port
+    builds its vision RMSNorms with torch's default eps, finfo(dtype).eps) and `pos_time` (0 = no time term; the
+    same port adds K2.5's time sinusoid and resizes bicubically).
+    """
 
     patch_size: int = 14
     hidden_size: int = 1024
@@ -142,9 +159,69 @@ class VisionConfig:
     num_heads: int = 12
     head_dim: int = 128
     intermediate_size: int = 4096
-    merge: int = 2
-    pos_table: int = 64
-    projector_hidden: int = 4096
+    merge: int = 2  # merge × merge patches become one token
+    pos_table: int = 64  # learned position table is pos_table × pos_table × hidden_size
+    projector_hidden: int = 4096  # = hidden_size · merge² (the merged width the projector's first Linear keeps)
+    text_hidden: int = 7168
+    norm: VisionNorm = "rms"  # "layer": LayerNorm with bias
+    norm_eps: float = 1e-5
+    bias: bool = False  # biases on patch embedding, qkv, wo, MLP and projector linears
+    pos_resize: PosResize = "bilinear"  # table resize to each image's patch grid (align_corners=False, no antialias)
+    pos_time: int = 0  # >0: frames of the additive time sinusoid (video); a clip may have at most this many frames
+    rope_theta: float = 10000.0
+    projector_norm: ProjectorNorm = "post"  # "post": RMSNorm(text_hidden) after the MLP; "pre": LayerNorm(hidden)
+    projector_eps: float = 1e-5
+    projector_gelu_tanh: bool = False  # projector GELU: exact erf (nn.GELU()) unless True
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_patches: int = 16384  # the processor's budget of patches per image (it downscales beyond it)
+    max_patches_per_side: int = 512
+
+    def __post_init__(self):
+        if self.norm not in ("rms", "layer"):
+            raise ConfigError(f"vision norm must be 'rms' or 'layer', got {self.norm!r}")
+        if self.pos_resize not in ("bilinear", "bicubic"):
+            raise ConfigError(f"vision pos_resize must be 'bilinear' or 'bicubic', got {self.pos_resize!r}")
+        if self.projector_norm not in ("post", "pre"):
+            raise ConfigError(f"vision projector_norm must be 'post' or 'pre', got {self.projector_norm!r}")
+        if self.head_dim % 4:
+            raise ConfigError(f"vision head_dim {self.head_dim} must be a multiple of 4 (2-D RoPE: h and w pairs)")
+        if self.projector_hidden != self.merged_width:
+            raise ConfigError(f"vision projector_hidden {self.projector_hidden} must equal hidden_size·merge² = "
+                              f"{self.merged_width}")
+        if self.pos_time and self.hidden_size % 2:
+            raise ConfigError("vision hidden_size must be even for the time sinusoid")
+
+    @property
+    def qkv_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def merged_width(self) -> int:
+        return self.hidden_size * self.merge * self.merge
+
+    @classmethod
+    def kimi_k25(cls, text_hidden: int = 7168, **changes: Any) -> "VisionConfig":
+        """The Kimi-K2.5 tower + projector as transformers 5.23 builds it (`Kimi_K25VisionConfig` defaults)."""
+        base = dict(hidden_size=1152, num_layers=27, num_heads=16, head_dim=72, intermediate_size=4304,
+                    projector_hidden=1152 * 4, text_hidden=text_hidden, norm="layer", norm_eps=1e-5, bias=True,
+                    pos_resize="bicubic", pos_time=4, projector_norm="pre", projector_eps=1e-5)
+        base.update(changes)
+        if "hidden_size" in changes and "projector_hidden" not in changes:
+            base["projector_hidden"] = base["hidden_size"] * base.get("merge", 2) ** 2
+        return cls(**base)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VisionConfig":
+        """Our own `to_dict` form; tuples come back from JSON lists, unknown keys are refused."""
+        d = dict(d)
+        for key in ("image_mean", "image_std"):
+            if key in d:
+                d[key] = tuple(d[key])
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown vision config keys: {', '.join(unknown)}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -234,7 +311,7 @@ class ModelConfig:
                 inner = dict(d[key])
                 if key == "mla" and inner.get("rope") is not None:
                     inner["rope"] = RopeConfig(**inner["rope"])
-                d[key] = typ(**inner)
+                d[key] = VisionConfig.from_dict(inner) if key == "vision" else typ(**inner)
         d["layer_kinds"] = tuple(d["layer_kinds"])
         d["dense_layers"] = tuple(d["dense_layers"])
         return cls(**d)
@@ -347,6 +424,9 @@ def _tiny() -> ModelConfig:
         activation="situ",
         rms_norm_eps=1e-5,
         max_position_embeddings=4096,
+        # K3's tower at toy size (head_dim ≠ width / heads, as in K3); no effect on the text model or its counts
+        vision=VisionConfig(hidden_size=32, num_layers=2, num_heads=3, head_dim=16, intermediate_size=64, pos_table=8,
+                            projector_hidden=128, text_hidden=64),
         bos_token_id=1000,
         eos_token_id=1002,
         pad_token_id=1023,
