@@ -32,6 +32,13 @@ MXFP4_CONFIG = {
 }
 
 
+# a whole toy MoonViT3d (K3's layout: 2 heads of 8 on a width of 8, so qkv ≠ width as in K3) so that a loaded
+# synthetic checkpoint has a working vision tower
+SYNTHETIC_VISION_CONFIG = {"model_type": "moonvit3d", "patch_size": 14, "vt_hidden_size": 8, "vt_num_hidden_layers": 1,
+                           "vt_num_attention_heads": 2, "vt_head_dim": 8, "vt_intermediate_size": 16,
+                           "init_pos_emb_height": 4, "merge_kernel_size": [2, 2]}
+
+
 def k3_hf_config(cfg: ModelConfig, *, mxfp4: bool = True, vision: bool = True) -> dict:
     kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
     n = cfg.num_layers
@@ -91,14 +98,14 @@ def k3_hf_config(cfg: ModelConfig, *, mxfp4: bool = True, vision: bool = True) -
     top = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text,
            "torch_dtype": "bfloat16"}
     if vision:
-        top["vision_config"] = {"model_type": "moonvit3d", "patch_size": 14, "hidden_size": 1024}
+        top["vision_config"] = dict(SYNTHETIC_VISION_CONFIG)
     if mxfp4:
         top["quantization_config"] = MXFP4_CONFIG
     return top
 
 
 def k3_tensor_specs(cfg: ModelConfig, *, mxfp4: bool = True, dtype: str = "BF16", vision: bool = True,
-                    vision_width: int = 8) -> list[tuple[str, str, tuple]]:
+                    ) -> list[tuple[str, str, tuple]]:
     """(HF name, safetensors dtype, shape) of a K3 release-layout checkpoint, in a natural order."""
     D, V = cfg.hidden_size, cfg.vocab_size
     F32, W = "F32", dtype
@@ -169,11 +176,11 @@ def k3_tensor_specs(cfg: ModelConfig, *, mxfp4: bool = True, dtype: str = "BF16"
         out += [(pre + "output_attn_res_norm.weight", W, (D,)), (pre + "output_attn_res_proj.weight", W, (1, D))]
     out.append(("language_model.lm_head.weight", W, (V, D)))
     if vision:
-        vw = vision_width
-        out += [("vision_tower.patch_embed.proj.weight", "BF16", (vw, 3, 14, 14)),
-                ("vision_tower.encoder.final_layernorm.weight", "BF16", (vw,)),
-                ("mm_projector.proj.0.weight", "BF16", (vw, vw * 4)),
-                ("mm_projector.proj.0.bias", "BF16", (vw,))]
+        from kimi_jax.config import vision_from_hf
+        from kimi_jax.modules.vision import checkpoint_layout
+
+        vcfg = vision_from_hf(SYNTHETIC_VISION_CONFIG, {}, cfg.hidden_size)
+        out += [(name, "BF16", shape) for name, (_, shape, _) in checkpoint_layout(vcfg).items()]
     return out
 
 

@@ -59,6 +59,7 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
         default = np.dtype(meta["param_dtype"])
         packed = _mxfp4_expert_targets(meta["entries"]) if keep else set()
         arrays = lambda shapes, dtypes: _converted_arrays(path, meta, shapes, dtypes, packed)
+        vision = lambda: _converted_vision(path, meta)
     elif os.path.isdir(os.path.join(path, store.PARAMS_DIR)) and not any(
             f.endswith(".safetensors") for f in os.listdir(path)):
         raise ConvertError(f"{path} looks like a kimi_jax checkpoint (it has {store.PARAMS_DIR}/) but its "
@@ -72,11 +73,54 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
         default = plan.sources.info(embed.src).np_dtype
         packed = _mxfp4_expert_targets(plan.entries) if keep else set()
         arrays = lambda shapes, dtypes: _hf_arrays(plan, dtypes, packed)
+        vision = lambda: _hf_vision(plan)
     else:
         raise ConvertError(f"{path} holds neither a kimi_jax checkpoint ({store.META_NAME}) nor a Hugging Face "
                            f"checkpoint (config.json)")
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(default)
-    return assemble(cfg, arrays, dtype=dtype, mesh=mesh, kernels=kernels, where=path, mxfp4_experts=packed)
+    model = assemble(cfg, arrays, dtype=dtype, mesh=mesh, kernels=kernels, where=path, mxfp4_experts=packed)
+    if cfg.vision is not None:
+        tensors = vision()
+        if tensors:
+            from .modules.vision import load_vision_tower
+
+            model.vision = load_vision_tower(tensors, cfg.vision, dtype=dtype)
+            log.info("vision tower loaded (%d tensors): the model takes images", len(tensors))
+        else:
+            log.info("%s: the config has a vision tower but the checkpoint holds none of its tensors: text only", path)
+    return model
+
+
+def _is_vision(name: str) -> bool:
+    from .modules.vision import VISION_PREFIXES
+
+    return name.removeprefix("extra.").startswith(VISION_PREFIXES)
+
+
+def _converted_vision(path, meta) -> dict:
+    """The vision tower's tensors of a converted checkpoint (carried as `extra.<HF name>` entries), by HF name."""
+    from convert import store
+    from convert.entries import from_json
+
+    reader = store.PartReader(path, meta["parts"])
+    out = {}
+    for entry in (from_json(e) for e in meta["entries"]):
+        if entry.kind == "extra" and _is_vision(entry.src):
+            part = reader.get(entry.extra["part"])
+            out[entry.src] = np.asarray(part[entry.targets[0]])
+    return out
+
+
+def _hf_vision(plan) -> dict:
+    """The vision tower's tensors of a Hugging Face checkpoint, by name."""
+    from convert.entries import build
+
+    out = {}
+    for entry in plan.entries:
+        if entry.kind == "extra" and _is_vision(entry.src):
+            arrays, _ = build(entry, plan.sources, [], dtypes=[None], keep_quant=False, fp8_block=plan.fp8_block)
+            out[entry.src] = arrays[entry.targets[0]]
+    return out
 
 
 def _mxfp4_expert_targets(entries) -> set:

@@ -176,6 +176,8 @@ class VisionConfig:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     max_patches: int = 16384  # the processor's budget of patches per image (it downscales beyond it)
     max_patches_per_side: int = 512
+    # the `<|media_pad|>` id (SPEC §11: 163605): a prompt carries one per image token, replaced by the features
+    image_token_id: int = 163605
 
     def __post_init__(self):
         if self.norm not in ("rms", "layer"):
@@ -273,6 +275,9 @@ class ModelConfig:
                               f"({self.moe.num_experts})")
         if self.moe.num_experts % self.moe.num_groups:
             raise ConfigError(f"{self.moe.num_experts} experts do not split into {self.moe.num_groups} groups")
+        if self.vision is not None and self.vision.text_hidden != self.hidden_size:
+            raise ConfigError(f"the vision projector's output width ({self.vision.text_hidden}) must equal the text "
+                              f"model's hidden size ({self.hidden_size})")
         if self.kda is not None and self.kda.a_log_checkpoint_size is not None:
             if self.kda.a_log_checkpoint_size < self.kda.num_heads:
                 raise ConfigError("A_log checkpoint size is smaller than the KDA head count")
@@ -426,7 +431,7 @@ def _tiny() -> ModelConfig:
         max_position_embeddings=4096,
         # K3's tower at toy size (head_dim ≠ width / heads, as in K3); no effect on the text model or its counts
         vision=VisionConfig(hidden_size=32, num_layers=2, num_heads=3, head_dim=16, intermediate_size=64, pos_table=8,
-                            projector_hidden=128, text_hidden=64),
+                            projector_hidden=128, text_hidden=64, image_token_id=1009),
         bos_token_id=1000,
         eos_token_id=1002,
         pad_token_id=1023,
@@ -723,7 +728,7 @@ def _from_hf_config(hf_top: dict) -> ModelConfig:
             raise ConfigError("kimi_k3 config.json has no text_config block")
         cfg = _kimi_from_hf(text, hf_top)
         if hf_top.get("vision_config") is not None:
-            cfg = cfg.replace(vision=VisionConfig())
+            cfg = cfg.replace(vision=vision_from_hf(hf_top["vision_config"], hf_top, cfg.hidden_size))
         return cfg
     if model_type == "kimi_linear":
         return _kimi_from_hf(hf_top, hf_top)
@@ -733,6 +738,48 @@ def _from_hf_config(hf_top: dict) -> ModelConfig:
         return _deepseek_from_hf(hf_top)
     raise ConfigError(
         f"unknown architecture: model_type={model_type!r}; supported: {', '.join(SUPPORTED_HF_TYPES)}")
+
+
+# HF vision_config keys -> VisionConfig fields; both spellings seen in Moonshot configs (`vt_*` in the remote-code
+# MoonViT configs, plain names in transformers'); a key absent keeps SPEC §9's value
+_VISION_KEYS = {
+    "hidden_size": ("vt_hidden_size", "hidden_size"),
+    "num_layers": ("vt_num_hidden_layers", "num_hidden_layers"),
+    "num_heads": ("vt_num_attention_heads", "num_attention_heads"),
+    "head_dim": ("vt_head_dim", "head_dim"),
+    "intermediate_size": ("vt_intermediate_size", "intermediate_size"),
+    "patch_size": ("patch_size",),
+    "pos_table": ("init_pos_emb_height", "pos_emb_height"),
+    "rope_theta": ("rope_theta",),
+    "projector_eps": ("projector_ln_eps", "projection_layer_norm_eps"),
+}
+
+
+def vision_from_hf(vc: dict, top: dict, text_hidden: int) -> VisionConfig:
+    """The `vision_config` block of a K3 config.json -> VisionConfig. Sizes it does not give keep SPEC §9's values;
+    head_dim defaults to 128 (K3's 12 × 128 heads) unless only the head count is given with a width it divides."""
+    if not isinstance(vc, dict):
+        raise ConfigError("vision_config must be an object")
+    fields = {}
+    for field, keys in _VISION_KEYS.items():
+        for k in keys:
+            if vc.get(k) is not None:
+                fields[field] = vc[k]
+                break
+    merge = vc.get("merge_kernel_size")
+    if merge is not None:
+        merge = tuple(merge) if isinstance(merge, (list, tuple)) else (merge, merge)
+        if len(merge) != 2 or merge[0] != merge[1]:
+            raise ConfigError(f"vision merge_kernel_size {vc['merge_kernel_size']!r}: only square merges are supported")
+        fields["merge"] = int(merge[0])
+    base = VisionConfig()
+    width, merge_n = fields.get("hidden_size", base.hidden_size), fields.get("merge", base.merge)
+    fields["projector_hidden"] = width * merge_n * merge_n
+    pad = top.get("image_token_id", top.get("media_placeholder_token_id", base.image_token_id))
+    try:
+        return dataclasses.replace(base, text_hidden=text_hidden, image_token_id=int(pad), **fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"vision_config: {e}") from None
 
 
 def _parse_file(path: str, parse) -> ModelConfig:

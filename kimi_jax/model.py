@@ -69,10 +69,13 @@ def _sample(logits_bv, temperature, key):
 class Model:
     """A loaded model: config, parameters and jitted forward / prefill / decode functions."""
 
-    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32, mesh=None):
+    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32, mesh=None, vision=None):
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
         self.mesh = mesh
+        # the MoonViT tower + projector (`modules.vision.VisionTower`), or None for a text-only model / checkpoint;
+        # kept outside the text module: its ~0.4B parameters stay replicated and whole-image attention runs apart
+        self.vision = vision
         from .modules.moe import use_expert_parallel, use_mosaic_experts
 
         if jax.default_backend() in ("gpu", "cuda"):  # MXFP4 experts laid out once for the Mosaic GPU kernel
@@ -84,9 +87,9 @@ class Model:
 
             self.params = shard_params(self.params, mesh)
 
-        def forward(params, ids, cache, mla_form="absorbed"):
+        def forward(params, ids, cache, mla_form="absorbed", mm=None):
             m = nnx.merge(self.graphdef, params)
-            return m(ids, cache, mla_form=mla_form)
+            return m(ids, cache, mla_form=mla_form, mm=mm)
 
         self._forward = jax.jit(forward, static_argnames=("mla_form",))
         self._step = jax.jit(forward, donate_argnums=(2,))
@@ -124,27 +127,73 @@ class Model:
             cache = cache.with_block_tables(1 + np.arange(batch * max_blocks, dtype=np.int32).reshape(batch, -1))
         return cache
 
-    def logits(self, input_ids, *, mla_form: str = "absorbed") -> np.ndarray:
-        """Full causal forward. input_ids int `[B, T]` -> float32 numpy `[B, T, vocab]`."""
+    def encode_images(self, images) -> list:
+        """The vision tower on each image: a list of features `[n_i, hidden]` (activation dtype), n_i =
+        `image_token_count` of the image's patch grid = (H'/28)·(W'/28) after `preprocess_image`'s resize and
+        padding. images: RGB uint8 arrays `[H, W, 3]` (e.g. `np.asarray(PIL.Image.open(f).convert("RGB"))`)."""
+        from .modules.vision import preprocess_image, vision_features
+
+        if self.vision is None:
+            why = ("its config has no vision tower" if self.config.vision is None
+                   else "the checkpoint holds no vision_tower.* / mm_projector.* tensors")
+            raise ValueError(f"this model cannot take images: {why}")
+        out = []
+        for image in images:
+            patches, grid = preprocess_image(image, self.config.vision)
+            out.append(vision_features(self.vision, patches, (grid,)).astype(self.dtype))
+        return out
+
+    def image_inputs(self, input_ids, images):
+        """(features `[B, T, D]`, mask bool `[B, T]`) that put each image's features at its `<|media_pad|>` tokens,
+        or None without images. The ids must already hold one pad token per image token (SPEC §9: the prompt's single
+        `<|media_pad|>` expanded with `modules.vision.expand_image_pads`), images in order of their pads, row by row;
+        an image's tokens may not span two rows."""
+        if images is None or len(images) == 0:
+            return None
+        ids = np.asarray(input_ids)
+        feats = self.encode_images(images)
+        pad_id = self.config.vision.image_token_id
+        mask_bt = ids == pad_id
+        counts = [int(f.shape[0]) for f in feats]
+        if int(mask_bt.sum()) != sum(counts):
+            raise ValueError(f"input_ids hold {int(mask_bt.sum())} <|media_pad|> tokens (id {pad_id}) but the "
+                             f"{len(counts)} image(s) need {sum(counts)} ({', '.join(map(str, counts))}): expand each "
+                             "image's placeholder with kimi_jax.modules.vision.expand_image_pads")
+        row_of_pad = np.nonzero(mask_bt)[0]
+        ends = np.cumsum(counts)
+        for i, (end, n) in enumerate(zip(ends, counts)):
+            if row_of_pad[end - n] != row_of_pad[end - 1]:
+                raise ValueError(f"image {i}'s {n} tokens span two rows of input_ids")
+        D = self.config.hidden_size
+        feats_btD = jnp.zeros(ids.shape + (D,), self.dtype)
+        b_idx, t_idx = np.nonzero(mask_bt)
+        feats_btD = feats_btD.at[b_idx, t_idx].set(jnp.concatenate(feats, axis=0).astype(self.dtype))
+        return feats_btD, jnp.asarray(mask_bt)
+
+    def logits(self, input_ids, *, images=None, mla_form: str = "absorbed") -> np.ndarray:
+        """Full causal forward. input_ids int `[B, T]` -> float32 numpy `[B, T, vocab]`. `images`: RGB uint8
+        `[H, W, 3]` arrays for the prompt's expanded `<|media_pad|>` tokens (see `image_inputs`)."""
         ids = _as_ids(input_ids, self.config)
         if ids.shape[1] > self.config.max_position_embeddings:  # as generate and the engine refuse them
             raise ValueError(f"{ids.shape[1]} tokens exceed max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        out, _ = self._forward(self.params, ids, None, mla_form=mla_form)
+        out, _ = self._forward(self.params, ids, None, mla_form=mla_form, mm=self.image_inputs(ids, images))
         return np.asarray(out, np.float32)
 
-    def prefill(self, input_ids, max_len: Optional[int] = None, *, cache=None):
+    def prefill(self, input_ids, max_len: Optional[int] = None, *, cache=None, images=None):
         """Run the prompt into a fresh contiguous cache of `max_len` tokens, or — with `cache` (a `ModelCache` or a
         `PagedModelCache`, which is donated) — append it to that cache at each row's current length (a paged
-        cache's tables must already cover the new positions). Returns (logits `[B, T, V]`, cache)."""
+        cache's tables must already cover the new positions). Returns (logits `[B, T, V]`, cache). `images` as in
+        `logits`."""
         ids = _as_ids(input_ids, self.config)
+        mm = self.image_inputs(ids, images)
         if cache is not None:
-            return self._step(self.params, ids, cache)
+            return self._step(self.params, ids, cache, mm=mm)
         if max_len is None:
             raise ValueError("prefill needs max_len (a fresh contiguous cache) or cache=")
         if ids.shape[1] > max_len:
             raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit a cache of {max_len}")
-        return self._forward(self.params, ids, self.new_cache(ids.shape[0], max_len))
+        return self._forward(self.params, ids, self.new_cache(ids.shape[0], max_len), mm=mm)
 
     def decode_step(self, cache, token_ids_b):
         """One token per sequence (`ModelCache` or `PagedModelCache`). Returns (logits `[B, V]`, cache). The cache
@@ -152,8 +201,10 @@ class Model:
         logits, cache = self._step(self.params, jnp.asarray(token_ids_b, jnp.int32)[:, None], cache)
         return logits[:, 0], cache
 
-    def generate(self, input_ids, max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0) -> np.ndarray:
-        """Greedy (temperature 0) or seeded sampling. input_ids int `[B, T]` -> numpy int `[B, T + n]`."""
+    def generate(self, input_ids, max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
+                 images=None) -> np.ndarray:
+        """Greedy (temperature 0) or seeded sampling. input_ids int `[B, T]` -> numpy int `[B, T + n]`. `images` as
+        in `logits`."""
         if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)):
             raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
@@ -172,7 +223,7 @@ class Model:
             raise ValueError(f"{T} + {max_new_tokens} tokens exceed max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         key = jax.random.PRNGKey(seed)
-        logits, cache = self.prefill(ids, T + max_new_tokens)
+        logits, cache = self.prefill(ids, T + max_new_tokens, images=images)
         out = []
         tok = _sample(logits[:, -1], temperature, jax.random.fold_in(key, 0))
         out.append(tok)
@@ -211,7 +262,14 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=Non
     with jax.ensure_compile_time_eval():  # a concrete rng state even under eval_shape (see layers.param_key)
         rngs = nnx.Rngs(seed)
     module = KimiForCausalLM(cfg, rngs=rngs, dtype=dtype, kernels=kernels or KernelConfig())
-    return Model(module, dtype, mesh=_mesh(mesh))
+    vision = None
+    if cfg.vision is not None:
+        from .modules.vision import VisionTower
+
+        with jax.ensure_compile_time_eval():  # its own stream: the text weights stay those of a text-only build
+            vision_rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), 1))
+        vision = VisionTower(cfg.vision, rngs=vision_rngs, dtype=dtype)
+    return Model(module, dtype, mesh=_mesh(mesh), vision=vision)
 
 
 def _mesh(mesh):

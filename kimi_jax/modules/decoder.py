@@ -180,14 +180,19 @@ class KimiForCausalLM(nnx.Module):
             self.output_attn_res = AttnResMix(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
 
-    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed"):
+    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None):
         """Final normed hidden states `[B, T, D]` and the new cache (None without one).
 
         `cache`: a contiguous `ModelCache` or a `PagedModelCache` (MLA layers then run on the paged pools; the
-        caller's block tables must already cover positions length…length+T−1 of every sequence written)."""
+        caller's block tables must already cover positions length…length+T−1 of every sequence written).
+        `mm`: None, or (features `[B, T, D]`, mask bool `[B, T]`): where the mask is set the input embedding is the
+        feature row instead of the token's (image tokens: the vision tower's output at each `<|media_pad|>`)."""
         cfg = self.cfg
         start = cache.length if cache is not None else jnp.zeros((), jnp.int32)
         h0 = jnp.take(self.embed_tokens[...], ids_bt, axis=0)
+        if mm is not None:
+            feats_btD, mask_bt = mm
+            h0 = jnp.where(mask_bt[..., None], feats_btD.astype(h0.dtype), h0)
         new_layers = []
         block = cfg.attn_res_block_size
         prefix, blocks = h0, []
@@ -220,8 +225,8 @@ class KimiForCausalLM(nnx.Module):
             new_cache = ModelCache(cache.length + ids_bt.shape[1], tuple(new_layers))
         return h, new_cache
 
-    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed"):
-        h, new_cache = self.hidden_states(ids_bt, cache, mla_form=mla_form)
+    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None):
+        h, new_cache = self.hidden_states(ids_bt, cache, mla_form=mla_form, mm=mm)
         if self.lm_head is None:
             logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
         else:

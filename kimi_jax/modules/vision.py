@@ -52,6 +52,22 @@ class VisionWeightsError(ValueError):
 # Pure helpers (numpy at trace time: every shape is static)
 # ---------------------------------------------------------------------------------------------------------------------
 
+def expand_image_pads(ids: Sequence[int], counts: Sequence[int], pad_id: int) -> list[int]:
+    """A prompt with one `<|media_pad|>` (`pad_id`) per image -> the same prompt with image i's pad repeated
+    `counts[i]` times (its `image_token_count`), which is what the model reads (SPEC §9). The number of pads must
+    equal the number of images."""
+    ids = [int(t) for t in ids]
+    where = [i for i, t in enumerate(ids) if t == pad_id]
+    if len(where) != len(counts):
+        raise VisionInputError(f"the prompt holds {len(where)} image placeholder(s) (id {pad_id}) for "
+                               f"{len(counts)} image(s)")
+    out, last = [], 0
+    for i, n in zip(where, counts):
+        out += ids[last:i] + [pad_id] * int(n)
+        last = i + 1
+    return out + ids[last:]
+
+
 def check_grid(cfg: VisionConfig, grid_thw) -> Grid:
     """`grid_thw` as a tuple of int triples, validated: t, h, w ≥ 1, h and w multiples of `merge`, and at most
     `pos_time` frames per clip when the time sinusoid is on."""
