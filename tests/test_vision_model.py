@@ -1,0 +1,132 @@
+"""Images through the model (SPEC §9): the vision tower's features replace the embeddings of a prompt's expanded
+`<|media_pad|>` tokens, in `Model.logits`, `prefill` / `decode_step` and `generate`; checkpoints bring their tower.
+
+The tower itself is checked in test_vision.py (against transformers' Kimi-K2.5 tower and a float64 transcription).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.model import Model
+from kimi_jax.modules.vision import VisionWeightsError, expand_image_pads, load_vision_tower, vision_features, \
+    preprocess_image
+
+BOS = 1000
+
+
+def _image(seed: int, h: int = 40, w: int = 60) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model):
+    """[BOS] 5 6 <image: 2x3 merged tokens = 6 pads> 7 8, and the image."""
+    img = _image(0)
+    n = tiny_model.encode_images([img])[0].shape[0]
+    assert n == 6  # 40x60 pixels -> padded 56x84 -> 4x6 patches -> 2x3 tokens
+    ids = expand_image_pads([BOS, 5, 6, tiny_model.config.vision.image_token_id, 7, 8], [n], 1009)
+    return ids, img
+
+
+def test_image_tokens_change_only_what_follows_them(tiny_model, prompt):
+    ids, img = prompt
+    with_image = tiny_model.logits([ids], images=[img])[0]
+    text_only = tiny_model.logits([ids])[0]
+    first_pad = ids.index(1009)
+    np.testing.assert_array_equal(with_image[:first_pad], text_only[:first_pad])  # causal: nothing before moves
+    assert np.abs(with_image[first_pad:] - text_only[first_pad:]).max(axis=-1).min() > 1e-3
+    other = tiny_model.logits([ids], images=[_image(1)])[0]
+    assert np.abs(other[-1] - with_image[-1]).max() > 1e-3  # the pixels matter, not just the pads
+
+
+def test_prefill_and_decode_with_an_image_equal_the_full_forward(tiny_model, prompt):
+    ids, img = prompt
+    full = tiny_model.logits([ids + [9]], images=[img])[0]
+    logits, cache = tiny_model.prefill([ids], len(ids) + 4, images=[img])
+    np.testing.assert_allclose(np.asarray(logits[0]), full[:-1], atol=2e-5, rtol=0)
+    step, _ = tiny_model.decode_step(cache, np.array([9]))
+    np.testing.assert_allclose(np.asarray(step[0]), full[-1], atol=2e-5, rtol=0)
+    out = tiny_model.generate([ids], 2, images=[img])
+    assert out[0, len(ids)] == int(np.argmax(tiny_model.logits([ids], images=[img])[0, -1]))
+
+
+def test_two_images_in_two_rows(tiny_model, prompt):
+    ids, img = prompt
+    img2 = _image(2)
+    both = tiny_model.logits([ids, ids], images=[img, img2])
+    np.testing.assert_allclose(both[0], tiny_model.logits([ids], images=[img])[0], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(both[1], tiny_model.logits([ids], images=[img2])[0], atol=2e-5, rtol=0)
+
+
+def test_pad_count_and_placement_errors(tiny_model, prompt):
+    ids, img = prompt
+    with pytest.raises(ValueError, match="hold 5 <\\|media_pad\\|> tokens .* need 6 .*expand_image_pads"):
+        tiny_model.logits([ids[:4] + ids[5:]], images=[img])
+    pads = [1009] * 6
+    with pytest.raises(ValueError, match="image 0's 6 tokens span two rows"):  # 2 + 4 pads over two rows
+        tiny_model.logits([[BOS, 5, 6, 7] + pads[:2], [BOS, 5] + pads[2:]], images=[img])
+    with pytest.raises(ValueError, match="uint8 RGB image"):
+        tiny_model.logits([ids], images=[np.zeros((28, 28), np.uint8)])
+
+
+def test_a_model_without_a_tower_says_why(tiny_model, prompt):
+    ids, img = prompt
+    text_only = Model(tiny_model.module, tiny_model.dtype)
+    with pytest.raises(ValueError, match="cannot take images: the checkpoint holds no vision_tower"):
+        text_only.logits([ids], images=[img])
+
+
+def test_expand_image_pads():
+    assert expand_image_pads([1, 9, 2, 9, 3], [2, 3], 9) == [1, 9, 9, 2, 9, 9, 9, 3]
+    with pytest.raises(ValueError, match="2 image placeholder"):
+        expand_image_pads([1, 9, 2, 9], [2], 9)
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    from convert.synthetic import write_k3_checkpoint
+
+    d = tmp_path_factory.mktemp("k3v") / "hf"
+    write_k3_checkpoint(str(d), kimi_jax.get_preset("tiny"), seed=3, dtype="F32")
+    return d
+
+
+def _tensors(directory) -> dict:
+    from ckpt_helpers import read_all
+
+    return read_all(directory)
+
+
+def test_checkpoints_bring_their_vision_tower(k3_dir, tmp_path):
+    """The HF directory (converted on the fly) and its converted copy both load the tower whose features equal the
+    tower built straight from the safetensors' own tensors."""
+    from convert import convert
+
+    hf = kimi_jax.load_model(str(k3_dir))
+    assert hf.vision is not None and hf.config.vision.hidden_size == 8
+    img = _image(4, 30, 30)
+    want_tower = load_vision_tower(_tensors(k3_dir), hf.config.vision)
+    patches, grid = preprocess_image(img, hf.config.vision)
+    want = np.asarray(vision_features(want_tower, patches, (grid,)))
+    np.testing.assert_array_equal(np.asarray(hf.encode_images([img])[0]), want)
+    dst = tmp_path / "converted"
+    convert(str(k3_dir), str(dst))
+    ours = kimi_jax.load_model(str(dst))
+    np.testing.assert_array_equal(np.asarray(ours.encode_images([img])[0]), want)
+
+
+def test_a_checkpoint_missing_a_vision_tensor_is_refused(k3_dir, tmp_path):
+    from ckpt_helpers import rewrite_dir
+
+    bad = tmp_path / "bad"
+    rewrite_dir(k3_dir, bad, lambda t: {n: a for n, a in t.items() if n != "vision_tower.encoder.blocks.0.wo.weight"})
+    with pytest.raises(VisionWeightsError, match="blocks.0.wo.weight is missing"):
+        kimi_jax.load_model(str(bad))
+    assert os.path.isdir(k3_dir)
