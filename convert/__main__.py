@@ -45,7 +45,11 @@ def main(argv=None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as e:
-        print("interrupted; nothing was written", file=sys.stderr)
+        if getattr(e, "committed", None):
+            print(f"interrupted after {e.committed} was complete (it is the new checkpoint); what is left of the "
+                  "replaced one is removed by the next run into it", file=sys.stderr)
+        else:
+            print("interrupted; nothing was written", file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
     finally:
         interrupt.clear()

@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -208,36 +209,122 @@ def _fresh_dir(prefix: str) -> str:
     raise ConvertError(f"could not create a temporary directory {prefix}*")
 
 
+OWNER_SUFFIX = ".owner"  # `<tmp>.owner` beside each temporary directory: "pid@host" of the process writing it
+
+
+def _owner_alive(owner_file: str) -> bool:
+    """Whether the process named in an owner file may still be writing (True when unsure: another host, unreadable)."""
+    try:
+        with open(owner_file) as f:
+            pid_s, _, host = f.read().strip().partition("@")
+        pid = int(pid_s)
+    except (OSError, ValueError):
+        return True
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owned_by_us(owner_file: str) -> bool:
+    try:
+        with open(owner_file) as f:
+            return f.read().strip() == f"{os.getpid()}@{socket.gethostname()}"
+    except OSError:
+        return False
+
+
+def clean_leftovers(dst: str) -> list[str]:
+    """Remove what a conversion into `dst` killed outright (SIGKILL, power loss) left beside it: its temporary
+    directory, and — when it died between moving the old `dst` aside and renaming the new one in — put the old `dst`
+    back (nothing is lost). Only directories whose owner file names a dead process of this host are touched.
+    Returns what was done, one line each (also logged)."""
+    dst = os.path.abspath(dst)
+    parent, prefix = os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-"
+    done = []
+    if not os.path.isdir(parent):
+        return done
+    for name in sorted(os.listdir(parent)):
+        if not (name.startswith(prefix) and name.endswith(OWNER_SUFFIX)):
+            continue
+        owner = os.path.join(parent, name)
+        if _owner_alive(owner) and not _owned_by_us(owner):
+            continue
+        tmp = owner[:-len(OWNER_SUFFIX)]
+        old = tmp + ".old"
+        if _owned_by_us(owner) and os.path.isdir(tmp):
+            continue  # this process is writing it right now
+        if os.path.isdir(old) and not os.path.lexists(dst):
+            os.rename(old, dst)
+            done.append(f"restored {dst} from {old} (a conversion was killed while replacing it)")
+        elif os.path.lexists(old):
+            shutil.rmtree(old, ignore_errors=True)
+            done.append(f"removed {old} (the checkpoint a killed conversion had already replaced)")
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            done.append(f"removed {tmp} (the unfinished output of a killed conversion)")
+        os.unlink(owner)
+    for line in done:
+        log.warning(line)
+    return done
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str, overwrite: bool):
     """Yield a fresh temporary directory beside `dst`; on success rename it to `dst` (replacing an existing one only
-    with `overwrite`), on any error or interrupt remove it, leaving nothing behind."""
+    with `overwrite`), on any error or interrupt remove it, leaving nothing behind. What an earlier, killed run
+    left is cleaned first (`clean_leftovers`)."""
     dst = os.path.abspath(dst)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
+    clean_leftovers(dst)
     tmp = _fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
+    owner = tmp + OWNER_SUFFIX
+    try:
+        with open(owner, "w") as f:
+            f.write(f"{os.getpid()}@{socket.gethostname()}\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = tmp + ".old"
+    committed = False
     try:
         yield tmp
         interrupt.check()  # an interrupt whose exception was swallowed on the way: still nothing is written
         if os.path.lexists(dst):
             if not overwrite:
                 raise ConvertError(f"destination {dst} already exists; pass --overwrite to replace it")
-            old = tmp + ".old"
             os.rename(dst, old)
             try:
                 os.rename(tmp, dst)
             except BaseException:
                 os.rename(old, dst)
                 raise
+            committed = True
             if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)  # an interrupt still stops it: see below
             else:
                 os.unlink(old)
         else:
             os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+            committed = True
+    except BaseException as e:
+        if not committed:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # the new dst is complete; only the replaced one's removal was cut short: the CLI must not say
+            # "nothing was written", and the next run's `clean_leftovers` removes the rest (the owner file stays)
+            e.committed = dst
+            owner = None
         raise
+    finally:
+        if owner is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(owner)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
