@@ -1,5 +1,9 @@
-"""Expert parallelism: routed experts split over the mesh's "model" axis (as `sharding.rules` places w1/w2/w3),
-tokens split over ("data", "model"), the expert FFN run where the expert lives. Two dispatch methods:
+"""Expert parallelism: routed experts split over the mesh's expert axes (`sharding.mesh.expert_axes`: "model", or
+("context", "model") for the expert overlay such as `expert=8,tensor=1,context=8`; as `sharding.rules` places
+w1/w2/w3), tokens split over ("data", <expert axes>), the expert FFN run where the expert lives. Below, "the expert
+group" is the devices that together hold one copy of every expert (one slice of the expert axes; size m), and a
+device's rank in it counts context-major, the order in which `sharding.rules` splits the experts. Two dispatch
+methods:
 
 * "ragged" — each device sorts its own (token, slot) pairs by expert and sends each expert's rows to the device that
   owns it with `jax.lax.ragged_all_to_all`, one slice per expert (slice e goes to device e // E_local). The receive
@@ -7,16 +11,24 @@ tokens split over ("data", "model"), the expert FFN run where the expert lives. 
   (and by source device within an expert): the receive buffer is already in grouped-matmul order, no second sort.
   The results travel back the same way, landing in the sender's sorted order; the combine is local. Traffic per
   device: its own N_local·k rows out and back. The receive buffer is sized for the worst case (every pair of every
-  device on one device: model·N_local·k rows), so dispatch is dropless; the grouped matmul only computes the rows
+  device on one device: m·N_local·k rows), so dispatch is dropless; the grouped matmul only computes the rows
   that arrived (its tile schedule skips the rest).
-* "allgather" — all-gather the tokens (and routing) over "model", run the local experts on the pairs routed to them
-  (rows of other devices' experts form the uncovered tail that the kernels skip), weight and sum each token's local
-  slots, and reduce-scatter (`psum_scatter`) the partial sums back to token shards. Traffic per device: the
-  gathered tokens in, a full fp32 partial sum out; no data-dependent sizes. Also the fallback where
-  `ragged_all_to_all` does not lower (XLA:CPU), and the only choice when the tokens do not split over "model"
-  (then they stay replicated over "model" and the partial sums are `psum`-ed).
+* "allgather" — all-gather the tokens (and routing) over the expert group, run the local experts on the pairs routed
+  to them (rows of other devices' experts form the uncovered tail that the kernels skip), weight and sum each
+  token's local slots, and reduce-scatter (`psum_scatter`) the partial sums back to token shards. Traffic per
+  device: the gathered tokens in, a full fp32 partial sum out; no data-dependent sizes. Also the fallback where
+  `ragged_all_to_all` does not lower (XLA:CPU), and the only choice when the tokens do not split over the expert
+  group (then they stay replicated over it and the partial sums are `psum`-ed).
 
-"auto" picks by bytes moved: all-gather while the model axis is smaller than top_k (measured on 2 H200s, k = 8:
+Token layout. Outside the context-parallel programs a `Model`'s activations split their batch over "data" and are
+replicated over "context" and "model" (attention either runs whole on every device or all-reduces its
+row-parallel output), on the "model"-only layouts and on the overlay alike. So the rows `[N, D]` are cut over
+("data", <expert axes>) in mesh order when N divides: each data shard's rows are sub-cut over its expert group,
+which only slices what every device already holds, and the `[N, D]` result comes back as a global array in the
+caller's row order (GSPMD regathers it for the next, replicated, op). With N not dividing (decode batches) the rows
+stay replicated over the expert group and the result is psum-ed, i.e. already in the caller's layout.
+
+"auto" picks by bytes moved: all-gather while the expert group is smaller than top_k (measured on 2 H200s, k = 8:
 all-gather 2.26 ms, ragged 2.86 ms, one GPU 3.67 ms — bench/RESULTS.md), ragged beyond.
 
 Both are deterministic for a fixed mesh: sorts are stable, combines sum slots in a fixed order, collectives move
@@ -24,10 +36,10 @@ data (psum_scatter sums a fixed number of partials in the collective's fixed ord
 `expert_ffn` up to that fp32 summation order.
 
 Entry points: `ep_expert_ffn` (routing given, as `ops.expert_ffn`) and `ep_moe` (routes with
-`kimi_jax.modules.moe.route` inside the shard_map first). A `Model` on a mesh whose "model" axis splits the routed
+`kimi_jax.modules.moe.route` inside the shard_map first). A `Model` on a mesh whose expert axes split the routed
 experts runs every MoE layer through `ep_expert_ffn` (`kimi_jax.modules.moe.use_expert_parallel`): under plain GSPMD
-the kernels' custom calls (Pallas on GPU and TPU) cannot be split, so XLA would gather every expert to every device. Inputs are global arrays; outputs are global `[N, D]`
-float32 arrays sharded like the tokens.
+the kernels' custom calls (Pallas on GPU and TPU) cannot be split, so XLA would gather every expert to every device.
+Inputs are global arrays; outputs are global `[N, D]` float32 arrays sharded like the tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +55,36 @@ from pallas_kernels.moe import ops
 
 MODEL, DATA = "model", "data"
 METHODS = ("auto", "ragged", "allgather")
+
+
+def expert_group_axis(mesh, axes=None):
+    """The shard_map axis name of the expert group: "model" for the "model"-only layouts (exactly the name the
+    programs used before the overlay existed, so they compile the same), else the tuple of the expert axes that have
+    more than one device (`expert=8,tensor=1,context=8` -> "context"; `expert=8,tensor=2,context=4` ->
+    ("context", "model"), context-major as `sharding.rules` splits the experts).
+    `axes`: the expert axes (default: `sharding.mesh.expert_axes(mesh)`)."""
+    from .mesh import expert_axes
+
+    axes = tuple(expert_axes(mesh) if axes is None else axes)
+    bad = [a for a in axes if a not in mesh.axis_names or a == DATA]
+    if bad or not axes:
+        raise ValueError(f"expert axes {axes} must be non-data axes of the mesh {dict(mesh.shape)}")
+    if axes == (MODEL,):
+        return MODEL
+    big = tuple(a for a in axes if mesh.shape[a] > 1) or axes[-1:]
+    return big[0] if len(big) == 1 else big
+
+
+def _axis_names(axis) -> tuple:
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def _group_size(mesh, axis) -> int:
+    """m: devices in one expert group (the product of the expert axes' sizes)."""
+    size = 1
+    for a in _axis_names(axis):
+        size *= int(mesh.shape[a])
+    return size
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
@@ -84,16 +126,17 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return jnp.where(mask, got, output)
 
 
-def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpret, a2a):
-    """Per device: x [n, D] local tokens, idx/wt [n, k]; expert weights hold this device's E_l experts."""
-    m = jax.lax.axis_size(MODEL)
-    me = jax.lax.axis_index(MODEL)
+def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, interpret, a2a):
+    """Per device: x [n, D] local tokens, idx/wt [n, k]; expert weights hold this device's E_l experts; `axis` names
+    the expert group (one mesh axis or a tuple; rank `me` of m, experts [me·E_l, (me+1)·E_l) live here)."""
+    m = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
     E_l = _num_experts(w_gate)
     E = E_l * m
     n, k = idx.shape
     order, token_of_row, sizes = ops.sort_tokens(idx, E)  # sizes [E]: rows this device sends to expert e
     x_rows = x[token_of_row]
-    counts = jax.lax.all_gather(sizes, MODEL)  # [m, E]: counts[src, e]
+    counts = jax.lax.all_gather(sizes, axis)  # [m, E]: counts[src, e]
     tot = jnp.sum(counts, axis=0)  # rows expert e receives
     blk = _excl_cumsum(tot.reshape(m, E_l), axis=1)  # start of local expert l's rows on its owner
     before = _excl_cumsum(counts, axis=0)  # [m, E]: rows of lower-ranked sources, per expert
@@ -103,7 +146,7 @@ def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpret, 
     cap = m * n * k
     buf = a2a(x_rows, jnp.zeros((cap,) + x_rows.shape[1:], x_rows.dtype), send_off.astype(jnp.int32),
               sizes.astype(jnp.int32), out_off.astype(jnp.int32), recv.reshape(E).astype(jnp.int32),
-              axis_name=MODEL)
+              axis_name=axis)
     local_sizes = jax.lax.dynamic_slice_in_dim(tot, me * E_l, E_l)
     y = ops.expert_ffn_sorted(buf, local_sizes, w_gate, w_up, w_down, act, backend=backend, interpret=interpret,
                               fill_uncovered=False)
@@ -115,15 +158,15 @@ def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpret, 
     ret_out = jax.lax.dynamic_slice_in_dim(src_off, me * E_l, E_l, axis=1)
     y_back = a2a(y, jnp.zeros((n * k,) + y.shape[1:], y.dtype), ret_in.reshape(E).astype(jnp.int32),
                  recv.reshape(E).astype(jnp.int32), ret_out.reshape(E).astype(jnp.int32),
-                 sizes.astype(jnp.int32), axis_name=MODEL)
+                 sizes.astype(jnp.int32), axis_name=axis)
     return ops.combine(y_back, order, wt)
 
 
-def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpret, split):
-    """Per device: tokens split over "model" when `split` (gathered here), else replicated over it."""
+def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, interpret, split):
+    """Per device: tokens split over the expert group `axis` when `split` (gathered here), else replicated over it."""
     if split:
-        x, idx, wt = (jax.lax.all_gather(a, MODEL, tiled=True) for a in (x, idx, wt))
-    me = jax.lax.axis_index(MODEL)
+        x, idx, wt = (jax.lax.all_gather(a, axis, tiled=True) for a in (x, idx, wt))
+    me = jax.lax.axis_index(axis)
     E_l = _num_experts(w_gate)
     lo = me * E_l
     local = (idx >= lo) & (idx < lo + E_l)
@@ -134,21 +177,25 @@ def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, act, backend, interpre
     y = jnp.where(local.reshape(-1)[order][:, None], y, 0.0)  # uncovered rows were not written
     part = ops.combine(y, order, wt)
     if split:
-        return jax.lax.psum_scatter(part, MODEL, scatter_dimension=0, tiled=True)
-    return jax.lax.psum(part, MODEL)
+        return jax.lax.psum_scatter(part, axis, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(part, axis)
 
 
-def _token_spec(mesh, n_tokens: int):
-    d, m = mesh.shape.get(DATA, 1), mesh.shape[MODEL]
+def _token_spec(mesh, n_tokens: int, axis=MODEL):
+    """(PartitionSpec of the `[N, ...]` token arrays, whether they split over the expert group `axis`): rows over
+    ("data", *expert axes) — the data shards of the caller's batch, each cut over its expert group — when N divides,
+    else over "data" alone (replicated over the group), else replicated."""
+    d, m = mesh.shape.get(DATA, 1), _group_size(mesh, axis)
     if n_tokens % (d * m) == 0:
-        return P((DATA, MODEL)), True
+        return P((DATA,) + _axis_names(axis)), True
     if n_tokens % d == 0:
         return P(DATA), False
     return P(), False
 
 
 def resolve_method(method: str, split: bool, model_size: int = 2, top_k: int = 8) -> str:
-    """"auto": by bytes moved per device. With n local tokens of width D over m devices, all-gather + reduce-scatter
+    """"auto": by bytes moved per device. `model_size`: m, the devices of one expert group (the "model" axis, or the
+    product of the expert axes). With n local tokens of width D over m devices, all-gather + reduce-scatter
     moves ≈ (m−1)·n·D·(2 + 4) bytes (bf16 tokens in, fp32 partial sums out); ragged all-to-all moves
     ≈ (m−1)/m·n·k·D·(2 + 4) (bf16 rows out, fp32 results back). All-gather is cheaper while m < k — measured on
     two H200s at K3 shapes (k = 8): all-gather 2.26 ms, ragged 2.86 ms (bench/RESULTS.md). XLA:CPU has no
@@ -159,64 +206,73 @@ def resolve_method(method: str, split: bool, model_size: int = 2, top_k: int = 8
         ragged_ok = split and jax.default_backend() in ("gpu", "cuda", "tpu")
         return "ragged" if ragged_ok and model_size >= top_k else "allgather"
     if method == "ragged" and not split:
-        raise ValueError("method='ragged' needs the token count to split over data×model devices; "
+        raise ValueError("method='ragged' needs the token count to split over data × expert-axes devices; "
                          "pad the tokens or use method='allgather'")
     return method
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(mesh, method, split, tok_spec, act, backend, interpret, emulate_a2a):
+def _compiled(mesh, axis, method, split, tok_spec, act, backend, interpret, emulate_a2a):
     if method == "ragged":
         a2a = emulated_ragged_all_to_all if emulate_a2a else jax.lax.ragged_all_to_all
-        local = functools.partial(_ragged_local, act=act, backend=backend, interpret=interpret, a2a=a2a)
+        local = functools.partial(_ragged_local, axis=axis, act=act, backend=backend, interpret=interpret, a2a=a2a)
     else:
-        local = functools.partial(_allgather_local, act=act, backend=backend, interpret=interpret, split=split)
-    w_spec = P(MODEL)
+        local = functools.partial(_allgather_local, axis=axis, act=act, backend=backend, interpret=interpret,
+                                  split=split)
+    w_spec = P(axis)
     return jax.jit(_shard_map(local, mesh, in_specs=(tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
                               out_specs=tok_spec))
 
 
-def place_experts(w, mesh):
-    """Put expert weights (dense or MXFP4) on `mesh`, split over "model" on dim 0 (as `sharding.rules` does)."""
+def place_experts(w, mesh, expert_axes=None):
+    """Put expert weights (dense or MXFP4) on `mesh`, split on dim 0 over the mesh's expert axes (as
+    `sharding.rules` does). `expert_axes` as in `ep_expert_ffn`."""
     w = ops._as_weight(w)
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(MODEL))), w)
+    spec = P(expert_group_axis(mesh, expert_axes))
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), w)
 
 
-def place_tokens(a, mesh):
+def place_tokens(a, mesh, expert_axes=None):
     """Put a per-token array (`[N, ...]`) on `mesh` the way `ep_expert_ffn` splits tokens."""
-    spec, _ = _token_spec(mesh, a.shape[0])
+    spec, _ = _token_spec(mesh, a.shape[0], expert_group_axis(mesh, expert_axes))
     return jax.device_put(a, NamedSharding(mesh, spec))
 
 
 def ep_expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *, mesh, method: str = "auto",
-                  backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False):
-    """Expert-parallel `ops.expert_ffn`: same arguments plus `mesh` (axes "data", "model"); `[N, D]` float32.
+                  backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False, expert_axes=None):
+    """Expert-parallel `ops.expert_ffn`: same arguments (x `[N, D]`, expert ids `[N, k]` int32, weights `[N, k]`
+    float32, expert weights) plus `mesh` (axes "data" and the expert axes); returns `[N, D]` float32.
 
-    Expert weights (dense `[E, K, N]` or MXFP4) are split over "model" on dim 0 (E must divide); arrays already
-    placed that way (`place_experts`, `place_tokens`) are not moved. `emulate_a2a` swaps `ragged_all_to_all` for an
-    all-gather emulation (tests on CPU, where it does not lower)."""
+    `expert_axes`: the mesh axes the experts split over, default `sharding.mesh.expert_axes(mesh)` — ("model",), or
+    ("context", "model") on the overlay meshes. Expert weights (dense `[E, K, N]` or MXFP4) are split over them on
+    dim 0, context-major (E must divide by the product of their sizes); arrays already placed that way
+    (`place_experts`, `place_tokens`) are not moved. `emulate_a2a` swaps `ragged_all_to_all` for an all-gather
+    emulation (tests on CPU, where it does not lower)."""
     w_gate, w_up, w_down = (ops._as_weight(w) for w in (w_gate, w_up, w_down))
-    E, m = _num_experts(w_gate), mesh.shape[MODEL]
+    axis = expert_group_axis(mesh, expert_axes)
+    E, m = _num_experts(w_gate), _group_size(mesh, axis)
     if E % m:
-        raise ValueError(f"{E} experts do not split over a 'model' axis of {m} devices")
-    tok_spec, split = _token_spec(mesh, x_nd.shape[0])
+        names = " x ".join(f"{a}={mesh.shape[a]}" for a in _axis_names(axis))
+        raise ValueError(f"{E} experts do not split over the expert axes {names} ({m} devices)")
+    tok_spec, split = _token_spec(mesh, x_nd.shape[0], axis)
     method = resolve_method(method, split, m, expert_idx_nk.shape[1])
-    f = _compiled(mesh, method, split, tok_spec, ops.resolve_activation(activation), backend, interpret,
+    f = _compiled(mesh, axis, method, split, tok_spec, ops.resolve_activation(activation), backend, interpret,
                   emulate_a2a)
-    toks = [place_tokens(a, mesh) for a in (x_nd, expert_idx_nk, weight_nk)]
-    return f(*toks, *(place_experts(w, mesh) for w in (w_gate, w_up, w_down)))
+    toks = [jax.device_put(a, NamedSharding(mesh, tok_spec)) for a in (x_nd, expert_idx_nk, weight_nk)]
+    w_spec = NamedSharding(mesh, P(axis))
+    return f(*toks, *(jax.tree.map(lambda a: jax.device_put(a, w_spec), w) for w in (w_gate, w_up, w_down)))
 
 
 def ep_moe(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, mesh, method: str = "auto",
-           backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False):
+           backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False, expert_axes=None):
     """Route (SPEC §7, `kimi_jax.modules.moe.route`, per token — the same on any split) then `ep_expert_ffn`."""
     from kimi_jax.modules.moe import route
 
-    tok_spec, _ = _token_spec(mesh, x_nd.shape[0])
+    tok_spec, _ = _token_spec(mesh, x_nd.shape[0], expert_group_axis(mesh, expert_axes))
     routed = jax.jit(_shard_map(lambda x, r, b: route(x, r, b, cfg), mesh, in_specs=(tok_spec, P(), P()),
                                 out_specs=(tok_spec, tok_spec)))
     weight, idx = routed(jax.device_put(x_nd, NamedSharding(mesh, tok_spec)),
                          jax.device_put(router_de, NamedSharding(mesh, P())),
                          jax.device_put(bias_e, NamedSharding(mesh, P())))
     return ep_expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, mesh=mesh, method=method,
-                         backend=backend, interpret=interpret, emulate_a2a=emulate_a2a)
+                         backend=backend, interpret=interpret, emulate_a2a=emulate_a2a, expert_axes=expert_axes)

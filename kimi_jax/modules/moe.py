@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,6 +15,8 @@ from pallas_kernels.moe import ops as moe_ops
 from ..config import MoEConfig
 from ..kernels import KernelConfig
 from .layers import Linear, RMSNorm, normal_init
+
+log = logging.getLogger("kimi_jax.moe")
 
 
 class DenseMLP(nnx.Module):
@@ -87,9 +91,10 @@ class MoE(nnx.Module):
         self.w3 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # up
         self.w2 = nnx.Param(normal_init(rngs, (E, F, width), F ** -0.5, dtype))  # down
         self.expert_format = "plain"
-        # a mesh whose "model" axis splits the routed experts (`use_expert_parallel`, set by `Model`): the FFN then
-        # runs where each expert lives (`sharding.expert_parallel`) instead of under GSPMD, which cannot split a
-        # kernel's custom call and would gather every expert to every device
+        # a mesh whose expert axes ("model", or ("context", "model") on the overlay meshes) split the routed experts
+        # (`use_expert_parallel`, set by `Model`): the FFN then runs where each expert lives
+        # (`sharding.expert_parallel`) instead of under GSPMD, which cannot split a kernel's custom call and would
+        # gather every expert to every device
         self.ep_mesh = None
         if cfg.latent_size:
             self.routed_expert_down_proj = Linear(hidden, width, rngs=rngs, dtype=dtype)
@@ -184,15 +189,26 @@ def use_mosaic_experts(module) -> int:
 
 def use_expert_parallel(module, mesh) -> int:
     """Run every MoE layer of `module` expert-parallel on `mesh` (`MoE.ep_mesh`) when the mesh splits the routed
-    experts over its "model" axis alone, in more than one piece, and the expert count divides; returns how many
-    layers were set. (Experts overlaid on ("context", "model") stay under GSPMD.)"""
+    experts (over its expert axes, `sharding.mesh.expert_axes`: "model", or ("context", "model") on the overlay
+    meshes such as `expert=8,tensor=1,context=8`) in more than one piece and the expert count divides by the
+    product of those axes' sizes; returns how many layers were set. A layer whose experts do not divide stays
+    under GSPMD (logged)."""
     from sharding.mesh import expert_axes
 
-    if mesh is None or expert_axes(mesh) != ("model",) or int(mesh.shape["model"]) < 2:
+    if mesh is None:
+        return 0
+    axes = expert_axes(mesh)
+    ways = 1
+    for a in axes:
+        ways *= int(mesh.shape[a])
+    if ways < 2:
         return 0
     count = 0
-    for _, m in moe_layers(module):
-        if m.cfg.num_experts % int(mesh.shape["model"]) == 0:
+    for path, m in moe_layers(module):
+        if m.cfg.num_experts % ways == 0:
             m.ep_mesh = mesh
             count += 1
+        else:  # sharding.rules leaves such experts replicated too
+            log.warning("MoE %s stays under GSPMD: %d experts do not split %d ways over the expert axes %s",
+                        ".".join(map(str, path)), m.cfg.num_experts, ways, axes)
     return count
