@@ -359,7 +359,7 @@ def test_32_concurrent_streams_match_serial(client, served, http):
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    # the server is text-only (README): an image part is refused, not dropped
+    # an image part whose data URL holds no image is refused, not dropped (tests/test_serve_images.py: the rest)
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]},
      "messages"),

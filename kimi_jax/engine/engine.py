@@ -37,6 +37,13 @@ to whole blocks, so a 16-token call costs as much as a 64-token one; T = 1 takes
 sets are therefore multiples of 64 plus 1 (default ``(64, 1)``; on accelerators ``(1024, 256, 64, 1)``).  Without 1
 in the set, the leftover tokens ride the decode steps instead (no extra program, one token per step).
 
+Images (``images.py``): ``submit(..., images=[uint8 RGB [H, W, 3], ...])`` with the prompt's ``<|media_pad|>``
+tokens already expanded to each image's token count.  The vision tower runs once, on the engine thread, when the
+request is first admitted; the features stay with the request (a recompute after preemption reuses them).  Prefill
+chunks that hold image tokens run the runner's ``prefill_img`` program (features + mask spliced into the embeddings;
+a chunk may start or end inside an image), the others the text program.  The prefix cache keys image tokens by the
+image's pixel digest, so equal token ids with different images never share a snapshot.
+
 Seams for what comes next:
 
 * **Prefix caching** -- ``_admit`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot (KDA state + its
@@ -68,6 +75,7 @@ import numpy as np
 from . import compile_watch
 from .detok import OutputText
 from .guide import Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .images import PromptImages
 from .prefix_cache import PrefixCache
 from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
 from ..cache import PAGE_TOKENS, CacheLayout
@@ -90,6 +98,7 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # pages per MLA pool incl. the null page; None: every slot at max_model_len
     prefix_cache_entries: int = 0
     parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
+    images: Optional[bool] = None  # compile the image prefill programs; None: when the model has a vision tower
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -124,6 +133,7 @@ class _Request:
     arrival: float
     seqs: list = field(default_factory=list)
     cached_tokens: int = 0
+    images: Optional[PromptImages] = None
     first_token_time: Optional[float] = None
     aborted: bool = False
     done: bool = False
@@ -140,6 +150,7 @@ class _Prefill:
     slots: list
     order: int
     chunks: list  # prefill chunk sizes still to run
+    key: list = field(default_factory=list)  # ids as the prefix cache sees them (image tokens by pixel digest)
     pos: int = 0  # tokens already in cache1 / keys[0]'s pages
     prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
     cache1: object = None
@@ -172,6 +183,7 @@ class Engine:
         stop_mask[list(self.stop_ids)] = True
         self.class_masks = vocab_class_masks(tokenizer, self.vocab_size)
         kv_dtype = resolve_kv_dtype(cfg.kv_dtype, model.dtype)
+        images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         max_blocks = CacheLayout.blocks_for_tokens(self.max_model_len)
         num_blocks = cfg.num_blocks
         if num_blocks is None:  # every slot at max_model_len, and room for the prefix-cache snapshots
@@ -180,13 +192,14 @@ class Engine:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
                                  index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
-                                 stop_mask=stop_mask)
+                                 stop_mask=stop_mask, images=images)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
-              or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)):
+              or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
+              or (images and not runner.images)):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
-                             "chunk sizes and cache pool (kv / index dtype, num_blocks)")
+                             "chunk sizes, cache pool (kv / index dtype, num_blocks) and image programs")
         self.runner = runner
         self.alloc = BlockAllocator(runner.spec.num_blocks)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
@@ -216,6 +229,7 @@ class Engine:
         self.generation_tokens_total = 0
         self.requests_finished = 0
         self.num_preemptions = 0
+        self.images_encoded = 0
         self.compile_seconds = 0.0
         self.compilations_at_start: Optional[int] = None
 
@@ -257,9 +271,10 @@ class Engine:
     # ================================================================================================ public API
     def submit(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, n: int = 1,
                request_id: Optional[str] = None, guide_factory: Optional[Callable[[], Guide]] = None,
-               loop=None) -> RequestStream:
+               loop=None, images: Optional[Sequence[np.ndarray]] = None) -> RequestStream:
         """Queue a request; returns its stream.  Raises ``ParamError`` for bad input, ``EngineDeadError`` if the
-        engine is not running."""
+        engine is not running.  ``images``: uint8 RGB ``[H, W, 3]`` arrays, one per image of the prompt, whose
+        ``<|media_pad|>`` tokens the prompt already holds expanded (``modules.vision.expand_image_pads``)."""
         if self.error is not None:
             raise EngineDeadError(f"engine died: {self.error!r}")
         if not self.alive:
@@ -279,6 +294,7 @@ class Engine:
         if need > self.alloc.num_blocks - 1:
             raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of {PAGE_TOKENS} "
                              f"tokens; this server's pool has {self.alloc.num_blocks - 1}", "n")
+        prompt_images = self._check_images(ids, images) if images is not None and len(images) else None
         if guide_factory is not None:  # a guide that cannot be built fails here, not on the engine thread
             try:
                 guide_factory()
@@ -289,10 +305,27 @@ class Engine:
             raise ParamError(f"request id {rid!r} is already in use", "request_id")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stream = RequestStream(rid, loop)
-        req = _Request(rid, ids, params, n, stream, guide_factory, seed, time.monotonic())
+        req = _Request(rid, ids, params, n, stream, guide_factory, seed, time.monotonic(), images=prompt_images)
         self._requests[rid] = req
         self._inbox.put(("submit", req))
         return stream
+
+    def _check_images(self, ids: list, images) -> PromptImages:
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            raise ParamError("this model has no vision tower: it cannot take images", "images")
+        if not self.runner.images:
+            raise ParamError("this engine was built without image prefill programs (EngineConfig.images=False)",
+                             "images")
+        pi = PromptImages.create(ids, images, self.model.config.vision)
+        # the decode step reads token embeddings only: every image token must go through a prefill chunk
+        chunks, _ = self.runner.plan_chunks(len(ids) - 1)
+        if pi.end > sum(chunks):
+            raise ParamError(f"the prompt's image tokens end at position {pi.end}, but with prefill chunk sizes "
+                             f"{list(self.runner.chunk_sizes)} only its first {sum(chunks)} tokens are prefilled (the "
+                             "rest ride the decode steps); add text after the image or 1 to the prefill chunk sizes",
+                             "images")
+        return pi
 
     def abort(self, request_id: str) -> None:
         """Stop a request (queued, prefilling or running); its slots are freed on the next iteration.  A prefill in
@@ -324,6 +357,7 @@ class Engine:
             "kv_dtype": self.runner.kv_dtype,
             "index_dtype": self.runner.index_dtype if self.runner.spec.index_format is not None else None,
             "num_preemptions": self.num_preemptions,
+            "images_encoded": self.images_encoded,
             "running_seqs": len(self._running),
             "num_requests_running": len(running_reqs),
             "num_requests_waiting": len(self._waiting) + self._inbox.qsize() + (1 if pre is not None else 0),
@@ -412,6 +446,8 @@ class Engine:
             if job is None:
                 if not self._waiting or (self._running and spent >= budget):
                     return
+                if not self._encode_images(self._waiting[0]):
+                    continue  # that request failed and is gone
                 job = self._admit(self._waiting[0])
                 if job is None:
                     return  # not enough free slots or pages yet
@@ -424,12 +460,33 @@ class Engine:
                     return  # the next intake takes the abort and cancels this prefill
                 ids = np.asarray(job.ids[job.pos: job.pos + size], np.int32)
                 table = self.alloc.block_table([job.keys[0]], self.runner.max_blocks)
-                job.cache1, self._state = self.runner.prefill(job.cache1, ids, self._state, table)
+                pi = job.req.images
+                mm = pi.chunk_inputs(job.pos, size) if pi is not None else None
+                job.cache1, self._state = self.runner.prefill(job.cache1, ids, self._state, table, mm=mm)
                 job.chunks.pop(0)
                 job.pos += size
                 spent += size
                 self.num_prefill_chunks += 1
             self._finish_prefill(job)
+
+    def _encode_images(self, item) -> bool:
+        """Run the vision tower for a waiting request's images (once: a resumed sequence has them).  A failure
+        ends that request (aborted, logged) and takes it off the queue; returns False then."""
+        req = item.req if isinstance(item, _Seq) else item
+        if req.images is None or req.images.features is not None:
+            return True
+        try:
+            req.images.encode(self.model)
+        except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
+            log.exception("vision tower failed on the images of request %s; aborting it", req.request_id)
+            self._waiting.popleft()
+            if isinstance(item, _Seq):
+                self._end_seq(item, "abort", None, [])
+            else:
+                self._finish_request(req)
+            return False
+        self.images_encoded += len(req.images.counts)
+        return True
 
     def _admit(self, item) -> Optional[_Prefill]:
         """Start the prefill of a waiting request or preempted sequence, if slots and pages allow."""
@@ -442,6 +499,7 @@ class Engine:
         if len(self._free) < n:
             return None
         prefill_ids = ids[:-1]
+        key = req.images.cache_key(ids) if req.images is not None else ids
         chunks, _ = self.runner.plan_chunks(len(prefill_ids))
         prefill_len = sum(chunks)
         # the prefill's pages up front, plus one page of headroom per running sequence (so that admitting it does
@@ -453,10 +511,16 @@ class Engine:
             return None
         self._orders += 1
         job = _Prefill(req, ids, item if isinstance(item, _Seq) else None, keys,
-                       [self._free.pop() for _ in range(n)], self._orders, chunks, prefill_len=prefill_len)
+                       [self._free.pop() for _ in range(n)], self._orders, chunks, key, prefill_len=prefill_len)
         for k in keys:
             self.alloc.allocate(k, prefill_len)
-        hit = self.prefix_cache.lookup(prefill_ids[:prefill_len])
+        hit = self.prefix_cache.lookup(key[:prefill_len])
+        if hit is not None and req.images is not None:
+            # chunk sizes that do not divide one another can leave a hit's remainder short of the last image
+            # token; that token would then ride a decode step without its features -- prefill from scratch instead
+            rest, _ = self.runner.plan_chunks(prefill_len - hit[0])
+            if hit[0] + sum(rest) < req.images.end:
+                hit = None
         if hit is not None:
             job.pos, (job.cache1, owner) = hit
             used = CacheLayout.blocks_for_tokens(job.pos)
@@ -522,7 +586,7 @@ class Engine:
         self._prefix_blocks += need
         self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(job.keys[0])[:need],
                                               self.alloc.blocks(owner))
-        self.prefix_cache.store(job.ids[: job.prefill_len], (job.cache1, owner))
+        self.prefix_cache.store(job.key[: job.prefill_len], (job.cache1, owner))
 
     def _drop_prefix(self, entry) -> None:
         self._prefix_blocks -= self.alloc.free(entry[1])

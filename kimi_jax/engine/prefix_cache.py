@@ -14,7 +14,9 @@ blocks, so the engine evicts them (``evict_lru``; ``on_evict`` frees the blocks)
 sequence.  Off by default (``prefix_cache_entries=0``); ``n > 1`` already shares one prefill without it.
 
 ``lookup`` returns the longest stored key that is a prefix of the query; the caller gets a private copy (the engine
-donates prefill caches, and stored snapshots must survive that).
+donates prefill caches, and stored snapshots must survive that).  Keys are the prompt ids, except that the engine
+puts ``(image digest, index)`` items in place of image tokens (``images.PromptImages.cache_key``): equal ids with
+different images are different keys from the first image token on.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ growing sequences never change a shape.
   size C: runs C prompt tokens of one sequence at its current length.  ``cache1`` is that sequence's per-sequence
   state (length + KDA layers, batch 1; no MLA rows); its MLA rows go straight into the pools of ``state`` through
   ``table1``.  Exact tokens, no padding -- padding would enter the KDA recurrent state.
+* ``prefill_img[C](params, ids [1, C], feats [1, C, D], mask [1, C], cache1, state, table1)``: the same with image
+  features spliced in where ``mask`` is set (the decoder's ``mm`` input), for chunks that hold image tokens; compiled
+  only with ``images=True`` (a model with a vision tower), so text-only chunks keep their program and cost.
 * ``insert(state, cache1, slot, prompt_mask_row, counts_row) -> state``: puts a prefilled sequence's KDA state and
   length into one slot and sets that slot's penalty rows (counts are non-zero when a preempted sequence resumes).
 * ``step(params, state, tokens [B], active [B], rows, controls, tables, block_tables [B, max_blocks]) -> (state,
@@ -20,7 +23,8 @@ growing sequences never change a shape.
 
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
-of XLA programs is exactly ``len(prefill_chunk_sizes) + 6``, independent of traffic.
+of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6``, independent of traffic (the
+vision tower itself, run by ``Model.encode_images`` at admission, compiles once per distinct image grid).
 
 The batch state is donated to every program that updates it (updated in place).
 """
@@ -77,11 +81,15 @@ def default_index_dtype(kv_dtype: str) -> str:
 class ModelRunner:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, prefill_chunk_sizes: Sequence[int],
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
-                 num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None):
+                 num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
+                 images: bool = False):
         """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool,
-        the null page included (None: ``1 + max_num_seqs · ceil(max_model_len / 64)``, every slot full)."""
+        the null page included (None: ``1 + max_num_seqs · ceil(max_model_len / 64)``, every slot full);
+        ``images``: also compile the image prefill programs (``prefill_img``)."""
         cfg = model.config
         self.model = model
+        self.images = bool(images)
+        self.D = cfg.hidden_size
         self.mesh = getattr(model, "mesh", None)
         self.B = int(max_num_seqs)
         self.L = int(max_model_len)
@@ -124,17 +132,20 @@ class ModelRunner:
         def copy_cache1(c):
             return jax.tree.map(lambda a: a + jnp.zeros((), a.dtype), c)
 
-        def prefill(params, ids, cache1, state, table1):
+        def prefill(params, ids, cache1, state, table1, mm=None):
             m = nnx.merge(graphdef, params)
             pools = state.cache.layers
             full = cache1.replace(block_tables=table1,
                                   layers=tuple(p if c is None else c for c, p in zip(cache1.layers, pools)))
-            _, new = m.hidden_states(ids, full)
+            _, new = m.hidden_states(ids, full, mm=mm)
             new = same_dtypes(new, full)
             cache1 = new.replace(block_tables=cache1.block_tables,
                                  layers=tuple(None if c is None else n for c, n in zip(cache1.layers, new.layers)))
             layers = tuple(n if isinstance(p, LayerPool) else p for p, n in zip(pools, new.layers))
             return cache1, state._replace(cache=state.cache.replace(layers=layers))
+
+        def prefill_img(params, ids, feats, mask, cache1, state, table1):
+            return prefill(params, ids, cache1, state, table1, mm=(feats, mask))
 
         def insert(state, cache1, slot, prompt_mask_row, counts_row):
             put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0].astype(dst.dtype), slot, 0)
@@ -169,6 +180,7 @@ class ModelRunner:
             "zeros_cache1": jax.jit(zeros_cache1, **out),
             "copy_cache1": jax.jit(copy_cache1, **out),
             "prefill": jax.jit(prefill, donate_argnums=(2, 3), **out),
+            "prefill_img": jax.jit(prefill_img, donate_argnums=(4, 5), **out),
             "insert": jax.jit(insert, donate_argnums=(0,), **out),
             "step": jax.jit(step, donate_argnums=(1,), **out),
             "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out),
@@ -183,7 +195,7 @@ class ModelRunner:
     @property
     def program_names(self) -> list[str]:
         return ["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"] + [
-            f"prefill_{c}" for c in self.chunk_sizes]
+            f"prefill_{c}" for c in self.chunk_sizes] + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
 
     def compile(self, parallel: bool = True) -> float:
         """Lower and compile every program; returns the wall time.  Idempotent."""
@@ -213,6 +225,10 @@ class ModelRunner:
         for c in self.chunk_sizes:
             lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, sds((1, c), jnp.int32), cache1, state,
                                                                  sds((1, NB), jnp.int32))
+            if self.images:
+                lowered[f"prefill_img_{c}"] = self._fns["prefill_img"].lower(
+                    params, sds((1, c), jnp.int32), sds((1, c, self.D), self.model.dtype), sds((1, c), bool), cache1,
+                    state, sds((1, NB), jnp.int32))
         log.info("lowered %d programs in %.1fs; compiling (%s)", len(lowered), time.perf_counter() - t0,
                  "parallel" if parallel else "serial")
         errors = []
@@ -260,11 +276,19 @@ class ModelRunner:
     def copy_cache1(self, cache1: PagedModelCache) -> PagedModelCache:
         return self._call("copy_cache1", cache1)
 
-    def prefill(self, cache1: PagedModelCache, ids: np.ndarray, state: DeviceState, table1: np.ndarray):
-        """Run one sequence's chunk; returns (cache1, state) -- both passed in are donated."""
+    def prefill(self, cache1: PagedModelCache, ids: np.ndarray, state: DeviceState, table1: np.ndarray, mm=None):
+        """Run one sequence's chunk; returns (cache1, state) -- both passed in are donated.  ``mm``: None, or
+        (features ``[1, C, D]`` in the model's dtype, mask bool ``[1, C]``) for a chunk with image tokens."""
         ids = np.asarray(ids, np.int32).reshape(1, -1)
-        return self._call(f"prefill_{ids.shape[1]}", self.model.params, ids, cache1, state,
-                          np.asarray(table1, np.int32).reshape(1, self.max_blocks))
+        table1 = np.asarray(table1, np.int32).reshape(1, self.max_blocks)
+        if mm is None:
+            return self._call(f"prefill_{ids.shape[1]}", self.model.params, ids, cache1, state, table1)
+        if not self.images:
+            raise RuntimeError("this runner was built without image prefill programs (images=False)")
+        feats, mask = mm
+        return self._call(f"prefill_img_{ids.shape[1]}", self.model.params, ids,
+                          np.asarray(feats).astype(self.model.dtype, copy=False), np.asarray(mask, bool), cache1,
+                          state, table1)
 
     def insert(self, state: DeviceState, cache1: PagedModelCache, slot: int, prompt_mask_row: np.ndarray,
                counts_row: Optional[np.ndarray] = None) -> DeviceState:

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guided-string-max-tokens", type=int, default=256, metavar="N",
                    help="with tool_choice 'required' or a named tool, cap each string argument at N tokens in case the "
                         "model never closes it (default 256)")
+    p.add_argument("--no-image-fetch", action="store_true",
+                   help="refuse http(s) image URLs in chat requests (data: URLs only): the server then never fetches "
+                        "a URL on a client's behalf")
+    p.add_argument("--image-fetch-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds allowed for fetching one http(s) image URL (default 10)")
     p.add_argument("--compilation-cache", metavar="DIR",
                    default=os.environ.get("KIMI_JAX_COMPILATION_CACHE", DEFAULT_COMPILATION_CACHE),
                    help="JAX persistent compilation cache: restarts load compiled programs instead of compiling "
@@ -203,6 +208,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--prefill-chunk-sizes: {e}")
     if args.max_num_seqs < 1:
         return _fail("--max-num-seqs must be at least 1")
+    if not 0 < args.image_fetch_timeout < float("inf"):
+        return _fail(f"--image-fetch-timeout must be a positive number of seconds, got {args.image_fetch_timeout}")
     busy = cannot_listen(args.host, args.port)
     if busy:
         return _fail(busy)
@@ -297,8 +304,12 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
              max_len, list(engine.runner.chunk_sizes))
     engine.start()
     served = args.served_model_name or name
+    from .images import ImageFetchConfig
+
     app = build_app(engine, tokenizer, model_name=served, api_key=args.api_key,
-                    guided_string_max_tokens=args.guided_string_max_tokens)
+                    guided_string_max_tokens=args.guided_string_max_tokens,
+                    image_fetch=ImageFetchConfig(timeout_s=args.image_fetch_timeout,
+                                                 allow_remote=not args.no_image_fetch))
     fmt = app.state.kimi.chat_format
     log.info("chat format: %s; api key: %s", fmt.name if fmt else "none (completions only)",
              "required" if args.api_key else "off")

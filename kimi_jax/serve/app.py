@@ -13,6 +13,10 @@ Endpoints
   GET  /metrics               Prometheus text (``metrics.py``)
   GET  /stats                 the engine's counters as JSON (free slots, compilations, ...)
 
+Images: user messages may hold ``{"type": "image_url", "image_url": {"url": ...}}`` parts (data URLs, or http(s)
+fetched off the event loop; ``images.py``) when the model has a vision tower and speaks the K3 chat format; each
+becomes its media block with one ``<|media_pad|>`` per image token, so usage and the context check count them.
+
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, bad parameters
 and prompts longer than the context; 401 for a missing / wrong bearer key when the server has one (``/v1/*``,
 ``/tokenize``, ``/detokenize``); 404 for an unknown model or route; 503 when the engine is dead.
@@ -40,7 +44,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineDeadError, ParamError, RequestDone
 from ..engine.request import SequenceOutput, apply_event
 from .errors import APIError, bad_request, error_body
+from .chat import ChatImage
 from .formats import ChatFormat, chat_format_for
+from .images import ImageError, ImageFetchConfig, chat_image, find_image_urls, load_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
 from .protocol import (check_response_format, opt_bool, parse_common, parse_json_body, parse_tools)
@@ -58,6 +64,7 @@ class ServerState:
     api_key: Optional[str]
     metrics: ServerMetrics
     created: int
+    image_fetch: ImageFetchConfig = ImageFetchConfig()
 
 
 class SSEResponse(StreamingResponse):
@@ -98,12 +105,14 @@ def _feed(parser, pieces) -> list[dict]:
 
 
 def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = None,
-              chat_format: Optional[ChatFormat] = None, guided_string_max_tokens: int = 256) -> FastAPI:
+              chat_format: Optional[ChatFormat] = None, guided_string_max_tokens: int = 256,
+              image_fetch: Optional[ImageFetchConfig] = None) -> FastAPI:
     """The FastAPI app for a started engine.  ``guided_string_max_tokens`` caps a string argument of a forced tool
-    call (``tool_choice`` required / named) in case the model never closes it."""
+    call (``tool_choice`` required / named) in case the model never closes it.  ``image_fetch``: limits on image
+    parts (fetch timeout, sizes, whether http(s) URLs are fetched at all)."""
     fmt = chat_format if chat_format is not None else chat_format_for(engine.model.config.architecture, tokenizer)
     st = ServerState(engine, tokenizer, model_name, fmt, api_key or None, ServerMetrics(engine, model_name),
-                     int(time.time()))
+                     int(time.time()), image_fetch or ImageFetchConfig())
     app = FastAPI(title="kimi_jax", description="OpenAI-compatible server for kimi_jax models", version="0.1.0")
     app.state.kimi = st
 
@@ -172,11 +181,11 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             raise bad_request(f"min_tokens ({c.params.min_tokens}) exceeds max_tokens ({mt})", "min_tokens")
         return c.params.replace(max_tokens=mt)
 
-    def submit(ids, params, n, rid, guide_factory=None):
+    def submit(ids, params, n, rid, guide_factory=None, images=None):
         check_alive()
         try:
             return engine.submit(ids, params, n=n, request_id=rid, guide_factory=guide_factory,
-                                 loop=asyncio.get_running_loop())
+                                 loop=asyncio.get_running_loop(), images=images)
         except ParamError as e:
             raise bad_request(str(e), e.param) from None
         except EngineDeadError as e:
@@ -257,9 +266,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                 raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
             tools, tool_choice = parse_tools(body)
             opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+            _, chat_images = await message_images(body.get("messages"))
             # as chat completions encodes them: tool_choice "none" leaves the tools out of the prompt
             ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts,
-                                  opt_bool(body, "add_generation_prompt", True))
+                                  opt_bool(body, "add_generation_prompt", True), chat_images)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -281,13 +291,37 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             raise bad_request(f"token ids must lie in [0, {engine.vocab_size})", "tokens")
         return {"prompt": tokenizer.decode(ids)}
 
-    def encode_messages(messages, tools, opts, add_generation_prompt=True) -> list[int]:
+    def encode_messages(messages, tools, opts, add_generation_prompt=True, images=()) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
         try:
-            return st.chat_format.encode(messages, tools, opts, add_generation_prompt=add_generation_prompt)
+            return st.chat_format.encode(messages, tools, opts, add_generation_prompt=add_generation_prompt,
+                                         images=images)
         except (ValueError, KeyError, TypeError) as e:
             raise bad_request(f"messages: {e}", "messages") from None
+
+    async def message_images(messages) -> tuple[list, list[ChatImage]]:
+        """The user messages' images, decoded (uint8 RGB arrays) and as the prompt sees them; ([], []) without
+        any.  Refused with a 400 where this model or chat format cannot take images, or an image is unusable."""
+        try:
+            urls = find_image_urls(messages)
+        except ImageError as e:
+            raise bad_request(f"messages: {e}", "messages") from None
+        if not urls:
+            return [], []
+        if getattr(engine.model, "vision", None) is None:
+            raise bad_request(f"the model `{st.model_name}` has no vision tower: image parts are not supported "
+                              f"({urls[0][0]})", "messages", "unsupported")
+        if st.chat_format is None or st.chat_format.name != "k3":
+            name = st.chat_format.name if st.chat_format is not None else "none"
+            raise bad_request(f"the {name} chat format has no image form; images need the K3 chat format "
+                              f"({urls[0][0]})", "messages", "unsupported")
+        try:  # data URLs decode, http(s) URLs are fetched: both off the event loop
+            arrays = await asyncio.to_thread(load_images, urls, st.image_fetch)
+        except ImageError as e:
+            raise bad_request(f"messages: {e}", "messages", "invalid_image") from None
+        vision_cfg = engine.model.config.vision
+        return arrays, [chat_image(a, vision_cfg) for a in arrays]
 
     # -------------------------------------------------------------------------------------------- chat
     @v1.post("/v1/chat/completions")
@@ -303,7 +337,9 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         tools, tool_choice = parse_tools(body)
         opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
         opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
-        ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts)
+        images, chat_images = await message_images(body.get("messages"))
+        ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
+        # ids hold every image's <|media_pad|> tokens: the context check counts them
         params = fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
         guide_factory = None
         if tool_choice == "required" or isinstance(tool_choice, dict):
@@ -322,7 +358,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             guide_factory = lambda: builder.build(name)  # noqa: E731
         rid = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
-        stream = submit(ids, params, c.n, rid, guide_factory)
+        stream = submit(ids, params, c.n, rid, guide_factory, images or None)
         if c.stream:
             return SSEResponse(chat_stream(stream, rid, created, c, opts, len(ids)), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -36,7 +36,11 @@ Choices made here for the points SPEC marks (unverified) or leaves open -- each 
   ``max`` and maps the OpenAI names ``minimal``->low, ``medium``->high, ``xhigh``->max; ``"none"`` turns thinking off.
 * Order: tool-declare, thinking-effort, then the conversation (its own system messages included, in place).
 * Message ``content`` may be a string, ``None`` or a list of ``{"type": "text", "text": ...}`` parts (joined without
-  separator); other part types (images, audio) are rejected with ``ValueError``.  Role ``developer`` is written as
+  separator).  A *user* message may also hold ``{"type": "image_url", ...}`` parts: each is written, in part order,
+  as ``<|media_begin|>image {W}x{H}<|media_content|>`` + ``<|media_pad|>`` × n + ``<|media_end|>`` (SPEC §9; all
+  control ids), from the ``ChatImage`` (original pixel width W, height H, n = the vision tower's token count) the
+  caller passes for it in ``images`` -- the caller has fetched and decoded them, in the order of their parts.
+  Image parts in other roles, and any other part type (audio, video), are rejected with ``ValueError``.  Role ``developer`` is written as
   ``system``.  A tool message's ``name`` comes from the message or, failing that, from the assistant tool call with
   the same ``tool_call_id``; when neither exists the ``name`` attribute is left out.
 
@@ -52,6 +56,7 @@ Kimi-Linear / Kimi K2 family (``encode_chat_kimi_linear``)::
     generation prompt: <|im_assistant|>assistant<|im_middle|>   (+ "<think>" when thinking=True)
 
 ``<think>``/``</think>`` are written as control ids when the tokenizer has them (K2-Thinking), else as text.
+This format has no documented media form: image parts are rejected with ``ValueError``.
 Tool-call ids of the form ``functions.NAME:IDX`` are kept; others are replaced by ``functions.NAME:IDX`` with a
 conversation-wide counter, and tool results refer to the replaced id.
 """
@@ -60,17 +65,21 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from kimi_jax.tokenizer import Tokenizer
 
 __all__ = [
     "CALL_INDEX_BASE",
+    "ChatImage",
     "EFFORT_LEVELS",
+    "IMAGE_PART_TYPES",
     "Segment",
     "encode_chat",
     "encode_chat_kimi_linear",
     "escape_attribute",
+    "image_part_url",
     "json_type_name",
     "normalize_reasoning_effort",
     "render_chat_segments",
@@ -102,6 +111,29 @@ K2_CONTROL_NAMES = (
 )
 
 _ESCAPES = (("&", "&amp;"), ('"', "&quot;"), ("<", "&lt;"), (">", "&gt;"))
+
+IMAGE_PART_TYPES = ("image_url",)
+MEDIA_CONTROL_NAMES = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """What the prompt needs of one image: its original size in pixels (written as ``image {width}x{height}``) and
+    the number of ``<|media_pad|>`` tokens its features fill (``modules.vision.image_token_count`` of its grid)."""
+
+    width: int
+    height: int
+    num_tokens: int
+
+
+def image_part_url(part: dict, where: str) -> str:
+    """The URL of an OpenAI ``{"type": "image_url", "image_url": {"url": ...}}`` part (a bare string
+    ``image_url`` is accepted too; ``detail`` is ignored)."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise ValueError(f'{where}: an image_url part needs {{"image_url": {{"url": "..."}}}}')
+    return url
 
 
 def escape_attribute(value: str) -> str:
@@ -151,13 +183,38 @@ def normalize_reasoning_effort(effort: str | None) -> str | None:
     return _EFFORT_ALIASES[key]
 
 
-def _content_text(content: Any, where: str) -> str:
+# A message body: text, and (user messages of the K3 format) images in between.
+Body = list  # of str | ChatImage
+
+
+class _ImageQueue:
+    """The caller's ``ChatImage`` list, handed out in the order the image parts appear; checks the count."""
+
+    def __init__(self, images: Optional[Sequence[ChatImage]]):
+        self.images = list(images or ())
+        self.used = 0
+
+    def take(self, where: str) -> ChatImage:
+        if self.used >= len(self.images):
+            raise ValueError(f"{where}: an image_url part without its decoded image (the caller passed "
+                             f"{len(self.images)} image(s))")
+        self.used += 1
+        return self.images[self.used - 1]
+
+    def check_all_used(self) -> None:
+        if self.used != len(self.images):
+            raise ValueError(f"{len(self.images)} image(s) were given for {self.used} image part(s) in the messages")
+
+
+def _content_body(content: Any, where: str, images: Optional[_ImageQueue] = None) -> Body:
+    """The parts of ``content`` as a body: text strings and, where ``images`` is given, ``ChatImage``s for the
+    ``image_url`` parts (None: image parts are refused -- messages other than the user's)."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
-        out = []
+        out: Body = []
         for i, part in enumerate(content):
             if isinstance(part, str):
                 out.append(part)
@@ -170,10 +227,26 @@ def _content_text(content: Any, where: str) -> str:
                 if not isinstance(text, str):
                     raise ValueError(f"{where}: content part {i} has no 'text' string")
                 out.append(text)
+            elif ptype in IMAGE_PART_TYPES and images is not None:
+                image_part_url(part, f"{where}.content[{i}]")
+                out.append(images.take(f"{where}.content[{i}]"))
+            elif ptype in IMAGE_PART_TYPES:
+                raise ValueError(f"{where}: image parts are only allowed in user messages")
             else:
-                raise ValueError(f"{where}: content part type {ptype!r} is not supported (text only)")
-        return "".join(out)
+                raise ValueError(f"{where}: content part type {ptype!r} is not supported (text, and image_url in "
+                                 "user messages)")
+        return out
     raise ValueError(f"{where}: content must be a string, a list of parts or null, got {type(content).__name__}")
+
+
+def _content_text(content: Any, where: str) -> str:
+    """Text-only content (image parts refused)."""
+    return "".join(_content_body(content, where))
+
+
+def _has_image_part(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                                             for p in content)
 
 
 def _reasoning_text(msg: dict) -> str:
@@ -249,6 +322,21 @@ class _Segments:
         else:
             self.out.append(s)
 
+    def body(self, body: Body) -> None:
+        """Text and images: ``<|media_begin|>image {W}x{H}<|media_content|><|media_pad|>×n<|media_end|>``."""
+        for piece in body:
+            if isinstance(piece, str):
+                self.text(piece)
+                continue
+            self.ctrl("<|media_begin|>")
+            self.text(f"image {piece.width}x{piece.height}")
+            self.ctrl("<|media_content|>")
+            pad = self.ids.get("<|media_pad|>")
+            if pad is None:
+                pad = self.ids["<|media_pad|>"] = self.tok.token_id("<|media_pad|>")
+            self.out.extend([pad] * int(piece.num_tokens))
+            self.ctrl("<|media_end|>")
+
 
 class _K3Writer(_Segments):
     def __init__(self, tokenizer: Tokenizer, escape: bool):
@@ -272,9 +360,9 @@ class _K3Writer(_Segments):
         self.text(tag)
         self.ctrl("<|sep|>")
 
-    def message(self, attrs: Sequence[tuple[str, str]], body: str) -> None:
+    def message(self, attrs: Sequence[tuple[str, str]], body: Union[str, Body]) -> None:
         self.open("message", *attrs)
-        self.text(body)
+        self.body([body] if isinstance(body, str) else body)
         self.close("message")
         self.ctrl("<|end_of_msg|>")
 
@@ -307,12 +395,19 @@ def render_chat_segments(
     keep_past_reasoning: bool = False,
     escape_attributes: bool = True,
     add_generation_prompt: bool = True,
+    images: Optional[Sequence[ChatImage]] = None,
 ) -> list[Segment]:
-    """The K3 prompt as segments (text strings and control ids); see the module docstring for the format."""
+    """The K3 prompt as segments (text strings and control ids); see the module docstring for the format.
+    ``images``: one ``ChatImage`` per ``image_url`` part of the user messages, in order."""
     effort = normalize_reasoning_effort(reasoning_effort)
     if effort is None:
         thinking = False
     w = _K3Writer(tokenizer, escape_attributes)
+    image_queue = _ImageQueue(images)
+    if image_queue.images:  # checked up front: a tokenizer without the media tokens is a clear error
+        for name in MEDIA_CONTROL_NAMES:
+            if not tokenizer.has_token(name):
+                raise ValueError(f"tokenizer {tokenizer.name!r} has no control token {name}: it cannot take images")
     if tools:
         w.message((("role", "system"), ("type", "tool-declare")), "# Tools\n" + _compact_json(list(tools)))
     if thinking:
@@ -328,7 +423,7 @@ def render_chat_segments(
         if role in ("system", "developer"):
             w.message((("role", "system"),), _content_text(msg.get("content"), where))
         elif role == "user":
-            w.message((("role", "user"),), _content_text(msg.get("content"), where))
+            w.message((("role", "user"),), _content_body(msg.get("content"), where, image_queue))
         elif role == "tool":
             name = msg.get("name") or call_names.get(str(msg.get("tool_call_id")))
             attrs = [("role", "tool")] + ([("name", str(name))] if name else [])
@@ -359,6 +454,7 @@ def render_chat_segments(
         else:
             raise ValueError(f"{where}: unknown role {role!r} (system, developer, user, assistant, tool)")
 
+    image_queue.check_all_used()
     if add_generation_prompt:
         w.open("message", ("role", "assistant"))
         w.open("think" if thinking else "response")
@@ -390,6 +486,7 @@ def encode_chat(
     keep_past_reasoning: bool = False,
     escape_attributes: bool = True,
     add_generation_prompt: bool = True,
+    images: Optional[Sequence[ChatImage]] = None,
 ) -> list[int]:
     """Token ids of a K3 chat prompt (``render_chat_segments`` then ``segments_to_ids``)."""
     return segments_to_ids(
@@ -403,6 +500,7 @@ def encode_chat(
             keep_past_reasoning=keep_past_reasoning,
             escape_attributes=escape_attributes,
             add_generation_prompt=add_generation_prompt,
+            images=images,
         ),
     )
 
@@ -454,6 +552,9 @@ def render_chat_segments_kimi_linear(
         if role in ("system", "developer"):
             w.turn("<|im_system|>", "system", _content_text(msg.get("content"), where))
         elif role == "user":
+            if _has_image_part(msg.get("content")):
+                raise ValueError(f"{where}: the Kimi-Linear / K2 chat format has no image form; images need a K3 "
+                                 "model with a vision tower")
             w.turn("<|im_user|>", "user", _content_text(msg.get("content"), where))
         elif role == "tool":
             cid = msg.get("tool_call_id")

@@ -70,7 +70,8 @@ class ChatFormat:
         return ChatOptions(bool(thinking), reasoning_effort, bool(kw.get("keep_past_reasoning", False)),
                            bool(kw.get("escape_attributes", True)))
 
-    def encode(self, messages, tools, opts: ChatOptions, add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, messages, tools, opts: ChatOptions, add_generation_prompt: bool = True, images=()) -> list[int]:
+        """Prompt ids; ``images``: a ``chat.ChatImage`` per image part of the user messages, in order."""
         raise NotImplementedError
 
     def new_parser(self, opts: ChatOptions):
@@ -81,11 +82,11 @@ class K3Format(ChatFormat):
     name = "k3"
     default_thinking = True
 
-    def encode(self, messages, tools, opts, add_generation_prompt=True):
+    def encode(self, messages, tools, opts, add_generation_prompt=True, images=()):
         return encode_chat(self.tok, messages, tools or None, thinking=opts.thinking,
                            reasoning_effort=opts.reasoning_effort if opts.thinking else None,
                            keep_past_reasoning=opts.keep_past_reasoning, escape_attributes=opts.escape_attributes,
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, images=images)
 
     def new_parser(self, opts):
         return K3OutputParser(self.tok, thinking=opts.thinking, unescape_attributes=opts.escape_attributes,
@@ -96,7 +97,9 @@ class KimiLinearFormat(ChatFormat):
     name = "kimi_linear"
     default_thinking = False
 
-    def encode(self, messages, tools, opts, add_generation_prompt=True):
+    def encode(self, messages, tools, opts, add_generation_prompt=True, images=()):
+        if images:
+            raise ValueError("the Kimi-Linear / K2 chat format has no image form")
         return encode_chat_kimi_linear(self.tok, messages, tools or None, thinking=opts.thinking,
                                        keep_past_reasoning=opts.keep_past_reasoning,
                                        add_generation_prompt=add_generation_prompt)

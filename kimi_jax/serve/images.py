@@ -1,0 +1,152 @@
+"""Images of chat requests: find the ``image_url`` parts, fetch / decode them into RGB arrays, size their prompt.
+
+A part is ``{"type": "image_url", "image_url": {"url": URL, "detail": ...}}`` (``detail`` is ignored; a bare string
+``image_url`` is accepted too).  URLs:
+
+* ``data:image/<type>;base64,<data>`` -- decoded in place;
+* ``http://`` / ``https://`` -- fetched with ``urllib`` under ``ImageFetchConfig.timeout_s`` and ``max_bytes``
+  (``allow_remote=False`` refuses them: a server that must not reach out on a client's behalf);
+* anything else (``file:``, ``ftp:``, ...) is refused.
+
+Pillow decodes every format it knows (PNG, JPEG, WebP, GIF: first frame, ...); the result is ``convert("RGB")``-ed
+(alpha dropped, palettes expanded) to uint8 ``[H, W, 3]``.  Every failure is an ``ImageError`` whose message names the
+part and, for a URL, the URL (shortened): the server turns it into a 400.
+
+Only user messages may carry images (``chat.py`` refuses them elsewhere); ``find_image_urls`` therefore collects the
+user messages' parts, in order -- the order ``chat.render_chat_segments`` consumes the ``ChatImage``s in.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .chat import IMAGE_PART_TYPES, ChatImage, image_part_url
+
+__all__ = ["ImageError", "ImageFetchConfig", "chat_image", "decode_image", "find_image_urls", "load_image",
+           "load_images"]
+
+
+class ImageError(ValueError):
+    """An image part that cannot be used (bad URL, fetch failure, not an image, too large)."""
+
+
+@dataclass(frozen=True)
+class ImageFetchConfig:
+    timeout_s: float = 10.0  # per http(s) fetch
+    max_bytes: int = 20 * 1024 * 1024  # encoded size (data URL payload or fetched body)
+    max_pixels: int = 64 * 1024 * 1024  # decoded width × height, checked from the header before decoding
+    max_images: int = 16  # per request
+    allow_remote: bool = True  # fetch http(s) URLs
+
+
+def _short(url: str, n: int = 80) -> str:
+    return url if len(url) <= n else url[: n - 3] + "..."
+
+
+def find_image_urls(messages: Any) -> list[tuple[str, str]]:
+    """(where, url) of every image part of the user messages, in order.  Malformed messages are left to the chat
+    encoder (which names the problem); a malformed image part is an ``ImageError`` here."""
+    out = []
+    if not isinstance(messages, list):
+        return out
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") != "user" or not isinstance(msg.get("content"), list):
+            continue
+        for j, part in enumerate(msg["content"]):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                where = f"messages[{i}].content[{j}]"
+                try:
+                    out.append((where, image_part_url(part, where)))
+                except ValueError as e:
+                    raise ImageError(str(e)) from None
+    return out
+
+
+def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
+    """Encoded image bytes -> uint8 RGB ``[H, W, 3]``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size  # from the header: refuse a decompression bomb before decoding it
+            if w * h > cfg.max_pixels:
+                raise ImageError(f"{what}: the image is {w}x{h} pixels; at most {cfg.max_pixels} pixels are accepted")
+            rgb = img.convert("RGB")
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"{what}: cannot decode the image ({type(e).__name__}: {e})") from None
+    arr = np.asarray(rgb, dtype=np.uint8)
+    if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 1:
+        raise ImageError(f"{what}: decoded to an array of shape {arr.shape}, not an RGB image")
+    return np.ascontiguousarray(arr)
+
+
+def _data_url_bytes(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
+    header, sep, payload = url.partition(",")
+    media = header[len("data:"):].split(";")
+    if not sep or "base64" not in media[1:]:
+        raise ImageError(f"{what}: a data URL must look like data:image/png;base64,<data>")
+    if not media[0].lower().startswith("image/"):
+        raise ImageError(f"{what}: data URL media type {media[0]!r} is not an image type (image/png, image/jpeg, ...)")
+    if len(payload) * 3 // 4 > cfg.max_bytes:
+        raise ImageError(f"{what}: the image is larger than {cfg.max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"{what}: the data URL's base64 payload is invalid ({e})") from None
+
+
+def _fetch(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
+    if not cfg.allow_remote:
+        raise ImageError(f"{what}: this server does not fetch image URLs ({_short(url)}); send a data URL")
+    req = urllib.request.Request(url, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
+    try:
+        with urllib.request.urlopen(req, timeout=cfg.timeout_s) as resp:
+            data = resp.read(cfg.max_bytes + 1)
+    except urllib.error.HTTPError as e:
+        raise ImageError(f"{what}: fetching {_short(url)} failed: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:  # refused, DNS, timeout, bad URL
+        reason = getattr(e, "reason", e)
+        raise ImageError(f"{what}: fetching {_short(url)} failed: {reason}") from None
+    if len(data) > cfg.max_bytes:
+        raise ImageError(f"{what}: {_short(url)} is larger than {cfg.max_bytes} bytes")
+    return data
+
+
+def load_image(url: str, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
+    """One image part's URL -> uint8 RGB ``[H, W, 3]`` (blocking: http(s) URLs are fetched)."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = _data_url_bytes(url, what, cfg)
+        return decode_image(data, what, cfg)
+    if scheme in ("http", "https"):
+        return decode_image(_fetch(url, what, cfg), f"{what} ({_short(url)})", cfg)
+    raise ImageError(f"{what}: unsupported image URL scheme {scheme or url[:20]!r} ({_short(url)}); use a "
+                     "data:image/...;base64 URL or http(s)")
+
+
+def load_images(urls: Sequence[tuple[str, str]], cfg: ImageFetchConfig = ImageFetchConfig()) -> list[np.ndarray]:
+    """``find_image_urls``' list -> the decoded images, in order (blocking; run it off the event loop)."""
+    if len(urls) > cfg.max_images:
+        raise ImageError(f"the messages hold {len(urls)} images; at most {cfg.max_images} per request")
+    return [load_image(url, where, cfg) for where, url in urls]
+
+
+def chat_image(image_hw3: np.ndarray, vision_cfg) -> ChatImage:
+    """The prompt's view of a decoded image: original width × height and its token count on this vision tower
+    (the size ``preprocess_image`` resizes and pads it to: (padded h / 28) · (padded w / 28) tokens)."""
+    from ..modules.vision import image_token_count, navit_size
+
+    h, w = int(image_hw3.shape[0]), int(image_hw3.shape[1])
+    _, (pad_h, pad_w) = navit_size(h, w, vision_cfg)
+    p = vision_cfg.patch_size
+    return ChatImage(w, h, image_token_count([(1, pad_h // p, pad_w // p)], vision_cfg.merge))
