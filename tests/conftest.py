@@ -4,7 +4,8 @@
 * JAX runs on CPU unless ``JAX_PLATFORMS`` is already set in the environment (set it, e.g. to ``cuda``, to run
   device tests); this must happen before anything imports jax.
 * Compiled programs are cached on disk (``JAX_COMPILATION_CACHE_DIR``), which roughly halves a repeated run.
-* Session-scoped fixtures: ``tiny_model`` (``kimi_jax.load_model("tiny")``, built once: ~25 s) and
+* Session-scoped fixtures: ``tiny_model`` (``kimi_jax.load_model("tiny")``, built once: ~25 s), ``served`` / ``client``
+  (the shared engine + live server over it, and an ``openai`` client for it) and
   ``tiny_np_weights`` (its parameters as the float64 checkpoint-layout dict of ``weights_np.tiny_numpy_weights``).
   Reuse them: every distinct input shape fed to the tiny model costs a fresh XLA compile.
 """
@@ -32,6 +33,22 @@ def tiny_model():
     import kimi_jax
 
     return kimi_jax.load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model):
+    """The shared engine + live server over `tiny_model` (`serve_helpers.shared`: built once per session)."""
+    import serve_helpers
+
+    return serve_helpers.shared(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def client(served):
+    """The official `openai` client pointed at `served`."""
+    import openai
+
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

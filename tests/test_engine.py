@@ -29,11 +29,6 @@ from kimi_jax.tokenizer import Tokenizer
 REF_LEN = 70
 
 
-@pytest.fixture(scope="session")
-def served(tiny_model):
-    return serve_helpers.shared(tiny_model)
-
-
 @pytest.fixture(scope="module")
 def engine(served):
     return served.engine

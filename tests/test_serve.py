@@ -40,16 +40,6 @@ TOOLS = [
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
 
-@pytest.fixture(scope="session")
-def served(tiny_model):
-    return serve_helpers.shared(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def http(served):
     with httpx.Client(base_url=served.url, timeout=120) as c:

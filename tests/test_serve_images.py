@@ -21,7 +21,6 @@ import openai
 import pytest
 from PIL import Image
 
-import serve_helpers
 from kimi_jax.engine import Engine, ParamError, SamplingParams
 from kimi_jax.paged_cache import BlockAllocator
 from kimi_jax.serve.app import build_app
@@ -34,16 +33,6 @@ from kimi_jax.tokenizer import Tokenizer
 MODEL = "tiny"
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="session")
-def served(tiny_model):
-    return serve_helpers.shared(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _image(seed: int, h: int = 100, w: int = 90) -> np.ndarray:
