@@ -756,8 +756,8 @@ _VISION_KEYS = {
 
 
 def vision_from_hf(vc: dict, top: dict, text_hidden: int) -> VisionConfig:
-    """The `vision_config` block of a K3 config.json -> VisionConfig. Sizes it does not give keep SPEC §9's values;
-    head_dim defaults to 128 (K3's 12 × 128 heads) unless only the head count is given with a width it divides."""
+    """The `vision_config` block of a K3 config.json -> VisionConfig. Sizes it does not give keep SPEC §9's values
+    (head_dim too: 128, so K3's 12 heads make a 1536-wide qkv on a 1024-wide tower, not width / heads)."""
     if not isinstance(vc, dict):
         raise ConfigError("vision_config must be an object")
     fields = {}

@@ -130,3 +130,18 @@ def test_a_checkpoint_missing_a_vision_tensor_is_refused(k3_dir, tmp_path):
     with pytest.raises(VisionWeightsError, match="blocks.0.wo.weight is missing"):
         kimi_jax.load_model(str(bad))
     assert os.path.isdir(k3_dir)
+
+
+def test_vision_config_from_a_k3_config_json():
+    from kimi_jax.config import ConfigError, VisionConfig, vision_from_hf
+
+    assert vision_from_hf({}, {}, 7168) == VisionConfig()  # nothing given: SPEC §9's tower
+    vc = vision_from_hf({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+                         "intermediate_size": 96, "pos_emb_height": 8, "merge_kernel_size": [2, 2]},
+                        {"media_placeholder_token_id": 77}, 32)
+    assert (vc.hidden_size, vc.num_layers, vc.qkv_width, vc.pos_table, vc.projector_hidden, vc.text_hidden,
+            vc.image_token_id) == (64, 2, 64, 8, 256, 32, 77)
+    with pytest.raises(ConfigError, match="only square merges"):
+        vision_from_hf({"merge_kernel_size": [2, 1]}, {}, 32)
+    with pytest.raises(ConfigError, match="must be an object"):
+        vision_from_hf([1], {}, 32)
