@@ -215,6 +215,22 @@ def test_k3_matches_numpy_transcription():
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
 
 
+def test_bf16_tower_stays_close_to_the_float64_transcription():
+    """bf16 parameters and activations (how checkpoints load): softmax and norms in float32, the PV product in bf16
+    with float32 accumulation; features within bf16's precision of the float64 transcription."""
+    import jax.numpy as jnp
+
+    cfg, grid = K3_TINY, ((1, 4, 8), (1, 8, 2))
+    weights = k3_weights(cfg, seed=5)
+    n = sum(t * h * w for t, h, w in grid)
+    patches = np.random.default_rng(6).standard_normal((n, 3 * 14 * 14)).astype(np.float32)
+    tower = V.load_vision_tower(weights, cfg, dtype=jnp.bfloat16)
+    got = np.asarray(V.vision_features(tower, patches, grid), np.float32)
+    want = np_k3_features(weights, cfg, patches, grid)
+    rel_rms = np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))
+    assert rel_rms < 3e-2, rel_rms
+
+
 def test_one_image_alone_equals_its_slice_of_a_batch():
     """Attention stays inside each image: an image's features do not depend on the other images in the call."""
     cfg, grid = K3_TINY, ((1, 4, 4), (1, 2, 6))
