@@ -72,7 +72,7 @@ def find_image_urls(messages: Any) -> list[tuple[str, str]]:
 
 def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
     """Encoded image bytes -> uint8 RGB ``[H, W, 3]``."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as img:
@@ -82,7 +82,8 @@ def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfi
             rgb = img.convert("RGB")
     except ImageError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except Exception as e:  # noqa: BLE001 -- Pillow's decoders report broken data as OSError, but also SyntaxError
+        # ("broken PNG file"), struct.error, EOFError, IndexError, ...: every one is the client's unusable image
         raise ImageError(f"{what}: cannot decode the image ({type(e).__name__}: {e})") from None
     arr = np.asarray(rgb, dtype=np.uint8)
     if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 1:

@@ -1,0 +1,51 @@
+"""Regression tests from the black-box audit of image inputs: decoding of unusual / broken files, and http(s)
+fetch limits (``kimi_jax.serve.images``), plus the server's answer to them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from kimi_jax.serve.images import ImageError, decode_image
+
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+
+
+def _png(img, **kw) -> bytes:
+    buf = io.BytesIO()
+    (img if isinstance(img, Image.Image) else Image.fromarray(img)).save(buf, format="PNG", **kw)
+    return buf.getvalue()
+
+
+def _rand(h: int, w: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _broken_png() -> bytes:
+    """A PNG whose IDAT length is 5 short: Pillow raises SyntaxError ("broken PNG file"), not OSError."""
+    d = bytearray(_png(_rand(20, 30)))
+    i = d.find(b"IDAT") - 4
+    d[i:i + 4] = struct.pack(">I", struct.unpack(">I", d[i:i + 4])[0] - 5)
+    return bytes(d)
+
+
+def test_a_broken_png_is_an_image_error_not_a_syntax_error():
+    with pytest.raises(ImageError, match="cannot decode the image"):
+        decode_image(_broken_png(), "img")
+
+
+def test_a_broken_png_is_a_400_and_the_server_lives_on(client):
+    url = "data:image/png;base64," + base64.b64encode(_broken_png()).decode()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(openai.BadRequestError) as e:  # was a 500 (SyntaxError escaped decode_image)
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body=NO_THINK)
+    assert e.value.body["code"] == "invalid_image" and "cannot decode the image" in e.value.body["message"]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body=NO_THINK)
+    assert r.usage.completion_tokens >= 1
