@@ -4,15 +4,19 @@ fetch limits (``kimi_jax.serve.images``), plus the server's answer to them."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import io
+import socket
 import struct
+import threading
 
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
-from kimi_jax.serve.images import ImageError, decode_image
+from kimi_jax.serve.images import ImageError, ImageFetchConfig, decode_image, load_image
 
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 
@@ -49,3 +53,54 @@ def test_a_broken_png_is_a_400_and_the_server_lives_on(client):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body=NO_THINK)
     assert r.usage.completion_tokens >= 1
+
+
+@contextlib.contextmanager
+def _raw_tcp_server(reply: bytes):
+    """A TCP server that answers every connection with ``reply`` (not HTTP) and closes it."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(65536)
+                    conn.sendall(reply)
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        srv.close()
+
+
+def test_fetch_failures_outside_oserror_are_image_errors():
+    """A reply that is not HTTP (BadStatusLine), a URL http.client refuses (InvalidURL: a space or CR/LF in the
+    path) and one urllib refuses (ValueError from Request: a broken IPv6 host) were 500s."""
+    cfg = ImageFetchConfig(timeout_s=5)
+    with _raw_tcp_server(b"GARBAGE NOT HTTP\r\n\r\n") as base:
+        with pytest.raises(ImageError, match="fetching .* failed: .*BadStatusLine"):
+            load_image(base + "/x.png", "img", cfg)
+        with pytest.raises(ImageError, match="fetching .* failed: .*InvalidURL"):
+            load_image(base + "/a b.png", "img", cfg)
+        with pytest.raises(ImageError, match="(?s)fetching .* failed: .*InvalidURL"):
+            load_image(base + "/a\r\nX-Injected: 1", "img", cfg)
+    with pytest.raises(ImageError, match="fetching .* failed: .*Invalid IPv6 URL"):
+        load_image("http://[::1/x.png", "img", cfg)
+
+
+def test_a_malformed_image_url_is_a_400(client):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://[::1/x.png"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body=NO_THINK)
+    assert e.value.body["code"] == "invalid_image" and "http://[::1/x.png" in e.value.body["message"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import urllib.error
 import urllib.request
@@ -109,14 +110,16 @@ def _data_url_bytes(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
 def _fetch(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
     if not cfg.allow_remote:
         raise ImageError(f"{what}: this server does not fetch image URLs ({_short(url)}); send a data URL")
-    req = urllib.request.Request(url, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
     try:
+        req = urllib.request.Request(url, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
         with urllib.request.urlopen(req, timeout=cfg.timeout_s) as resp:
             data = resp.read(cfg.max_bytes + 1)
     except urllib.error.HTTPError as e:
         raise ImageError(f"{what}: fetching {_short(url)} failed: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:  # refused, DNS, timeout, bad URL
-        reason = getattr(e, "reason", e)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        # refused, DNS, timeout, a malformed URL (Request: "Invalid IPv6 URL"; http.client: InvalidURL for spaces
+        # or control characters), a reply that is not HTTP (BadStatusLine), a body cut short (IncompleteRead)
+        reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
         raise ImageError(f"{what}: fetching {_short(url)} failed: {reason}") from None
     if len(data) > cfg.max_bytes:
         raise ImageError(f"{what}: {_short(url)} is larger than {cfg.max_bytes} bytes")
