@@ -10,6 +10,7 @@ import io
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import openai
@@ -56,8 +57,9 @@ def test_a_broken_png_is_a_400_and_the_server_lives_on(client):
 
 
 @contextlib.contextmanager
-def _raw_tcp_server(reply: bytes):
-    """A TCP server that answers every connection with ``reply`` (not HTTP) and closes it."""
+def _raw_tcp_server(reply: bytes, drip_s: float = 0.0, drip_from: int = 0):
+    """A TCP server that answers every connection with ``reply`` and closes it; with ``drip_s``, the bytes from
+    ``drip_from`` on come one every ``drip_s`` seconds."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
@@ -72,11 +74,15 @@ def _raw_tcp_server(reply: bytes):
             with conn:
                 try:
                     conn.recv(65536)
-                    conn.sendall(reply)
+                    conn.sendall(reply if not drip_s else reply[:drip_from])
+                    for i in range(drip_from, len(reply) if drip_s else 0):
+                        if stop.wait(drip_s):
+                            break
+                        conn.sendall(reply[i:i + 1])
                 except OSError:
                     pass
 
-    threading.Thread(target=serve, daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()  # one connection at a time
     try:
         yield f"http://127.0.0.1:{srv.getsockname()[1]}"
     finally:
@@ -104,3 +110,20 @@ def test_a_malformed_image_url_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body=NO_THINK)
     assert e.value.body["code"] == "invalid_image" and "http://[::1/x.png" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("where", ["body", "headers"])
+def test_the_fetch_timeout_bounds_the_whole_fetch(where):
+    """A server that trickles its reply a byte at a time (each read well within the socket timeout) held the fetch
+    -- and the request -- for as long as it liked; the timeout now bounds the whole fetch."""
+    png = _png(_rand(30, 40))
+    head = f"HTTP/1.0 200 OK\r\nContent-Type: image/png\r\nContent-Length: {len(png)}\r\n\r\n".encode()
+    reply = head + png
+    with _raw_tcp_server(reply, drip_s=0.05, drip_from=len(head) if where == "body" else 0) as base:
+        cfg = ImageFetchConfig(timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(ImageError, match="timed out after 1 s"):
+            load_image(base + "/x.png", "img", cfg)
+        assert time.monotonic() - t0 < 3.0
+    with _raw_tcp_server(reply) as base:  # the same reply at once is fine
+        assert load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5)).shape == (30, 40, 3)

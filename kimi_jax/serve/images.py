@@ -4,8 +4,9 @@ A part is ``{"type": "image_url", "image_url": {"url": URL, "detail": ...}}`` (`
 ``image_url`` is accepted too).  URLs:
 
 * ``data:image/<type>;base64,<data>`` -- decoded in place;
-* ``http://`` / ``https://`` -- fetched with ``urllib`` under ``ImageFetchConfig.timeout_s`` and ``max_bytes``
-  (``allow_remote=False`` refuses them: a server that must not reach out on a client's behalf);
+* ``http://`` / ``https://`` -- fetched with ``urllib`` under ``ImageFetchConfig.timeout_s`` (for the whole fetch,
+  redirects included) and ``max_bytes`` (``allow_remote=False`` refuses them: a server that must not reach out on a
+  client's behalf);
 * anything else (``file:``, ``ftp:``, ...) is refused.
 
 Pillow decodes every format it knows (PNG, JPEG, WebP, GIF: first frame, ...); the result is ``convert("RGB")``-ed
@@ -22,6 +23,8 @@ import base64
 import binascii
 import http.client
 import io
+import socket
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -107,23 +110,103 @@ def _data_url_bytes(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
         raise ImageError(f"{what}: the data URL's base64 payload is invalid ({e})") from None
 
 
+class _Deadline:
+    """The whole-fetch time limit: when it passes, every socket the fetch opened (redirects included) is shut down,
+    so a blocked read returns at once.  (A socket timeout alone bounds each read, not the fetch: a server that
+    trickles a byte every few seconds would hold the request -- and a worker thread -- for hours.)"""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._socks: list = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+    def add(self, sock) -> None:
+        with self._lock:
+            if not self.expired:
+                self._socks.append(sock)
+                return
+        self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            self._shut(sock)
+
+    @staticmethod
+    def _shut(sock) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """A urllib opener whose http(s) connections register their sockets here."""
+        deadline = self
+
+        class Tracked:
+            def do_open(self, http_class, req, **kw):
+                class Conn(http_class):
+                    def __init__(self, *a, **k):
+                        super().__init__(*a, **k)
+                        create = self._create_connection
+
+                        def tracked(*a2, **k2):
+                            sock = create(*a2, **k2)
+                            deadline.add(sock)
+                            return sock
+
+                        self._create_connection = tracked
+
+                return super().do_open(Conn, req, **kw)
+
+        class HTTP(Tracked, urllib.request.HTTPHandler):
+            pass
+
+        class HTTPS(Tracked, urllib.request.HTTPSHandler):
+            pass
+
+        return urllib.request.build_opener(HTTP(), HTTPS())
+
+
 def _fetch(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
     if not cfg.allow_remote:
         raise ImageError(f"{what}: this server does not fetch image URLs ({_short(url)}); send a data URL")
-    try:
-        req = urllib.request.Request(url, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
-        with urllib.request.urlopen(req, timeout=cfg.timeout_s) as resp:
-            data = resp.read(cfg.max_bytes + 1)
-    except urllib.error.HTTPError as e:
-        raise ImageError(f"{what}: fetching {_short(url)} failed: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
-        # refused, DNS, timeout, a malformed URL (Request: "Invalid IPv6 URL"; http.client: InvalidURL for spaces
-        # or control characters), a reply that is not HTTP (BadStatusLine), a body cut short (IncompleteRead)
-        reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
-        raise ImageError(f"{what}: fetching {_short(url)} failed: {reason}") from None
+    with _Deadline(cfg.timeout_s) as deadline:
+        try:
+            req = urllib.request.Request(url, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
+            with deadline.opener().open(req, timeout=cfg.timeout_s) as resp:
+                data = bytearray()
+                while len(data) <= cfg.max_bytes:
+                    chunk = resp.read1(min(1 << 16, cfg.max_bytes + 1 - len(data)))
+                    if not chunk:
+                        break
+                    data += chunk
+        except urllib.error.HTTPError as e:
+            raise ImageError(f"{what}: fetching {_short(url)} failed: HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+            # refused, DNS, timeout, a malformed URL (Request: "Invalid IPv6 URL"; http.client: InvalidURL for
+            # spaces or control characters), a reply that is not HTTP (BadStatusLine), a body cut short
+            if deadline.expired:
+                raise ImageError(f"{what}: fetching {_short(url)} failed: timed out after {cfg.timeout_s:g} s") \
+                    from None
+            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
+            raise ImageError(f"{what}: fetching {_short(url)} failed: {reason}") from None
+        if deadline.expired:  # the shut-down socket ended the body early
+            raise ImageError(f"{what}: fetching {_short(url)} failed: timed out after {cfg.timeout_s:g} s")
     if len(data) > cfg.max_bytes:
         raise ImageError(f"{what}: {_short(url)} is larger than {cfg.max_bytes} bytes")
-    return data
+    return bytes(data)
 
 
 def load_image(url: str, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
