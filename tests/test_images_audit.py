@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -127,3 +128,32 @@ def test_the_fetch_timeout_bounds_the_whole_fetch(where):
         assert time.monotonic() - t0 < 3.0
     with _raw_tcp_server(reply) as base:  # the same reply at once is fine
         assert load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5)).shape == (30, 40, 3)
+
+
+def _with_orientation(img: np.ndarray, orientation: int, fmt: str = "JPEG") -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format=fmt, exif=exif.tobytes(), **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_orientation_turns_the_image_upright(orientation):
+    """A phone photo stored sideways with EXIF orientation 6 reached the model sideways (and its prompt said
+    'image 60x20' for a picture shown as 20x60); it is now turned as browsers / transformers' load_image show it."""
+    img = _rand(20, 60, seed=orientation)
+    got = decode_image(_with_orientation(img, orientation, "PNG"), "img")
+    want = {3: np.rot90(img, 2), 6: np.rot90(img, -1), 8: np.rot90(img, 1)}[orientation]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_exif_orientation_in_the_prompt_and_a_broken_exif_block(served):
+    img = _rand(20, 60, seed=1)
+    url = "data:image/jpeg;base64," + base64.b64encode(_with_orientation(img, 6)).decode()
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    r = httpx.post(served.url + "/tokenize", json={"messages": msgs, "return_token_strs": True}, timeout=60).json()
+    assert "image 20x60" in "".join(r["token_strs"])  # width x height of the upright picture
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", exif=b"Exif\x00\x00not a tiff header")
+    assert decode_image(buf.getvalue(), "img").shape == (20, 60, 3)  # unreadable EXIF: pixels as stored

@@ -9,8 +9,8 @@ A part is ``{"type": "image_url", "image_url": {"url": URL, "detail": ...}}`` (`
   client's behalf);
 * anything else (``file:``, ``ftp:``, ...) is refused.
 
-Pillow decodes every format it knows (PNG, JPEG, WebP, GIF: first frame, ...); the result is ``convert("RGB")``-ed
-(alpha dropped, palettes expanded) to uint8 ``[H, W, 3]``.  Every failure is an ``ImageError`` whose message names the
+Pillow decodes every format it knows (PNG, JPEG, WebP, GIF: first frame, ...); the image is turned upright by its
+EXIF orientation, then ``convert("RGB")``-ed (alpha dropped, palettes expanded) to uint8 ``[H, W, 3]``.  Every failure is an ``ImageError`` whose message names the
 part and, for a URL, the URL (shortened): the server turns it into a 400.
 
 Only user messages may carry images (``chat.py`` refuses them elsewhere); ``find_image_urls`` therefore collects the
@@ -74,6 +74,23 @@ def find_image_urls(messages: Any) -> list[tuple[str, str]]:
     return out
 
 
+_EXIF_ORIENTATION = 0x0112
+
+
+def _upright(img):
+    """``img`` as it is meant to be seen: turned by its EXIF orientation (a phone photo is stored sideways with
+    orientation 6 or 8), as browsers and transformers' ``load_image`` (``ImageOps.exif_transpose``) show it.  An
+    unreadable EXIF block leaves the pixels as stored."""
+    from PIL import ImageOps
+
+    try:
+        if img.getexif().get(_EXIF_ORIENTATION, 1) in (1, None):
+            return img
+        return ImageOps.exif_transpose(img)
+    except Exception:  # noqa: BLE001 -- a malformed EXIF block is no reason to refuse the image
+        return img
+
+
 def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
     """Encoded image bytes -> uint8 RGB ``[H, W, 3]``."""
     from PIL import Image
@@ -83,7 +100,7 @@ def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfi
             w, h = img.size  # from the header: refuse a decompression bomb before decoding it
             if w * h > cfg.max_pixels:
                 raise ImageError(f"{what}: the image is {w}x{h} pixels; at most {cfg.max_pixels} pixels are accepted")
-            rgb = img.convert("RGB")
+            rgb = _upright(img).convert("RGB")
     except ImageError:
         raise
     except Exception as e:  # noqa: BLE001 -- Pillow's decoders report broken data as OSError, but also SyntaxError
