@@ -157,3 +157,25 @@ def test_exif_orientation_in_the_prompt_and_a_broken_exif_block(served):
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="JPEG", exif=b"Exif\x00\x00not a tiff header")
     assert decode_image(buf.getvalue(), "img").shape == (20, 60, 3)  # unreadable EXIF: pixels as stored
+
+
+def test_transparency_is_composited_onto_white():
+    """Black text on a transparent background (RGBA with black, fully transparent pixels) decoded to an all-black
+    image: the alpha was dropped.  Transparent pixels are now white, half-transparent ones blend, as transformers'
+    convert_to_rgb and vLLM do; a palette PNG with a transparent colour and an LA image too."""
+    rgba = np.zeros((8, 10, 4), np.uint8)  # black everywhere, transparent ...
+    rgba[2:4, 2:6, 3] = 255  # ... except an opaque black stroke
+    rgba[5, 5] = (255, 0, 0, 128)  # and one half-transparent red pixel
+    got = decode_image(_png(Image.fromarray(rgba, "RGBA")), "img")
+    want = np.full((8, 10, 3), 255, np.uint8)
+    want[2:4, 2:6] = 0
+    want[5, 5] = (255, 127, 127)
+    np.testing.assert_allclose(got.astype(int), want.astype(int), atol=1)
+    pal = Image.fromarray(rgba[..., 3] // 255 * 7).convert("P")  # palette image: index 0 is the transparent colour
+    got = decode_image(_png(pal, transparency=0), "img")
+    assert (got[0, 0] == 255).all() and (got[2, 2] != 255).any()
+    la = Image.fromarray(np.dstack([np.zeros((8, 10), np.uint8), rgba[..., 3]]), "LA")
+    got = decode_image(_png(la), "img")
+    assert (got[0, 0] == 255).all() and (got[2, 2] == 0).all()
+    opaque = _rand(8, 10)  # no transparency: unchanged
+    np.testing.assert_array_equal(decode_image(_png(opaque), "img"), opaque)

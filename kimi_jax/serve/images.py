@@ -10,8 +10,9 @@ A part is ``{"type": "image_url", "image_url": {"url": URL, "detail": ...}}`` (`
 * anything else (``file:``, ``ftp:``, ...) is refused.
 
 Pillow decodes every format it knows (PNG, JPEG, WebP, GIF: first frame, ...); the image is turned upright by its
-EXIF orientation, then ``convert("RGB")``-ed (alpha dropped, palettes expanded) to uint8 ``[H, W, 3]``.  Every failure is an ``ImageError`` whose message names the
-part and, for a URL, the URL (shortened): the server turns it into a 400.
+EXIF orientation, then ``convert("RGB")``-ed (transparency composited onto white, palettes expanded) to uint8
+``[H, W, 3]``.  Every failure is an ``ImageError`` whose message names the part and, for a URL, the URL (shortened):
+the server turns it into a 400.
 
 Only user messages may carry images (``chat.py`` refuses them elsewhere); ``find_image_urls`` therefore collects the
 user messages' parts, in order -- the order ``chat.render_chat_segments`` consumes the ``ChatImage``s in.
@@ -91,6 +92,19 @@ def _upright(img):
         return img
 
 
+def _to_rgb(img):
+    """RGB of a decoded image.  Transparency (an alpha band, or a palette / grey image's transparent colour) is
+    composited onto white, as transformers' ``convert_to_rgb`` (the K2.5 processor's ``do_convert_rgb``) and vLLM do:
+    dropping the alpha would show the colour hidden under transparent pixels, usually black -- black text on a
+    transparent background became a black square."""
+    from PIL import Image
+
+    if "A" in img.getbands() or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return img.convert("RGB")
+
+
 def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
     """Encoded image bytes -> uint8 RGB ``[H, W, 3]``."""
     from PIL import Image
@@ -100,7 +114,7 @@ def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfi
             w, h = img.size  # from the header: refuse a decompression bomb before decoding it
             if w * h > cfg.max_pixels:
                 raise ImageError(f"{what}: the image is {w}x{h} pixels; at most {cfg.max_pixels} pixels are accepted")
-            rgb = _upright(img).convert("RGB")
+            rgb = _to_rgb(_upright(img))
     except ImageError:
         raise
     except Exception as e:  # noqa: BLE001 -- Pillow's decoders report broken data as OSError, but also SyntaxError
