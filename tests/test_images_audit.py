@@ -179,3 +179,14 @@ def test_transparency_is_composited_onto_white():
     assert (got[0, 0] == 255).all() and (got[2, 2] == 0).all()
     opaque = _rand(8, 10)  # no transparency: unchanged
     np.testing.assert_array_equal(decode_image(_png(opaque), "img"), opaque)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16_bit_grey_keeps_its_levels(fmt):
+    """A 16-bit greyscale PNG / TIFF (Pillow mode I;16) decoded to white wherever a pixel was above 255/65535:
+    convert('RGB') clips.  Its top 8 bits are kept now, as Pillow reads 16-bit RGB."""
+    grey = np.array([[0, 255, 256, 30000, 65535], [1000, 20000, 40000, 50000, 65280]], np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(grey).save(buf, format=fmt)
+    got = decode_image(buf.getvalue(), "img")
+    np.testing.assert_array_equal(got, np.repeat((grey >> 8).astype(np.uint8)[..., None], 3, axis=2))

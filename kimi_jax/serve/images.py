@@ -92,13 +92,19 @@ def _upright(img):
         return img
 
 
+_MODES_16BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
 def _to_rgb(img):
-    """RGB of a decoded image.  Transparency (an alpha band, or a palette / grey image's transparent colour) is
-    composited onto white, as transformers' ``convert_to_rgb`` (the K2.5 processor's ``do_convert_rgb``) and vLLM do:
-    dropping the alpha would show the colour hidden under transparent pixels, usually black -- black text on a
-    transparent background became a black square."""
+    """RGB of a decoded image.  16-bit grey keeps its top 8 bits (as Pillow reads 16-bit RGB).  Transparency (an
+    alpha band, or a palette / grey image's transparent colour) is composited onto white, as transformers'
+    ``convert_to_rgb`` (the K2.5 processor's ``do_convert_rgb``) and vLLM do: dropping the alpha would show the colour
+    hidden under transparent pixels, usually black -- black text on a transparent background became a black
+    square."""
     from PIL import Image
 
+    if img.mode in _MODES_16BIT:  # 16-bit grey (PNG, TIFF): Pillow's convert clips at 255 -- mid-grey became white
+        img = Image.fromarray((np.asarray(img).astype(np.uint32) >> 8).astype(np.uint8), "L")
     if "A" in img.getbands() or "transparency" in img.info:
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
