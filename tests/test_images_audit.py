@@ -190,3 +190,15 @@ def test_16_bit_grey_keeps_its_levels(fmt):
     Image.fromarray(grey).save(buf, format=fmt)
     got = decode_image(buf.getvalue(), "img")
     np.testing.assert_array_equal(got, np.repeat((grey >> 8).astype(np.uint8)[..., None], 3, axis=2))
+
+
+@pytest.mark.parametrize("shape", [(0, 60, 3), (40, 0, 3)])
+def test_an_empty_image_is_a_vision_input_error(shape):
+    """Model.encode_images / logits(images=) on a 0-pixel-high or -wide array raised ZeroDivisionError (in
+    navit_size) instead of the VisionInputError every other malformed image gets."""
+    import kimi_jax
+    from kimi_jax.modules.vision import VisionInputError, preprocess_image
+
+    cfg = kimi_jax.get_preset("tiny").vision
+    with pytest.raises(VisionInputError, match=r"H, W ≥ 1"):
+        preprocess_image(np.zeros(shape, np.uint8), cfg)

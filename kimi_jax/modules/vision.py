@@ -465,8 +465,9 @@ def preprocess_image(image_hw3: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarr
     4. Patches in row-major patch order, each laid out [channel, row, col]: the processor's `pixel_values`.
     """
     img = np.asarray(image_hw3)
-    if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
-        raise VisionInputError(f"expected a uint8 RGB image [H, W, 3], got {img.dtype} {tuple(img.shape)}")
+    if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8 or min(img.shape[:2]) < 1:
+        raise VisionInputError(f"expected a uint8 RGB image [H, W, 3] with H, W ≥ 1, got {img.dtype} "
+                               f"{tuple(img.shape)}")
     (new_h, new_w), (pad_h, pad_w) = navit_size(img.shape[0], img.shape[1], cfg)
     if (new_h, new_w) != img.shape[:2]:
         img = resize_image(img, new_h, new_w)
