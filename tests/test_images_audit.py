@@ -202,3 +202,21 @@ def test_an_empty_image_is_a_vision_input_error(shape):
     cfg = kimi_jax.get_preset("tiny").vision
     with pytest.raises(VisionInputError, match=r"H, W ≥ 1"):
         preprocess_image(np.zeros(shape, np.uint8), cfg)
+
+
+def test_data_urls_with_line_breaks_or_without_padding_decode():
+    """base64 from MIME-style encoders (line breaks every 76 characters: base64.encodebytes, the `base64` tool)
+    was refused as 'invalid base64'; browsers read data URLs with forgiving base64 (whitespace ignored, '='
+    padding optional, ';BASE64' in any case), and so does the server now.  Other characters are still refused."""
+    from kimi_jax.serve.images import load_image
+
+    img = _rand(30, 41)
+    raw = _png(img)
+    wrapped = base64.encodebytes(raw).decode()
+    assert "\n" in wrapped
+    for url in ("data:image/png;base64," + wrapped,
+                "data:image/png;base64, " + base64.b64encode(raw).decode().rstrip("="),
+                "data:image/png;BASE64," + base64.b64encode(raw).decode()):
+        np.testing.assert_array_equal(load_image(url, "img"), img)
+    with pytest.raises(ImageError, match="base64 payload is invalid"):
+        load_image("data:image/png;base64," + base64.b64encode(raw).decode()[:-2] + "@!", "img")

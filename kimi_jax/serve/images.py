@@ -132,15 +132,23 @@ def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfi
     return np.ascontiguousarray(arr)
 
 
+_ASCII_WHITESPACE = str.maketrans("", "", "\t\n\f\r ")
+
+
 def _data_url_bytes(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
     header, sep, payload = url.partition(",")
     media = header[len("data:"):].split(";")
-    if not sep or "base64" not in media[1:]:
+    if not sep or "base64" not in [m.strip().lower() for m in media[1:]]:
         raise ImageError(f"{what}: a data URL must look like data:image/png;base64,<data>")
     if not media[0].lower().startswith("image/"):
         raise ImageError(f"{what}: data URL media type {media[0]!r} is not an image type (image/png, image/jpeg, ...)")
     if len(payload) * 3 // 4 > cfg.max_bytes:
         raise ImageError(f"{what}: the image is larger than {cfg.max_bytes} bytes")
+    # forgiving base64 (WHATWG, as browsers read data URLs): ASCII whitespace is ignored -- MIME-style encoders
+    # (base64.encodebytes, `base64` without -w0) break lines every 76 characters -- and the '=' padding is optional
+    payload = payload.translate(_ASCII_WHITESPACE)
+    if len(payload) % 4:
+        payload += "=" * (-len(payload) % 4)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
