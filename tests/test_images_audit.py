@@ -220,3 +220,11 @@ def test_data_urls_with_line_breaks_or_without_padding_decode():
         np.testing.assert_array_equal(load_image(url, "img"), img)
     with pytest.raises(ImageError, match="base64 payload is invalid"):
         load_image("data:image/png;base64," + base64.b64encode(raw).decode()[:-2] + "@!", "img")
+
+
+def test_an_unknown_format_says_so_without_an_object_repr():
+    """The 400 for bytes Pillow cannot identify read 'cannot identify image file <_io.BytesIO object at 0x7f...>'."""
+    with pytest.raises(ImageError) as e:
+        decode_image(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "img")
+    msg = str(e.value)
+    assert "cannot decode the image (not in an image format" in msg and "BytesIO" not in msg and " at 0x" not in msg

@@ -113,7 +113,7 @@ def _to_rgb(img):
 
 def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
     """Encoded image bytes -> uint8 RGB ``[H, W, 3]``."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as img:
@@ -125,7 +125,9 @@ def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfi
         raise
     except Exception as e:  # noqa: BLE001 -- Pillow's decoders report broken data as OSError, but also SyntaxError
         # ("broken PNG file"), struct.error, EOFError, IndexError, ...: every one is the client's unusable image
-        raise ImageError(f"{what}: cannot decode the image ({type(e).__name__}: {e})") from None
+        reason = ("not in an image format the server reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)"
+                  if isinstance(e, UnidentifiedImageError) else f"{type(e).__name__}: {e}")  # its text: a BytesIO repr
+        raise ImageError(f"{what}: cannot decode the image ({reason})") from None
     arr = np.asarray(rgb, dtype=np.uint8)
     if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 1:
         raise ImageError(f"{what}: decoded to an array of shape {arr.shape}, not an RGB image")
