@@ -40,6 +40,8 @@ Entry points: `ep_expert_ffn` (routing given, as `ops.expert_ffn`) and `ep_moe` 
 experts runs every MoE layer through `ep_expert_ffn` (`kimi_jax.modules.moe.use_expert_parallel`): under plain GSPMD
 the kernels' custom calls (Pallas on GPU and TPU) cannot be split, so XLA would gather every expert to every device.
 Inputs are global arrays; outputs are global `[N, D]` float32 arrays sharded like the tokens.
+`ep_expert_ffn_manual` runs the same local bodies from INSIDE a shard_map that is already manual over "context" (the
+context-parallel programs, `sharding.model_context`, on overlay meshes): local tokens in, local `[n, D]` out.
 """
 
 from __future__ import annotations
@@ -276,3 +278,65 @@ def ep_moe(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, me
                          jax.device_put(bias_e, NamedSharding(mesh, P())))
     return ep_expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, mesh=mesh, method=method,
                          backend=backend, interpret=interpret, emulate_a2a=emulate_a2a, expert_axes=expert_axes)
+
+
+def ep_expert_ffn_manual(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *, expert_axes,
+                         token_axis=None, method: str = "auto", backend: str = "auto", interpret: bool = False,
+                         emulate_a2a: bool = False):
+    """Expert-parallel `ops.expert_ffn` called INSIDE a shard_map that is already manual over the expert axes other
+    than "model": the context-parallel programs of `sharding.model_context` (manual over ("data", "context"),
+    "model" left to GSPMD) on an overlay mesh whose routed experts split over ("context", "model").
+
+    Arguments are this device's views inside the caller's shard_map:
+    * x_nd `[n, D]`, expert_idx_nk `[n, k]` int32 (global expert ids), weight_nk `[n, k]` float32 — with
+      `token_axis` (the token-split prefill: "context") this device's own tokens, other devices along that axis
+      holding other tokens; with token_axis None (DCP decode) the same tokens on every device of the expert group.
+      In both cases replicated over "model".
+    * expert weights: this device's share along the manual expert axes (dense `[E / C, K, N]`, MXFP4 or
+      Mosaic-prepared; C = the manual expert axes' size, context-major as `sharding.rules` splits them), still
+      split over "model" by GSPMD when "model" is an expert axis.
+    `expert_axes`: the mesh's expert axes (`sharding.mesh.expert_axes`). Returns `[n, D]` float32, same rows as x_nd.
+
+    "model" joins the manual axes through a nested shard_map (GSPMD cannot split the kernels' custom calls), so
+    each device runs exactly its E / (C·M) experts with the same local bodies as `ep_expert_ffn`:
+    * token_axis given: the rows (replicated over "model") are sub-cut over "model" (padded to a multiple of M),
+      which splits them over the whole expert group context-major, the order the experts split in; dispatch by
+      `method` ("auto": `resolve_method`); the result is all-gathered back over "model".
+    * token_axis None: every device holds all tokens, so it computes its own experts' contributions for all of
+      them and the partial sums are psum-ed over the group (`_allgather_local` with split=False): nothing gathered.
+    """
+    w_gate, w_up, w_down = (ops._as_weight(w) for w in (w_gate, w_up, w_down))
+    mesh = jax.sharding.get_abstract_mesh()  # the caller's mesh, with its manual axes
+    group = expert_group_axis(mesh, expert_axes)
+    names = _axis_names(group)
+    split = token_axis is not None
+    if split and token_axis not in names:
+        raise ValueError(f"tokens split over {token_axis!r}, which is not one of the expert axes {names}")
+    if not set(names) - {MODEL} <= set(mesh.manual_axes):
+        raise ValueError(f"call ep_expert_ffn_manual inside a shard_map manual over {names} (but for "
+                         f"{MODEL!r}); manual now: {tuple(mesh.manual_axes)}")
+    inner = tuple(a for a in names if a not in mesh.manual_axes)  # ("model",) when it is an expert axis, else ()
+    m, sub = _group_size(mesh, group), (_group_size(mesh, inner) if split and inner else 1)
+    method = resolve_method(method, split, m, expert_idx_nk.shape[1])
+    n = x_nd.shape[0]
+    pad = -n % sub  # padded rows: zero weights, so they add nothing
+    toks = [jnp.pad(a, ((0, pad), (0, 0))) if pad else a for a in (x_nd, expert_idx_nk, weight_nk)]
+
+    def local(x_nd, idx_nk, wt_nk, wg, wu, wd):
+        if sub > 1:  # my slice of the rows the "model" devices of my context shard all hold
+            rows = x_nd.shape[0] // sub
+            j = jax.lax.axis_index(inner)
+            x_nd, idx_nk, wt_nk = (jax.lax.dynamic_slice_in_dim(a, j * rows, rows) for a in (x_nd, idx_nk, wt_nk))
+        kw = {"axis": group, "act": ops.resolve_activation(activation), "backend": backend, "interpret": interpret}
+        if method == "ragged":
+            a2a = emulated_ragged_all_to_all if emulate_a2a else jax.lax.ragged_all_to_all
+            y_nd = _ragged_local(x_nd, idx_nk, wt_nk, wg, wu, wd, a2a=a2a, **kw)
+        else:
+            y_nd = _allgather_local(x_nd, idx_nk, wt_nk, wg, wu, wd, split=split, **kw)
+        return jax.lax.all_gather(y_nd, inner, tiled=True) if sub > 1 else y_nd
+
+    if inner:
+        w_spec = P(inner)
+        local = jax.shard_map(local, in_specs=(P(), P(), P(), w_spec, w_spec, w_spec), out_specs=P(),
+                              axis_names=set(inner), check_vma=False)
+    return local(*toks, w_gate, w_up, w_down)[:n]

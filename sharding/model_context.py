@@ -20,17 +20,24 @@ Entry points (also re-exported as `sharding.context_parallel.prefill / decode_st
   replicated over "context" and the MLA rows + index keys split over "context" by tokens — already the DCP layout.
 * head (prefill, for comparison): the same devices as one tensor-parallel group (heads, experts and vocab split by
   `sharding.rules`, activations replicated, GSPMD all-reduces); MLA uses the same query-chunked attention.
-* dcp (decode): every device runs the whole step for the new token (weights replicated over "context"), writes the
-  new latent row / index key on the device that owns its position, scores only its own keys, keeps a local top-k,
-  exchanges (score, position) candidates, attends over its share of the winners and merges the partial outputs
-  by log-sum-exp (`context_parallel.dcp_decode_shard`). Per-step traffic: `decode_comm_bytes_per_step`.
+* dcp (decode): every device runs the whole step for the new token (weights replicated over "context", but for
+  the routed experts of overlay meshes: see below), writes the new latent row / index key on the device that owns
+  its position, scores only its own keys, keeps a local top-k, exchanges (score, position) candidates, attends
+  over its share of the winners and merges the partial outputs by log-sum-exp (`context_parallel.dcp_decode_shard`).
+  Per-step traffic: `decode_comm_bytes_per_step`.
 * tp (decode, for comparison): the tensor-parallel step with the MLA cache replicated, the same sparse top-k
   algorithm over all keys on every device (`context_parallel.head_split_decode_shard`).
 
 A "model" (tensor) axis of size > 1 combines with "context": it stays under GSPMD (partial-manual shard_map), so
-heads and experts split over it inside each context shard. A "data" axis splits the batch. Inside the CP programs
-the routed experts split over "model" only (a mesh whose experts overlay "context" has them gathered per context
-shard). K3-family NoPE MLA only (DeepSeek's RoPE would need global positions in the projection).
+heads and experts split over it inside each context shard. A "data" axis splits the batch. Routed experts:
+* "model"-only layouts (`context=8`, `tensor=2,context=4`): replicated over "context", split over "model" by GSPMD.
+* overlay meshes (`expert=8,tensor=1,context=8`, `expert=8,tensor=2,context=4`: experts over ("context", "model")):
+  the programs take each device's own experts (in_specs keep the "context" split; `_param_in_specs`) and run them
+  expert-parallel inside the program (`ModelContext.routed_experts` -> `expert_parallel.ep_expert_ffn_manual`):
+  token split — the local tokens are dispatched to the devices that own their experts and the results come back;
+  DCP — every device already holds the step's tokens, computes its own experts' share, and the shares are psum-ed
+  over the expert axes. No device ever holds more than its 1/(context·model) of the experts.
+K3-family NoPE MLA only (DeepSeek's RoPE would need global positions in the projection).
 
 MLA cache layouts ("contiguous": device d holds positions [d·L, (d+1)·L), i.e. the global array is in position
 order; "round_robin": position p on device p mod n, see `context_parallel.dcp_place`). `max_len` is rounded up to
@@ -63,7 +70,9 @@ MODES_DECODE = ("dcp", "tp")
 class ModelContext:
     """mode "token": this device holds contiguous tokens of a fresh prompt of `valid_len` real tokens;
     "head": all tokens on every device (MLA still query-chunked); "dcp": one new token per sequence, the MLA cache
-    split over `axis` in `layout`."""
+    split over `axis` in `layout`. `expert_axes`: the mesh's expert axes when this program runs the routed experts
+    expert-parallel (they include `axis`: the overlay meshes), else () — the experts then run as plain code (split
+    over "model" by GSPMD, if at all)."""
 
     mode: str
     axis: str = CONTEXT
@@ -71,6 +80,7 @@ class ModelContext:
     valid_len: int = 0
     layout: str = "contiguous"
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    expert_axes: tuple = ()
 
     @property
     def splits_mla(self) -> bool:
@@ -103,6 +113,17 @@ class ModelContext:
             o_lat, new = _mla_tp_decode(mod, x_btd, p, cache)
             return mod.up_values(o_lat), new
         return _mla_prefill(self, mod, x_btd, p, cache)
+
+    def routed_experts(self, x_nd, idx_nk, weight_nk, w_gate, w_up, w_down, act, *, backend, interpret):
+        """The MoE layer's routed expert FFN on this device's experts (`expert_axes` set): x `[n, D]`, expert ids
+        `[n, k]` int32, weights `[n, k]` float32 (this device's rows: its own tokens under "token", the step's
+        tokens — the same on every device — under "dcp"); expert weights this device's share along `axis`.
+        Returns `[n, D]` float32 for the same rows."""
+        from .expert_parallel import ep_expert_ffn_manual
+
+        return ep_expert_ffn_manual(x_nd, idx_nk, weight_nk, w_gate, w_up, w_down, act, expert_axes=self.expert_axes,
+                                    token_axis=self.axis if self.mode == "token" else None, backend=backend,
+                                    interpret=interpret)
 
 
 def _mla_prefill(ctx: ModelContext, mod, x_btd, p, cache):
@@ -238,18 +259,53 @@ def _store(model) -> dict:
 
 
 def _placed_params(model, mesh: Mesh):
-    """Parameters on `mesh` by `sharding.rules` (heads / vocab / experts over "model"; replicated over "context"
-    and "data"), cached per mesh."""
-    from .rules import _path_name, param_partition_spec
+    """Parameters on `mesh` by `sharding.rules` (heads / vocab over "model"; routed experts over the mesh's expert
+    axes: "model", or ("context", "model") on the overlay meshes; everything else replicated over "context" and
+    "data"), cached per mesh. A `Model` loaded on the same mesh already holds them so: nothing moves."""
+    from .rules import _path_name, mesh_partition_spec
 
     key = ("params", mesh)
     store = _store(model)
     if key not in store:
-        m = int(mesh.shape.get("model", 1))
-        place = lambda path, a: jax.device_put(a, NamedSharding(mesh, param_partition_spec(_path_name(path),
-                                                                                          a.shape, m)))
+        place = lambda path, a: jax.device_put(a, NamedSharding(mesh, mesh_partition_spec(_path_name(path),
+                                                                                         a.shape, mesh)))
         store[key] = jax.tree_util.tree_map_with_path(place, model.params)
     return store[key]
+
+
+def _program_expert_axes(model, mesh: Mesh, axis: str) -> tuple:
+    """The mesh's expert axes when a CP program over `axis` runs the routed experts expert-parallel: they include
+    `axis` (the overlay meshes) and split the experts (E divides their size, as `sharding.rules` requires to split
+    them at all). () otherwise: the "model"-only layouts keep the programs they had."""
+    from .mesh import expert_axes
+
+    axes = expert_axes(mesh)
+    moe = getattr(model.config, "moe", None)
+    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    if axis not in axes or moe is None or ways < 2 or moe.num_experts % ways:
+        return ()
+    return axes
+
+
+def _param_in_specs(model, mesh: Mesh, axis: str, expert_axes: tuple):
+    """in_specs of the parameters for a CP program's shard_map. Without `expert_axes`: P() for all, i.e. whole over
+    the manual axes ("context", "data"); "model" splits stay with GSPMD. With them: each parameter keeps the manual
+    part of its placement — the routed experts stay split over `axis` on dim 0 (each context device takes its own
+    E / context experts, still split over "model" by GSPMD) instead of being gathered to every context shard."""
+    from .rules import _path_name, mesh_partition_spec
+
+    if not expert_axes:
+        return P()
+    manual = _manual_axes(mesh, axis)
+
+    def keep_manual(entry):
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in manual)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    def spec(path, a):
+        return P(*(keep_manual(e) for e in mesh_partition_spec(_path_name(path), a.shape, mesh)))
+
+    return jax.tree_util.tree_map_with_path(spec, model.params)
 
 
 def _cache_specs(cfg, bax, axis, split_mla: bool):
@@ -276,7 +332,8 @@ def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only,
         return store[key]
     n = mesh.shape[axis]
     bax = _batch_axis(mesh, B)
-    ctx = ModelContext("token", axis, n, valid_len, layout, max_chunk_bytes)
+    eaxes = _program_expert_axes(model, mesh, axis)
+    ctx = ModelContext("token", axis, n, valid_len, layout, max_chunk_bytes, expert_axes=eaxes)
     graphdef = model.graphdef
     cspec = _cache_specs(model.config, bax, axis, True)
 
@@ -289,7 +346,8 @@ def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only,
         return _logits(m, h), new._replace(length=cache.length + valid_len)
 
     out_logits = P(bax) if last_only else P(bax, axis)
-    f = jax.jit(_smap(body, mesh, (P(), P(bax, axis), cspec), (out_logits, cspec), _manual_axes(mesh, axis)),
+    pspec = _param_in_specs(model, mesh, axis, eaxes)
+    f = jax.jit(_smap(body, mesh, (pspec, P(bax, axis), cspec), (out_logits, cspec), _manual_axes(mesh, axis)),
                 donate_argnums=(2,))
     store[key] = (f, cspec, bax)
     return store[key]
@@ -352,12 +410,11 @@ def _prefill_program(model, shape, mesh: Mesh, mode: str, max_len, axis: str, la
 
     def abstract(m, cspec, ids_shape, ids_spec):
         from kimi_jax.modules.decoder import ModelCache
-        from .rules import _path_name, param_partition_spec
+        from .rules import _path_name, mesh_partition_spec
 
         sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec))
-        mm = int(m.shape.get("model", 1))
         params = jax.tree_util.tree_map_with_path(
-            lambda path, a: sds(a, param_partition_spec(_path_name(path), a.shape, mm)), model.params)
+            lambda path, a: sds(a, mesh_partition_spec(_path_name(path), a.shape, m)), model.params)
         cache = jax.eval_shape(lambda: ModelCache.zeros(cfg, B, max_len, dtype))
         cache = jax.tree.map(lambda spec, a: sds(a, spec), cspec, cache, is_leaf=lambda x: isinstance(x, P))
         return params, jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=NamedSharding(m, ids_spec)), cache
@@ -449,7 +506,8 @@ def _dcp_decode_fn(model, mesh, axis, B, layout):
         return store[key]
     n = mesh.shape[axis]
     bax = _batch_axis(mesh, B)
-    ctx = ModelContext("dcp", axis, n, 0, layout)
+    eaxes = _program_expert_axes(model, mesh, axis)
+    ctx = ModelContext("dcp", axis, n, 0, layout, expert_axes=eaxes)
     graphdef = model.graphdef
     cspec = _cache_specs(model.config, bax, axis, True)
 
@@ -458,7 +516,8 @@ def _dcp_decode_fn(model, mesh, axis, B, layout):
         with cp.using_context(ctx):
             return m(ids, cache)
 
-    f = jax.jit(_smap(body, mesh, (P(), P(bax), cspec), (P(bax), cspec), _manual_axes(mesh, axis)),
+    pspec = _param_in_specs(model, mesh, axis, eaxes)
+    f = jax.jit(_smap(body, mesh, (pspec, P(bax), cspec), (P(bax), cspec), _manual_axes(mesh, axis)),
                 donate_argnums=(2,))
     store[key] = (f, cspec)
     return store[key]

@@ -156,12 +156,20 @@ class MoE(nnx.Module):
         x = x_btd.reshape(B * T, D)
         w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
         xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
-        if self.ep_mesh is not None and not jax.sharding.get_abstract_mesh().manual_axes:
+        from sharding.context_parallel import active_context
+
+        cp_ctx = active_context()
+        if cp_ctx is not None and cp_ctx.expert_axes:
+            # a context-parallel program (sharding/model_context.py) whose mesh splits the experts over "context"
+            # too: each device holds its own experts only and the tokens go to them
+            y = cp_ctx.routed_experts(xr, idx, w, *self.expert_weights(), self.act, backend=self.backend,
+                                      interpret=self.interpret)
+        elif self.ep_mesh is not None and not jax.sharding.get_abstract_mesh().manual_axes:
             from sharding.expert_parallel import ep_expert_ffn
 
             y = ep_expert_ffn(xr, idx, w, *self.expert_weights(), self.act, mesh=self.ep_mesh, backend=self.backend,
                               interpret=self.interpret)
-        else:  # one device, or inside a shard_map (the context-parallel programs keep GSPMD for the experts)
+        else:  # one device, or inside a context-parallel program whose experts split over "model" only (GSPMD)
             y = moe_ops.expert_ffn(xr, idx, w, *self.expert_weights(), self.act,
                                    backend=self.backend, interpret=self.interpret)
         y = y.astype(x.dtype)
