@@ -106,8 +106,34 @@ def make_plan(src: str, architecture: str = "auto") -> Plan:
         problems.append(f"unexpected tensor(s) {listing(unexpected)}")
     if problems:
         raise ConvertError(f"{src} does not match its {cfg.architecture} config.json: " + "; ".join(problems))
+    _check_vision(cfg, sources, extras, src)
     for n in extras:
         e = Entry("extra", n, ("extra." + n,))
         resolve(e, sources, [], block)
         entries.append(e)
     return Plan(src, hf, cfg, sources, entries, shapes, block)
+
+
+def _check_vision(cfg, sources, extras, src: str) -> None:
+    """A checkpoint that carries a vision tower carries the whole tower its config describes, in its shapes: checked
+    here from the headers, so a damaged one fails before a long conversion rather than at `load_model`. A text-only
+    checkpoint (no vision tensor at all) passes."""
+    from kimi_jax.modules.vision import VISION_PREFIXES, checkpoint_layout
+
+    found = [n for n in extras if n.startswith(VISION_PREFIXES)]
+    if cfg.vision is None or not found:
+        return
+    layout = checkpoint_layout(cfg.vision)
+    problems = []
+    missing = sorted(set(layout) - set(found))
+    if missing:
+        problems.append(f"missing vision tensor(s) {listing(missing)}")
+    unknown = sorted(set(found) - set(layout))
+    if unknown:
+        problems.append(f"vision tensor(s) its vision_config does not describe {listing(unknown)}")
+    for n in sorted(set(found) & set(layout)):
+        shape = tuple(sources.info(n).shape)
+        if shape != layout[n][1]:
+            problems.append(f"shape mismatch for {n}: expected {list(layout[n][1])}, found {list(shape)}")
+    if problems:
+        raise ConvertError(f"{src} does not match its vision_config: " + "; ".join(problems))

@@ -124,11 +124,15 @@ def test_checkpoints_bring_their_vision_tower(k3_dir, tmp_path):
 
 def test_a_checkpoint_missing_a_vision_tensor_is_refused(k3_dir, tmp_path):
     from ckpt_helpers import rewrite_dir
+    from convert import ConvertError
 
     bad = tmp_path / "bad"
     rewrite_dir(k3_dir, bad, lambda t: {n: a for n, a in t.items() if n != "vision_tower.encoder.blocks.0.wo.weight"})
-    with pytest.raises(VisionWeightsError, match="blocks.0.wo.weight is missing"):
+    with pytest.raises(ConvertError, match="missing vision tensor.*blocks.0.wo.weight"):  # the plan checks it
         kimi_jax.load_model(str(bad))
+    tensors = {n: a for n, a in _tensors(k3_dir).items() if n != "vision_tower.encoder.blocks.0.wo.weight"}
+    with pytest.raises(VisionWeightsError, match="blocks.0.wo.weight is missing"):  # the loader's own check
+        load_vision_tower(tensors, kimi_jax.load_config(str(k3_dir)).vision)
     assert os.path.isdir(k3_dir)
 
 
@@ -145,3 +149,20 @@ def test_vision_config_from_a_k3_config_json():
         vision_from_hf({"merge_kernel_size": [2, 1]}, {}, 32)
     with pytest.raises(ConfigError, match="must be an object"):
         vision_from_hf([1], {}, 32)
+
+
+def test_convert_checks_the_vision_tower_before_converting(k3_dir, tmp_path):
+    """A damaged tower fails at `python -m convert`'s plan (from the headers), not after the conversion at load."""
+    from ckpt_helpers import leftovers, rewrite_dir
+    from convert import ConvertError, convert
+
+    name = "vision_tower.encoder.blocks.0.mlp.fc0.weight"
+    bad = tmp_path / "bad"
+    rewrite_dir(k3_dir, bad, lambda t: {**t, name: t[name][:-1]})
+    with pytest.raises(ConvertError, match=f"vision_config: shape mismatch for {name}"):
+        convert(str(bad), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+    dropped = tmp_path / "dropped"
+    rewrite_dir(k3_dir, dropped, lambda t: {n: a for n, a in t.items() if n != name})
+    with pytest.raises(ConvertError, match=f"missing vision tensor.*{name}"):
+        convert(str(dropped), str(tmp_path / "out"), progress=False)
