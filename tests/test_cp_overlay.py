@@ -20,13 +20,14 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 OVERLAYS = (("expert=8,tensor=1,context=8", "contiguous"), ("expert=8,tensor=2,context=4", "round_robin"))
 
 
 def _run(script: str, *args: str, timeout: int) -> str:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))  # ep_cases
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                          timeout=timeout, cwd=ROOT)
     assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
@@ -41,16 +42,10 @@ OP_SCRIPT = textwrap.dedent("""
     from sharding.mesh import expert_axes
     from sharding.expert_parallel import ep_expert_ffn_manual
     assert len(jax.devices()) == 8
-    situ = lambda g, u: 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
-    rng = np.random.default_rng(0)
+    import ep_cases
+    from ep_cases import situ
     N, D, F, E, k = 64, 64, 24, 16, 4  # F unlike any token-row count: an expert array is recognisable in HLO
-    x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
-    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
-    idx = idx.at[:12, 0].set(3)  # one hot expert
-    wt = jnp.asarray(rng.random((N, k)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((E, D, F)) / 8, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((E, F, D)) / 6, jnp.float32)
-    ref = np.asarray(reference.expert_ffn(x, idx, wt, wg, wu, wd, situ))
+    rng, x, idx, wt, wg, wu, wd, ref = ep_cases.routed_case(N, D, F, E, k, gate_scale=8, down_scale=6)
 
     for spec in ("expert=8,tensor=1,context=8", "expert=8,tensor=2,context=4", "data=2,expert=4,tensor=2,context=2"):
         mesh = make_mesh(spec)

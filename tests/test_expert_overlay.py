@@ -14,13 +14,17 @@ import textwrap
 
 import pytest
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
 OVERLAYS = ("expert=8,tensor=1,context=8", "expert=8,tensor=2,context=4")
 
 
 def _run(script: str, *args: str, timeout: int) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))  # ep_cases
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                         timeout=timeout)
+                         timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
 
@@ -31,21 +35,11 @@ OP_SCRIPT = textwrap.dedent("""
     from sharding import make_mesh
     from sharding.expert_parallel import ep_expert_ffn, expert_group_axis
     assert len(jax.devices()) == 8
-    situ = lambda g, u: 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
-    rng = np.random.default_rng(0)
+    import ep_cases
+    from ep_cases import situ
     N, D, F, E, k = 64, 64, 32, 16, 4
-    x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
-    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
-    idx = idx.at[:12, 0].set(3)  # one hot expert
-    wt = jnp.asarray(rng.random((N, k)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((E, D, F)) / 8, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((E, F, D)) / 6, jnp.float32)
-    ref = np.asarray(reference.expert_ffn(x, idx, wt, wg, wu, wd, situ))
-
-    def check(tag, out, want=ref, tol=1e-5):
-        err = float(np.abs(np.asarray(out) - want).max() / np.abs(want).max())
-        assert err < tol, (tag, err)
-        print(tag, "ok", err)
+    rng, x, idx, wt, wg, wu, wd, ref = ep_cases.routed_case(N, D, F, E, k, gate_scale=8, down_scale=6)
+    check = lambda tag, out, want=ref, tol=1e-5: ep_cases.check(tag, out, want, tol)
 
     # the expert group's shard_map axis: "model" alone keeps the name (and programs) of the model-only layouts
     assert expert_group_axis(make_mesh("2x4")) == "model"

@@ -17,6 +17,9 @@ import pytest
 
 from pallas_kernels.moe import gpu, mxfp4 as mx, ops, reference, schedule, tpu
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
 SIZES = [50, 0, 70, 13, 40]  # an empty expert, and 27 rows of no expert (M = 200 > 173)
 M_ROWS = 200
 
@@ -461,20 +464,11 @@ EP_SCRIPT = textwrap.dedent("""
     from sharding import make_mesh
     from sharding.expert_parallel import ep_expert_ffn, ep_moe
     assert len(jax.devices()) == 8
-    situ = lambda g, u: 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
-    rng = np.random.default_rng(0)
+    import ep_cases
+    from ep_cases import situ
     N, D, F, E, k = 64, 128, 64, 16, 4
-    x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
-    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
-    idx = idx.at[:12, 0].set(3)  # one hot expert
-    wt = jnp.asarray(rng.random((N, k)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((E, D, F)) / 11, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((E, F, D)) / 8, jnp.float32)
-    ref = np.asarray(reference.expert_ffn(x, idx, wt, wg, wu, wd, situ))
-    def check(tag, out, tol=1e-5):
-        err = float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
-        assert err < tol, (tag, err)
-        print(tag, "ok", err)
+    rng, x, idx, wt, wg, wu, wd, ref = ep_cases.routed_case(N, D, F, E, k, gate_scale=11, down_scale=8)
+    check = lambda tag, out, tol=1e-5: ep_cases.check(tag, out, ref, tol)
     for spec in ("2x4", "8x1"):
         mesh = make_mesh(spec)
         for method in ("allgather", "ragged"):
@@ -508,8 +502,10 @@ EP_SCRIPT = textwrap.dedent("""
 
 
 def test_expert_parallel_on_8_devices_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", EP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))  # ep_cases
+    out = subprocess.run([sys.executable, "-c", EP_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     for tag in ("2x4 allgather", "2x4 ragged", "8x1 allgather", "8x1 ragged", "8x1 allgather gpu-kernel",
                 "replicated tokens", "ep_moe"):
