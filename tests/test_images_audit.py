@@ -228,3 +228,13 @@ def test_an_unknown_format_says_so_without_an_object_repr():
         decode_image(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "img")
     msg = str(e.value)
     assert "cannot decode the image (not in an image format" in msg and "BytesIO" not in msg and " at 0x" not in msg
+
+
+@pytest.mark.parametrize("target", ["ftp://127.0.0.1/x.png", "file:///etc/hostname"])
+def test_a_redirect_off_http_is_refused(target):
+    """urllib's default redirect handler follows a 302 to ftp:// (file:// it refuses itself), though the URL check
+    allows only data / http(s): the server must not be steered there."""
+    reply = f"HTTP/1.1 302 Found\r\nLocation: {target}\r\nContent-Length: 0\r\n\r\n".encode()
+    with _raw_tcp_server(reply) as base:
+        with pytest.raises(ImageError, match="fetching .* failed: HTTP 302 .*(ftp: URL refused|file.* is not allowed)"):
+            load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5))

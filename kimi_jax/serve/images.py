@@ -27,6 +27,7 @@ import io
 import socket
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -223,7 +224,18 @@ class _Deadline:
         class HTTPS(Tracked, urllib.request.HTTPSHandler):
             pass
 
-        return urllib.request.build_opener(HTTP(), HTTPS())
+        return urllib.request.build_opener(HTTP(), HTTPS(), _HttpOnlyRedirects())
+
+
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects stay on http(s): urllib's default also follows one to ftp://, which a client could use to make the
+    server fetch from places the URL check (data / http(s) only) refuses."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
+        if scheme not in ("http", "https", ""):
+            raise urllib.error.HTTPError(newurl, code, f"redirect to a {scheme}: URL refused", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _fetch(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
