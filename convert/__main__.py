@@ -101,6 +101,8 @@ def _main(argv) -> int:
         pkg.addHandler(handler)
         pkg.propagate = False
     pkg.setLevel(level)
+    if not any(isinstance(f, _UnretrievedReadFailures) for f in logging.getLogger("asyncio").filters):
+        logging.getLogger("asyncio").addFilter(_UnretrievedReadFailures())
     for noisy in ("absl", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from . import ConvertError, convert, export
@@ -129,6 +131,15 @@ def _interrupt(signum, frame):
     exc = _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     interrupt.request(exc)
     raise exc()
+
+
+class _UnretrievedReadFailures(logging.Filter):
+    """The other half of `_quiet_unraisable`: when several reads of a damaged part fail, Orbax raises the first and
+    asyncio logs each of the others, at garbage collection, as "Task exception was never retrieved" with a
+    traceback, around the one clear error line. Those records are dropped; every other asyncio record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Task exception was never retrieved")
 
 
 def _quiet_unraisable(unraisable, default=sys.unraisablehook):
