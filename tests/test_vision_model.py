@@ -44,15 +44,33 @@ def test_image_tokens_change_only_what_follows_them(tiny_model, prompt):
     assert np.abs(other[-1] - with_image[-1]).max() > 1e-3  # the pixels matter, not just the pads
 
 
-def test_prefill_and_decode_with_an_image_equal_the_full_forward(tiny_model, prompt):
-    ids, img = prompt
-    full = tiny_model.logits([ids + [9]], images=[img])[0]
-    logits, cache = tiny_model.prefill([ids], len(ids) + 4, images=[img])
-    np.testing.assert_allclose(np.asarray(logits[0]), full[:-1], atol=2e-5, rtol=0)
-    step, _ = tiny_model.decode_step(cache, np.array([9]))
-    np.testing.assert_allclose(np.asarray(step[0]), full[-1], atol=2e-5, rtol=0)
-    out = tiny_model.generate([ids], 2, images=[img])
-    assert out[0, len(ids)] == int(np.argmax(tiny_model.logits([ids], images=[img])[0, -1]))
+DECODE_SCRIPT = """
+import numpy as np, kimi_jax
+from kimi_jax.modules.vision import expand_image_pads
+m = kimi_jax.load_model("tiny")
+img = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+ids = expand_image_pads([1000, 5, 6, 1009, 7, 8], [6], 1009)
+full = m.logits([ids + [9]], images=[img])[0]
+logits, cache = m.prefill([ids], len(ids) + 4, images=[img])
+np.testing.assert_allclose(np.asarray(logits[0]), full[:-1], atol=2e-5, rtol=0)
+step, _ = m.decode_step(cache, np.array([9]))
+np.testing.assert_allclose(np.asarray(step[0]), full[-1], atol=2e-5, rtol=0)
+out = m.generate([ids], 2, images=[img])
+assert out[0, len(ids)] == int(np.argmax(m.logits([ids], images=[img])[0, -1]))
+print("OK")
+"""
+
+
+def test_prefill_and_decode_with_an_image_equal_the_full_forward():
+    """In its own process: compiling this decode step late in the full suite's process crashed XLA:CPU (a segfault
+    in backend_compile, twice; alone it passes) -- under investigation, see the session 19 note."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", DECODE_SCRIPT], capture_output=True, text=True, timeout=600, cwd=root,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def test_two_images_in_two_rows(tiny_model, prompt):
