@@ -5,8 +5,9 @@
 
 For each square image side (pixels; 1792 = 128 × 128 patches = 16384, the processor's patch budget) it times
 `vision_features` (compiled once per grid) and reports ms per image, image tokens per second, and the achieved
-TFLOP/s against a dense bf16 matmul measured in the same run (the ceiling the tower's projections could reach;
-attention is materialised per image in chunks of 2048 queries, so large images pay for it). No bar in
+TFLOP/s against a dense bf16 matmul measured in the same run (the ceiling the tower's projections could reach).
+`--attention` picks the per-image attention: "fused" (cuDNN flash attention, the tower's default on a GPU),
+"materialised" (float32 scores per chunk of 2048 queries, the CPU / float32 path) or "both" (each, same run). No bar in
 BENCHMARKS.md: this is for information (how long an image prompt waits for its features).
 `--smoke` runs a toy tower on the CPU.
 """
@@ -28,6 +29,7 @@ from flax import nnx  # noqa: E402
 
 from _timing import pipelined_seconds  # noqa: E402
 from kimi_jax.config import VisionConfig  # noqa: E402
+from kimi_jax.modules import vision as V  # noqa: E402
 from kimi_jax.modules.vision import VisionTower, image_token_count, preprocess_image, vision_features  # noqa: E402
 
 
@@ -52,6 +54,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", default="448,896,1792", help="square image sides in pixels, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--attention", default="both", choices=("both", "fused", "materialised"),
+                    help="per-image attention path(s) to time (fused needs a GPU; skipped elsewhere)")
     ap.add_argument("--smoke", action="store_true", help="toy tower on the CPU (checks the script runs)")
     args = ap.parse_args()
     if args.smoke:
@@ -64,21 +68,30 @@ def main() -> int:
     tower = VisionTower(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ceiling = dense_tflops(reps)
     print(f"dense bf16 matmul: {ceiling:.0f} TFLOP/s", flush=True)
-    print("side, patches, tokens, compile s, ms/image, tokens/s, TFLOP/s, of dense")
+    print("attention, side, patches, tokens, compile s, ms/image, tokens/s, TFLOP/s, of dense")
     rng = np.random.default_rng(0)
-    for side in sides:
-        image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-        patches, grid = preprocess_image(image, cfg)
-        patches = jnp.asarray(patches)
-        t0 = time.time()
-        jax.block_until_ready(vision_features(tower, patches, (grid,)))
-        compile_s = time.time() - t0
-        seconds = pipelined_seconds(lambda p: vision_features(tower, p, (grid,)), patches, reps=reps)
-        n = grid[1] * grid[2]
-        tokens = image_token_count([grid], cfg.merge)
-        tflops = tower_flops(cfg, n) / seconds / 1e12
-        print(f"{side}, {n}, {tokens}, {compile_s:.1f}, {seconds * 1e3:.2f}, {tokens / seconds:.0f}, {tflops:.1f}, "
-              f"{tflops / ceiling:.2f}", flush=True)
+    images = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for side in sides]
+    default_choice = V.fused_attention_available
+    paths = ("fused", "materialised") if args.attention == "both" else (args.attention,)
+    for path in paths:
+        if path == "fused" and not default_choice(jnp.bfloat16, cfg.head_dim):
+            print("fused: not available here (needs a CUDA GPU and a 16-bit tower), skipped")
+            continue
+        V.fused_attention_available = (lambda *a, fused=(path == "fused"): fused)
+        jax.clear_caches()  # `vision_features` compiled per grid: retrace with this path
+        for side, image in zip(sides, images):
+            patches, grid = preprocess_image(image, cfg)
+            patches = jnp.asarray(patches)
+            t0 = time.time()
+            jax.block_until_ready(vision_features(tower, patches, (grid,)))
+            compile_s = time.time() - t0
+            seconds = pipelined_seconds(lambda p: vision_features(tower, p, (grid,)), patches, reps=reps)
+            n = grid[1] * grid[2]
+            tokens = image_token_count([grid], cfg.merge)
+            tflops = tower_flops(cfg, n) / seconds / 1e12
+            print(f"{path}, {side}, {n}, {tokens}, {compile_s:.1f}, {seconds * 1e3:.2f}, {tokens / seconds:.0f}, "
+                  f"{tflops:.1f}, {tflops / ceiling:.2f}", flush=True)
+    V.fused_attention_available = default_choice
     return 0
 
 

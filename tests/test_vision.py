@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -374,3 +377,22 @@ def test_query_chunks_do_not_change_attention(monkeypatch):
     whole = np.asarray(tower(patches, grid))  # eager: the chunk size is read while tracing
     monkeypatch.setattr(V, "QUERY_CHUNK", 5)  # 16 and 8 queries -> uneven chunks
     np.testing.assert_allclose(np.asarray(tower(patches, grid)), whole, atol=1e-5, rtol=0)
+
+
+def test_fused_attention_is_only_chosen_for_16_bit_towers_on_a_gpu():
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    assert V.fused_attention_available(jnp.bfloat16, 128) == on_gpu
+    assert not V.fused_attention_available(jnp.float32, 128)
+    assert not V.fused_attention_available(jnp.bfloat16, 136)
+
+
+@pytest.mark.gpu
+def test_fused_attention_equals_the_materialised_attention_on_a_gpu():
+    """cuDNN's flash attention (the bf16 tower's path on a GPU) against the chunked float32-score path, on a clip
+    whose length is no multiple of any tile (a 1036-patch clip, K3's 12 heads x 128)."""
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((1036, 12, 128)), jnp.bfloat16) for _ in range(3))
+    fused = np.asarray(jax.jit(functools.partial(V.attention, fused=True))(q, k, v), np.float32)
+    plain = np.asarray(jax.jit(functools.partial(V.attention, fused=False))(q, k, v), np.float32)
+    rel = np.sqrt(np.mean((fused - plain) ** 2) / np.mean(plain ** 2))
+    assert rel < 1e-2, rel

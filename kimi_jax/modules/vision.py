@@ -153,11 +153,26 @@ def apply_rope(x_LHd, angle_Lp):
 QUERY_CHUNK = 2048  # queries per score block: a 16384-patch image then holds [H, 2048, 16384] scores, not [H, L, L]
 
 
-def attention(q_LHd, k_LHd, v_LHd):
-    """Non-causal softmax attention over one clip, scale d^-1/2, float32 scores and softmax (queries in static
-    chunks). The probabilities meet V in V's dtype with float32 accumulation, as flash attention does: bf16 tensor
-    cores for a bf16 tower (a float32 PV product ran at a fraction of their speed, bench/vision.py), unchanged
-    float32 arithmetic for a float32 one."""
+def fused_attention_available(dtype, head_dim: int) -> bool:
+    """Whether `attention` hands a clip to cuDNN's fused flash attention: a CUDA default backend, a 16-bit tower and
+    a head dim cuDNN takes (≤ 128, a multiple of 8). The materialised path below holds [H, 2048, L] float32 scores
+    per query chunk and ran a 16384-patch image in 533 ms on an H200 (bench/vision.py, session 19)."""
+    return (jax.default_backend() in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim <= 128 and head_dim % 8 == 0)
+
+
+def attention(q_LHd, k_LHd, v_LHd, *, fused: bool | None = None):
+    """Non-causal softmax attention over one clip, scale d^-1/2, float32 scores and softmax.
+
+    `fused` (default: `fused_attention_available`): cuDNN's flash attention through `jax.nn.dot_product_attention`
+    (float32 softmax, bf16 products with float32 accumulation; no score matrix in memory). Otherwise queries in
+    static chunks with materialised float32 scores; the probabilities meet V in V's dtype with float32
+    accumulation, as flash attention does: bf16 tensor cores for a bf16 tower (a float32 PV product ran at a
+    fraction of their speed, bench/vision.py), unchanged float32 arithmetic for a float32 one."""
+    if fused is None:
+        fused = fused_attention_available(q_LHd.dtype, q_LHd.shape[-1])
+    if fused:
+        return jax.nn.dot_product_attention(q_LHd[None], k_LHd[None], v_LHd[None], implementation="cudnn")[0]
     scale = q_LHd.shape[-1] ** -0.5
     outs = []
     for q0 in range(0, q_LHd.shape[0], QUERY_CHUNK):
