@@ -501,6 +501,11 @@ def bench_ffn(args, copy_bw):
                 t_triton=t_triton):
             tiled = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg))
             t_tiled, err_t = checked_time(tiled, (x, sizes, *wp), ref, reps=20)
+            t_tiled16 = None
+            if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
+                tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
+                                                                            gate_up_dtype=jnp.bfloat16))
+                t_tiled16, _ = checked_time(tiled16, (x, sizes, *wp), ref, reps=20)
             # one matmul in the tile layout (gate: K -> N), as the FFN runs it
             plan = jax.jit(lambda g: mgpu_mx.tile_plan(g, m, E, cfg.rows))(sizes)
             x_pad = jax.jit(lambda a, p: a.at[p.src].get(mode="fill", fill_value=0))(x, plan)
@@ -512,10 +517,12 @@ def bench_ffn(args, copy_bw):
                            xs, plan, wp[0], reps=20)
             b1 = ws[0].nbytes
             INFO.setdefault("ffn_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
-                tiled=t_tiled * 1e6, per_matmul=t_per and t_per * 1e6, tiled_matmul=t_mm * 1e6, kernel=t_k * 1e6)
+                tiled=t_tiled * 1e6, tiled_gate_up_bf16=t_tiled16 and t_tiled16 * 1e6,
+                per_matmul=t_per and t_per * 1e6, tiled_matmul=t_mm * 1e6, kernel=t_k * 1e6)
             per = f"{t_per * 1e6:.0f} us ({wbytes / t_per / 1e12:.2f})" if t_per else "-"
+            bf16 = f" (gate/up written bf16: {t_tiled16 * 1e6:.0f} us)" if t_tiled16 else ""
             log(f"MXFP4 FFN {rows_per_expert} rows/expert: tile layout {t_tiled * 1e6:.0f} us "
-                f"({wbytes / t_tiled / 1e12:.2f} TB/s of weights), per-matmul padding {per}; one tile-layout matmul "
+                f"({wbytes / t_tiled / 1e12:.2f} TB/s of weights){bf16}, per-matmul padding {per}; one tile-layout matmul "
                 f"{t_mm * 1e6:.0f} us ({b1 / t_mm / 1e12:.2f} TB/s), its kernel alone {t_k * 1e6:.0f} us "
                 f"({b1 / t_k / 1e12:.2f}); err {err_t:.2e}; {cfg}")
             info = rows_per_expert != 8
@@ -642,6 +649,8 @@ def main():
                     "balanced router), cuts (uniform cut points, skewed) or equal")
     ap.add_argument("--ffn-configs", default="", help="FFN section: also time the tile layout with these MgpuConfig "
                     "overrides of tiled_config (JSON list), e.g. '[{\"rows\": 16, \"ctas_per_sm\": 4}]'")
+    ap.add_argument("--ffn-bf16-gate-up", action="store_true", help="FFN section: also time gate / up written in "
+                    "bf16 (`expert_ffn_tiled(gate_up_dtype=...)`; session 20: 1%% faster, inside the spread)")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()

@@ -781,14 +781,14 @@ def test_ops_take_prepared_weights_on_every_backend():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def _reference_tiled_matmul(x_pad, plan, w, cfg):
+def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p times its tile's expert's weight (the
-    exactly dequantised codes), fp32."""
+    exactly dequantised codes), fp32, rounded to `out_dtype`."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     wd = mx.dequantize(mm.unprepare_weight(w), jnp.float32)  # [E, K, N]
     expert_of_row = jnp.repeat(plan.tile_group, cfg.rows)
-    return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row])
+    return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row]).astype(out_dtype)
 
 
 def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg):
@@ -932,9 +932,11 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     prepared = [mm.prepare_weight(q) for q in ws]
     fused = dataclasses.replace(mm.tiled_config(8), gate_up="fused", kh=128)  # gate, up and SiTU in one kernel
-    for cfg in (fused, mm.tiled_config(32), None):
-        got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
-        assert _rel(got, want) < 1e-2, cfg
+    for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (None, jnp.bfloat16), (None, None)):
+        kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
+        got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(
+            x, gs, *prepared)
+        assert _rel(got, want) < 1e-2, (cfg, kw)
         assert not np.asarray(got[sum(sizes):]).any()
     per_matmul = [mm.grouped_matmul(x, w, gs) for w in prepared[:2]]
     h = situ(*per_matmul).astype(jnp.bfloat16)

@@ -1,0 +1,124 @@
+"""Probe: how fast can ANY kernel gather sparse MLA's rows? The random-row read ceiling of the GPU, measured with
+torch (nobody's kernel here), beside a plain copy of the same number of bytes and the large-copy anchor.
+
+    python3 bench/gather_ceiling.py [--batches 32,128] [--ctx 32768,131072,1048576] [--json OUT]
+
+Why (issue #5): the bar for sparse MLA decode is latent bytes gathered per second ≥ 0.60 of copy bandwidth, with
+2048 rows of 576 bytes per sequence (37.7 MB at B = 32). Our kernel's gather alone, without any arithmetic
+(`bench/mla_gather_probe.py`), reached 0.51–0.59 of copy (session 15). This script asks whether that is our
+gather's shortcoming or the memory system's: `torch.index_select` of the same rows (the selection drawn as
+`bench/dsa.py` draws it: 2048 distinct sorted positions per sequence, pages of 64 tokens permuted over the pool)
+against `copy_` of the same bytes, contiguous. Every timing chains `--chain` different selections so the rows come
+from HBM, not from the 50 MB L2 (one selection at B = 32 is 37.7 MB). Rates count bytes read (as the bar does)
+and bytes read + written (as the copy anchor does). GPU only (torch with CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import torch_copy_bandwidth  # noqa: E402
+
+PAGE, TOPK, ROW_BYTES = 64, 2048, 576
+WORDS = ROW_BYTES // 8  # a row as int64 words: index_select moves 8-byte elements
+
+
+def _event_seconds(fn, n_calls: int, reps: int = 15) -> float:
+    """Median seconds per call of `fn(i)` for i in 0..n_calls-1, timed back to back between two CUDA events."""
+    import torch
+
+    for i in range(n_calls):
+        fn(i)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for i in range(n_calls):
+            fn(i)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3 / n_calls)
+    return statistics.median(ts)
+
+
+def row_indices(batch: int, ctx: int, chain: int, seed: int = 0) -> np.ndarray:
+    """`[chain, batch · 2048]` pool rows: per sequence 2048 distinct sorted token positions, each mapped through a
+    block table of randomly permuted 64-token pages (page 0 left unused, as the engine's null page)."""
+    rng = np.random.default_rng(seed)
+    pages = ctx // PAGE
+    table = (rng.permutation(batch * pages) + 1).reshape(batch, pages)
+    out = np.empty((chain, batch * TOPK), np.int64)
+    for c in range(chain):
+        for b in range(batch):
+            pos = np.sort(rng.choice(ctx, TOPK, replace=False))
+            out[c, b * TOPK:(b + 1) * TOPK] = table[b, pos // PAGE] * PAGE + pos % PAGE
+    return out
+
+
+def measure(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dict]:
+    import torch
+
+    n_rows = (batch * (ctx // PAGE) + 1) * PAGE
+    pool = torch.empty((n_rows, WORDS), dtype=torch.int64, device="cuda").random_()
+    idx = torch.from_numpy(row_indices(batch, ctx, chain)).cuda()
+    out = torch.empty((batch * TOPK, WORDS), dtype=torch.int64, device="cuda")
+    read_bytes = batch * TOPK * ROW_BYTES
+
+    def gather(i):
+        torch.index_select(pool, 0, idx[i], out=out)
+
+    # the same number of bytes, contiguous: `chain` different source slices, as the gather reads different rows
+    src = pool[: chain * batch * TOPK].view(chain, batch * TOPK, WORDS)
+
+    def copy(i):
+        out.copy_(src[i])
+
+    ok = torch.equal(torch.index_select(pool, 0, idx[0]), pool[idx[0]])
+    rows = []
+    for name, fn in (("index_select (random rows)", gather), ("copy_ (same bytes, contiguous)", copy)):
+        t = _event_seconds(fn, chain)
+        rows.append(dict(name=name, batch=batch, ctx=ctx, us=t * 1e6, read_tb_s=read_bytes / t / 1e12,
+                         read_of_copy=read_bytes / t / copy_bw, rw_of_copy=2 * read_bytes / t / copy_bw,
+                         checked=bool(ok)))
+    del pool, idx, out
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="32,128")
+    ap.add_argument("--ctx", default="32768,131072,1048576")
+    ap.add_argument("--chain", type=int, default=4, help="different selections per timing chain (out of L2)")
+    ap.add_argument("--json", default=None, help="write the rows here too")
+    args = ap.parse_args()
+    import torch
+
+    copy_bw = torch_copy_bandwidth()
+    print(f"torch {torch.__version__} {torch.cuda.get_device_name()}; copy (2 GiB, read + write) "
+          f"{copy_bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for ctx in (int(c) for c in args.ctx.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            if batch * ctx * ROW_BYTES > 40e9:  # pool over 40 GB: skip
+                continue
+            for r in measure(batch, ctx, args.chain, copy_bw):
+                rows.append(r)
+                print(f"{r['name']:32s} B={batch:4d} ctx={ctx:8d}: {r['us']:8.1f} µs  read {r['read_tb_s']:.2f} TB/s"
+                      f" = {r['read_of_copy']:.3f} of copy (read+write {r['rw_of_copy']:.3f}) checked={r['checked']}",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_tb_s=copy_bw / 1e12, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
