@@ -80,3 +80,24 @@ def torch_copy_bandwidth(nbytes: int = 1 << 31, reps: int = 20) -> float:
         ts.append(s.elapsed_time(e) / 1e3)
     del a, b
     return 2 * nbytes / statistics.median(ts)
+
+
+def torch_event_seconds(fn, *, calls: int = 10, rounds: int = 5) -> float:
+    """Median seconds per call of `fn(i)`, i = 0 .. calls-1 run back to back between two CUDA events, over `rounds`
+    rounds after one untimed pass (compiles, allocations). `i` lets a caller cycle through different inputs (rows
+    that are not in L2 yet). Needs torch with CUDA."""
+    import torch
+
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(ts)

@@ -18,35 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import torch_copy_bandwidth  # noqa: E402
+from _timing import torch_copy_bandwidth, torch_event_seconds  # noqa: E402
 
 PAGE, TOPK, ROW_BYTES = 64, 2048, 576
 WORDS = ROW_BYTES // 8  # a row as int64 words: index_select moves 8-byte elements
-
-
-def _event_seconds(fn, n_calls: int, reps: int = 15) -> float:
-    """Median seconds per call of `fn(i)` for i in 0..n_calls-1, timed back to back between two CUDA events."""
-    import torch
-
-    for i in range(n_calls):
-        fn(i)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for i in range(n_calls):
-            fn(i)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3 / n_calls)
-    return statistics.median(ts)
 
 
 def row_indices(batch: int, ctx: int, chain: int, seed: int = 0) -> np.ndarray:
@@ -84,7 +64,7 @@ def measure(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dict]:
     ok = torch.equal(torch.index_select(pool, 0, idx[0]), pool[idx[0]])
     rows = []
     for name, fn in (("index_select (random rows)", gather), ("copy_ (same bytes, contiguous)", copy)):
-        t = _event_seconds(fn, chain)
+        t = torch_event_seconds(fn, calls=chain, rounds=15)
         rows.append(dict(name=name, batch=batch, ctx=ctx, us=t * 1e6, read_tb_s=read_bytes / t / 1e12,
                          read_of_copy=read_bytes / t / copy_bw, rw_of_copy=2 * read_bytes / t / copy_bw,
                          checked=bool(ok)))

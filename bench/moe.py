@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _timing import pipelined_seconds  # noqa: E402
+from _timing import pipelined_seconds, torch_event_seconds  # noqa: E402
 from pallas_kernels.moe import gpu as moe_gpu  # noqa: E402
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
@@ -78,20 +78,7 @@ def time_jax(f, *args, reps=10, outer=5):
 
 
 def time_torch(f, reps=10, outer=5):
-    import torch
-
-    f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(outer):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            f()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / reps)
-    return float(np.median(ts))
+    return torch_event_seconds(lambda _: f(), calls=reps, rounds=outer)
 
 
 def rel_err(a, b):
