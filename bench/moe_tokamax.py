@@ -1,6 +1,6 @@
 """Peer: tokamax's `ragged_dot` (Mosaic GPU on Hopper) beside our grouped matmul at K3 shapes, bf16 and 4-bit.
 
-    python3 bench/moe_tokamax.py [--budget 240] [--skip bf16|mxfp4]
+    python3 bench/moe_tokamax.py [--skip bf16|mxfp4]
 
 Issue #6 names tokamax `ragged_dot` as a library to measure side by side and depend on if it wins. Two sections,
 both on the inputs `bench/moe.py` draws (same seeds, so the same group sizes):
@@ -31,7 +31,6 @@ import moe as mb  # noqa: E402  (bench/moe.py: shapes, timing, reference helpers
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
@@ -72,18 +71,15 @@ def bench_bf16(tk):
     sizes = mb.random_sizes(ks, M, E)
     flops = 2.0 * M * K * N
     ref = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32))(x, w, sizes)
-    out = {}
     t_dense = mb.time_jax(jax.jit(lambda a, b: jnp.dot(a, b)), x, w[0])
     print(f"dense XLA (one weight, same FLOPs): {t_dense * 1e6:.0f} us, {flops / t_dense / 1e12:.0f} TFLOP/s", flush=True)
-    out["dense"] = t_dense
-    out["ours"] = timed("ours (ops.grouped_matmul, gpu)", jax.jit(
+    timed("ours (ops.grouped_matmul, gpu)", jax.jit(
         lambda a, b, g: ops.grouped_matmul(a, b, g, backend="gpu", out_dtype=jnp.bfloat16)), (x, w, sizes), ref, flops)
-    out["tokamax default"] = timed("tokamax.ragged_dot (default implementation)", jax.jit(
+    timed("tokamax.ragged_dot (default implementation)", jax.jit(
         lambda a, b, g: tk.ragged_dot(a, b, g, preferred_element_type=jnp.bfloat16)), (x, w, sizes), ref, flops)
-    out["tokamax triton"] = timed("tokamax.ragged_dot (triton)", jax.jit(
+    timed("tokamax.ragged_dot (triton)", jax.jit(
         lambda a, b, g: tk.ragged_dot(a, b, g, preferred_element_type=jnp.bfloat16, implementation="triton")),
         (x, w, sizes), ref, flops)
-    return out
 
 
 def bench_4bit(tk, copy_bw, rows_per_expert: int = 8):
@@ -95,27 +91,24 @@ def bench_4bit(tk, copy_bw, rows_per_expert: int = 8):
     sizes = mb.ffn_sizes("routed", 200 + rows_per_expert, m)
     ref = jax.jit(lambda a, g: ops.grouped_matmul(a, w, g, backend="reference"))(x, sizes)
     nbytes = w.nbytes
-    out = {}
     wp = mgpu_mx.prepare_weight(w)
-    out["ours"] = timed(f"ours (Mosaic MXFP4, {rows_per_expert} rows/expert)",
-                        jax.jit(lambda a, g, p: mgpu_mx.grouped_matmul(a, p, g)), (x, sizes, wp), ref,
-                        nbytes=nbytes, copy_bw=copy_bw)
+    timed(f"ours (Mosaic MXFP4, {rows_per_expert} rows/expert)",
+          jax.jit(lambda a, g, p: mgpu_mx.grouped_matmul(a, p, g)), (x, sizes, wp), ref, nbytes=nbytes, copy_bw=copy_bw)
     # the same weights as qwix sees them: e2m1 values [E, K, N] and their scales 2^(s - 127) [E, K/32, N]
     unit = mx.MXFP4Weight(w.packed, jnp.full_like(w.scale, 127))
     values_ekn = mx.dequantize(unit, jnp.float32)
     scale_ekn = jnp.swapaxes(jnp.exp2(w.scale.astype(jnp.float32) - 127.0), 1, 2).astype(jnp.bfloat16)
     q_e2m1 = qwix.QArray(values_ekn.astype(jnp.float4_e2m1fn), scale_ekn, qtype=jnp.float4_e2m1fn)
     f = jax.jit(lambda a, g, q: tk.ragged_dot(a, q, g, preferred_element_type=jnp.float32))
-    out["tokamax e2m1"] = timed(f"tokamax.ragged_dot (e2m1 QArray, 32-input bf16 scales, {rows_per_expert} rows/expert)",
-                                f, (x, sizes, q_e2m1), ref, nbytes=nbytes, copy_bw=copy_bw)
-    if out["tokamax e2m1"] is None:  # the same number of 4-bit bytes as int4 codes: a speed peer, its own reference
+    t_e2m1 = timed(f"tokamax.ragged_dot (e2m1 QArray, 32-input bf16 scales, {rows_per_expert} rows/expert)",
+                   f, (x, sizes, q_e2m1), ref, nbytes=nbytes, copy_bw=copy_bw)
+    if t_e2m1 is None:  # the same number of 4-bit bytes as int4 codes: a speed peer, its own reference
         codes = jax.random.randint(jax.random.key(2), (E, K, N), -8, 8).astype(jnp.int4)
         q_i4 = qwix.QArray(codes, scale_ekn, qtype=jnp.int4)
         w_i4 = codes.astype(jnp.float32) * jnp.repeat(scale_ekn.astype(jnp.float32), 32, axis=1)
         ref_i4 = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a.astype(jnp.float32), b, g))(x, w_i4, sizes)
-        out["tokamax int4"] = timed(f"tokamax.ragged_dot (int4 QArray, 32-input bf16 scales, {rows_per_expert} "
-                                    "rows/expert)", f, (x, sizes, q_i4), ref_i4, nbytes=nbytes, copy_bw=copy_bw)
-    return out
+        timed(f"tokamax.ragged_dot (int4 QArray, 32-input bf16 scales, {rows_per_expert} rows/expert)", f,
+              (x, sizes, q_i4), ref_i4, nbytes=nbytes, copy_bw=copy_bw)
 
 
 def main():
