@@ -472,8 +472,8 @@ def bench_ffn(args, copy_bw):
         per_mm = jax.jit(lambda a, g, *w: mgpu_mx.grouped_matmul(
             situ(*[mgpu_mx.grouped_matmul(a, w_, g) for w_ in w[:2]]).astype(jnp.bfloat16), w[2], g))
 
-        t_per = attempt(f"MXFP4 FFN {rows_per_expert} per matmul",
-                        lambda: checked_time(per_mm, (x, sizes, *wp), ref, reps=20)[0])
+        t_per = None if args.ffn_no_peers else attempt(
+            f"MXFP4 FFN {rows_per_expert} per matmul", lambda: checked_time(per_mm, (x, sizes, *wp), ref, reps=20)[0])
         # the Triton MXFP4 kernel on the checkpoint's layout (what the model ran before it re-laid its experts)
         triton = jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="gpu"))
 
@@ -482,7 +482,7 @@ def bench_ffn(args, copy_bw):
             log(f"MXFP4 FFN {rows_per_expert} rows/expert, Triton kernel (checkpoint layout): {t * 1e6:.0f} us "
                 f"({wbytes / t / 1e12:.2f} TB/s of weights)")
             return t
-        t_triton = attempt(f"MXFP4 FFN {rows_per_expert} Triton", timed_triton)
+        t_triton = None if args.ffn_no_peers else attempt(f"MXFP4 FFN {rows_per_expert} Triton", timed_triton)
 
         def run(cfg, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per,
                 t_triton=t_triton):
@@ -638,6 +638,8 @@ def main():
                     "overrides of tiled_config (JSON list), e.g. '[{\"rows\": 16, \"ctas_per_sm\": 4}]'")
     ap.add_argument("--ffn-bf16-gate-up", action="store_true", help="FFN section: also time gate / up written in "
                     "bf16 (`expert_ffn_tiled(gate_up_dtype=...)`; session 20: 1%% faster, inside the spread)")
+    ap.add_argument("--ffn-no-peers", action="store_true", help="FFN section: time only the tile layout's configs "
+                    "(not the per-matmul padding and the Triton kernel: a config sweep in less device time)")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()

@@ -830,6 +830,8 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
 
     assert mm.tiled_config(8) == mm.MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
     assert all(mm.tiled_config(r).plan == "xla" and mm.tiled_config(r).rows >= r for r in (2, 16, 32, 64))
+    # above 16 rows per expert a tile holds a router's typical group (mean ± its spread) whole
+    assert (mm.tiled_config(32).rows, mm.tiled_config(64).rows) == (40, 80)
     E, D, F, M = 4, 512, 256, 40
     sds = jax.ShapeDtypeStruct
     w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
@@ -853,7 +855,7 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
                                  dict(rows=8, plan="xla"), dict(rows=32, kh=256, steps=2, plan="xla"),
                                  dict(rows=16, plan="xla", store="cols"), dict(mma="fp8", rows=16, store="rows"),
                                  dict(rows=8, plan="kernel"), dict(rows=32, kh=256, steps=2, plan="kernel"),
-                                 dict(rows=16, ctas_per_sm=4, plan="kernel")])
+                                 dict(rows=16, ctas_per_sm=4, plan="kernel"), dict(rows=48, kh=256, steps=2, plan="xla")])
 @pytest.mark.parametrize("layout", ["placed", "natural"])
 def test_gpu_mgpu_mxfp4_matches_reference(cfg, layout):
     """The Mosaic GPU MXFP4 kernel on the device against ragged_dot over the exactly dequantised weights: groups of
@@ -932,7 +934,10 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     prepared = [mm.prepare_weight(q) for q in ws]
     fused = dataclasses.replace(mm.tiled_config(8), gate_up="fused", kh=128)  # gate, up and SiTU in one kernel
-    for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (None, jnp.bfloat16), (None, None)):
+    rows48 = dataclasses.replace(mm.tiled_config(32), rows=48)
+    # tiles that are not powers of two: 40 rows (tiled_config(32)), 48, 80 (tiled_config(64))
+    for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
+                               (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(
             x, gs, *prepared)

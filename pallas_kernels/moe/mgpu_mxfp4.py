@@ -918,10 +918,23 @@ def tiled_config(rows_per_group: float) -> MgpuConfig:
     8 ± 3, up to 16) one tile holds every expert's rows, so each expert's weights stream once (8-row tiles stream
     them 1.4 times: 161 tiles for 112 experts). H200, session 18, routed sizes, 3584 -> 3072: kernel alone 200 µs
     (3.27 TB/s, 0.77 of copy), the whole FFN 647 µs (0.72) against 875 with 8-row tiles and 5 CTAs per SM, 690
-    with 16-row tiles, 128-byte steps and 4 CTAs. Above 8 rows, `default_config`'s padded-plan shapes (at 32 rows
-    the FFN ties the per-matmul path, 1146 vs 1150 µs)."""
+    with 16-row tiles, 128-byte steps and 4 CTAs.
+
+    Above 16 rows the tile is sized to hold most of a router's groups (about 1.25× the mean: 40 rows at 32 ± 6,
+    80 at 64 ± 8), so few experts stream their weights twice. H200, session 21, routed sizes (kernel alone / FFN,
+    µs): at 32 rows per expert 40-row tiles, 128-byte steps, 3 stages, 2 CTAs per SM 305 / 1112 against 32-row
+    tiles' 335 / 1130 (48 rows: 321 / 1120; 48 rows with 256-byte steps 395 / 1338, with 3 CTAs 398 / 1322); at 64
+    rows 80-row tiles with 256-byte steps and one CTA 500-503 / 1841-1851 against 64-row tiles' 607-685 /
+    2073-2076 in two calls (96 rows do not fit shared memory with 256-byte steps; with 128 589 / 2077). Those
+    figures are 0.40 and 0.25 of copy: a CTA waits for its own MMAs each step and a column block re-reads
+    rows × K of x from L2 (rows / 16 times its weight bytes), so large tiles need several warpgroups per CTA
+    sharing x, not a better shape. Other sizes: `default_config`'s padded-plan shapes."""
     if rows_per_group <= 8:
         return MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
+    if 16 < rows_per_group <= 32:
+        return MgpuConfig(rows=40, kh=128, steps=3, ctas_per_sm=2, plan="xla")
+    if 32 < rows_per_group <= 64:
+        return MgpuConfig(rows=80, kh=256, steps=2, ctas_per_sm=1, plan="xla")
     return dataclasses.replace(default_config(rows_per_group), plan="xla")
 
 
