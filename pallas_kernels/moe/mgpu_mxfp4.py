@@ -53,6 +53,13 @@ takes 16-row tiles (`tiled_config`: one tile per expert, each expert's weights s
 (0.68-0.72 of copy)** against 749-762 µs with each matmul padded on its own (H200, bench/moe.py's FFN section,
 bench/RESULTS.md). `ops.expert_ffn_sorted` takes it for three prepared weights on a GPU, and a model loaded on a
 GPU re-lays its MXFP4 experts into this layout once (`kimi_jax.modules.moe.MoE.use_mosaic_experts`).
+Warp-specialised (session 21, `MgpuConfig(warpgroups=2)`, `kernel_call_ws`; lowers for CUDA on the CPU, NOT yet run
+on a GPU): at 32 and 64 rows per expert the one-warpgroup kernel reaches only 0.41 / 0.25 of copy — each CTA waits
+for its own MMAs before its next decode, large tiles leave room for one or two CTAs per SM, and every 64-column
+block re-reads its x tile from L2 (rows / 16 times its weight bytes). The variant runs one CTA per SM with two
+compute warpgroups on 64 columns each of a 128-column item, sharing the x stage, and a memory warpgroup issuing the
+TMA copies; a CTA's items form one chain of pipelines, so the next item's copies start under this item's last
+steps. `bench/runs/s22_gpu1.sh` times it against the defaults.
 Opt-in, written after the session's device time (lowers for CUDA on the CPU with SiTU in its epilogue; NOT yet run
 on a GPU): `MgpuConfig(gate_up="fused")`, gate, up and the activation as one kernel (`kernel_call_gated`) — each x
 tile fetched once, no fp32 gate / up outputs written and read back by XLA. Two weights' stages need twice the
@@ -73,6 +80,8 @@ from . import mxfp4 as mx
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
+WS_WARPGROUPS = 2  # compute warpgroups of the warp-specialised kernel (`kernel_call_ws`), 64 columns each
+WS_MEMORY_REGISTERS = 40  # registers per thread left to its memory warpgroup (it only issues TMA copies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +108,12 @@ class MgpuConfig:
     # "fused" — one kernel computing both products of each x tile and the activation in its epilogue
     # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
     gate_up: str = "separate"
+    # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
+    # copies and waiting for its MMAs every step (`kernel_call`); 2 — warp-specialised (`kernel_call_ws`, the
+    # padded plan with store="rows" and the bf16 decode only): per SM one CTA of two compute warpgroups, each
+    # decoding 64 of a work item's 128 columns, and a memory warpgroup issuing the copies, so one warpgroup's decode
+    # runs while the other's MMAs do and each x tile read from L2 serves 128 columns instead of 64
+    warpgroups: int = 1
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
@@ -109,6 +124,11 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
+        if self.warpgroups not in (1, WS_WARPGROUPS):
+            raise ValueError(f"MgpuConfig.warpgroups must be 1 or {WS_WARPGROUPS}, got {self.warpgroups!r}")
+        if self.warpgroups > 1 and (self.mma, self.plan, self.store) != ("bf16", "xla", "rows"):
+            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups=2) takes mma='bf16', plan='xla', "
+                             f"store='rows'; got {self.mma!r}, {self.plan!r}, {self.store!r}")
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:
@@ -214,7 +234,8 @@ def supports(in_features: int, out_features: int, config: MgpuConfig) -> bool:
     """Whether `kernel_call` takes this weight shape with this config: K/2 a multiple of the step width kh (itself a
     multiple of 64 bytes), N a multiple of 64 output columns."""
     kh2 = in_features // 2
-    return in_features % 2 == 0 and config.kh % BLOCK == 0 and kh2 % config.kh == 0 and out_features % COLS == 0
+    cols = COLS * config.warpgroups
+    return in_features % 2 == 0 and config.kh % BLOCK == 0 and kh2 % config.kh == 0 and out_features % cols == 0
 
 
 def x_permutation(kh_total: int) -> np.ndarray:
@@ -574,15 +595,14 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if config.warpgroups > 1:
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype)
     _, m_pad, KH = xs.shape
     cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = m_pad // R
-    E, N, KH2 = w.codes.shape
-    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or m_pad % R:
-        raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
-    n_blocks = N // COLS
+    _check_kernel_shapes(xs, w, cfg)
+    n_blocks = w.out_features // COLS
     decode = _bf16_decode(kh, w.layout)
 
     def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
@@ -597,7 +617,121 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _launch(body, N, m_pad, cfg, out_dtype)(tile_group, num_tiles, xs, w.codes, w.scales_t)
+    return _launch(body, w.out_features, m_pad, cfg, out_dtype)(tile_group, num_tiles, xs, w.codes, w.scales_t)
+
+
+def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig):
+    """x planes `[2, m_pad, K/2]` and weight `[E, N, K/2]` as the padded-plan kernels take them."""
+    _, m_pad, KH = xs.shape
+    KH2, N, cols = w.codes.shape[2], w.out_features, COLS * cfg.warpgroups
+    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % cols or m_pad % cfg.rows:
+        raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={cfg.kh} (a multiple of "
+                         f"{BLOCK}), N={N} of {cols}, padded rows {m_pad} of {cfg.rows}")
+
+
+def ws_stages(steps: int, want: int) -> int:
+    """Pipeline stages of the warp-specialised kernel: the most that divide the K loop's `steps`, at most `want`.
+    Its work items run as one chain of pipelines (the next item's first copies issued while this item's last steps
+    compute), which needs each item to fill the stages in whole rounds."""
+    return max(d for d in range(1, min(steps, want) + 1) if steps % d == 0)
+
+
+def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
+    """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
+    `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
+
+    One CTA per SM (three warpgroups take the register file: two compute warpgroups at up to 232 registers, the
+    memory warpgroup at 40). A work item is (row tile t, 128-column block); its K loop is one
+    `emit_pipeline_warp_specialized` whose memory warpgroup copies each step's codes `[128, kh]`, scales
+    `[kh/16, 128]` and x planes `[2, R, kh]`; compute warpgroup w decodes columns 64w … 64w + 63 of the step into
+    its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
+    decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
+    STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+    from jax._src.pallas.mosaic_gpu.pipeline import PipelinePipeline
+
+    if config.store != "rows" or config.mma != "bf16":
+        raise ValueError("mgpu MXFP4: the warp-specialised kernel stores rows and decodes to bf16")
+    _check_kernel_shapes(xs, w, config)
+    _, m_pad, KH = xs.shape
+    R, kh, N = config.rows, config.kh, w.out_features
+    cols = COLS * WS_WARPGROUPS
+    blocks = N // cols  # work items per row tile
+    steps = KH // kh
+    stages = ws_stages(steps, config.steps)
+    decode = _bf16_decode(kh, w.layout)
+    num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
+
+    def kernel(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
+        wg = lax.axis_index("wg")
+        my_cols = pl.ds(wg * COLS, COLS)
+
+        def mma_step(_, codes_s, scales_s, xs_s, acc_ref):
+            lo, hi = decode(codes_s.at[my_cols], scales_s.at[:, my_cols])
+            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+            plgpu.wgmma_wait(0)  # the next step's decode reuses the A registers
+            return acc_ref
+
+        def pipeline(body, compute_context, state):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps,), memory_registers=WS_MEMORY_REGISTERS, wg_axis="wg",
+                num_compute_wgs=WS_WARPGROUPS, max_concurrent_steps=stages, compute_context=compute_context,
+                pipeline_state=state,
+                in_specs=[plgpu.BlockSpec((cols, kh), lambda kk: (0, kk)),
+                          plgpu.BlockSpec((kh // 16, cols), lambda kk: (kk, 0)),
+                          plgpu.BlockSpec((2, R, kh), lambda kk: (0, 0, kk))])
+
+        def operands(t, nb):
+            g = tile_group_ref[t]
+            return (codes_ref.at[g, pl.ds(nb * cols, cols)], scales_ref.at[g, :, pl.ds(nb * cols, cols)],
+                    xs_ref.at[:, pl.ds(t * R, R)])
+
+        ignore = lambda *_, **__: None  # noqa: E731 — the allocations depend on the specs and shapes only
+
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore, None).get_allocations(*operands(0, 0)),
+                           collective_axes="wg")
+        def _scope(allocs):
+            @plgpu.nd_loop((num_ref[0] * blocks,), collective_axes="sm")
+            def _item(info):
+                (i,) = info.index
+                t, nb = i // blocks, i % blocks
+
+                def compute_context(eval_pipeline):
+                    def acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
+                    _store_tile(acc, o_smem.at[wg], out_ref, nb * WS_WARPGROUPS + wg, t, "rows")
+
+                first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+                state = jnp.where(first, int(PipelinePipeline.START),
+                                  jnp.where(last, int(PipelinePipeline.STOP), int(PipelinePipeline.STEADY)))
+
+                @pl.when(first & last)  # the CTA's only item: a pipeline of its own
+                def _alone():
+                    pipeline(mma_step, compute_context, None)(*operands(t, nb), allocations=allocs)
+
+                @pl.when(jnp.logical_not(first & last))
+                def _chained():
+                    pipeline(mma_step, compute_context, state)(*operands(t, nb), allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m_pad, N), out_dtype),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=WS_WARPGROUPS + 1,
+        thread_name="wg",
+        scratch_types=dict(o_smem=plgpu.SMEM((WS_WARPGROUPS, R, COLS), out_dtype)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(tile_group, num_tiles, xs, w.codes, w.scales_t)
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
