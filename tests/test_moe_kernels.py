@@ -717,14 +717,14 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
         mm.MgpuConfig(plan="host")
     with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
         mm.MgpuConfig(store="cols", plan="kernel")
-    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
-        mm.MgpuConfig(warpgroups=3)
+    with pytest.raises(ValueError, match="warpgroups must be 1 or one of"):
+        mm.MgpuConfig(warpgroups=5)
     with pytest.raises(ValueError, match="warp-specialised kernel"):
         mm.MgpuConfig(warpgroups=2, plan="kernel")
 
 
 def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
-    """`MgpuConfig(warpgroups=2)`: a CTA of two compute warpgroups (64 of an item's 128 columns each) and a memory
+    """`MgpuConfig(warpgroups=W)`: a CTA of W compute warpgroups (64 of an item's 64·W columns each) and a memory
     warpgroup lowers for CUDA as one Mosaic GPU kernel per matmul, alone and inside the tile-layout FFN; a weight
     whose width is not whole 128-column items is refused, and the stages divide the K loop (`ws_stages`)."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
@@ -735,13 +735,17 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
                              layout="placed")
     w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
                               layout="placed")
-    for rows, kh, steps in ((16, 128, 4), (48, 64, 3)):
-        cfg = mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla", warpgroups=2)
+    for rows, kh, steps, wgs in ((16, 128, 4, 2), (48, 64, 3, 2), (16, 128, 2, 4)):
+        cfg = mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla", warpgroups=wgs)
         text = jax.jit(lambda a, g, w1, w3, w2, cfg=cfg: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)
                        ).trace(sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 3 and "mul.lo.u32" in text
     assert (mm.ws_stages(14, 4), mm.ws_stages(7, 4), mm.ws_stages(12, 4), mm.ws_stages(2, 4)) == (2, 1, 4, 2)
+    # four warpgroups, 16 rows, 128-byte steps: 42 KB per stage, so 7 of 14 steps do not fit; 2 do
+    assert mm.ws_stages(14, 7, stage_bytes=256 * 128 + 8 * 256 + 2 * 16 * 128 * 2, fixed_bytes=4 * 16 * 64 * 4) == 2
+    with pytest.raises(ValueError, match="does not fit"):
+        mm.ws_stages(4, 4, stage_bytes=240_000)
     narrow = mm.PreparedWeight(sds((E, 192, D // 2), jnp.uint8), sds((E, D // 32, 192), jnp.uint8))
     cfg = mm.MgpuConfig(rows=16, kh=128, plan="xla", warpgroups=2)
     assert not mm.supports(D, 192, cfg) and mm.supports(D, 192, dataclasses.replace(cfg, warpgroups=1))
@@ -951,15 +955,15 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(rows=16, kh=128, steps=4), dict(rows=16, kh=256, steps=2),
-                                 dict(rows=48, kh=128, steps=3)])
+                                 dict(rows=48, kh=128, steps=3), dict(rows=16, kh=128, steps=4, warpgroups=4)])
 def test_gpu_mgpu_mxfp4_warp_specialised_matches_reference(cfg):
-    """The warp-specialised kernel (`MgpuConfig(warpgroups=2)`) on the device against ragged_dot over the exactly
+    """The warp-specialised kernel (`MgpuConfig(warpgroups=2 or 4)`) on the device against ragged_dot over the exactly
     dequantised weights, in both of its pipeline forms: the shared case's groups (fewer work items than CTAs: each
     CTA's item a pipeline of its own), then 2000 rows over 8 experts with 1024 output columns (hundreds of items:
     each CTA's items one chain of pipelines, START / STEADY / STOP)."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    config = mm.MgpuConfig(**cfg, ctas_per_sm=1, plan="xla", warpgroups=2)
+    config = mm.MgpuConfig(**{"warpgroups": 2, **cfg}, ctas_per_sm=1, plan="xla")
     sizes, x, w, gs, want = _device_mxfp4_case()
     for layout in ("placed", "natural"):
         got = mm.grouped_matmul(x, mm.prepare_weight(w, layout), gs, config=config)

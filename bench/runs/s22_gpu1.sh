@@ -9,6 +9,6 @@ B="python3 bench/moe.py --no-ep --ffn-only --ffn-sizes routed --ffn-no-peers"
 F='MXFP4 FFN [0-9]+ rows/expert: tile|budget|copy band'
 W='"warpgroups":2,"ctas_per_sm":1'
 OUT=$OUT/r8 timeout 330 $B --ffn-rows 8 --budget 310 --ffn-configs \
-  "[{$W,\"rows\":16,\"kh\":128,\"steps\":7},{$W,\"rows\":16,\"kh\":64,\"steps\":4},{$W,\"rows\":16,\"kh\":128,\"steps\":2}]" \
+  "[{$W,\"rows\":16,\"kh\":128,\"steps\":7},{$W,\"rows\":16,\"kh\":64,\"steps\":4},{\"warpgroups\":4,\"ctas_per_sm\":1,\"rows\":16,\"kh\":128,\"steps\":7}]" \
   2>&1 | grep -E "$F" | cut -c1-400
 # then, in a second call: --ffn-rows 32 with {$W,"rows":40,"kh":64,"steps":7}, --ffn-rows 64 with {$W,"rows":80,"kh":64,"steps":4}

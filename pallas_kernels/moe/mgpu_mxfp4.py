@@ -80,7 +80,7 @@ from . import mxfp4 as mx
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
-WS_WARPGROUPS = 2  # compute warpgroups of the warp-specialised kernel (`kernel_call_ws`), 64 columns each
+WS_WARPGROUPS = (2, 3, 4)  # compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each
 WS_MEMORY_REGISTERS = 40  # registers per thread left to its memory warpgroup (it only issues TMA copies)
 
 
@@ -109,10 +109,11 @@ class MgpuConfig:
     # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
     gate_up: str = "separate"
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
-    # copies and waiting for its MMAs every step (`kernel_call`); 2 — warp-specialised (`kernel_call_ws`, the
-    # padded plan with store="rows" and the bf16 decode only): per SM one CTA of two compute warpgroups, each
-    # decoding 64 of a work item's 128 columns, and a memory warpgroup issuing the copies, so one warpgroup's decode
-    # runs while the other's MMAs do and each x tile read from L2 serves 128 columns instead of 64
+    # copies and waiting for its MMAs every step (`kernel_call`); W in 2..4 — warp-specialised (`kernel_call_ws`,
+    # the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute warpgroups, each
+    # decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one warpgroup's decode
+    # runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of 64. The register
+    # file is shared: (512 − 40) / W registers per compute thread (236 at W = 2, 118 at W = 4)
     warpgroups: int = 1
 
     def __post_init__(self):
@@ -124,8 +125,8 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
-        if self.warpgroups not in (1, WS_WARPGROUPS):
-            raise ValueError(f"MgpuConfig.warpgroups must be 1 or {WS_WARPGROUPS}, got {self.warpgroups!r}")
+        if self.warpgroups not in (1, *WS_WARPGROUPS):
+            raise ValueError(f"MgpuConfig.warpgroups must be 1 or one of {WS_WARPGROUPS}, got {self.warpgroups!r}")
         if self.warpgroups > 1 and (self.mma, self.plan, self.store) != ("bf16", "xla", "rows"):
             raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups=2) takes mma='bf16', plan='xla', "
                              f"store='rows'; got {self.mma!r}, {self.plan!r}, {self.store!r}")
@@ -629,21 +630,29 @@ def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig):
                          f"{BLOCK}), N={N} of {cols}, padded rows {m_pad} of {cfg.rows}")
 
 
-def ws_stages(steps: int, want: int) -> int:
-    """Pipeline stages of the warp-specialised kernel: the most that divide the K loop's `steps`, at most `want`.
-    Its work items run as one chain of pipelines (the next item's first copies issued while this item's last steps
-    compute), which needs each item to fill the stages in whole rounds."""
-    return max(d for d in range(1, min(steps, want) + 1) if steps % d == 0)
+SMEM_BYTES = 232448  # shared memory a CTA may take on an H100 / H200 (227 KB)
+
+
+def ws_stages(steps: int, want: int, stage_bytes: int = 0, fixed_bytes: int = 0) -> int:
+    """Pipeline stages of the warp-specialised kernel: the most that divide the K loop's `steps`, at most `want`,
+    and fit shared memory (`stage_bytes` each beside `fixed_bytes`). Its work items run as one chain of pipelines
+    (the next item's first copies issued while this item's last steps compute), which needs each item to fill the
+    stages in whole rounds."""
+    fits = [d for d in range(1, min(steps, want) + 1) if steps % d == 0 and d * stage_bytes + fixed_bytes <= SMEM_BYTES]
+    if not fits:
+        raise ValueError(f"mgpu MXFP4: one pipeline stage of {stage_bytes} bytes beside {fixed_bytes} does not fit "
+                         f"{SMEM_BYTES} bytes of shared memory; take fewer rows or a narrower step (kh)")
+    return max(fits)
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
-    """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
-    `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
+    """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=W)`, W = 2..4): the same operands and
+    result as `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
-    One CTA per SM (three warpgroups take the register file: two compute warpgroups at up to 232 registers, the
-    memory warpgroup at 40). A work item is (row tile t, 128-column block); its K loop is one
-    `emit_pipeline_warp_specialized` whose memory warpgroup copies each step's codes `[128, kh]`, scales
-    `[kh/16, 128]` and x planes `[2, R, kh]`; compute warpgroup w decodes columns 64w … 64w + 63 of the step into
+    One CTA per SM (W + 1 warpgroups take the register file: W compute warpgroups at (512 − 40) / W registers, the
+    memory warpgroup at 40). A work item is (row tile t, block of C = 64·W columns); its K loop is one
+    `emit_pipeline_warp_specialized` whose memory warpgroup copies each step's codes `[C, kh]`, scales
+    `[kh/16, C]` and x planes `[2, R, kh]`; compute warpgroup w decodes columns 64w … 64w + 63 of the step into
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
@@ -658,10 +667,13 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     _check_kernel_shapes(xs, w, config)
     _, m_pad, KH = xs.shape
     R, kh, N = config.rows, config.kh, w.out_features
-    cols = COLS * WS_WARPGROUPS
+    wgs = config.warpgroups
+    cols = COLS * wgs
     blocks = N // cols  # work items per row tile
     steps = KH // kh
-    stages = ws_stages(steps, config.steps)
+    out_bytes = wgs * R * COLS * jnp.dtype(out_dtype).itemsize  # the compute warpgroups' staging tiles
+    stages = ws_stages(steps, config.steps, stage_bytes=cols * kh + kh // 16 * cols + 2 * R * kh * 2,
+                       fixed_bytes=out_bytes + 1024)  # + barriers
     decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
 
@@ -679,7 +691,7 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
         def pipeline(body, compute_context, state):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=WS_MEMORY_REGISTERS, wg_axis="wg",
-                num_compute_wgs=WS_WARPGROUPS, max_concurrent_steps=stages, compute_context=compute_context,
+                num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
                 pipeline_state=state,
                 in_specs=[plgpu.BlockSpec((cols, kh), lambda kk: (0, kk)),
                           plgpu.BlockSpec((kh // 16, cols), lambda kk: (kk, 0)),
@@ -706,7 +718,7 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
                         return acc_ref[...]
 
                     acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
-                    _store_tile(acc, o_smem.at[wg], out_ref, nb * WS_WARPGROUPS + wg, t, "rows")
+                    _store_tile(acc, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
 
                 first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                 state = jnp.where(first, int(PipelinePipeline.START),
@@ -727,9 +739,9 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
         out_type=jax.ShapeDtypeStruct((m_pad, N), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
-        num_threads=WS_WARPGROUPS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((WS_WARPGROUPS, R, COLS), out_dtype)),
+        scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(tile_group, num_tiles, xs, w.codes, w.scales_t)
 
