@@ -8,6 +8,10 @@
   (the shared engine + live server over it, and an ``openai`` client for it) and
   ``tiny_np_weights`` (its parameters as the float64 checkpoint-layout dict of ``weights_np.tiny_numpy_weights``).
   Reuse them: every distinct input shape fed to the tiny model costs a fresh XLA compile.
+* The README runs the suite on two processes (pytest-xdist, ``-n 2 --dist loadfile``): each worker builds its own
+  session fixtures, and each test file runs whole on one worker, so module-scoped compiled fixtures are built once.
+  2026-12-02 on this 2-core machine: 19 min 40 s with the cache warm, against 29 min 16 s for one process in the run
+  before it (cache mostly warm).
 """
 
 from __future__ import annotations
