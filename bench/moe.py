@@ -454,6 +454,8 @@ def bench_ffn(args, copy_bw):
     ws = [mx.random_weight(keys[0], E, K, N), mx.random_weight(keys[1], E, K, N), mx.random_weight(keys[2], E, N, K)]
     wp = [mgpu_mx.prepare_weight(q) for q in ws]
     wbytes = sum(q.nbytes for q in ws)
+    jax.block_until_ready(wp)
+    log("FFN weights drawn and prepared")  # the log's timestamps show where the section's setup time goes
     for rows_per_expert in [int(r) for r in args.ffn_rows.split(",")]:
         if left(args.budget) < 30:
             INFO["notes"].append(f"budget: FFN rows/expert={rows_per_expert} skipped")
@@ -468,7 +470,9 @@ def bench_ffn(args, copy_bw):
         configs = [mgpu_mx.tiled_config(rows_per_expert)] + [
             dataclasses.replace(mgpu_mx.tiled_config(rows_per_expert), **o) for o in json.loads(args.ffn_configs or "[]")]
 
-        ref = jax.jit(lambda a, g: ops.expert_ffn_sorted(a, g, *ws, situ, backend="reference"))(x, sizes)
+        ref = jax.block_until_ready(
+            jax.jit(lambda a, g: ops.expert_ffn_sorted(a, g, *ws, situ, backend="reference"))(x, sizes))
+        log(f"FFN {rows_per_expert} rows/expert: reference ready")
         per_mm = jax.jit(lambda a, g, *w: mgpu_mx.grouped_matmul(
             situ(*[mgpu_mx.grouped_matmul(a, w_, g) for w_ in w[:2]]).astype(jnp.bfloat16), w[2], g))
 

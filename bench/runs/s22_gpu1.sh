@@ -6,7 +6,7 @@ source bench/device_env.sh
 export JAX_PLATFORMS=cuda
 timeout 200 python3 -m pytest -q -x -m gpu tests/test_moe_kernels.py -k "warp_specialised" 2>&1 | tail -3
 B="python3 bench/moe.py --no-ep --ffn-only --ffn-sizes routed --ffn-no-peers"
-F='MXFP4 FFN [0-9]+ rows/expert: tile|budget|copy band'
+F='MXFP4 FFN [0-9]+ rows/expert: tile|budget|copy band|FFN weights|reference ready'
 W='"warpgroups":2,"ctas_per_sm":1'
 OUT=$OUT/r8 timeout 330 $B --ffn-rows 8 --budget 310 --ffn-configs \
   "[{$W,\"rows\":16,\"kh\":128,\"steps\":7},{$W,\"rows\":16,\"kh\":64,\"steps\":4},{\"warpgroups\":4,\"ctas_per_sm\":1,\"rows\":16,\"kh\":128,\"steps\":7}]" \
