@@ -723,10 +723,9 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
         mm.MgpuConfig(warpgroups=2, plan="kernel")
 
 
-def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
-    """`MgpuConfig(warpgroups=W)`: a CTA of W compute warpgroups (64 of an item's 64·W columns each) and a memory
-    warpgroup lowers for CUDA as one Mosaic GPU kernel per matmul, alone and inside the tile-layout FFN; a weight
-    whose width is not whole 128-column items is refused, and the stages divide the K loop (`ws_stages`)."""
+def _tiled_ffn_cuda_text(cfg):
+    """The StableHLO text of the tile-layout FFN (SiTU between; placed weights, E = 4, D = 512, F = 256, M = 40
+    rows) lowered for CUDA with kernel config `cfg`."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     E, D, F, M = 4, 512, 256, 40
@@ -735,12 +734,22 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
                              layout="placed")
     w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
                               layout="placed")
+    return jax.jit(lambda a, g, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)).trace(
+        sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
+    """`MgpuConfig(warpgroups=W)`: a CTA of W compute warpgroups (64 of an item's 64·W columns each) and a memory
+    warpgroup lowers for CUDA as one Mosaic GPU kernel per matmul, alone and inside the tile-layout FFN; a weight
+    whose width is not whole 128-column items is refused, and the stages divide the K loop (`ws_stages`)."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
     for rows, kh, steps, wgs in ((16, 128, 4, 2), (48, 64, 3, 2), (16, 128, 2, 4)):
-        cfg = mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla", warpgroups=wgs)
-        text = jax.jit(lambda a, g, w1, w3, w2, cfg=cfg: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)
-                       ).trace(sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = _tiled_ffn_cuda_text(mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla",
+                                                  warpgroups=wgs))
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 3 and "mul.lo.u32" in text
+    E, D = 4, 512
+    sds = jax.ShapeDtypeStruct
     assert (mm.ws_stages(14, 4), mm.ws_stages(7, 4), mm.ws_stages(12, 4), mm.ws_stages(2, 4)) == (2, 1, 4, 2)
     # four warpgroups, 16 rows, 128-byte steps: 42 KB per stage, so 7 of 14 steps do not fit; 2 do
     assert mm.ws_stages(14, 7, stage_bytes=256 * 128 + 8 * 256 + 2 * 16 * 128 * 2, fixed_bytes=4 * 16 * 64 * 4) == 2
@@ -867,17 +876,8 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
     assert all(mm.tiled_config(r).plan == "xla" and mm.tiled_config(r).rows >= r for r in (2, 16, 32, 64))
     # above 16 rows per expert a tile holds a router's typical group (mean ± its spread) whole
     assert (mm.tiled_config(32).rows, mm.tiled_config(64).rows) == (40, 80)
-    E, D, F, M = 4, 512, 256, 40
-    sds = jax.ShapeDtypeStruct
-    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
-                             layout="placed")
-    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
-                              layout="placed")
     for gate_up, kernels in (("separate", 3), ("fused", 2)):  # fused: SiTU's tanh and logistic in the epilogue
-        cfg = dataclasses.replace(mm.tiled_config(M / E), gate_up=gate_up)
-        text = jax.jit(lambda a, g, w1, w3, w2, cfg=cfg: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)
-                       ).trace(sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(40 / 4), gate_up=gate_up))
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
     with pytest.raises(ValueError, match="gate_up must be"):
         mm.MgpuConfig(gate_up="both")
