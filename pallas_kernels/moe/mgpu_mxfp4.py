@@ -53,11 +53,11 @@ takes 16-row tiles (`tiled_config`: one tile per expert, each expert's weights s
 (0.68-0.72 of copy)** against 749-762 µs with each matmul padded on its own (H200, bench/moe.py's FFN section,
 bench/RESULTS.md). `ops.expert_ffn_sorted` takes it for three prepared weights on a GPU, and a model loaded on a
 GPU re-lays its MXFP4 experts into this layout once (`kimi_jax.modules.moe.MoE.use_mosaic_experts`).
-Warp-specialised (session 21, `MgpuConfig(warpgroups=2)`, `kernel_call_ws`; lowers for CUDA on the CPU, NOT yet run
+Warp-specialised (session 21, `MgpuConfig(warpgroups=2..4)`, `kernel_call_ws`; lowers for CUDA on the CPU, NOT yet run
 on a GPU): at 32 and 64 rows per expert the one-warpgroup kernel reaches only 0.41 / 0.25 of copy — each CTA waits
 for its own MMAs before its next decode, large tiles leave room for one or two CTAs per SM, and every 64-column
-block re-reads its x tile from L2 (rows / 16 times its weight bytes). The variant runs one CTA per SM with two
-compute warpgroups on 64 columns each of a 128-column item, sharing the x stage, and a memory warpgroup issuing the
+block re-reads its x tile from L2 (rows / 16 times its weight bytes). The variant runs one CTA per SM with W
+compute warpgroups on 64 columns each of a 64·W-column item, sharing the x stage, and a memory warpgroup issuing the
 TMA copies; a CTA's items form one chain of pipelines, so the next item's copies start under this item's last
 steps. `bench/runs/s22_gpu1.sh` times it against the defaults.
 Opt-in, written after the session's device time (lowers for CUDA on the CPU with SiTU in its epilogue; NOT yet run
@@ -128,7 +128,7 @@ class MgpuConfig:
         if self.warpgroups not in (1, *WS_WARPGROUPS):
             raise ValueError(f"MgpuConfig.warpgroups must be 1 or one of {WS_WARPGROUPS}, got {self.warpgroups!r}")
         if self.warpgroups > 1 and (self.mma, self.plan, self.store) != ("bf16", "xla", "rows"):
-            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups=2) takes mma='bf16', plan='xla', "
+            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups > 1) takes mma='bf16', plan='xla', "
                              f"store='rows'; got {self.mma!r}, {self.plan!r}, {self.store!r}")
 
 
