@@ -53,17 +53,20 @@ takes 16-row tiles (`tiled_config`: one tile per expert, each expert's weights s
 (0.68-0.72 of copy)** against 749-762 µs with each matmul padded on its own (H200, bench/moe.py's FFN section,
 bench/RESULTS.md). `ops.expert_ffn_sorted` takes it for three prepared weights on a GPU, and a model loaded on a
 GPU re-lays its MXFP4 experts into this layout once (`kimi_jax.modules.moe.MoE.use_mosaic_experts`).
-Warp-specialised (session 21, `MgpuConfig(warpgroups=2..4)`, `kernel_call_ws`; lowers for CUDA on the CPU, NOT yet run
-on a GPU): at 32 and 64 rows per expert the one-warpgroup kernel reaches only 0.41 / 0.25 of copy — each CTA waits
-for its own MMAs before its next decode, large tiles leave room for one or two CTAs per SM, and every 64-column
-block re-reads its x tile from L2 (rows / 16 times its weight bytes). The variant runs one CTA per SM with W
-compute warpgroups on 64 columns each of a 64·W-column item, sharing the x stage, and a memory warpgroup issuing the
-TMA copies; a CTA's items form one chain of pipelines, so the next item's copies start under this item's last
-steps. `bench/runs/s22_gpu1.sh` times it against the defaults.
-Opt-in, written after the session's device time (lowers for CUDA on the CPU with SiTU in its epilogue; NOT yet run
-on a GPU): `MgpuConfig(gate_up="fused")`, gate, up and the activation as one kernel (`kernel_call_gated`) — each x
-tile fetched once, no fp32 gate / up outputs written and read back by XLA. Two weights' stages need twice the
-shared memory: 128-byte steps, or 2 CTAs per SM at 256-byte steps.
+Warp-specialised (sessions 21–22, `MgpuConfig(warpgroups=2)`, `kernel_call_ws`, `kernel_call_gated_ws`): at 32
+and 64 rows per expert the one-warpgroup kernel reaches only 0.41 / 0.25 of copy — each CTA waits for its own MMAs
+before its next decode, large tiles leave room for one or two CTAs per SM, and every 64-column block re-reads its x
+tile from L2 (rows / 16 times its weight bytes). The variant runs one CTA per SM with two compute warpgroups on 64
+columns each of a 128-column item, sharing the x stage, and a memory warpgroup issuing the TMA copies; a CTA's items
+form one chain of pipelines, so the next item's copies start under this item's last steps. With
+`gate_up="fused"` each compute warpgroup holds gate's and up's accumulators and applies the activation in its
+epilogue, so gate and up are never written to memory. On the H200 (session 22, bench/RESULTS.md) it is correct and
+`tiled_config`'s default at 32 and 64 rows per expert: the FFN 969 µs (0.47 of copy) and 1413 µs (0.32) against
+1120 and 1817 with one warpgroup per CTA; at 8 rows it is slower (727 against 664). W = 4 lowers but did not finish
+on the device, so only W = 2 is offered (`WS_WARPGROUPS`).
+`MgpuConfig(gate_up="fused")` with one warpgroup per CTA (`kernel_call_gated`): the same fusion, one weight after
+the other in each step; two weights' stages need twice the shared memory: 128-byte steps, or 2 CTAs per SM at
+256-byte steps.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ from . import mxfp4 as mx
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
-WS_WARPGROUPS = (2, 3, 4)  # compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each
+# compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each. The body is written for
+# any W (W = 3, 4 lower for CUDA), but on the H200 W = 4 (16-row tiles, 118 registers per compute thread) ran past a
+# 200 s limit in its device test (session 22) while W = 2 passed; only W = 2 is offered until that is understood.
+WS_WARPGROUPS = (2,)
 WS_MEMORY_REGISTERS = 40  # registers per thread left to its memory warpgroup (it only issues TMA copies)
 
 
@@ -109,11 +115,13 @@ class MgpuConfig:
     # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
     gate_up: str = "separate"
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
-    # copies and waiting for its MMAs every step (`kernel_call`); W in 2..4 — warp-specialised (`kernel_call_ws`,
-    # the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute warpgroups, each
+    # copies and waiting for its MMAs every step (`kernel_call`); W = 2 (`WS_WARPGROUPS`) — warp-specialised
+    # (`kernel_call_ws`, the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute
+    # warpgroups, each
     # decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one warpgroup's decode
     # runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of 64. The register
-    # file is shared: (512 − 40) / W registers per compute thread (236 at W = 2, 118 at W = 4)
+    # file is shared: (512 − 40) / W registers per compute thread, rounded down to 8 (232 at W = 2); with
+    # gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
 
     def __post_init__(self):
@@ -646,8 +654,8 @@ def ws_stages(steps: int, want: int, stage_bytes: int = 0, fixed_bytes: int = 0)
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
-    """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=W)`, W = 2..4): the same operands and
-    result as `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
+    """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
+    `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
     One CTA per SM (W + 1 warpgroups take the register file: W compute warpgroups at (512 − 40) / W registers, the
     memory warpgroup at 40). A work item is (row tile t, block of C = 64·W columns); its K loop is one
@@ -657,6 +665,29 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
     chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`)."""
+    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, lambda accs, g: accs[0], ())
+
+
+def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
+                         config: MgpuConfig, gate_scale=None, up_scale=None):
+    """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]` fp32 =
+    activation(x·Wgᵀ·sg, x·Wuᵀ·su). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside
+    the one x tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the activation runs
+    on them in the epilogue, so gate and up are never written to memory."""
+    def epilogue(accs, g, *scale_refs):
+        gate, up = accs
+        if scale_refs:
+            gate, up = gate * scale_refs[0][g], up * scale_refs[1][g]
+        return activation(gate, up)
+
+    scales = () if gate_scale is None else (gate_scale, up_scale)
+    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, jnp.float32, epilogue, scales)
+
+
+def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra):
+    """The warp-specialised kernel over one weight or a (gate, up) pair of one shape and layout: each work item's
+    accumulators `[64, R]` fp32 (one per weight) -> `epilogue(accs, g, *extra_refs)` (g the item's expert, `extra`
+    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -664,43 +695,51 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
 
     if config.store != "rows" or config.mma != "bf16":
         raise ValueError("mgpu MXFP4: the warp-specialised kernel stores rows and decodes to bf16")
+    w = weights[0]
+    if any(v.codes.shape != w.codes.shape or v.layout != w.layout for v in weights):
+        raise ValueError("mgpu MXFP4: fused gate / up need one shape and layout: "
+                         f"{[(v.codes.shape, v.layout) for v in weights]}")
     _check_kernel_shapes(xs, w, config)
     _, m_pad, KH = xs.shape
     R, kh, N = config.rows, config.kh, w.out_features
-    wgs = config.warpgroups
+    wgs, n_w = config.warpgroups, len(weights)
     cols = COLS * wgs
     blocks = N // cols  # work items per row tile
     steps = KH // kh
     out_bytes = wgs * R * COLS * jnp.dtype(out_dtype).itemsize  # the compute warpgroups' staging tiles
-    stages = ws_stages(steps, config.steps, stage_bytes=cols * kh + kh // 16 * cols + 2 * R * kh * 2,
+    stages = ws_stages(steps, config.steps, stage_bytes=n_w * (cols * kh + kh // 16 * cols) + 2 * R * kh * 2,
                        fixed_bytes=out_bytes + 1024)  # + barriers
     decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
 
-    def kernel(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
+    def kernel(tile_group_ref, num_ref, *refs, o_smem):
+        extra_refs, (xs_ref, *w_refs, out_ref) = refs[:len(extra)], refs[len(extra):]
         wg = lax.axis_index("wg")
         my_cols = pl.ds(wg * COLS, COLS)
 
-        def mma_step(_, codes_s, scales_s, xs_s, acc_ref):
-            lo, hi = decode(codes_s.at[my_cols], scales_s.at[:, my_cols])
-            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-            plgpu.wgmma_wait(0)  # the next step's decode reuses the A registers
-            return acc_ref
+        def mma_step(_, *bufs):
+            *w_bufs, xs_s, acc_refs = bufs
+            for i, acc_ref in enumerate(acc_refs):
+                lo, hi = decode(w_bufs[2 * i].at[my_cols], w_bufs[2 * i + 1].at[:, my_cols])
+                plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+                plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+                plgpu.wgmma_wait(0)  # the next decode reuses the A registers
+            return acc_refs
 
         def pipeline(body, compute_context, state):
+            weight_specs = [plgpu.BlockSpec((cols, kh), lambda kk: (0, kk)),
+                            plgpu.BlockSpec((kh // 16, cols), lambda kk: (kk, 0))]
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=WS_MEMORY_REGISTERS, wg_axis="wg",
                 num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
                 pipeline_state=state,
-                in_specs=[plgpu.BlockSpec((cols, kh), lambda kk: (0, kk)),
-                          plgpu.BlockSpec((kh // 16, cols), lambda kk: (kk, 0)),
-                          plgpu.BlockSpec((2, R, kh), lambda kk: (0, 0, kk))])
+                in_specs=weight_specs * n_w + [plgpu.BlockSpec((2, R, kh), lambda kk: (0, 0, kk))])
 
         def operands(t, nb):
             g = tile_group_ref[t]
-            return (codes_ref.at[g, pl.ds(nb * cols, cols)], scales_ref.at[g, :, pl.ds(nb * cols, cols)],
-                    xs_ref.at[:, pl.ds(t * R, R)])
+            per_weight = [(codes.at[g, pl.ds(nb * cols, cols)], scales.at[g, :, pl.ds(nb * cols, cols)])
+                          for codes, scales in zip(w_refs[0::2], w_refs[1::2])]
+            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(t * R, R)])
 
         ignore = lambda *_, **__: None  # noqa: E731 — the allocations depend on the specs and shapes only
 
@@ -713,12 +752,13 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
                 t, nb = i // blocks, i % blocks
 
                 def compute_context(eval_pipeline):
-                    def acc_scope(acc_ref):
-                        eval_pipeline(acc_ref)
-                        return acc_ref[...]
+                    def acc_scope(*acc_refs):
+                        eval_pipeline(acc_refs)
+                        return tuple(a[...] for a in acc_refs)
 
-                    acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
-                    _store_tile(acc, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
+                    accs = pl.run_scoped(acc_scope, *[plgpu.ACC((COLS, R), jnp.float32)] * n_w)
+                    out = epilogue(accs, tile_group_ref[t], *extra_refs)
+                    _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
 
                 first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                 state = jnp.where(first, int(PipelinePipeline.START),
@@ -734,6 +774,7 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    w_operands = [a for v in weights for a in (v.codes, v.scales_t)]
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_pad, N), out_dtype),
@@ -743,7 +784,7 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
         thread_name="wg",
         scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(tile_group, num_tiles, xs, w.codes, w.scales_t)
+    )(tile_group, num_tiles, *extra, xs, *w_operands)
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
@@ -757,6 +798,8 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if config.warpgroups > 1:
+        return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale)
     _, m_pad, KH = xs.shape
     cfg = dataclasses.replace(config, store="rows")
     R, kh = cfg.rows, cfg.kh
@@ -1058,28 +1101,35 @@ def tile_plan(group_sizes, M: int, num_experts: int, rows: int) -> TilePlan:
     return TilePlan(*_pad_plan(group_sizes, M, num_experts, rows))
 
 
-def tiled_config(rows_per_group: float) -> MgpuConfig:
-    """The kernel's config for rows already in the tile layout (the padded plan at every size). At <= 8 rows per
-    expert on average: 16-row tiles, 256-byte steps, 2 stages, 3 CTAs per SM — with a router's group sizes (about
-    8 ± 3, up to 16) one tile holds every expert's rows, so each expert's weights stream once (8-row tiles stream
-    them 1.4 times: 161 tiles for 112 experts). H200, session 18, routed sizes, 3584 -> 3072: kernel alone 200 µs
-    (3.27 TB/s, 0.77 of copy), the whole FFN 647 µs (0.72) against 875 with 8-row tiles and 5 CTAs per SM, 690
-    with 16-row tiles, 128-byte steps and 4 CTAs.
+def tiled_config(rows_per_group: float, out_features: tuple[int, ...] = ()) -> MgpuConfig:
+    """The kernel's config for rows already in the tile layout (the padded plan at every size); `out_features`: the
+    FFN's weight widths (F, D), if known — widths the warp-specialised kernel cannot split into 128-column items get
+    one warpgroup per CTA. At <= 8 rows per expert on average: 16-row tiles, 256-byte steps, 2 stages, 3 CTAs per
+    SM — with a router's group sizes (about 8 ± 3, up to 16) one tile holds every expert's rows, so each expert's
+    weights stream once (8-row tiles stream them 1.4 times: 161 tiles for 112 experts). H200, session 18, routed
+    sizes, 3584 -> 3072: kernel alone 200 µs (3.27 TB/s, 0.77 of copy), the whole FFN 647 µs (0.72) against 875 with
+    8-row tiles and 5 CTAs per SM, 690 with 16-row tiles, 128-byte steps and 4 CTAs; the warp-specialised kernel
+    there: 727 against 664 (session 22).
 
     Above 16 rows the tile is sized to hold most of a router's groups (about 1.25× the mean: 40 rows at 32 ± 6,
-    80 at 64 ± 8), so few experts stream their weights twice. H200, session 21, routed sizes (kernel alone / FFN,
-    µs): at 32 rows per expert 40-row tiles, 128-byte steps, 3 stages, 2 CTAs per SM 305 / 1112 against 32-row
-    tiles' 335 / 1130 (48 rows: 321 / 1120; 48 rows with 256-byte steps 395 / 1338, with 3 CTAs 398 / 1322); at 64
-    rows 80-row tiles with 256-byte steps and one CTA 500-503 / 1841-1851 against 64-row tiles' 607-685 /
-    2073-2076 in two calls (96 rows do not fit shared memory with 256-byte steps; with 128 589 / 2077). Those
-    figures are 0.40 and 0.25 of copy: a CTA waits for its own MMAs each step and a column block re-reads
-    rows × K of x from L2 (rows / 16 times its weight bytes), so large tiles need several warpgroups per CTA
-    sharing x, not a better shape. Other sizes: `default_config`'s padded-plan shapes."""
+    80 at 64 ± 8), so few experts stream their weights twice (session 21: 40-row tiles 305 / 1112 µs kernel alone /
+    FFN against 32-row tiles' 335 / 1130; 80-row tiles 500 / 1841 against 64-row tiles' 607–685 / 2073). With one
+    warpgroup per CTA those were 0.40 and 0.25 of copy: a CTA waits for its own MMAs each step, and a 64-column block
+    re-reads rows × K of x from L2 (rows / 16 times its weight bytes). So these sizes take the warp-specialised
+    kernel (two compute warpgroups sharing each x stage, 128-byte steps) with gate, up and SiTU fused into one of
+    its kernels (`kernel_call_gated_ws`: gate and up never written). H200, session 22, routed sizes, FFN µs in one
+    run each: at 32 rows per expert 969 fused against 1101 separate and 1120 for one warpgroup per CTA (0.47 of
+    copy); at 64 rows 1413 fused against 1539 separate (1567, 1583 and 1540 in three runs) and 1817 for one
+    warpgroup per CTA (0.32 of copy). Other sizes: `default_config`'s padded-plan shapes."""
     if rows_per_group <= 8:
         return MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
-    if 16 < rows_per_group <= 32:
-        return MgpuConfig(rows=40, kh=128, steps=3, ctas_per_sm=2, plan="xla")
-    if 32 < rows_per_group <= 64:
+    if 16 < rows_per_group <= 64:
+        rows = 40 if rows_per_group <= 32 else 80
+        ws = MgpuConfig(rows=rows, kh=128, steps=4, ctas_per_sm=1, plan="xla", warpgroups=2, gate_up="fused")
+        if all(n % (COLS * ws.warpgroups) == 0 for n in out_features):
+            return ws
+        if rows_per_group <= 32:
+            return MgpuConfig(rows=40, kh=128, steps=3, ctas_per_sm=2, plan="xla")
         return MgpuConfig(rows=80, kh=256, steps=2, ctas_per_sm=1, plan="xla")
     return dataclasses.replace(default_config(rows_per_group), plan="xla")
 
@@ -1122,7 +1172,7 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     are zeros. Padded rows carry zeros (or, in dead tiles, whatever memory held); each output row depends only on
     its own input row, so none of that reaches a real row.
 
-    `config`: the kernel's tile shape (default `tiled_config(M / E)`; `gate_up="fused"` runs gate, up and the
+    `config`: the kernel's tile shape (default `tiled_config(M / E, (F, D))`; `gate_up="fused"` runs gate, up and the
     activation as one kernel); `matmul` / `gated_matmul`: the tile-layout matmul and fused gate / up (default
     `tiled_matmul` / `tiled_gated_matmul`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing
     on CPU). `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32
@@ -1132,7 +1182,7 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     FFN 1.8e-3; session 18 measured 1.7–2.5e-4 with fp32), so fp32 stays the default."""
     M = x_rows.shape[0]
     E = w_gate.num_experts
-    cfg = config or tiled_config(M / E)
+    cfg = config or tiled_config(M / E, (w_gate.out_features, w_down.out_features))
     matmul = matmul or tiled_matmul
     gated_matmul = gated_matmul or tiled_gated_matmul
     plan = tile_plan(group_sizes, M, E, cfg.rows)

@@ -137,7 +137,7 @@ def _tiled_ffn_takes(x_rows, weights, backend, interpret, config) -> bool:
     if not all(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
         return False
     cfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
-        x_rows.shape[0] / weights[0].num_experts)
+        x_rows.shape[0] / weights[0].num_experts, (weights[0].out_features, weights[2].out_features))
     return all(_mosaic_takes(x_rows, w, _mgpu_mx.fit_config(cfg, w.in_features)) for w in weights)
 
 
