@@ -6,6 +6,7 @@ expert parallelism on 8 fake CPU devices (in a subprocess, so the device-count f
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -750,6 +751,9 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
         # fused: gate, up and SiTU (its tanh and logistic in the epilogue) one warp-specialised kernel, down another
         kernels = 3 if gate_up == "separate" else 2
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels and "mul.lo.u32" in text
+        # the fused kernel writes h in bf16, the dtype down reads it in (no fp32 h written and converted)
+        results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<\d+x(\d+)x(\w+)>", text)
+        assert gate_up == "separate" or results == [("256", "bf16"), ("512", "f32")], results
     E, D = 4, 512
     sds = jax.ShapeDtypeStruct
     assert (mm.ws_stages(14, 4), mm.ws_stages(7, 4), mm.ws_stages(12, 4), mm.ws_stages(2, 4)) == (2, 1, 4, 2)
@@ -837,10 +841,11 @@ def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
     return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row]).astype(out_dtype)
 
 
-def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg):
+def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_gated_matmul` computes, by definition: the activation of the two tile-layout
-    products."""
-    return activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg), _reference_tiled_matmul(x_pad, plan, w_up, cfg))
+    products, rounded to `out_dtype`."""
+    h = activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg), _reference_tiled_matmul(x_pad, plan, w_up, cfg))
+    return h.astype(out_dtype)
 
 
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])

@@ -669,9 +669,9 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                         config: MgpuConfig, gate_scale=None, up_scale=None):
-    """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]` fp32 =
-    activation(x·Wgᵀ·sg, x·Wuᵀ·su). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside
+                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
+    """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
+    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside
     the one x tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the activation runs
     on them in the epilogue, so gate and up are never written to memory."""
     def epilogue(accs, g, *scale_refs):
@@ -681,7 +681,7 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
         return activation(gate, up)
 
     scales = () if gate_scale is None else (gate_scale, up_scale)
-    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, jnp.float32, epilogue, scales)
+    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales)
 
 
 def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra):
@@ -788,9 +788,10 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                      config: MgpuConfig, gate_scale=None, up_scale=None):
+                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
-    shape and layout -> h `[m_pad, F]` fp32 = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile, with
+    shape and layout -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the fp32
+    epilogue) = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile, with
     `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
     `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
     arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
@@ -799,7 +800,8 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if config.warpgroups > 1:
-        return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale)
+        return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale,
+                                    out_dtype)
     _, m_pad, KH = xs.shape
     cfg = dataclasses.replace(config, store="rows")
     R, kh = cfg.rows, cfg.kh
@@ -837,8 +839,8 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scales = (gate_scale, up_scale) if scaled else ()
-    return _launch(body, N, m_pad, cfg)(tile_group, num_tiles, *scales, xs, w_gate.codes, w_gate.scales_t,
-                                        w_up.codes, w_up.scales_t)
+    return _launch(body, N, m_pad, cfg, out_dtype)(tile_group, num_tiles, *scales, xs, w_gate.codes,
+                                                   w_gate.scales_t, w_up.codes, w_up.scales_t)
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
@@ -1154,12 +1156,12 @@ def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, o
 
 
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                       config: MgpuConfig):
+                       config: MgpuConfig, out_dtype=jnp.float32):
     """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
-    h `[m_pad, F]` fp32 (rows of dead tiles unwritten)."""
+    h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten)."""
     xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
     return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
-                             expert_scale(w_up))
+                             expert_scale(w_up), out_dtype)
 
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
@@ -1188,7 +1190,10 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     plan = tile_plan(group_sizes, M, E, cfg.rows)
     x_pad = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
     if cfg.gate_up == "fused":
-        h = gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg).astype(h_dtype)
+        # the kernel rounds h to h_dtype itself (as XLA's convert would: to nearest even), so h is written and
+        # read back at half the bytes of fp32
+        written = h_dtype if jnp.dtype(h_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else jnp.float32
+        h = gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=written).astype(h_dtype)
     else:
         gate, up = (matmul(x_pad, plan, w, cfg, gate_up_dtype).astype(jnp.float32) for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
