@@ -137,10 +137,12 @@ def main():
     lat_bytes = B * TOPK * C
     for cfg in configs:
         slots = jax.jit(jax.vmap(lambda idx, cfg=cfg: sm.prepare_slots(idx, cfg["splits"], cfg["warpgroups"])))(sel)
-        f = jax.jit(lambda s, bt, cfg=cfg: gather_only(s, bt, pool_u8, page=PAGE, stages=cfg["stages"],
-                                                        warpgroups=cfg["warpgroups"], issue_with=cfg["issue"])[..., :1])
+        # the pool as an argument: closed over, jit would embed it in the program as a constant
+        f = jax.jit(lambda s, bt, pool, cfg=cfg: gather_only(s, bt, pool, page=PAGE, stages=cfg["stages"],
+                                                              warpgroups=cfg["warpgroups"],
+                                                              issue_with=cfg["issue"])[..., :1])
         try:
-            t = device_seconds(f, slots, bt, stacked=(0,))[0]
+            t = device_seconds(f, slots, bt, pool_u8, stacked=(0,))[0]
         except Exception as e:  # noqa: BLE001 — one failing config must not stop the others
             print(f"{cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue

@@ -76,16 +76,17 @@ def main():
                 q = jnp.asarray(rng.standard_normal((B, H, R + ROPE)), jnp.float32)
                 kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=R)
                 shape = f"ctx={ctx} B={B} H={H}"
-                ref = jax.jit(lambda q, bt, idx: sparse.decode(q, (pool,), bt, idx, backend="reference", **kw))
-                o_r, lse_r = ref(q, bt, sel[0])
+                # the pool passed as an argument everywhere: closed over, jit would embed it as a constant
+                ref = jax.jit(lambda q, bt, idx, pool: sparse.decode(q, (pool,), bt, idx, backend="reference", **kw))
+                o_r, lse_r = ref(q, bt, sel[0], pool)
 
                 def time_op(kernel_kw, name):
-                    f = jax.jit(lambda q, bt, idx: sparse.decode(q, (pool,), bt, idx, backend="gpu",
-                                                                 kernel_kw=kernel_kw, **kw))
+                    f = jax.jit(lambda q, bt, idx, pool: sparse.decode(q, (pool,), bt, idx, backend="gpu",
+                                                                       kernel_kw=kernel_kw, **kw))
                     try:
-                        o, lse = f(q, bt, sel[0])
+                        o, lse = f(q, bt, sel[0], pool)
                         err = max(rel_rms(o, o_r), rel_rms(lse, lse_r))
-                        t = device_seconds(f, q, bt, sel, stacked=(2,))[0]
+                        t = device_seconds(f, q, bt, sel, pool, stacked=(2,))[0]
                     except Exception as e:  # noqa: BLE001
                         print(f"{name} {shape}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
                         return
@@ -106,20 +107,20 @@ def main():
                         q16, c2 = sm.prepare_q(q, 0.5 * 192 ** -0.5)
                     slots = jax.jit(jax.vmap(lambda idx: sm.prepare_slots(idx, c.splits, c.warpgroups)))(sel)
                     # a corner of o: the chain's per-call sum then reads 64 bytes, not the 8 MB of partials
-                    kern = jax.jit(lambda q16, c2, slots: jax.tree_util.tree_map(
+                    kern = jax.jit(lambda q16, c2, slots, bt, pool_u8: jax.tree_util.tree_map(
                         lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c,
                                                              H=H, layer_scale=0.5, scale=192 ** -0.5)))
                     try:
-                        t = device_seconds(kern, q16, c2, slots, stacked=(2,))[0]
+                        t = device_seconds(kern, q16, c2, slots, bt, pool_u8, stacked=(2,))[0]
                         row(f"mgpu kernel alone {json.dumps(cfg, separators=(',', ':'))}", shape, t * 1e6,
                             lat_bytes / t / 1e12, bw, float("nan"))
                     except Exception as e:  # noqa: BLE001
                         print(f"kernel alone {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
                 if "gather" in what:  # the same rows read by an XLA gather fused into a per-sequence sum
-                    def gather_sum(bt, idx):
+                    def gather_sum(bt, idx, pool_u8):
                         rows = jnp.take_along_axis(bt, idx // PAGE, axis=1) * PAGE + idx % PAGE  # [B, k]
                         return jnp.sum(pool_u8[rows].astype(jnp.int32), axis=1)  # [B, c]
-                    t = device_seconds(jax.jit(gather_sum), bt, sel, stacked=(1,))[0]
+                    t = device_seconds(jax.jit(gather_sum), bt, sel, pool_u8, stacked=(1,))[0]
                     row("XLA gather + sum of the same rows", shape, t * 1e6, lat_bytes / t / 1e12, bw, float("nan"))
                 if "op" in what:
                     if not ARGS.no_triton:

@@ -471,7 +471,9 @@ def bench_ffn(args, copy_bw):
             dataclasses.replace(mgpu_mx.tiled_config(rows_per_expert), **o) for o in json.loads(args.ffn_configs or "[]")]
 
         ref = jax.block_until_ready(
-            jax.jit(lambda a, g: ops.expert_ffn_sorted(a, g, *ws, situ, backend="reference"))(x, sizes))
+            # the weights as arguments: closed over, jit would embed their 1.2 GB in the program as constants
+            # (sessions 21-22: 100-146 s to compile and run this line)
+            jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="reference"))(x, sizes, *ws))
         log(f"FFN {rows_per_expert} rows/expert: reference ready")
         per_mm = jax.jit(lambda a, g, *w: mgpu_mx.grouped_matmul(
             situ(*[mgpu_mx.grouped_matmul(a, w_, g) for w_ in w[:2]]).astype(jnp.bfloat16), w[2], g))

@@ -95,7 +95,8 @@ def bench_4bit(tk, copy_bw, rows_per_expert: int = 8):
     w = mx.random_weight(jax.random.key(1), E, K, N)  # MXFP4Weight: codes [E, N, K/2], E8M0 scales [E, N, K/32]
     x = jax.random.normal(jax.random.key(100 + rows_per_expert), (m, K), jnp.bfloat16)
     sizes = mb.ffn_sizes("routed", 200 + rows_per_expert, m)
-    ref = jax.jit(lambda a, g: ops.grouped_matmul(a, w, g, backend="reference"))(x, sizes)
+    # the weight as an argument: closed over, jit would embed it in the program as a constant
+    ref = jax.jit(lambda a, g, w: ops.grouped_matmul(a, w, g, backend="reference"))(x, sizes, w)
     nbytes = w.nbytes
     wp = mgpu_mx.prepare_weight(w)
     timed(f"ours (Mosaic MXFP4, {rows_per_expert} rows/expert)",
