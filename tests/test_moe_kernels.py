@@ -724,12 +724,11 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
         mm.MgpuConfig(warpgroups=2, plan="kernel")
 
 
-def _tiled_ffn_cuda_text(cfg):
-    """The StableHLO text of the tile-layout FFN (SiTU between; placed weights, E = 4, D = 512, F = 256, M = 40
-    rows) lowered for CUDA with kernel config `cfg`."""
+def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40):
+    """The StableHLO text of the tile-layout FFN (SiTU between; placed weights, default E = 4, D = 512, F = 256,
+    M = 40 rows) lowered for CUDA with kernel config `cfg`."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    E, D, F, M = 4, 512, 256, 40
     sds = jax.ShapeDtypeStruct
     w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
                              layout="placed")
@@ -894,6 +893,12 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
     with pytest.raises(ValueError, match="gate_up must be"):
         mm.MgpuConfig(gate_up="both")
+    # K3's expert shapes (3584 -> 3072 -> 3584, 112 experts per device at EP 8): every default's stages fit shared
+    # memory at the K loops these widths give (the warp-specialised kernel checks that while lowering)
+    for rows in (8, 32, 64, 146):
+        E = 112
+        text = _tiled_ffn_cuda_text(mm.tiled_config(rows, (3072, 3584)), E=E, D=3584, F=3072, M=E * rows)
+        assert text.count("stablehlo.custom_call @mosaic_gpu") in (2, 3), rows
 
 
 @pytest.mark.gpu
