@@ -847,12 +847,30 @@ def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, ou
     return h.astype(out_dtype)
 
 
+def _reference_tiled_matmul_in_place(x_pad, plan, w, cfg, num_rows):
+    """What `mgpu_mxfp4.tiled_matmul_in_place` computes, by definition: the tile-layout product's valid rows in
+    their sorted rows; the rows no tile covers hold NaN, standing in for memory the kernel never writes."""
+    y_pad = _reference_tiled_matmul(x_pad, plan, w, cfg)
+    rows = jnp.where(plan.src < num_rows, plan.src, num_rows)  # padding rows: out of bounds, dropped
+    return jnp.full((num_rows, y_pad.shape[1]), jnp.nan, jnp.float32).at[rows].set(y_pad, mode="drop")
+
+
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
 def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
-    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back) with the
-    kernel swapped for its definition: equal to the reference FFN on the same sorted rows, zeros past Σ sizes —
-    groups that fill whole tiles, empty groups, none at all, and one larger than two tiles."""
+    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back — or down
+    storing its rows in place) with the kernel swapped for its definition: equal to the reference FFN on the same
+    sorted rows, zeros past Σ sizes — groups that fill whole tiles, empty groups, none at all, and one larger than
+    two tiles. Each tile's rows in place are its (first row, valid rows) prefix."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    M = sum(sizes) + extra
+    for rows in (8, 16):
+        plan = mm.tile_plan(jnp.asarray(sizes, jnp.int32), M, len(sizes), rows)
+        first, valid = map(np.asarray, mm.tile_rows(plan, rows, M))
+        src = np.asarray(plan.src).reshape(-1, rows)
+        for t in range(int(plan.num_tiles[0])):
+            assert valid[t] >= 1 and list(src[t, :valid[t]]) == list(range(first[t], first[t] + valid[t]))
+            assert (src[t, valid[t]:] == M).all()
 
     E, D, F = 4, 128, 64
     keys = jax.random.split(jax.random.key(sum(sizes) + extra), 4)
@@ -860,16 +878,18 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     x = jax.random.normal(keys[3], (sum(sizes) + extra, D), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
-    for rows, gate_up in ((8, "separate"), (16, "separate"), (16, "fused")):
-        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
+    for rows, gate_up, down_rows in ((8, "separate", "gather"), (16, "separate", "gather"), (16, "fused", "gather"),
+                                     (8, "separate", "in_place"), (16, "fused", "in_place")):
+        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows)
         got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
                                                            matmul=_reference_tiled_matmul,
-                                                           gated_matmul=_reference_tiled_gated_matmul))(
+                                                           gated_matmul=_reference_tiled_gated_matmul,
+                                                           down_matmul=_reference_tiled_matmul_in_place))(
             x, gs, *[mm.prepare_weight(q) for q in ws])
         assert got.shape == want.shape
         if sum(sizes):
             assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
-        assert not np.asarray(got[sum(sizes):]).any()
+        assert not np.asarray(got[sum(sizes):]).any()  # in place: the rows no tile covers zeroed, not NaN
 
 
 def test_tiled_config_and_the_ffn_lower_for_cuda():
@@ -893,6 +913,13 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
     with pytest.raises(ValueError, match="gate_up must be"):
         mm.MgpuConfig(gate_up="both")
+    # down storing its rows in place: its kernel's result is the FFN's [M = 40, D = 512] rows, not the padded rows
+    for cfg in (mm.tiled_config(40 / 4), mm.tiled_config(64)):  # one warpgroup per CTA; warp-specialised, fused
+        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, down_rows="in_place"))
+        results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<(\d+)x(\d+)x(\w+)>", text)
+        assert results[-1] == ("40", "512", "f32") and len(results) == (3 if cfg.gate_up == "separate" else 2)
+    with pytest.raises(ValueError, match="down_rows must be"):
+        mm.MgpuConfig(down_rows="scatter")
     # K3's expert shapes (3584 -> 3072 -> 3584, 112 experts per device at EP 8): every default's stages fit shared
     # memory at the K loops these widths give (the warp-specialised kernel checks that while lowering)
     for rows in (8, 32, 64, 146):
@@ -1019,9 +1046,11 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     ws_separate = dataclasses.replace(mm.tiled_config(64), gate_up="separate")
     rows40, rows80 = mm.tiled_config(32, (192,)), mm.tiled_config(64, (192,))  # widths that take one warpgroup
     # tiles that are not powers of two: 40 rows, 48, 80
+    # down storing its rows in place (one warpgroup per CTA; warp-specialised after the fused gate / up)
+    in_place = [dataclasses.replace(mm.tiled_config(r), down_rows="in_place") for r in (8, 64)]
     for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
-                               (ws_separate, None), (rows40, None), (rows80, None), (None, jnp.bfloat16),
-                               (None, None)):
+                               (ws_separate, None), (rows40, None), (rows80, None), (in_place[0], None),
+                               (in_place[1], None), (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(
             x, gs, *prepared)

@@ -123,6 +123,12 @@ class MgpuConfig:
     # file is shared: (512 − 40) / W registers per compute thread, rounded down to 8 (232 at W = 2); with
     # gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
+    # the tile-layout FFN's down matmul (`expert_ffn_tiled`): "gather" — it writes every padded row and one XLA
+    # gather brings the rows back (with the placed layout's expert scale); "in_place" — the kernel scales each tile
+    # by its expert's factor and stores its valid rows straight into their rows of the `[M, D]` result (a TMA copy
+    # per set bit of the row count), so the padded result is never written nor read back; the rows past Σ sizes
+    # are zeroed by an XLA scatter that touches only them
+    down_rows: str = "gather"
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
@@ -131,6 +137,8 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.gate_up not in ("separate", "fused"):
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
+        if self.down_rows not in ("gather", "in_place"):
+            raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
         if self.warpgroups not in (1, *WS_WARPGROUPS):
@@ -482,6 +490,28 @@ def _store_tile(acc, o_smem, out_ref, nb, t, store: str):
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
 
 
+def _store_rows_in_place(acc, o_smem, out_ref, nb, row0, n):
+    """A work item's `[64, R]` fp32 result -> its first `n` rows (0 ≤ n ≤ R, dynamic) stored at out[row0 …
+    row0 + n, 64·nb …]: the tile goes through the `[R, 64]` staging buffer as in `_store_tile`, then one TMA copy
+    per set bit b of n moves rows [n & ~(2b − 1), +b) — copies need static sizes, and a row of 64 fp32 or bf16 is
+    a multiple of the 128 bytes a copy's shared-memory start must align to."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    R = o_smem.shape[0]
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
+    plgpu.commit_smem()
+    b = 1 << (R.bit_length() - 1)  # the largest power of two ≤ R
+    while b:
+        @pl.when((n & b) != 0)
+        def _copy(b=b):
+            off = n & ~(2 * b - 1)
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, b)],
+                                    out_ref.at[pl.ds(row0 + off, b), pl.ds(nb * COLS, COLS)])
+        b //= 2
+
+
 def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
     """The CTAs' loop over work items (row tile t, 64-column block nb), column blocks innermost (the CTAs in flight
     share the x tile): `item(t, nb, g)` for each live tile, g its expert."""
@@ -598,14 +628,18 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
-                out_dtype=jnp.float32):
+                out_dtype=jnp.float32, *, place=None):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
-    out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way)."""
+    out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
+
+    `place` (store="rows"): (first output row `[t_max]`, valid rows `[t_max]` int32 of each tile, M) — each live
+    tile's first valid-rows rows go straight to their rows of out `[M, N]`, times the expert's scale for the placed
+    layout (`_store_rows_in_place`); rows no tile covers are left unwritten."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if config.warpgroups > 1:
-        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype)
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place)
     _, m_pad, KH = xs.shape
     cfg = config
     R, kh = cfg.rows, cfg.kh
@@ -613,20 +647,47 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     _check_kernel_shapes(xs, w, cfg)
     n_blocks = w.out_features // COLS
     decode = _bf16_decode(kh, w.layout)
+    inputs, scale = _placement_inputs(place, w, cfg)
 
-    def body(tile_group_ref, num_ref, xs_ref, codes_ref, scales_ref, out_ref, o_smem):
+    def body(tile_group_ref, num_ref, *refs, o_smem):
+        place_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(inputs)], refs[len(inputs):]
+
         def item(t, nb, g):
             def acc_scope(acc_ref):
                 _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, R, t, cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
-            _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
+            if place_refs:
+                _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs, scale is not None)
+            else:
+                _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _launch(body, w.out_features, m_pad, cfg, out_dtype)(tile_group, num_tiles, xs, w.codes, w.scales_t)
+    out_rows = m_pad if place is None else place[2]
+    return _launch(body, w.out_features, out_rows, cfg, out_dtype)(tile_group, num_tiles, *inputs, xs, w.codes,
+                                                                  w.scales_t)
+
+
+def _placement_inputs(place, w: PreparedWeight, cfg: MgpuConfig):
+    """The kernel inputs of `place` (first row and valid rows per tile, then the expert scales for the placed
+    layout), and the scales (or None)."""
+    if place is None:
+        return (), None
+    if cfg.store != "rows":
+        raise ValueError("mgpu MXFP4: rows stored in place need store='rows'")
+    scale = expert_scale(w)
+    return (place[0], place[1]) + (() if scale is None else (scale,)), scale
+
+
+def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs, scaled: bool):
+    """`_store_rows_in_place` of tile t (expert g) at column block nb, scaled by the expert's factor if `scaled`."""
+    row0_ref, n_ref, *scale_ref = place_refs
+    if scaled:
+        acc = acc * scale_ref[0][g]
+    _store_rows_in_place(acc, o_smem, out_ref, nb, row0_ref[t], n_ref[t])
 
 
 def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig):
@@ -653,7 +714,8 @@ def ws_stages(steps: int, want: int, stage_bytes: int = 0, fixed_bytes: int = 0)
     return max(fits)
 
 
-def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
+def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
+                   place=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
     `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
@@ -664,8 +726,9 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
-    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`)."""
-    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, lambda accs, g: accs[0], ())
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`: as in
+    `kernel_call`."""
+    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, lambda accs, g: accs[0], (), place=place)
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
@@ -684,10 +747,11 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
     return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales)
 
 
-def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra):
+def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None):
     """The warp-specialised kernel over one weight or a (gate, up) pair of one shape and layout: each work item's
     accumulators `[64, R]` fp32 (one per weight) -> `epilogue(accs, g, *extra_refs)` (g the item's expert, `extra`
-    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block."""
+    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block (or, with `place`,
+    its valid rows in place: `kernel_call`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -711,8 +775,13 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                        fixed_bytes=out_bytes + 1024)  # + barriers
     decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
+    place_inputs, place_scale = _placement_inputs(place, w, config) if n_w == 1 else ((), None)
+    if place is not None and n_w != 1:
+        raise ValueError("mgpu MXFP4: rows stored in place take one weight")
 
     def kernel(tile_group_ref, num_ref, *refs, o_smem):
+        n_place = len(place_inputs)
+        place_refs, refs = refs[:n_place], refs[n_place:]
         extra_refs, (xs_ref, *w_refs, out_ref) = refs[:len(extra)], refs[len(extra):]
         wg = lax.axis_index("wg")
         my_cols = pl.ds(wg * COLS, COLS)
@@ -757,8 +826,13 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                         return tuple(a[...] for a in acc_refs)
 
                     accs = pl.run_scoped(acc_scope, *[plgpu.ACC((COLS, R), jnp.float32)] * n_w)
-                    out = epilogue(accs, tile_group_ref[t], *extra_refs)
-                    _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
+                    g = tile_group_ref[t]
+                    out = epilogue(accs, g, *extra_refs)
+                    if place_refs:
+                        _store_placed(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, g, place_refs,
+                                      place_scale is not None)
+                    else:
+                        _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
 
                 first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                 state = jnp.where(first, int(PipelinePipeline.START),
@@ -777,14 +851,14 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     w_operands = [a for v in weights for a in (v.codes, v.scales_t)]
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m_pad, N), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m_pad if place is None else place[2], N), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
         scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(tile_group, num_tiles, *extra, xs, *w_operands)
+    )(tile_group, num_tiles, *place_inputs, *extra, xs, *w_operands)
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
@@ -1155,6 +1229,24 @@ def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, o
     return out
 
 
+def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, num_rows: int):
+    """One grouped matmul from the tile layout back to sorted rows: `x_pad [m_pad, K]` (rows as `plan` pads them)
+    -> `[num_rows, N]` fp32, each live tile's valid rows (its expert's rows, times the expert's scale) stored by the
+    kernel straight into their sorted rows. Rows past Σ group_sizes are left unwritten (`expert_ffn_tiled` zeroes
+    them)."""
+    xs, cfg = _tile_layout_operands(x_pad, w, config)
+    first_row, valid_rows = tile_rows(plan, cfg.rows, num_rows)
+    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, place=(first_row, valid_rows, num_rows))
+
+
+def tile_rows(plan: TilePlan, rows: int, num_rows: int):
+    """Where each tile's rows go back in sorted order: (first sorted row `[t_max]`, valid rows `[t_max]` int32) —
+    a tile's padded rows hold consecutive sorted rows of one expert, then padding, so its valid rows are a prefix
+    (padded row t·rows + r holds sorted row first + r for r < valid)."""
+    src_tiles = plan.src.reshape(-1, rows)
+    return src_tiles[:, 0], jnp.sum(src_tiles < num_rows, axis=1, dtype=jnp.int32)
+
+
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                        config: MgpuConfig, out_dtype=jnp.float32):
     """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
@@ -1166,7 +1258,7 @@ def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: Prep
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
                      activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None,
-                     gated_matmul=None, gate_up_dtype=jnp.float32):
+                     gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None):
     """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
     in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
     activation runs on those rows, down reads them as they are, and one gather brings the rows back — instead of a
@@ -1174,10 +1266,11 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     are zeros. Padded rows carry zeros (or, in dead tiles, whatever memory held); each output row depends only on
     its own input row, so none of that reaches a real row.
 
-    `config`: the kernel's tile shape (default `tiled_config(M / E, (F, D))`; `gate_up="fused"` runs gate, up and the
-    activation as one kernel); `matmul` / `gated_matmul`: the tile-layout matmul and fused gate / up (default
-    `tiled_matmul` / `tiled_gated_matmul`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing
-    on CPU). `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32
+    `config`: the kernel's tile shape and the FFN's plumbing (default `tiled_config(M / E, (F, D))`;
+    `gate_up="fused"` runs gate, up and the activation as one kernel; `down_rows="in_place"` has down store its
+    rows where they belong instead of a gather back); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
+    matmul, fused gate / up and in-place down (default `tiled_matmul` / `tiled_gated_matmul` /
+    `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU). `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32
     accumulation either way). bf16 halves those two arrays' traffic ([m_pad, F] each, written by the kernel and read
     by the activation's XLA fusion) but rounds each product before the activation: on the H200 (session 20, 8 rows
     per expert) the FFN took 663 µs against 670 with fp32, inside the runs' spread (its error against the reference
@@ -1197,6 +1290,11 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     else:
         gate, up = (matmul(x_pad, plan, w, cfg, gate_up_dtype).astype(jnp.float32) for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
+    if cfg.down_rows == "in_place":  # down stores each row where it belongs; `down_matmul`: tests' stand-in
+        y = (down_matmul or tiled_matmul_in_place)(h, plan, w_down, cfg, M)
+        # rows past Σ group_sizes are in no tile: zeroed by a scatter that writes those rows only (the live rows'
+        # indices are out of bounds and dropped)
+        return y.at[jnp.where(plan.live, M, jnp.arange(M))].set(0.0, mode="drop")
     y_pad = matmul(h, plan, w_down, cfg)
     return jnp.where(plan.live[:, None], y_pad[plan.pad_row], 0.0)
 
