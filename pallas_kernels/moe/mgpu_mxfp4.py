@@ -64,6 +64,9 @@ epilogue, so gate and up are never written to memory. On the H200 (session 22, b
 `tiled_config`'s default at 32 and 64 rows per expert: the FFN 969 µs (0.47 of copy) and 1413 µs (0.32) against
 1120 and 1817 with one warpgroup per CTA; at 8 rows it is slower (727 against 664). W = 4 lowers but did not finish
 on the device, so only W = 2 is offered (`WS_WARPGROUPS`).
+Since then (lowers for CUDA, NOT yet run on a GPU): the fused kernel writes h in bf16 itself, and
+`MgpuConfig(down_rows="in_place")` (opt-in) has the down kernel store each tile's valid rows straight into the
+FFN's sorted rows (`tiled_matmul_in_place`), so the padded down output is never written nor gathered back.
 `MgpuConfig(gate_up="fused")` with one warpgroup per CTA (`kernel_call_gated`): the same fusion, one weight after
 the other in each step; two weights' stages need twice the shared memory: 128-byte steps, or 2 CTAs per SM at
 256-byte steps.
