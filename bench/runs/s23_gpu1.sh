@@ -13,7 +13,7 @@ B="python3 bench/moe.py --no-ep --ffn-only --ffn-sizes routed --ffn-no-peers"
 F='MXFP4 FFN [0-9]+ rows/expert: tile|budget|copy band|reference ready|rror'
 W='"warpgroups":2,"ctas_per_sm":1'
 mkdir -p $OUT/dec $OUT/pre
-OUT=$OUT/dec timeout 200 $B --ffn-rows 64,32,8 --budget 190 --ffn-configs '[{"down_rows":"in_place"}]' 2>&1 \
+OUT=$OUT/dec timeout 200 $B --ffn-rows 8,64,32 --budget 190 --ffn-configs '[{"down_rows":"in_place"}]' 2>&1 \
   | grep -E "$F" | cut -c1-420
 OUT=$OUT/pre timeout 220 $B --ffn-rows 146 --budget 210 --ffn-configs \
   "[{$W,\"rows\":80,\"kh\":128,\"steps\":4,\"gate_up\":\"fused\"},{$W,\"rows\":128,\"kh\":64,\"steps\":4},{$W,\"rows\":128,\"kh\":64,\"steps\":3,\"gate_up\":\"fused\"}]" \
