@@ -1,6 +1,6 @@
 # Next GPU run (written in session 22, not yet run). (1) Device tests of the warp-specialised MXFP4 kernel and the
 # tile-layout FFN, now with the fused gate / up kernel writing h in bf16. (2) The FFN at 8, 64 and 32 rows per expert
-# with the defaults (session 22 with h in fp32: 1413, 969 and 664 us), and with down storing its rows in place
+# with the defaults (session 22 with h in fp32: 664, 1413 and 969 us), and with down storing its rows in place
 # (`MgpuConfig(down_rows="in_place")`: no padded down output, no gather back; written in session 22, untimed).
 # (3) A 16K-token prefill's load, 146 rows per expert (session 19: 4015 us, compute-bound at 270 TFLOP/s, one
 # warpgroup per CTA), against the warp-specialised kernel: 80-row tiles fused (the 64-row default), 128-row tiles
