@@ -87,7 +87,7 @@ from . import mxfp4 as mx
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
 # compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each. The body is written for
-# any W (W = 3, 4 lower for CUDA), but on the H200 W = 4 (16-row tiles, 118 registers per compute thread) ran past a
+# any W (W = 3, 4 lower for CUDA), but on the H200 W = 4 (16-row tiles, 112 registers per compute thread) ran past a
 # 200 s limit in its device test (session 22) while W = 2 passed; only W = 2 is offered until that is understood.
 WS_WARPGROUPS = (2,)
 WS_MEMORY_REGISTERS = 40  # registers per thread left to its memory warpgroup (it only issues TMA copies)
@@ -120,9 +120,9 @@ class MgpuConfig:
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
     # copies and waiting for its MMAs every step (`kernel_call`); W = 2 (`WS_WARPGROUPS`) — warp-specialised
     # (`kernel_call_ws`, the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute
-    # warpgroups, each
-    # decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one warpgroup's decode
-    # runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of 64. The register
+    # warpgroups, each decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one
+    # warpgroup's decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of
+    # 64. The register
     # file is shared: (512 − 40) / W registers per compute thread, rounded down to 8 (232 at W = 2); with
     # gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
@@ -650,7 +650,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     _check_kernel_shapes(xs, w, cfg)
     n_blocks = w.out_features // COLS
     decode = _bf16_decode(kh, w.layout)
-    inputs, scale = _placement_inputs(place, w, cfg)
+    inputs = _placement_inputs(place, w, cfg)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
         place_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(inputs)], refs[len(inputs):]
@@ -662,7 +662,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
             if place_refs:
-                _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs, scale is not None)
+                _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs)
             else:
                 _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
 
@@ -674,21 +674,22 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
                                                                   w.scales_t)
 
 
-def _placement_inputs(place, w: PreparedWeight, cfg: MgpuConfig):
-    """The kernel inputs of `place` (first row and valid rows per tile, then the expert scales for the placed
-    layout), and the scales (or None)."""
+def _placement_inputs(place, w: PreparedWeight, cfg: MgpuConfig) -> tuple:
+    """The kernel inputs of `place`: first row and valid rows per tile, then the expert scales for the placed
+    layout (none for the natural layout)."""
     if place is None:
-        return (), None
+        return ()
     if cfg.store != "rows":
         raise ValueError("mgpu MXFP4: rows stored in place need store='rows'")
     scale = expert_scale(w)
-    return (place[0], place[1]) + (() if scale is None else (scale,)), scale
+    return (place[0], place[1]) + (() if scale is None else (scale,))
 
 
-def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs, scaled: bool):
-    """`_store_rows_in_place` of tile t (expert g) at column block nb, scaled by the expert's factor if `scaled`."""
+def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs):
+    """`_store_rows_in_place` of tile t (expert g) at column block nb, times the expert's factor where `place_refs`
+    (`_placement_inputs`) carry the scales."""
     row0_ref, n_ref, *scale_ref = place_refs
-    if scaled:
+    if scale_ref:
         acc = acc * scale_ref[0][g]
     _store_rows_in_place(acc, o_smem, out_ref, nb, row0_ref[t], n_ref[t])
 
@@ -737,9 +738,9 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                          config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
-    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside
-    the one x tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the activation runs
-    on them in the epilogue, so gate and up are never written to memory."""
+    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su). As `kernel_call_ws`, with each step's stage holding both weights'
+    blocks beside the one x tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the
+    activation runs on them in the epilogue, so gate and up are never written to memory."""
     def epilogue(accs, g, *scale_refs):
         gate, up = accs
         if scale_refs:
@@ -778,9 +779,9 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                        fixed_bytes=out_bytes + 1024)  # + barriers
     decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
-    place_inputs, place_scale = _placement_inputs(place, w, config) if n_w == 1 else ((), None)
     if place is not None and n_w != 1:
         raise ValueError("mgpu MXFP4: rows stored in place take one weight")
+    place_inputs = _placement_inputs(place, w, config)
 
     def kernel(tile_group_ref, num_ref, *refs, o_smem):
         n_place = len(place_inputs)
@@ -832,8 +833,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                     g = tile_group_ref[t]
                     out = epilogue(accs, g, *extra_refs)
                     if place_refs:
-                        _store_placed(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, g, place_refs,
-                                      place_scale is not None)
+                        _store_placed(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, g, place_refs)
                     else:
                         _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
 
@@ -1273,11 +1273,12 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     `gate_up="fused"` runs gate, up and the activation as one kernel; `down_rows="in_place"` has down store its
     rows where they belong instead of a gather back); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
     matmul, fused gate / up and in-place down (default `tiled_matmul` / `tiled_gated_matmul` /
-    `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU). `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32
-    accumulation either way). bf16 halves those two arrays' traffic ([m_pad, F] each, written by the kernel and read
-    by the activation's XLA fusion) but rounds each product before the activation: on the H200 (session 20, 8 rows
-    per expert) the FFN took 663 µs against 670 with fp32, inside the runs' spread (its error against the reference
-    FFN 1.8e-3; session 18 measured 1.7–2.5e-4 with fp32), so fp32 stays the default."""
+    `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU).
+    `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32 accumulation
+    either way). bf16 halves those two arrays' traffic ([m_pad, F] each, written by the kernel and read by the
+    activation's XLA fusion) but rounds each product before the activation: on the H200 (session 20, 8 rows per
+    expert) the FFN took 663 µs against 670 with fp32, inside the runs' spread (its error against the reference FFN
+    1.8e-3; session 18 measured 1.7–2.5e-4 with fp32), so fp32 stays the default."""
     M = x_rows.shape[0]
     E = w_gate.num_experts
     cfg = config or tiled_config(M / E, (w_gate.out_features, w_down.out_features))
