@@ -922,8 +922,8 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         mm.MgpuConfig(down_rows="scatter")
     # K3's expert shapes (3584 -> 3072 -> 3584, 112 experts per device at EP 8): every default's stages fit shared
     # memory at the K loops these widths give (the warp-specialised kernel checks that while lowering)
+    E = 112
     for rows in (8, 32, 64, 146):
-        E = 112
         text = _tiled_ffn_cuda_text(mm.tiled_config(rows, (3072, 3584)), E=E, D=3584, F=3072, M=E * rows)
         assert text.count("stablehlo.custom_call @mosaic_gpu") in (2, 3), rows
 
