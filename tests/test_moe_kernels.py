@@ -902,12 +902,13 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
     assert all(mm.tiled_config(r).plan == "xla" and mm.tiled_config(r).rows >= r for r in (2, 16, 32, 64))
     # above 16 rows per expert a tile holds a router's typical group (mean ± its spread) whole, and the FFN runs on
     # the warp-specialised kernel with gate, up and SiTU fused — unless a width is not whole 128-column items
-    assert (mm.tiled_config(32).rows, mm.tiled_config(64).rows) == (40, 80)
-    for r in (32, 64):
+    assert (mm.tiled_config(32).rows, mm.tiled_config(64).rows, mm.tiled_config(146).rows) == (40, 80, 80)
+    for r in (32, 64, 146):  # 146: a 16K-token prefill's load over 112 experts
         assert (mm.tiled_config(r).warpgroups, mm.tiled_config(r).gate_up) == (2, "fused")
         assert mm.tiled_config(r, (3072, 3584)) == mm.tiled_config(r)
         narrow = mm.tiled_config(r, (3072, 3648))  # D = 3648: 57 blocks of 64 columns, not whole pairs
-        assert (narrow.warpgroups, narrow.rows) == (1, mm.tiled_config(r).rows)
+        one_wg_rows = mm.tiled_config(r).rows if r <= 64 else mm.default_config(r).rows  # prefill: default's tiles
+        assert (narrow.warpgroups, narrow.rows) == (1, one_wg_rows)
     for gate_up, kernels in (("separate", 3), ("fused", 2)):  # fused: SiTU's tanh and logistic in the epilogue
         text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(40 / 4), gate_up=gate_up))
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up

@@ -1199,17 +1199,24 @@ def tiled_config(rows_per_group: float, out_features: tuple[int, ...] = ()) -> M
     its kernels (`kernel_call_gated_ws`: gate and up never written). H200, session 22, routed sizes, FFN µs in one
     run each: at 32 rows per expert 969 fused against 1101 separate and 1120 for one warpgroup per CTA (0.47 of
     copy); at 64 rows 1413 fused against 1539 separate (1567, 1583 and 1540 in three runs) and 1817 for one
-    warpgroup per CTA (0.32 of copy). Other sizes: `default_config`'s padded-plan shapes."""
+    warpgroup per CTA (0.32 of copy); session 23 (h written in bf16 by the fused kernel): 986 and 1378 µs.
+
+    Above 64 rows (a prefill's load: 16K routed rows over 112 experts is 146 per expert) the same 80-row fused tiles:
+    H200, session 23, FFN 2733 µs against 4015–4072 for `default_config`'s 64-row tiles with one warpgroup per CTA,
+    3306 for 128-row tiles with 64-byte steps (separate) and 3213 for those fused with 3 stages — a 128-row tile's
+    fp32 accumulators leave too few of the 232 registers for the decode. Other sizes (8 < rows <= 16, or widths the
+    warp-specialised kernel cannot split): `default_config`'s padded-plan shapes."""
     if rows_per_group <= 8:
         return MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
-    if 16 < rows_per_group <= 64:
+    if rows_per_group > 16:
         rows = 40 if rows_per_group <= 32 else 80
         ws = MgpuConfig(rows=rows, kh=128, steps=4, ctas_per_sm=1, plan="xla", warpgroups=2, gate_up="fused")
         if all(n % (COLS * ws.warpgroups) == 0 for n in out_features):
             return ws
         if rows_per_group <= 32:
             return MgpuConfig(rows=40, kh=128, steps=3, ctas_per_sm=2, plan="xla")
-        return MgpuConfig(rows=80, kh=256, steps=2, ctas_per_sm=1, plan="xla")
+        if rows_per_group <= 64:
+            return MgpuConfig(rows=80, kh=256, steps=2, ctas_per_sm=1, plan="xla")
     return dataclasses.replace(default_config(rows_per_group), plan="xla")
 
 
