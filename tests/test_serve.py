@@ -423,16 +423,24 @@ def test_client_disconnect_mid_stream_frees_slot(http, served, caplog):
     _wait_idle(http)
     body = {"model": MODEL, "messages": _msgs("Talk for a long time."), "max_tokens": 400, "stream": True,
             "ignore_eos": True}
-    with httpx.Client(base_url=served.url, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = 0
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    lines += 1
-                if lines >= 4:
-                    break
-            assert _stats(http)["running_seqs"] == 1
+    running_at_disconnect = []
+    # the tiny model can write all 400 tokens before a client starved of CPU (2 cores, 2 test workers) has read 4
+    # lines; then there is nothing left to abort and the attempt says nothing: try again (rarely needed)
+    for _attempt in range(3):
+        with httpx.Client(base_url=served.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = 0
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        lines += 1
+                    if lines >= 4:
+                        break
+                running_at_disconnect.append(_stats(http)["running_seqs"])
+        if running_at_disconnect[-1] == 1:
+            break
+        _wait_idle(http)
+    assert running_at_disconnect[-1] == 1, running_at_disconnect
     s = _wait_idle(http)
     assert s["free_slots"] == serve_helpers.MAX_NUM_SEQS
     assert s["free_blocks"] + s["prefix_cache_blocks"] == s["total_blocks"]  # every page came back to the pool

@@ -132,6 +132,14 @@ class MgpuConfig:
     # per set bit of the row count), so the padded result is never written nor read back; the rows past Σ sizes
     # are zeroed by an XLA scatter that touches only them
     down_rows: str = "gather"
+    # False: each weight's step decoded whole, then its MMAs, then a wait (the next decode reuses the A registers);
+    # True: decoded in 64-byte pieces (`BLOCK`), each piece's MMAs issued as soon as it is decoded, one wait after
+    # the weight's last piece, so a piece's decode overlaps the previous pieces' MMAs. H200, session 23: one weight's
+    # kernel alone 1-5% faster (326–330 / 379–384 / 730–743 µs against 330–335 / 395–402 / 764–783 at 32 / 64 /
+    # 146 rows per expert), the fused gate / up kernel slower, the whole FFN 1-2% slower (999 / 1422 / 2772 against
+    # 984 / 1400 / 2758): off by default. Waiting once per step instead (up's decode over gate's MMAs too, its A
+    # registers held meanwhile) was worse still (FFN +2% / +7% / +6%)
+    decode_pieces: bool = False
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
@@ -598,6 +606,38 @@ def _bf16_decode(kh: int, code_layout: str):
     )(_decode_fn(kh, code_layout))
 
 
+def _decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh: int, pieces: bool):
+    """One pipeline step: for each (accumulator `[64, rows]`, codes `[64, kh]` and scales `[kh/16, 64]` in shared
+    memory), the codes decoded and multiplied with the x planes' tile `xs_s [2, rows, kh]` (bf16), then a wait for
+    those MMAs: the next decode reuses the A registers, and the step's buffers are released only after it (leaving
+    one group in flight — wgmma_wait(1), x released a step late — gave wrong results and NaNs on the H200 for
+    3-stage pipelines in session 11, and again in session 16 with the pipeline's own delay_release=1 on x).
+    `decode_fns`: (decode of kh bytes, decode of one `BLOCK`); `pieces` (`MgpuConfig.decode_pieces`): each weight
+    decoded one BLOCK at a time, each piece's MMAs issued as soon as it is decoded."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    whole, piece = decode_fns
+    for i, acc_ref in enumerate(acc_refs):
+        codes, scales = w_bufs[2 * i], w_bufs[2 * i + 1]
+        if not pieces:
+            lo, hi = whole(codes, scales)
+            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
+        else:
+            for p in range(kh // BLOCK):
+                k_bytes = pl.ds(p * BLOCK, BLOCK)
+                lo, hi = piece(codes.at[:, k_bytes], scales.at[pl.ds(p * BLOCK // 16, BLOCK // 16)])
+                plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0, :, k_bytes], (1, 0)))
+                plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1, :, k_bytes], (1, 0)))
+        plgpu.wgmma_wait(0)
+
+
+def _bf16_decodes(kh: int, code_layout: str):
+    """(decode of a whole kh-byte step, decode of one `BLOCK`-byte piece): `_decode_and_mma`'s two forms."""
+    return _bf16_decode(kh, code_layout), _bf16_decode(BLOCK, code_layout)
+
+
 def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
     """One tile's loop over K: per step, for each (accumulator `[64, rows]`, (codes `[N, K/2]`, scales `[K/32, N]`)
     of one expert's weight), the 64-column block nb's codes and scales decoded and multiplied with the x planes'
@@ -610,15 +650,7 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
     def step(_, *bufs):
         *w_bufs, xs_s = bufs
-        for i, acc_ref in enumerate(acc_refs):
-            lo, hi = decode(w_bufs[2 * i], w_bufs[2 * i + 1])
-            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-            # done before the step's buffers are released: leaving one group in flight (wgmma_wait(1), x released a
-            # step late) gave wrong results and NaNs on the H200 for 3-stage pipelines in session 11, and again in
-            # session 16 with the pipeline's own delay_release=1 on x (rel. err 0.03-0.07 at bench shapes, not
-            # every config; no faster where right)
-            plgpu.wgmma_wait(0)
+        _decode_and_mma(decode, acc_refs, w_bufs, xs_s, kh, cfg.decode_pieces)
 
     weight_specs = [plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
                     plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb))]
@@ -649,7 +681,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     t_max = m_pad // R
     _check_kernel_shapes(xs, w, cfg)
     n_blocks = w.out_features // COLS
-    decode = _bf16_decode(kh, w.layout)
+    decode = _bf16_decodes(kh, w.layout)
     inputs = _placement_inputs(place, w, cfg)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
@@ -777,7 +809,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     out_bytes = wgs * R * COLS * jnp.dtype(out_dtype).itemsize  # the compute warpgroups' staging tiles
     stages = ws_stages(steps, config.steps, stage_bytes=n_w * (cols * kh + kh // 16 * cols) + 2 * R * kh * 2,
                        fixed_bytes=out_bytes + 1024)  # + barriers
-    decode = _bf16_decode(kh, w.layout)
+    decode = _bf16_decodes(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
     if place is not None and n_w != 1:
         raise ValueError("mgpu MXFP4: rows stored in place take one weight")
@@ -792,11 +824,8 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
 
         def mma_step(_, *bufs):
             *w_bufs, xs_s, acc_refs = bufs
-            for i, acc_ref in enumerate(acc_refs):
-                lo, hi = decode(w_bufs[2 * i].at[my_cols], w_bufs[2 * i + 1].at[:, my_cols])
-                plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-                plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-                plgpu.wgmma_wait(0)  # the next decode reuses the A registers
+            mine = [b.at[my_cols] if j % 2 == 0 else b.at[:, my_cols] for j, b in enumerate(w_bufs)]
+            _decode_and_mma(decode, acc_refs, mine, xs_s, kh, config.decode_pieces)
             return acc_refs
 
         def pipeline(body, compute_context, state):
@@ -891,7 +920,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
     n_blocks = N // COLS
-    decode = _bf16_decode(kh, w_gate.layout)
+    decode = _bf16_decodes(kh, w_gate.layout)
     scaled = gate_scale is not None
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
@@ -1081,7 +1110,7 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}; bounds {bounds.shape} must be [E + 2 = {E + 2}]")
     n_blocks = N // COLS
-    decode = _bf16_decode(kh, w.layout)
+    decode = _bf16_decodes(kh, w.layout)
     store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5 + (plgpu.RefType(),))(_store_direct_fn())
     scaled = row_scale is not None
 
