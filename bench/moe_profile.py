@@ -1,0 +1,62 @@
+"""One MXFP4 expert FFN call (`mgpu_mxfp4.expert_ffn_tiled`) on a GPU, for Nsight Compute (issue #6).
+
+K3 shapes at expert parallelism 8: 112 local experts, 3584 -> 3072 -> 3584, a balanced router's group sizes (about
+R ± sqrt(R) rows per expert). Compiles and runs the FFN once, then runs it once more between cudaProfilerStart /
+Stop, so ncu sees only that call's kernels (the fused gate / up kernel, down, and XLA's gathers):
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
+        python3 bench/moe_profile.py --rows 32 [--config '{"rows": 48}']
+
+`--config`: overrides of `mgpu_mxfp4.tiled_config(rows)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dsa_profile import _cudart  # noqa: E402
+from pallas_kernels.moe import mgpu_mxfp4 as mm  # noqa: E402
+from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
+
+E, D, F = 112, 3584, 3072  # local experts at EP 8, K3's hidden and expert widths
+
+
+def situ(g, u):  # SPEC §7 (K3), as bench/moe.py
+    return 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=32, help="mean rows per expert (default 32)")
+    ap.add_argument("--config", default="{}", help="JSON overrides of tiled_config(rows)")
+    args = ap.parse_args()
+    keys = jax.random.split(jax.random.key(11), 4)
+    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    wp = [mm.prepare_weight(q) for q in ws]
+    m = E * args.rows
+    x = jax.random.normal(keys[3], (m, D), jnp.bfloat16)
+    sizes = jnp.asarray(np.random.default_rng(200 + args.rows).multinomial(m, [1 / E] * E), jnp.int32)
+    cfg = dataclasses.replace(mm.tiled_config(args.rows, (F, D)), **json.loads(args.config))
+    ffn = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))
+    jax.block_until_ready(ffn(x, sizes, *wp))
+    print(f"compiled: {args.rows} rows/expert, max group {int(sizes.max())}, {cfg}", flush=True)
+    cudart = _cudart()
+    cudart.cudaProfilerStart()
+    jax.block_until_ready(ffn(x, sizes, *wp))
+    cudart.cudaProfilerStop()
+    print("profiled call done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
