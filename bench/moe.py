@@ -468,7 +468,8 @@ def bench_ffn(args, copy_bw):
             f"empty {int((sizes == 0).sum())}, 8-row tiles {int(((sizes + 7) // 8).sum())}, 16-row tiles "
             f"{int(((sizes + 15) // 16).sum())}")
         configs = [mgpu_mx.tiled_config(rows_per_expert)] + [
-            dataclasses.replace(mgpu_mx.tiled_config(rows_per_expert), **o) for o in json.loads(args.ffn_configs or "[]")]
+            dataclasses.replace(mgpu_mx.tiled_config(rows_per_expert), **_config_fields(o))
+            for o in json.loads(args.ffn_configs or "[]")]
 
         ref = jax.block_until_ready(
             # the weights as arguments: closed over, jit would embed their 1.2 GB in the program as constants
@@ -532,6 +533,12 @@ def bench_ffn(args, copy_bw):
             if left(args.budget) < 20:
                 break
             attempt(f"MXFP4 FFN {rows_per_expert} {cfg}", functools.partial(run, cfg))
+
+
+def _config_fields(overrides: dict) -> dict:
+    """`--ffn-configs` overrides as MgpuConfig fields: a "down_config" given as a dict becomes a MgpuConfig."""
+    down = overrides.get("down_config")
+    return {**overrides, "down_config": mgpu_mx.MgpuConfig(**down)} if isinstance(down, dict) else overrides
 
 
 def ffn_sizes(kind: str, seed: int, m: int):

@@ -719,9 +719,41 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
         mm.MgpuConfig(store="cols", plan="kernel")
     with pytest.raises(ValueError, match="warpgroups must be 1 or one of"):
-        mm.MgpuConfig(warpgroups=4)  # lowers, but did not finish on the H200 (session 22)
+        mm.MgpuConfig(warpgroups=3)  # lowers, but no K3 width is whole 192-column items
     with pytest.raises(ValueError, match="warp-specialised kernel"):
         mm.MgpuConfig(warpgroups=2, plan="kernel")
+
+
+def test_warp_specialised_register_split_fits_the_ctas_pool():
+    """A CTA of W compute warpgroups and one memory warpgroup launches with floor8(65536 / (128·(W + 1))) registers
+    per thread, and `setmaxnreg` only moves registers within that pool: the compute warpgroups' increase plus the
+    memory warpgroup's 40 must fit it, or the increase waits forever (W = 4 with JAX's own split: 4·112 + 40 = 488
+    of 5·96 = 480, the session-22 hang). The traced kernel asks for exactly `ws_compute_registers`."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    for W in mm.WS_WARPGROUPS:
+        launch = 65536 // (128 * (W + 1)) // 8 * 8
+        regs = mm.ws_compute_registers(W)
+        assert W * regs + mm.WS_MEMORY_REGISTERS <= launch * (W + 1) and regs % 8 == 0
+        assert W * (regs + 8) + mm.WS_MEMORY_REGISTERS > launch * (W + 1)  # and no fewer than fit
+    assert (mm.ws_compute_registers(2), mm.ws_compute_registers(4)) == (232, 104)
+    sds = jax.ShapeDtypeStruct
+    E, D, F = 4, 512, 256
+    w = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32))
+    for W in mm.WS_WARPGROUPS:
+        cfg = mm.MgpuConfig(rows=40, kh=64, steps=4, ctas_per_sm=1, plan="xla", warpgroups=W)
+        jaxpr = str(jax.make_jaxpr(lambda x, g, w_: mm.grouped_matmul(x, w_, g, config=cfg))(
+            sds((40, D), jnp.bfloat16), sds((E,), jnp.int32), w))
+        asked = set(re.findall(r"set_max_registers_p\[action=(\w+)\] (\d+)", jaxpr))
+        assert asked == {("increase", str(mm.ws_compute_registers(W))), ("decrease", "40")}, (W, asked)
+    # the FFN with down on a config of its own: the fused kernel at W = 2, down at W = 4
+    cfg = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
+        rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
+    w_down = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32))
+    jaxpr = str(jax.make_jaxpr(lambda x, g, a, b, c: mm.expert_ffn_tiled(x, g, a, b, c, situ, config=cfg))(
+        sds((40, D), jnp.bfloat16), sds((E,), jnp.int32), w, w, w_down))
+    increases = re.findall(r"set_max_registers_p\[action=increase\] (\d+)", jaxpr)  # each kernel: 2 pipelines
+    assert list(dict.fromkeys(increases)) == ["232", "104"]
 
 
 def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40):
@@ -923,6 +955,12 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, down_rows="in_place"))
         results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<(\d+)x(\d+)x(\w+)>", text)
         assert results[-1] == ("40", "512", "f32") and len(results) == (3 if cfg.gate_up == "separate" else 2)
+    # down on a kernel config of its own: four warpgroups after the fused two-warpgroup kernel
+    text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
+        rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4)))
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+    with pytest.raises(ValueError, match="down_config must tile rows"):
+        mm.MgpuConfig(rows=40, down_config=mm.MgpuConfig(rows=16))
     with pytest.raises(ValueError, match="down_rows must be"):
         mm.MgpuConfig(down_rows="scatter")
     # K3's expert shapes (3584 -> 3072 -> 3584, 112 experts per device at EP 8): every default's stages fit shared
@@ -1006,7 +1044,8 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(rows=16, kh=128, steps=4), dict(rows=16, kh=256, steps=2),
                                  dict(rows=48, kh=128, steps=3), dict(rows=80, kh=128, steps=4),
-                                 dict(rows=40, kh=128, steps=4, decode_pieces=True)])
+                                 dict(rows=40, kh=128, steps=4, decode_pieces=True),
+                                 dict(rows=40, kh=64, steps=4, warpgroups=4)])
 def test_gpu_mgpu_mxfp4_warp_specialised_matches_reference(cfg):
     """The warp-specialised kernel (`MgpuConfig(warpgroups=2)`) on the device against ragged_dot over the exactly
     dequantised weights, in both of its pipeline forms: the shared case's groups (fewer work items than CTAs: each
@@ -1056,9 +1095,12 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     in_place = [dataclasses.replace(mm.tiled_config(r), down_rows="in_place") for r in (8, 64)]
     # each 64-byte piece's MMAs issued as soon as it is decoded (one and two warpgroups per CTA)
     step_wait = [dataclasses.replace(mm.tiled_config(r), decode_pieces=True) for r in (8, 32)]
+    # down on four compute warpgroups of its own after the fused two-warpgroup gate / up
+    down_w4 = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
+        rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
     for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
                                (ws_separate, None), (rows40, None), (rows80, None), (in_place[0], None),
-                               (in_place[1], None), (step_wait[0], None), (step_wait[1], None),
+                               (in_place[1], None), (step_wait[0], None), (step_wait[1], None), (down_w4, None),
                                (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(

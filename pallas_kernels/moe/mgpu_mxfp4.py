@@ -62,11 +62,14 @@ form one chain of pipelines, so the next item's copies start under this item's l
 `gate_up="fused"` each compute warpgroup holds gate's and up's accumulators and applies the activation in its
 epilogue, so gate and up are never written to memory. On the H200 (session 22, bench/RESULTS.md) it is correct and
 `tiled_config`'s default at 32 and 64 rows per expert: the FFN 969 µs (0.47 of copy) and 1413 µs (0.32) against
-1120 and 1817 with one warpgroup per CTA; at 8 rows it is slower (727 against 664). W = 4 lowers but did not finish
-on the device, so only W = 2 is offered (`WS_WARPGROUPS`).
-Since then (lowers for CUDA, NOT yet run on a GPU): the fused kernel writes h in bf16 itself, and
-`MgpuConfig(down_rows="in_place")` (opt-in) has the down kernel store each tile's valid rows straight into the
-FFN's sorted rows (`tiled_matmul_in_place`), so the padded down output is never written nor gathered back.
+1120 and 1817 with one warpgroup per CTA; at 8 rows it is slower (727 against 664). Session 23: the fused kernel
+writes h in bf16 itself; `MgpuConfig(down_rows="in_place")` (opt-in: each tile's valid rows stored straight into
+the FFN's sorted rows) is correct but slower. W = 4 hung in session 22 because JAX's register split oversubscribes
+a 5-warpgroup CTA's register pool (`ws_compute_registers`); with the split fixed it is correct, and a 40-row
+64-byte-step matmul takes 289 µs alone against 332 at W = 2 — but the fused kernel at W = 4 (104 registers for two
+weights' accumulators) is slower, so `MgpuConfig.down_config` lets down alone take W = 4 (opt-in; the whole FFN
+with it is not yet timed). Nsight Compute (session 23, 32 rows per expert): both W = 2 kernels latency-bound — 3
+warps per scheduler, < 1 eligible, issue slots 47-50% busy, DRAM 52-57%, L2 65-72%.
 `MgpuConfig(gate_up="fused")` with one warpgroup per CTA (`kernel_call_gated`): the same fusion, one weight after
 the other in each step; two weights' stages need twice the shared memory: 128-byte steps, or 2 CTAs per SM at
 256-byte steps.
@@ -86,11 +89,43 @@ from . import mxfp4 as mx
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
-# compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each. The body is written for
-# any W (W = 3, 4 lower for CUDA), but on the H200 W = 4 (16-row tiles, 112 registers per compute thread) ran past a
-# 200 s limit in its device test (session 22) while W = 2 passed; only W = 2 is offered until that is understood.
-WS_WARPGROUPS = (2,)
+# compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each (W = 3 lowers too, but
+# no K3 width is whole 192-column items). W = 4 ran past a 200 s limit in session 22 with JAX's register split
+# (`ws_compute_registers`: it deadlocked); session 23 gives it the split its CTA can hold.
+WS_WARPGROUPS = (2, 4)
 WS_MEMORY_REGISTERS = 40  # registers per thread left to its memory warpgroup (it only issues TMA copies)
+
+
+def ws_compute_registers(warpgroups: int, memory_registers: int = WS_MEMORY_REGISTERS) -> int:
+    """Registers per compute thread that a CTA of `warpgroups` compute warpgroups + one memory warpgroup can hold.
+
+    A CTA of 128·(W + 1) threads launches with floor8(65536 / threads) registers each, and `setmaxnreg` only moves
+    registers within that allocation: an increase that the CTA's pool cannot cover waits forever. JAX's
+    `emit_pipeline_warp_specialized` splits 512 per warpgroup slot ((512 − memory) / W), which is what a CTA of 3
+    warpgroups holds (168 · 3 = 504 ≥ 2 · 232 + 40) but not one of 5: W = 4 asked for 4 · 112 + 40 = 488 of the
+    96 · 5 = 480 it launched with — the session-22 hang. Here: floor8((floor8(512 / (W + 1)) · (W + 1) − memory) / W)
+    (232 at W = 2, as JAX; 104 at W = 4)."""
+    per_slot = (512 // (warpgroups + 1)) // 8 * 8
+    return min(256, (per_slot * (warpgroups + 1) - memory_registers) // warpgroups) // 8 * 8
+
+
+class _PoolRegisterSplit:
+    """Within this context JAX's warp-specialised pipeline gives its compute warpgroups `ws_compute_registers`
+    (its own split assumes the whole 64K register file is the CTA's pool; see there). It patches the private helper
+    the pipeline reads when it emits `setmaxnreg`, for the duration of one kernel's tracing only."""
+
+    def __init__(self, warpgroups: int):
+        self.registers = ws_compute_registers(warpgroups)
+
+    def __enter__(self):
+        from jax._src.pallas.mosaic_gpu import pipeline
+
+        self._module, self._saved = pipeline, pipeline._compute_registers
+        pipeline._compute_registers = lambda memory, wgs: self.registers
+        return self
+
+    def __exit__(self, *exc):
+        self._module._compute_registers = self._saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +153,12 @@ class MgpuConfig:
     # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
     gate_up: str = "separate"
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
-    # copies and waiting for its MMAs every step (`kernel_call`); W = 2 (`WS_WARPGROUPS`) — warp-specialised
+    # copies and waiting for its MMAs every step (`kernel_call`); W = 2 or 4 (`WS_WARPGROUPS`) — warp-specialised
     # (`kernel_call_ws`, the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute
     # warpgroups, each decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one
     # warpgroup's decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of
-    # 64. The register
-    # file is shared: (512 − 40) / W registers per compute thread, rounded down to 8 (232 at W = 2); with
-    # gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
+    # 64. The CTA's register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4);
+    # with gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
     # the tile-layout FFN's down matmul (`expert_ffn_tiled`): "gather" — it writes every padded row and one XLA
     # gather brings the rows back (with the placed layout's expert scale); "in_place" — the kernel scales each tile
@@ -140,6 +174,10 @@ class MgpuConfig:
     # 984 / 1400 / 2758): off by default. Waiting once per step instead (up's decode over gate's MMAs too, its A
     # registers held meanwhile) was worse still (FFN +2% / +7% / +6%)
     decode_pieces: bool = False
+    # the tile-layout FFN's down matmul on a kernel config of its own (same `rows`: one tile plan); None: this one.
+    # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
+    # fused gate / up kernel (two weights' accumulators) cannot fit their 104 registers
+    down_config: "MgpuConfig | None" = None
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
@@ -152,6 +190,10 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
+        if self.down_config is not None and (self.down_config.rows != self.rows
+                                             or self.down_config.down_config is not None):
+            raise ValueError(f"MgpuConfig.down_config must tile rows as this config does (rows={self.rows}) and "
+                             f"have no down_config of its own, got {self.down_config!r}")
         if self.warpgroups not in (1, *WS_WARPGROUPS):
             raise ValueError(f"MgpuConfig.warpgroups must be 1 or one of {WS_WARPGROUPS}, got {self.warpgroups!r}")
         if self.warpgroups > 1 and (self.mma, self.plan, self.store) != ("bf16", "xla", "rows"):
@@ -881,16 +923,17 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     w_operands = [a for v in weights for a in (v.codes, v.scales_t)]
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((m_pad if place is None else place[2], N), out_dtype),
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(tile_group, num_tiles, *place_inputs, *extra, xs, *w_operands)
+    with _PoolRegisterSplit(wgs):  # the pipeline's setmaxnreg is emitted while the kernel is traced, here
+        return plgpu.kernel(
+            kernel,
+            out_type=jax.ShapeDtypeStruct((m_pad if place is None else place[2], N), out_dtype),
+            grid=(num_sms,),
+            grid_names=("sm",),
+            num_threads=wgs + 1,
+            thread_name="wg",
+            scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        )(tile_group, num_tiles, *place_inputs, *extra, xs, *w_operands)
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
@@ -1330,12 +1373,13 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     else:
         gate, up = (matmul(x_pad, plan, w, cfg, gate_up_dtype).astype(jnp.float32) for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
+    down_cfg = cfg.down_config or cfg
     if cfg.down_rows == "in_place":  # down stores each row where it belongs; `down_matmul`: tests' stand-in
-        y = (down_matmul or tiled_matmul_in_place)(h, plan, w_down, cfg, M)
+        y = (down_matmul or tiled_matmul_in_place)(h, plan, w_down, down_cfg, M)
         # rows past Σ group_sizes are in no tile: zeroed by a scatter that writes those rows only (the live rows'
         # indices are out of bounds and dropped)
         return y.at[jnp.where(plan.live, M, jnp.arange(M))].set(0.0, mode="drop")
-    y_pad = matmul(h, plan, w_down, cfg)
+    y_pad = matmul(h, plan, w_down, down_cfg)
     return jnp.where(plan.live[:, None], y_pad[plan.pad_row], 0.0)
 
 
