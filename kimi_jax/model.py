@@ -128,10 +128,13 @@ class Model:
         return cache
 
     def encode_images(self, images) -> list:
-        """The vision tower on each image: a list of features `[n_i, hidden]` (activation dtype), n_i =
+        """The vision tower on each image: a list of features `[n_i, hidden]` (numpy, activation dtype), n_i =
         `image_token_count` of the image's patch grid = (H'/28)·(W'/28) after `preprocess_image`'s resize and
-        padding. images: RGB uint8 arrays `[H, W, 3]` (e.g. `np.asarray(PIL.Image.open(f).convert("RGB"))`)."""
-        from .modules.vision import preprocess_image, vision_features
+        padding. images: RGB uint8 arrays `[H, W, 3]` (e.g. `np.asarray(PIL.Image.open(f).convert("RGB"))`).
+        Each image runs padded to a bucket of patch counts (`modules.vision_buckets`): the tower compiles once
+        per bucket (at most ~18 at K3's sizes), not once per image size."""
+        from .modules.vision import preprocess_image
+        from .modules.vision_buckets import image_features
 
         if self.vision is None:
             why = ("its config has no vision tower" if self.config.vision is None
@@ -140,7 +143,7 @@ class Model:
         out = []
         for image in images:
             patches, grid = preprocess_image(image, self.config.vision)
-            out.append(vision_features(self.vision, patches, (grid,)).astype(self.dtype))
+            out.append(image_features(self.vision, patches, grid).astype(self.dtype))
         return out
 
     def image_inputs(self, input_ids, images):

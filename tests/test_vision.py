@@ -245,6 +245,70 @@ def test_one_image_alone_equals_its_slice_of_a_batch():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Patch buckets: one compile per bucket, not per image size
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_patch_buckets_bound_the_padding_and_the_compiles():
+    """An image of n patches runs padded to the smallest 2^k or 3·2^(k−1) ≥ n (≥ 64, a multiple of merge²): at
+    most 1.5× its patches above 64, and K3's whole range of image sizes in 18 buckets."""
+    from kimi_jax.modules.vision_buckets import bucket_for, patch_buckets
+
+    cfg = VisionConfig()
+    for n in range(1, 20000, 7):
+        b = bucket_for(n, cfg)
+        assert b >= n and b % 4 == 0 and (b <= max(64, 1.5 * n)), (n, b)
+    assert [bucket_for(n, cfg) for n in (1, 64, 65, 97, 129, 16384)] == [64, 64, 96, 128, 192, 16384]
+    buckets = patch_buckets(cfg)
+    assert len(buckets) == 18 and buckets[-1] >= cfg.max_patches
+    assert all(bucket_for(b, cfg) == b for b in buckets)
+
+
+def test_bucketed_image_equals_the_exact_path_and_the_transcription():
+    """One image padded to its bucket (masked keys, host-made positions, angles and merge indices) gives the
+    features of the exact static-grid path, and of the float64 transcription, for grids inside the 6×6 table,
+    beyond it, one that fills its bucket exactly and one that crosses into the next."""
+    from kimi_jax.modules.vision_buckets import bucket_for, image_features
+
+    cfg = K3_TINY
+    weights = k3_weights(cfg, seed=7)
+    tower = V.load_vision_tower(weights, cfg)
+    rng = np.random.default_rng(8)
+    for h, w in ((2, 2), (4, 8), (8, 2), (8, 8), (10, 14)):
+        patches = rng.standard_normal((h * w, 3, 14, 14)).astype(np.float32)
+        got = image_features(tower, patches, (1, h, w))
+        exact = np.asarray(V.vision_features(tower, patches, ((1, h, w),)))
+        assert got.shape == exact.shape == ((h // 2) * (w // 2), cfg.text_hidden)
+        np.testing.assert_allclose(got, exact, atol=1e-5, rtol=0, err_msg=f"{h}x{w}")
+        want = np_k3_features(weights, cfg, patches.reshape(h * w, -1), ((1, h, w),))
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=0, err_msg=f"{h}x{w}")
+    assert bucket_for(8 * 8, cfg) == 64 and bucket_for(10 * 14, cfg) == 192
+
+
+def test_images_of_one_bucket_share_one_compile():
+    """After the first image of a bucket, images of other sizes in it compile nothing (the engine thread would
+    otherwise stall every stream for a whole tower compile per new image size)."""
+    from kimi_jax.engine import compile_watch
+    from kimi_jax.modules.vision_buckets import image_features
+
+    cfg = K3_TINY
+    tower = V.load_vision_tower(k3_weights(cfg, seed=9), cfg)
+    rng = np.random.default_rng(10)
+
+    def run(h, w):
+        return image_features(tower, rng.standard_normal((h * w, 3 * 14 * 14)).astype(np.float32), (1, h, w))
+
+    run(4, 4)  # 16 patches: the 64-patch bucket, compiled here
+    before = compile_watch.compile_count()
+    shapes = [run(h, w).shape for h, w in ((2, 6), (8, 8), (6, 10), (2, 2))]  # 12, 64, 60 and 4 patches
+    assert compile_watch.compile_count() == before
+    assert shapes == [(3, 20), (16, 20), (15, 20), (1, 20)]
+    with pytest.raises(V.VisionInputError, match="one frame"):
+        image_features(tower, np.zeros((8, 3 * 14 * 14), np.float32), (2, 2, 2))
+    with pytest.raises(V.VisionInputError, match="do not fit grid"):
+        image_features(tower, np.zeros((15, 3 * 14 * 14), np.float32), (1, 4, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Bad weights and inputs
 # ---------------------------------------------------------------------------------------------------------------------
 

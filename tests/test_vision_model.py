@@ -15,6 +15,7 @@ import kimi_jax
 from kimi_jax.model import Model
 from kimi_jax.modules.vision import VisionWeightsError, expand_image_pads, load_vision_tower, vision_features, \
     preprocess_image
+from kimi_jax.modules.vision_buckets import image_features
 
 BOS = 1000
 
@@ -132,8 +133,9 @@ def test_checkpoints_bring_their_vision_tower(k3_dir, tmp_path):
     img = _image(4, 30, 30)
     want_tower = load_vision_tower(_tensors(k3_dir), hf.config.vision)
     patches, grid = preprocess_image(img, hf.config.vision)
-    want = np.asarray(vision_features(want_tower, patches, (grid,)))
+    want = image_features(want_tower, patches, grid)  # the model's path: the tower padded to its patch bucket
     np.testing.assert_array_equal(np.asarray(hf.encode_images([img])[0]), want)
+    np.testing.assert_allclose(want, np.asarray(vision_features(want_tower, patches, (grid,))), atol=1e-5, rtol=0)
     dst = tmp_path / "converted"
     convert(str(k3_dir), str(dst))
     ours = kimi_jax.load_model(str(dst))

@@ -24,7 +24,8 @@ growing sequences never change a shape.
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
 of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6``, independent of traffic (the
-vision tower itself, run by ``Model.encode_images`` at admission, compiles once per distinct image grid).
+vision tower itself, run by ``Model.encode_images`` at admission, compiles once per patch-count bucket the images
+fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per image size).
 
 The batch state is donated to every program that updates it (updated in place).
 """

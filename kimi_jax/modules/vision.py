@@ -161,8 +161,10 @@ def fused_attention_available(dtype, head_dim: int) -> bool:
             and head_dim <= 128 and head_dim % 8 == 0)
 
 
-def attention(q_LHd, k_LHd, v_LHd, *, fused: bool | None = None):
-    """Non-causal softmax attention over one clip, scale d^-1/2, float32 scores and softmax.
+def attention(q_LHd, k_LHd, v_LHd, *, fused: bool | None = None, kv_len=None):
+    """Non-causal softmax attention over one clip, scale d^-1/2, float32 scores and softmax. `kv_len` (int32
+    scalar, optional): only the first kv_len keys are real, the rest padding that no query attends to
+    (`vision_buckets`: an image padded to a bucket's patch count).
 
     `fused` (default: `fused_attention_available`): cuDNN's flash attention through `jax.nn.dot_product_attention`
     (float32 softmax, bf16 products with float32 accumulation; no score matrix in memory). Otherwise queries in
@@ -172,12 +174,16 @@ def attention(q_LHd, k_LHd, v_LHd, *, fused: bool | None = None):
     if fused is None:
         fused = fused_attention_available(q_LHd.dtype, q_LHd.shape[-1])
     if fused:
-        return jax.nn.dot_product_attention(q_LHd[None], k_LHd[None], v_LHd[None], implementation="cudnn")[0]
+        lengths = None if kv_len is None else jnp.reshape(kv_len, (1,)).astype(jnp.int32)
+        return jax.nn.dot_product_attention(q_LHd[None], k_LHd[None], v_LHd[None], key_value_seq_lengths=lengths,
+                                            implementation="cudnn")[0]
     scale = q_LHd.shape[-1] ** -0.5
     outs = []
     for q0 in range(0, q_LHd.shape[0], QUERY_CHUNK):
         q = q_LHd[q0:q0 + QUERY_CHUNK]
         s_HqL = jnp.einsum("qhd,khd->hqk", q, k_LHd, preferred_element_type=jnp.float32) * scale
+        if kv_len is not None:
+            s_HqL = jnp.where(jnp.arange(k_LHd.shape[0]) < kv_len, s_HqL, -jnp.inf)
         p_HqL = jax.nn.softmax(s_HqL, axis=-1).astype(v_LHd.dtype)
         outs.append(jnp.einsum("hqk,khd->qhd", p_HqL, v_LHd, preferred_element_type=jnp.float32))
     return jnp.concatenate(outs, axis=0).astype(q_LHd.dtype)
@@ -231,14 +237,15 @@ class VisionBlock(nnx.Module):
         self.fc0 = Dense(D, cfg.intermediate_size, cfg.bias, rngs=rngs, dtype=dtype)
         self.fc1 = Dense(cfg.intermediate_size, D, cfg.bias, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x_ND, grid: Grid, angles: Sequence):
+    def __call__(self, x_ND, grid: Grid, angles: Sequence, kv_len=None):
+        """`kv_len`: with one clip, how many of its patches are real (the rest padding no patch attends to)."""
         H, d = self.cfg.num_heads, self.cfg.head_dim
         qkv_N3Hd = self.wqkv(self.norm0(x_ND)).reshape(x_ND.shape[0], 3, H, d)
         outs, start = [], 0
         for (t, h, w), angle_Lp in zip(grid, angles):  # static shapes: one attention per clip
             L = t * h * w
             q, k, v = (qkv_N3Hd[start:start + L, i] for i in range(3))
-            outs.append(attention(apply_rope(q, angle_Lp), apply_rope(k, angle_Lp), v))
+            outs.append(attention(apply_rope(q, angle_Lp), apply_rope(k, angle_Lp), v, kv_len=kv_len))
             start += L
         x_ND = x_ND + self.wo(jnp.concatenate(outs, axis=0).reshape(x_ND.shape[0], H * d))
         h_NI = jax.nn.gelu(self.fc0(self.norm1(x_ND)).astype(jnp.float32), approximate=True).astype(x_ND.dtype)
@@ -317,6 +324,18 @@ class VisionTower(nnx.Module):
 
     def __call__(self, patches, grid_thw):
         return self.projector(self.encode(patches, grid_thw))
+
+    def features_padded(self, x_LP, pos_LD, angle_Lp, kv_len, merge_Mk):
+        """One image padded to L patches (`vision_buckets`): patches `[L, 3·p·p]` (the first kv_len real, the rest
+        anything finite), their position embedding `[L, D]` float32 and RoPE angles `[L, head_dim/2]`, and for
+        each merged token its merge² patch indices `[M, merge²]` int32 -> features `[M, text_hidden]` (rows past the
+        image's own token count are padding). Only shapes are static: one compile per (L, M)."""
+        dtype = self.patch_embed.kernel.dtype
+        x_LD = (self.patch_embed(x_LP.astype(dtype)).astype(jnp.float32) + pos_LD).astype(dtype)
+        grid = ((1, 1, x_LP.shape[0]),)  # one clip of L patches; the real (h, w) live in the inputs only
+        for block in self.blocks:
+            x_LD = block(x_LD, grid, [angle_Lp], kv_len=kv_len)
+        return self.projector(self.final_norm(x_LD)[merge_Mk])
 
 
 @functools.partial(nnx.jit, static_argnames=("grid_thw",))
