@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import NamedTuple
 
 import jax
@@ -112,20 +113,23 @@ def ws_compute_registers(warpgroups: int, memory_registers: int = WS_MEMORY_REGI
 class _PoolRegisterSplit:
     """Within this context JAX's warp-specialised pipeline gives its compute warpgroups `ws_compute_registers`
     (its own split assumes the whole 64K register file is the CTA's pool; see there). It patches the private helper
-    the pipeline reads when it emits `setmaxnreg`, for the duration of one kernel's tracing only."""
+    the pipeline reads when it emits `setmaxnreg`, for the duration of one kernel's tracing only, under a lock: the
+    engine traces its programs in parallel threads, and a patch restored under another thread's trace would hand
+    that kernel JAX's split again."""
 
-    def __init__(self, warpgroups: int):
-        self.registers = ws_compute_registers(warpgroups)
+    _lock = threading.Lock()
 
     def __enter__(self):
         from jax._src.pallas.mosaic_gpu import pipeline
 
+        self._lock.acquire()
         self._module, self._saved = pipeline, pipeline._compute_registers
-        pipeline._compute_registers = lambda memory, wgs: self.registers
+        pipeline._compute_registers = lambda memory, wgs: ws_compute_registers(wgs, memory)
         return self
 
     def __exit__(self, *exc):
         self._module._compute_registers = self._saved
+        self._lock.release()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -923,7 +927,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     w_operands = [a for v in weights for a in (v.codes, v.scales_t)]
-    with _PoolRegisterSplit(wgs):  # the pipeline's setmaxnreg is emitted while the kernel is traced, here
+    with _PoolRegisterSplit():  # the pipeline's setmaxnreg is emitted while the kernel is traced, here
         return plgpu.kernel(
             kernel,
             out_type=jax.ShapeDtypeStruct((m_pad if place is None else place[2], N), out_dtype),
