@@ -282,6 +282,17 @@ def test_bucketed_image_equals_the_exact_path_and_the_transcription():
         want = np_k3_features(weights, cfg, patches.reshape(h * w, -1), ((1, h, w),))
         np.testing.assert_allclose(got, want, atol=2e-4, rtol=0, err_msg=f"{h}x{w}")
     assert bucket_for(8 * 8, cfg) == 64 and bucket_for(10 * 14, cfg) == 192
+    # the Kimi-K2.5 variant (LayerNorm and biases, bicubic table, projector LayerNorm before the merge MLP)
+    import dataclasses
+
+    from flax import nnx
+
+    k25 = dataclasses.replace(cfg, norm="layer", bias=True, pos_resize="bicubic", projector_norm="pre",
+                              projector_gelu_tanh=True, pos_time=4)
+    tower = V.VisionTower(k25, rngs=nnx.Rngs(11))
+    patches = rng.standard_normal((6 * 10, 3 * 14 * 14)).astype(np.float32)
+    np.testing.assert_allclose(image_features(tower, patches, (1, 6, 10)),
+                               np.asarray(V.vision_features(tower, patches, ((1, 6, 10),))), atol=1e-5, rtol=0)
 
 
 def test_images_of_one_bucket_share_one_compile():
