@@ -3,7 +3,8 @@ the engine's image prefill against ``Model.generate(..., images=)``, the prefix 
 images, preemption with images, and every bad image input as a 400.
 
 Uses the shared engine + server of ``serve_helpers`` (prefill chunks 64 and 16, prefix cache on); the tiny preset
-has a random toy vision tower (a 90×100 image is 16 tokens; each distinct image grid compiles the tower once).
+has a random toy vision tower (a 90×100 image is 16 tokens; each patch bucket compiles the tower once, in the
+background).
 """
 
 from __future__ import annotations
@@ -222,6 +223,36 @@ def test_engine_with_images_equals_model_generate_across_chunk_boundaries(served
         eng.submit(_prompt_with_image(tok, 60, 16, 2), GREEDY, images=[img1])
     with pytest.raises(ParamError, match="uint8 RGB"):
         eng.submit(ids, GREEDY, images=[img1.astype(np.float32), img2])
+
+
+def test_a_new_image_size_compiles_in_the_background_while_others_decode(served, tiny_model, monkeypatch):
+    """The first image of a patch bucket no one has used (a 200×200 image: 256 patches, 64 tokens) has its tower
+    program compiled in a background thread: its request waits at the head of the queue while a running text
+    request keeps decoding, then runs and equals Model.generate. The compile is held on a gate here so that the
+    overlap is certain, not a race."""
+    from kimi_jax.modules import vision_buckets as VB
+
+    tok, eng = served.tokenizer, served.engine
+    img = _image(40, 200, 200)
+    size = VB.bucket_for(256, tiny_model.config.vision)
+    programs = VB.programs_for(tiny_model.vision)
+    assert size == 256 and size not in programs._compiles, "the bucket must be new to this process"
+    gate, warm = threading.Event(), VB.BucketPrograms._warm
+    monkeypatch.setattr(VB.BucketPrograms, "_warm", lambda self, n: (gate.wait(60), warm(self, n)))
+    text = eng.submit(_prompt_with_image(tok, 40, 0, 0, seed=11)[:40],
+                      SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
+    ids = _prompt_with_image(tok, 10, 64, 20, seed=12)
+    image_req = eng.submit(ids, GREEDY, images=[img])
+    got = 0
+    while got < 20:  # the text request streams while the image request's bucket is held (a stall: Empty)
+        ev = text._q.get(timeout=60)
+        got += len(getattr(ev, "token_ids", ()) or ())
+    assert not programs._compiles[size].done() and image_req._q.empty()
+    gate.set()
+    out, _ = image_req.collect(1)
+    ref = tiny_model.generate([ids], GREEDY.max_tokens, images=[img])[0, len(ids):]
+    assert out[0].token_ids == ref.tolist()
+    eng.abort(text.request_id)
 
 
 def test_prefix_cache_does_not_mix_images(served, tiny_model):

@@ -38,8 +38,11 @@ sets are therefore multiples of 64 plus 1 (default ``(64, 1)``; on accelerators 
 in the set, the leftover tokens ride the decode steps instead (no extra program, one token per step).
 
 Images (``images.py``): ``submit(..., images=[uint8 RGB [H, W, 3], ...])`` with the prompt's ``<|media_pad|>``
-tokens already expanded to each image's token count.  The vision tower runs once, on the engine thread, when the
-request is first admitted; the features stay with the request (a recompute after preemption reuses them).  Prefill
+tokens already expanded to each image's token count.  Each image runs padded to a patch-count bucket
+(``modules.vision_buckets``); a bucket's tower program is compiled in a background thread the first time a request
+needs it, and that request waits at the head of the queue until it is ready while running sequences keep
+decoding.  The vision tower runs once, on the engine thread, when the request is first admitted; the features stay
+with the request (a recompute after preemption reuses them).  Prefill
 chunks that hold image tokens run the runner's ``prefill_img`` program (features + mask spliced into the embeddings;
 a chunk may start or end inside an image), the others the text program.  The prefix cache keys image tokens by the
 image's pixel digest, so equal token ids with different images never share a snapshot.
@@ -211,6 +214,7 @@ class Engine:
         self._inbox: "queue.Queue" = queue.Queue()
         self._abort_posted: set = set()  # ids passed to abort() whose inbox message is not handled yet
         self._waiting: deque = deque()
+        self._vision_pending = False  # the queue's head waits for its images' tower programs to compile
         self._prefilling: Optional[_Prefill] = None
         self._orders = 0
         self._requests: dict[str, _Request] = {}
@@ -379,7 +383,8 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._intake(block=not (self._running or self._waiting or self._prefilling))
+                idle = not (self._running or self._prefilling) and (not self._waiting or self._vision_pending)
+                self._intake(block=idle)
                 if self._stop.is_set():
                     break
                 self._prefill_some()
@@ -441,10 +446,17 @@ class Engine:
         rest continues next iteration."""
         budget = self.config.prefill_token_budget
         spent = 0
+        self._vision_pending = False
         while True:
             job = self._prefilling
             if job is None:
                 if not self._waiting or (self._running and spent >= budget):
+                    return
+                ready = self._images_ready(self._waiting[0])
+                if ready is None:
+                    continue  # that request failed and is gone
+                if not ready:
+                    self._vision_pending = True  # compiling in the background; the others keep decoding
                     return
                 if not self._encode_images(self._waiting[0]):
                     continue  # that request failed and is gone
@@ -469,6 +481,28 @@ class Engine:
                 self.num_prefill_chunks += 1
             self._finish_prefill(job)
 
+    def _images_ready(self, item) -> Optional[bool]:
+        """Whether a waiting request's images can be encoded now (their tower programs compiled; compiles start in
+        the background otherwise).  A failed compile ends the request like a failed encode: None then."""
+        req = item.req if isinstance(item, _Seq) else item
+        if req.images is None:
+            return True
+        try:
+            return req.images.ready(self.model)
+        except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
+            log.exception("vision tower failed to compile for the images of request %s; aborting it", req.request_id)
+            self._drop_waiting(item)
+            return None
+
+    def _drop_waiting(self, item) -> None:
+        """Take a waiting request (or preempted sequence) whose images failed off the queue and end it."""
+        req = item.req if isinstance(item, _Seq) else item
+        self._waiting.popleft()
+        if isinstance(item, _Seq):
+            self._end_seq(item, "abort", None, [])
+        else:
+            self._finish_request(req)
+
     def _encode_images(self, item) -> bool:
         """Run the vision tower for a waiting request's images (once: a resumed sequence has them).  A failure
         ends that request (aborted, logged) and takes it off the queue; returns False then."""
@@ -479,11 +513,7 @@ class Engine:
             req.images.encode(self.model)
         except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
             log.exception("vision tower failed on the images of request %s; aborting it", req.request_id)
-            self._waiting.popleft()
-            if isinstance(item, _Seq):
-                self._end_seq(item, "abort", None, [])
-            else:
-                self._finish_request(req)
+            self._drop_waiting(item)
             return False
         self.images_encoded += len(req.images.counts)
         return True

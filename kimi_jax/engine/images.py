@@ -5,6 +5,9 @@ A prompt with images carries, for image i, ``counts[i]`` ``<|media_pad|>`` token
 
 * at ``submit`` checks the images against the pads (``PromptImages.create``: uint8 RGB arrays, one pad per image
   token, images in order of their pads) and digests each image's pixels;
+* before admission has the tower's programs for its images' patch buckets compiled (``ready``: in a background
+  thread, ``modules.vision_buckets.BucketPrograms.prepare``; the request waits at the head of the queue meanwhile
+  while running sequences keep decoding -- a new image size no longer stalls every stream for a tower compile);
 * at admission runs the vision tower once (``encode``: ``Model.encode_images``, on the engine thread, which owns the
   device) and keeps the features ``[N, D]`` for the request's lifetime, so a preempted sequence's recompute feeds
   the same features again;
@@ -50,6 +53,7 @@ class PromptImages:
     positions: np.ndarray
     counts: tuple[int, ...]
     digests: tuple[bytes, ...]
+    patches: tuple[int, ...] = ()  # patches of image i after preprocessing (h·w of its padded grid)
     features: Optional[np.ndarray] = None
     _key_items: list = field(default_factory=list)  # the cache-key element of each image token, in order
 
@@ -64,7 +68,7 @@ class PromptImages:
         from ..modules.vision import image_token_count, navit_size
 
         pad_id = vision_cfg.image_token_id
-        counts, arrays = [], []
+        counts, arrays, patches = [], [], []
         for i, img in enumerate(images):
             arr = np.asarray(img)
             if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8 or min(arr.shape[:2]) < 1:
@@ -73,6 +77,7 @@ class PromptImages:
             _, (pad_h, pad_w) = navit_size(arr.shape[0], arr.shape[1], vision_cfg)
             p = vision_cfg.patch_size
             counts.append(image_token_count([(1, pad_h // p, pad_w // p)], vision_cfg.merge))
+            patches.append((pad_h // p) * (pad_w // p))
             arrays.append(arr)
         positions = np.flatnonzero(np.asarray(ids) == pad_id)
         if len(positions) != sum(counts):
@@ -81,7 +86,16 @@ class PromptImages:
                              "each image's placeholder to its token count", "images")
         digests = tuple(image_digest(a) for a in arrays)
         items = [(d, k) for d, n in zip(digests, counts) for k in range(n)]
-        return cls(arrays, positions, tuple(counts), digests, _key_items=items)
+        return cls(arrays, positions, tuple(counts), digests, tuple(patches), _key_items=items)
+
+    def ready(self, model) -> bool:
+        """Whether the tower's programs for these images are compiled; starts their compiles in the background
+        when not (``BucketPrograms.prepare``; a failed compile raises here). True once encoded."""
+        if self.features is not None:
+            return True
+        from ..modules.vision_buckets import bucket_for, programs_for
+
+        return programs_for(model.vision).prepare([bucket_for(n, model.config.vision) for n in self.patches])
 
     def encode(self, model) -> None:
         """Run the vision tower once (``Model.encode_images``); keeps ``features [N, D]`` and drops the pixels."""

@@ -21,6 +21,11 @@ sums in another order). Video clips (t > 1) keep the exact path.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
 import numpy as np
 from flax import nnx
 
@@ -72,29 +77,83 @@ def host_inputs(tower: VisionTower, h: int, w: int, size: int):
     return pos, angles, merge
 
 
-@nnx.jit
-def _features_padded_jit(tower: VisionTower, x_LP, pos_LD, angle_Lp, kv_len, merge_Mk):
-    return tower.features_padded(x_LP, pos_LD, angle_Lp, kv_len, merge_Mk)
+class BucketPrograms:
+    """One tower's bucketed programs: `features` runs an image (compiling its bucket on first use, in the calling
+    thread), `prepare` compiles buckets ahead of use in a background thread, so that a server's engine thread can
+    keep decoding while a new image size's bucket compiles instead of stalling every stream on it.
+
+    The tower's parameters are taken once (`nnx.split`) and passed to one `jax.jit` of a pure function, which is
+    safe to call from several threads at once; the background thread compiles a bucket by running it once on a
+    blank image, which fills the same jit cache the calls then hit."""
+
+    def __init__(self, tower: VisionTower):
+        self.tower, self.cfg = tower, tower.cfg
+        graphdef, self._state = nnx.split(tower)
+
+        def run(state, x_LP, pos_LD, angle_Lp, kv_len, merge_Mk):
+            return nnx.merge(graphdef, state).features_padded(x_LP, pos_LD, angle_Lp, kv_len, merge_Mk)
+
+        self._run = jax.jit(run)
+        self._lock = threading.Lock()
+        self._compiles: dict[int, Future] = {}  # bucket size -> its background compile
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _call(self, x_LP, h: int, w: int):
+        pos, angles, merge = host_inputs(self.tower, h, w, x_LP.shape[0])
+        return self._run(self._state, x_LP, pos, angles, np.int32(h * w), merge)
+
+    def _warm(self, size: int) -> None:
+        m = self.cfg.merge
+        jax.block_until_ready(self._call(np.zeros((size, 3 * self.cfg.patch_size ** 2), np.float32), m, m))
+
+    def prepare(self, sizes) -> bool:
+        """Start compiling the bucket `sizes` not compiled or compiling yet (one background thread, in order);
+        True when every one of them is compiled. A failed compile is re-raised here."""
+        with self._lock:
+            futures = []
+            for size in sorted(set(int(v) for v in sizes)):
+                if size not in self._compiles:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vision-compile")
+                    self._compiles[size] = self._pool.submit(self._warm, size)
+                futures.append(self._compiles[size])
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        return all(f.done() for f in futures)
+
+    def features(self, patches, grid_thw) -> np.ndarray:
+        """One image (t = 1): patches `[h·w, 3, p, p]` or `[h·w, 3·p·p]` -> features `[(h/m)(w/m), text_hidden]`
+        (numpy, the parameters' dtype; cut to the image's rows on the host, where a slice compiles nothing)."""
+        t, h, w = (int(v) for v in grid_thw)
+        cfg = self.cfg
+        if t != 1:
+            raise VisionInputError(f"bucketed image features take one frame, got grid {grid_thw}: use "
+                                   "vision_features")
+        if h < 1 or w < 1 or h % cfg.merge or w % cfg.merge:
+            raise VisionInputError(f"grid h, w = {h}, {w} must be positive multiples of the merge size {cfg.merge}")
+        L, P = h * w, 3 * cfg.patch_size ** 2
+        x = np.asarray(patches, np.float32)
+        if x.shape[0] != L or x.size != L * P:
+            raise VisionInputError(f"patches of shape {x.shape} do not fit grid {(t, h, w)}: expected [{L}, {P}]")
+        x_LP = np.zeros((bucket_for(L, cfg), P), np.float32)
+        x_LP[:L] = x.reshape(L, P)
+        return np.asarray(self._call(x_LP, h, w))[:(h // cfg.merge) * (w // cfg.merge)]
+
+
+_PROGRAMS: "weakref.WeakKeyDictionary[VisionTower, BucketPrograms]" = weakref.WeakKeyDictionary()
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def programs_for(tower: VisionTower) -> BucketPrograms:
+    """The tower's `BucketPrograms` (one per tower, kept while the tower lives)."""
+    with _PROGRAMS_LOCK:
+        if tower not in _PROGRAMS:
+            _PROGRAMS[tower] = BucketPrograms(tower)
+        return _PROGRAMS[tower]
 
 
 def image_features(tower: VisionTower, patches, grid_thw) -> np.ndarray:
     """`vision.vision_features(tower, patches, (grid_thw,))` for one image (t = 1), compiled once per bucket
-    size instead of once per grid: patches `[h·w, 3, p, p]` or `[h·w, 3·p·p]` -> features `[(h/m)(w/m),
-    text_hidden]` (numpy, the parameters' dtype; cut to the image's rows on the host, where a slice compiles
-    nothing)."""
-    t, h, w = (int(v) for v in grid_thw)
-    cfg = tower.cfg
-    if t != 1:
-        raise VisionInputError(f"bucketed image features take one frame, got grid {grid_thw}: use vision_features")
-    if h < 1 or w < 1 or h % cfg.merge or w % cfg.merge:
-        raise VisionInputError(f"grid h, w = {h}, {w} must be positive multiples of the merge size {cfg.merge}")
-    L, P = h * w, 3 * cfg.patch_size ** 2
-    x = np.asarray(patches, np.float32)
-    if x.shape[0] != L or x.size != L * P:
-        raise VisionInputError(f"patches of shape {x.shape} do not fit grid {(t, h, w)}: expected [{L}, {P}]")
-    size = bucket_for(L, cfg)
-    x_LP = np.zeros((size, P), np.float32)
-    x_LP[:L] = x.reshape(L, P)
-    pos, angles, merge = host_inputs(tower, h, w, size)
-    out = _features_padded_jit(tower, x_LP, pos, angles, np.int32(L), merge)
-    return np.asarray(out)[:(h // cfg.merge) * (w // cfg.merge)]
+    size instead of once per grid (`BucketPrograms.features`)."""
+    return programs_for(tower).features(patches, grid_thw)
