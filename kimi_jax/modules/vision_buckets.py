@@ -4,7 +4,7 @@ times instead of once per image size.
 `vision.vision_features` takes the patch grid as a static argument: every distinct (h, w) compiles the whole tower
 anew (tens of seconds on an accelerator, while every other request on the engine thread waits). Here one image of
 L = h·w patches runs as the smallest bucket size L_b ≥ L of `patch_buckets` (powers of two and 1.5× between:
-at most 1.5× the patches, ~17 sizes up to K3's 16,384), and everything that depends on (h, w) is an input computed
+at most 1.5× the patches, 18 sizes for K3's images), and everything that depends on (h, w) is an input computed
 on the host:
 
 * the position embedding `[L_b, D]`: the learned table resampled to (h, w) (`vision.resize_pos_table`'s math in
@@ -57,12 +57,12 @@ def patch_buckets(cfg: VisionConfig) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def host_inputs(tower: VisionTower, h: int, w: int, size: int):
+def host_inputs(table_SSD: np.ndarray, cfg: VisionConfig, h: int, w: int, size: int):
     """(position embedding `[size, D]` float32, RoPE angles `[size, head_dim/2]` float32, merge indices
-    `[size / merge², merge²]` int32) of an (h, w)-patch image padded to `size` patches."""
-    cfg = tower.cfg
+    `[size / merge², merge²]` int32) of an (h, w)-patch image padded to `size` patches; `table_SSD`: the tower's
+    learned position table as float32 numpy."""
     L, m = h * w, cfg.merge
-    table = np.asarray(tower.pos_emb[...], np.float32)  # [S, S, D]
+    table = table_SSD
     a_h = _axis_resize_matrix(h, table.shape[0], cfg.pos_resize).astype(np.float32)
     a_w = _axis_resize_matrix(w, table.shape[1], cfg.pos_resize).astype(np.float32)
     pos = np.zeros((size, table.shape[2]), np.float32)
@@ -87,7 +87,8 @@ class BucketPrograms:
     blank image, which fills the same jit cache the calls then hit."""
 
     def __init__(self, tower: VisionTower):
-        self.tower, self.cfg = tower, tower.cfg
+        self.cfg = tower.cfg  # the tower itself is not kept: `programs_for` caches by a weak reference to it
+        self._table = np.asarray(tower.pos_emb[...], np.float32)  # [S, S, D], resampled per image on the host
         graphdef, self._state = nnx.split(tower)
 
         def run(state, x_LP, pos_LD, angle_Lp, kv_len, merge_Mk):
@@ -99,7 +100,7 @@ class BucketPrograms:
         self._pool: ThreadPoolExecutor | None = None
 
     def _call(self, x_LP, h: int, w: int):
-        pos, angles, merge = host_inputs(self.tower, h, w, x_LP.shape[0])
+        pos, angles, merge = host_inputs(self._table, self.cfg, h, w, x_LP.shape[0])
         return self._run(self._state, x_LP, pos, angles, np.int32(h * w), merge)
 
     def _warm(self, size: int) -> None:
