@@ -319,6 +319,33 @@ def test_images_of_one_bucket_share_one_compile():
         image_features(tower, np.zeros((15, 3 * 14 * 14), np.float32), (1, 4, 4))
 
 
+def test_warmup_compiles_every_bucket_in_the_background():
+    """`BucketPrograms.prepare(patch_buckets(cfg))` (the engine's `vision_warmup`) compiles the tower for every
+    bucket in a background thread, smallest first; afterwards an image of any size the processor makes compiles
+    nothing."""
+    import dataclasses
+    import time
+
+    from kimi_jax.engine import compile_watch
+    from kimi_jax.modules.vision_buckets import BucketPrograms, patch_buckets
+
+    cfg = dataclasses.replace(K3_TINY, max_patches=256, max_patches_per_side=16)  # buckets 64 .. 384
+    buckets = patch_buckets(cfg)
+    assert buckets == (64, 96, 128, 192, 256, 384)
+    programs = BucketPrograms(V.load_vision_tower(k3_weights(cfg, seed=12), cfg))
+    assert programs.prepare(buckets) is False  # started, not done
+    deadline = time.monotonic() + 300
+    while not programs.prepare(buckets):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = compile_watch.compile_count()
+    rng = np.random.default_rng(13)
+    for h, w in ((2, 2), (8, 12), (16, 16), (18, 18)):  # 4 .. 324 patches: every bucket size an image can take
+        feats = programs.features(rng.standard_normal((h * w, 3 * 14 * 14)).astype(np.float32), (1, h, w))
+        assert feats.shape == ((h // 2) * (w // 2), cfg.text_hidden)
+    assert compile_watch.compile_count() == before
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Bad weights and inputs
 # ---------------------------------------------------------------------------------------------------------------------

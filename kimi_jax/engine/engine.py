@@ -102,6 +102,9 @@ class EngineConfig:
     prefix_cache_entries: int = 0
     parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
     images: Optional[bool] = None  # compile the image prefill programs; None: when the model has a vision tower
+    # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
+    # once; an image request waits only for its own bucket, smallest first): what a server on an accelerator wants
+    vision_warmup: bool = False
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -247,6 +250,13 @@ class Engine:
         self.compile_seconds = t
         self._state = self.runner.new_state()
         self.compilations_at_start = compile_watch.compile_count()
+        if self.config.vision_warmup and self.model.vision is not None:
+            from ..modules.vision_buckets import patch_buckets, programs_for
+
+            buckets = patch_buckets(self.model.config.vision)
+            programs_for(self.model.vision).prepare(buckets)
+            log.info("vision tower: compiling %d patch buckets (%d..%d patches) in the background", len(buckets),
+                     buckets[0], buckets[-1])
         log.info("engine ready: %d slots x %d tokens, %d pages of %d tokens (%s latent, %s index keys), prefill "
                  "chunks %s, %d programs compiled in %.1fs", self.B, self.max_model_len, self.alloc.num_blocks - 1,
                  PAGE_TOKENS, self.runner.kv_dtype, self.runner.index_dtype, list(self.runner.chunk_sizes),

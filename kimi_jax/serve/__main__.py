@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-image-fetch", action="store_true",
                    help="refuse http(s) image URLs in chat requests (data: URLs only): the server then never fetches "
                         "a URL on a client's behalf")
+    p.add_argument("--vision-warmup", action="store_true",
+                   help="compile the vision tower for every image size bucket at start, in the background (serving "
+                        "starts at once; without it each bucket compiles the first time an image needs it, while "
+                        "that request waits)")
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, metavar="S",
                    help="seconds allowed for fetching one http(s) image URL (default 10)")
     p.add_argument("--compilation-cache", metavar="DIR",
@@ -289,7 +293,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
             num_blocks=args.num_blocks,
-            prefix_cache_entries=args.prefix_cache_entries,
+            prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
             parallel_compile=platform != "cpu"))
