@@ -9,6 +9,10 @@ TFLOP/s against a dense bf16 matmul measured in the same run (the ceiling the to
 `--attention` picks the per-image attention: "fused" (cuDNN flash attention, the tower's default on a GPU),
 "materialised" (float32 scores per chunk of 2048 queries, the CPU / float32 path) or "both" (each, same run). No bar in
 BENCHMARKS.md: this is for information (how long an image prompt waits for its features).
+`--path bucketed` times what the engine runs instead (`modules.vision_buckets.image_features`: the image padded to
+its patch bucket, positions / angles / merge indices made on the host, features brought back to the host), end to
+end per image; "both" times each. Sides whose patch count is not a bucket size (e.g. 1000 px: 5184 patches, bucket
+6144) show the padding's cost.
 `--smoke` runs a toy tower on the CPU.
 """
 
@@ -31,6 +35,7 @@ from _timing import pipelined_seconds  # noqa: E402
 from kimi_jax.config import VisionConfig  # noqa: E402
 from kimi_jax.modules import vision as V  # noqa: E402
 from kimi_jax.modules.vision import VisionTower, image_token_count, preprocess_image, vision_features  # noqa: E402
+from kimi_jax.modules.vision_buckets import image_features  # noqa: E402
 
 
 def tower_flops(cfg: VisionConfig, n_patches: int) -> float:
@@ -56,6 +61,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--attention", default="both", choices=("both", "fused", "materialised"),
                     help="per-image attention path(s) to time (fused needs a GPU; skipped elsewhere)")
+    ap.add_argument("--path", default="exact", choices=("exact", "bucketed", "both"),
+                    help="exact: vision_features (compiled per grid); bucketed: the engine's image_features")
     ap.add_argument("--smoke", action="store_true", help="toy tower on the CPU (checks the script runs)")
     args = ap.parse_args()
     if args.smoke:
@@ -68,7 +75,7 @@ def main() -> int:
     tower = VisionTower(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ceiling = dense_tflops(reps)
     print(f"dense bf16 matmul: {ceiling:.0f} TFLOP/s", flush=True)
-    print("attention, side, patches, tokens, compile s, ms/image, tokens/s, TFLOP/s, of dense")
+    print("path, attention, side, patches, tokens, compile s, ms/image, tokens/s, TFLOP/s, of dense")
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for side in sides]
     default_choice = V.fused_attention_available
@@ -79,18 +86,27 @@ def main() -> int:
             continue
         V.fused_attention_available = (lambda *a, fused=(path == "fused"): fused)
         jax.clear_caches()  # `vision_features` compiled per grid: retrace with this path
-        for side, image in zip(sides, images):
-            patches, grid = preprocess_image(image, cfg)
-            patches = jnp.asarray(patches)
-            t0 = time.time()
-            jax.block_until_ready(vision_features(tower, patches, (grid,)))
-            compile_s = time.time() - t0
-            seconds = pipelined_seconds(lambda p: vision_features(tower, p, (grid,)), patches, reps=reps)
-            n = grid[1] * grid[2]
-            tokens = image_token_count([grid], cfg.merge)
-            tflops = tower_flops(cfg, n) / seconds / 1e12
-            print(f"{path}, {side}, {n}, {tokens}, {compile_s:.1f}, {seconds * 1e3:.2f}, {tokens / seconds:.0f}, "
-                  f"{tflops:.1f}, {tflops / ceiling:.2f}", flush=True)
+        for how in (("exact", "bucketed") if args.path == "both" else (args.path,)):
+            for side, image in zip(sides, images):
+                patches, grid = preprocess_image(image, cfg)
+                t0 = time.time()
+                if how == "exact":
+                    patches = jnp.asarray(patches)
+                    jax.block_until_ready(vision_features(tower, patches, (grid,)))
+                    compile_s = time.time() - t0
+                    seconds = pipelined_seconds(lambda p: vision_features(tower, p, (grid,)), patches, reps=reps)
+                else:  # end to end per image, as the engine calls it (returns host arrays: each call waits)
+                    image_features(tower, patches, grid)
+                    compile_s = time.time() - t0
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        image_features(tower, patches, grid)
+                    seconds = (time.perf_counter() - t0) / reps
+                n = grid[1] * grid[2]
+                tokens = image_token_count([grid], cfg.merge)
+                tflops = tower_flops(cfg, n) / seconds / 1e12
+                print(f"{how}, {path}, {side}, {n}, {tokens}, {compile_s:.1f}, {seconds * 1e3:.2f}, "
+                      f"{tokens / seconds:.0f}, {tflops:.1f}, {tflops / ceiling:.2f}", flush=True)
     V.fused_attention_available = default_choice
     return 0
 
