@@ -132,7 +132,7 @@ class Model:
         `image_token_count` of the image's patch grid = (H'/28)·(W'/28) after `preprocess_image`'s resize and
         padding. images: RGB uint8 arrays `[H, W, 3]` (e.g. `np.asarray(PIL.Image.open(f).convert("RGB"))`).
         Each image runs padded to a bucket of patch counts (`modules.vision_buckets`): the tower compiles once
-        per bucket (at most ~18 at K3's sizes), not once per image size."""
+        per bucket (18 over K3's image sizes), not once per image size."""
         from .modules.vision import preprocess_image
         from .modules.vision_buckets import image_features
 
