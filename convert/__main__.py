@@ -130,7 +130,8 @@ class _Terminated(KeyboardInterrupt):
 def _interrupt(signum, frame):
     exc = _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     interrupt.request(exc)
-    raise exc()
+    if not interrupt.deferring():  # else raised by the next `interrupt.check`, once the critical steps are done
+        raise exc()
 
 
 class _UnretrievedReadFailures(logging.Filter):

@@ -283,17 +283,21 @@ def atomic_directory(dst: str, overwrite: bool):
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     clean_leftovers(dst)
-    tmp = _fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
-    owner = tmp + OWNER_SUFFIX
-    try:
-        with open(owner, "w") as f:
-            f.write(f"{os.getpid()}@{socket.gethostname()}\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # a SIGTERM between the mkdir and the owner file would leave a directory no later run removes (session 23's
+    # suite caught one): the pair is made with interrupts only recorded, and the `check` below raises one
+    with interrupt.deferred():
+        tmp = _fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
+        owner = tmp + OWNER_SUFFIX
+        try:
+            with open(owner, "w") as f:
+                f.write(f"{os.getpid()}@{socket.gethostname()}\n")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     old = tmp + ".old"
     committed = False
     try:
+        interrupt.check()  # one that came while the directory was being made: nothing written, nothing left
         yield tmp
         interrupt.check()  # an interrupt whose exception was swallowed on the way: still nothing is written
         if os.path.lexists(dst):

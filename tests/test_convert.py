@@ -551,6 +551,30 @@ def test_cli_logs_loads_by_relative_path_and_cleans_up_on_sigterm(kl_dir, tmp_pa
     assert kimi_jax.load_model("a").config.architecture == "kimi_linear"  # a relative path (Orbax wants absolute)
 
 
+def test_a_sigterm_while_the_temporary_directory_is_made_leaves_nothing(kl_dir, tmp_path, monkeypatch):
+    """The CLI's SIGTERM handler fired right after the temporary directory's mkdir, before its owner file exists
+    (the window the SIGTERM test above once hit): the handler only records it there, the conversion stops at its
+    first check with the same exception, and neither the directory nor the output is left."""
+    import signal
+
+    import convert.store as store
+    from convert import interrupt
+    from convert.__main__ import _interrupt, _Terminated
+
+    fresh = store._fresh_dir
+
+    def fresh_then_sigterm(prefix):
+        path = fresh(prefix)
+        _interrupt(signal.SIGTERM, None)  # as the signal would arrive here
+        return path
+
+    monkeypatch.setattr(store, "_fresh_dir", fresh_then_sigterm)
+    with pytest.raises(_Terminated):
+        convert(str(kl_dir), str(tmp_path / "a"), progress=False)
+    assert os.listdir(tmp_path) == []
+    interrupt.check()  # raised once, then clear
+
+
 def test_an_interrupt_whose_exception_was_swallowed_still_stops_the_conversion(kl_dir, tmp_path):
     """Ctrl-C's exception can land in a callback whose exceptions Python ignores (JAX's GC hook), and the
     conversion would run on. The CLI's handler also records it (`convert.interrupt`): the next tensor, or at the
