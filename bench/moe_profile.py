@@ -26,14 +26,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsa_profile import _cudart  # noqa: E402
+from moe import situ  # noqa: E402  (SPEC §7's K3 activation, as the MoE bench uses it)
 from pallas_kernels.moe import mgpu_mxfp4 as mm  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 
 E, D, F = 112, 3584, 3072  # local experts at EP 8, K3's hidden and expert widths
-
-
-def situ(g, u):  # SPEC §7 (K3), as bench/moe.py
-    return 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
 
 
 def main():

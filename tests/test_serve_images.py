@@ -13,6 +13,7 @@ import base64
 import copy
 import http.server
 import io
+import logging
 import socket
 import threading
 
@@ -225,7 +226,7 @@ def test_engine_with_images_equals_model_generate_across_chunk_boundaries(served
         eng.submit(ids, GREEDY, images=[img1.astype(np.float32), img2])
 
 
-def test_a_new_image_size_compiles_in_the_background_while_others_decode(served, tiny_model, monkeypatch):
+def test_a_new_image_size_compiles_in_the_background_while_others_decode(served, tiny_model, monkeypatch, caplog):
     """The first image of a patch bucket no one has used (a 200×200 image: 256 patches, 64 tokens) has its tower
     program compiled in a background thread: its request waits at the head of the queue while a running text
     request keeps decoding, then runs and equals Model.generate. The compile is held on a gate here so that the
@@ -237,6 +238,7 @@ def test_a_new_image_size_compiles_in_the_background_while_others_decode(served,
     size = VB.bucket_for(256, tiny_model.config.vision)
     programs = VB.programs_for(tiny_model.vision)
     assert size == 256 and size not in programs._compiles, "the bucket must be new to this process"
+    caplog.set_level(logging.INFO, logger="kimi_jax.engine")
     gate, warm = threading.Event(), VB.BucketPrograms._warm
     monkeypatch.setattr(VB.BucketPrograms, "_warm", lambda self, n: (gate.wait(60), warm(self, n)))
     text = eng.submit(_prompt_with_image(tok, 40, 0, 0, seed=11)[:40],
@@ -248,6 +250,8 @@ def test_a_new_image_size_compiles_in_the_background_while_others_decode(served,
         ev = text._q.get(timeout=60)
         got += len(getattr(ev, "token_ids", ()) or ())
     assert not programs._compiles[size].done() and image_req._q.empty()
+    assert any(image_req.request_id in r.getMessage() and "patch buckets [256]" in r.getMessage()
+               for r in caplog.records)  # the log says why it waits
     gate.set()
     out, _ = image_req.collect(1)
     ref = tiny_model.generate([ids], GREEDY.max_tokens, images=[img])[0, len(ids):]

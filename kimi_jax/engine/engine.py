@@ -82,6 +82,7 @@ from .images import PromptImages
 from .prefix_cache import PrefixCache
 from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
 from ..cache import PAGE_TOKENS, CacheLayout
+from ..modules.vision_buckets import bucket_for
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls
@@ -140,6 +141,7 @@ class _Request:
     seqs: list = field(default_factory=list)
     cached_tokens: int = 0
     images: Optional[PromptImages] = None
+    waited_for_vision: bool = False  # logged once that it waits for a tower compile
     first_token_time: Optional[float] = None
     aborted: bool = False
     done: bool = False
@@ -467,6 +469,13 @@ class Engine:
                     continue  # that request failed and is gone
                 if not ready:
                     self._vision_pending = True  # compiling in the background; the others keep decoding
+                    head = self._waiting[0]
+                    req = head.req if isinstance(head, _Seq) else head
+                    if not req.waited_for_vision:
+                        req.waited_for_vision = True
+                        log.info("%s waits for the vision tower to compile for its image size (patch buckets %s); "
+                                 "running sequences keep decoding", req.request_id,
+                                 sorted({bucket_for(n, self.model.config.vision) for n in req.images.patches}))
                     return
                 if not self._encode_images(self._waiting[0]):
                     continue  # that request failed and is gone
