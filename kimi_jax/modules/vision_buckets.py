@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import VisionConfig
-from kimi_jax.modules.vision import VisionInputError, VisionTower, _axis_resize_matrix, rope_angles
+from kimi_jax.modules.vision import VisionInputError, VisionTower, _axis_resize_matrix, check_grid, rope_angles
 
 MIN_BUCKET = 64  # patches: smaller images pad to this (a 112×112-pixel image is 64 patches)
 
@@ -62,11 +62,10 @@ def host_inputs(table_SSD: np.ndarray, cfg: VisionConfig, h: int, w: int, size: 
     `[size / merge², merge²]` int32) of an (h, w)-patch image padded to `size` patches; `table_SSD`: the tower's
     learned position table as float32 numpy."""
     L, m = h * w, cfg.merge
-    table = table_SSD
-    a_h = _axis_resize_matrix(h, table.shape[0], cfg.pos_resize).astype(np.float32)
-    a_w = _axis_resize_matrix(w, table.shape[1], cfg.pos_resize).astype(np.float32)
-    pos = np.zeros((size, table.shape[2]), np.float32)
-    pos[:L] = np.einsum("wj,hjd->hwd", a_w, np.einsum("hi,ijd->hjd", a_h, table)).reshape(L, -1)
+    a_h = _axis_resize_matrix(h, table_SSD.shape[0], cfg.pos_resize).astype(np.float32)
+    a_w = _axis_resize_matrix(w, table_SSD.shape[1], cfg.pos_resize).astype(np.float32)
+    pos = np.zeros((size, table_SSD.shape[2]), np.float32)
+    pos[:L] = np.einsum("wj,hjd->hwd", a_w, np.einsum("hi,ijd->hjd", a_h, table_SSD)).reshape(L, -1)
     angles = np.zeros((size, cfg.head_dim // 2), np.float32)
     angles[:L] = rope_angles(h, w, cfg.head_dim, cfg.rope_theta)
     # merged token (R, C) holds patches (R·m + a, C·m + b), a, b < m, row-major within the block
@@ -126,13 +125,11 @@ class BucketPrograms:
     def features(self, patches, grid_thw) -> np.ndarray:
         """One image (t = 1): patches `[h·w, 3, p, p]` or `[h·w, 3·p·p]` -> features `[(h/m)(w/m), text_hidden]`
         (numpy, the parameters' dtype; cut to the image's rows on the host, where a slice compiles nothing)."""
-        t, h, w = (int(v) for v in grid_thw)
         cfg = self.cfg
+        ((t, h, w),) = check_grid(cfg, [grid_thw])  # positive, h and w whole merge blocks
         if t != 1:
             raise VisionInputError(f"bucketed image features take one frame, got grid {grid_thw}: use "
                                    "vision_features")
-        if h < 1 or w < 1 or h % cfg.merge or w % cfg.merge:
-            raise VisionInputError(f"grid h, w = {h}, {w} must be positive multiples of the merge size {cfg.merge}")
         L, P = h * w, 3 * cfg.patch_size ** 2
         x = np.asarray(patches, np.float32)
         if x.shape[0] != L or x.size != L * P:
