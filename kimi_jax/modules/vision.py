@@ -92,9 +92,10 @@ def image_token_count(grid_thw, merge: int = 2) -> int:
     return sum((h // merge) * (w // merge) for _, h, w in grid_thw)
 
 
-def _axis_resize_matrix(out_len: int, in_len: int, mode: str) -> np.ndarray:
-    """[out_len, in_len] float64 weights of F.interpolate along one axis (align_corners=False, no antialias, taps
-    outside the table clamped to its edge). Bicubic is Keys' kernel with a = -0.75, as torch."""
+def axis_resize_taps(out_len: int, in_len: int, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """F.interpolate along one axis (align_corners=False, no antialias) as taps: (table index `[out_len, K]` int32,
+    weight `[out_len, K]` float64), K = 2 (bilinear) or 4 (bicubic). Taps outside the table are clamped to its edge
+    (so an index can repeat; the weights then add). Bicubic is Keys' kernel with a = -0.75, as torch."""
     src = (np.arange(out_len) + 0.5) * in_len / out_len - 0.5
     base = np.floor(src)
     offsets = np.arange(0, 2) if mode == "bilinear" else np.arange(-1, 3)
@@ -107,10 +108,30 @@ def _axis_resize_matrix(out_len: int, in_len: int, mode: str) -> np.ndarray:
         near = ((a + 2) * dist - (a + 3)) * dist * dist + 1
         far = ((a * dist - 5 * a) * dist + 8 * a) * dist - 4 * a
         weight = np.where(dist <= 1, near, far)
+    return np.clip(taps, 0, in_len - 1).astype(np.int32), weight
+
+
+def _axis_resize_matrix(out_len: int, in_len: int, mode: str) -> np.ndarray:
+    """[out_len, in_len] float64: `axis_resize_taps` as a dense matrix."""
+    index, weight = axis_resize_taps(out_len, in_len, mode)
     out = np.zeros((out_len, in_len))
-    rows = np.broadcast_to(np.arange(out_len)[:, None], taps.shape)
-    np.add.at(out, (rows, np.clip(taps, 0, in_len - 1).astype(np.int64)), weight)
+    np.add.at(out, (np.broadcast_to(np.arange(out_len)[:, None], index.shape), index), weight)
     return out
+
+
+def gather_pos_table(table_ssD, row_index_LK, row_weight_LK, col_index_LK, col_weight_LK):
+    """The learned [S, S, D] table resampled at L arbitrary patches given their taps (`axis_resize_taps` rows
+    picked per patch, weights float32) -> `[L, D]` float32: Σ_a Σ_b rw[a]·cw[b]·table[ri[a], ci[b]]. K² row gathers
+    of the table instead of a grid-shaped matmul, so the patch grid need not be static (`vision_buckets`)."""
+    t = table_ssD.astype(jnp.float32)
+    K = row_index_LK.shape[1]
+    out_LD = jnp.zeros((row_index_LK.shape[0], t.shape[2]), jnp.float32)
+    for a in range(K):
+        row_LD = jnp.zeros_like(out_LD)
+        for b in range(K):
+            row_LD = row_LD + col_weight_LK[:, b, None] * t[row_index_LK[:, a], col_index_LK[:, b]]
+        out_LD = out_LD + row_weight_LK[:, a, None] * row_LD
+    return out_LD
 
 
 def resize_pos_table(table_ssD, h: int, w: int, mode: str):
@@ -325,12 +346,14 @@ class VisionTower(nnx.Module):
     def __call__(self, patches, grid_thw):
         return self.projector(self.encode(patches, grid_thw))
 
-    def features_padded(self, x_LP, pos_LD, angle_Lp, kv_len, merge_Mk):
+    def features_padded(self, x_LP, pos_taps, angle_Lp, kv_len, merge_Mk):
         """One image padded to L patches (`vision_buckets`): patches `[L, 3·p·p]` (the first kv_len real, the rest
-        anything finite), their position embedding `[L, D]` float32 and RoPE angles `[L, head_dim/2]`, and for
-        each merged token its merge² patch indices `[M, merge²]` int32 -> features `[M, text_hidden]` (rows past the
-        image's own token count are padding). Only shapes are static: one compile per (L, M)."""
+        anything finite), each patch's position-table taps `pos_taps` = (row index, row weight, column index,
+        column weight), each `[L, K]` (int32 / float32; `gather_pos_table`), RoPE angles `[L, head_dim/2]`, and
+        for each merged token its merge² patch indices `[M, merge²]` int32 -> features `[M, text_hidden]` (rows
+        past the image's own token count are padding). Only shapes are static: one compile per (L, M)."""
         dtype = self.patch_embed.kernel.dtype
+        pos_LD = gather_pos_table(self.pos_emb[...], *pos_taps)
         x_LD = (self.patch_embed(x_LP.astype(dtype)).astype(jnp.float32) + pos_LD).astype(dtype)
         grid = ((1, 1, x_LP.shape[0]),)  # one clip of L patches; the real (h, w) live in the inputs only
         for block in self.blocks:

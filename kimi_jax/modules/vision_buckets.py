@@ -7,8 +7,9 @@ L = h·w patches runs as the smallest bucket size L_b ≥ L of `patch_buckets` (
 at most 1.5× the patches, 18 sizes for K3's images), and everything that depends on (h, w) is an input computed
 on the host:
 
-* the position embedding `[L_b, D]`: the learned table resampled to (h, w) (`vision.resize_pos_table`'s math in
-  float32 numpy), row-major, zeros past L;
+* each patch's position-table taps (`vision.axis_resize_taps` of its row and column, zero weight past L): the
+  device resamples the learned table from them (`vision.gather_pos_table`, K² row gathers). Resampling on the host
+  instead was two GFLOP of numpy per 16K-patch image, 0.3 s, 5× the tower itself on an H200;
 * the RoPE angles `[L_b, head_dim/2]` (`vision.rope_angles`), zeros past L;
 * the real patch count L: attention masks the padded keys (`vision.attention(kv_len=...)`), so real patches see
   exactly the image's patches; padded patches compute finite garbage that nothing reads;
@@ -21,6 +22,7 @@ sums in another order). Video clips (t > 1) keep the exact path.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import VisionConfig
-from kimi_jax.modules.vision import VisionInputError, VisionTower, _axis_resize_matrix, check_grid, rope_angles
+from kimi_jax.modules.vision import VisionInputError, VisionTower, axis_resize_taps, check_grid, rope_angles
 
 MIN_BUCKET = 64  # patches: smaller images pad to this (a 112×112-pixel image is 64 patches)
 
@@ -57,15 +59,21 @@ def patch_buckets(cfg: VisionConfig) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def host_inputs(table_SSD: np.ndarray, cfg: VisionConfig, h: int, w: int, size: int):
-    """(position embedding `[size, D]` float32, RoPE angles `[size, head_dim/2]` float32, merge indices
-    `[size / merge², merge²]` int32) of an (h, w)-patch image padded to `size` patches; `table_SSD`: the tower's
-    learned position table as float32 numpy."""
-    L, m = h * w, cfg.merge
-    a_h = _axis_resize_matrix(h, table_SSD.shape[0], cfg.pos_resize).astype(np.float32)
-    a_w = _axis_resize_matrix(w, table_SSD.shape[1], cfg.pos_resize).astype(np.float32)
-    pos = np.zeros((size, table_SSD.shape[2]), np.float32)
-    pos[:L] = np.einsum("wj,hjd->hwd", a_w, np.einsum("hi,ijd->hjd", a_h, table_SSD)).reshape(L, -1)
+@functools.lru_cache(maxsize=64)  # a server sees the same few grids again and again; the arrays are read-only
+def host_inputs(cfg: VisionConfig, h: int, w: int, size: int):
+    """(position-table taps (row index, row weight, column index, column weight), each `[size, K]` int32 /
+    float32 — `vision.gather_pos_table` resamples the table from them on the device; RoPE angles
+    `[size, head_dim/2]` float32; merge indices `[size / merge², merge²]` int32) of an (h, w)-patch image padded
+    to `size` patches. Padded patches get taps of weight 0 and angle 0. Cached per (cfg, h, w, size)."""
+    L, m, S = h * w, cfg.merge, cfg.pos_table
+    rows, cols = np.divmod(np.arange(L), w)  # patch l sits at (l // w, l % w), row-major
+    taps = []
+    for n, at in ((h, rows), (w, cols)):
+        index_nK, weight_nK = axis_resize_taps(n, S, cfg.pos_resize)
+        index = np.zeros((size, index_nK.shape[1]), np.int32)
+        weight = np.zeros((size, index_nK.shape[1]), np.float32)
+        index[:L], weight[:L] = index_nK[at], weight_nK[at]
+        taps += [index, weight]
     angles = np.zeros((size, cfg.head_dim // 2), np.float32)
     angles[:L] = rope_angles(h, w, cfg.head_dim, cfg.rope_theta)
     # merged token (R, C) holds patches (R·m + a, C·m + b), a, b < m, row-major within the block
@@ -73,7 +81,9 @@ def host_inputs(table_SSD: np.ndarray, cfg: VisionConfig, h: int, w: int, size: 
     idx = ((R * m + a) * w + (C * m + b)).reshape((h // m) * (w // m), m * m)
     merge = np.zeros((size // (m * m), m * m), np.int32)
     merge[:len(idx)] = idx
-    return pos, angles, merge
+    for arr in (*taps, angles, merge):
+        arr.setflags(write=False)
+    return tuple(taps), angles, merge
 
 
 class BucketPrograms:
@@ -87,11 +97,13 @@ class BucketPrograms:
 
     def __init__(self, tower: VisionTower):
         self.cfg = tower.cfg  # the tower itself is not kept: `programs_for` caches by a weak reference to it
-        self._table = np.asarray(tower.pos_emb[...], np.float32)  # [S, S, D], resampled per image on the host
+        # patches cross to the device in the tower's dtype (half the bytes of float32 for a bf16 tower; the tower's
+        # first step rounds them to it anyway, and numpy's bf16 rounds to nearest even as XLA's does)
+        self._patch_dtype = np.dtype(tower.patch_embed.kernel.dtype)
         graphdef, self._state = nnx.split(tower)
 
-        def run(state, x_LP, pos_LD, angle_Lp, kv_len, merge_Mk):
-            return nnx.merge(graphdef, state).features_padded(x_LP, pos_LD, angle_Lp, kv_len, merge_Mk)
+        def run(state, x_LP, pos_taps, angle_Lp, kv_len, merge_Mk):
+            return nnx.merge(graphdef, state).features_padded(x_LP, pos_taps, angle_Lp, kv_len, merge_Mk)
 
         self._run = jax.jit(run)
         self._lock = threading.Lock()
@@ -99,12 +111,12 @@ class BucketPrograms:
         self._pool: ThreadPoolExecutor | None = None
 
     def _call(self, x_LP, h: int, w: int):
-        pos, angles, merge = host_inputs(self._table, self.cfg, h, w, x_LP.shape[0])
-        return self._run(self._state, x_LP, pos, angles, np.int32(h * w), merge)
+        pos_taps, angles, merge = host_inputs(self.cfg, h, w, x_LP.shape[0])
+        return self._run(self._state, x_LP, pos_taps, angles, np.int32(h * w), merge)
 
     def _warm(self, size: int) -> None:
         m = self.cfg.merge
-        jax.block_until_ready(self._call(np.zeros((size, 3 * self.cfg.patch_size ** 2), np.float32), m, m))
+        jax.block_until_ready(self._call(np.zeros((size, 3 * self.cfg.patch_size ** 2), self._patch_dtype), m, m))
 
     def prepare(self, sizes) -> bool:
         """Start compiling the bucket `sizes` not compiled or compiling yet (one background thread, in order);
@@ -134,8 +146,8 @@ class BucketPrograms:
         x = np.asarray(patches, np.float32)
         if x.shape[0] != L or x.size != L * P:
             raise VisionInputError(f"patches of shape {x.shape} do not fit grid {(t, h, w)}: expected [{L}, {P}]")
-        x_LP = np.zeros((bucket_for(L, cfg), P), np.float32)
-        x_LP[:L] = x.reshape(L, P)
+        x_LP = np.zeros((bucket_for(L, cfg), P), self._patch_dtype)
+        x_LP[:L] = x.reshape(L, P)  # float32 -> the tower's dtype
         return np.asarray(self._call(x_LP, h, w))[:(h // cfg.merge) * (w // cfg.merge)]
 
 
