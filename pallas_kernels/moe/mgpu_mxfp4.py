@@ -1281,20 +1281,15 @@ def tiled_config(rows_per_group: float, out_features: tuple[int, ...] = ()) -> M
     H200, session 23, FFN 2733 µs against 4015–4072 for `default_config`'s 64-row tiles with one warpgroup per CTA,
     3306 for 128-row tiles with 64-byte steps (separate) and 3213 for those fused with 3 stages — a 128-row tile's
     fp32 accumulators leave too few of the 232 registers for the decode. Other sizes (8 < rows <= 16, or widths the
-    warp-specialised kernel cannot split): `default_config`'s padded-plan shapes. Above 64 rows, when the FFN's
-    widths are known and D is whole 256-column items, down runs alone on four compute warpgroups (`down_config`,
-    64-byte steps; H200, session 24: −2% on the FFN at 146 rows, nothing at 32 or 64)."""
+    warp-specialised kernel cannot split): `default_config`'s padded-plan shapes. Down alone on four compute
+    warpgroups (`down_config`, 80 rows, 64-byte steps) measured −2% at 146 rows in one run (2672 / 2685 against
+    2729 µs) and ±0 in the next (2782 both), +2% at 32 rows, ±0 at 64 (H200, session 24): not a default."""
     if rows_per_group <= 8:
         return MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
     if rows_per_group > 16:
         rows = 40 if rows_per_group <= 32 else 80
         ws = MgpuConfig(rows=rows, kh=128, steps=4, ctas_per_sm=1, plan="xla", warpgroups=2, gate_up="fused")
         if all(n % (COLS * ws.warpgroups) == 0 for n in out_features):
-            if rows_per_group > 64 and out_features and out_features[-1] % (COLS * 4) == 0:
-                # prefill: down alone on four compute warpgroups, 64-byte steps (H200, session 24, 146 rows per
-                # expert: FFN 2672 / 2685 µs against 2729 in the same run; no gain at 32 or 64 rows)
-                ws = dataclasses.replace(ws, down_config=dataclasses.replace(ws, kh=64, steps=6, warpgroups=4,
-                                                                             gate_up="separate"))
             return ws
         if rows_per_group <= 32:
             return MgpuConfig(rows=40, kh=128, steps=3, ctas_per_sm=2, plan="xla")
