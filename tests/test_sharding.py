@@ -161,3 +161,24 @@ def test_checkpoint_places_experts_over_the_expert_axes_directly():
     out = subprocess.run([sys.executable, "-c", CKPT_EXPERT_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+IMAGES_ON_A_MESH_SCRIPT = textwrap.dedent("""
+    import numpy as np, kimi_jax
+    img = (np.random.RandomState(0).rand(60, 90, 3) * 255).astype(np.uint8)  # 3 x 4 merged tokens after padding
+    want = kimi_jax.load_model("tiny").encode_images([img])[0]
+    for mesh in ("8x1", "2x4"):
+        got = kimi_jax.load_model("tiny", mesh=mesh).encode_images([img])[0]
+        err = float(np.abs(got.astype(np.float32) - want.astype(np.float32)).max())
+        print(mesh, "ok" if got.shape == want.shape == (12, 64) and err < 1e-5 else f"FAILED {got.shape} {err}")
+""")
+
+
+def test_image_features_on_a_mesh_equal_one_device():
+    """`serve --mesh 8x1` with images: the vision tower's bucketed program runs on the model's mesh (parameters
+    placed there, host-made taps, angles and merge indices alongside) and gives one device's features."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", IMAGES_ON_A_MESH_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "8x1 ok" in out.stdout and "2x4 ok" in out.stdout, out.stdout
