@@ -132,19 +132,17 @@ class Model:
         `image_token_count` of the image's patch grid = (H'/28)·(W'/28) after `preprocess_image`'s resize and
         padding. images: RGB uint8 arrays `[H, W, 3]` (e.g. `np.asarray(PIL.Image.open(f).convert("RGB"))`).
         Each image runs padded to a bucket of patch counts (`modules.vision_buckets`): the tower compiles once
-        per bucket (18 over K3's image sizes), not once per image size."""
+        per bucket (18 over K3's image sizes), not once per image size; every image's run starts before the
+        first's features are fetched."""
         from .modules.vision import preprocess_image
-        from .modules.vision_buckets import image_features
+        from .modules.vision_buckets import images_features
 
         if self.vision is None:
             why = ("its config has no vision tower" if self.config.vision is None
                    else "the checkpoint holds no vision_tower.* / mm_projector.* tensors")
             raise ValueError(f"this model cannot take images: {why}")
-        out = []
-        for image in images:
-            patches, grid = preprocess_image(image, self.config.vision)
-            out.append(image_features(self.vision, patches, grid).astype(self.dtype))
-        return out
+        inputs = [preprocess_image(image, self.config.vision) for image in images]  # (patches, grid) each
+        return [f.astype(self.dtype) for f in images_features(self.vision, inputs)]
 
     def image_inputs(self, input_ids, images):
         """(features `[B, T, D]`, mask bool `[B, T]`) that put each image's features at its `<|media_pad|>` tokens,

@@ -302,6 +302,28 @@ def test_bucketed_image_equals_the_exact_path_and_the_transcription():
                                np.asarray(V.vision_features(tower, patches, ((1, 6, 10),))), atol=1e-5, rtol=0)
 
 
+def test_several_images_equal_each_alone_and_a_bad_one_runs_none(monkeypatch):
+    """`images_features` starts every image's program before fetching any: the results are each image's alone, and
+    an image that does not fit its grid is refused before anything runs."""
+    from kimi_jax.modules.vision_buckets import image_features, images_features, programs_for
+
+    cfg = K3_TINY
+    tower = V.load_vision_tower(k3_weights(cfg, seed=3), cfg)
+    rng = np.random.default_rng(4)
+    grids = ((1, 4, 8), (1, 10, 14), (1, 2, 2))  # three buckets: 64, 192, 64
+    images = [(rng.standard_normal((h * w, 3 * 14 * 14)).astype(np.float32), (t, h, w)) for t, h, w in grids]
+    got = images_features(tower, images)
+    for (patches, grid), feats in zip(images, got):
+        np.testing.assert_array_equal(feats, image_features(tower, patches, grid))
+    calls = []
+    programs = programs_for(tower)
+    original = programs._call
+    monkeypatch.setattr(programs, "_call", lambda *a: calls.append(a) or original(*a))
+    with pytest.raises(V.VisionInputError, match="do not fit grid"):
+        images_features(tower, [images[0], (images[1][0][:-2], images[1][1])])
+    assert calls == []
+
+
 def test_images_of_one_bucket_share_one_compile():
     """After the first image of a bucket, images of other sizes in it compile nothing (the engine thread would
     otherwise stall every stream for a whole tower compile per new image size)."""

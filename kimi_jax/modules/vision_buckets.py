@@ -135,9 +135,8 @@ class BucketPrograms:
                 raise f.exception()
         return all(f.done() for f in futures)
 
-    def features(self, patches, grid_thw) -> np.ndarray:
-        """One image (t = 1): patches `[h·w, 3, p, p]` or `[h·w, 3·p·p]` -> features `[(h/m)(w/m), text_hidden]`
-        (numpy, the parameters' dtype; cut to the image's rows on the host, where a slice compiles nothing)."""
+    def _padded(self, patches, grid_thw):
+        """One image checked and padded to its bucket -> (patches `[L_b, 3·p·p]` in the tower's dtype, h, w)."""
         cfg = self.cfg
         ((t, h, w),) = check_grid(cfg, [grid_thw])  # positive, h and w whole merge blocks
         if t != 1:
@@ -149,7 +148,20 @@ class BucketPrograms:
             raise VisionInputError(f"patches of shape {x.shape} do not fit grid {(t, h, w)}: expected [{L}, {P}]")
         x_LP = np.zeros((bucket_for(L, cfg), P), self._patch_dtype)
         x_LP[:L] = x.reshape(L, P)  # float32 -> the tower's dtype
-        return np.asarray(self._call(x_LP, h, w))[:(h // cfg.merge) * (w // cfg.merge)]
+        return x_LP, h, w
+
+    def features_many(self, images) -> list[np.ndarray]:
+        """Several images (t = 1), each (patches, grid_thw) as `features` takes them -> their features in order.
+        Every image's program is started before the first result is fetched, so one image's host work and
+        transfers overlap the previous ones' device time. Every image is checked before any runs."""
+        padded = [self._padded(patches, grid) for patches, grid in images]
+        runs = [(self._call(x_LP, h, w), (h // self.cfg.merge) * (w // self.cfg.merge)) for x_LP, h, w in padded]
+        return [np.asarray(feats)[:M] for feats, M in runs]  # cut on the host, where a slice compiles nothing
+
+    def features(self, patches, grid_thw) -> np.ndarray:
+        """One image (t = 1): patches `[h·w, 3, p, p]` or `[h·w, 3·p·p]` -> features `[(h/m)(w/m), text_hidden]`
+        (numpy, the parameters' dtype)."""
+        return self.features_many([(patches, grid_thw)])[0]
 
 
 _PROGRAMS: "weakref.WeakKeyDictionary[VisionTower, BucketPrograms]" = weakref.WeakKeyDictionary()
@@ -162,6 +174,12 @@ def programs_for(tower: VisionTower) -> BucketPrograms:
         if tower not in _PROGRAMS:
             _PROGRAMS[tower] = BucketPrograms(tower)
         return _PROGRAMS[tower]
+
+
+def images_features(tower: VisionTower, images) -> list[np.ndarray]:
+    """`image_features` of several images, (patches, grid_thw) each, their programs started back to back
+    (`BucketPrograms.features_many`)."""
+    return programs_for(tower).features_many(images)
 
 
 def image_features(tower: VisionTower, patches, grid_thw) -> np.ndarray:
