@@ -10,8 +10,10 @@ TFLOP/s against a dense bf16 matmul measured in the same run (the ceiling the to
 "materialised" (float32 scores per chunk of 2048 queries, the CPU / float32 path) or "both" (each, same run). No bar in
 BENCHMARKS.md: this is for information (how long an image prompt waits for its features).
 `--path bucketed` times what the engine runs instead (`modules.vision_buckets.image_features`: the image padded to
-its patch bucket, positions / angles / merge indices made on the host, features brought back to the host), end to
-end per image; "both" times each. Sides whose patch count is not a bucket size (e.g. 1000 px: 5184 patches, bucket
+its patch bucket, table taps / angles / merge indices made on the host, features brought back to the host), end to
+end per image; "many" times `reps` images in one `images_features` call (as `Model.encode_images` runs a
+request's images: every run started before the first result is fetched); "both" times exact and bucketed, "all" the
+three. Sides whose patch count is not a bucket size (e.g. 1000 px: 5184 patches, bucket
 6144) show the padding's cost.
 `--smoke` runs a toy tower on the CPU.
 """
@@ -35,7 +37,7 @@ from _timing import pipelined_seconds  # noqa: E402
 from kimi_jax.config import VisionConfig  # noqa: E402
 from kimi_jax.modules import vision as V  # noqa: E402
 from kimi_jax.modules.vision import VisionTower, image_token_count, preprocess_image, vision_features  # noqa: E402
-from kimi_jax.modules.vision_buckets import image_features  # noqa: E402
+from kimi_jax.modules.vision_buckets import image_features, images_features  # noqa: E402
 
 
 def tower_flops(cfg: VisionConfig, n_patches: int) -> float:
@@ -61,8 +63,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--attention", default="both", choices=("both", "fused", "materialised"),
                     help="per-image attention path(s) to time (fused needs a GPU; skipped elsewhere)")
-    ap.add_argument("--path", default="exact", choices=("exact", "bucketed", "both"),
-                    help="exact: vision_features (compiled per grid); bucketed: the engine's image_features")
+    ap.add_argument("--path", default="exact", choices=("exact", "bucketed", "both", "many", "all"),
+                    help="exact: vision_features (compiled per grid); bucketed: the engine's image_features, one "
+                         "image per call; many: `reps` images per call (images_features, as Model.encode_images "
+                         "runs a request's images); both: exact and bucketed; all: the three")
     ap.add_argument("--smoke", action="store_true", help="toy tower on the CPU (checks the script runs)")
     args = ap.parse_args()
     if args.smoke:
@@ -86,7 +90,8 @@ def main() -> int:
             continue
         V.fused_attention_available = (lambda *a, fused=(path == "fused"): fused)
         jax.clear_caches()  # `vision_features` compiled per grid: retrace with this path
-        for how in (("exact", "bucketed") if args.path == "both" else (args.path,)):
+        hows = {"both": ("exact", "bucketed"), "all": ("exact", "bucketed", "many")}.get(args.path, (args.path,))
+        for how in hows:
             for side, image in zip(sides, images):
                 patches, grid = preprocess_image(image, cfg)
                 t0 = time.time()
@@ -95,12 +100,18 @@ def main() -> int:
                     jax.block_until_ready(vision_features(tower, patches, (grid,)))
                     compile_s = time.time() - t0
                     seconds = pipelined_seconds(lambda p: vision_features(tower, p, (grid,)), patches, reps=reps)
-                else:  # end to end per image, as the engine calls it (returns host arrays: each call waits)
+                elif how == "bucketed":  # end to end per image, one per call (returns host arrays: each waits)
                     image_features(tower, patches, grid)
                     compile_s = time.time() - t0
                     t0 = time.perf_counter()
                     for _ in range(reps):
                         image_features(tower, patches, grid)
+                    seconds = (time.perf_counter() - t0) / reps
+                else:  # `reps` images in one call: every run started before the first result is fetched
+                    image_features(tower, patches, grid)
+                    compile_s = time.time() - t0
+                    t0 = time.perf_counter()
+                    images_features(tower, [(patches, grid)] * reps)
                     seconds = (time.perf_counter() - t0) / reps
                 n = grid[1] * grid[2]
                 tokens = image_token_count([grid], cfg.merge)
