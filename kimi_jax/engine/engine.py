@@ -82,7 +82,6 @@ from .images import PromptImages
 from .prefix_cache import PrefixCache
 from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
 from ..cache import PAGE_TOKENS, CacheLayout
-from ..modules.vision_buckets import bucket_for
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls
@@ -162,6 +161,11 @@ class _Prefill:
     pos: int = 0  # tokens already in cache1 / keys[0]'s pages
     prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
     cache1: object = None
+
+
+def _request_of(item) -> _Request:
+    """The request of a waiting queue entry: a new request, or a preempted sequence's."""
+    return item.req if isinstance(item, _Seq) else item
 
 
 class Engine:
@@ -469,13 +473,6 @@ class Engine:
                     continue  # that request failed and is gone
                 if not ready:
                     self._vision_pending = True  # compiling in the background; the others keep decoding
-                    head = self._waiting[0]
-                    req = head.req if isinstance(head, _Seq) else head
-                    if not req.waited_for_vision:
-                        req.waited_for_vision = True
-                        log.info("%s waits for the vision tower to compile for its image size (patch buckets %s); "
-                                 "running sequences keep decoding", req.request_id,
-                                 sorted({bucket_for(n, self.model.config.vision) for n in req.images.patches}))
                     return
                 if not self._encode_images(self._waiting[0]):
                     continue  # that request failed and is gone
@@ -502,30 +499,35 @@ class Engine:
 
     def _images_ready(self, item) -> Optional[bool]:
         """Whether a waiting request's images can be encoded now (their tower programs compiled; compiles start in
-        the background otherwise).  A failed compile ends the request like a failed encode: None then."""
-        req = item.req if isinstance(item, _Seq) else item
+        the background otherwise, and the first wait is logged).  A failed compile ends the request like a failed
+        encode: None then."""
+        req = _request_of(item)
         if req.images is None:
             return True
         try:
-            return req.images.ready(self.model)
+            ready = req.images.ready(self.model)
         except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
             log.exception("vision tower failed to compile for the images of request %s; aborting it", req.request_id)
             self._drop_waiting(item)
             return None
+        if not ready and not req.waited_for_vision:
+            req.waited_for_vision = True
+            log.info("%s waits for the vision tower to compile for its image size (patch buckets %s); running "
+                     "sequences keep decoding", req.request_id, req.images.buckets(self.model.config.vision))
+        return ready
 
     def _drop_waiting(self, item) -> None:
         """Take a waiting request (or preempted sequence) whose images failed off the queue and end it."""
-        req = item.req if isinstance(item, _Seq) else item
         self._waiting.popleft()
         if isinstance(item, _Seq):
             self._end_seq(item, "abort", None, [])
         else:
-            self._finish_request(req)
+            self._finish_request(item)
 
     def _encode_images(self, item) -> bool:
         """Run the vision tower for a waiting request's images (once: a resumed sequence has them).  A failure
         ends that request (aborted, logged) and takes it off the queue; returns False then."""
-        req = item.req if isinstance(item, _Seq) else item
+        req = _request_of(item)
         if req.images is None or req.images.features is not None:
             return True
         try:

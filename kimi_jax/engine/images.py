@@ -93,9 +93,15 @@ class PromptImages:
         when not (``BucketPrograms.prepare``; a failed compile raises here). True once encoded."""
         if self.features is not None:
             return True
-        from ..modules.vision_buckets import bucket_for, programs_for
+        from ..modules.vision_buckets import programs_for
 
-        return programs_for(model.vision).prepare([bucket_for(n, model.config.vision) for n in self.patches])
+        return programs_for(model.vision).prepare(self.buckets(model.config.vision))
+
+    def buckets(self, vision_cfg) -> list[int]:
+        """The patch-count buckets (`modules.vision_buckets.bucket_for`) these images run in, ascending."""
+        from ..modules.vision_buckets import bucket_for
+
+        return sorted({bucket_for(n, vision_cfg) for n in self.patches})
 
     def encode(self, model) -> None:
         """Run the vision tower once (``Model.encode_images``); keeps ``features [N, D]`` and drops the pixels."""
