@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from ..kernels import KernelConfig
 from ..paged_cache import NULL_BLOCK, LayerPool, PagedCacheSpec
 from .attn_res import AttnResMix
-from .kda import KDACache, KimiDeltaAttention
+from .kda import KDACache, KDAPending, KimiDeltaAttention, commit as kda_commit
 from .layers import Linear, RMSNorm, activation_fn, normal_init
 from .mla import MLACache, MultiHeadLatentAttention, PagedMLACache
 from .moe import MoE, DenseMLP
@@ -154,10 +154,10 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResMix(D, eps, rngs=rngs, dtype=dtype)
             self.mlp_res = AttnResMix(D, eps, rngs=rngs, dtype=dtype)
 
-    def attn(self, h, cache, start, mla_form):
+    def attn(self, h, cache, start, mla_form, defer_kda=False):
         x = self.input_layernorm(h)
         if self.kind == "kda":
-            return self.self_attn(x, cache)
+            return self.self_attn(x, cache, defer=defer_kda)
         return self.self_attn(x, cache, start, form=mla_form)
 
     def ffn(self, h):
@@ -180,13 +180,16 @@ class KimiForCausalLM(nnx.Module):
             self.output_attn_res = AttnResMix(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
 
-    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None):
+    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None,
+                      defer_kda: bool = False):
         """Final normed hidden states `[B, T, D]` and the new cache (None without one).
 
         `cache`: a contiguous `ModelCache` or a `PagedModelCache` (MLA layers then run on the paged pools; the
         caller's block tables must already cover positions length…length+T−1 of every sequence written).
         `mm`: None, or (features `[B, T, D]`, mask bool `[B, T]`): where the mask is set the input embedding is the
-        feature row instead of the token's (image tokens: the vision tower's output at each `<|media_pad|>`)."""
+        feature row instead of the token's (image tokens: the vision tower's output at each `<|media_pad|>`).
+        `defer_kda`: speculative verification — the new cache's KDA layers are `KDAPending` (nothing committed) and
+        its length counts all T tokens; `commit_verify` then keeps each sequence's accepted prefix."""
         cfg = self.cfg
         start = cache.length if cache is not None else jnp.zeros((), jnp.int32)
         h0 = jnp.take(self.embed_tokens[...], ids_bt, axis=0)
@@ -207,12 +210,12 @@ class KimiForCausalLM(nnx.Module):
                 if i % block == 0:
                     blocks.append(prefix)
                     prefix = None
-                a, c = layer.attn(h, layer_cache, start, mla_form)
+                a, c = layer.attn(h, layer_cache, start, mla_form, defer_kda)
                 prefix = a if prefix is None else prefix + a
                 h = layer.mlp_res(blocks + [prefix])
                 prefix = prefix + layer.ffn(h)
             else:  # plain pre-norm residual stream
-                a, c = layer.attn(prefix, layer_cache, start, mla_form)
+                a, c = layer.attn(prefix, layer_cache, start, mla_form, defer_kda)
                 prefix = prefix + a
                 prefix = prefix + layer.ffn(prefix)
             new_layers.append(c.pool if isinstance(c, PagedMLACache) else c)
@@ -225,8 +228,22 @@ class KimiForCausalLM(nnx.Module):
             new_cache = ModelCache(cache.length + ids_bt.shape[1], tuple(new_layers))
         return h, new_cache
 
-    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None):
-        h, new_cache = self.hidden_states(ids_bt, cache, mla_form=mla_form, mm=mm)
+    def commit_verify(self, cache: AnyCache, old_length, keep_b) -> AnyCache:
+        """After a `defer_kda` pass over T tokens from `old_length` `[B]`: the cache holding only the first
+        `keep_b[b]` (0 ≤ keep ≤ T) of them. KDA layers replay their recurrence over the kept tokens
+        (`modules.kda.commit`); MLA rows past the new length stay where they were written and are overwritten
+        before anything reads them (every step writes its positions before attending)."""
+        keep_b = jnp.asarray(keep_b, jnp.int32)
+        layers = tuple(kda_commit(c, keep_b, layer.self_attn.backend) if isinstance(c, KDAPending) else c
+                       for layer, c in zip(self.layers, cache.layers))
+        length = jnp.asarray(old_length, jnp.int32) + keep_b
+        if isinstance(cache, PagedModelCache):
+            return cache.replace(length=length, layers=layers)
+        return ModelCache(length, layers)
+
+    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None,
+                 defer_kda: bool = False):
+        h, new_cache = self.hidden_states(ids_bt, cache, mla_form=mla_form, mm=mm, defer_kda=defer_kda)
         if self.lm_head is None:
             logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
         else:

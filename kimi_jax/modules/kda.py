@@ -4,6 +4,12 @@ Cache per sequence (`KDACache`): recurrent state `[B, H, dk, dv]` float32 and th
 (`[B, K−1, P]` each). Prefill (T > 1) runs the chunked op, decode (T == 1) the recurrent op; both are the ops of
 `pallas_kernels.kda`, so swapping in a kernel changes nothing here.
 
+Speculative verification (`defer=True`, SPEC §12): the layer runs T tokens (the last accepted token + drafts) with
+the recurrent op but does not commit a state; it returns a `KDAPending` (the old cache and the T tokens' inputs to
+the recurrence and the convs). Once the engine knows how many of the T tokens each sequence keeps, `commit` replays
+the recurrence over just those (the rest made inert: no decay, no write) and cuts the conv tails there. This costs
+one more pass over the state instead of keeping T states per layer alive until acceptance.
+
 Context parallelism (`sharding.context_parallel.active_context()`, set while `sharding.model_context` traces a
 forward inside a shard_map): in "token" mode this device holds a contiguous slice of the prompt — the convs take
 their K−1 halo from the previous device, padded tail tokens are made inert (g = 0, β = 0), and the delta rule runs
@@ -42,6 +48,45 @@ class KDACache(NamedTuple):
         return KDACache(jnp.zeros((batch, H, d, d), jnp.float32), tail(), tail(), tail())
 
 
+class KDAPending(NamedTuple):
+    """A verify pass's uncommitted KDA update: the cache before it and, for its T tokens, the recurrence inputs
+    (q, k `[B, T, H, dk]` L2-normalised, v `[B, T, H, dv]`, log-decay g `[B, T, H, dk]` float32, beta `[B, T, H]`
+    float32) and the raw projections that enter the convs (`[B, T, P]`, the tails' dtype)."""
+
+    old: KDACache
+    q_bthk: jax.Array
+    k_bthk: jax.Array
+    v_bthv: jax.Array
+    g_bthk: jax.Array
+    beta_bth: jax.Array
+    q_in_btp: jax.Array
+    k_in_btp: jax.Array
+    v_in_btp: jax.Array
+
+
+def commit(pending: KDAPending, keep_b, backend: str = "reference") -> KDACache:
+    """The cache after the first `keep_b[b]` of the verify pass's T tokens (0 ≤ keep ≤ T, int `[B]`).
+
+    State: the recurrent op over all T steps with steps t ≥ keep made inert (g = 0, β = 0 leave the state as it is),
+    from the old state. Conv tails: the last K−1 inputs of (old tail ++ the kept tokens' projections)."""
+    old = pending.old
+    B, T = pending.beta_bth.shape[:2]
+    kept_bt = jnp.arange(T, dtype=jnp.int32)[None, :] < jnp.asarray(keep_b, jnp.int32).reshape(B, 1)
+    g = jnp.where(kept_bt[:, :, None, None], pending.g_bthk, 0.0)
+    beta = jnp.where(kept_bt[:, :, None], pending.beta_bth, 0.0)
+    _, state = kda_kernels.recurrent(pending.q_bthk, pending.k_bthk, pending.v_bthv, g, beta, old.state_bhkv,
+                                     backend=backend)
+    Km1 = old.q_tail_bkp.shape[1]
+    rows_bj = jnp.asarray(keep_b, jnp.int32).reshape(B, 1) + jnp.arange(Km1, dtype=jnp.int32)[None, :]
+
+    def tail(old_tail, new_btp):
+        xx = jnp.concatenate([old_tail.astype(new_btp.dtype), new_btp], axis=1)  # [B, K−1+T, P]
+        return jnp.take_along_axis(xx, rows_bj[:, :, None], axis=1).astype(old_tail.dtype)
+
+    return KDACache(state, tail(old.q_tail_bkp, pending.q_in_btp), tail(old.k_tail_bkp, pending.k_in_btp),
+                    tail(old.v_tail_bkp, pending.v_in_btp))
+
+
 class KimiDeltaAttention(nnx.Module):
     def __init__(self, hidden: int, cfg: KDAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  kernels: KernelConfig = KernelConfig()):
@@ -69,8 +114,12 @@ class KimiDeltaAttention(nnx.Module):
             self.g_b_proj = Linear(cfg.output_gate_rank, P, rngs=rngs, dtype=dtype)
         self.o_proj = Linear(P, hidden, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x_btd, cache: Optional[KDACache] = None, *, use_chunk: Optional[bool] = None):
-        """x `[B, T, D]` (after input_layernorm) -> (out `[B, T, D]`, new KDACache)."""
+    def __call__(self, x_btd, cache: Optional[KDACache] = None, *, use_chunk: Optional[bool] = None,
+                 defer: bool = False):
+        """x `[B, T, D]` (after input_layernorm) -> (out `[B, T, D]`, new KDACache).
+
+        `defer`: speculative verification — run the T tokens with the recurrent op and return a `KDAPending`
+        instead of the new cache (`commit` turns it into one once the kept length is known)."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
         H, d = cfg.num_heads, cfg.head_dim
@@ -79,24 +128,35 @@ class KimiDeltaAttention(nnx.Module):
         ctx = cp.active_context()
         token_split = ctx is not None and ctx.mode == "token"
 
-        def branch(proj, conv_w, tail):
+        if defer and ctx is not None:
+            raise ValueError("speculative verification (defer=True) does not run under context parallelism")
+        raw = {}
+
+        def branch(name, proj, conv_w, tail):
+            x_btp = proj(x_btd)
+            raw[name] = x_btp
             if token_split:  # K−1 halo from the previous device; the tail of the whole (unpadded) prompt
-                y, new_tail = cp.conv_token_split_shard(proj(x_btd), conv_w[...], tail, axis=ctx.axis,
+                y, new_tail = cp.conv_token_split_shard(x_btp, conv_w[...], tail, axis=ctx.axis,
                                                         valid_len=ctx.valid_len)
             else:
-                y, new_tail = kda_ops.causal_conv(proj(x_btd), conv_w[...], tail)
+                y, new_tail = kda_ops.causal_conv(x_btp, conv_w[...], tail)
             return jax.nn.silu(y).reshape(B, T, H, d), new_tail
 
-        q, q_tail = branch(self.q_proj, self.q_conv1d, cache.q_tail_bkp)
-        k, k_tail = branch(self.k_proj, self.k_conv1d, cache.k_tail_bkp)
-        v, v_tail = branch(self.v_proj, self.v_conv1d, cache.v_tail_bkp)
+        q, q_tail = branch("q", self.q_proj, self.q_conv1d, cache.q_tail_bkp)
+        k, k_tail = branch("k", self.k_proj, self.k_conv1d, cache.k_tail_bkp)
+        v, v_tail = branch("v", self.v_proj, self.v_conv1d, cache.v_tail_bkp)
         q, k = kda_ops.l2norm(q), kda_ops.l2norm(k)
         f = self.f_b_proj(self.f_a_proj(x_btd), out_dtype=jnp.float32).reshape(B, T, H, d)
         g = kda_ops.gate(f, self.A_log[...][:H], self.dt_bias[...].reshape(H, d), cfg.gate_form,
                          cfg.gate_lower_bound)
         beta = jax.nn.sigmoid(self.b_proj(x_btd, out_dtype=jnp.float32))
         if use_chunk is None:
-            use_chunk = T > 1
+            use_chunk = T > 1 and not defer
+        pending = None
+        if defer:
+            tails = lambda name, old: raw[name].astype(old.dtype)
+            pending = KDAPending(cache, q, k, v, g, beta, tails("q", cache.q_tail_bkp), tails("k", cache.k_tail_bkp),
+                                 tails("v", cache.v_tail_bkp))
         if token_split:
             real_t = ctx.token_mask(T)  # [T] bool: False on the padding after the prompt
             g = jnp.where(real_t[None, :, None, None], g, 0.0)  # inert steps: no decay, no write
@@ -118,4 +178,6 @@ class KimiDeltaAttention(nnx.Module):
             gate = self.g_b_proj(self.g_a_proj(x_btd), out_dtype=jnp.float32)
         o = o * jax.nn.sigmoid(gate.reshape(B, T, H, d))
         out = self.o_proj(o.reshape(B, T, H * d).astype(x_btd.dtype))
+        if pending is not None:
+            return out, pending
         return out, KDACache(state, q_tail, k_tail, v_tail)

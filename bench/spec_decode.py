@@ -1,0 +1,148 @@
+"""Speculative decoding (SPEC §12): output tokens/s of the engine with prompt-lookup drafts against the same engine
+decoding one token per step, in one process, on one model.
+
+    python bench/spec_decode.py                 # CPU: the tiny model (fp32), 4 slots
+    python bench/spec_decode.py --gpu           # one GPU: kimi-k3.1-reduced in bf16 (K3.1 at full width, 4 layers)
+
+One engine with ``speculative_tokens = k`` serves every run; its proposer is swapped between runs (``None`` runs the
+one-token ``step`` program, the baseline).  Scenarios, each at 1 and at ``--max-num-seqs`` concurrent requests
+(greedy, ``ignore_eos``, ``--max-tokens`` each):
+
+* ``repeat`` -- a logit bias makes every output one token repeated: prompt lookup drafts hit from the third token
+  on, so this is the mechanism's best case (tokens per verify step near k + 1);
+* ``reject`` -- a proposer that drafts k tokens the model never takes: every step is a verify step that emits one
+  token, the worst case (what a useless draft costs);
+* ``natural`` -- random prompts through the n-gram proposer on random weights: drafts are rare, so this is the
+  cost of looking (host-side lookups, the occasional verify step).
+
+Per run: output tokens/s (all requests' tokens / wall time), verify steps, drafts proposed / accepted, and the ratio
+to the baseline of the same scenario and concurrency.  Every run's outputs are checked equal to the baseline's
+(greedy) before anything is printed.  Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail`` last
+(no bar in BENCHMARKS.md: "info"); writes spec_decode.json to ``$OUT`` when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+class WrongProposer:
+    """Drafts k tokens that differ from the biased output token: always rejected."""
+
+    def __init__(self, k: int, avoid: int, vocab: int):
+        self.k, self.avoid, self.vocab = k, avoid, vocab
+
+    def propose(self, seq_id, tokens, max_tokens):
+        t = (self.avoid + 1) % self.vocab
+        return [t] * min(self.k, max_tokens)
+
+    def forget(self, seq_id):
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="kimi-k3.1-reduced in bf16, 32 slots (default: tiny on CPU)")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    ap.add_argument("--k", type=int, default=4, help="drafts per verify step (default 4)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="slots (default 4 on CPU, 32 with --gpu)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (CPU 48, GPU 128)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--scenarios", default="repeat,reject,natural")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import kimi_jax
+    from kimi_jax.engine import Engine, EngineConfig, SamplingParams
+    from kimi_jax.engine.ngram import NgramProposer
+    from kimi_jax.tokenizer import Tokenizer
+
+    preset = args.preset or ("kimi-k3.1-reduced" if args.gpu else "tiny")
+    dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    B = args.max_num_seqs or (32 if args.gpu else 4)
+    max_tokens = args.max_tokens or (128 if args.gpu else 48)
+    K = args.k
+    t0 = time.perf_counter()
+    model = kimi_jax.load_model(preset, dtype=dtype)
+    tok = Tokenizer.tiny()
+    V = model.config.vocab_size
+    print(f"# {preset} {dtype} on {jax.devices()[0].device_kind}: loaded in {time.perf_counter() - t0:.1f}s",
+          flush=True)
+    chunks = (64, 1) if args.prompt_tokens < 256 else (256, 64, 1)
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=B, max_model_len=args.prompt_tokens + max_tokens + 64,
+                                             prefill_chunk_sizes=chunks, speculative_tokens=K,
+                                             parallel_compile=args.gpu))
+    t0 = time.perf_counter()
+    engine.start()
+    print(f"# engine: {B} slots, k = {K}, compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    ngram = engine.proposer
+    rng = np.random.default_rng(0)
+    biased = 13 % V
+
+    def workload(scenario, n):
+        prompts = [rng.integers(0, min(V, 1000), args.prompt_tokens).tolist() for _ in range(n)]
+        bias = {biased: 100.0} if scenario in ("repeat", "reject") else {}
+        return prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logit_bias=bias)
+
+    def run(proposer, prompts, params):
+        engine.proposer = proposer
+        s0 = engine.stats()
+        t = time.perf_counter()
+        streams = [engine.submit(p, params) for p in prompts]
+        outs = [s.collect(1)[0][0].token_ids for s in streams]
+        wall = time.perf_counter() - t
+        s1 = engine.stats()
+        d = lambda key: s1[key] - s0[key]
+        return outs, dict(seconds=wall, tokens=sum(map(len, outs)), tok_per_s=sum(map(len, outs)) / wall,
+                          steps=d("num_steps"), verify_steps=d("spec_verify_steps"),
+                          drafted=d("spec_draft_tokens"), accepted=d("spec_accepted_tokens"))
+
+    # warm-up: every program once (prefill, step, verify)
+    wp, wparams = workload("repeat", 2)
+    run(None, wp, wparams)
+    run(ngram, wp, wparams)
+
+    rows, doc = [], {"preset": preset, "dtype": dtype, "device": jax.devices()[0].device_kind, "slots": B, "k": K,
+                     "max_tokens": max_tokens, "prompt_tokens": args.prompt_tokens, "runs": []}
+    for scenario in args.scenarios.split(","):
+        for n in (1, B):
+            prompts, params = workload(scenario, n)
+            base_out, base = run(None, prompts, params)
+            proposer = ngram if scenario != "reject" else WrongProposer(K, biased, V)
+            spec_out, spec = run(proposer, prompts, params)
+            if spec_out != base_out:
+                print(f"ERROR: {scenario} x {n}: speculative output differs from the baseline", flush=True)
+                return 1
+            ratio = spec["tok_per_s"] / base["tok_per_s"]
+            acc = spec["accepted"] / max(spec["drafted"], 1)
+            print(f"{scenario:8s} x {n:3d}: baseline {base['tok_per_s']:9.1f} tok/s ({base['steps']} steps), "
+                  f"speculative {spec['tok_per_s']:9.1f} tok/s ({spec['steps']} steps, {spec['verify_steps']} verify, "
+                  f"{spec['accepted']}/{spec['drafted']} drafts kept = {acc:.2f}) -> {ratio:.2f}x", flush=True)
+            doc["runs"].append(dict(scenario=scenario, requests=n, baseline=base, speculative=spec, ratio=ratio))
+            rows.append((f"spec decode {scenario}", f"{n} req x {max_tokens} tok, k={K}",
+                         f"{spec['tok_per_s']:.1f} tok/s", f"{base['tok_per_s']:.1f}", f"{ratio:.2f}", "info", "-"))
+    engine.shutdown()
+    print("\nname, shape, ours, peer, ratio, bar, pass/fail")
+    for r in rows:
+        print(", ".join(r))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "spec_decode.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

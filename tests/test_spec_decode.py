@@ -1,0 +1,338 @@
+"""Speculative decoding (SPEC §12): the prompt-lookup proposer, the KDA roll-back (`modules.kda.commit`), the
+acceptance rule fused into the verify program (`spec_decode.verify_sample`), and the engine end to end.
+
+What must hold: greedy output with speculation equals greedy output without it, whatever the drafts (right, wrong or
+partly right); sampled output follows the target distribution exactly; a row without drafts draws exactly what the
+one-token step draws; nothing recompiles.  The engine here: 4 slots x 256 tokens, k = 3; its reference runs are the
+same engine with the proposer switched off (the one-token ``step`` program).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_jax.engine import Engine, EngineConfig, SamplingParams, TokenSequenceGuide, compile_watch
+from kimi_jax.engine.ngram import NgramProposer
+from kimi_jax.engine.sampler import Controls, RowParams, Tables, empty_controls, sample
+from kimi_jax.engine.spec_decode import verify_sample
+from kimi_jax.modules.kda import KDACache, KimiDeltaAttention, commit
+from kimi_jax.tokenizer import Tokenizer
+
+K = 3
+
+
+# ================================================================================================== the proposer
+def test_ngram_proposer_takes_the_latest_longest_match():
+    p = NgramProposer(3, min_n=2, max_n=3)
+    ctx = [1, 2, 3, 4, 5, 9, 2, 3]
+    assert p.propose("a", ctx, 10) == [4, 5, 9]  # (2, 3) was followed by 4 5 9
+    ctx += [4]
+    assert p.propose("a", ctx, 10) == [5, 9, 2]  # the index grew with the context
+    assert p.propose("a", ctx, 1) == [5]  # capped by the room left
+    assert p.propose("a", ctx, 0) == []
+    ctx2 = [7, 8, 1, 2, 5, 6, 0, 8, 1, 2]  # (8, 1, 2) occurred at 1..3
+    assert p.propose("b", ctx2, 3) == [5, 6, 0]
+    ctx3 = [1, 2, 7, 3, 1, 2, 9, 3, 1, 2]  # (3, 1, 2) matches at 3..5 -> 9; (1, 2)'s latest is also there
+    assert p.propose("c", ctx3, 2) == [9, 3]
+    assert p.propose("d", [1, 2, 3], 5) == []  # nothing repeats
+    assert p.propose("e", [7, 7, 7, 7], 5) == [7, 7, 7]  # a run continues
+    assert p.propose("f", [1, 2, 3, 1, 2, 3, 1, 2], 3) == [3, 1, 2]  # so does a cycle past the context's end
+    assert NgramProposer(5, 2, 2).propose("g", [4, 1, 2, 1, 2], 9) == [1, 2, 1, 2, 1]
+
+
+def test_ngram_proposer_prefers_the_longer_match():
+    p = NgramProposer(2, min_n=1, max_n=2)
+    # (5) last occurred before 6; (4, 5) occurred before 8
+    assert p.propose("a", [4, 5, 8, 0, 5, 6, 1, 4, 5], 2) == [8, 0]
+
+
+def test_ngram_proposer_reindexes_a_different_context_and_forgets():
+    p = NgramProposer(2, min_n=1, max_n=1)
+    assert p.propose("s", [1, 2, 1], 2) == [2, 1]
+    assert p.propose("s", [3, 4, 3], 2) == [4, 3]  # same id, other tokens: not the old index
+    p.forget("s")
+    p.forget("never-seen")
+    assert p.propose("s", [5, 6, 5], 1) == [6]
+
+
+@pytest.mark.parametrize("kw", [dict(k=0), dict(k=2, min_n=0), dict(k=2, min_n=3, max_n=2)])
+def test_ngram_proposer_rejects_bad_settings(kw):
+    with pytest.raises(ValueError):
+        NgramProposer(**kw)
+
+
+# ================================================================================================== KDA roll-back
+def test_kda_commit_keeps_exactly_the_accepted_prefix(tiny_model):
+    """A deferred pass over T tokens, committed at keep[b], leaves the state and conv tails that running only the
+    first keep[b] tokens leaves (the engine's decode op, token by token)."""
+    cfg = tiny_model.config
+    layer = KimiDeltaAttention(cfg.hidden_size, cfg.kda, rngs=nnx.Rngs(0))
+    B, T = 3, K + 1
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+    start = KDACache.zeros(B, cfg.kda, jnp.float32)
+    _, start = layer(jnp.asarray(rng.standard_normal((B, 5, cfg.hidden_size)), jnp.float32), start)  # some history
+    out_defer, pending = layer(x, start, defer=True)
+    out_full, _ = layer(x, start, use_chunk=False)
+    np.testing.assert_array_equal(np.asarray(out_defer), np.asarray(out_full))  # outputs don't wait for the commit
+    keep = np.array([0, 2, 4])
+    got = commit(pending, keep, layer.backend)
+    for b, n in enumerate(keep):
+        row = jax.tree.map(lambda a: a[b:b + 1], start)
+        for t in range(n):  # one token at a time, as decode runs them
+            _, row = layer(x[b:b + 1, t:t + 1], row)
+        for name, want, have in zip(KDACache._fields, row, got):
+            np.testing.assert_allclose(np.asarray(have[b]), np.asarray(want[0]), rtol=1e-6, atol=1e-6,
+                                       err_msg=f"{name}, keep {n}")
+
+
+# ================================================================================================== acceptance
+def _rows(B, V, temperature, **kw):
+    rp = RowParams(B, V)
+    for b in range(B):
+        rp.set(b, SamplingParams(temperature=float(temperature[b]), **kw), seed=1000 + b, choice=0)
+    return rp.device()
+
+
+def _ctl(B, V, gen_step=0, min_tokens_stop=None):
+    c = empty_controls(B, V)
+    c["emit"][:] = True
+    c["gen_step"][:] = gen_step
+    return Controls(**c)
+
+
+def _tables(V, stop=()):
+    masks = np.ones((1, V), bool)
+    stop_mask = np.zeros(V, bool)
+    stop_mask[list(stop)] = True
+    return Tables(jnp.asarray(masks), jnp.asarray(stop_mask))
+
+
+def test_a_row_without_drafts_draws_what_the_step_draws():
+    B, V = 6, 50
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((B, K + 1, V)) * 3, jnp.float32)
+    rows = _rows(B, V, [0.0, 0.7, 1.0, 1.3, 0.0, 0.9], top_p=0.9, top_k=20)
+    ctl, tables = _ctl(B, V, gen_step=7), _tables(V)
+    counts = jnp.zeros((B, V), jnp.int32)
+    mask = jnp.zeros((B, V), bool)
+    drafts = jnp.asarray(rng.integers(0, V, (B, K)), jnp.int32)
+    out, counts_v = jax.jit(verify_sample)(logits, drafts, jnp.zeros(B, jnp.int32), rows, ctl, counts, mask, tables)
+    want, counts_s = jax.jit(sample)(logits[:, 0], rows, ctl, counts, mask, tables)
+    assert np.asarray(out.n).tolist() == [1] * B
+    np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(out.logprob[:, 0]), np.asarray(want.logprob))
+    np.testing.assert_array_equal(np.asarray(out.top_ids[:, 0]), np.asarray(want.top_ids))
+    np.testing.assert_array_equal(np.asarray(counts_v), np.asarray(counts_s))
+
+
+def test_greedy_rows_accept_while_the_draft_is_the_argmax():
+    V = 10
+    logits = np.full((1, K + 1, V), -5.0, np.float32)
+    argmax = [3, 1, 4, 8]
+    for i, a in enumerate(argmax):
+        logits[0, i, a] = 5.0
+    rows, ctl, tables = _rows(1, V, [0.0]), _ctl(1, V), _tables(V)
+    z = jnp.zeros((1, V), jnp.int32), jnp.zeros((1, V), bool)
+    fn = jax.jit(verify_sample)
+    for drafts, n_draft, want in [([3, 1, 4], 3, [3, 1, 4, 8]),  # all kept + the bonus token
+                                  ([3, 2, 4], 3, [3, 1]),  # second rejected: the argmax replaces it
+                                  ([3, 1, 4], 1, [3, 1]),  # only one draft valid: its bonus
+                                  ([0, 1, 4], 3, [3])]:
+        out, counts = fn(jnp.asarray(logits), jnp.asarray([drafts], jnp.int32), jnp.asarray([n_draft], jnp.int32),
+                         rows, ctl, *z, tables)
+        n = int(out.n[0])
+        assert np.asarray(out.tokens[0, :n]).tolist() == want
+        assert np.asarray(counts).sum() == n and all(np.asarray(counts)[0, t] >= 1 for t in want)
+
+
+def test_min_tokens_bans_a_drafted_stop_token_at_its_position():
+    V, stop = 8, 7
+    logits = np.zeros((1, K + 1, V), np.float32)
+    logits[0, :, stop] = 9.0  # the model wants to stop everywhere
+    rows = _rows(1, V, [0.0], min_tokens=2)
+    out, _ = jax.jit(verify_sample)(jnp.asarray(logits), jnp.asarray([[stop, stop, stop]], jnp.int32),
+                                    jnp.asarray([3], jnp.int32), rows, _ctl(1, V), jnp.zeros((1, V), jnp.int32),
+                                    jnp.zeros((1, V), bool), _tables(V, stop=(stop,)))
+    # positions 0 and 1 (generated tokens 0, 1) may not stop: the first draft is rejected there
+    assert int(out.n[0]) == 1 and int(out.tokens[0, 0]) != stop
+
+
+def test_sampled_rows_follow_the_target_distribution():
+    """Deterministic drafts, many rows with their own seeds: the first emitted token follows p_0, the second
+    (when the first draft was kept) p_1 -- with drafts that are likely, unlikely and impossible (banned)."""
+    N, V = 6000, 6
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((K + 1, V)).astype(np.float32)
+    logits = jnp.asarray(np.broadcast_to(base, (N, K + 1, V)))
+    rows = _rows(N, V, [0.8] * N, logit_bias={4: -100.0})  # token 4 practically impossible
+    p = np.asarray(jax.nn.softmax((jnp.asarray(base).at[:, 4].add(-100.0)) / 0.8, axis=-1))
+    ctl, tables = _ctl(N, V), _tables(V)
+    z = jnp.zeros((N, V), jnp.int32), jnp.zeros((N, V), bool)
+    fn = jax.jit(verify_sample)
+    for d1 in (int(np.argmax(p[0])), int(np.argmin(p[0][:4])), 4):
+        drafts = jnp.asarray(np.broadcast_to([d1, 0, 1], (N, K)), jnp.int32)
+        out, _ = fn(logits, drafts, jnp.full((N,), K, jnp.int32), rows, ctl, *z, tables)
+        toks, n = np.asarray(out.tokens), np.asarray(out.n)
+        np.testing.assert_allclose(np.bincount(toks[:, 0], minlength=V) / N, p[0], atol=0.025)
+        kept = toks[:, 0] == d1
+        assert (n[kept] >= 2).all() and (n[~kept] == 1).all()
+        if kept.sum() > 2000:
+            np.testing.assert_allclose(np.bincount(toks[kept, 1], minlength=V) / kept.sum(), p[1], atol=0.035)
+
+
+# ================================================================================================== the engine
+class _Oracle:
+    """Drafts the reference continuation, with every third proposal's second token and every fifth proposal's first
+    token wrong: acceptance of all, some and none of the drafts."""
+
+    k = K
+
+    def __init__(self, runs):
+        self.runs, self.calls = runs, 0
+
+    def propose(self, key, ctx, limit):
+        self.calls += 1
+        ctx = list(ctx[0:len(ctx)])
+        for full in self.runs:
+            if full[:len(ctx)] == ctx:
+                d = full[len(ctx):len(ctx) + min(K, limit)]
+                if self.calls % 3 == 0 and len(d) > 1:
+                    d[1] = (d[1] + 1) % 1000
+                if self.calls % 5 == 0 and d:
+                    d[0] = (d[0] + 1) % 1000
+                return d
+        return []
+
+    def forget(self, key):
+        pass
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tiny_model):
+    e = Engine(tiny_model, Tokenizer.tiny(), EngineConfig(max_num_seqs=4, max_model_len=256,
+                                                          prefill_chunk_sizes=(64, 1), speculative_tokens=K))
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def _without_speculation(engine, fn):
+    proposer, engine.proposer = engine.proposer, None  # the engine thread reads it once per step
+    try:
+        return fn()
+    finally:
+        engine.proposer = proposer
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 1000, n).tolist() for n in (30, 70, 5)]
+
+
+def test_greedy_output_and_logprobs_equal_decoding_without_speculation(spec_engine):
+    prompts = _prompts()
+    P = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    ref = _without_speculation(spec_engine, lambda: [spec_engine.generate(p, P)[0] for p in prompts])
+    before = spec_engine.stats()
+    proposer, spec_engine.proposer = spec_engine.proposer, _Oracle([p + r.token_ids for p, r in zip(prompts, ref)])
+    try:
+        streams = [spec_engine.submit(p, P) for p in prompts]  # together: rows with and without drafts
+        got = [s.collect(1)[0][0] for s in streams]
+    finally:
+        spec_engine.proposer = proposer
+    after = spec_engine.stats()
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids and g.finish_reason == "length"
+        np.testing.assert_allclose([t.logprob for t in g.logprobs], [t.logprob for t in r.logprobs], atol=1e-4)
+        assert [[i for i, _ in t.top] for t in g.logprobs] == [[i for i, _ in t.top] for t in r.logprobs]
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert 0 < accepted < drafted  # some drafts kept, some rejected
+    # a stop token inside an accepted run ends the output right there
+    stop = ref[0].token_ids[12]
+    want = ref[0].token_ids[: ref[0].token_ids.index(stop) + 1]
+    spec_engine.proposer = _Oracle([prompts[0] + ref[0].token_ids])
+    try:
+        out = spec_engine.generate(prompts[0], P.replace(stop_token_ids=(stop,)))[0]
+    finally:
+        spec_engine.proposer = proposer
+    assert out.token_ids == want and out.finish_reason == "stop"
+
+
+def test_prompt_lookup_drafts_are_accepted_on_repetitive_output(spec_engine):
+    """A logit bias makes the output one token repeated; the n-gram drafts then hit from the third token on, and the
+    output is what it is without speculation, cut exactly at max_tokens (drafts are capped by the room left)."""
+    prompt = [11, 12, 13, 11, 12, 13, 11, 12]
+    P = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True, logit_bias={13: 100.0})
+    ref = _without_speculation(spec_engine, lambda: spec_engine.generate(prompt, P)[0].token_ids)
+    assert ref == [13] * 17
+    before = spec_engine.stats()
+    got = spec_engine.generate(prompt, P)[0]
+    after = spec_engine.stats()
+    assert got.token_ids == ref and got.finish_reason == "length"
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 6
+
+
+def test_sampled_output_is_reproducible_and_independent_of_the_batch(spec_engine):
+    prompt = [21, 22, 23, 24] * 6
+    P = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    alone = spec_engine.generate(prompt, P)[0].token_ids
+    others = [spec_engine.submit([31, 32, 33] * 5 + [i], SamplingParams(max_tokens=20, temperature=1.0,
+                                                                         ignore_eos=True)) for i in range(3)]
+    together = spec_engine.submit(prompt, P).collect(1)[0][0].token_ids
+    for s in others:
+        s.collect(1)
+    assert together == alone and len(alone) == 24
+
+
+def test_rows_that_cannot_draft_decode_as_before_and_nothing_recompiles(spec_engine):
+    """Penalised and guided rows never draft (their processing at a position would depend on the drafts before
+    it); beside rows that do, their output is what it is without speculation."""
+    prompt = [41, 42, 43] * 8
+    penalised = SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.2,
+                               ignore_eos=True)
+    guided = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    guide = lambda: TokenSequenceGuide([5, 6, 7])
+    ref = _without_speculation(spec_engine, lambda: (spec_engine.generate(prompt, penalised)[0].token_ids,
+                                                      spec_engine.generate(prompt, guided, guide_factory=guide)[0]
+                                                      .token_ids))
+    before, verify_steps = compile_watch.compile_count(), spec_engine.stats()["spec_verify_steps"]
+    drafting = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={13: 100.0}, ignore_eos=True)
+    streams = [spec_engine.submit(prompt, penalised), spec_engine.submit(prompt, guided, guide_factory=guide),
+               spec_engine.submit(prompt, drafting, n=2)]
+    outs = [s.collect(1 if i < 2 else 2)[0] for i, s in enumerate(streams)]
+    assert (outs[0][0].token_ids, outs[1][0].token_ids) == ref
+    assert ref[1] == [5, 6, 7] and all(o.token_ids == [13] * 12 for o in outs[2])
+    assert spec_engine.stats()["spec_verify_steps"] > verify_steps  # the others ran inside verify steps
+    assert compile_watch.compile_count() == before
+
+
+def test_bad_speculation_settings_are_refused(tiny_model):
+    tok = Tokenizer.tiny()
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=-1))
+    with pytest.raises(ValueError, match="speculative method"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
+                                             speculative_method="eagle"))
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
+                                             prompt_lookup_min=3, prompt_lookup_max=2))
+
+
+def test_server_flags_and_metrics(spec_engine, capsys):
+    from kimi_jax.serve.__main__ import build_parser, main
+    from kimi_jax.serve.metrics import EngineCollector
+
+    assert main(["--speculative-tokens", "-1"]) == 2 and "--speculative-tokens" in capsys.readouterr().err
+    assert main(["--speculative-tokens", "2", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"]) == 2
+    assert "--prompt-lookup-min" in capsys.readouterr().err
+    help_text = build_parser().format_help()
+    assert "--speculative-tokens" in help_text and "--prompt-lookup-max" in help_text
+    families = {f.name: f for f in EngineCollector(spec_engine, "tiny").collect()}
+    accepted = families["vllm:spec_decode_num_accepted_tokens"].samples[0].value
+    assert accepted == spec_engine.stats()["spec_accepted_tokens"] > 0
