@@ -28,7 +28,8 @@ import numpy as np
 from .guide import ALL, MAX_ALLOWED_IDS
 from .sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
-__all__ = ["Rows", "Controls", "Tables", "SampleOut", "RowParams", "sample", "seed32"]
+__all__ = ["Rows", "Controls", "Tables", "SampleOut", "Processed", "RowParams", "sample", "process", "row_keys",
+           "draw", "top_logprobs", "seed32"]
 
 
 class Rows(NamedTuple):
@@ -95,8 +96,17 @@ def _filter(xs, top_k, top_p, min_p):
     return jnp.where(xs >= th, xs, -jnp.inf)
 
 
-def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables):
-    """One token per row. Returns (SampleOut, new counts) -- counts grow only on rows that emit."""
+class Processed(NamedTuple):
+    """One position's logits after steps 1-5's processing (see the module docstring), before the draw."""
+
+    raw_lp: jax.Array  # f32 [B, V]: log_softmax of the raw logits (what logprobs report)
+    greedy: jax.Array  # i32 [B]: argmax of the constrained logits (the token of temperature-0 rows)
+    scaled: jax.Array  # f32 [B, V]: constrained logits / temperature, filtered (-inf outside the kept set)
+    hot: jax.Array  # bool [B]: the row samples (temperature > 0)
+
+
+def process(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables) -> Processed:
+    """Steps 1-5 up to the draw: raw log-probabilities, bias, penalties, constraints, temperature and filters."""
     B, V = logits_bv.shape
     logits = logits_bv.astype(jnp.float32)
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
@@ -120,19 +130,41 @@ def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tabl
     xs = x / jnp.where(hot, rows.temperature, 1.0)[:, None]
     need = jnp.any(hot & ((rows.top_k > 0) | (rows.top_p < 1.0) | (rows.min_p > 0)))
     xs = jax.lax.cond(need, _filter, lambda a, *_: a, xs, rows.top_k, rows.top_p, rows.min_p)
+    return Processed(raw_lp, greedy_tok, xs, hot)
+
+
+def row_keys(rows: Rows, gen_step_b):
+    """Each row's PRNG key for its draw at generated-token index ``gen_step``: depends on the request only."""
 
     def row_key(seed, choice, step):
         return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), choice), step)
 
-    keys = jax.vmap(row_key)(rows.seed, rows.choice, ctl.gen_step)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    sampled = jnp.argmax(xs + gumbel, axis=-1).astype(jnp.int32)
-    tok = jnp.where(hot, sampled, greedy_tok)
+    return jax.vmap(row_key)(rows.seed, rows.choice, gen_step_b)
 
-    chosen_lp = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(raw_lp, min(MAX_TOP_LOGPROBS, V))
+
+def draw(pr: Processed, keys):
+    """The token of each row: the greedy argmax, or a Gumbel-max draw from ``pr.scaled`` with the row's key."""
+    V = pr.scaled.shape[-1]
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    sampled = jnp.argmax(pr.scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(pr.hot, sampled, pr.greedy)
+
+
+def top_logprobs(raw_lp_bv):
+    """(ids, log-probs) of the ``MAX_TOP_LOGPROBS`` most likely tokens per row (raw distribution)."""
+    top_lp, top_ids = jax.lax.top_k(raw_lp_bv, min(MAX_TOP_LOGPROBS, raw_lp_bv.shape[-1]))
+    return top_ids.astype(jnp.int32), top_lp
+
+
+def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables):
+    """One token per row. Returns (SampleOut, new counts) -- counts grow only on rows that emit."""
+    B = logits_bv.shape[0]
+    pr = process(logits_bv, rows, ctl, counts_bv, prompt_mask_bv, tables)
+    tok = draw(pr, row_keys(rows, ctl.gen_step))
+    chosen_lp = jnp.take_along_axis(pr.raw_lp, tok[:, None], axis=-1)[:, 0]
+    top_ids, top_lp = top_logprobs(pr.raw_lp)
     counts = counts_bv.at[jnp.arange(B), tok].add(ctl.emit.astype(counts_bv.dtype))
-    return SampleOut(tok, chosen_lp, top_ids.astype(jnp.int32), top_lp), counts
+    return SampleOut(tok, chosen_lp, top_ids, top_lp), counts
 
 
 class RowParams:
