@@ -1,9 +1,9 @@
 """`python -m kimi_jax.serve --mesh AxB` beyond one device, through the official ``openai`` client.
 
 Two real server processes on 127.0.0.1 serve the tiny model with the same engine settings, one with ``--mesh 1x1``
-and one with ``--mesh 2x1 --fake-cpu-devices`` (parameters split two ways over the "model" axis).  Neither gets
-XLA_FLAGS: the 2x1 server fakes its two CPU devices on request (and logs that it did).  Both must return the same
-greedy text.  Without that flag, too few devices stop the server with an error that names the XLA_FLAGS fix
+and one with ``--mesh 2x1 --fake-cpu-devices`` (parameters split two ways over the "model" axis) and speculative
+decoding on (``--speculative-tokens 3``: its verify program runs on the mesh).  Neither gets XLA_FLAGS: the 2x1
+server fakes its two CPU devices on request (and logs that it did).  Both must return the same greedy text.  Without that flag, too few devices stop the server with an error that names the XLA_FLAGS fix
 (DESIGN.md), for the tiny model as for any other.
 
 Subprocesses, because the CPU device count is fixed once per process when JAX starts its backend.
@@ -50,7 +50,8 @@ class Server:
         self.log_path = tmp / f"serve_{mesh}.log"
         cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")
         cmd = [sys.executable, "-m", "kimi_jax.serve", "--mesh", mesh, "--port", str(self.port),
-               "--compilation-cache", cache, *SERVER_ARGS, *(["--fake-cpu-devices"] if mesh != "1x1" else [])]
+               "--compilation-cache", cache, *SERVER_ARGS,
+               *(["--fake-cpu-devices", "--speculative-tokens", "3"] if mesh != "1x1" else [])]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=self._log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -128,7 +129,15 @@ def test_mesh_2x1_fakes_devices_and_matches_one_device(servers):
         extra_body=NO_THINK).choices[0].message.content
     assert streamed == ref
 
+    # an output that repeats itself (a logit bias): the 2x1 server's prompt-lookup drafts are accepted, and the text
+    # is still the 1x1 server's, which decodes one token per step
+    texts = {name: _client(srv).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompts[0]}], max_tokens=16, temperature=0,
+        logit_bias={"13": 100}, extra_body=NO_THINK).choices[0].message.content for name, srv in servers.items()}
+    assert texts["2x1"] == texts["1x1"]
+
     stats = httpx.get(two.base_url + "/stats", timeout=10).json()
+    assert stats["spec_accepted_tokens"] > 0, stats
     assert stats["compilations"] == stats["compilations_at_start"], stats  # serving on the mesh never compiles
 
 

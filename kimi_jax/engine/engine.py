@@ -51,12 +51,12 @@ Seams for what comes next:
 
 * **Prefix caching** -- ``_admit`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot (KDA state + its
   own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
-* **Speculative decoding** -- ``_decode`` is the only place that advances running sequences.  A speculative variant
-  replaces its one-token step by: proposer (draft model / DSpark) -> k draft tokens per row -> one verify step of
-  shape ``[B, k+1]`` through the same model (the modules already take T > 1 against per-row cache lengths) ->
-  acceptance per SPEC §12 (``spec_decode.accept``) -> ``_emit`` for each accepted token.  Rejected drafts need the
-  cache rolled back: MLA rows by resetting ``length``; KDA state by keeping the per-position states of the verify
-  pass (not implemented yet).  Everything downstream of ``_emit`` (stop logic, streams, metrics) is unchanged.
+* **Speculative decoding** (``speculative_tokens = k > 0``, SPEC §12, ``spec_decode.py``) -- ``_decode`` is the
+  only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup) drafts
+  for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
+  acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
+  ``_emit`` (stop logic, streams and metrics unchanged).  Drafts never preempt anything: a row drafts only as far as
+  the pages it holds and the free ones reach.  A draft model would plug in as another ``DraftProposer``.
 * **Multi-device** -- ``runner.py`` owns every device program; sharded parameters and caches (``--mesh``) only
   change how ``ModelRunner`` lowers them.
 """
@@ -79,6 +79,7 @@ from . import compile_watch
 from .detok import OutputText
 from .guide import Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages
+from .ngram import NgramProposer
 from .prefix_cache import PrefixCache
 from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
 from ..cache import PAGE_TOKENS, CacheLayout
@@ -105,6 +106,11 @@ class EngineConfig:
     # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
     # once; an image request waits only for its own bucket, smallest first): what a server on an accelerator wants
     vision_warmup: bool = False
+    # speculative decoding (SPEC §12): drafts per verify step (0: off) and the prompt-lookup n-gram sizes
+    speculative_tokens: int = 0
+    speculative_method: str = "ngram"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -163,6 +169,27 @@ class _Prefill:
     cache1: object = None
 
 
+class _Context:
+    """A sequence's tokens, prompt then output, as one read-only sequence without copying either list."""
+
+    def __init__(self, prompt: list, output: list):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, i):
+        P = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("a step is not supported")
+            return self.prompt[start:min(stop, P)] + self.output[max(start - P, 0):max(stop - P, 0)]
+        if i < 0:
+            i += len(self)
+        return self.prompt[i] if i < P else self.output[i - P]
+
+
 def _request_of(item) -> _Request:
     """The request of a waiting queue entry: a new request, or a preempted sequence's."""
     return item.req if isinstance(item, _Seq) else item
@@ -200,18 +227,26 @@ class Engine:
         num_blocks = cfg.num_blocks
         if num_blocks is None:  # every slot at max_model_len, and room for the prefix-cache snapshots
             num_blocks = 1 + (self.B + max(0, cfg.prefix_cache_entries)) * max_blocks
+        self.proposer = None
+        if cfg.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {cfg.speculative_tokens}")
+        if cfg.speculative_tokens:
+            if cfg.speculative_method != "ngram":
+                raise ValueError(f"unknown speculative method {cfg.speculative_method!r}; this engine has: ngram")
+            self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
                                  index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
-                                 stop_mask=stop_mask, images=images)
+                                 stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
               or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
-              or (images and not runner.images)):
+              or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
-                             "chunk sizes, cache pool (kv / index dtype, num_blocks) and image programs")
+                             "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs and "
+                             "speculative_tokens")
         self.runner = runner
         self.alloc = BlockAllocator(runner.spec.num_blocks)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
@@ -243,6 +278,9 @@ class Engine:
         self.requests_finished = 0
         self.num_preemptions = 0
         self.images_encoded = 0
+        self.spec_steps = 0  # verify steps run
+        self.spec_drafted = 0  # draft tokens proposed into them
+        self.spec_accepted = 0  # of those, accepted
         self.compile_seconds = 0.0
         self.compilations_at_start: Optional[int] = None
 
@@ -392,6 +430,10 @@ class Engine:
             "prefix_cache_entries": len(self.prefix_cache),
             "prefix_cache_hits": self.prefix_cache.hits,
             "prefill_chunk_sizes": list(self.runner.chunk_sizes),
+            "speculative_tokens": self.runner.spec_tokens,
+            "spec_verify_steps": self.spec_steps,
+            "spec_draft_tokens": self.spec_drafted,
+            "spec_accepted_tokens": self.spec_accepted,
             "error": None if self.error is None else repr(self.error),
         }
 
@@ -715,21 +757,68 @@ class Engine:
         if not self._running:
             return
         ctl = Controls(**c)
+        proposer = self.proposer  # read once: a benchmark or test may swap it between steps
+        drafts = self._draft(proposer, c["emit"]) if proposer is not None else {}
         tables = np.zeros((B, self.runner.max_blocks), np.int32)  # null rows for free slots: they write nothing
         for slot, seq in self._running.items():
             blocks = self.alloc.blocks(seq.key)
             tables[slot, : len(blocks)] = blocks
-        self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
-        out = out._asdict()
-        out = {k: np.asarray(v) for k, v in out.items()}
+        if drafts:
+            K = self.runner.spec_tokens
+            ids = np.zeros((B, K + 1), np.int32)
+            ids[:, 0] = tokens
+            n_draft = np.zeros(B, np.int32)
+            for slot, d in drafts.items():
+                ids[slot, 1: 1 + len(d)] = d
+                n_draft[slot] = len(d)
+            self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), ctl, tables)
+            out = {k: np.asarray(v) for k, v in out._asdict().items()}
+            self.spec_steps += 1
+            self.spec_drafted += int(n_draft.sum())
+            self.spec_accepted += int(sum(int(out["n"][slot]) - 1 for slot in drafts))
+        else:
+            self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
+            out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
+            out["n"] = np.ones(B, np.int32)
         self.num_steps += 1
         now = time.monotonic()
         for slot, seq in list(self._running.items()):
+            n = int(out["n"][slot])
             seq.pending.popleft()
-            seq.fed += 1
-            if c["emit"][slot]:
-                self._emit(seq, int(out["tokens"][slot]), float(out["logprob"][slot]),
-                           out["top_ids"][slot], out["top_logprobs"][slot], now)
+            seq.fed += n  # the fed token and the n - 1 accepted drafts are in the cache now
+            if not c["emit"][slot]:
+                continue
+            for j in range(n):
+                if seq.finish_reason is not None:
+                    break
+                self._emit(seq, int(out["tokens"][slot, j]), float(out["logprob"][slot, j]),
+                           out["top_ids"][slot, j], out["top_logprobs"][slot, j], now)
+            if seq.finish_reason is None:
+                for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
+                    seq.pending.popleft()
+
+    def _draft(self, proposer, emit: np.ndarray) -> dict:
+        """Drafts per slot for this step (``{slot: [tokens]}``, rows without drafts left out).  A row drafts when it
+        emits, has no guide and no penalty (``spec_decode``), has room left under max_tokens / max_model_len, and as
+        far as pages it holds or can get without preempting anything reach."""
+        drafts = {}
+        for slot, seq in self._running.items():
+            p = seq.req.params
+            if (not emit[slot] or seq.guide is not None or p.presence_penalty or p.frequency_penalty
+                    or p.repetition_penalty != 1.0):
+                continue
+            produced = len(seq.req.prompt_ids) + len(seq.output_ids)
+            room = min(p.max_tokens - len(seq.output_ids), self.max_model_len - produced) - 1
+            if room < 1:
+                continue
+            d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room)
+            v = len(d)
+            while v and not self.alloc.can_allocate(seq.key, seq.fed + 1 + v):
+                v -= 1
+            if v:
+                self.alloc.allocate(seq.key, seq.fed + 1 + v)
+                drafts[slot] = d[:v]
+        return drafts
 
     def _emit(self, seq: _Seq, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
         req, p = seq.req, seq.req.params
@@ -776,6 +865,9 @@ class Engine:
 
     def _end_seq(self, seq: _Seq, reason: str, stop_reason, pieces, token_ids=(), logprobs=None) -> None:
         seq.finish_reason = reason
+        proposer = self.proposer
+        if proposer is not None:
+            proposer.forget(seq.key)
         req = seq.req
         req.stream.put(SeqEvent(seq.index, list(token_ids), pieces, logprobs, reason, stop_reason))
         if seq.slot is not None and self._running.get(seq.slot) is seq:

@@ -17,13 +17,18 @@ growing sequences never change a shape.
 * ``step(params, state, tokens [B], active [B], rows, controls, tables, block_tables [B, max_blocks]) -> (state,
   SampleOut)``: one decode token for every slot plus sampling, fused.  Inactive slots get a dummy token; their cache
   length is held and their table row is null, so they never write a page.
+* ``verify(params, state, tokens [B, k+1], n_draft [B], active [B], rows, controls, tables, block_tables) -> (state,
+  VerifyOut)``, compiled only with ``spec_tokens = k > 0``: speculative verification (``spec_decode``): row b feeds
+  its next token and ``n_draft[b]`` drafts (the rest padding), the drafts are accepted or rejected in the program,
+  and the cache keeps ``1 + accepted`` tokens per active row (KDA layers replay their recurrence over just those).
+  The block tables must cover positions ``length … length + n_draft`` of every active row.
 * ``copy_blocks(state, src [max_blocks], dst [max_blocks]) -> state``: page copies in every MLA pool (a request's
   ``n`` sequences share one prefill; prefix-cache snapshots own private pages).  Null-padded (0 -> 0 is a no-op).
 * small helpers: zero state, zero batch-1 cache, copy of a batch-1 cache (prefix-cache snapshots).
 
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
-of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6``, independent of traffic (the
+of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6`` (+ 1 with speculation), independent of traffic (the
 vision tower itself, run by ``Model.encode_images`` at admission, compiles once per patch-count bucket the images
 fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per image size).
 
@@ -47,6 +52,7 @@ from ..modules.decoder import PagedModelCache
 from ..paged_cache import LayerPool, PagedCacheSpec
 from .guide import MAX_ALLOWED_IDS
 from .sampler import Controls, RowParams, Tables, sample
+from .spec_decode import verify_sample
 
 log = logging.getLogger("kimi_jax.engine")
 
@@ -83,13 +89,17 @@ class ModelRunner:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, prefill_chunk_sizes: Sequence[int],
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
                  num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
-                 images: bool = False):
+                 images: bool = False, spec_tokens: int = 0):
         """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool,
         the null page included (None: ``1 + max_num_seqs · ceil(max_model_len / 64)``, every slot full);
-        ``images``: also compile the image prefill programs (``prefill_img``)."""
+        ``images``: also compile the image prefill programs (``prefill_img``); ``spec_tokens``: drafts per verify
+        step (0: no ``verify`` program)."""
         cfg = model.config
         self.model = model
         self.images = bool(images)
+        self.spec_tokens = int(spec_tokens)
+        if self.spec_tokens < 0:
+            raise ValueError(f"spec_tokens must be >= 0, got {spec_tokens}")
         self.D = cfg.hidden_size
         self.mesh = getattr(model, "mesh", None)
         self.B = int(max_num_seqs)
@@ -165,6 +175,17 @@ class ModelRunner:
             out, counts = sample(logits[:, 0], rows, ctl, state.counts, state.prompt_mask, tables)
             return DeviceState(cache, counts, state.prompt_mask), out
 
+        def verify(params, state, tokens, n_draft, active, rows, ctl, tables, block_tables):
+            m = nnx.merge(graphdef, params)
+            old = state.cache
+            logits, pending = m(tokens, old.replace(block_tables=block_tables), defer_kda=True)
+            out, counts = verify_sample(logits, tokens[:, 1:], n_draft, rows, ctl, state.counts, state.prompt_mask,
+                                        tables)
+            keep = jnp.where(active, out.n, 0)
+            cache = m.commit_verify(pending, old.length, keep)
+            cache = same_dtypes(cache, old)
+            return DeviceState(cache, counts, state.prompt_mask), out
+
         def copy_blocks(state, src, dst):
             def copy(pool):
                 if not isinstance(pool, LayerPool):
@@ -184,6 +205,7 @@ class ModelRunner:
             "prefill_img": jax.jit(prefill_img, donate_argnums=(4, 5), **out),
             "insert": jax.jit(insert, donate_argnums=(0,), **out),
             "step": jax.jit(step, donate_argnums=(1,), **out),
+            "verify": jax.jit(verify, donate_argnums=(1,), **out),
             "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out),
         }
         self._exe: dict = {}
@@ -196,7 +218,8 @@ class ModelRunner:
     @property
     def program_names(self) -> list[str]:
         return ["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"] + [
-            f"prefill_{c}" for c in self.chunk_sizes] + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
+            f"prefill_{c}" for c in self.chunk_sizes] + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images] + (
+            ["verify"] if self.spec_tokens else [])
 
     def compile(self, parallel: bool = True) -> float:
         """Lower and compile every program; returns the wall time.  Idempotent."""
@@ -223,6 +246,10 @@ class ModelRunner:
                                             sds((B, NB), jnp.int32)),
             "copy_blocks": self._fns["copy_blocks"].lower(state, sds((NB,), jnp.int32), sds((NB,), jnp.int32)),
         }
+        if self.spec_tokens:
+            K1 = self.spec_tokens + 1
+            lowered["verify"] = self._fns["verify"].lower(params, state, sds((B, K1), jnp.int32), sds((B,), jnp.int32),
+                                                          sds((B,), bool), rows, ctl, tables, sds((B, NB), jnp.int32))
         for c in self.chunk_sizes:
             lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, sds((1, c), jnp.int32), cache1, state,
                                                                  sds((1, NB), jnp.int32))
@@ -246,7 +273,7 @@ class ModelRunner:
 
         if parallel:
             # biggest first so the long ones overlap
-            order = sorted(lowered, key=lambda n: (n != "step", not n.startswith("prefill")))
+            order = sorted(lowered, key=lambda n: (n not in ("step", "verify"), not n.startswith("prefill")))
             threads = [threading.Thread(target=build, args=(n, lowered[n]), daemon=True) for n in order]
             for t in threads:
                 t.start()
@@ -301,6 +328,14 @@ class ModelRunner:
     def step(self, state: DeviceState, tokens: np.ndarray, active: np.ndarray, rows, ctl: Controls,
              block_tables: np.ndarray):
         return self._call("step", self.model.params, state, tokens, active, rows, ctl, self.tables,
+                          np.asarray(block_tables, np.int32))
+
+    def verify(self, state: DeviceState, tokens: np.ndarray, n_draft: np.ndarray, active: np.ndarray, rows,
+               ctl: Controls, block_tables: np.ndarray):
+        """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts.
+        Returns (state, VerifyOut) -- the state passed in is donated."""
+        return self._call("verify", self.model.params, state, np.asarray(tokens, np.int32),
+                          np.asarray(n_draft, np.int32), active, rows, ctl, self.tables,
                           np.asarray(block_tables, np.int32))
 
     def copy_blocks(self, state: DeviceState, src: Sequence[int], dst: Sequence[int]) -> DeviceState:

@@ -1,37 +1,111 @@
-"""Speculative decoding: the seam and its acceptance rule (SPEC §12).  Not wired into the engine loop yet.
+"""Speculative decoding (SPEC §12): a proposer drafts up to k tokens per running sequence, the target model verifies
+all of them in one forward pass of shape ``[B, k+1]``, and an acceptance rule keeps the output distribution exactly
+the target's.
 
-How it plugs in (``Engine._decode`` is the one place that advances running sequences):
+How the engine runs it (``Engine._decode`` with ``EngineConfig.speculative_tokens = k``):
 
-    drafts, q = proposer.propose(rows)                       # [B, k] draft tokens and the draft distributions q
-    logits = verify_step(params, state, [last, drafts])      # one target forward of shape [B, k+1] (T > 1 against
-                                                             # per-row cache lengths works in the modules today)
-    p = softmax(processed logits)                            # the same per-row processing as sampler.sample
-    tokens, n = accept(p, q, drafts, key)                    # n[b] in 1..k+1 tokens to emit for row b
-    roll the cache back to length + n (MLA: set ``length``; KDA: keep the state after token n -- needs the verify
-    pass to return per-position KDA states, the missing piece) and call ``Engine._emit`` for each emitted token.
+1. the proposer (``ngram.NgramProposer``: prompt lookup, no second model) drafts ``d_1..d_v`` (v ≤ k) for each
+   eligible row from that row's own tokens; rows it cannot help, and rows that are not eligible, get v = 0;
+2. ``ModelRunner.verify``: one forward over ``[last, d_1..d_k]`` per row (KDA layers deferred,
+   ``modules.kda.KDAPending``), then ``verify_sample`` below, then ``commit_verify`` keeps each row's
+   ``1 + accepted`` tokens in the cache (KDA replays its recurrence over them; MLA rows need only the length);
+3. the host emits ``accepted + 1`` tokens per row through ``Engine._emit`` (stop strings, max_tokens, streams).
 
-``DraftProposer`` is the interface a draft model (or DSpark / n-gram lookup) implements.  ``accept`` is the
-rejection-sampling rule that makes the output distribution exactly the target's: draft token i is kept with
-probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection a token is drawn from ``norm(max(0, p_i - q_i))``
-and the rest is dropped; when every draft is kept a bonus token is drawn from ``p_{k+1}``.  With greedy (one-hot)
-``p`` and ``q`` it reduces to exact-match acceptance.
+Acceptance for a deterministic proposer (its draft distribution q is one-hot): draft ``d_{i+1}`` is kept with
+probability ``p_i(d_{i+1})``, where ``p_i`` is the target's processed distribution at position i (the same
+processing as ``sampler.sample``: bias, constraints, min_tokens, temperature, top-k / top-p / min-p); at the first
+rejection the emitted token is drawn from ``p_i`` with the rejected draft removed (``norm(max(0, p − q))`` for a
+one-hot q); when every valid draft is kept a bonus token is drawn from ``p_v``.  With temperature 0 this is
+exact-match acceptance against the argmax, so greedy output equals non-speculative greedy output.  A row with v = 0
+draws exactly what ``sampler.sample`` would (same processing, same key), so speculation never changes a row it does
+not draft for.  Keys: position i draws with the row's key for generated-token index ``gen_step + i``; the
+acceptance coins come from a fold of the same key, so a seeded request's output does not depend on its batch.
+
+Eligible rows: those emitting a token this step with no guide and no repetition / frequency / presence penalty (a
+penalty at position i would depend on the drafts before it; the rows still decode, one token per step).
+
+``accept`` below is the general rule for proposers that carry a draft distribution q (a draft model).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from .sampler import Controls, Rows, Tables, process, row_keys, top_logprobs
+
+COIN_STREAM = 0x5EC  # folded into a row's key for its acceptance coins (the draws use the key itself)
+
 
 class DraftProposer(Protocol):
-    """Proposes ``k`` tokens per running row.  Returns (draft tokens int ``[B, k]``, draft probabilities ``[B, k, V]``
-    from which they were sampled -- one-hot for greedy drafting)."""
+    """Drafts up to ``k`` next tokens of one sequence from its tokens so far (prompt + generated)."""
 
     k: int
 
-    def propose(self, rows) -> tuple[jax.Array, jax.Array]: ...
+    def propose(self, seq_id, tokens: Sequence[int], max_tokens: int) -> list[int]: ...
+
+    def forget(self, seq_id) -> None: ...
+
+
+class VerifyOut(NamedTuple):
+    tokens: jax.Array  # i32 [B, k+1]: the tokens to emit, the first n[b] of them valid
+    n: jax.Array  # i32 [B]: tokens emitted (accepted drafts + 1), in 1..v[b]+1
+    logprob: jax.Array  # f32 [B, k+1]: raw log-probability of each emitted token at its position
+    top_ids: jax.Array  # i32 [B, k+1, MAX_TOP_LOGPROBS]
+    top_logprobs: jax.Array  # f32 [B, k+1, MAX_TOP_LOGPROBS]
+
+
+def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv,
+                  tables: Tables):
+    """Acceptance of one verify pass (one-hot drafts), fused into the engine's verify program.
+
+    logits ``[B, k+1, V]`` float32 at the positions of ``[last, d_1..d_k]``; drafts ``[B, k]`` int32; n_draft ``[B]``
+    int32 (valid drafts per row, 0..k; the rest are padding).  ``ctl.gen_step`` is the index of the row's first
+    token to generate; position i uses ``gen_step + i`` (min_tokens, keys).  Counts and the prompt mask enter every
+    position unchanged: rows that draft carry no penalty (see the module docstring).
+    Returns (VerifyOut, new counts -- the emitted tokens added on rows that emit).
+    """
+    B, K1, V = logits_bkv.shape
+    K = K1 - 1
+    pos = jnp.arange(K1, dtype=jnp.int32)
+
+    def at_position(logits_bv, i):
+        c = ctl._replace(gen_step=ctl.gen_step + i)
+        return process(logits_bv, rows, c, counts_bv, prompt_mask_bv, tables), row_keys(rows, c.gen_step)
+
+    pr, keys = jax.vmap(at_position, in_axes=(1, 0))(logits_bkv, pos)  # leading axis: position
+    # p_i(d_{i+1}) for i < k
+    drafts = drafts_bk.astype(jnp.int32)
+    d_kb = drafts.T
+    p_draft = jnp.take_along_axis(jax.nn.softmax(pr.scaled[:K], axis=-1), d_kb[..., None], axis=-1)[..., 0]
+    p_draft = jnp.where(pr.hot[:K], p_draft, (pr.greedy[:K] == d_kb).astype(jnp.float32))
+    coins = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, COIN_STREAM), (), jnp.float32)))(
+        keys[:K])
+    ok_kb = (coins < p_draft) & (pos[:K, None] < n_draft_b[None, :])
+    n_acc = jnp.sum(jnp.cumprod(ok_kb.astype(jnp.int32), axis=0), axis=0)  # [B]: kept before the first rejection
+
+    # the token at position n_acc: from p_{n_acc}, without the rejected draft when there was a rejection
+    take = lambda a: jnp.take_along_axis(a, n_acc.reshape((1, B) + (1,) * (a.ndim - 2)), axis=0)[0]
+    scaled, greedy, hot, key = take(pr.scaled), take(pr.greedy), pr.hot[0], take(keys)
+    rejected = n_acc < n_draft_b
+    d_rej = jnp.take_along_axis(jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1), n_acc[:, None],
+                                axis=1)[:, 0]
+    scaled = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), -jnp.inf, scaled)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(key)
+    extra = jnp.where(hot, jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32), greedy)
+
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # [B, k+1]
+    tokens = jnp.where(pos[None] < n_acc[:, None], padded, jnp.where(pos[None] == n_acc[:, None], extra[:, None], 0))
+    raw_lp = jnp.swapaxes(pr.raw_lp, 0, 1)  # [B, k+1, V]
+    logprob = jnp.take_along_axis(raw_lp, tokens[..., None], axis=-1)[..., 0]
+    top_ids, top_lp = top_logprobs(raw_lp.reshape(B * K1, V))
+    n = n_acc + 1
+    add = (pos[None] < n[:, None]) & ctl.emit[:, None]
+    counts = counts_bv.at[jnp.arange(B)[:, None], tokens].add(add.astype(counts_bv.dtype))
+    return VerifyOut(tokens, n.astype(jnp.int32), logprob, top_ids.reshape(B, K1, -1),
+                     top_lp.reshape(B, K1, -1)), counts
 
 
 def accept(p_bkv: jax.Array, q_bkv: jax.Array, draft_bk: jax.Array, key: jax.Array):

@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
                    help="keep N prefill snapshots for prompts that share a prefix (default 0 = off; each costs one "
                         "sequence's cache)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding (default 0 = off): draft up to K tokens per sequence by prompt lookup "
+                        "(the latest earlier occurrence of its last n tokens) and verify them in one step; the output "
+                        "distribution is the model's own.  Pays where outputs repeat their context (code, quotes, "
+                        "structured text); sequences with a guide or penalties decode one token per step")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
+                   help="shortest n-gram the speculative prompt lookup matches (default 2)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                   help="longest n-gram the speculative prompt lookup tries first (default 4)")
     p.add_argument("--guided-string-max-tokens", type=int, default=256, metavar="N",
                    help="with tool_choice 'required' or a named tool, cap each string argument at N tokens in case the "
                         "model never closes it (default 256)")
@@ -212,6 +221,11 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--prefill-chunk-sizes: {e}")
     if args.max_num_seqs < 1:
         return _fail("--max-num-seqs must be at least 1")
+    if args.speculative_tokens < 0:
+        return _fail(f"--speculative-tokens must be 0 (off) or more, got {args.speculative_tokens}")
+    if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
+        return _fail(f"--prompt-lookup-min / --prompt-lookup-max must satisfy 1 <= min <= max, got "
+                     f"{args.prompt_lookup_min} / {args.prompt_lookup_max}")
     if not 0 < args.image_fetch_timeout < float("inf"):
         return _fail(f"--image-fetch-timeout must be a positive number of seconds, got {args.image_fetch_timeout}")
     busy = cannot_listen(args.host, args.port)
@@ -294,6 +308,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
             num_blocks=args.num_blocks,
             prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
+            speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
             parallel_compile=platform != "cpu"))

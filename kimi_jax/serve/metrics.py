@@ -4,7 +4,8 @@ From the engine at scrape time (``EngineCollector``):
   vllm:num_requests_running, vllm:num_requests_waiting (gauges), vllm:kv_cache_usage_perc (gauge: busy slots /
   slots), vllm:prompt_tokens_total, vllm:generation_tokens_total (counters), kimi_jax:free_slots,
   kimi_jax:max_num_seqs, kimi_jax:engine_alive (gauges), kimi_jax:xla_compilations_total, kimi_jax:engine_steps_total
-  (counters).
+  (counters); with speculative decoding vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+  vllm:spec_decode_num_accepted_tokens_total (counters).
 Per finished request (observed on the engine thread, ``on_request_done``):
   vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds (the request's mean inter-token time),
   vllm:e2e_request_latency_seconds, vllm:request_prompt_tokens, vllm:request_generation_tokens (histograms),
@@ -62,6 +63,10 @@ class EngineCollector:
         yield gauge("kimi_jax:engine_alive", "1 while the engine loop runs.", 1.0 if s["alive"] else 0.0)
         yield counter("kimi_jax:xla_compilations", "XLA backend compilations in this process.", s["compilations"])
         yield counter("kimi_jax:engine_steps", "Batched decode steps run.", s["num_steps"])
+        if s.get("speculative_tokens"):
+            yield counter("vllm:spec_decode_num_drafts", "Speculative verify steps run.", s["spec_verify_steps"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s["spec_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s["spec_accepted_tokens"])
 
 
 class ServerMetrics:
