@@ -19,6 +19,7 @@ from kimi_jax.engine import Engine, EngineConfig, SamplingParams, TokenSequenceG
 from kimi_jax.engine.ngram import NgramProposer
 from kimi_jax.engine.sampler import Controls, RowParams, Tables, empty_controls, sample
 from kimi_jax.engine.spec_decode import verify_sample
+from kimi_jax.engine.spec_policy import SpecPolicy
 from kimi_jax.modules.kda import KDACache, KimiDeltaAttention, commit
 from kimi_jax.tokenizer import Tokenizer
 
@@ -63,6 +64,47 @@ def test_ngram_proposer_reindexes_a_different_context_and_forgets():
 def test_ngram_proposer_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         NgramProposer(**kw)
+
+
+# ================================================================================================== the policy
+def test_policy_verifies_while_drafts_are_expected_to_pay():
+    pol = SpecPolicy(cost=1.2)
+    assert pol.expected_accepted("a", 4) == pytest.approx(0.5 + 0.25 + 0.125 + 0.0625)  # the prior rate, 0.5
+    assert pol.worth_verifying({"a": 4}, active_rows=1)  # 1.94 tokens for 1.2x the time
+    assert not pol.worth_verifying({"a": 4}, active_rows=32)  # 32.94 tokens for 1.2x: no
+    assert not pol.worth_verifying({}, active_rows=1)
+    for _ in range(6):  # every draft rejected: the sequence stops causing verify steps
+        pol.observe("a", 4, 0)
+    assert pol.rate("a") < 0.1 and not pol.worth_verifying({"a": 4}, active_rows=1)
+    steps = 0
+    while not pol.worth_verifying({"a": 4}, active_rows=1):  # ...for a while: its rate recovers towards the prior
+        pol.idle("a")
+        steps += 1
+    assert 3 <= steps <= 40
+    for _ in range(10):  # drafts that are always kept: worth it even in a full batch of such rows
+        for s in range(32):
+            pol.observe(s, 4, 4)
+    assert pol.worth_verifying({s: 4 for s in range(32)}, active_rows=32)
+    pol.forget("a")
+    assert pol.rate("a") == 0.5
+    assert SpecPolicy(adaptive=False).worth_verifying({"a": 1}, active_rows=1000)
+
+
+def test_policy_measures_the_cost_ratio():
+    pol = SpecPolicy()
+    assert pol.cost(1) == 1.5  # nothing timed yet
+    pol.timed(False, 0.010, 1)
+    pol.timed(True, 0.016, 1)
+    assert pol.cost(1) == pytest.approx(1.6)
+    pol.timed(False, 0.012, 30)
+    assert pol.cost(32) == 1.5  # no verify step timed at this occupancy yet: 1 row's ratio is not used
+    pol.timed(True, 0.0144, 32)
+    assert pol.cost(31) == pytest.approx(1.2)
+    for _ in range(40):
+        pol.timed(True, 0.008, 1)  # faster than a step (noise): never below 1
+    assert pol.cost(1) == 1.0
+    with pytest.raises(ValueError):
+        SpecPolicy(cost=0)
 
 
 # ================================================================================================== KDA roll-back
@@ -214,8 +256,10 @@ class _Oracle:
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_model):
+    # verify whenever a row drafts (the adaptive policy's own tests swap it in)
     e = Engine(tiny_model, Tokenizer.tiny(), EngineConfig(max_num_seqs=4, max_model_len=256,
-                                                          prefill_chunk_sizes=(64, 1), speculative_tokens=K))
+                                                          prefill_chunk_sizes=(64, 1), speculative_tokens=K,
+                                                          speculative_adaptive=False))
     e.start()
     yield e
     e.shutdown()
@@ -312,6 +356,34 @@ def test_rows_that_cannot_draft_decode_as_before_and_nothing_recompiles(spec_eng
     assert compile_watch.compile_count() == before
 
 
+def test_adaptive_policy_stops_verifying_drafts_that_fail(spec_engine):
+    """Drafts that are always wrong: with the adaptive policy (cost fixed at 1.2 so the test does not depend on
+    timing) most steps are one-token steps again, and the output is unchanged."""
+    prompt = [51, 52, 53, 54] * 4
+    P = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = _without_speculation(spec_engine, lambda: spec_engine.generate(prompt, P)[0].token_ids)
+
+    class Wrong:
+        k = K
+
+        def propose(self, key, ctx, limit):
+            return [(ctx[len(ctx) - 1] + 1) % 1000] * min(K, limit)
+
+        def forget(self, key):
+            pass
+
+    saved = spec_engine.proposer, spec_engine.spec_policy
+    spec_engine.proposer, spec_engine.spec_policy = Wrong(), SpecPolicy(cost=1.2)
+    try:
+        before = spec_engine.stats()["spec_verify_steps"]
+        out = spec_engine.generate(prompt, P)[0].token_ids
+        verified = spec_engine.stats()["spec_verify_steps"] - before
+    finally:
+        spec_engine.proposer, spec_engine.spec_policy = saved
+    assert out == ref
+    assert 2 <= verified <= 15  # tried, given up, tried again now and then -- not 39 verify steps
+
+
 def test_bad_speculation_settings_are_refused(tiny_model):
     tok = Tokenizer.tiny()
     with pytest.raises(ValueError, match="speculative_tokens"):
@@ -319,6 +391,9 @@ def test_bad_speculation_settings_are_refused(tiny_model):
     with pytest.raises(ValueError, match="speculative method"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              speculative_method="eagle"))
+    with pytest.raises(ValueError, match="cost ratio"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
+                                             speculative_cost=-1.0))
     with pytest.raises(ValueError, match="n-gram sizes"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              prompt_lookup_min=3, prompt_lookup_max=2))
@@ -333,6 +408,9 @@ def test_server_flags_and_metrics(spec_engine, capsys):
     assert "--prompt-lookup-min" in capsys.readouterr().err
     help_text = build_parser().format_help()
     assert "--speculative-tokens" in help_text and "--prompt-lookup-max" in help_text
+    assert "--speculative-policy" in help_text
+    spec_engine.generate([11, 12, 13] * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                         logit_bias={13: 100.0}))  # some drafts accepted
     families = {f.name: f for f in EngineCollector(spec_engine, "tiny").collect()}
     accepted = families["vllm:spec_decode_num_accepted_tokens"].samples[0].value
     assert accepted == spec_engine.stats()["spec_accepted_tokens"] > 0

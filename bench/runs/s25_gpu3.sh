@@ -1,4 +1,4 @@
-# Session 25 call 3: bench/spec_decode.py --gpu again (call 2 stopped at "natural x 32": in bf16 a greedy row's output
+# Session 25 call 3 (and 4, with the split diagnostics: log-probs on, the top-2 gap where outputs part):
 # diverged from the one-token baseline; the bench now reports how many outputs are identical instead of stopping).
 source bench/device_env.sh
 mkdir -p $OUT/sub

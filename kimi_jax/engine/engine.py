@@ -56,7 +56,8 @@ Seams for what comes next:
   for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
   ``_emit`` (stop logic, streams and metrics unchanged).  Drafts never preempt anything: a row drafts only as far as
-  the pages it holds and the free ones reach.  A draft model would plug in as another ``DraftProposer``.
+  the pages it holds and the free ones reach.  ``spec_policy.SpecPolicy`` decides per step whether the drafts are
+  expected to pay for the wider step (each sequence's acceptance so far, the measured verify / step time ratio).  A draft model would plug in as another ``DraftProposer``.
 * **Multi-device** -- ``runner.py`` owns every device program; sharded parameters and caches (``--mesh``) only
   change how ``ModelRunner`` lowers them.
 """
@@ -80,6 +81,7 @@ from .detok import OutputText
 from .guide import Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages
 from .ngram import NgramProposer
+from .spec_policy import SpecPolicy
 from .prefix_cache import PrefixCache
 from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
 from ..cache import PAGE_TOKENS, CacheLayout
@@ -111,6 +113,9 @@ class EngineConfig:
     speculative_method: str = "ngram"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # verify only when drafts are expected to pay for the wider step (spec_policy.py); False: whenever a row drafts
+    speculative_adaptive: bool = True
+    speculative_cost: Optional[float] = None  # verify step time / one-token step time; None: measured as it runs
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -234,6 +239,7 @@ class Engine:
             if cfg.speculative_method != "ngram":
                 raise ValueError(f"unknown speculative method {cfg.speculative_method!r}; this engine has: ngram")
             self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.spec_policy = SpecPolicy(cfg.speculative_adaptive, cfg.speculative_cost)
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
@@ -434,6 +440,8 @@ class Engine:
             "spec_verify_steps": self.spec_steps,
             "spec_draft_tokens": self.spec_drafted,
             "spec_accepted_tokens": self.spec_accepted,
+            # verify / one-token step time at the current occupancy, as the policy sees it
+            "spec_cost_ratio": round(self.spec_policy.cost(max(len(self._running), 1)), 3),
             "error": None if self.error is None else repr(self.error),
         }
 
@@ -757,8 +765,8 @@ class Engine:
         if not self._running:
             return
         ctl = Controls(**c)
-        proposer = self.proposer  # read once: a benchmark or test may swap it between steps
-        drafts = self._draft(proposer, c["emit"]) if proposer is not None else {}
+        proposer, policy = self.proposer, self.spec_policy  # read once: a benchmark or test may swap them
+        drafts = self._draft(proposer, policy, c["emit"], int(active.sum())) if proposer is not None else {}
         tables = np.zeros((B, self.runner.max_blocks), np.int32)  # null rows for free slots: they write nothing
         for slot, seq in self._running.items():
             blocks = self.alloc.blocks(seq.key)
@@ -771,15 +779,26 @@ class Engine:
             for slot, d in drafts.items():
                 ids[slot, 1: 1 + len(d)] = d
                 n_draft[slot] = len(d)
+            t0 = time.perf_counter()
             self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), ctl, tables)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
+            policy.timed(True, time.perf_counter() - t0, int(active.sum()))
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
-            self.spec_accepted += int(sum(int(out["n"][slot]) - 1 for slot in drafts))
+            for slot, d in drafts.items():
+                kept = int(out["n"][slot]) - 1
+                self.spec_accepted += kept
+                policy.observe(self._running[slot].key, len(d), kept)
         else:
+            t0 = time.perf_counter()
             self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
             out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
+            policy.timed(False, time.perf_counter() - t0, int(active.sum()))
             out["n"] = np.ones(B, np.int32)
+        if proposer is not None:
+            for slot, seq in self._running.items():
+                if slot not in drafts:
+                    policy.idle(seq.key)
         self.num_steps += 1
         now = time.monotonic()
         for slot, seq in list(self._running.items()):
@@ -797,11 +816,12 @@ class Engine:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
 
-    def _draft(self, proposer, emit: np.ndarray) -> dict:
-        """Drafts per slot for this step (``{slot: [tokens]}``, rows without drafts left out).  A row drafts when it
-        emits, has no guide and no penalty (``spec_decode``), has room left under max_tokens / max_model_len, and as
-        far as pages it holds or can get without preempting anything reach."""
-        drafts = {}
+    def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int) -> dict:
+        """Drafts per slot for this step (``{slot: [tokens]}``, rows without drafts left out; empty when the policy
+        finds a verify step not worth it).  A row drafts when it emits, has no guide and no penalty
+        (``spec_decode``) and has room left under max_tokens / max_model_len, and only as far as the pages it holds
+        and the free ones reach (drafts never preempt)."""
+        proposals = {}
         for slot, seq in self._running.items():
             p = seq.req.params
             if (not emit[slot] or seq.guide is not None or p.presence_penalty or p.frequency_penalty
@@ -812,6 +832,13 @@ class Engine:
             if room < 1:
                 continue
             d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room)
+            if d:
+                proposals[slot] = d
+        if not policy.worth_verifying({self._running[s].key: len(d) for s, d in proposals.items()}, active_rows):
+            return {}
+        drafts = {}
+        for slot, d in proposals.items():
+            seq = self._running[slot]
             v = len(d)
             while v and not self.alloc.can_allocate(seq.key, seq.fed + 1 + v):
                 v -= 1
@@ -868,6 +895,7 @@ class Engine:
         proposer = self.proposer
         if proposer is not None:
             proposer.forget(seq.key)
+        self.spec_policy.forget(seq.key)
         req = seq.req
         req.stream.put(SeqEvent(seq.index, list(token_ids), pieces, logprobs, reason, stop_reason))
         if seq.slot is not None and self._running.get(seq.slot) is seq:

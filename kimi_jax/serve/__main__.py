@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the latest earlier occurrence of its last n tokens) and verify them in one step; the output "
                         "distribution is the model's own.  Pays where outputs repeat their context (code, quotes, "
                         "structured text); sequences with a guide or penalties decode one token per step")
+    p.add_argument("--speculative-policy", choices=["adaptive", "always"], default="adaptive",
+                   help="adaptive (default): verify drafts only when they are expected to pay for the wider step, "
+                        "from each sequence's acceptance so far and the measured step times; always: whenever a "
+                        "sequence has drafts")
     p.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
                    help="shortest n-gram the speculative prompt lookup matches (default 2)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
@@ -309,7 +313,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             num_blocks=args.num_blocks,
             prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
-            prompt_lookup_max=args.prompt_lookup_max,
+            prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=args.speculative_policy == "adaptive",
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
             parallel_compile=platform != "cpu"))
