@@ -384,6 +384,33 @@ def test_adaptive_policy_stops_verifying_drafts_that_fail(spec_engine):
     assert 2 <= verified <= 15  # tried, given up, tried again now and then -- not 39 verify steps
 
 
+def test_preemption_with_drafts_in_flight_gives_identical_outputs(tiny_model):
+    """A pool of 6 pages for 4 slots: drafts take pages ahead of their sequence's length, sequences are preempted
+    and recomputed -- every output equals the one its request gets alone, and every page comes back."""
+    eng = Engine(tiny_model, Tokenizer.tiny(), EngineConfig(max_num_seqs=4, max_model_len=256,
+                                                            prefill_chunk_sizes=(64,), num_blocks=7,
+                                                            speculative_tokens=K, speculative_adaptive=False)).start()
+    rng = np.random.default_rng(7)
+    prompt = lambda n: rng.integers(0, 1000, n).tolist()
+    try:
+        reqs = [(prompt(70), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True,
+                                            logit_bias={13: 100.0}), 1),  # drafts hit
+                (prompt(90), SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True), 1),
+                (prompt(40) * 2, SamplingParams(max_tokens=80, temperature=0.8, seed=3, ignore_eos=True), 1),
+                (prompt(40), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True,
+                                            logit_bias={7: 100.0, 8: 100.0}), 2)]
+        alone = [[o.token_ids for o in eng.generate(ids, p, n=n)] for ids, p, n in reqs]
+        assert eng.stats()["num_preemptions"] == 0
+        streams = [eng.submit(ids, p, n=n) for ids, p, n in reqs]
+        together = [[o.token_ids for o in s.collect(n)[0]] for s, (_, _, n) in zip(streams, reqs)]
+        st = eng.stats()
+        assert st["num_preemptions"] > 0 and st["spec_accepted_tokens"] > 0
+        assert together == alone
+        assert st["free_blocks"] == st["total_blocks"] == 6 and st["free_slots"] == 4
+    finally:
+        eng.shutdown()
+
+
 def test_bad_speculation_settings_are_refused(tiny_model):
     tok = Tokenizer.tiny()
     with pytest.raises(ValueError, match="speculative_tokens"):
