@@ -334,25 +334,44 @@ def test_sampled_output_is_reproducible_and_independent_of_the_batch(spec_engine
     assert together == alone and len(alone) == 24
 
 
-def test_rows_that_cannot_draft_decode_as_before_and_nothing_recompiles(spec_engine):
-    """Penalised and guided rows never draft (their processing at a position would depend on the drafts before
-    it); beside rows that do, their output is what it is without speculation."""
+def test_penalties_apply_per_drafted_position(spec_engine):
+    """Frequency / presence / repetition penalties at position i count the drafts before it: with a bias that makes
+    the output repeat until the penalties push it elsewhere, drafts are kept while they hold and rejected where the
+    penalties turn -- and the output is what one-token decoding gives."""
+    prompt = [61, 62, 63] * 5
+    cases = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, frequency_penalty=0.4,
+                            logit_bias={13: 10.0, 14: 9.0, 15: 8.0}),
+             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=1.5,
+                            repetition_penalty=1.3, logit_bias={13: 10.0, 14: 9.5}),
+             SamplingParams(max_tokens=40, temperature=0.7, seed=11, ignore_eos=True, frequency_penalty=0.2,
+                            logit_bias={13: 10.0, 14: 9.0})]
+    ref = _without_speculation(spec_engine, lambda: [spec_engine.generate(prompt, p)[0].token_ids for p in cases])
+    assert len(set(ref[0])) > 1  # the penalty does turn the output
+    before = spec_engine.stats()
+    got = [s.collect(1)[0][0].token_ids for s in [spec_engine.submit(prompt, p) for p in cases]]
+    after = spec_engine.stats()
+    assert got[:2] == ref[:2]  # greedy: identical
+    assert len(got[2]) == 40 and spec_engine.generate(prompt, cases[2])[0].token_ids == got[2]  # seeded: repeatable
+    assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert after["spec_draft_tokens"] - before["spec_draft_tokens"] > after["spec_accepted_tokens"] - before[
+        "spec_accepted_tokens"]  # and some rejected
+
+
+def test_guided_rows_decode_as_before_and_nothing_recompiles(spec_engine):
+    """Guided rows never draft (their constraint at a position would depend on the drafts before it); beside rows
+    that do, their output is what it is without speculation."""
     prompt = [41, 42, 43] * 8
-    penalised = SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.2,
-                               ignore_eos=True)
     guided = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     guide = lambda: TokenSequenceGuide([5, 6, 7])
-    ref = _without_speculation(spec_engine, lambda: (spec_engine.generate(prompt, penalised)[0].token_ids,
-                                                      spec_engine.generate(prompt, guided, guide_factory=guide)[0]
-                                                      .token_ids))
+    ref = _without_speculation(spec_engine, lambda: spec_engine.generate(prompt, guided, guide_factory=guide)[0]
+                               .token_ids)
     before, verify_steps = compile_watch.compile_count(), spec_engine.stats()["spec_verify_steps"]
     drafting = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={13: 100.0}, ignore_eos=True)
-    streams = [spec_engine.submit(prompt, penalised), spec_engine.submit(prompt, guided, guide_factory=guide),
-               spec_engine.submit(prompt, drafting, n=2)]
-    outs = [s.collect(1 if i < 2 else 2)[0] for i, s in enumerate(streams)]
-    assert (outs[0][0].token_ids, outs[1][0].token_ids) == ref
-    assert ref[1] == [5, 6, 7] and all(o.token_ids == [13] * 12 for o in outs[2])
-    assert spec_engine.stats()["spec_verify_steps"] > verify_steps  # the others ran inside verify steps
+    streams = [spec_engine.submit(prompt, guided, guide_factory=guide), spec_engine.submit(prompt, drafting, n=2)]
+    outs = [s.collect(1 if i == 0 else 2)[0] for i, s in enumerate(streams)]
+    assert outs[0][0].token_ids == ref == [5, 6, 7]
+    assert all(o.token_ids == [13] * 12 for o in outs[1])
+    assert spec_engine.stats()["spec_verify_steps"] > verify_steps  # the guided row ran inside verify steps
     assert compile_watch.compile_count() == before
 
 

@@ -818,14 +818,13 @@ class Engine:
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int) -> dict:
         """Drafts per slot for this step (``{slot: [tokens]}``, rows without drafts left out; empty when the policy
-        finds a verify step not worth it).  A row drafts when it emits, has no guide and no penalty
-        (``spec_decode``) and has room left under max_tokens / max_model_len, and only as far as the pages it holds
-        and the free ones reach (drafts never preempt)."""
+        finds a verify step not worth it).  A row drafts when it emits, has no guide (``spec_decode``) and has room
+        left under max_tokens / max_model_len, and only as far as the pages it holds and the free ones reach
+        (drafts never preempt)."""
         proposals = {}
         for slot, seq in self._running.items():
             p = seq.req.params
-            if (not emit[slot] or seq.guide is not None or p.presence_penalty or p.frequency_penalty
-                    or p.repetition_penalty != 1.0):
+            if not emit[slot] or seq.guide is not None:
                 continue
             produced = len(seq.req.prompt_ids) + len(seq.output_ids)
             room = min(p.max_tokens - len(seq.output_ids), self.max_model_len - produced) - 1

@@ -21,8 +21,9 @@ draws exactly what ``sampler.sample`` would (same processing, same key), so spec
 not draft for.  Keys: position i draws with the row's key for generated-token index ``gen_step + i``; the
 acceptance coins come from a fold of the same key, so a seeded request's output does not depend on its batch.
 
-Eligible rows: those emitting a token this step with no guide and no repetition / frequency / presence penalty (a
-penalty at position i would depend on the drafts before it; the rows still decode, one token per step).
+Eligible rows: those emitting a token this step without a guide (a guide's constraint at position i would need its
+state after the drafts before it; guided rows decode one token per step).  Penalties are applied per position with
+the counts the drafts before it would have made.
 
 ``accept`` below is the general rule for proposers that carry a draft distribution q (a draft model).
 """
@@ -63,21 +64,25 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
 
     logits ``[B, k+1, V]`` float32 at the positions of ``[last, d_1..d_k]``; drafts ``[B, k]`` int32; n_draft ``[B]``
     int32 (valid drafts per row, 0..k; the rest are padding).  ``ctl.gen_step`` is the index of the row's first
-    token to generate; position i uses ``gen_step + i`` (min_tokens, keys).  Counts and the prompt mask enter every
-    position unchanged: rows that draft carry no penalty (see the module docstring).
+    token to generate; position i uses ``gen_step + i`` (min_tokens, keys) and the counts plus drafts
+    ``d_1..d_i`` (penalties), exactly what the one-token step would see had those drafts been sampled.
     Returns (VerifyOut, new counts -- the emitted tokens added on rows that emit).
     """
     B, K1, V = logits_bkv.shape
     K = K1 - 1
     pos = jnp.arange(K1, dtype=jnp.int32)
-
-    def at_position(logits_bv, i):
-        c = ctl._replace(gen_step=ctl.gen_step + i)
-        return process(logits_bv, rows, c, counts_bv, prompt_mask_bv, tables), row_keys(rows, c.gen_step)
-
-    pr, keys = jax.vmap(at_position, in_axes=(1, 0))(logits_bkv, pos)  # leading axis: position
-    # p_i(d_{i+1}) for i < k
     drafts = drafts_bk.astype(jnp.int32)
+    # the generated-token counts position i sees: the row's counts plus drafts d_1..d_i (penalties)
+    valid_bk = pos[None, :K] < n_draft_b[:, None]
+    drafted_bkv = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=counts_bv.dtype) * valid_bk[..., None], axis=1)
+    counts_at = jnp.concatenate([jnp.zeros((B, 1, V), counts_bv.dtype), drafted_bkv], axis=1) + counts_bv[:, None]
+
+    def at_position(logits_bv, counts_i, i):
+        c = ctl._replace(gen_step=ctl.gen_step + i)
+        return process(logits_bv, rows, c, counts_i, prompt_mask_bv, tables), row_keys(rows, c.gen_step)
+
+    pr, keys = jax.vmap(at_position, in_axes=(1, 1, 0))(logits_bkv, counts_at, pos)  # leading axis: position
+    # p_i(d_{i+1}) for i < k
     d_kb = drafts.T
     p_draft = jnp.take_along_axis(jax.nn.softmax(pr.scaled[:K], axis=-1), d_kb[..., None], axis=-1)[..., 0]
     p_draft = jnp.where(pr.hot[:K], p_draft, (pr.greedy[:K] == d_kb).astype(jnp.float32))
