@@ -21,6 +21,8 @@ from kimi_jax.engine.sampler import Controls, RowParams, Tables, empty_controls,
 from kimi_jax.engine.spec_decode import verify_sample
 from kimi_jax.engine.spec_policy import SpecPolicy
 from kimi_jax.modules.kda import KDACache, KimiDeltaAttention, commit
+from kimi_jax.serve.parsers import K3OutputParser
+from kimi_jax.serve.tool_guide import K3ToolCallGuideBuilder
 from kimi_jax.tokenizer import Tokenizer
 
 K = 3
@@ -357,22 +359,47 @@ def test_penalties_apply_per_drafted_position(spec_engine):
         "spec_accepted_tokens"]  # and some rejected
 
 
-def test_guided_rows_decode_as_before_and_nothing_recompiles(spec_engine):
-    """Guided rows never draft (their constraint at a position would depend on the drafts before it); beside rows
-    that do, their output is what it is without speculation."""
+def test_a_forced_run_is_drafted_and_kept_in_one_step(spec_engine):
+    """What a guide forces is drafted outright: a sequence of three forced tokens takes one verify step."""
     prompt = [41, 42, 43] * 8
-    guided = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    guided = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)
     guide = lambda: TokenSequenceGuide([5, 6, 7])
-    ref = _without_speculation(spec_engine, lambda: spec_engine.generate(prompt, guided, guide_factory=guide)[0]
-                               .token_ids)
-    before, verify_steps = compile_watch.compile_count(), spec_engine.stats()["spec_verify_steps"]
-    drafting = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={13: 100.0}, ignore_eos=True)
-    streams = [spec_engine.submit(prompt, guided, guide_factory=guide), spec_engine.submit(prompt, drafting, n=2)]
-    outs = [s.collect(1 if i == 0 else 2)[0] for i, s in enumerate(streams)]
-    assert outs[0][0].token_ids == ref == [5, 6, 7]
-    assert all(o.token_ids == [13] * 12 for o in outs[1])
-    assert spec_engine.stats()["spec_verify_steps"] > verify_steps  # the guided row ran inside verify steps
-    assert compile_watch.compile_count() == before
+    ref = _without_speculation(spec_engine, lambda: spec_engine.generate(prompt, guided, guide_factory=guide)[0])
+    before = spec_engine.stats()
+    got = spec_engine.generate(prompt, guided, guide_factory=guide)[0]
+    after = spec_engine.stats()
+    assert got.token_ids == ref.token_ids == [5, 6, 7] and got.finish_reason == "stop"
+    np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in ref.logprobs], atol=1e-4)
+    assert after["spec_verify_steps"] - before["spec_verify_steps"] == 1
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] == 3  # the bonus token after 7 is dropped
+
+
+def test_guided_tool_calls_with_drafts_equal_decoding_without(spec_engine):
+    """A K3 tool-call guide (forced structure, a name from a trie, typed arguments) beside free rows: forced tokens
+    and allowed lookup tokens are drafted, each position under the guide's state after the drafts before it; the
+    greedy output equals one-token decoding and parses into the call."""
+    tok = Tokenizer.tiny()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "unit": {"enum": ["c", "f"]}}, "required": ["city", "days", "unit"]}}}]
+    builder = K3ToolCallGuideBuilder(tok, tools, thinking=False, max_tokens=200, max_string_tokens=6)
+    prompt = tok.encode("weather weather in Paris Paris please") * 2
+    P = SamplingParams(max_tokens=200, temperature=0.0)
+    guide = lambda: builder.build("get_weather")
+    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logit_bias={13: 100.0})
+    ref = _without_speculation(spec_engine, lambda: spec_engine.generate(prompt, P, guide_factory=guide)[0].token_ids)
+    before = compile_watch.compile_count(), spec_engine.stats()
+    streams = [spec_engine.submit(prompt, P, guide_factory=guide), spec_engine.submit(prompt, free)]
+    got = streams[0].collect(1)[0][0].token_ids
+    assert streams[1].collect(1)[0][0].token_ids == [13] * 30
+    after = spec_engine.stats()
+    assert got == ref
+    parser = K3OutputParser(tok, thinking=False)
+    parser.feed_many(got)
+    res = parser.result()
+    assert res.finish_reason == "tool_calls" and res.tool_calls[0]["function"]["name"] == "get_weather"
+    assert after["spec_accepted_tokens"] - before[1]["spec_accepted_tokens"] > len(got) // 3
+    assert compile_watch.compile_count() == before[0]
 
 
 def test_adaptive_policy_stops_verifying_drafts_that_fail(spec_engine):

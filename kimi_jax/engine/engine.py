@@ -64,6 +64,7 @@ Seams for what comes next:
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import random
@@ -78,7 +79,7 @@ import numpy as np
 
 from . import compile_watch
 from .detok import OutputText
-from .guide import Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
@@ -742,6 +743,7 @@ class Engine:
         active = np.zeros(B, bool)
         c = empty_controls(B, V)
         failed = []
+        constraints = {}  # slot -> the guide's constraint for this step's token (guided rows that emit)
         for slot, seq in self._running.items():
             emit = len(seq.pending) == 1
             if emit and seq.guide is not None:
@@ -753,6 +755,7 @@ class Engine:
                     log.exception("guide of request %s failed; aborting that sequence", seq.req.request_id)
                     failed.append(seq)
                     continue
+                constraints[slot] = con
                 if con is not None:
                     c["allow_class"][slot] = con.vocab_class
                     c["allow_ids"][slot, : len(con.ids)] = con.ids
@@ -766,7 +769,8 @@ class Engine:
             return
         ctl = Controls(**c)
         proposer, policy = self.proposer, self.spec_policy  # read once: a benchmark or test may swap them
-        drafts = self._draft(proposer, policy, c["emit"], int(active.sum())) if proposer is not None else {}
+        drafts, later = ({}, {}) if proposer is None else self._draft(proposer, policy, c["emit"], int(active.sum()),
+                                                                         constraints)
         tables = np.zeros((B, self.runner.max_blocks), np.int32)  # null rows for free slots: they write nothing
         for slot, seq in self._running.items():
             blocks = self.alloc.blocks(seq.key)
@@ -776,19 +780,30 @@ class Engine:
             ids = np.zeros((B, K + 1), np.int32)
             ids[:, 0] = tokens
             n_draft = np.zeros(B, np.int32)
-            for slot, d in drafts.items():
+            for slot, (d, _) in drafts.items():
                 ids[slot, 1: 1 + len(d)] = d
                 n_draft[slot] = len(d)
+            # constraints per position: position 0's for every row, then a guided row's after each of its drafts
+            allow_class = np.repeat(c["allow_class"][:, None], K + 1, axis=1)
+            allow_ids = np.repeat(c["allow_ids"][:, None], K + 1, axis=1)
+            for slot, cons in later.items():
+                for i, con in enumerate(cons, start=1):
+                    allow_class[slot, i] = ALL if con is None else con.vocab_class
+                    allow_ids[slot, i] = V
+                    if con is not None:
+                        allow_ids[slot, i, : len(con.ids)] = con.ids
+            vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
             t0 = time.perf_counter()
-            self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), ctl, tables)
+            self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
+                                                  tables)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
             policy.timed(True, time.perf_counter() - t0, int(active.sum()))
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
-            for slot, d in drafts.items():
+            for slot, (d, sure) in drafts.items():
                 kept = int(out["n"][slot]) - 1
                 self.spec_accepted += kept
-                policy.observe(self._running[slot].key, len(d), kept)
+                policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
         else:
             t0 = time.perf_counter()
             self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
@@ -816,35 +831,75 @@ class Engine:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
 
-    def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int) -> dict:
-        """Drafts per slot for this step (``{slot: [tokens]}``, rows without drafts left out; empty when the policy
-        finds a verify step not worth it).  A row drafts when it emits, has no guide (``spec_decode``) and has room
-        left under max_tokens / max_model_len, and only as far as the pages it holds and the free ones reach
-        (drafts never preempt)."""
-        proposals = {}
+    def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
+        """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for
+        guided rows); both empty when the policy finds a verify step not worth it.  A row drafts when it emits and
+        has room left under max_tokens / max_model_len, and only as far as the pages it holds and the free ones
+        reach (drafts never preempt).  A guided row drafts what its guide forces and the prompt-lookup tokens its
+        guide allows (``_guided_drafts``)."""
+        proposals, later = {}, {}
         for slot, seq in self._running.items():
-            p = seq.req.params
-            if not emit[slot] or seq.guide is not None:
+            if not emit[slot]:
                 continue
+            p = seq.req.params
             produced = len(seq.req.prompt_ids) + len(seq.output_ids)
-            room = min(p.max_tokens - len(seq.output_ids), self.max_model_len - produced) - 1
+            room = min(p.max_tokens - len(seq.output_ids) - 1, self.max_model_len - produced - 1,
+                       self.runner.spec_tokens)
             if room < 1:
                 continue
             d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room)
+            sure = 0
+            if seq.guide is not None:
+                d, sure, later[slot] = self._guided_drafts(seq.guide, constraints.get(slot), d, room)
             if d:
-                proposals[slot] = d
-        if not policy.worth_verifying({self._running[s].key: len(d) for s, d in proposals.items()}, active_rows):
-            return {}
+                proposals[slot] = (d, sure)
+        if not policy.worth_verifying({self._running[s].key: len(d) for s, (d, _) in proposals.items()}, active_rows,
+                                      {self._running[s].key: sure for s, (_, sure) in proposals.items()}):
+            return {}, {}
         drafts = {}
-        for slot, d in proposals.items():
+        for slot, (d, sure) in proposals.items():
             seq = self._running[slot]
             v = len(d)
             while v and not self.alloc.can_allocate(seq.key, seq.fed + 1 + v):
                 v -= 1
             if v:
                 self.alloc.allocate(seq.key, seq.fed + 1 + v)
-                drafts[slot] = d[:v]
-        return drafts
+                drafts[slot] = (d[:v], min(sure, v))
+                if slot in later:
+                    later[slot] = later[slot][:v]
+        return drafts, {s: cons for s, cons in later.items() if s in drafts}
+
+    def _guided_drafts(self, guide: Guide, con, proposal: list, limit: int):
+        """Drafts for a guided row, walked on a copy of its guide: each token the guide forces (a constraint of one
+        id), else the next prompt-lookup token while the drafts still follow that proposal and the guide allows it.
+        Returns (drafts, how many lead the list forced -- certain to be kept --, the constraint at positions
+        1..len(drafts): the guide's state after each draft, None = free).  Any failure of the copy: no drafts."""
+        drafts, cons, sure = [], [], 0
+        try:
+            g = copy.deepcopy(guide)
+            for i in range(limit):
+                if con is not None and con.vocab_class == ONLY_IDS and len(con.ids) == 1:
+                    t = con.ids[0]
+                    sure += sure == i
+                elif (i < len(proposal) and drafts == proposal[:i]
+                      and (con is None or con.allows(proposal[i], self.class_masks))):
+                    t = proposal[i]
+                else:
+                    break
+                g.advance(t)
+                drafts.append(t)
+                if g.finished:  # the sequence ends on this token: nothing after it is used
+                    cons.append(None)
+                    break
+                con = g.constraint()
+                if con is not None and len(con.ids) > MAX_ALLOWED_IDS:  # not expressible: stop before this draft
+                    drafts.pop()
+                    sure = min(sure, len(drafts))
+                    break
+                cons.append(con)
+        except Exception:  # noqa: BLE001 -- a guide that cannot be copied or walked simply does not draft
+            return [], 0, []
+        return drafts, sure, cons[: len(drafts)]
 
     def _emit(self, seq: _Seq, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
         req, p = seq.req, seq.req.params

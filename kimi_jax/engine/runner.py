@@ -248,8 +248,9 @@ class ModelRunner:
         }
         if self.spec_tokens:
             K1 = self.spec_tokens + 1
+            vctl = ctl._replace(allow_class=sds((B, K1), jnp.int32), allow_ids=sds((B, K1, MAX_ALLOWED_IDS), jnp.int32))
             lowered["verify"] = self._fns["verify"].lower(params, state, sds((B, K1), jnp.int32), sds((B,), jnp.int32),
-                                                          sds((B,), bool), rows, ctl, tables, sds((B, NB), jnp.int32))
+                                                          sds((B,), bool), rows, vctl, tables, sds((B, NB), jnp.int32))
         for c in self.chunk_sizes:
             lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, sds((1, c), jnp.int32), cache1, state,
                                                                  sds((1, NB), jnp.int32))
@@ -332,7 +333,8 @@ class ModelRunner:
 
     def verify(self, state: DeviceState, tokens: np.ndarray, n_draft: np.ndarray, active: np.ndarray, rows,
                ctl: Controls, block_tables: np.ndarray):
-        """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts.
+        """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts,
+        ``ctl`` with per-position constraints (allow_class ``[B, k+1]``, allow_ids ``[B, k+1, MAX_ALLOWED_IDS]``).
         Returns (state, VerifyOut) -- the state passed in is donated."""
         return self._call("verify", self.model.params, state, np.asarray(tokens, np.int32),
                           np.asarray(n_draft, np.int32), active, rows, ctl, self.tables,

@@ -21,9 +21,10 @@ draws exactly what ``sampler.sample`` would (same processing, same key), so spec
 not draft for.  Keys: position i draws with the row's key for generated-token index ``gen_step + i``; the
 acceptance coins come from a fold of the same key, so a seeded request's output does not depend on its batch.
 
-Eligible rows: those emitting a token this step without a guide (a guide's constraint at position i would need its
-state after the drafts before it; guided rows decode one token per step).  Penalties are applied per position with
-the counts the drafts before it would have made.
+Every row that emits a token this step may draft.  Penalties are applied per position with the counts the drafts
+before it would have made; a guided row's constraint per position is its guide's state after the drafts before it
+(the engine walks a copy of the guide), and what a guide forces is drafted outright -- certain to be kept, so a
+forced run of tokens costs one verify step ("jump-forward").
 
 ``accept`` below is the general rule for proposers that carry a draft distribution q (a draft model).
 """
@@ -66,6 +67,8 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     int32 (valid drafts per row, 0..k; the rest are padding).  ``ctl.gen_step`` is the index of the row's first
     token to generate; position i uses ``gen_step + i`` (min_tokens, keys) and the counts plus drafts
     ``d_1..d_i`` (penalties), exactly what the one-token step would see had those drafts been sampled.
+    ``ctl.allow_class`` / ``ctl.allow_ids``: ``[B]`` / ``[B, M]`` for every position alike, or ``[B, k+1]`` /
+    ``[B, k+1, M]`` per position (a guide's constraint after each draft).
     Returns (VerifyOut, new counts -- the emitted tokens added on rows that emit).
     """
     B, K1, V = logits_bkv.shape
@@ -77,11 +80,14 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     drafted_bkv = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=counts_bv.dtype) * valid_bk[..., None], axis=1)
     counts_at = jnp.concatenate([jnp.zeros((B, 1, V), counts_bv.dtype), drafted_bkv], axis=1) + counts_bv[:, None]
 
-    def at_position(logits_bv, counts_i, i):
-        c = ctl._replace(gen_step=ctl.gen_step + i)
+    allow_class = ctl.allow_class if ctl.allow_class.ndim == 2 else jnp.repeat(ctl.allow_class[:, None], K1, 1)
+    allow_ids = ctl.allow_ids if ctl.allow_ids.ndim == 3 else jnp.repeat(ctl.allow_ids[:, None], K1, 1)
+
+    def at_position(logits_bv, counts_i, allow_class_i, allow_ids_i, i):
+        c = ctl._replace(gen_step=ctl.gen_step + i, allow_class=allow_class_i, allow_ids=allow_ids_i)
         return process(logits_bv, rows, c, counts_i, prompt_mask_bv, tables), row_keys(rows, c.gen_step)
 
-    pr, keys = jax.vmap(at_position, in_axes=(1, 1, 0))(logits_bkv, counts_at, pos)  # leading axis: position
+    pr, keys = jax.vmap(at_position, in_axes=(1, 1, 1, 1, 0))(logits_bkv, counts_at, allow_class, allow_ids, pos)
     # p_i(d_{i+1}) for i < k
     d_kb = drafts.T
     p_draft = jnp.take_along_axis(jax.nn.softmax(pr.scaled[:K], axis=-1), d_kb[..., None], axis=-1)[..., 0]

@@ -62,19 +62,21 @@ class SpecPolicy:
         a = self.rate(seq_id)
         return sum(a ** i for i in range(1, drafts + 1))
 
-    def worth_verifying(self, drafts: dict, active_rows: int) -> bool:
-        """``drafts``: {sequence id: number of drafts}; ``active_rows``: rows the step advances."""
+    def worth_verifying(self, drafts: dict, active_rows: int, sure: Optional[dict] = None) -> bool:
+        """``drafts``: {sequence id: number of drafts}; ``active_rows``: rows the step advances; ``sure``:
+        {sequence id: how many of its drafts lead the list and are certain to be kept} (a guide forces them)."""
         if not drafts:
             return False
         if not self.adaptive:
             return True
-        gain = sum(self.expected_accepted(s, v) for s, v in drafts.items())
+        sure = sure or {}
+        gain = sum(sure.get(s, 0) + self.expected_accepted(s, v - sure.get(s, 0)) for s, v in drafts.items())
         n = max(active_rows, 1)
         return (n + gain) > self.cost(n) * n
 
     # ---------------------------------------------------------------------------------------------- what happened
     def observe(self, seq_id, drafted: int, accepted: int) -> None:
-        """A verify step kept ``accepted`` of the sequence's ``drafted`` drafts."""
+        """A verify step kept ``accepted`` of the sequence's ``drafted`` drafts (certain ones left out)."""
         if drafted > 0:
             a = self.rate(seq_id)
             self.rates[seq_id] = a + self.rate_weight * (accepted / drafted - a)

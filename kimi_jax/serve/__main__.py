@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding (default 0 = off): draft up to K tokens per sequence by prompt lookup "
                         "(the latest earlier occurrence of its last n tokens) and verify them in one step; the output "
                         "distribution is the model's own.  Pays where outputs repeat their context (code, quotes, "
-                        "structured text); sequences with a guide decode one token per step")
+                        "structured text) and in forced tool calls (what the guide forces is drafted outright)")
     p.add_argument("--speculative-policy", choices=["adaptive", "always"], default="adaptive",
                    help="adaptive (default): verify drafts only when they are expected to pay for the wider step, "
                         "from each sequence's acceptance so far and the measured step times; always: whenever a "
