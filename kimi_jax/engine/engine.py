@@ -55,8 +55,9 @@ Seams for what comes next:
   only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup) drafts
   for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
-  ``_emit`` (stop logic, streams and metrics unchanged).  Drafts never preempt anything: a row drafts only as far as
-  the pages it holds and the free ones reach.  ``spec_policy.SpecPolicy`` decides per step whether the drafts are
+  ``_emit`` (stop logic, streams and metrics unchanged).  A guided row's drafts come from walking a copy of its
+  guide (forced tokens outright, lookup tokens where allowed), with the guide's constraint per position.  Drafts
+  never preempt anything: a row drafts only as far as the pages it holds and the free ones reach.  ``spec_policy.SpecPolicy`` decides per step whether the drafts are
   expected to pay for the wider step (each sequence's acceptance so far, the measured verify / step time ratio).  A draft model would plug in as another ``DraftProposer``.
 * **Multi-device** -- ``runner.py`` owns every device program; sharded parameters and caches (``--mesh``) only
   change how ``ModelRunner`` lowers them.
