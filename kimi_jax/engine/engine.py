@@ -313,6 +313,11 @@ class Engine:
                  "chunks %s, %d programs compiled in %.1fs", self.B, self.max_model_len, self.alloc.num_blocks - 1,
                  PAGE_TOKENS, self.runner.kv_dtype, self.runner.index_dtype, list(self.runner.chunk_sizes),
                  len(self.runner.program_names), t)
+        if self.proposer is not None:
+            cfg = self.config
+            log.info("speculative decoding: up to %d drafts per step by prompt lookup (n-grams %d..%d), %s policy",
+                     cfg.speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min,
+                     "adaptive" if cfg.speculative_adaptive else "always-verify")
         self._thread = threading.Thread(target=self._loop, name="kimi-jax-engine", daemon=True)
         self.started = True
         self._thread.start()

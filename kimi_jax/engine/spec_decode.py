@@ -100,14 +100,13 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     # the token at position n_acc: from p_{n_acc}, without the rejected draft when there was a rejection
     take = lambda a: jnp.take_along_axis(a, n_acc.reshape((1, B) + (1,) * (a.ndim - 2)), axis=0)[0]
     scaled, greedy, hot, key = take(pr.scaled), take(pr.greedy), pr.hot[0], take(keys)
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # [B, k+1]
     rejected = n_acc < n_draft_b
-    d_rej = jnp.take_along_axis(jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1), n_acc[:, None],
-                                axis=1)[:, 0]
+    d_rej = jnp.take_along_axis(padded, n_acc[:, None], axis=1)[:, 0]  # the draft rejected at n_acc
     scaled = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), -jnp.inf, scaled)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(key)
     extra = jnp.where(hot, jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32), greedy)
 
-    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # [B, k+1]
     tokens = jnp.where(pos[None] < n_acc[:, None], padded, jnp.where(pos[None] == n_acc[:, None], extra[:, None], 0))
     raw_lp = jnp.swapaxes(pr.raw_lp, 0, 1)  # [B, k+1, V]
     logprob = jnp.take_along_axis(raw_lp, tokens[..., None], axis=-1)[..., 0]
