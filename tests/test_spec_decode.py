@@ -142,7 +142,7 @@ def _rows(B, V, temperature, **kw):
     return rp.device()
 
 
-def _ctl(B, V, gen_step=0, min_tokens_stop=None):
+def _ctl(B, V, gen_step=0):
     c = empty_controls(B, V)
     c["emit"][:] = True
     c["gen_step"][:] = gen_step
