@@ -57,8 +57,10 @@ Seams for what comes next:
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
   ``_emit`` (stop logic, streams and metrics unchanged).  A guided row's drafts come from walking a copy of its
   guide (forced tokens outright, lookup tokens where allowed), with the guide's constraint per position.  Drafts
-  never preempt anything: a row drafts only as far as the pages it holds and the free ones reach.  ``spec_policy.SpecPolicy`` decides per step whether the drafts are
-  expected to pay for the wider step (each sequence's acceptance so far, the measured verify / step time ratio).  A draft model would plug in as another ``DraftProposer``.
+  never preempt anything: a row drafts only as far as the pages it holds and the free ones reach.
+  ``spec_policy.SpecPolicy`` decides per step whether the drafts are expected to pay for the wider step (each
+  sequence's acceptance so far, the measured verify / step time ratio).  A draft model would plug in as another
+  ``DraftProposer``.
 * **Multi-device** -- ``runner.py`` owns every device program; sharded parameters and caches (``--mesh``) only
   change how ``ModelRunner`` lowers them.
 """

@@ -19,7 +19,7 @@ from typing import Sequence
 class _Index:
     by_n: dict = field(default_factory=dict)  # n -> {n-gram tuple: position after its latest indexed occurrence}
     indexed: int = 0  # tokens seen; n-grams ending before position indexed - 1 are in the index
-    tokens: list = field(default_factory=list)
+    last: int = -1  # the token at position indexed - 1 (a cheap check that the context is still the same one)
 
 
 class NgramProposer:
@@ -40,14 +40,15 @@ class NgramProposer:
         if limit < 1:
             return []
         idx = self._update(seq_id, tokens)
-        toks, L = idx.tokens, len(idx.tokens)
+        L = len(tokens)
+        suffix = [int(t) for t in tokens[max(L - self.max_n, 0):]]
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            start = idx.by_n.get(n, {}).get(tuple(toks[L - n:]))
+            start = idx.by_n.get(n, {}).get(tuple(suffix[len(suffix) - n:]))
             if start is not None:
                 # past the end of the context the match predicts its own continuation again: the text from
                 # `start` on repeats with period L - start (a run of one token drafts k of them, not one)
                 period = L - start
-                return [toks[start + i % period] for i in range(limit)]
+                return [int(tokens[start + i % period]) for i in range(limit)]
         return []
 
     def forget(self, seq_id) -> None:
@@ -57,13 +58,14 @@ class NgramProposer:
     def _update(self, seq_id, tokens: Sequence[int]) -> _Index:
         idx = self._seqs.get(seq_id)
         L = len(tokens)
-        if idx is None or L < idx.indexed or (idx.indexed and int(tokens[idx.indexed - 1]) != idx.tokens[-1]):
+        if idx is None or L < idx.indexed or (idx.indexed and int(tokens[idx.indexed - 1]) != idx.last):
             idx = self._seqs[seq_id] = _Index()  # new, or not the same sequence any more: index it again
-        toks = idx.tokens
-        toks.extend(int(t) for t in tokens[idx.indexed:])
-        # the n-gram ending at position j - 1 (toks[j-n:j]) is followed by toks[j]: index it for every j < L
+        lo = max(idx.indexed - self.max_n, 0)
+        seg = [int(t) for t in tokens[lo:L]]  # the new tokens and the max_n before them; seg[i] = tokens[lo + i]
+        # the n-gram ending at position j - 1 (tokens[j-n:j]) is followed by tokens[j]: index it for every j < L
         for j in range(max(idx.indexed, 1), L):
             for n in range(self.min_n, min(self.max_n, j) + 1):
-                idx.by_n.setdefault(n, {})[tuple(toks[j - n:j])] = j
+                idx.by_n.setdefault(n, {})[tuple(seg[j - n - lo:j - lo])] = j
         idx.indexed = L
+        idx.last = seg[-1] if seg else -1
         return idx

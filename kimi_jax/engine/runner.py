@@ -28,9 +28,10 @@ growing sequences never change a shape.
 
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
-of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6`` (+ 1 with speculation), independent of traffic (the
-vision tower itself, run by ``Model.encode_images`` at admission, compiles once per patch-count bucket the images
-fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per image size).
+of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6`` (+ 1 with speculation),
+independent of traffic (the vision tower itself, run by ``Model.encode_images`` at admission, compiles once per
+patch-count bucket the images fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per
+image size).
 
 The batch state is donated to every program that updates it (updated in place).
 """
@@ -217,9 +218,10 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ compile
     @property
     def program_names(self) -> list[str]:
-        return ["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"] + [
-            f"prefill_{c}" for c in self.chunk_sizes] + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images] + (
-            ["verify"] if self.spec_tokens else [])
+        return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"]
+                + [f"prefill_{c}" for c in self.chunk_sizes]
+                + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
+                + (["verify"] if self.spec_tokens else []))
 
     def compile(self, parallel: bool = True) -> float:
         """Lower and compile every program; returns the wall time.  Idempotent."""

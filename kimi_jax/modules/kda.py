@@ -130,21 +130,20 @@ class KimiDeltaAttention(nnx.Module):
 
         if defer and ctx is not None:
             raise ValueError("speculative verification (defer=True) does not run under context parallelism")
-        raw = {}
 
-        def branch(name, proj, conv_w, tail):
+        def branch(proj, conv_w, tail):
+            """-> (conv + SiLU output `[B, T, H, d]`, new tail, the projection that entered the conv)."""
             x_btp = proj(x_btd)
-            raw[name] = x_btp
             if token_split:  # K−1 halo from the previous device; the tail of the whole (unpadded) prompt
                 y, new_tail = cp.conv_token_split_shard(x_btp, conv_w[...], tail, axis=ctx.axis,
                                                         valid_len=ctx.valid_len)
             else:
                 y, new_tail = kda_ops.causal_conv(x_btp, conv_w[...], tail)
-            return jax.nn.silu(y).reshape(B, T, H, d), new_tail
+            return jax.nn.silu(y).reshape(B, T, H, d), new_tail, x_btp
 
-        q, q_tail = branch("q", self.q_proj, self.q_conv1d, cache.q_tail_bkp)
-        k, k_tail = branch("k", self.k_proj, self.k_conv1d, cache.k_tail_bkp)
-        v, v_tail = branch("v", self.v_proj, self.v_conv1d, cache.v_tail_bkp)
+        q, q_tail, q_in = branch(self.q_proj, self.q_conv1d, cache.q_tail_bkp)
+        k, k_tail, k_in = branch(self.k_proj, self.k_conv1d, cache.k_tail_bkp)
+        v, v_tail, v_in = branch(self.v_proj, self.v_conv1d, cache.v_tail_bkp)
         q, k = kda_ops.l2norm(q), kda_ops.l2norm(k)
         f = self.f_b_proj(self.f_a_proj(x_btd), out_dtype=jnp.float32).reshape(B, T, H, d)
         g = kda_ops.gate(f, self.A_log[...][:H], self.dt_bias[...].reshape(H, d), cfg.gate_form,
@@ -154,9 +153,8 @@ class KimiDeltaAttention(nnx.Module):
             use_chunk = T > 1 and not defer
         pending = None
         if defer:
-            tails = lambda name, old: raw[name].astype(old.dtype)
-            pending = KDAPending(cache, q, k, v, g, beta, tails("q", cache.q_tail_bkp), tails("k", cache.k_tail_bkp),
-                                 tails("v", cache.v_tail_bkp))
+            pending = KDAPending(cache, q, k, v, g, beta, q_in.astype(cache.q_tail_bkp.dtype),
+                                 k_in.astype(cache.k_tail_bkp.dtype), v_in.astype(cache.v_tail_bkp.dtype))
         if token_split:
             real_t = ctx.token_mask(T)  # [T] bool: False on the padding after the prompt
             g = jnp.where(real_t[None, :, None, None], g, 0.0)  # inert steps: no decay, no write
