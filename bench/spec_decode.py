@@ -7,8 +7,8 @@ decoding one token per step, in one process, on one model.
 One engine with ``speculative_tokens = k`` serves every run; its proposer is swapped between runs (``None`` runs the
 one-token ``step`` program, the baseline), and so is its policy: ``always`` verifies whenever a row drafts (what the
 mechanism costs and gives), ``adaptive`` is the engine's default (``engine/spec_policy.py``: verify only when the
-drafts are expected to pay for the wider step, from each sequence's acceptance so far and the measured time ratio).  Scenarios, each at 1 and at ``--max-num-seqs`` concurrent requests
-(greedy, ``ignore_eos``, ``--max-tokens`` each):
+drafts are expected to pay for the wider step, from each sequence's acceptance so far and the measured time ratio).
+Scenarios, each at 1 and at ``--max-num-seqs`` concurrent requests (greedy, ``ignore_eos``, ``--max-tokens`` each):
 
 * ``repeat`` -- a logit bias makes every output one token repeated: prompt lookup drafts hit from the third token
   on, so this is the mechanism's best case (tokens per verify step near k + 1);
@@ -17,19 +17,24 @@ drafts are expected to pay for the wider step, from each sequence's acceptance s
 * ``natural`` -- random prompts through the n-gram proposer on random weights: drafts are rare, so this is the
   cost of looking (host-side lookups, the occasional verify step);
 * ``noise`` (not in the default set) -- no speculation at all: the ``natural`` prompts decoded twice, the second
-  time in reverse order (other slots, other neighbours), to see how much a row's bf16 numerics depend on its batch.
+  time in reverse order (other slots, other neighbours), to see how much a row's bf16 numerics depend on its batch;
+* ``chunks`` (not in the default set) -- no speculation either: prompts 64 tokens longer, prefilled in a 64-token
+  chunk by the engine and one token at a time by a second engine, the rounding difference the engine already has
+  between two shapes of the same computation (compare with ``natural``'s in bf16).
 
 Per run: output tokens/s (all requests' tokens / wall time), verify steps, drafts proposed / accepted, and the ratio
 to the baseline of the same scenario and concurrency.  Every run's outputs are compared with the baseline's (greedy):
 in float32 they must be equal (else the bench stops); in bf16 a row's logits computed inside a ``[B, k+1]`` verify
 forward round differently from the one-token step's, so near-ties can flip and the run reports how many outputs
-are identical and where the first difference is.  Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail`` last
+are identical and where the first difference is.  Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail``
+last
 (no bar in BENCHMARKS.md: "info"); writes spec_decode.json to ``$OUT`` when set.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
     biased = 13 % V
 
     def workload(scenario, n):
-        prompts = [rng.integers(0, min(V, 1000), args.prompt_tokens).tolist() for _ in range(n)]
+        T = args.prompt_tokens + (64 if scenario == "chunks" else 0)  # "chunks": long enough for a 64-token chunk
+        prompts = [rng.integers(0, min(V, 1000), T).tolist() for _ in range(n)]
         bias = {biased: 100.0} if scenario in ("repeat", "reject") else {}
         return prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logit_bias=bias,
                                        logprobs=True, top_logprobs=2)
@@ -117,8 +123,8 @@ def main(argv=None) -> int:
         s1 = engine.stats()
         d = lambda key: s1[key] - s0[key]
         outs = [q.token_ids for q in seqs]
-        run.logprobs = [q.logprobs for q in seqs]
-        return outs, dict(seconds=wall, tokens=sum(map(len, outs)), tok_per_s=sum(map(len, outs)) / wall,
+        lps = [q.logprobs for q in seqs]
+        return outs, lps, dict(seconds=wall, tokens=sum(map(len, outs)), tok_per_s=sum(map(len, outs)) / wall,
                           steps=d("num_steps"), verify_steps=d("spec_verify_steps"),
                           drafted=d("spec_draft_tokens"), accepted=d("spec_accepted_tokens"))
 
@@ -143,24 +149,35 @@ def main(argv=None) -> int:
         return all(same), text, dict(identical_outputs=sum(same), first_difference=min(first), split_gaps=gaps,
                                      logprob_drift=drift)
 
+    chunks_engine = None
     rows, doc = [], {"preset": preset, "dtype": dtype, "device": jax.devices()[0].device_kind, "slots": B, "k": K,
                      "max_tokens": max_tokens, "prompt_tokens": args.prompt_tokens, "runs": []}
     for scenario in args.scenarios.split(","):
         for n in (1, B):
             prompts, params = workload(scenario, n)
-            base_out, base = run(None, prompts, params)
-            base_lps = run.logprobs
+            base_out, base_lps, base = run(None, prompts, params)
             if scenario == "noise":  # no speculation: the same prompts again, in reverse order (other slots)
-                out, again = run(None, prompts[::-1], params)
-                _, text, agreement = compare(base_out, base_lps, out[::-1], run.logprobs[::-1])
+                out, lps, again = run(None, prompts[::-1], params)
+                _, text, agreement = compare(base_out, base_lps, out[::-1], lps[::-1])
                 print(f"noise    x {n:3d}: one-token decoding, the same prompts in reverse order{text or ': identical'}",
                       flush=True)
                 doc["runs"].append(dict(scenario=scenario, requests=n, baseline=base, again=again, **agreement))
                 continue
+            if scenario == "chunks":  # no speculation: a second engine prefills the prompts one token at a time
+                if chunks_engine is None:
+                    chunks_engine = Engine(model, tok, dataclasses.replace(engine.config, prefill_chunk_sizes=(1,),
+                                                                           speculative_tokens=0)).start()
+                seqs = [s.collect(1)[0][0] for s in [chunks_engine.submit(p, params) for p in prompts]]
+                _, text, agreement = compare(base_out, base_lps, [q.token_ids for q in seqs],
+                                             [q.logprobs for q in seqs])
+                print(f"chunks   x {n:3d}: one-token decoding, prompts prefilled in chunks of 1 instead of 64"
+                      f"{text or ': identical'}", flush=True)
+                doc["runs"].append(dict(scenario=scenario, requests=n, baseline=base, **agreement))
+                continue
             proposer = ngram if scenario != "reject" else WrongProposer(K, biased, V)
             for name, policy in (("always", always), ("adaptive", adaptive)):
-                spec_out, spec = run(proposer, prompts, params, policy)
-                identical, agree, agreement = compare(base_out, base_lps, spec_out, run.logprobs)
+                spec_out, spec_lps, spec = run(proposer, prompts, params, policy)
+                identical, agree, agreement = compare(base_out, base_lps, spec_out, spec_lps)
                 if not identical and dtype == "float32":
                     print(f"ERROR: {scenario} x {n}: speculative output differs from the baseline{agree}", flush=True)
                     return 1
@@ -178,6 +195,8 @@ def main(argv=None) -> int:
         print(f"# the adaptive policy's verify / step time ratio now: {adaptive.cost(1):.2f} at 1 row, "
               f"{adaptive.cost(B):.2f} at {B}", flush=True)
     engine.shutdown()
+    if chunks_engine is not None:
+        chunks_engine.shutdown()
     print("\nname, shape, ours, peer, ratio, bar, pass/fail")
     for r in rows:
         print(", ".join(r))
