@@ -453,8 +453,11 @@ def bench_ffn(args, copy_bw):
     keys = jax.random.split(jax.random.key(11), 3)
     ws = [mx.random_weight(keys[0], E, K, N), mx.random_weight(keys[1], E, K, N), mx.random_weight(keys[2], E, N, K)]
     wp = [mgpu_mx.prepare_weight(q) for q in ws]
+    # the model's preparation: gate / up columns in the down matmul's plane order (h handed over as planes)
+    prepared = {"natural": wp, "planes": list(mgpu_mx.prepare_ffn_weights(*ws))}
+    orders = args.ffn_gate_up_order.split(",")
     wbytes = sum(q.nbytes for q in ws)
-    jax.block_until_ready(wp)
+    jax.block_until_ready(prepared)
     log("FFN weights drawn and prepared")  # the log's timestamps show where the section's setup time goes
     for rows_per_expert in [int(r) for r in args.ffn_rows.split(",")]:
         if left(args.budget) < 30:
@@ -467,9 +470,9 @@ def bench_ffn(args, copy_bw):
         log(f"FFN {rows_per_expert} rows/expert, {args.ffn_sizes} sizes: max {int(sizes.max())}, "
             f"empty {int((sizes == 0).sum())}, 8-row tiles {int(((sizes + 7) // 8).sum())}, 16-row tiles "
             f"{int(((sizes + 15) // 16).sum())}")
-        configs = [mgpu_mx.tiled_config(rows_per_expert)] + [
-            dataclasses.replace(mgpu_mx.tiled_config(rows_per_expert), **_config_fields(o))
-            for o in json.loads(args.ffn_configs or "[]")]
+        default = mgpu_mx.tiled_config(rows_per_expert, (N, K))  # the FFN's widths: what the model runs
+        configs = [default] + [dataclasses.replace(default, **_config_fields(o))
+                               for o in json.loads(args.ffn_configs or "[]")]
 
         ref = jax.block_until_ready(
             # the weights as arguments: closed over, jit would embed their 1.2 GB in the program as constants
@@ -491,10 +494,10 @@ def bench_ffn(args, copy_bw):
             return t
         t_triton = None if args.ffn_no_peers else attempt(f"MXFP4 FFN {rows_per_expert} Triton", timed_triton)
 
-        def run(cfg, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per,
+        def run(cfg, order, x=x, sizes=sizes, shape=shape, rows_per_expert=rows_per_expert, ref=ref, t_per=t_per,
                 t_triton=t_triton):
             tiled = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg))
-            t_tiled, err_t = checked_time(tiled, (x, sizes, *wp), ref, reps=20)
+            t_tiled, err_t = checked_time(tiled, (x, sizes, *prepared[order]), ref, reps=20)
             t_tiled16 = None
             if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
@@ -510,7 +513,7 @@ def bench_ffn(args, copy_bw):
             t_k = time_jax(jax.jit(lambda a, p, w_: mgpu_mx.kernel_call(a, p.tile_group, p.num_tiles, w_, kcfg)),
                            xs, plan, wp[0], reps=20)
             b1 = ws[0].nbytes
-            INFO.setdefault("ffn_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
+            INFO.setdefault("ffn_us", {})[f"{rows_per_expert} rows, gate/up {order} {cfg}"] = dict(
                 tiled=t_tiled * 1e6, tiled_gate_up_bf16=t_tiled16 and t_tiled16 * 1e6,
                 per_matmul=t_per and t_per * 1e6, tiled_matmul=t_mm * 1e6, kernel=t_k * 1e6)
             per = f"{t_per * 1e6:.0f} us ({wbytes / t_per / 1e12:.2f})" if t_per else "-"
@@ -518,8 +521,9 @@ def bench_ffn(args, copy_bw):
             log(f"MXFP4 FFN {rows_per_expert} rows/expert: tile layout {t_tiled * 1e6:.0f} us "
                 f"({wbytes / t_tiled / 1e12:.2f} TB/s of weights){bf16}, per-matmul padding {per}; one tile-layout matmul "
                 f"{t_mm * 1e6:.0f} us ({b1 / t_mm / 1e12:.2f} TB/s), its kernel alone {t_k * 1e6:.0f} us "
-                f"({b1 / t_k / 1e12:.2f}); err {err_t:.2e}; {cfg}")
+                f"({b1 / t_k / 1e12:.2f}); err {err_t:.2e}; gate/up columns {order}; {cfg}")
             info = rows_per_expert != 8
+            shape = f"{shape}, gate/up columns {order}"
             row(f"MXFP4 grouped matmul in the FFN's tile layout, weight bytes/s vs copy ({rows_per_expert} "
                 "rows/expert)", shape.replace(f"->{K} ", " "), b1 / t_mm / 1e12, copy_bw / 1e12, 0.7, "TB/s",
                 info=info)
@@ -530,9 +534,10 @@ def bench_ffn(args, copy_bw):
             row(f"MXFP4 expert FFN: tile layout vs the Triton kernel ({rows_per_expert} rows/expert)", shape,
                 t_triton and 1e6 * t_triton, 1e6 * t_tiled, None, "us (peer / ours = speedup)", info=True)
         for cfg in configs:
-            if left(args.budget) < 20:
-                break
-            attempt(f"MXFP4 FFN {rows_per_expert} {cfg}", functools.partial(run, cfg))
+            for order in orders:
+                if left(args.budget) < 20:
+                    break
+                attempt(f"MXFP4 FFN {rows_per_expert} {order} {cfg}", functools.partial(run, cfg, order))
 
 
 def _config_fields(overrides: dict) -> dict:
@@ -653,6 +658,9 @@ def main():
                     "bf16 (`expert_ffn_tiled(gate_up_dtype=...)`; session 20: 1%% faster, inside the spread)")
     ap.add_argument("--ffn-no-peers", action="store_true", help="FFN section: time only the tile layout's configs "
                     "(not the per-matmul padding and the Triton kernel: a config sweep in less device time)")
+    ap.add_argument("--ffn-gate-up-order", default="planes", help="FFN section: gate / up output columns "
+                    "'planes' (the down matmul's x-plane order, as a model prepares them: h needs no transpose), "
+                    "'natural', or both ('planes,natural') timed one after the other")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()

@@ -40,7 +40,7 @@ def main():
     args = ap.parse_args()
     keys = jax.random.split(jax.random.key(11), 4)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
-    wp = [mm.prepare_weight(q) for q in ws]
+    wp = mm.prepare_ffn_weights(*ws)  # as a model prepares them: gate / up columns in down's x-plane order
     m = E * args.rows
     x = jax.random.normal(keys[3], (m, D), jnp.bfloat16)
     sizes = jnp.asarray(np.random.default_rng(200 + args.rows).multinomial(m, [1 / E] * E), jnp.int32)

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -736,14 +737,16 @@ def test_warp_specialised_register_split_fits_the_ctas_pool():
         regs = mm.ws_compute_registers(W)
         assert W * regs + mm.WS_MEMORY_REGISTERS <= launch * (W + 1) and regs % 8 == 0
         assert W * (regs + 8) + mm.WS_MEMORY_REGISTERS > launch * (W + 1)  # and no fewer than fit
-    assert (mm.ws_compute_registers(2), mm.ws_compute_registers(4)) == (232, 104)
+    assert [mm.ws_compute_registers(W) for W in (2, 3, 4)] == [232, 152, 104]
     sds = jax.ShapeDtypeStruct
     E, D, F = 4, 512, 256
     w = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32))
     for W in mm.WS_WARPGROUPS:
         cfg = mm.MgpuConfig(rows=40, kh=64, steps=4, ctas_per_sm=1, plan="xla", warpgroups=W)
+        n = 192 * 2 if W == 3 else F  # whole items of 64·W columns
+        w_ = mm.PreparedWeight(sds((E, n, D // 2), jnp.uint8), sds((E, D // 32, n), jnp.uint8), sds((E,), jnp.int32))
         jaxpr = str(jax.make_jaxpr(lambda x, g, w_: mm.grouped_matmul(x, w_, g, config=cfg))(
-            sds((40, D), jnp.bfloat16), sds((E,), jnp.int32), w))
+            sds((40, D), jnp.bfloat16), sds((E,), jnp.int32), w_))
         asked = set(re.findall(r"set_max_registers_p\[action=(\w+)\] (\d+)", jaxpr))
         assert asked == {("increase", str(mm.ws_compute_registers(W))), ("decrease", "40")}, (W, asked)
     # the FFN with down on a config of its own: the fused kernel at W = 2, down at W = 4
@@ -756,14 +759,14 @@ def test_warp_specialised_register_split_fits_the_ctas_pool():
     assert list(dict.fromkeys(increases)) == ["232", "104"]
 
 
-def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40):
+def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40, gate_up_order="natural"):
     """The StableHLO text of the tile-layout FFN (SiTU between; placed weights, default E = 4, D = 512, F = 256,
-    M = 40 rows) lowered for CUDA with kernel config `cfg`."""
+    M = 40 rows; gate and up in `gate_up_order`) lowered for CUDA with kernel config `cfg`."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sds = jax.ShapeDtypeStruct
     w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
-                             layout="placed")
+                             layout="placed", out_order=gate_up_order)
     w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
                               layout="placed")
     return jax.jit(lambda a, g, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)).trace(
@@ -785,6 +788,16 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
         # the fused kernel writes h in bf16, the dtype down reads it in (no fp32 h written and converted)
         results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<\d+x(\d+)x(\w+)>", text)
         assert gate_up == "separate" or results == [("256", "bf16"), ("512", "f32")], results
+        # gate / up in the down matmul's plane order: the fused kernel writes h as down's x planes
+        # [2, m_pad, F / 2], which down reads as they are — no XLA transpose between them
+        planes = _tiled_ffn_cuda_text(mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla",
+                                                    warpgroups=2, gate_up=gate_up), gate_up_order="planes")
+        assert planes.count("stablehlo.custom_call @mosaic_gpu") == kernels
+        if gate_up == "fused":
+            h_type = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<(\d+)x(\d+)x(\d+)x(\w+)>", planes)[0]
+            assert (h_type[0], h_type[2:]) == ("2", ("128", "bf16")) and int(h_type[1]) % rows == 0, h_type
+            between = planes.split("@mosaic_gpu", 2)[1]  # from the fused kernel to down
+            assert "stablehlo.transpose" not in between
         # each weight's step decoded and multiplied in 64-byte pieces (2 per 128 bytes)
         stepped = _tiled_ffn_cuda_text(mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla",
                                                      warpgroups=2, gate_up=gate_up, decode_pieces=True))
@@ -846,6 +859,49 @@ def test_mgpu_placed_weight_keeps_every_value():
         np.testing.assert_array_equal(np.asarray(back.scale), scale)
 
 
+def test_gate_up_columns_in_plane_order_make_h_the_down_planes():
+    """A weight prepared with out_order="planes" stores its output columns permuted (`planes_column_order`) so
+    that the activation of gate and up, moved in whole 64-column blocks (`columns_as_planes`), IS the down
+    matmul's x planes (`_planes_in_contraction_order` of the natural h) — the fused kernel writes them directly.
+    The permutation keeps every 128-column block; unprepare gives the checkpoint's weight back bit for bit;
+    `prepare_ffn_weights` puts gate and up (not down) in that order when F is whole 128-column blocks."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    for n in (128, 384):
+        order = mm.planes_column_order(n)
+        assert sorted(order) == list(range(n)) and (order // 128 == np.arange(n) // 128).all()
+        h = jax.random.normal(jax.random.key(n), (5, n), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(mm.columns_as_planes(h[:, order])),
+                                      np.asarray(mm._planes_in_contraction_order(h)))
+    with pytest.raises(ValueError, match="not whole blocks of 128"):
+        mm.planes_column_order(192)
+    E, K, N = 3, 128, 256
+    w = mx.random_weight(jax.random.key(4), E, K, N)
+    wn = np.asarray(mx.dequantize(w, jnp.float32))  # [E, K, N]
+    for layout in ("placed", "natural"):
+        p = mm.prepare_weight(w, layout, "planes")
+        assert p.out_order == "planes"
+        back = mm.unprepare_weight(p)
+        np.testing.assert_array_equal(np.asarray(back.packed), np.asarray(w.packed))
+        np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(w.scale))
+        natural = mm.prepare_weight(w, layout)
+        stored = mm.unprepare_weight(dataclasses.replace(p, out_order="natural"))  # the columns as stored
+        np.testing.assert_array_equal(np.asarray(mx.dequantize(stored, jnp.float32)),
+                                      wn[:, :, mm.planes_column_order(N)])
+        assert natural.out_order == "natural"
+    with pytest.raises(ValueError, match="out_order must be one of"):
+        mm.prepare_weight(w, "placed", "columns")
+    w_down = mx.random_weight(jax.random.key(5), E, N, K)
+    assert [q.out_order for q in mm.prepare_ffn_weights(w, w, w_down)] == ["planes", "planes", "natural"]
+    w_narrow = mx.random_weight(jax.random.key(6), E, K, 64)  # F = 64: not whole 128-column blocks
+    w_down64 = mx.random_weight(jax.random.key(7), E, 64, K)
+    assert [q.out_order for q in mm.prepare_ffn_weights(w_narrow, w_narrow, w_down64)] == ["natural"] * 3
+    gs = jnp.asarray([2, 1, 0], jnp.int32)
+    with pytest.raises(ValueError, match="gate and up need one output order"):
+        mm.expert_ffn_tiled(jnp.zeros((3, K), jnp.bfloat16), gs, mm.prepare_weight(w, out_order="planes"),
+                            mm.prepare_weight(w), mm.prepare_weight(w_down), situ)
+
+
 def test_ops_take_prepared_weights_on_every_backend():
     """`ops` accepts a `mgpu_mxfp4.PreparedWeight` wherever it takes an MXFP4 weight: off the GPU (here: the
     reference backend) it runs as the unprepared weight, with the same bits as the `MXFP4Weight` it came from —
@@ -858,29 +914,47 @@ def test_ops_take_prepared_weights_on_every_backend():
     gs = jnp.asarray(sizes, jnp.int32)
     want = ops.grouped_matmul(x, w, gs, backend="reference")
     for layout in ("placed", "natural"):
-        got = ops.grouped_matmul(x, mm.prepare_weight(w, layout), gs, backend="reference")
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for out_order in ("natural", "planes"):
+            got = ops.grouped_matmul(x, mm.prepare_weight(w, layout, out_order), gs, backend="reference")
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     xf, idx, wt, ws, _ = _ffn_case("mxfp4")
     want = ops.expert_ffn(xf, idx, wt, *ws, situ, backend="reference")
     got = ops.expert_ffn(xf, idx, wt, *[mm.prepare_weight(mx.as_mxfp4(q)) for q in ws], situ, backend="reference")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
-    """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p times its tile's expert's weight (the
-    exactly dequantised codes), fp32, rounded to `out_dtype`."""
+def _rows_of_planes(planes):
+    """The inverse of `mgpu_mxfp4._planes_in_contraction_order`: x planes `[2, m, K/2]` -> rows `[m, K]`."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
+    _, m, kh = planes.shape
+    in_order = planes.reshape(2, m, kh // 64, 64).transpose(1, 2, 0, 3).reshape(m, 2 * kh)  # columns_as_planes⁻¹
+    return in_order[:, np.argsort(mm.planes_column_order(2 * kh))]
+
+
+def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
+    """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p (x_pad given as rows, or as the planes
+    a fused kernel writes) times its tile's expert's weight (the exactly dequantised codes), fp32, rounded to
+    `out_dtype`, the columns in the weight's stored order."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    if x_pad.ndim == 3:
+        x_pad = _rows_of_planes(x_pad)
     wd = mx.dequantize(mm.unprepare_weight(w), jnp.float32)  # [E, K, N]
+    if w.out_order == "planes":
+        wd = wd[:, :, mm.planes_column_order(w.out_features)]
     expert_of_row = jnp.repeat(plan.tile_group, cfg.rows)
     return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row]).astype(out_dtype)
 
 
 def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_gated_matmul` computes, by definition: the activation of the two tile-layout
-    products, rounded to `out_dtype`."""
+    products, rounded to `out_dtype` — as the down matmul's x planes for weights with out_order="planes"."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
     h = activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg), _reference_tiled_matmul(x_pad, plan, w_up, cfg))
-    return h.astype(out_dtype)
+    h = h.astype(out_dtype)
+    return mm.columns_as_planes(h) if w_gate.out_order == "planes" else h
 
 
 def _reference_tiled_matmul_in_place(x_pad, plan, w, cfg, num_rows):
@@ -908,24 +982,27 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
             assert valid[t] >= 1 and list(src[t, :valid[t]]) == list(range(first[t], first[t] + valid[t]))
             assert (src[t, valid[t]:] == M).all()
 
-    E, D, F = 4, 128, 64
+    E, D, F = 4, 128, 128
     keys = jax.random.split(jax.random.key(sum(sizes) + extra), 4)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
     x = jax.random.normal(keys[3], (sum(sizes) + extra, D), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
-    for rows, gate_up, down_rows in ((8, "separate", "gather"), (16, "separate", "gather"), (16, "fused", "gather"),
-                                     (8, "separate", "in_place"), (16, "fused", "in_place")):
-        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows)
-        got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
-                                                           matmul=_reference_tiled_matmul,
-                                                           gated_matmul=_reference_tiled_gated_matmul,
-                                                           down_matmul=_reference_tiled_matmul_in_place))(
-            x, gs, *[mm.prepare_weight(q) for q in ws])
-        assert got.shape == want.shape
-        if sum(sizes):
-            assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
-        assert not np.asarray(got[sum(sizes):]).any()  # in place: the rows no tile covers zeroed, not NaN
+    # each weight natural, or gate / up in the down matmul's plane order (h handed over as planes)
+    for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
+        for rows, gate_up, down_rows in ((8, "separate", "gather"), (16, "separate", "gather"),
+                                         (16, "fused", "gather"), (8, "separate", "in_place"),
+                                         (16, "fused", "in_place")):
+            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows)
+            got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
+                                                               matmul=_reference_tiled_matmul,
+                                                               gated_matmul=_reference_tiled_gated_matmul,
+                                                               down_matmul=_reference_tiled_matmul_in_place))(
+                x, gs, *prepared)
+            assert got.shape == want.shape
+            if sum(sizes):
+                assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
+            assert not np.asarray(got[sum(sizes):]).any()  # in place: the rows no tile covers zeroed, not NaN
 
 
 def test_tiled_config_and_the_ffn_lower_for_cuda():
@@ -941,7 +1018,23 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
     assert (mm.tiled_config(32).rows, mm.tiled_config(64).rows, mm.tiled_config(146).rows) == (40, 80, 80)
     for r in (32, 64, 146):  # 146: a 16K-token prefill's load over 112 experts
         assert (mm.tiled_config(r).warpgroups, mm.tiled_config(r).gate_up) == (2, "fused")
-        assert mm.tiled_config(r, (3072, 3584)) == mm.tiled_config(r)
+        if r > 32:
+            assert mm.tiled_config(r, (3072, 3584)) == mm.tiled_config(r)
+    # up to 32 rows, K3's widths: gate / up fused on three warpgroups (3072 = 16 items of 192 columns), down on
+    # two (3584 is not whole 192-column items); widths that are not whole 192-column items keep two
+    k3 = mm.tiled_config(32, (3072, 3584))
+    assert (k3.warpgroups, k3.gate_up, k3.down_config) == (3, "fused", mm.tiled_config(32))
+    assert mm.tiled_config(24, (3072, 3584)) == k3 and mm.tiled_config(32, (2048, 3584)) == mm.tiled_config(32)
+    # and `ops` sends K3's FFN down that path at every size: down is checked against its own config
+    sds = jax.ShapeDtypeStruct
+    E, D, F = 112, 3584, 3072
+    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
+                             layout="placed", out_order="planes")
+    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
+                              layout="placed")
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        for r in (8, 24, 32, 64, 146):
+            assert ops._tiled_ffn_takes(sds((E * r, D), jnp.bfloat16), (w_in, w_in, w_out), "gpu", False, None), r
         narrow = mm.tiled_config(r, (3072, 3648))  # D = 3648: 57 blocks of 64 columns, not whole pairs
         one_wg_rows = mm.tiled_config(r).rows if r <= 64 else mm.default_config(r).rows  # prefill: default's tiles
         assert (narrow.warpgroups, narrow.rows) == (1, one_wg_rows)
@@ -1070,6 +1163,33 @@ def test_gpu_mgpu_mxfp4_warp_specialised_matches_reference(cfg):
 
 
 @pytest.mark.gpu
+def test_gpu_three_compute_warpgroups_match_reference():
+    """W = 3 compute warpgroups (192-column items, 152 registers each): one matmul, and the tile-layout FFN with
+    gate, up and SiTU fused at W = 3 (F = 384: two items) and down on a W = 2 config of its own, gate / up in
+    either column order, against the references."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    E, D, F = 4, 512, 384
+    sizes = [3, 0, 70, 9]
+    keys = jax.random.split(jax.random.key(33), 4)
+    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    x = jax.random.normal(keys[3], (sum(sizes) + 5, D), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    w3 = mm.MgpuConfig(rows=40, kh=64, steps=4, ctas_per_sm=1, plan="xla", warpgroups=3)
+    want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(ws[0], jnp.bfloat16), gs)
+    got = mm.grouped_matmul(x, mm.prepare_weight(ws[0]), gs, config=w3)
+    assert _rel(got, want) < 1e-4
+    want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
+    down = mm.MgpuConfig(rows=40, kh=128, steps=4, ctas_per_sm=1, plan="xla", warpgroups=2)
+    for kh in (64, 128):
+        cfg = dataclasses.replace(w3, kh=kh, gate_up="fused", down_config=down)
+        for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
+            got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
+            assert _rel(got, want) < 1e-2, (kh, prepared[0].out_order)
+            assert not np.asarray(got[sum(sizes):]).any()
+
+
+@pytest.mark.gpu
 def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     """The tile-layout FFN on the device (three Mosaic kernels on padded rows; or gate, up and SiTU fused into one)
     against the reference FFN over the exactly dequantised weights, and against the same FFN with each matmul
@@ -1111,6 +1231,16 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     h = situ(*per_matmul).astype(jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(mm.grouped_matmul(h, prepared[2], gs)), rtol=2e-2,
                                atol=2e-2 * float(jnp.abs(want).max()))
+    # gate / up in the down matmul's plane order (what a model on a GPU prepares): h handed over as planes, written
+    # so by the fused kernels (two warpgroups and one) or moved in 64-column blocks after separate ones
+    ffn_prepared = mm.prepare_ffn_weights(*ws)
+    assert [q.out_order for q in ffn_prepared] == ["planes", "planes", "natural"]
+    for cfg in (fused, mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, in_place[1], None):
+        got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *ffn_prepared)
+        assert _rel(got, want) < 1e-2, cfg
+        assert not np.asarray(got[sum(sizes):]).any()
+    # one matmul with a plane-order weight gives its natural columns back, bit for bit
+    np.testing.assert_array_equal(np.asarray(mm.grouped_matmul(x, ffn_prepared[0], gs)), np.asarray(per_matmul[0]))
     # and `ops` takes this path for three prepared weights on the GPU
     assert ops._tiled_ffn_takes(x, prepared, "gpu", False, None)
     got = jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="gpu"))(x, gs, *prepared)

@@ -72,9 +72,10 @@ class MoE(nnx.Module):
       to the MoE kernels, which decode them tile by tile (the reference backend dequantises per call inside the
       jitted forward); no dequantised copy is ever stored;
     * "mxfp4_mosaic" (after `use_mosaic_experts`, which `Model` calls on a GPU): the same weights laid out once for
-      the Mosaic GPU MXFP4 kernel (`mgpu_mxfp4.prepare_weight`, "placed"): `<w>_codes` uint8 `[E, N, K/2]` (each
-      word's bits permuted), `<w>_scales_t` uint8 `[E, K/32, N]`, `<w>_exp_offset` int32 `[E]`. Same values,
-      exactly (`mgpu_mxfp4.unprepare_weight` gives the checkpoint's arrays back).
+      the Mosaic GPU MXFP4 kernel (`mgpu_mxfp4.prepare_ffn_weights`, "placed"): `<w>_codes` uint8 `[E, N, K/2]`
+      (each word's bits permuted), `<w>_scales_t` uint8 `[E, K/32, N]`, `<w>_exp_offset` int32 `[E]`; gate's and
+      up's N axis in the down matmul's x-plane order (`mosaic_out_orders`). Same values, exactly
+      (`mgpu_mxfp4.unprepare_weight` gives the checkpoint's arrays back).
     """
 
     def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -128,14 +129,16 @@ class MoE(nnx.Module):
         weights = self.expert_weights()
         if not all(w.in_features % 128 == 0 and w.out_features % mgpu_mx.COLS == 0 for w in weights):
             return False
-        for name, w in zip(EXPERT_WEIGHTS, weights):
-            p = mgpu_mx.prepare_weight(w, "placed")
+        # gate and up with their output columns in down's x-plane order (h goes from one kernel to the next as is)
+        prepared = mgpu_mx.prepare_ffn_weights(*weights, layout="placed")
+        for name, p in zip(EXPERT_WEIGHTS, prepared):
             delattr(self, name + "_packed")
             delattr(self, name + "_scale")
             setattr(self, name + "_codes", nnx.Param(p.codes))
             setattr(self, name + "_scales_t", nnx.Param(p.scales_t))
             setattr(self, name + "_exp_offset", nnx.Param(p.exp_offset))
         self.expert_format = "mxfp4_mosaic"
+        self.mosaic_out_orders = tuple(p.out_order for p in prepared)
         return True
 
     def expert_weights(self):
@@ -143,8 +146,8 @@ class MoE(nnx.Module):
         MoE ops take them."""
         if self.expert_format == "mxfp4_mosaic":
             return tuple(mgpu_mx.PreparedWeight(getattr(self, n + "_codes")[...], getattr(self, n + "_scales_t")[...],
-                                                getattr(self, n + "_exp_offset")[...], layout="placed")
-                         for n in EXPERT_WEIGHTS)
+                                                getattr(self, n + "_exp_offset")[...], layout="placed", out_order=o)
+                         for n, o in zip(EXPERT_WEIGHTS, self.mosaic_out_orders))
         if self.expert_format == "mxfp4":
             return tuple(mx.MXFP4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
                          for n in EXPERT_WEIGHTS)

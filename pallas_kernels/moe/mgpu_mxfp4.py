@@ -90,10 +90,10 @@ from . import mxfp4 as mx
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
-# compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each (W = 3 lowers too, but
-# no K3 width is whole 192-column items). W = 4 ran past a 200 s limit in session 22 with JAX's register split
-# (`ws_compute_registers`: it deadlocked); session 23 gives it the split its CTA can hold.
-WS_WARPGROUPS = (2, 4)
+# compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each (W = 3: K3's gate / up,
+# 3072 = 16 items of 192 columns, not its down's 3584). W = 4 ran past a 200 s limit in session 22 with JAX's
+# register split (`ws_compute_registers`: it deadlocked); session 23 gives it the split its CTA can hold.
+WS_WARPGROUPS = (2, 3, 4)
 WS_MEMORY_REGISTERS = 40  # registers per thread left to its memory warpgroup (it only issues TMA copies)
 
 
@@ -221,6 +221,7 @@ def default_config(rows_per_group: float) -> MgpuConfig:
 
 
 LAYOUTS = ("natural", "placed")
+OUT_ORDERS = ("natural", "planes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,15 +232,24 @@ class PreparedWeight:
     "placed": each 32-bit word's bits permuted (`mxfp4.place_codes`) for the table-free decode
     (`mxfp4.DECODE_PTX_PLACED`, 15 instead of 20 instructions per 8 weights); its multiplier 2^(S−1) must fit
     bf16, so an expert whose largest scale code exceeds 128 has all its codes lowered by `exp_offset[e]` (their
-    excess) and its output multiplied back by 2^exp_offset[e] in fp32. Real checkpoints have exp_offset 0."""
+    excess) and its output multiplied back by 2^exp_offset[e] in fp32. Real checkpoints have exp_offset 0.
+
+    `out_order` "natural": output column n is the checkpoint's column n. "planes" (an FFN's gate and up,
+    `prepare_ffn_weights`): the output columns are stored permuted by `planes_column_order(N)`, so the kernel's
+    64-column blocks of h are, as they are, 64-column blocks of the down matmul's x planes
+    (`_planes_in_contraction_order`) — the fused gate / up kernel writes those planes itself and h needs no
+    transpose between the two kernels."""
     codes: jax.Array
     scales_t: jax.Array
     exp_offset: jax.Array | None = None  # [E] int32, "placed" only
     layout: str = "natural"
+    out_order: str = "natural"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"PreparedWeight.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.out_order not in OUT_ORDERS:
+            raise ValueError(f"PreparedWeight.out_order must be one of {OUT_ORDERS}, got {self.out_order!r}")
 
     @property
     def num_experts(self):
@@ -255,38 +265,81 @@ class PreparedWeight:
 
 
 jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t", "exp_offset"],
-                                 meta_fields=["layout"])
+                                 meta_fields=["layout", "out_order"])
 
 PLACED_MAX_SCALE = 128  # largest E8M0 code whose placed-decode multiplier 2^(S−1) is a finite bf16
 
 
-def prepare_weight(w: mx.MXFP4Weight, layout: str = "placed") -> PreparedWeight:
+def prepare_weight(w: mx.MXFP4Weight, layout: str = "placed", out_order: str = "natural") -> PreparedWeight:
     """`MXFP4Weight` (packed `[E, N, K/2]`, scales `[E, N, K/32]`) -> the kernel's layout (scales transposed, so a
-    step's TMA box of them is 64 columns wide; codes bit-placed for `layout="placed"`). Once per weight, not per
-    call. Under "placed", an expert whose scale codes exceed 128 is lowered as a whole (`PreparedWeight`); a code
-    that would fall to 0 or below then reads as a zero scale — only an expert whose scales span more than 2^127
-    could lose anything that way."""
-    scales_t = jnp.swapaxes(w.scale, 1, 2)
+    step's TMA box of them is 64 columns wide; codes bit-placed for `layout="placed"`; output columns permuted by
+    `planes_column_order(N)` for `out_order="planes"`). Once per weight, not per call. Under "placed", an expert
+    whose scale codes exceed 128 is lowered as a whole (`PreparedWeight`); a code that would fall to 0 or below
+    then reads as a zero scale — only an expert whose scales span more than 2^127 could lose anything that way."""
+    if out_order not in OUT_ORDERS:
+        raise ValueError(f"prepare_weight: out_order must be one of {OUT_ORDERS}, got {out_order!r}")
+    packed, scale = w.packed, w.scale
+    if out_order == "planes":
+        order = planes_column_order(packed.shape[1])
+        packed, scale = packed[:, order], scale[:, order]
+    scales_t = jnp.swapaxes(scale, 1, 2)
     if layout == "natural":
-        return PreparedWeight(w.packed, scales_t, layout="natural")
+        return PreparedWeight(packed, scales_t, layout="natural", out_order=out_order)
     if layout != "placed":
         raise ValueError(f"prepare_weight: layout must be one of {LAYOUTS}, got {layout!r}")
     s = scales_t.astype(jnp.int32)
     offset = jnp.maximum(jnp.max(s, axis=(1, 2)) - PLACED_MAX_SCALE, 0)  # [E]
     lowered = jnp.where(s == 0, 0, jnp.maximum(s - offset[:, None, None], 0)).astype(jnp.uint8)
-    return PreparedWeight(mx.place_codes(w.packed), lowered, offset.astype(jnp.int32), layout="placed")
+    return PreparedWeight(mx.place_codes(packed), lowered, offset.astype(jnp.int32), layout="placed",
+                          out_order=out_order)
+
+
+def prepare_ffn_weights(w_gate: mx.MXFP4Weight, w_up: mx.MXFP4Weight, w_down: mx.MXFP4Weight,
+                        layout: str = "placed") -> tuple[PreparedWeight, PreparedWeight, PreparedWeight]:
+    """An expert FFN's three weights for `expert_ffn_tiled`: gate and up with their output columns in the down
+    matmul's plane order (`out_order="planes"`, when F is whole 128-column blocks), down natural."""
+    planes = w_gate.packed.shape[1] % (2 * COLS) == 0
+    order = "planes" if planes else "natural"
+    return (prepare_weight(w_gate, layout, order), prepare_weight(w_up, layout, order),
+            prepare_weight(w_down, layout))
 
 
 def unprepare_weight(p: PreparedWeight) -> mx.MXFP4Weight:
-    """The inverse of `prepare_weight`: the checkpoint's layout (natural codes `[E, N, K/2]`, scales `[E, N, K/32]`),
-    bit for bit (except scale codes that `prepare_weight` had to flush to zero, see there). For the backends that
-    take `MXFP4Weight`s (the reference, Triton, TPU) when handed a prepared weight."""
+    """The inverse of `prepare_weight`: the checkpoint's layout (natural codes `[E, N, K/2]`, scales `[E, N, K/32]`,
+    natural output columns), bit for bit (except scale codes that `prepare_weight` had to flush to zero, see there).
+    For the backends that take `MXFP4Weight`s (the reference, Triton, TPU) when handed a prepared weight."""
     s = p.scales_t
+    codes = p.codes
     if p.layout == "placed":
         s32 = s.astype(jnp.int32)
         s = jnp.where(s32 == 0, 0, s32 + p.exp_offset[:, None, None]).astype(jnp.uint8)
-        return mx.MXFP4Weight(mx.unplace_codes(p.codes), jnp.swapaxes(s, 1, 2))
-    return mx.MXFP4Weight(p.codes, jnp.swapaxes(s, 1, 2))
+        codes = mx.unplace_codes(codes)
+    packed, scale = codes, jnp.swapaxes(s, 1, 2)
+    if p.out_order == "planes":
+        back = np.argsort(planes_column_order(packed.shape[1]))
+        packed, scale = packed[:, back], scale[:, back]
+    return mx.MXFP4Weight(packed, scale)
+
+
+def planes_column_order(n: int) -> np.ndarray:
+    """order `[n]` (n a multiple of 128): stored column j of a weight prepared with out_order="planes" is its
+    natural column order[j]. Column j = 64·b + i of the output is then element (b mod 2, i) of 64-column block
+    b // 2 of the next matmul's x planes: h[:, order] viewed as `[m, n/128, 2, 64]` and transposed to
+    `[2, m, n/128, 64]` is `_planes_in_contraction_order(h)` (plane e, column L holds h[:, 2·perm[L] + e]), so
+    `columns_as_planes` is a copy of whole 64-column blocks and a kernel storing 64-column tiles can write the
+    planes directly."""
+    if n % (2 * COLS):
+        raise ValueError(f"planes_column_order: {n} columns are not whole blocks of {2 * COLS}")
+    perm = x_permutation(n // 2)
+    b, i = np.divmod(np.arange(n), COLS)
+    return 2 * perm[COLS * (b // 2) + i] + b % 2
+
+
+def columns_as_planes(h_cols):
+    """`[m, n]` whose columns are in `planes_column_order(n)` -> the x planes `[2, m, n/2]` of the next matmul
+    (what `_planes_in_contraction_order` makes of the natural columns), moving whole 64-column blocks."""
+    m, n = h_cols.shape
+    return h_cols.reshape(m, n // (2 * COLS), 2, COLS).transpose(2, 0, 1, 3).reshape(2, m, n // 2)
 
 
 def fit_config(config: MgpuConfig, in_features: int) -> MgpuConfig:
@@ -530,16 +583,22 @@ def _store_transposed_fn():
 
 def _store_tile(acc, o_smem, out_ref, nb, t, store: str):
     """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] ("cols") or out[rows·t …, 64·nb …] ("rows")
-    through shared memory and a TMA copy, once the previous item's copy has read the staging buffer."""
+    through shared memory and a TMA copy, once the previous item's copy has read the staging buffer. "planes": out
+    is the next matmul's x planes `[2, m_pad, N/2]` and block nb of the (`planes_column_order`) columns goes to
+    plane nb mod 2, columns 64·(nb // 2) … (the rows' tile as for "rows")."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if store == "rows":
+    if store in ("rows", "planes"):
         R = o_smem.shape[0]
         plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)])
+        if store == "rows":
+            dst = out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)]
+        else:
+            dst = out_ref.at[nb % 2, pl.ds(t * R, R), pl.ds(nb // 2 * COLS, COLS)]
+        plgpu.copy_smem_to_gmem(o_smem, dst)
     else:
         R = o_smem.shape[1]
         o_smem[...] = acc
@@ -591,18 +650,20 @@ def _cta_grid(cfg: MgpuConfig) -> tuple[int]:
     return (num_sms * cfg.ctas_per_sm,)
 
 
-def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32):
+def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32, planes: bool = False):
     """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
     (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer (`store="rows"`: out
-    `[m_pad, N]` in `out_dtype` (fp32 or bf16), staging `[rows, 64]`)."""
+    `[m_pad, N]` in `out_dtype` (fp32 or bf16), staging `[rows, 64]`; `planes`: out is the next matmul's x planes
+    `[2, m_pad, N/2]`, stored as for "rows" by `_store_tile(store="planes")`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    rows_major = cfg.store == "rows"
+    rows_major = cfg.store == "rows" or planes
     if not rows_major and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"mgpu MXFP4: store='cols' writes fp32 only, got out_dtype={jnp.dtype(out_dtype)}")
+    out_shape = (2, m_pad, N // 2) if planes else (m_pad, N) if rows_major else (N, m_pad)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m_pad, N) if rows_major else (N, m_pad), out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=_cta_grid(cfg),
         grid_names=("sm",),
         scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS) if rows_major else (COLS, cfg.rows), out_dtype)),
@@ -816,9 +877,10 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                          config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
-    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su). As `kernel_call_ws`, with each step's stage holding both weights'
-    blocks beside the one x tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the
-    activation runs on them in the epilogue, so gate and up are never written to memory."""
+    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su) (weights with out_order="planes": the down matmul's x planes
+    `[2, m_pad, F/2]`). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside the one x
+    tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the activation runs on them in
+    the epilogue, so gate and up are never written to memory."""
     def epilogue(accs, g, *scale_refs):
         gate, up = accs
         if scale_refs:
@@ -842,9 +904,11 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     if config.store != "rows" or config.mma != "bf16":
         raise ValueError("mgpu MXFP4: the warp-specialised kernel stores rows and decodes to bf16")
     w = weights[0]
-    if any(v.codes.shape != w.codes.shape or v.layout != w.layout for v in weights):
-        raise ValueError("mgpu MXFP4: fused gate / up need one shape and layout: "
-                         f"{[(v.codes.shape, v.layout) for v in weights]}")
+    if any((v.codes.shape, v.layout, v.out_order) != (w.codes.shape, w.layout, w.out_order) for v in weights):
+        raise ValueError("mgpu MXFP4: fused gate / up need one shape, layout and output order: "
+                         f"{[(v.codes.shape, v.layout, v.out_order) for v in weights]}")
+    # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
+    planes = len(weights) == 2 and w.out_order == "planes"
     _check_kernel_shapes(xs, w, config)
     _, m_pad, KH = xs.shape
     R, kh, N = config.rows, config.kh, w.out_features
@@ -910,7 +974,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                     if place_refs:
                         _store_placed(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, g, place_refs)
                     else:
-                        _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "rows")
+                        _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "planes" if planes else "rows")
 
                 first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                 state = jnp.where(first, int(PipelinePipeline.START),
@@ -930,7 +994,8 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     with _PoolRegisterSplit():  # the pipeline's setmaxnreg is emitted while the kernel is traced, here
         return plgpu.kernel(
             kernel,
-            out_type=jax.ShapeDtypeStruct((m_pad if place is None else place[2], N), out_dtype),
+            out_type=jax.ShapeDtypeStruct((2, m_pad, N // 2) if planes else (m_pad if place is None else place[2], N),
+                                          out_dtype),
             grid=(num_sms,),
             grid_names=("sm",),
             num_threads=wgs + 1,
@@ -943,8 +1008,9 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                       config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
-    shape and layout -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the fp32
-    epilogue) = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile, with
+    shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the
+    fp32 epilogue; out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`) = activation(x·Wgᵀ·sg,
+    x·Wuᵀ·su) per padded row of a live tile, with
     `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
     `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
     arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
@@ -960,9 +1026,10 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     R, kh = cfg.rows, cfg.kh
     t_max = m_pad // R
     E, N, KH2 = w_gate.codes.shape
-    if w_up.codes.shape != w_gate.codes.shape or w_up.layout != w_gate.layout:
-        raise ValueError(f"fused gate / up need one shape and layout: gate {w_gate.codes.shape} {w_gate.layout}, "
-                         f"up {w_up.codes.shape} {w_up.layout}")
+    if (w_up.codes.shape, w_up.layout, w_up.out_order) != (w_gate.codes.shape, w_gate.layout, w_gate.out_order):
+        raise ValueError(f"fused gate / up need one shape, layout and output order: gate {w_gate.codes.shape} "
+                         f"{w_gate.layout} {w_gate.out_order}, up {w_up.codes.shape} {w_up.layout} {w_up.out_order}")
+    planes = w_gate.out_order == "planes"
     if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or m_pad % R:
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
@@ -986,13 +1053,13 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
             gate, up = pl.run_scoped(acc_scope, acc, acc)
             if scaled:
                 gate, up = gate * sg_ref[g], up * su_ref[g]
-            _store_tile(activation(gate, up), o_smem, out_ref, nb, t, "rows")
+            _store_tile(activation(gate, up), o_smem, out_ref, nb, t, "planes" if planes else "rows")
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scales = (gate_scale, up_scale) if scaled else ()
-    return _launch(body, N, m_pad, cfg, out_dtype)(tile_group, num_tiles, *scales, xs, w_gate.codes,
+    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *scales, xs, w_gate.codes,
                                                    w_gate.scales_t, w_up.codes, w_up.scales_t)
 
 
@@ -1218,10 +1285,14 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | None = None, out_dtype=jnp.float32):
     """`x [M, K]` bf16 rows sorted by group, MXFP4 weight (`prepare_weight`), `group_sizes [E]` -> `[M, N]`:
-    x @ W[g]ᵀ per row with fp32 accumulation (the decoded weights are `mxfp4.decode_lo_hi_bf16_ref`'s bits). Rows
-    past Σ group_sizes are zeros."""
+    x @ W[g]ᵀ per row with fp32 accumulation (the decoded weights are `mxfp4.decode_lo_hi_bf16_ref`'s bits), in
+    natural column order whatever the weight's `out_order`. Rows past Σ group_sizes are zeros."""
     if x.shape[1] != w.in_features:
         raise ValueError(f"MXFP4 weight has K={w.in_features}, x has K={x.shape[1]}")
+    if w.out_order == "planes":  # the kernel writes the stored column order: put the natural one back
+        out = grouped_matmul(x, dataclasses.replace(w, out_order="natural"), group_sizes, config=config,
+                             out_dtype=out_dtype)
+        return out[:, np.argsort(planes_column_order(w.out_features))]
     config = config or config_for(x.shape[0], w)
     if config.mma == "fp8":
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = prepare_rows_fp8(x, group_sizes, w.num_experts,
@@ -1283,12 +1354,22 @@ def tiled_config(rows_per_group: float, out_features: tuple[int, ...] = ()) -> M
     fp32 accumulators leave too few of the 232 registers for the decode. Other sizes (8 < rows <= 16, or widths the
     warp-specialised kernel cannot split): `default_config`'s padded-plan shapes. Down alone on four compute
     warpgroups (`down_config`, 80 rows, 64-byte steps) measured −2% at 146 rows in one run (2672 / 2685 against
-    2729 µs) and ±0 in the next (2782 both), +2% at 32 rows, ±0 at 64 (H200, session 24): not a default."""
+    2729 µs) and ±0 in the next (2782 both), +2% at 32 rows, ±0 at 64 (H200, session 24): not a default.
+
+    At 16 < rows <= 32, when the widths are known and F is whole 192-column items (K3: 3072 = 16 of them), the
+    fused gate / up kernel runs on THREE compute warpgroups (152 registers each: 12 compute warps per SM instead of
+    8, and each x tile read from L2 serves 192 columns) and down, whose 3584 columns are not whole 192-column
+    items, on its own two-warpgroup config (`down_config`). H200, session 26, routed sizes, gate / up in plane order:
+    FFN 889 / 896 / 906 µs in three runs against 959 / 963 / 965 for the two-warpgroup default (0.52 of copy
+    against 0.49); at 64 rows per expert it gained nothing (1313 against 1311), 32- and 48-row tiles lost."""
     if rows_per_group <= 8:
         return MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3, plan="xla")
     if rows_per_group > 16:
         rows = 40 if rows_per_group <= 32 else 80
         ws = MgpuConfig(rows=rows, kh=128, steps=4, ctas_per_sm=1, plan="xla", warpgroups=2, gate_up="fused")
+        if (rows_per_group <= 32 and len(out_features) == 2 and out_features[0] % (3 * COLS) == 0
+                and out_features[1] % (2 * COLS) == 0):
+            return dataclasses.replace(ws, warpgroups=3, down_config=ws)
         if all(n % (COLS * ws.warpgroups) == 0 for n in out_features):
             return ws
         if rows_per_group <= 32:
@@ -1299,17 +1380,21 @@ def tiled_config(rows_per_group: float, out_features: tuple[int, ...] = ()) -> M
 
 
 def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
-    """x planes of padded rows and the kernel's config for weight `w` (rows stored in place, step width fitted)."""
+    """x planes of padded rows and the kernel's config for weight `w` (rows stored in place, step width fitted).
+    `x_pad`: `[m_pad, K]` rows, or already the planes `[2, m_pad, K/2]` (what a fused gate / up kernel with
+    out_order="planes" writes), taken as they are."""
     cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w.in_features)
+    if x_pad.ndim == 3:
+        return x_pad.astype(jnp.bfloat16), cfg
     return _planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), cfg
 
 
 def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
-    """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them) -> `[m_pad, N]`, each
-    live tile's rows times its expert's weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and
-    written by the kernel in `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back).
-    The x plane transpose here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch
-    gather, the activation)."""
+    """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them; or their planes
+    `[2, m_pad, K/2]`) -> `[m_pad, N]` (columns in `w`'s output order), each live tile's rows times its expert's
+    weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and written by the kernel in
+    `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back). The x plane transpose
+    here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation)."""
     xs, cfg = _tile_layout_operands(x_pad, w, config)
     out = kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype)
     if w.layout == "placed":
@@ -1338,7 +1423,8 @@ def tile_rows(plan: TilePlan, rows: int, num_rows: int):
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                        config: MgpuConfig, out_dtype=jnp.float32):
     """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
-    h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten)."""
+    h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten) — for weights with
+    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`."""
     xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
     return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
                              expert_scale(w_up), out_dtype)
@@ -1366,6 +1452,9 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     1.8e-3; session 18 measured 1.7–2.5e-4 with fp32), so fp32 stays the default."""
     M = x_rows.shape[0]
     E = w_gate.num_experts
+    if w_up.out_order != w_gate.out_order or w_down.out_order != "natural":
+        raise ValueError("expert_ffn_tiled: gate and up need one output order and down the natural one "
+                         f"(`prepare_ffn_weights`), got {w_gate.out_order}, {w_up.out_order}, {w_down.out_order}")
     cfg = config or tiled_config(M / E, (w_gate.out_features, w_down.out_features))
     matmul = matmul or tiled_matmul
     gated_matmul = gated_matmul or tiled_gated_matmul
@@ -1373,12 +1462,14 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     x_pad = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
     if cfg.gate_up == "fused":
         # the kernel rounds h to h_dtype itself (as XLA's convert would: to nearest even), so h is written and
-        # read back at half the bytes of fp32
+        # read back at half the bytes of fp32; with out_order="planes" it writes down's x planes
         written = h_dtype if jnp.dtype(h_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else jnp.float32
         h = gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=written).astype(h_dtype)
     else:
         gate, up = (matmul(x_pad, plan, w, cfg, gate_up_dtype).astype(jnp.float32) for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
+        if w_gate.out_order == "planes":  # columns in plane order: the planes are whole 64-column blocks of h
+            h = columns_as_planes(h)
     down_cfg = cfg.down_config or cfg
     if cfg.down_rows == "in_place":  # down stores each row where it belongs; `down_matmul`: tests' stand-in
         y = (down_matmul or tiled_matmul_in_place)(h, plan, w_down, down_cfg, M)

@@ -138,7 +138,9 @@ def _tiled_ffn_takes(x_rows, weights, backend, interpret, config) -> bool:
         return False
     cfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
         x_rows.shape[0] / weights[0].num_experts, (weights[0].out_features, weights[2].out_features))
-    return all(_mosaic_takes(x_rows, w, _mgpu_mx.fit_config(cfg, w.in_features)) for w in weights)
+    down_cfg = cfg.down_config or cfg  # down may run on a config of its own (`MgpuConfig.down_config`)
+    return all(_mosaic_takes(x_rows, w, _mgpu_mx.fit_config(c, w.in_features))
+               for w, c in zip(weights, (cfg, cfg, down_cfg)))
 
 
 def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", out_dtype=jnp.float32,
