@@ -96,7 +96,8 @@ def test_policy_measures_the_cost_ratio():
     pol = SpecPolicy()
     assert pol.cost(1) == 1.5  # nothing timed yet
     pol.timed(False, 0.010, 1)
-    pol.timed(True, 0.016, 1)
+    for _ in range(3):
+        pol.timed(True, 0.016, 1)
     assert pol.cost(1) == pytest.approx(1.6)
     pol.timed(False, 0.012, 30)
     assert pol.cost(32) == 1.5  # no verify step timed at this occupancy yet: 1 row's ratio is not used
@@ -105,6 +106,24 @@ def test_policy_measures_the_cost_ratio():
     for _ in range(40):
         pol.timed(True, 0.008, 1)  # faster than a step (noise): never below 1
     assert pol.cost(1) == 1.0
+
+
+def test_policy_is_not_switched_off_by_one_slow_step():
+    """The first verify step timed at an occupancy may absorb other work (the batch's prefills): one slow sample
+    caps at the initial ratio until more are timed, and the median then sets it aside; so do slow one-token steps."""
+    pol = SpecPolicy()
+    for _ in range(5):
+        pol.timed(False, 0.010, 32)
+    pol.timed(True, 0.032, 32)  # 3.2x: the session-26 outlier on the H200
+    assert pol.cost(32) == 1.5 and pol.worth_verifying({s: 4 for s in range(32)}, active_rows=32)
+    pol.timed(True, 0.012, 32)
+    pol.timed(True, 0.012, 32)
+    assert pol.cost(32) == pytest.approx(1.2)
+    pol.timed(False, 0.050, 32)  # one slow step among six
+    assert pol.cost(32) == pytest.approx(1.2)
+    for _ in range(3):  # a real change of the ratio does come through
+        pol.timed(True, 0.030, 32)
+    assert pol.cost(32) == pytest.approx(3.0)
     with pytest.raises(ValueError):
         SpecPolicy(cost=0)
 

@@ -12,9 +12,13 @@ with ``E[accepted] = a + a^2 + ... + a^v`` for ``v`` drafts and a per-sequence a
 that one more draft is kept, tracked as a running mean of kept / drafted over the sequence's verify steps, starting
 at ``prior``).  A sequence whose drafts keep failing stops causing verify steps; its rate drifts back towards the
 prior while it decodes one token at a time, so it is tried again later (text can turn repetitive).  ``cost`` is
-measured by the engine unless given: running means of both programs' wall times, kept per batch occupancy (active
-rows rounded up to a power of two: a verify step of 32 rows is not compared with a one-token step of 1); until
-both have been timed at an occupancy it is ``initial_cost``.
+measured by the engine unless given: the medians of both programs' recent wall times, kept per batch occupancy
+(active rows rounded up to a power of two: a verify step of 32 rows is not compared with a one-token step of 1);
+until both have been timed at an occupancy it is ``initial_cost``, and until ``min_samples`` verify steps have been
+timed there it is at most ``initial_cost``.  Medians and that cap because one slow step must not switch
+speculation off for good: on the H200 (session 26) a running mean took the first verify step of 32 rows -- right
+after the batch's prefills, whose time a step's wall clock can absorb -- at 3.2x a step against the 1.2x the
+throughput shows, and a policy that stops verifying never times another verify step to correct it.
 
 Which steps verify never changes what is sampled -- both programs draw from the target distribution -- only how
 fast it comes out.
@@ -22,23 +26,28 @@ fast it comes out.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Optional
 
 
 class SpecPolicy:
     def __init__(self, adaptive: bool = True, cost: Optional[float] = None, *, prior: float = 0.5,
                  initial_cost: float = 1.5, rate_weight: float = 0.3, recovery: float = 1 / 16,
-                 time_weight: float = 0.2):
+                 window: int = 16, min_samples: int = 3):
         """``adaptive=False``: verify whenever some row has drafts.  ``cost``: a fixed verify / step time ratio
         (None: measured).  ``rate_weight``: weight of the newest verify step in a sequence's acceptance rate;
-        ``recovery``: fraction of the way back to ``prior`` a rate moves per step without drafts verified."""
+        ``recovery``: fraction of the way back to ``prior`` a rate moves per step without drafts verified;
+        ``window``: recent wall times kept per (occupancy, program); ``min_samples``: verify steps timed at an
+        occupancy before its measured ratio may exceed ``initial_cost``."""
         if cost is not None and not cost > 0:
             raise ValueError(f"speculative cost ratio must be positive, got {cost}")
         self.adaptive, self.fixed_cost = bool(adaptive), cost
         self.prior, self.initial_cost = float(prior), float(initial_cost)
-        self.rate_weight, self.recovery, self.time_weight = rate_weight, recovery, time_weight
+        self.rate_weight, self.recovery = rate_weight, recovery
+        self.window, self.min_samples = int(window), int(min_samples)
         self.rates: dict = {}
-        self._times: dict = {}  # (occupancy bucket, verify?) -> running mean of the step's wall time
+        self._times: dict = {}  # (occupancy bucket, verify?) -> deque of the step's recent wall times
 
     @staticmethod
     def _bucket(active_rows: int) -> int:
@@ -50,10 +59,11 @@ class SpecPolicy:
         if self.fixed_cost is not None:
             return max(1.0, self.fixed_cost)
         b = self._bucket(active_rows)
-        t_step, t_verify = self._times.get((b, False)), self._times.get((b, True))
-        if t_step is None or t_verify is None:
+        steps, verifies = self._times.get((b, False)), self._times.get((b, True))
+        if not steps or not verifies:
             return self.initial_cost
-        return max(1.0, t_verify / t_step)
+        ratio = max(1.0, statistics.median(verifies) / statistics.median(steps))
+        return ratio if len(verifies) >= self.min_samples else min(ratio, self.initial_cost)
 
     def rate(self, seq_id) -> float:
         return self.rates.get(seq_id, self.prior)
@@ -89,9 +99,7 @@ class SpecPolicy:
 
     def timed(self, verify: bool, seconds: float, active_rows: int) -> None:
         """Wall time of one step over ``active_rows`` rows (dispatch to results on the host)."""
-        key = (self._bucket(active_rows), bool(verify))
-        old = self._times.get(key)
-        self._times[key] = seconds if old is None else old + self.time_weight * (seconds - old)
+        self._times.setdefault((self._bucket(active_rows), bool(verify)), deque(maxlen=self.window)).append(seconds)
 
     def forget(self, seq_id) -> None:
         self.rates.pop(seq_id, None)

@@ -73,6 +73,14 @@ warps per scheduler, < 1 eligible, issue slots 47-50% busy, DRAM 52-57%, L2 65-7
 `MgpuConfig(gate_up="fused")` with one warpgroup per CTA (`kernel_call_gated`): the same fusion, one weight after
 the other in each step; two weights' stages need twice the shared memory: 128-byte steps, or 2 CTAs per SM at
 256-byte steps.
+Session 26: h goes from the fused kernel to down without XLA in between. A model prepares gate and up with their
+output columns permuted (`prepare_ffn_weights`, `PreparedWeight.out_order="planes"`, `planes_column_order`) so
+that each 64-column tile the fused kernel stores is a 64-column block of down's x planes, and it stores them there
+(`_store_tile(store="planes")`); that removed the planes transpose of h (36 µs at 32 rows per expert). And at
+<= 32 rows the fused kernel runs on three compute warpgroups (192-column items) with down on two. H200, routed
+sizes, whole FFN: 8 rows 645 µs (0.72 of copy), 32 rows 872 µs (0.53; was 962–986), 64 rows 1248 µs (0.37; was
+1378–1440), 146 rows 2613 µs. Nsight Compute at 32 rows: fused gate / up 497 µs (was 559), down 270, x gather +
+planes 44, gather back 29, plan fusions ≈ 27.
 """
 
 from __future__ import annotations
