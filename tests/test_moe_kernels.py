@@ -720,7 +720,7 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
         mm.MgpuConfig(store="cols", plan="kernel")
     with pytest.raises(ValueError, match="warpgroups must be 1 or one of"):
-        mm.MgpuConfig(warpgroups=3)  # lowers, but no K3 width is whole 192-column items
+        mm.MgpuConfig(warpgroups=5)  # 2, 3 (K3's gate / up: 16 items of 192 columns) and 4 are taken
     with pytest.raises(ValueError, match="warp-specialised kernel"):
         mm.MgpuConfig(warpgroups=2, plan="kernel")
 
@@ -1162,6 +1162,17 @@ def test_gpu_mgpu_mxfp4_warp_specialised_matches_reference(cfg):
     assert _rel(got, want) < 1e-4
 
 
+def _device_ffn_case(F: int, seed: int):
+    """An expert FFN case for the device tests: E = 4 experts, D = 512, width F; skewed groups (one empty, one of
+    70 rows) and 5 uncovered tail rows -> (sizes, (gate, up, down) MXFP4 weights, x bf16, group sizes)."""
+    E, D = 4, 512
+    sizes = [3, 0, 70, 9]
+    keys = jax.random.split(jax.random.key(seed), 4)
+    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
+    x = jax.random.normal(keys[3], (sum(sizes) + 5, D), jnp.bfloat16)
+    return sizes, ws, x, jnp.asarray(sizes, jnp.int32)
+
+
 @pytest.mark.gpu
 def test_gpu_three_compute_warpgroups_match_reference():
     """W = 3 compute warpgroups (192-column items, 152 registers each): one matmul, and the tile-layout FFN with
@@ -1169,12 +1180,7 @@ def test_gpu_three_compute_warpgroups_match_reference():
     either column order, against the references."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    E, D, F = 4, 512, 384
-    sizes = [3, 0, 70, 9]
-    keys = jax.random.split(jax.random.key(33), 4)
-    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
-    x = jax.random.normal(keys[3], (sum(sizes) + 5, D), jnp.bfloat16)
-    gs = jnp.asarray(sizes, jnp.int32)
+    sizes, ws, x, gs = _device_ffn_case(F=384, seed=33)
     w3 = mm.MgpuConfig(rows=40, kh=64, steps=4, ctas_per_sm=1, plan="xla", warpgroups=3)
     want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(ws[0], jnp.bfloat16), gs)
     got = mm.grouped_matmul(x, mm.prepare_weight(ws[0]), gs, config=w3)
@@ -1196,12 +1202,7 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     padded and unpadded on its own; skewed groups (one empty, one of 70 rows) and uncovered tail rows."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    E, D, F = 4, 512, 256
-    sizes = [3, 0, 70, 9]
-    keys = jax.random.split(jax.random.key(31), 4)
-    ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
-    x = jax.random.normal(keys[3], (sum(sizes) + 5, D), jnp.bfloat16)
-    gs = jnp.asarray(sizes, jnp.int32)
+    sizes, ws, x, gs = _device_ffn_case(F=256, seed=31)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     prepared = [mm.prepare_weight(q) for q in ws]
     fused = dataclasses.replace(mm.tiled_config(8), gate_up="fused", kh=128)  # gate, up and SiTU in one kernel
