@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import http.server
 import io
 import logging
@@ -277,6 +278,75 @@ def test_prefix_cache_does_not_mix_images(served, tiny_model):
     # the same ids without images (the pads as plain tokens) share nothing with either
     _, dt = eng.submit(ids, GREEDY).collect(1)
     assert dt.num_cached_tokens == 0
+
+
+def test_waiting_requests_images_share_one_tower_call(served, tiny_model, monkeypatch):
+    """Image requests queued together: the head's images and those of the requests behind it (their buckets
+    compiled) go through the tower in one `encode_images` call, up to `vision_batch_images` images, a text
+    request between them notwithstanding; each output equals Model.generate with its own images. When a batch
+    fails, the head is encoded alone, and only the request whose image fails is aborted. (The requests queue
+    while a first request's tower call is held on a gate.)"""
+    tok = served.tokenizer
+    encode = type(tiny_model).encode_images
+    poison = _image(99)  # the others' size: its bucket is compiled, so it joins a batch
+    calls, held, gate = [], threading.Event(), threading.Event()
+
+    def recording(self, images):
+        if not held.is_set():  # the first request's call: hold it until the rest are queued
+            held.set()
+            gate.wait(60)
+        else:
+            calls.append(len(images))
+        if any((im == poison).all() for im in images if im.shape == poison.shape):
+            raise RuntimeError("this image breaks the tower")
+        return encode(self, images)
+
+    monkeypatch.setattr(type(tiny_model), "encode_images", recording)
+
+    def run(config, prompts, images):
+        held.clear()
+        gate.clear()
+        calls.clear()
+        eng = Engine(tiny_model, tok, config, runner=served.engine.runner)
+        eng.prefix_cache.capacity = 0
+        eng.start()
+        try:
+            first = eng.submit(_prompt_with_image(tok, 8, 16, 20, seed=19), GREEDY, images=[_image(54)])
+            assert held.wait(60)
+            streams = [eng.submit(ids, GREEDY, images=im) for ids, im in zip(prompts, images)]
+            gate.set()
+            first.collect(1)
+            return [s.collect(1) for s in streams]
+        finally:
+            eng.shutdown()
+
+    imgs = [[_image(50), _image(51, 60, 70)], None, [_image(52)], [_image(53)]]  # 16 + 9, -, 16, 16 tokens
+    two = _prompt_with_image(tok, 10, 16, 4, seed=20) + _prompt_with_image(tok, 0, 9, 20, seed=25)
+    prompts = [two, _prompt_with_image(tok, 30, 0, 0, seed=21)[:30], _prompt_with_image(tok, 12, 16, 20, seed=22),
+               _prompt_with_image(tok, 14, 16, 20, seed=23)]
+    for vision_batch, want_calls in ((16, [4]), (3, [3, 1])):
+        got = run(dataclasses.replace(served.engine.config, vision_batch_images=vision_batch), prompts, imgs)
+        assert calls == want_calls, vision_batch  # 16: all four images at once; 3: the head's two + one, then one
+        for ids, im, (out, _) in zip(prompts, imgs, got):
+            assert out[0].token_ids == tiny_model.generate([ids], GREEDY.max_tokens, images=im)[0, len(ids):].tolist()
+    # a poisoned image in the second request: the batch fails, the head runs alone, the poisoned one is aborted
+    bad = _prompt_with_image(tok, 10, 16, 20, seed=24)
+    first, failed, last = run(served.engine.config, [prompts[2], bad, prompts[3]], [imgs[2], [poison], imgs[3]])
+    assert (first[1].finish_reasons, failed[1].finish_reasons, last[1].finish_reasons) == (["length"], ["abort"],
+                                                                                           ["length"])
+    assert calls[:2] == [3, 1]  # the batch of three, then the head alone
+    assert first[0][0].token_ids == tiny_model.generate([prompts[2]], GREEDY.max_tokens,
+                                                        images=imgs[2])[0, len(prompts[2]):].tolist()
+
+
+def test_vision_batch_flag_and_config_refuse_zero(served, tiny_model, capsys):
+    from kimi_jax.serve.__main__ import build_parser, main
+
+    assert main(["--vision-batch-images", "0"]) == 2 and "--vision-batch-images" in capsys.readouterr().err
+    assert "--vision-batch-images" in build_parser().format_help()
+    with pytest.raises(ValueError, match="vision_batch_images"):
+        Engine(tiny_model, served.tokenizer, dataclasses.replace(served.engine.config, vision_batch_images=0),
+               runner=served.engine.runner)
 
 
 def test_preemption_recomputes_with_the_same_image_features(served, tiny_model):

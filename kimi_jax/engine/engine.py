@@ -83,7 +83,7 @@ import numpy as np
 from . import compile_watch
 from .detok import OutputText
 from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
-from .images import PromptImages
+from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
 from .prefix_cache import PrefixCache
@@ -112,6 +112,10 @@ class EngineConfig:
     # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
     # once; an image request waits only for its own bucket, smallest first): what a server on an accelerator wants
     vision_warmup: bool = False
+    # the vision tower runs the queue head's images together with those of the requests waiting behind it whose
+    # tower programs are compiled, up to this many images in one `Model.encode_images` call (their runs overlap;
+    # 1: each request's images alone)
+    vision_batch_images: int = 16
     # speculative decoding (SPEC §12): drafts per verify step (0: off) and the prompt-lookup n-gram sizes
     speculative_tokens: int = 0
     speculative_method: str = "ngram"
@@ -236,6 +240,8 @@ class Engine:
         num_blocks = cfg.num_blocks
         if num_blocks is None:  # every slot at max_model_len, and room for the prefix-cache snapshots
             num_blocks = 1 + (self.B + max(0, cfg.prefix_cache_entries)) * max_blocks
+        if cfg.vision_batch_images < 1:
+            raise ValueError(f"vision_batch_images must be >= 1, got {cfg.vision_batch_images}")
         self.proposer = None
         if cfg.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {cfg.speculative_tokens}")
@@ -589,6 +595,15 @@ class Engine:
         req = _request_of(item)
         if req.images is None or req.images.features is not None:
             return True
+        ahead = self._images_ahead(len(req.images.counts))
+        if ahead:
+            try:  # the head's images and those of the requests behind it, in one tower call
+                encode_many([req.images] + ahead, self.model)
+                self.images_encoded += len(req.images.counts) + sum(len(p.counts) for p in ahead)
+                return True
+            except Exception:  # noqa: BLE001 -- find whose images fail: the head's alone now, the others' later
+                log.warning("vision tower failed on a batch of %d requests' images; encoding request %s alone",
+                            1 + len(ahead), req.request_id)
         try:
             req.images.encode(self.model)
         except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
@@ -597,6 +612,29 @@ class Engine:
             return False
         self.images_encoded += len(req.images.counts)
         return True
+
+    def _images_ahead(self, head_images: int) -> list:
+        """The not yet encoded images (`PromptImages`) of the requests waiting behind the queue's head whose tower
+        programs are compiled, in queue order, while the images stay within `vision_batch_images` with the head's
+        ``head_images``; an image-less request does not end the walk, one whose images do not fit does."""
+        room = self.config.vision_batch_images - head_images
+        ahead = []
+        for item in list(self._waiting)[1:]:
+            if room <= 0:
+                break
+            pi = _request_of(item).images
+            if pi is None or pi.features is not None:
+                continue
+            if len(pi.counts) > room:
+                break
+            try:
+                if not pi.ready(self.model):
+                    continue  # its programs are compiling (started now, if not before)
+            except Exception:  # noqa: BLE001 -- its own turn at the head reports and ends it
+                continue
+            ahead.append(pi)
+            room -= len(pi.counts)
+        return ahead
 
     def _admit(self, item) -> Optional[_Prefill]:
         """Start the prefill of a waiting request or preempted sequence, if slots and pages allow."""

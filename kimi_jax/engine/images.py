@@ -9,8 +9,9 @@ A prompt with images carries, for image i, ``counts[i]`` ``<|media_pad|>`` token
   thread, ``modules.vision_buckets.BucketPrograms.prepare``; the request waits at the head of the queue meanwhile
   while running sequences keep decoding -- a new image size no longer stalls every stream for a tower compile);
 * at admission runs the vision tower once (``encode``: ``Model.encode_images``, on the engine thread, which owns the
-  device) and keeps the features ``[N, D]`` for the request's lifetime, so a preempted sequence's recompute feeds
-  the same features again;
+  device; ``encode_many`` takes the images of the requests waiting behind it too, when their programs are
+  compiled, so their tower runs overlap) and keeps the features ``[N, D]`` for the request's lifetime, so a
+  preempted sequence's recompute feeds the same features again;
 * for each prefill chunk ``[start, start + C)`` that holds image tokens hands the runner ``chunk_inputs`` --
   features ``[1, C, D]`` with the image rows in place and a mask ``[1, C]`` -- so a chunk may begin or end anywhere
   inside an image;
@@ -105,14 +106,8 @@ class PromptImages:
 
     def encode(self, model) -> None:
         """Run the vision tower once (``Model.encode_images``); keeps ``features [N, D]`` and drops the pixels."""
-        if self.features is not None:
-            return
-        feats = model.encode_images(self.images)
-        got = tuple(int(f.shape[0]) for f in feats)
-        if got != self.counts:  # the tower and the prompt disagree on the token counts: a bug, not a bad request
-            raise RuntimeError(f"vision tower gave {got} tokens per image, the prompt holds {self.counts}")
-        self.features = np.concatenate([np.asarray(f) for f in feats], axis=0)
-        self.images = None
+        encode_many([self], model)
+
 
     def chunk_inputs(self, start: int, size: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """(features ``[1, size, D]``, mask bool ``[1, size]``) for the prefill chunk at prompt positions
@@ -134,3 +129,26 @@ class PromptImages:
         for pos, item in zip(self.positions.tolist(), self._key_items):
             key[pos] = item
         return key
+
+
+def encode_many(prompts: Sequence[PromptImages], model) -> None:
+    """``encode`` for several prompts' images in one ``Model.encode_images`` call: every image's tower run starts
+    before the first one's features come back, across requests as within one (on a GPU, one image's host work and
+    transfers then overlap the others' device time).  Prompts already encoded are skipped; nothing is kept unless
+    every image encoded."""
+    todo = [p for p in prompts if p.features is None]
+    if not todo:
+        return
+    feats = model.encode_images([img for p in todo for img in p.images])
+    got = len(feats)
+    if got != sum(len(p.counts) for p in todo):
+        raise RuntimeError(f"vision tower gave features for {got} images, {sum(len(p.counts) for p in todo)} were sent")
+    bounds = np.cumsum([0] + [len(p.counts) for p in todo])
+    parts = [feats[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    for p, part in zip(todo, parts):
+        got = tuple(int(f.shape[0]) for f in part)
+        if got != p.counts:  # the tower and the prompt disagree on the token counts: a bug, not a bad request
+            raise RuntimeError(f"vision tower gave {got} tokens per image, the prompt holds {p.counts}")
+    for p, part in zip(todo, parts):
+        p.features = np.concatenate([np.asarray(f) for f in part], axis=0)
+        p.images = None

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the vision tower for every image size bucket at start, in the background (serving "
                         "starts at once; without it each bucket compiles the first time an image needs it, while "
                         "that request waits)")
+    p.add_argument("--vision-batch-images", type=int, default=16, metavar="N",
+                   help="run the vision tower for the images of several waiting requests in one call, up to N "
+                        "images (their runs overlap on the device; 1: each request's images alone; default 16)")
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, metavar="S",
                    help="seconds allowed for fetching one http(s) image URL (default 10)")
     p.add_argument("--compilation-cache", metavar="DIR",
@@ -230,6 +233,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
         return _fail(f"--prompt-lookup-min / --prompt-lookup-max must satisfy 1 <= min <= max, got "
                      f"{args.prompt_lookup_min} / {args.prompt_lookup_max}")
+    if args.vision_batch_images < 1:
+        return _fail(f"--vision-batch-images must be at least 1, got {args.vision_batch_images}")
     if not 0 < args.image_fetch_timeout < float("inf"):
         return _fail(f"--image-fetch-timeout must be a positive number of seconds, got {args.image_fetch_timeout}")
     busy = cannot_listen(args.host, args.port)
@@ -312,6 +317,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
             num_blocks=args.num_blocks,
             prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
+            vision_batch_images=args.vision_batch_images,
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=args.speculative_policy == "adaptive",
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
