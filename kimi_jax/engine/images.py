@@ -108,7 +108,6 @@ class PromptImages:
         """Run the vision tower once (``Model.encode_images``); keeps ``features [N, D]`` and drops the pixels."""
         encode_many([self], model)
 
-
     def chunk_inputs(self, start: int, size: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """(features ``[1, size, D]``, mask bool ``[1, size]``) for the prefill chunk at prompt positions
         ``[start, start + size)``; None when it holds no image token (the text-only program then runs it)."""
@@ -140,10 +139,9 @@ def encode_many(prompts: Sequence[PromptImages], model) -> None:
     if not todo:
         return
     feats = model.encode_images([img for p in todo for img in p.images])
-    got = len(feats)
-    if got != sum(len(p.counts) for p in todo):
-        raise RuntimeError(f"vision tower gave features for {got} images, {sum(len(p.counts) for p in todo)} were sent")
     bounds = np.cumsum([0] + [len(p.counts) for p in todo])
+    if len(feats) != bounds[-1]:
+        raise RuntimeError(f"vision tower gave features for {len(feats)} images, {bounds[-1]} were sent")
     parts = [feats[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     for p, part in zip(todo, parts):
         got = tuple(int(f.shape[0]) for f in part)

@@ -129,16 +129,21 @@ class MoE(nnx.Module):
         weights = self.expert_weights()
         if not all(w.in_features % 128 == 0 and w.out_features % mgpu_mx.COLS == 0 for w in weights):
             return False
-        # gate and up with their output columns in down's x-plane order (h goes from one kernel to the next as is)
-        prepared = mgpu_mx.prepare_ffn_weights(*weights, layout="placed")
-        for name, p in zip(EXPERT_WEIGHTS, prepared):
+        # gate and up with their output columns in down's x-plane order (h goes from one kernel to the next as is,
+        # `prepare_ffn_weights`); one weight at a time, so each old array is freed as its replacement is made
+        orders = mgpu_mx.ffn_out_orders(weights[0].out_features)
+        del weights
+        for name, order in zip(EXPERT_WEIGHTS, orders):
+            w = mx.MXFP4Weight(getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...])
+            p = mgpu_mx.prepare_weight(w, "placed", order)
+            del w
             delattr(self, name + "_packed")
             delattr(self, name + "_scale")
             setattr(self, name + "_codes", nnx.Param(p.codes))
             setattr(self, name + "_scales_t", nnx.Param(p.scales_t))
             setattr(self, name + "_exp_offset", nnx.Param(p.exp_offset))
         self.expert_format = "mxfp4_mosaic"
-        self.mosaic_out_orders = tuple(p.out_order for p in prepared)
+        self.mosaic_out_orders = orders
         return True
 
     def expert_weights(self):

@@ -302,14 +302,18 @@ def prepare_weight(w: mx.MXFP4Weight, layout: str = "placed", out_order: str = "
                           out_order=out_order)
 
 
+def ffn_out_orders(F: int) -> tuple[str, str, str]:
+    """The output orders `prepare_ffn_weights` gives (gate, up, down) for an FFN of width F: gate and up in the down
+    matmul's plane order when F is whole 128-column blocks, down natural."""
+    order = "planes" if F % (2 * COLS) == 0 else "natural"
+    return order, order, "natural"
+
+
 def prepare_ffn_weights(w_gate: mx.MXFP4Weight, w_up: mx.MXFP4Weight, w_down: mx.MXFP4Weight,
                         layout: str = "placed") -> tuple[PreparedWeight, PreparedWeight, PreparedWeight]:
-    """An expert FFN's three weights for `expert_ffn_tiled`: gate and up with their output columns in the down
-    matmul's plane order (`out_order="planes"`, when F is whole 128-column blocks), down natural."""
-    planes = w_gate.packed.shape[1] % (2 * COLS) == 0
-    order = "planes" if planes else "natural"
-    return (prepare_weight(w_gate, layout, order), prepare_weight(w_up, layout, order),
-            prepare_weight(w_down, layout))
+    """An expert FFN's three weights for `expert_ffn_tiled`, in `ffn_out_orders`' output orders."""
+    orders = ffn_out_orders(w_gate.packed.shape[1])
+    return tuple(prepare_weight(w, layout, o) for w, o in zip((w_gate, w_up, w_down), orders))
 
 
 def unprepare_weight(p: PreparedWeight) -> mx.MXFP4Weight:
