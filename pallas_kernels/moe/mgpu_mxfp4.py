@@ -916,9 +916,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     if config.store != "rows" or config.mma != "bf16":
         raise ValueError("mgpu MXFP4: the warp-specialised kernel stores rows and decodes to bf16")
     w = weights[0]
-    if any((v.codes.shape, v.layout, v.out_order) != (w.codes.shape, w.layout, w.out_order) for v in weights):
-        raise ValueError("mgpu MXFP4: fused gate / up need one shape, layout and output order: "
-                         f"{[(v.codes.shape, v.layout, v.out_order) for v in weights]}")
+    _check_same_form(weights)
     # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
     planes = len(weights) == 2 and w.out_order == "planes"
     _check_kernel_shapes(xs, w, config)
@@ -1017,6 +1015,14 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
         )(tile_group, num_tiles, *place_inputs, *extra, xs, *w_operands)
 
 
+def _check_same_form(weights) -> None:
+    """Fused gate / up read one x tile for both weights and write one h: they need one shape, layout and output
+    order."""
+    forms = [(v.codes.shape, v.layout, v.out_order) for v in weights]
+    if any(f != forms[0] for f in forms):
+        raise ValueError(f"mgpu MXFP4: fused gate / up need one shape, layout and output order, got {forms}")
+
+
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                       config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
@@ -1038,9 +1044,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     R, kh = cfg.rows, cfg.kh
     t_max = m_pad // R
     E, N, KH2 = w_gate.codes.shape
-    if (w_up.codes.shape, w_up.layout, w_up.out_order) != (w_gate.codes.shape, w_gate.layout, w_gate.out_order):
-        raise ValueError(f"fused gate / up need one shape, layout and output order: gate {w_gate.codes.shape} "
-                         f"{w_gate.layout} {w_gate.out_order}, up {w_up.codes.shape} {w_up.layout} {w_up.out_order}")
+    _check_same_form((w_gate, w_up))
     planes = w_gate.out_order == "planes"
     if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or m_pad % R:
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
@@ -1072,7 +1076,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
 
     scales = (gate_scale, up_scale) if scaled else ()
     return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *scales, xs, w_gate.codes,
-                                                   w_gate.scales_t, w_up.codes, w_up.scales_t)
+                                                           w_gate.scales_t, w_up.codes, w_up.scales_t)
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
