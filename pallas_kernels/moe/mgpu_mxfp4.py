@@ -98,6 +98,7 @@ from . import mxfp4 as mx
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
+ROW_ALIGN = 8  # x's TMA row offset must be a multiple of its smem tile's 8 rows
 # compute warpgroups the warp-specialised kernel (`kernel_call_ws`) takes, 64 columns each (W = 3: K3's gate / up,
 # 3072 = 16 items of 192 columns, not its down's 3584). W = 4 ran past a 200 s limit in session 22 with JAX's
 # register split (`ws_compute_registers`: it deadlocked); session 23 gives it the split its CTA can hold.
@@ -190,6 +191,12 @@ class MgpuConfig:
     # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
     # fused gate / up kernel (two weights' accumulators) cannot fit their 104 registers
     down_config: "MgpuConfig | None" = None
+    # the tile-layout FFN's x for gate / up (`expert_ffn_tiled`): "padded" — gathered into the padded rows (every
+    # tile's rows written, dead tiles' zeros too: t_max · rows rows, 2.25× the sorted rows at 32 per expert);
+    # "aligned" — each group's rows padded only to a multiple of 8 (`ROW_ALIGN`, where a TMA copy may start), plus
+    # `rows` zero rows, each tile's copy starting at its first row there: a tile's rows past its group's are the
+    # next group's (or zeros), whose products land in padding rows nothing reads back. ~1.2× the sorted rows
+    x_rows: str = "padded"
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
@@ -198,6 +205,8 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.gate_up not in ("separate", "fused"):
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
+        if self.x_rows not in ("padded", "aligned"):
+            raise ValueError(f"MgpuConfig.x_rows must be 'padded' or 'aligned', got {self.x_rows!r}")
         if self.down_rows not in ("gather", "in_place"):
             raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
@@ -782,33 +791,38 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
-                out_dtype=jnp.float32, *, place=None):
+                out_dtype=jnp.float32, *, place=None, x_row0=None):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
     out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
 
     `place` (store="rows"): (first output row `[t_max]`, valid rows `[t_max]` int32 of each tile, M) — each live
     tile's first valid-rows rows go straight to their rows of out `[M, N]`, times the expert's scale for the placed
-    layout (`_store_rows_in_place`); rows no tile covers are left unwritten."""
+    layout (`_store_rows_in_place`); rows no tile covers are left unwritten.
+    `x_row0` `[t_max]` int32 (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): tile t reads x rows
+    x_row0[t] … x_row0[t] + rows − 1 of planes `[2, any rows, K/2]` instead of its own padded rows; m_pad =
+    t_max · rows either way."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if config.warpgroups > 1:
-        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place)
-    _, m_pad, KH = xs.shape
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, x_row0=x_row0)
     cfg = config
     R, kh = cfg.rows, cfg.kh
-    t_max = m_pad // R
-    _check_kernel_shapes(xs, w, cfg)
+    t_max = tile_group.shape[0]
+    m_pad = t_max * R
+    _check_kernel_shapes(xs, w, cfg, tile_group, x_row0)
     n_blocks = w.out_features // COLS
     decode = _bf16_decodes(kh, w.layout)
-    inputs = _placement_inputs(place, w, cfg)
+    inputs = _placement_inputs(place, w, cfg) + _row0_inputs(x_row0)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
         place_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(inputs)], refs[len(inputs):]
+        place_refs, x_rows, x_index = _split_row0(place_refs, x_row0, R)
 
         def item(t, nb, g):
             def acc_scope(acc_ref):
-                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, R, t, cfg)
+                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, x_rows,
+                            x_index(t), cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
@@ -845,13 +859,37 @@ def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs):
     _store_rows_in_place(acc, o_smem, out_ref, nb, row0_ref[t], n_ref[t])
 
 
-def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig):
-    """x planes `[2, m_pad, K/2]` and weight `[E, N, K/2]` as the padded-plan kernels take them."""
-    _, m_pad, KH = xs.shape
+def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group, x_row0=None):
+    """x planes `[2, m_pad, K/2]` (with `x_row0`: `[2, any rows ≥ rows, K/2]`) and weight `[E, N, K/2]` as the
+    padded-plan kernels take them, m_pad = t_max · rows for `tile_group [t_max]`."""
+    _, x_rows, KH = xs.shape
     KH2, N, cols = w.codes.shape[2], w.out_features, COLS * cfg.warpgroups
-    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % cols or m_pad % cfg.rows:
+    m_pad = tile_group.shape[0] * cfg.rows
+    bad_rows = x_rows < cfg.rows if x_row0 is not None else x_rows != m_pad
+    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % cols or bad_rows:
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={cfg.kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {cols}, padded rows {m_pad} of {cfg.rows}")
+                         f"{BLOCK}), N={N} of {cols}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}"
+                         + (" (at least one tile's)" if x_row0 is not None else ""))
+    if x_row0 is not None and x_row0.shape != tile_group.shape:
+        raise ValueError(f"mgpu MXFP4: x_row0 {x_row0.shape} needs one row per tile, {tile_group.shape}")
+
+
+def _row0_inputs(x_row0) -> tuple:
+    """The kernel input of `x_row0` (each tile's first x row, `MgpuConfig.x_rows="aligned"`), if any."""
+    return () if x_row0 is None else (x_row0,)
+
+
+def _split_row0(refs, x_row0, R: int):
+    """The refs after the placement inputs -> (placement refs, the x tile's `BlockSpec` row dimension, tile t -> its
+    index there): rows from x_row0[t] (`pl.Element`) with `x_row0`, else padded tile t (block R). The offset is
+    rounded down to `ROW_ALIGN` where the lowering can see it (the copy's tiled source needs that); `x_row0`'s
+    values are multiples of it already."""
+    import jax.experimental.pallas as pl
+
+    if x_row0 is None:
+        return refs, R, lambda t: t
+    *refs, row0_ref = refs
+    return tuple(refs), pl.Element(R), lambda t: jax.lax.div(row0_ref[t], ROW_ALIGN) * ROW_ALIGN
 
 
 SMEM_BYTES = 232448  # shared memory a CTA may take on an H100 / H200 (227 KB)
@@ -870,7 +908,7 @@ def ws_stages(steps: int, want: int, stage_bytes: int = 0, fixed_bytes: int = 0)
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                   place=None):
+                   place=None, x_row0=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
     `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
@@ -881,13 +919,14 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
-    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`: as in
-    `kernel_call`."""
-    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, lambda accs, g: accs[0], (), place=place)
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `x_row0`:
+    as in `kernel_call`."""
+    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, lambda accs, g: accs[0], (), place=place,
+                    x_row0=x_row0)
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
+                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32, x_row0=None):
     """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
     `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su) (weights with out_order="planes": the down matmul's x planes
     `[2, m_pad, F/2]`). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside the one x
@@ -900,14 +939,15 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
         return activation(gate, up)
 
     scales = () if gate_scale is None else (gate_scale, up_scale)
-    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales)
+    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales, x_row0=x_row0)
 
 
-def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None):
+def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None,
+             x_row0=None):
     """The warp-specialised kernel over one weight or a (gate, up) pair of one shape and layout: each work item's
     accumulators `[64, R]` fp32 (one per weight) -> `epilogue(accs, g, *extra_refs)` (g the item's expert, `extra`
     kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block (or, with `place`,
-    its valid rows in place: `kernel_call`)."""
+    its valid rows in place: `kernel_call`). `x_row0`: each tile's first x row (`kernel_call`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -919,9 +959,10 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     _check_same_form(weights)
     # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
     planes = len(weights) == 2 and w.out_order == "planes"
-    _check_kernel_shapes(xs, w, config)
-    _, m_pad, KH = xs.shape
+    _check_kernel_shapes(xs, w, config, tile_group, x_row0)
+    KH = xs.shape[2]
     R, kh, N = config.rows, config.kh, w.out_features
+    m_pad = tile_group.shape[0] * R
     wgs, n_w = config.warpgroups, len(weights)
     cols = COLS * wgs
     blocks = N // cols  # work items per row tile
@@ -933,11 +974,13 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
     if place is not None and n_w != 1:
         raise ValueError("mgpu MXFP4: rows stored in place take one weight")
-    place_inputs = _placement_inputs(place, w, config)
+    place_inputs = _placement_inputs(place, w, config) + _row0_inputs(x_row0)
 
     def kernel(tile_group_ref, num_ref, *refs, o_smem):
         n_place = len(place_inputs)
         place_refs, refs = refs[:n_place], refs[n_place:]
+        place_refs, _, x_index = _split_row0(place_refs, x_row0, R)
+        x_start = x_index if x_row0 is not None else (lambda t: t * R)  # element offsets into x's rows
         extra_refs, (xs_ref, *w_refs, out_ref) = refs[:len(extra)], refs[len(extra):]
         wg = lax.axis_index("wg")
         my_cols = pl.ds(wg * COLS, COLS)
@@ -961,7 +1004,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
             g = tile_group_ref[t]
             per_weight = [(codes.at[g, pl.ds(nb * cols, cols)], scales.at[g, :, pl.ds(nb * cols, cols)])
                           for codes, scales in zip(w_refs[0::2], w_refs[1::2])]
-            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(t * R, R)])
+            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(x_start(t), R)])
 
         ignore = lambda *_, **__: None  # noqa: E731 — the allocations depend on the specs and shapes only
 
@@ -1024,7 +1067,7 @@ def _check_same_form(weights) -> None:
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
+                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32, x_row0=None):
     """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
     shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the
     fp32 epilogue; out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`) = activation(x·Wgᵀ·sg,
@@ -1032,28 +1075,29 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
     `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
     arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
-    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`)."""
+    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`). `x_row0`:
+    each tile's first x row (`kernel_call`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if config.warpgroups > 1:
         return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale,
-                                    out_dtype)
-    _, m_pad, KH = xs.shape
+                                    out_dtype, x_row0)
     cfg = dataclasses.replace(config, store="rows")
     R, kh = cfg.rows, cfg.kh
-    t_max = m_pad // R
-    E, N, KH2 = w_gate.codes.shape
+    t_max = tile_group.shape[0]
+    m_pad = t_max * R
+    N = w_gate.out_features
     _check_same_form((w_gate, w_up))
+    _check_kernel_shapes(xs, w_gate, cfg, tile_group, x_row0)
     planes = w_gate.out_order == "planes"
-    if KH2 != KH or KH % kh or kh % BLOCK or N % COLS or m_pad % R:
-        raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {COLS}, padded rows {m_pad} of {R}")
     n_blocks = N // COLS
     decode = _bf16_decodes(kh, w_gate.layout)
     scaled = gate_scale is not None
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
+        row0_refs, refs = refs[:len(_row0_inputs(x_row0))], refs[len(_row0_inputs(x_row0)):]
+        _, x_rows, x_index = _split_row0(row0_refs, x_row0, R)
         if scaled:
             sg_ref, su_ref, xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
         else:
@@ -1062,7 +1106,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
         def item(t, nb, g):
             def acc_scope(acc_g, acc_u):
                 _mma_over_k(decode, (acc_g, acc_u), ((cg_ref.at[g], scg_ref.at[g]), (cu_ref.at[g], scu_ref.at[g])),
-                            xs_ref, nb, R, t, cfg)
+                            xs_ref, nb, x_rows, x_index(t), cfg)
                 return acc_g[...], acc_u[...]
 
             acc = plgpu.ACC((COLS, R), jnp.float32)
@@ -1075,8 +1119,8 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scales = (gate_scale, up_scale) if scaled else ()
-    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *scales, xs, w_gate.codes,
-                                                           w_gate.scales_t, w_up.codes, w_up.scales_t)
+    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *_row0_inputs(x_row0), *scales, xs,
+                                                           w_gate.codes, w_gate.scales_t, w_up.codes, w_up.scales_t)
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
@@ -1201,7 +1245,6 @@ def _store_direct_fn():
     return fn
 
 
-ROW_ALIGN = 8  # x's TMA row offset must be a multiple of its smem tile's 8 rows: a tile fetches R + 8 rows from there
 
 
 def prepare_grouped(x, group_sizes, config: MgpuConfig):
@@ -1405,14 +1448,17 @@ def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
     return _planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), cfg
 
 
-def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
+def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
+                 x_row0=None):
     """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them; or their planes
     `[2, m_pad, K/2]`) -> `[m_pad, N]` (columns in `w`'s output order), each live tile's rows times its expert's
     weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and written by the kernel in
     `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back). The x plane transpose
-    here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation)."""
+    here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation).
+    `x_row0 [t_max]` (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): x is any number of rows and tile t
+    reads rows x_row0[t] … x_row0[t] + rows − 1 of it (padded row t·rows + r holds x row x_row0[t] + r)."""
     xs, cfg = _tile_layout_operands(x_pad, w, config)
-    out = kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype)
+    out = kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0)
     if w.layout == "placed":
         out = out.astype(jnp.float32) * jnp.repeat(expert_scale(w)[plan.tile_group], cfg.rows)[:, None]
     return out
@@ -1428,6 +1474,20 @@ def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: Mgpu
     return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, place=(first_row, valid_rows, num_rows))
 
 
+def aligned_rows(x_rows, group_sizes, plan: TilePlan, rows: int):
+    """`MgpuConfig.x_rows="aligned"`: sorted rows `[M, K]` -> (the rows with each group padded to a multiple of
+    `ROW_ALIGN` and `rows` zero rows after them `[m8 + rows, K]`, one gather; the row there where each tile of
+    `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last tile reads up to rows − 1 rows past
+    the group: the next group's, or the zero rows; dead tiles start at the zero rows."""
+    M, E = x_rows.shape[0], group_sizes.shape[0]
+    plan8 = tile_plan(group_sizes, M, E, ROW_ALIGN)
+    m8 = plan8.src.shape[0]
+    src = jnp.concatenate([plan8.src, jnp.full((rows,), M, jnp.int32)])
+    first, _ = tile_rows(plan, rows, M)  # each tile's first sorted row (dead tiles: M)
+    x_row0 = plan8.pad_row.at[first].get(mode="fill", fill_value=m8)
+    return x_rows.at[src].get(mode="fill", fill_value=0), x_row0
+
+
 def tile_rows(plan: TilePlan, rows: int, num_rows: int):
     """Where each tile's rows go back in sorted order: (first sorted row `[t_max]`, valid rows `[t_max]` int32) —
     a tile's padded rows hold consecutive sorted rows of one expert, then padding, so its valid rows are a prefix
@@ -1437,13 +1497,13 @@ def tile_rows(plan: TilePlan, rows: int, num_rows: int):
 
 
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                       config: MgpuConfig, out_dtype=jnp.float32):
+                       config: MgpuConfig, out_dtype=jnp.float32, *, x_row0=None):
     """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
     h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten) — for weights with
-    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`."""
+    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`. `x_row0`: as in `tiled_matmul`."""
     xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
     return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
-                             expert_scale(w_up), out_dtype)
+                             expert_scale(w_up), out_dtype, x_row0=x_row0)
 
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
@@ -1475,14 +1535,19 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     matmul = matmul or tiled_matmul
     gated_matmul = gated_matmul or tiled_gated_matmul
     plan = tile_plan(group_sizes, M, E, cfg.rows)
-    x_pad = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
+    if cfg.x_rows == "aligned":
+        x_in, x_row0 = aligned_rows(x_rows.astype(jnp.bfloat16), group_sizes, plan, cfg.rows)
+    else:
+        x_in = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
+        x_row0 = None
     if cfg.gate_up == "fused":
         # the kernel rounds h to h_dtype itself (as XLA's convert would: to nearest even), so h is written and
         # read back at half the bytes of fp32; with out_order="planes" it writes down's x planes
         written = h_dtype if jnp.dtype(h_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else jnp.float32
-        h = gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=written).astype(h_dtype)
+        h = gated_matmul(x_in, plan, w_gate, w_up, activation, cfg, out_dtype=written, x_row0=x_row0).astype(h_dtype)
     else:
-        gate, up = (matmul(x_pad, plan, w, cfg, gate_up_dtype).astype(jnp.float32) for w in (w_gate, w_up))
+        gate, up = (matmul(x_in, plan, w, cfg, gate_up_dtype, x_row0=x_row0).astype(jnp.float32)
+                    for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
         if w_gate.out_order == "planes":  # columns in plane order: the planes are whole 64-column blocks of h
             h = columns_as_planes(h)
