@@ -809,12 +809,22 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
     assert mm.ws_stages(14, 7, stage_bytes=256 * 128 + 8 * 256 + 2 * 16 * 128 * 2, fixed_bytes=4 * 16 * 64 * 4) == 2
     with pytest.raises(ValueError, match="does not fit"):
         mm.ws_stages(4, 4, stage_bytes=240_000)
-    narrow = mm.PreparedWeight(sds((E, 192, D // 2), jnp.uint8), sds((E, D // 32, 192), jnp.uint8))
+    # a width that is not whole 64·W-column items: the last item is ragged (192 columns = 1½ items of 128; 3584 =
+    # 18⅔ items of 192, K3's down); one that is not whole 64-column blocks is refused
     cfg = mm.MgpuConfig(rows=16, kh=128, plan="xla", warpgroups=2)
-    assert not mm.supports(D, 192, cfg) and mm.supports(D, 192, dataclasses.replace(cfg, warpgroups=1))
-    with pytest.raises(ValueError, match="N=192 of 128"):
+    for n, wgs in ((192, 2), (512, 3)):
+        narrow = mm.PreparedWeight(sds((E, n, D // 2), jnp.uint8), sds((E, D // 32, n), jnp.uint8))
+        ragged = dataclasses.replace(cfg, warpgroups=wgs)
+        assert mm.supports(D, n, ragged)
+        text = jax.jit(lambda a, tg, c, w, ragged=ragged: mm.kernel_call(a, tg, c, w, ragged)).trace(
+            sds((2, 32, D // 2), jnp.bfloat16), sds((2,), jnp.int32), sds((1,), jnp.int32), narrow).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    bad = mm.PreparedWeight(sds((E, 160, D // 2), jnp.uint8), sds((E, D // 32, 160), jnp.uint8))
+    assert not mm.supports(D, 160, cfg) and not mm.supports(D, 160, dataclasses.replace(cfg, warpgroups=1))
+    with pytest.raises(ValueError, match="N=160 of 64"):
         jax.jit(lambda a, tg, n, w: mm.kernel_call(a, tg, n, w, cfg)).trace(
-            sds((2, 32, D // 2), jnp.bfloat16), sds((2,), jnp.int32), sds((1,), jnp.int32), narrow)
+            sds((2, 32, D // 2), jnp.bfloat16), sds((2,), jnp.int32), sds((1,), jnp.int32), bad)
 
 
 def test_mgpu_group_bounds():
@@ -992,7 +1002,11 @@ def test_aligned_rows_start_every_tile_on_an_8_row_boundary_at_its_rows(sizes):
             assert (x8[row0[t]:row0[t] + valid[t], 0] == np.arange(first[t], first[t] + valid[t]) + 1).all()
             assert row0[t] + R <= x8.shape[0]
         assert (row0[live:] == m8).all()
-        assert set(x8[:, 0][x8[:, 0] > 0].astype(int)) == set(range(1, sum(sizes) + 1))  # each grouped row once
+        assert sorted(x8[:, 0][x8[:, 0] > 0].astype(int)) == list(range(1, sum(sizes) + 1))  # each grouped row once
+    with pytest.raises(ValueError, match="multiple of 8"):
+        mm.MgpuConfig(rows=12, x_rows="aligned")
+    with pytest.raises(ValueError, match="x_rows must be"):
+        mm.MgpuConfig(x_rows="sorted")
 
 
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
@@ -1218,9 +1232,10 @@ def _device_ffn_case(F: int, seed: int):
 
 @pytest.mark.gpu
 def test_gpu_three_compute_warpgroups_match_reference():
-    """W = 3 compute warpgroups (192-column items, 152 registers each): one matmul, and the tile-layout FFN with
-    gate, up and SiTU fused at W = 3 (F = 384: two items) and down on a W = 2 config of its own, gate / up in
-    either column order, against the references."""
+    """W = 3 compute warpgroups (192-column items, 152 registers each): one matmul (whole items, and a ragged last
+    item), and the tile-layout FFN with gate, up and SiTU fused at W = 3 (F = 384: two items) and down on a W = 2
+    or W = 3 (ragged) config of its own, gate / up in either column order, against the references; x in 8-row
+    aligned groups gives the same bits."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes, ws, x, gs = _device_ffn_case(F=384, seed=33)
@@ -1228,13 +1243,19 @@ def test_gpu_three_compute_warpgroups_match_reference():
     want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(ws[0], jnp.bfloat16), gs)
     got = mm.grouped_matmul(x, mm.prepare_weight(ws[0]), gs, config=w3)
     assert _rel(got, want) < 1e-4
+    # down's 512 columns on W = 3: two whole 192-column items and a ragged third of 128 (its last 64 columns read
+    # as zeros past the weight, not stored)
+    h = jax.random.normal(jax.random.key(34), (x.shape[0], 384), jnp.bfloat16)
+    want = jax.jit(reference.grouped_matmul)(h, mx.dequantize(ws[2], jnp.bfloat16), gs)
+    got = mm.grouped_matmul(h, mm.prepare_weight(ws[2]), gs, config=w3)
+    assert _rel(got, want) < 1e-4 and got.shape == want.shape
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     down = mm.MgpuConfig(rows=40, kh=128, steps=4, ctas_per_sm=1, plan="xla", warpgroups=2)
-    for kh in (64, 128):
+    for kh, down in ((64, down), (128, down), (128, dataclasses.replace(down, warpgroups=3))):
         cfg = dataclasses.replace(w3, kh=kh, gate_up="fused", down_config=down)
         for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
             got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
-            assert _rel(got, want) < 1e-2, (kh, prepared[0].out_order)
+            assert _rel(got, want) < 1e-2, (kh, down.warpgroups, prepared[0].out_order)
             assert not np.asarray(got[sum(sizes):]).any()
             aligned = dataclasses.replace(cfg, x_rows="aligned")  # x in 8-row-aligned groups: the same bits
             got_aligned = jax.jit(lambda a, g, *w, cfg=aligned: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(

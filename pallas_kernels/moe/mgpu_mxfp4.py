@@ -207,6 +207,9 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
         if self.x_rows not in ("padded", "aligned"):
             raise ValueError(f"MgpuConfig.x_rows must be 'padded' or 'aligned', got {self.x_rows!r}")
+        if self.x_rows == "aligned" and self.rows % ROW_ALIGN:
+            raise ValueError(f"MgpuConfig: x_rows='aligned' starts tiles on {ROW_ALIGN}-row boundaries, so rows must "
+                             f"be a multiple of {ROW_ALIGN}, got {self.rows}")
         if self.down_rows not in ("gather", "in_place"):
             raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
@@ -380,10 +383,10 @@ def config_for(rows: int, w: PreparedWeight) -> MgpuConfig:
 
 def supports(in_features: int, out_features: int, config: MgpuConfig) -> bool:
     """Whether `kernel_call` takes this weight shape with this config: K/2 a multiple of the step width kh (itself a
-    multiple of 64 bytes), N a multiple of 64 output columns."""
+    multiple of 64 bytes), N a multiple of 64 output columns (with W compute warpgroups, N need not be whole
+    64·W-column items: the last item's columns past N read zeros and are not stored)."""
     kh2 = in_features // 2
-    cols = COLS * config.warpgroups
-    return in_features % 2 == 0 and config.kh % BLOCK == 0 and kh2 % config.kh == 0 and out_features % cols == 0
+    return in_features % 2 == 0 and config.kh % BLOCK == 0 and kh2 % config.kh == 0 and out_features % COLS == 0
 
 
 def x_permutation(kh_total: int) -> np.ndarray:
@@ -863,12 +866,12 @@ def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group, x_r
     """x planes `[2, m_pad, K/2]` (with `x_row0`: `[2, any rows ≥ rows, K/2]`) and weight `[E, N, K/2]` as the
     padded-plan kernels take them, m_pad = t_max · rows for `tile_group [t_max]`."""
     _, x_rows, KH = xs.shape
-    KH2, N, cols = w.codes.shape[2], w.out_features, COLS * cfg.warpgroups
+    KH2, N = w.codes.shape[2], w.out_features
     m_pad = tile_group.shape[0] * cfg.rows
     bad_rows = x_rows < cfg.rows if x_row0 is not None else x_rows != m_pad
-    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % cols or bad_rows:
+    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % COLS or bad_rows:
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={cfg.kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {cols}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}"
+                         f"{BLOCK}), N={N} of {COLS}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}"
                          + (" (at least one tile's)" if x_row0 is not None else ""))
     if x_row0 is not None and x_row0.shape != tile_group.shape:
         raise ValueError(f"mgpu MXFP4: x_row0 {x_row0.shape} needs one row per tile, {tile_group.shape}")
@@ -965,7 +968,10 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     m_pad = tile_group.shape[0] * R
     wgs, n_w = config.warpgroups, len(weights)
     cols = COLS * wgs
-    blocks = N // cols  # work items per row tile
+    # work items per row tile; when N is not whole items, the last one's columns past N are read as zeros (TMA
+    # fills what lies outside the weight) and its warpgroups past N store nothing
+    blocks = -(-N // cols)
+    ragged = N % cols != 0
     steps = KH // kh
     out_bytes = wgs * R * COLS * jnp.dtype(out_dtype).itemsize  # the compute warpgroups' staging tiles
     stages = ws_stages(steps, config.steps, stage_bytes=n_w * (cols * kh + kh // 16 * cols) + 2 * R * kh * 2,
@@ -1024,10 +1030,18 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                     accs = pl.run_scoped(acc_scope, *[plgpu.ACC((COLS, R), jnp.float32)] * n_w)
                     g = tile_group_ref[t]
                     out = epilogue(accs, g, *extra_refs)
-                    if place_refs:
-                        _store_placed(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, g, place_refs)
+                    block = nb * wgs + wg  # this warpgroup's 64-column block of the output
+
+                    def store():
+                        if place_refs:
+                            _store_placed(out, o_smem.at[wg], out_ref, block, t, g, place_refs)
+                        else:
+                            _store_tile(out, o_smem.at[wg], out_ref, block, t, "planes" if planes else "rows")
+
+                    if ragged:
+                        pl.when(block < N // COLS)(store)
                     else:
-                        _store_tile(out, o_smem.at[wg], out_ref, nb * wgs + wg, t, "planes" if planes else "rows")
+                        store()
 
                 first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                 state = jnp.where(first, int(PipelinePipeline.START),
@@ -1480,11 +1494,21 @@ def aligned_rows(x_rows, group_sizes, plan: TilePlan, rows: int):
     `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last tile reads up to rows − 1 rows past
     the group: the next group's, or the zero rows; dead tiles start at the zero rows."""
     M, E = x_rows.shape[0], group_sizes.shape[0]
-    plan8 = tile_plan(group_sizes, M, E, ROW_ALIGN)
-    m8 = plan8.src.shape[0]
-    src = jnp.concatenate([plan8.src, jnp.full((rows,), M, jnp.int32)])
-    first, _ = tile_rows(plan, rows, M)  # each tile's first sorted row (dead tiles: M)
-    x_row0 = plan8.pad_row.at[first].get(mode="fill", fill_value=m8)
+    m8 = (-(-M // ROW_ALIGN) + E) * ROW_ALIGN  # Σ sizes rounded up per group, at most
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    sizes8 = (sizes + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    ends8 = jnp.cumsum(sizes8)
+    starts8 = ends8 - sizes8
+    # aligned row p: the k-th of group g's rows there, a real row while k < the group's size (past the last
+    # group: g clamps to E − 1 and k ≥ its size)
+    p = jnp.arange(m8 + rows, dtype=jnp.int32)
+    g = jnp.minimum(_group_of(ends8, p), E - 1)
+    k = p - starts8[g]
+    src = jnp.where(k < sizes[g], starts[g] + k, M)
+    # tile t of `plan` (expert g) starts at sorted row first[t] = starts[g] + k, so at aligned row starts8[g] + k
+    first, _ = tile_rows(plan, rows, M)
+    x_row0 = jnp.where(first < M, first - starts[plan.tile_group] + starts8[plan.tile_group], m8)
     return x_rows.at[src].get(mode="fill", fill_value=0), x_row0
 
 
