@@ -498,6 +498,22 @@ def bench_ffn(args, copy_bw):
                 t_triton=t_triton):
             tiled = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg))
             t_tiled, err_t = checked_time(tiled, (x, sizes, *prepared[order]), ref, reps=20)
+            t_dispatch = t_tokens = None
+            if args.ffn_from_tokens:  # the model's path: x's rows come from m / 16 tokens (top-16)
+                n_tok = m // 16
+                x_nd = jax.random.normal(jax.random.key(300 + rows_per_expert), (n_tok, K), jnp.bfloat16)
+                tok = jnp.asarray(np.random.default_rng(rows_per_expert).permutation(np.arange(m) % n_tok), jnp.int32)
+                ref_tok = jax.block_until_ready(jax.jit(lambda a, t, g, *w: ops.expert_ffn_sorted(
+                    a[t], g, *w, situ, backend="reference"))(x_nd, tok, sizes, *ws))
+                # the dispatch gather, then the FFN on the sorted rows (before session 27) ...
+                dispatch = jax.jit(lambda a, t, g, *w: mgpu_mx.expert_ffn_tiled(a[t], g, *w, situ, config=cfg))
+                t_dispatch, _ = checked_time(dispatch, (x_nd, tok, sizes, *prepared[order]), ref_tok, reps=20)
+                # ... against the FFN gathering from the tokens itself (planes made on the tokens)
+                from_tokens = jax.jit(lambda a, t, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
+                                                                                   token_of_row=t))
+                t_tokens, _ = checked_time(from_tokens, (x_nd, tok, sizes, *prepared[order]), ref_tok, reps=20)
+                log(f"MXFP4 FFN {rows_per_expert} rows/expert from {n_tok} tokens: dispatch gather + FFN "
+                    f"{t_dispatch * 1e6:.0f} us, FFN gathering from the tokens {t_tokens * 1e6:.0f} us; {cfg}")
             t_tiled16 = None
             if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
@@ -515,6 +531,7 @@ def bench_ffn(args, copy_bw):
             b1 = ws[0].nbytes
             INFO.setdefault("ffn_us", {})[f"{rows_per_expert} rows, gate/up {order} {cfg}"] = dict(
                 tiled=t_tiled * 1e6, tiled_gate_up_bf16=t_tiled16 and t_tiled16 * 1e6,
+                dispatch_then_tiled=t_dispatch and t_dispatch * 1e6, tiled_from_tokens=t_tokens and t_tokens * 1e6,
                 per_matmul=t_per and t_per * 1e6, tiled_matmul=t_mm * 1e6, kernel=t_k * 1e6)
             per = f"{t_per * 1e6:.0f} us ({wbytes / t_per / 1e12:.2f})" if t_per else "-"
             bf16 = f" (gate/up written bf16: {t_tiled16 * 1e6:.0f} us)" if t_tiled16 else ""
@@ -661,6 +678,8 @@ def main():
     ap.add_argument("--ffn-gate-up-order", default="planes", help="FFN section: gate / up output columns "
                     "'planes' (the down matmul's x-plane order, as a model prepares them: h needs no transpose), "
                     "'natural', or both ('planes,natural') timed one after the other")
+    ap.add_argument("--ffn-from-tokens", action="store_true", help="FFN section: also time it from m / 16 tokens "
+                    "(the model's path), the dispatch gather before the FFN against the FFN gathering from the tokens")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes through the interpreter (CPU check)")
     args = ap.parse_args()

@@ -759,9 +759,10 @@ def test_warp_specialised_register_split_fits_the_ctas_pool():
     assert list(dict.fromkeys(increases)) == ["232", "104"]
 
 
-def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40, gate_up_order="natural"):
+def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40, gate_up_order="natural", tokens=0):
     """The StableHLO text of the tile-layout FFN (SiTU between; placed weights, default E = 4, D = 512, F = 256,
-    M = 40 rows; gate and up in `gate_up_order`) lowered for CUDA with kernel config `cfg`."""
+    M = 40 rows; gate and up in `gate_up_order`; `tokens` > 0: the rows given as that many tokens and a row ->
+    token map) lowered for CUDA with kernel config `cfg`."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sds = jax.ShapeDtypeStruct
@@ -769,6 +770,11 @@ def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40, gate_up_order="natural"):
                              layout="placed", out_order=gate_up_order)
     w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
                               layout="placed")
+    if tokens:
+        return jax.jit(lambda a, g, t, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg,
+                                                                       token_of_row=t)).trace(
+            sds((tokens, D), jnp.bfloat16), sds((E,), jnp.int32), sds((M,), jnp.int32), w_in, w_in, w_out).lower(
+            lowering_platforms=("cuda",)).as_text()
     return jax.jit(lambda a, g, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg)).trace(
         sds((M, D), jnp.bfloat16), sds((E,), jnp.int32), w_in, w_in, w_out).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -993,7 +999,8 @@ def test_aligned_rows_start_every_tile_on_an_8_row_boundary_at_its_rows(sizes):
     x = np.arange(1, M + 1, dtype=np.float32)[:, None] * np.ones((1, 4), np.float32)  # row i holds i + 1
     for R in (8, 16, 40):
         plan = mm.tile_plan(jnp.asarray(sizes, jnp.int32), M, E, R)
-        x8, row0 = map(np.asarray, mm.aligned_rows(jnp.asarray(x), jnp.asarray(sizes, jnp.int32), plan, R))
+        src, row0 = mm.aligned_rows(jnp.asarray(sizes, jnp.int32), plan, R, M)
+        x8, row0 = np.asarray(mm.gather_x(jnp.asarray(x), src), np.float32), np.asarray(row0)
         m8 = (-(-M // 8) + E) * 8
         assert x8.shape == (m8 + R, 4) and not x8[m8:].any() and (row0 % 8 == 0).all()
         first, valid = map(np.asarray, mm.tile_rows(plan, R, M))
@@ -1032,6 +1039,10 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     x = jax.random.normal(keys[3], (sum(sizes) + extra, D), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
+    # the sorted rows as tokens: each token feeds two rows (top-2), rows in a shuffled token order
+    tokens = jax.random.normal(keys[3], ((M + 1) // 2, D), jnp.bfloat16)
+    token_of_row = jnp.asarray(np.random.default_rng(M).permutation(np.arange(M) // 2), jnp.int32)
+    want_tok = ops.expert_ffn_sorted(tokens[token_of_row], gs, *ws, situ, backend="reference")
     # each weight natural, or gate / up in the down matmul's plane order (h handed over as planes)
     for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
         # x gathered into padded rows, or into groups aligned to 8 rows, each tile read from its first row
@@ -1050,6 +1061,15 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
             if sum(sizes):
                 assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
             assert not np.asarray(got[sum(sizes):]).any()  # in place: the rows no tile covers zeroed, not NaN
+            # from the tokens: x's planes made on them, gathered as half-rows
+            got = jax.jit(lambda a, g, t, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t,
+                                                                  matmul=_reference_tiled_matmul,
+                                                                  gated_matmul=_reference_tiled_gated_matmul,
+                                                                  down_matmul=_reference_tiled_matmul_in_place))(
+                tokens, gs, token_of_row, *prepared)
+            if sum(sizes):
+                assert _rel(got, want_tok) < 1e-2, rows
+            assert got.shape == want.shape and not np.asarray(got[sum(sizes):]).any()
 
 
 def test_tiled_config_and_the_ffn_lower_for_cuda():
@@ -1081,7 +1101,7 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
                               layout="placed")
     with mock.patch.object(jax, "default_backend", lambda: "gpu"):
         for r in (8, 24, 32, 64, 146):
-            assert ops._tiled_ffn_takes(sds((E * r, D), jnp.bfloat16), (w_in, w_in, w_out), "gpu", False, None), r
+            assert ops._tiled_ffn_takes(E * r, (w_in, w_in, w_out), "gpu", False, None), r
         narrow = mm.tiled_config(r, (3072, 3648))  # D = 3648: 57 blocks of 64 columns, not whole pairs
         one_wg_rows = mm.tiled_config(r).rows if r <= 64 else mm.default_config(r).rows  # prefill: default's tiles
         assert (narrow.warpgroups, narrow.rows) == (1, one_wg_rows)
@@ -1105,6 +1125,9 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         first = re.search(r"stablehlo.custom_call @mosaic_gpu.*", text).group(0)
         assert f"tensor<2x{m8 + R}x256xbf16>" in first, (R, first[:300])
         assert f"tensor<2x{m_pad}x256xbf16>" not in text
+        # from 20 tokens (top-2): x's planes made on the tokens, then gathered into the aligned rows
+        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, x_rows="aligned"), gate_up_order="planes", tokens=20)
+        assert "tensor<2x20x256xbf16>" in text and f"tensor<2x{m8 + R}x256xbf16>" in text
     # down on a kernel config of its own: four warpgroups after the fused two-warpgroup kernel
     text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4)))
@@ -1185,7 +1208,7 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
     wt = jnp.asarray(rng.random((N, k)), jnp.float32)
     keys = jax.random.split(jax.random.key(3), 3)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
-    assert all(ops._mosaic_takes(xf[:N * k // E], mm.prepare_weight(q), None) for q in ws)
+    assert all(ops._mosaic_takes(N * k // E, mm.prepare_weight(q), None) for q in ws)
     ref = reference.expert_ffn(xf, idx, wt, *[mx.dequantize(q, jnp.bfloat16) for q in ws], situ)
     out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *map(mm.prepare_weight, ws))
     assert _rel(out, ref) < 2e-2
@@ -1318,7 +1341,7 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     # one matmul with a plane-order weight gives its natural columns back, bit for bit
     np.testing.assert_array_equal(np.asarray(mm.grouped_matmul(x, ffn_prepared[0], gs)), np.asarray(per_matmul[0]))
     # and `ops` takes this path for three prepared weights on the GPU
-    assert ops._tiled_ffn_takes(x, prepared, "gpu", False, None)
+    assert ops._tiled_ffn_takes(x.shape[0], prepared, "gpu", False, None)
     got = jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="gpu"))(x, gs, *prepared)
     assert _rel(got, want) < 1e-2
 

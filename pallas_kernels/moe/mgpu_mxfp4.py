@@ -1488,12 +1488,13 @@ def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: Mgpu
     return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, place=(first_row, valid_rows, num_rows))
 
 
-def aligned_rows(x_rows, group_sizes, plan: TilePlan, rows: int):
-    """`MgpuConfig.x_rows="aligned"`: sorted rows `[M, K]` -> (the rows with each group padded to a multiple of
-    `ROW_ALIGN` and `rows` zero rows after them `[m8 + rows, K]`, one gather; the row there where each tile of
-    `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last tile reads up to rows − 1 rows past
-    the group: the next group's, or the zero rows; dead tiles start at the zero rows."""
-    M, E = x_rows.shape[0], group_sizes.shape[0]
+def aligned_rows(group_sizes, plan: TilePlan, rows: int, M: int):
+    """`MgpuConfig.x_rows="aligned"` for `M` sorted rows -> (the sorted row each aligned row holds `[m8 + rows]`
+    int32 (M: none, a zero row) — each group's rows padded to a multiple of `ROW_ALIGN`, then `rows` zero rows;
+    the aligned row where each tile of `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last
+    tile reads up to rows − 1 rows past the group: the next group's, or the zero rows; dead tiles start at the
+    zero rows."""
+    E = group_sizes.shape[0]
     m8 = (-(-M // ROW_ALIGN) + E) * ROW_ALIGN  # Σ sizes rounded up per group, at most
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
@@ -1509,7 +1510,20 @@ def aligned_rows(x_rows, group_sizes, plan: TilePlan, rows: int):
     # tile t of `plan` (expert g) starts at sorted row first[t] = starts[g] + k, so at aligned row starts8[g] + k
     first, _ = tile_rows(plan, rows, M)
     x_row0 = jnp.where(first < M, first - starts[plan.tile_group] + starts8[plan.tile_group], m8)
-    return x_rows.at[src].get(mode="fill", fill_value=0), x_row0
+    return src, x_row0
+
+
+def gather_x(x, src, token_of_row=None):
+    """x's rows in a tile layout: `x [M, K]` sorted rows -> `x[src]` `[len(src), K]` bf16 (src = M: a zero row), whose
+    planes the kernel's wrapper makes (`_tile_layout_operands`: a transpose XLA fuses into this gather). With
+    `token_of_row [M]`, `x [N, K]` is the tokens the sorted rows come from (sorted row i = x[token_of_row[i]]): the
+    planes are made on the N tokens (k times fewer rows) and the gather moves contiguous half-rows -> planes
+    `[2, len(src), K/2]`. H200, session 27, x of K3's FFN (3584 wide) at 32 / 64 / 146 rows per expert: 16 / 21 /
+    52 µs against 24 / 55 / 76 gathering the sorted rows into the padded tile rows."""
+    if token_of_row is None:
+        return x.astype(jnp.bfloat16).at[src].get(mode="fill", fill_value=0)
+    tok = token_of_row.at[src].get(mode="fill", fill_value=x.shape[0])
+    return _planes_in_contraction_order(x.astype(jnp.bfloat16)).at[:, tok].get(mode="fill", fill_value=0)
 
 
 def tile_rows(plan: TilePlan, rows: int, num_rows: int):
@@ -1532,7 +1546,7 @@ def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: Prep
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
                      activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None,
-                     gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None):
+                     gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None, token_of_row=None):
     """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
     in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
     activation runs on those rows, down reads them as they are, and one gather brings the rows back — instead of a
@@ -1540,9 +1554,13 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     are zeros. Padded rows carry zeros (or, in dead tiles, whatever memory held); each output row depends only on
     its own input row, so none of that reaches a real row.
 
+    `token_of_row [M]`: x_rows is then the `[N, K]` tokens the sorted rows come from (sorted row i =
+    x_rows[token_of_row[i]]), and x's planes are made on them before the gather (`gather_x`).
+
     `config`: the kernel's tile shape and the FFN's plumbing (default `tiled_config(M / E, (F, D))`;
     `gate_up="fused"` runs gate, up and the activation as one kernel; `down_rows="in_place"` has down store its
-    rows where they belong instead of a gather back); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
+    rows where they belong instead of a gather back; `x_rows="aligned"` gathers x into groups padded to 8 rows
+    instead of the padded tile rows); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
     matmul, fused gate / up and in-place down (default `tiled_matmul` / `tiled_gated_matmul` /
     `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU).
     `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32 accumulation
@@ -1550,7 +1568,7 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     activation's XLA fusion) but rounds each product before the activation: on the H200 (session 20, 8 rows per
     expert) the FFN took 663 µs against 670 with fp32, inside the runs' spread (its error against the reference FFN
     1.8e-3; session 18 measured 1.7–2.5e-4 with fp32), so fp32 stays the default."""
-    M = x_rows.shape[0]
+    M = x_rows.shape[0] if token_of_row is None else token_of_row.shape[0]
     E = w_gate.num_experts
     if w_up.out_order != w_gate.out_order or w_down.out_order != "natural":
         raise ValueError("expert_ffn_tiled: gate and up need one output order and down the natural one "
@@ -1559,11 +1577,8 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     matmul = matmul or tiled_matmul
     gated_matmul = gated_matmul or tiled_gated_matmul
     plan = tile_plan(group_sizes, M, E, cfg.rows)
-    if cfg.x_rows == "aligned":
-        x_in, x_row0 = aligned_rows(x_rows.astype(jnp.bfloat16), group_sizes, plan, cfg.rows)
-    else:
-        x_in = x_rows.astype(jnp.bfloat16).at[plan.src].get(mode="fill", fill_value=0)
-        x_row0 = None
+    src, x_row0 = aligned_rows(group_sizes, plan, cfg.rows, M) if cfg.x_rows == "aligned" else (plan.src, None)
+    x_in = gather_x(x_rows, src, token_of_row)
     if cfg.gate_up == "fused":
         # the kernel rounds h to h_dtype itself (as XLA's convert would: to nearest even), so h is written and
         # read back at half the bytes of fp32; with out_order="planes" it writes down's x planes

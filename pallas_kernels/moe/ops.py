@@ -101,7 +101,7 @@ def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.flo
     if any(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
         mcfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else None
         if (b == "gpu" and not interpret and jax.default_backend() in ("gpu", "cuda")
-                and all(_mosaic_takes(x, w, mcfg) for w in weights)):
+                and all(_mosaic_takes(x.shape[0], w, mcfg) for w in weights)):
             # the Mosaic GPU MXFP4 kernel, one matmul per weight, activation in XLA (always zero-fills uncovered rows)
             outs = [_mgpu_mx.grouped_matmul(x, w, group_sizes, config=mcfg) for w in weights]
             return (activation(*outs) if len(outs) == 2 else outs[0]).astype(out_dtype)
@@ -121,15 +121,15 @@ def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.flo
     return (activation(*outs) if len(outs) == 2 else outs[0]).astype(out_dtype)
 
 
-def _mosaic_takes(x, w, config) -> bool:
+def _mosaic_takes(num_rows: int, w, config) -> bool:
     """Whether the Mosaic GPU MXFP4 kernel runs this prepared weight (its layout's decode, its shape constraints)."""
     if not isinstance(w, _mgpu_mx.PreparedWeight):
         return False
-    cfg = config or _mgpu_mx.config_for(x.shape[0], w)
+    cfg = config or _mgpu_mx.config_for(num_rows, w)
     return _mgpu_mx.supports(w.in_features, w.out_features, cfg) and (cfg.mma == "bf16" or w.layout == "natural")
 
 
-def _tiled_ffn_takes(x_rows, weights, backend, interpret, config) -> bool:
+def _tiled_ffn_takes(num_rows: int, weights, backend, interpret, config) -> bool:
     """Whether `expert_ffn_sorted` runs `mgpu_mxfp4.expert_ffn_tiled`: on a GPU, not interpreted, all three weights
     prepared, and each weight's shape and layout taken by the kernel at the tile-layout config."""
     if backend != "gpu" or interpret or jax.default_backend() not in ("gpu", "cuda"):
@@ -137,9 +137,9 @@ def _tiled_ffn_takes(x_rows, weights, backend, interpret, config) -> bool:
     if not all(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
         return False
     cfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
-        x_rows.shape[0] / weights[0].num_experts, (weights[0].out_features, weights[2].out_features))
+        num_rows / weights[0].num_experts, (weights[0].out_features, weights[2].out_features))
     down_cfg = cfg.down_config or cfg  # down may run on a config of its own (`MgpuConfig.down_config`)
-    return all(_mosaic_takes(x_rows, w, _mgpu_mx.fit_config(c, w.in_features))
+    return all(_mosaic_takes(num_rows, w, _mgpu_mx.fit_config(c, w.in_features))
                for w, c in zip(weights, (cfg, cfg, down_cfg)))
 
 
@@ -197,24 +197,28 @@ def combine(y_rows, order, weight_nk):
 
 def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, backend: str = "auto",
                       interpret: bool = False, fuse: bool | None = None, h_dtype=None, fill_uncovered: bool = True,
-                      configs=None):
+                      configs=None, token_of_row=None):
     """The expert FFN on rows already sorted by expert: `down(act(gate x, up x))` `[rows, D]` float32.
 
     `fuse=True` runs gate and up in one kernel with the activation in its epilogue (Pallas backends); None takes
     `FUSE_GATE_UP[backend]`. `h_dtype`:
     the dtype h is stored in (default: the down weight's dtype, bf16 for MXFP4 — as the reference casts).
-    `configs`: optional (gate/up config, down config)."""
+    `configs`: optional (gate/up config, down config). `token_of_row [rows]`: x_rows is then the `[N, D]` tokens
+    the sorted rows come from (row i = x_rows[token_of_row[i]]; the tile-layout path gathers from them itself)."""
     act = resolve_activation(activation)
     w_gate, w_up, w_down = _as_weight(w_gate), _as_weight(w_up), _as_weight(w_down)
     if h_dtype is None:
         h_dtype = x_rows.dtype if _quantized(w_down) else w_down.dtype
     c_up, c_down = configs or (None, None)
     b = resolve_backend(backend, quantized=_quantized(w_gate))
-    if _tiled_ffn_takes(x_rows, (w_gate, w_up, w_down), b, interpret, c_up):
+    num_rows = x_rows.shape[0] if token_of_row is None else token_of_row.shape[0]
+    if _tiled_ffn_takes(num_rows, (w_gate, w_up, w_down), b, interpret, c_up):
         # all three weights prepared for the Mosaic MXFP4 kernel: one tile layout for the whole FFN (x padded once,
         # h kept padded, one gather back) instead of padding around each matmul
         return _mgpu_mx.expert_ffn_tiled(x_rows, group_sizes, w_gate, w_up, w_down, act, h_dtype=h_dtype,
-                                         config=c_up)
+                                         config=c_up, token_of_row=token_of_row)
+    if token_of_row is not None:
+        x_rows = x_rows[token_of_row]
     if fuse is None:
         fuse = FUSE_GATE_UP[b]
     if fuse and b in ("gpu", "tpu") and not isinstance(w_gate, _mgpu_mx.PreparedWeight):
@@ -239,8 +243,8 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
     w_gate = _as_weight(w_gate)
     E = w_gate.num_experts if _quantized(w_gate) else w_gate.shape[0]
     order, token_of_row, sizes = sort_tokens(expert_idx_nk, E)
-    y = expert_ffn_sorted(x_nd[token_of_row], sizes, w_gate, w_up, w_down, activation, backend=backend,
-                          interpret=interpret, fuse=fuse, configs=configs)
+    y = expert_ffn_sorted(x_nd, sizes, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret,
+                          fuse=fuse, configs=configs, token_of_row=token_of_row)
     return combine(y, order, weight_nk)
 
 
