@@ -174,8 +174,8 @@ def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, in
     local = (idx >= lo) & (idx < lo + E_l)
     lid = jnp.where(local, idx - lo, E_l)  # other devices' experts -> one trailing group, never computed
     order, token_of_row, sizes = ops.sort_tokens(lid, E_l + 1)
-    y = ops.expert_ffn_sorted(x[token_of_row], sizes[:E_l], w_gate, w_up, w_down, act, backend=backend,
-                              interpret=interpret, fill_uncovered=False)
+    y = ops.expert_ffn_sorted(x, sizes[:E_l], w_gate, w_up, w_down, act, backend=backend, interpret=interpret,
+                              fill_uncovered=False, token_of_row=token_of_row)
     y = jnp.where(local.reshape(-1)[order][:, None], y, 0.0)  # uncovered rows were not written
     part = ops.combine(y, order, wt)
     if split:
