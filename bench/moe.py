@@ -713,6 +713,7 @@ def main():
     print_table()
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)  # OUT may name a sub-folder per run (bench/runs scripts)
         with open(os.path.join(out, "moe.json"), "w") as fh:
             json.dump(dict(rows=ROWS, info=INFO), fh, indent=1, default=str)
 

@@ -195,7 +195,9 @@ class MgpuConfig:
     # tile's rows written, dead tiles' zeros too: t_max · rows rows, 2.25× the sorted rows at 32 per expert);
     # "aligned" — each group's rows padded only to a multiple of 8 (`ROW_ALIGN`, where a TMA copy may start), plus
     # `rows` zero rows, each tile's copy starting at its first row there: a tile's rows past its group's are the
-    # next group's (or zeros), whose products land in padding rows nothing reads back. ~1.2× the sorted rows
+    # next group's (or zeros), whose products land in padding rows nothing reads back. ~1.2× the sorted rows.
+    # H200, session 27, the FFN from the tokens: no gain measured (32 rows per expert 871–881 µs against 874–911
+    # padded; 64 rows 1306 / 1385 against 1294 / 1273; 8 rows 673 against 663), so "padded" stays the default
     x_rows: str = "padded"
 
     def __post_init__(self):
@@ -1518,8 +1520,10 @@ def gather_x(x, src, token_of_row=None):
     planes the kernel's wrapper makes (`_tile_layout_operands`: a transpose XLA fuses into this gather). With
     `token_of_row [M]`, `x [N, K]` is the tokens the sorted rows come from (sorted row i = x[token_of_row[i]]): the
     planes are made on the N tokens (k times fewer rows) and the gather moves contiguous half-rows -> planes
-    `[2, len(src), K/2]`. H200, session 27, x of K3's FFN (3584 wide) at 32 / 64 / 146 rows per expert: 16 / 21 /
-    52 µs against 24 / 55 / 76 gathering the sorted rows into the padded tile rows."""
+    `[2, len(src), K/2]`, and the sorted rows `[M, K]` are never materialised. H200, session 27, K3's x (3584
+    wide), the gather alone in a chain that reads each output back once: 19 / 27 / 53 µs into the padded tile rows
+    against 24 / 55 / 76 for the dispatch gather followed by the padding gather (32 / 64 / 146 rows per expert); in
+    the whole FFN the two were within the runs' ±20 µs spread (880 / 874, 1285 / 1294, 1274 / 1273 µs)."""
     if token_of_row is None:
         return x.astype(jnp.bfloat16).at[src].get(mode="fill", fill_value=0)
     tok = token_of_row.at[src].get(mode="fill", fill_value=x.shape[0])
