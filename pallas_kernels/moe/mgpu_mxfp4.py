@@ -1261,8 +1261,6 @@ def _store_direct_fn():
     return fn
 
 
-
-
 def prepare_grouped(x, group_sizes, config: MgpuConfig):
     """XLA side of plan "kernel": `x [M, K]` -> (x planes in the contraction order `[2, max(M, R + 8), K/2]` bf16,
     `group_bounds` `[E + 2]`)."""
