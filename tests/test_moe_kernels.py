@@ -1010,6 +1010,9 @@ def test_aligned_rows_start_every_tile_on_an_8_row_boundary_at_its_rows(sizes):
             assert row0[t] + R <= x8.shape[0]
         assert (row0[live:] == m8).all()
         assert sorted(x8[:, 0][x8[:, 0] > 0].astype(int)) == list(range(1, sum(sizes) + 1))  # each grouped row once
+    plan = mm.tile_plan(jnp.zeros((4,), jnp.int32), 0, 4, 16)  # no rows at all: every tile dead
+    src, row0 = mm.aligned_rows(jnp.zeros((4,), jnp.int32), plan, 16, 0)
+    assert (np.asarray(src) == 0).all() and (np.asarray(row0) == src.shape[0] - 16).all()
     with pytest.raises(ValueError, match="multiple of 8"):
         mm.MgpuConfig(rows=12, x_rows="aligned")
     with pytest.raises(ValueError, match="x_rows must be"):

@@ -1494,22 +1494,13 @@ def aligned_rows(group_sizes, plan: TilePlan, rows: int, M: int):
     the aligned row where each tile of `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last
     tile reads up to rows − 1 rows past the group: the next group's, or the zero rows; dead tiles start at the
     zero rows."""
-    E = group_sizes.shape[0]
-    m8 = (-(-M // ROW_ALIGN) + E) * ROW_ALIGN  # Σ sizes rounded up per group, at most
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    sizes8 = (sizes + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    ends8 = jnp.cumsum(sizes8)
-    starts8 = ends8 - sizes8
-    # aligned row p: the k-th of group g's rows there, a real row while k < the group's size (past the last
-    # group: g clamps to E − 1 and k ≥ its size)
-    p = jnp.arange(m8 + rows, dtype=jnp.int32)
-    g = jnp.minimum(_group_of(ends8, p), E - 1)
-    k = p - starts8[g]
-    src = jnp.where(k < sizes[g], starts[g] + k, M)
-    # tile t of `plan` (expert g) starts at sorted row first[t] = starts[g] + k, so at aligned row starts8[g] + k
+    plan8 = tile_plan(group_sizes, M, group_sizes.shape[0], ROW_ALIGN)  # the same plan, in 8-row tiles
+    m8 = plan8.src.shape[0]
+    src = jnp.concatenate([plan8.src, jnp.full((rows,), M, jnp.int32)])
+    # tile t of `plan` starts at sorted row first[t], a multiple of rows into its group; dead tiles (first = M)
+    # at the zero rows
     first, _ = tile_rows(plan, rows, M)
-    x_row0 = jnp.where(first < M, first - starts[plan.tile_group] + starts8[plan.tile_group], m8)
+    x_row0 = jnp.concatenate([plan8.pad_row, jnp.full((1,), m8, jnp.int32)])[first]
     return src, x_row0
 
 
