@@ -134,7 +134,7 @@ class MoE(nnx.Module):
         orders = mgpu_mx.ffn_out_orders(weights[0].out_features)
         del weights
         for name, order in zip(EXPERT_WEIGHTS, orders):
-            w = mx.MXFP4Weight(getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...])
+            w = self._mxfp4_weight(name)
             p = mgpu_mx.prepare_weight(w, "placed", order)
             del w
             delattr(self, name + "_packed")
@@ -154,9 +154,12 @@ class MoE(nnx.Module):
                                                 getattr(self, n + "_exp_offset")[...], layout="placed", out_order=o)
                          for n, o in zip(EXPERT_WEIGHTS, self.mosaic_out_orders))
         if self.expert_format == "mxfp4":
-            return tuple(mx.MXFP4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
-                         for n in EXPERT_WEIGHTS)
+            return tuple(self._mxfp4_weight(n) for n in EXPERT_WEIGHTS)
         return tuple(getattr(self, n)[...] for n in EXPERT_WEIGHTS)
+
+    def _mxfp4_weight(self, name: str) -> mx.MXFP4Weight:
+        """Expert weight `name` ("w1", …) as the checkpoint's MXFP4 codes and E8M0 scales."""
+        return mx.MXFP4Weight(getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...])
 
     def __call__(self, x_btd):
         cfg = self.cfg
