@@ -77,7 +77,7 @@ def test_policy_verifies_while_drafts_are_expected_to_pay():
     assert not pol.worth_verifying({}, active_rows=1)
     for _ in range(6):  # every draft rejected: the sequence stops causing verify steps
         pol.observe("a", 4, 0)
-    assert pol.rate("a") < 0.1 and not pol.worth_verifying({"a": 4}, active_rows=1)
+    assert pol.rate("a") < 0.15 and not pol.worth_verifying({"a": 4}, active_rows=1)
     steps = 0
     while not pol.worth_verifying({"a": 4}, active_rows=1):  # ...for a while: its rate recovers towards the prior
         pol.idle("a")
@@ -90,6 +90,35 @@ def test_policy_verifies_while_drafts_are_expected_to_pay():
     pol.forget("a")
     assert pol.rate("a") == 0.5
     assert SpecPolicy(adaptive=False).worth_verifying({"a": 1}, active_rows=1000)
+
+
+def test_policy_rate_is_kept_over_kept_plus_rejections():
+    """A verify step is a run of kept drafts ended by one rejection (or by the last draft): the per-draft rate is
+    kept / (kept + rejections), with the prior counting for one draft."""
+    pol = SpecPolicy(memory=1.0)
+    pol.observe("a", 4, 2)  # 2 kept, then a rejection
+    assert pol.rate("a") == pytest.approx((2 + 0.5) / (2 + 1 + 1))
+    pol.observe("a", 4, 4)  # all kept: no rejection
+    assert pol.rate("a") == pytest.approx((6 + 0.5) / (6 + 1 + 1))
+    for _ in range(3):  # quick to trust drafts that are kept (session 27: the running mean sat at 0.83 here)
+        pol.observe("b", 4, 4)
+    assert SpecPolicy().rate("b") == 0.5 and pol.rate("b") > 0.95
+
+
+def test_policy_expects_as_many_kept_drafts_as_a_geometric_source_gives():
+    """Drafts kept with a fixed chance each until the first rejection: the expected count tracks the real mean
+    (the kept fraction kept / drafted, used before, expected 2.2 of 4 at a = 0.9 where 3.1 are kept)."""
+    rng = np.random.default_rng(0)
+    for a in (0.3, 0.6, 0.9):
+        pol, kept, expected = SpecPolicy(), [], []
+        for _ in range(3000):
+            expected.append(pol.expected_accepted("s", 4))
+            k = 0
+            while k < 4 and rng.random() < a:
+                k += 1
+            pol.observe("s", 4, k)
+            kept.append(k)
+        assert np.mean(expected[100:]) == pytest.approx(np.mean(kept[100:]), rel=0.12, abs=0.06)
 
 
 def test_policy_measures_the_cost_ratio():

@@ -8,10 +8,18 @@ step's per unit of time:
 
     (n + sum over drafting rows of E[accepted]) / n  >  cost      (n = active rows, cost = t_verify / t_step)
 
-with ``E[accepted] = a + a^2 + ... + a^v`` for ``v`` drafts and a per-sequence acceptance rate ``a`` (the chance
-that one more draft is kept, tracked as a running mean of kept / drafted over the sequence's verify steps, starting
-at ``prior``).  A sequence whose drafts keep failing stops causing verify steps; its rate drifts back towards the
-prior while it decodes one token at a time, so it is tried again later (text can turn repetitive).  ``cost`` is
+with ``E[accepted] = a + a^2 + ... + a^v`` for ``v`` drafts and a per-sequence acceptance rate ``a``: the chance
+that the next draft is kept, given the ones before it were.  Under that model a verify step is a run of kept drafts
+ended by one rejection (or by running out of drafts), so ``a`` is estimated from counts as
+
+    a = (kept + prior * prior_weight) / (kept + rejections + prior_weight)
+
+over the sequence's verify steps, older steps discounted by ``memory`` per step.  (Session 27 found the earlier
+estimate, a running mean of kept / drafted moved 0.3 of the way per step from the prior, both slow -- three steps that
+kept all 4 drafts left it at 0.83 -- and biased low: under the prefix model kept / drafted is E / v, not a; at
+a = 0.9 and 4 drafts it expected 2.2 kept where 3.1 are.)  A sequence whose drafts keep failing stops causing verify
+steps; while it decodes one token at a time its counts shrink by ``recovery`` per step, so its rate drifts back
+towards the prior and it is tried again later (text can turn repetitive).  ``cost`` is
 measured by the engine unless given: the medians of both programs' recent wall times, kept per batch occupancy
 (active rows rounded up to a power of two: a verify step of 32 rows is not compared with a one-token step of 1);
 until both have been timed at an occupancy it is ``initial_cost``, and until ``min_samples`` verify steps have been
@@ -33,20 +41,25 @@ from typing import Optional
 
 class SpecPolicy:
     def __init__(self, adaptive: bool = True, cost: Optional[float] = None, *, prior: float = 0.5,
-                 initial_cost: float = 1.5, rate_weight: float = 0.3, recovery: float = 1 / 16,
-                 window: int = 16, min_samples: int = 3):
+                 initial_cost: float = 1.5, prior_weight: float = 1.0, memory: float = 0.85,
+                 recovery: float = 1 / 16, window: int = 16, min_samples: int = 3):
         """``adaptive=False``: verify whenever some row has drafts.  ``cost``: a fixed verify / step time ratio
-        (None: measured).  ``rate_weight``: weight of the newest verify step in a sequence's acceptance rate;
-        ``recovery``: fraction of the way back to ``prior`` a rate moves per step without drafts verified;
+        (None: measured).  ``prior`` / ``prior_weight``: the acceptance rate before any verify step and how many
+        drafts' worth of evidence it counts for; ``memory``: factor on a sequence's past counts at each new verify
+        step (0.85: weight 1/(1 - 0.85) ≈ 7 steps); ``recovery``: fraction of its counts a sequence loses per step
+        without drafts verified (its rate moves that way back towards the prior);
         ``window``: recent wall times kept per (occupancy, program); ``min_samples``: verify steps timed at an
         occupancy before its measured ratio may exceed ``initial_cost``."""
         if cost is not None and not cost > 0:
             raise ValueError(f"speculative cost ratio must be positive, got {cost}")
         self.adaptive, self.fixed_cost = bool(adaptive), cost
+        if not 0.0 <= prior <= 1.0 or not prior_weight > 0 or not 0.0 <= memory <= 1.0 or not 0.0 <= recovery <= 1.0:
+            raise ValueError(f"speculative policy needs 0 <= prior, memory, recovery <= 1 and prior_weight > 0, got "
+                             f"{prior}, {memory}, {recovery}, {prior_weight}")
         self.prior, self.initial_cost = float(prior), float(initial_cost)
-        self.rate_weight, self.recovery = rate_weight, recovery
+        self.prior_weight, self.memory, self.recovery = float(prior_weight), float(memory), float(recovery)
         self.window, self.min_samples = int(window), int(min_samples)
-        self.rates: dict = {}
+        self.counts: dict = {}  # sequence id -> [kept drafts, rejections], discounted
         self._times: dict = {}  # (occupancy bucket, verify?) -> deque of the step's recent wall times
 
     @staticmethod
@@ -66,7 +79,9 @@ class SpecPolicy:
         return ratio if len(verifies) >= self.min_samples else min(ratio, self.initial_cost)
 
     def rate(self, seq_id) -> float:
-        return self.rates.get(seq_id, self.prior)
+        """The sequence's estimated chance that a draft is kept, given the drafts before it were."""
+        kept, rejected = self.counts.get(seq_id, (0.0, 0.0))
+        return (kept + self.prior * self.prior_weight) / (kept + rejected + self.prior_weight)
 
     def expected_accepted(self, seq_id, drafts: int) -> float:
         a = self.rate(seq_id)
@@ -86,20 +101,25 @@ class SpecPolicy:
 
     # ---------------------------------------------------------------------------------------------- what happened
     def observe(self, seq_id, drafted: int, accepted: int) -> None:
-        """A verify step kept ``accepted`` of the sequence's ``drafted`` drafts (certain ones left out)."""
+        """A verify step kept ``accepted`` of the sequence's ``drafted`` drafts (certain ones left out): ``accepted``
+        kept drafts, then one rejection unless all were kept."""
         if drafted > 0:
-            a = self.rate(seq_id)
-            self.rates[seq_id] = a + self.rate_weight * (accepted / drafted - a)
+            kept, rejected = self.counts.get(seq_id, (0.0, 0.0))
+            accepted = min(max(int(accepted), 0), int(drafted))
+            self.counts[seq_id] = (self.memory * kept + accepted,
+                                   self.memory * rejected + (1.0 if accepted < drafted else 0.0))
 
     def idle(self, seq_id) -> None:
-        """A step in which the sequence had no drafts verified: its rate drifts back towards the prior."""
-        a = self.rates.get(seq_id)
-        if a is not None:
-            self.rates[seq_id] = a + self.recovery * (self.prior - a)
+        """A step in which the sequence had no drafts verified: its counts shrink, so its rate drifts back towards
+        the prior."""
+        counts = self.counts.get(seq_id)
+        if counts is not None:
+            keep = 1.0 - self.recovery
+            self.counts[seq_id] = (keep * counts[0], keep * counts[1])
 
     def timed(self, verify: bool, seconds: float, active_rows: int) -> None:
         """Wall time of one step over ``active_rows`` rows (dispatch to results on the host)."""
         self._times.setdefault((self._bucket(active_rows), bool(verify)), deque(maxlen=self.window)).append(seconds)
 
     def forget(self, seq_id) -> None:
-        self.rates.pop(seq_id, None)
+        self.counts.pop(seq_id, None)
