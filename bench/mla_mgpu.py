@@ -12,6 +12,7 @@ is the XLA side and the merge). Prints a table and writes $OUT/mla_mgpu.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,7 +39,8 @@ ap.add_argument("--chain", type=int, default=3,
                 help="distinct selections per timing chain (≥ 2 keeps B = 32 out of the 50 MB L2; each chained "
                      "Mosaic call compiles on its own)")
 ap.add_argument("--ops", default="kernel,op", help="what to time: kernel (alone), op (whole), gather (XLA reading "
-                "the same rows, summed per sequence: what a plain gather of 576-byte rows reaches on this chip)")
+                "the same rows, summed per sequence: what a plain gather of 576-byte rows reaches on this chip), "
+                "trace (the kernel alone with its per-CTA globaltimer timeline: where a CTA's time goes)")
 ARGS = ap.parse_args()
 PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 ROWS = []
@@ -53,6 +55,25 @@ def row(name, shape, us, tbps, bw, err):
     frac = tbps / (bw / 1e12)
     ROWS.append(dict(name=name, shape=shape, us=us, TBps=tbps, copy_TBps=bw / 1e12, fraction=frac, rel_rms=err))
     print(f"{name:42s} {shape:28s} {us:8.1f} us {tbps:6.2f} TB/s  {frac:5.3f} of copy  err {err:.1e}", flush=True)
+
+
+def trace_kernel(c, q16, c2, slots, bt, pool_u8, H, shape):
+    """The kernel alone with trace=True, called on each selection of the chain in turn (the rows of one are not
+    in L2 when the next runs); the last call's timeline, per phase: median and max over the CTA warpgroups."""
+    f = jax.jit(lambda q16, c2, slots, bt, pool_u8: sm.kernel_call(
+        q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c, H=H, layer_scale=0.5, scale=192 ** -0.5,
+        trace=True)[-1])
+    try:
+        for i in range(2 * slots.shape[0]):
+            trace = f(q16, c2, slots[i % slots.shape[0]], bt, pool_u8).block_until_ready()
+    except Exception as e:  # noqa: BLE001
+        print(f"trace {c}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return
+    phases = sm.trace_phases(np.asarray(trace), trace.shape[-1] // 2 - 2)
+    print(f"timeline {shape} {c}", flush=True)
+    for name, (med, mx) in phases.items():
+        print(f"  {name:24s} median {med:7.2f} us  max {mx:7.2f} us", flush=True)
+    ROWS.append(dict(name="timeline", shape=shape, config=dataclasses.asdict(c), phases=phases))
 
 
 def main():
@@ -94,7 +115,7 @@ def main():
 
                 what = ARGS.ops.split(",")
                 pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * PAGE, R + ROPE)
-                for cfg in configs if "kernel" in what else ():
+                for cfg in configs if "kernel" in what or "trace" in what else ():
                     c = sm.MgpuSparseConfig(**cfg)
                     # the kernel's q input: prepared by XLA (`prepare_q`, or its two e4m3 planes for the fp8
                     # logits), or raw with prep="kernel"
@@ -110,6 +131,10 @@ def main():
                     kern = jax.jit(lambda q16, c2, slots, bt, pool_u8: jax.tree_util.tree_map(
                         lambda x: x[..., :1], sm.kernel_call(q16, c2, slots, bt, pool_u8, R=R, page=PAGE, config=c,
                                                              H=H, layer_scale=0.5, scale=192 ** -0.5)))
+                    if "trace" in what:
+                        trace_kernel(c, q16, c2, slots, bt, pool_u8, H, shape)
+                    if "kernel" not in what:
+                        continue
                     try:
                         t = device_seconds(kern, q16, c2, slots, bt, pool_u8, stacked=(2,))[0]
                         row(f"mgpu kernel alone {json.dumps(cfg, separators=(',', ':'))}", shape, t * 1e6,

@@ -4,6 +4,8 @@ reference on the dequantised rows on a GPU (`gpu` marker)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,6 +334,53 @@ def test_gpu_lsu_gather_with_empty_slots_matches_reference():
     assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
 
 
+@pytest.mark.gpu
+def test_gpu_timeline_leaves_the_result_and_stamps_in_order():
+    """trace=True: the same o as without, and every CTA warpgroup's stamps in program order."""
+    parts, bt, idx, q, kw = case(seed=6, H=12, k=2048)
+    cfg = sm.MgpuSparseConfig()
+    (pool,) = parts
+    nb, page, c = pool.shape
+    pool_u8 = jax.lax.bitcast_convert_type(pool, jnp.uint8).reshape(nb * page, c)
+    slots = sm.prepare_slots(jnp.asarray(idx), cfg.splits, cfg.warpgroups)
+    call = functools.partial(sm.kernel_call, jnp.asarray(q), None, slots, jnp.asarray(bt), pool_u8, R=R, page=page,
+                             config=cfg, H=12, layer_scale=0.5, scale=kw["scale"])
+    o, lse = call()
+    o_t, lse_t, trace = call(trace=True)
+    assert (np.asarray(o_t) == np.asarray(o)).all() and (np.asarray(lse_t) == np.asarray(lse)).all()
+    t = np.asarray(trace, np.int64)
+    t = (t - t[..., :1]) % (1 << 32)
+    assert (np.diff(t, axis=-1) >= 0).all() and (t[..., -1] > 0).all()
+
+
 def test_gather_must_be_tma_or_lsu():
     with pytest.raises(ValueError, match="gather"):
         sm.MgpuSparseConfig(gather="dma")
+
+
+@pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG, **TWO_LAUNCHES)])
+def test_kernel_with_a_timeline_lowers_for_cuda(cfg):
+    """trace=True (a diagnostic): one more output, each CTA warpgroup's globaltimer stamps."""
+    B, NS, NW = 4, cfg.splits, cfg.warpgroups
+    q_shape = (B, 12, C) if cfg.prep == "kernel" else (B, sm.HEADS, C)
+    args = (jax.ShapeDtypeStruct(q_shape, jnp.float32 if cfg.prep == "kernel" else jnp.float16),
+            None if cfg.prep == "kernel" else jax.ShapeDtypeStruct((B, sm.HEADS), jnp.float32),
+            jax.ShapeDtypeStruct((B, NS, 2048 // 64 // NS, 64), jnp.int32), jax.ShapeDtypeStruct((B, 64), jnp.int32),
+            jax.ShapeDtypeStruct((256 * 64, C), jnp.uint8))
+    f = jax.jit(lambda q, c2, slots, bt, pool: sm.kernel_call(q, c2, slots, bt, pool, R=R, page=64, config=cfg, H=12,
+                                                              scale=SCALE, trace=True))
+    out = jax.eval_shape(f, *args)
+    assert out[-1].shape == (NS, B, NW, 5 + 2 * (2048 // 64 // NS // NW)) and out[-1].dtype == jnp.int32
+    assert "globaltimer" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_trace_phases_reads_each_ctas_timeline():
+    n = 2  # blocks per warpgroup: stamps start, translated, q, (arrived, computed) x 2, finished, merged
+    row = np.array([0, 1000, 3000, 5000, 9000, 9500, 13000, 14000, 16000])
+    trace = np.stack([row, row + 2000])[:, None, None, :].astype(np.int64)  # 2 splits, 1 sequence, 1 warpgroup
+    trace[1, ..., :] += (1 << 32) - 3000  # the second CTA's timer wraps past 2^32 mid-row
+    trace = (trace % (1 << 32)).astype(np.int64).astype(np.int32)
+    ph = sm.trace_phases(trace, n)
+    assert ph["slots + translate"] == (1.0, 1.0) and ph["block 0 wait gather"] == (2.0, 2.0)
+    assert ph["block 1 compute"] == (3.5, 3.5) and ph["last merge"] == (2.0, 2.0)
+    assert ph["CTA total"] == (16.0, 16.0)

@@ -423,6 +423,45 @@ def _wait_fn():
     return fn
 
 
+def _stamp_fn():
+    """Thread 0 of the warpgroup stores the low 32 bits of the GPU's global nanosecond timer (`%globaltimer_lo`) at
+    the given position of its trace row (gmem `[T]` int32): `kernel_call(trace=True)`'s timeline of one CTA."""
+    def fn(ctx, trace_ref, pos):
+        del ctx
+        ir, arith, _, memref, _, _, mgu = _mlir()
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        now = _asm(i32, [], "mov.u32 $0, %globaltimer_lo;", "=r")
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, _thread_in_wg(), mgu.c(0, i32))):
+            memref.store(now, trace_ref, [arith.index_cast(index, _scalar(pos))])
+
+    return fn
+
+
+def trace_phases(trace, blocks_per_wg: int) -> dict:
+    """`kernel_call(trace=True)`'s stamps `[NS, B, NW, T]` int32 (ns, low 32 bits) -> each phase's duration in µs
+    over every CTA warpgroup (median, max) and the kernel's span: "launch skew" (this CTA's start after the first
+    CTA's), "slots + translate", "q ready / prepared", per block "wait gather" and "compute", "finish + combine",
+    "last merge". Positions: 0 start, 1 slots translated, 2 q ready, 3 + 2i gather i arrived, 4 + 2i block i
+    computed, 3 + 2n finished (combined), 4 + 2n merged."""
+    t = np.asarray(trace, np.int64)
+    t = (t - t[..., :1]) % (1 << 32) + t[..., :1]  # undo the 32-bit wrap inside a CTA's row
+    t0 = t[..., 0]
+    us = lambda a: np.asarray(a, np.float64) / 1e3  # noqa: E731
+    phases = {"launch skew": us(t0 - t0.min()), "slots + translate": us(t[..., 1] - t[..., 0]),
+              "q ready / prepared": us(t[..., 2] - t[..., 1])}
+    prev = t[..., 2]
+    for i in range(blocks_per_wg):
+        phases[f"block {i} wait gather"] = us(t[..., 3 + 2 * i] - prev)
+        phases[f"block {i} compute"] = us(t[..., 4 + 2 * i] - t[..., 3 + 2 * i])
+        prev = t[..., 4 + 2 * i]
+    n = blocks_per_wg
+    phases["finish + combine"] = us(t[..., 3 + 2 * n] - prev)
+    phases["last merge"] = us(t[..., 4 + 2 * n] - t[..., 3 + 2 * n])
+    phases["CTA total"] = us(t[..., 4 + 2 * n] - t[..., 0])
+    phases["kernel span"] = us(np.array([t[..., 4 + 2 * n].max() - t0.min()]))
+    return {k: (float(np.median(v)), float(v.max())) for k, v in phases.items()}
+
+
 # keys (a, b) -> dim pairs: bytes (a0 b0 a1 b1) and (a2 b2 a3 b3), each 16-bit half one f16x2 register
 _PAIR_CVT = """{
 .reg .b32 t0, t1;
@@ -1006,13 +1045,16 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int):
 
 
 def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
-                config: MgpuSparseConfig = MgpuSparseConfig(), H: int = HEADS, layer_scale=1.0, scale=None):
+                config: MgpuSparseConfig = MgpuSparseConfig(), H: int = HEADS, layer_scale=1.0, scale=None,
+                trace: bool = False):
     """The Mosaic GPU kernel alone: q `[B, 16, c]` f16 and c2 `[B, 16]` f32 (`prepare_q`) — or, with
     `prep="kernel"`, the raw q `[B, H, c]` f32 / bf16, c2 None and the logit `scale` (the layer scale multiplies
     it) —, slots `[B, splits, n_blk, 64]` int32 positions (`prepare_slots`; n_blk a multiple of the warpgroups),
     block_tables `[B, max_blocks]` int32, pool `[num_blocks · page, c]` uint8 (fp8 bits) -> (o `[splits, B, 16, R]`
     f32 normalised per split, lse `[splits, B, 16]` f32); with `merge="last"` the merged result instead: (o
-    `[B, H, R]` f32 · layer_scale, lse `[B, H]` f32) for the first H heads."""
+    `[B, H, R]` f32 · layer_scale, lse `[B, H]` f32) for the first H heads. `trace=True` (a diagnostic) appends
+    each CTA warpgroup's timeline `[splits, B, warpgroups, 5 + 2 · blocks per warpgroup]` int32 (`_stamp_fn`,
+    read with `trace_phases`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -1088,10 +1130,12 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         _finish_fn(R, to_smem=NW > 1, out_scale=1 / P_SCALE if v8 else 1.0))
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
+    stamp_at = plgpu.inline_mgpu(arg_types=(ref, splat))(_stamp_fn())
 
     def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar, idx_bar,
                         lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None):
         refs = list(refs)
+        trace_ref = refs.pop() if trace else None
         slots_ref, bt_ref, q_ref = refs[:3]
         q_lo_ref = refs.pop(3) if f8 else None
         c2_ref = None if qk else refs.pop(3)
@@ -1109,6 +1153,12 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         # lower inside run_state)
         mine = (lambda r: r.at[wg]) if NW > 1 else (lambda r: r)  # noqa: E731
         rows_wg, p_wg, red_wg, bar_wg = mine(rows_smem), mine(p_smem), mine(red_smem), mine(bar_smem)
+
+        def stamp(pos):  # the timeline (trace=True): position pos of this CTA warpgroup's row
+            if trace:
+                stamp_at(trace_ref.at[sp, b, wg], jnp.asarray(pos, jnp.int32))
+
+        stamp(0)
         init_barriers(bar_wg)
 
         def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
@@ -1127,6 +1177,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
         plgpu.barrier_wait(idx_bar)
         translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
+        stamp(1)
 
         def bar(slot):
             return bar_wg.at[pl.ds(2 * slot, 2)]
@@ -1139,11 +1190,13 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         plgpu.barrier_wait(q_bar)
         if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
             prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
+        stamp(2)
 
         def step(i, carry):
             stats, out = carry
             slot = i % S
             wait(bar(slot), (i // S).astype(jnp.int32))
+            stamp(3 + 2 * i)
             stage = rows_wg.at[slot]
 
             def logits(*accs):
@@ -1177,6 +1230,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                     plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
 
             out = pl.run_state(pv)(plgpu.ACC.init(out))
+            stamp(4 + 2 * i)
 
             @pl.when(i + S < nb_w)
             def _refill():
@@ -1193,13 +1247,17 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             plgpu.barrier_arrive(done_bar)
             plgpu.barrier_wait(done_bar)
             combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
+        stamp(3 + 2 * nb_w)
         if last:  # the sequence's last split to get here merges them all
             last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
                        lse_fin.at[b], sc_ref.at[pl.ds(1, 1)], *wg_arg)
+        stamp(4 + 2 * nb_w)
 
     out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32), jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
     if last:  # + the merged result
         out_type += (jax.ShapeDtypeStruct((B, H, R), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
+    if trace:
+        out_type += (jax.ShapeDtypeStruct((NS, B, NW, 5 + 2 * nb_w), jnp.int32),)
     mesh = dict(grid=(NS, B), grid_names=("s", "b"))
     scratch = dict(
         q_smem=(plgpu.SMEM((HEADS, c), jnp.float8_e4m3fn, transforms=_q_fp8_transforms()) if f8 else
@@ -1243,7 +1301,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 
     out = pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(**mesh, **thread_kw), compiler_params=params,
                     name="sparse_mla_mgpu")(*args, counters)
-    return out[2], out[3]
+    return (out[2], out[3]) + tuple(out[4:])
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "config"))
