@@ -22,8 +22,9 @@ for d in /tmp/dump /tmp/dump_moe; do
   grep -h -i -E "serializ|C75[0-9][0-9]|Used [0-9]+ registers|spill" $d/* 2>/dev/null | sort | uniq -c | head -30
 done
 grep -h -i -E "serializ|C75[0-9][0-9]" /tmp/sparse_test.log /tmp/moe.log | sort | uniq -c | head
-for f in $(grep -l -E "sparse_mla|mxfp4|ffn" /tmp/dump/*.ptx /tmp/dump_moe/*.ptx 2>/dev/null | head -8); do
-  gzip -c $f > $OUT/ptx/$(basename $(dirname $f))_$(basename $f).gz; done
+for d in /tmp/dump /tmp/dump_moe; do
+  for f in $(ls -S $d/*.ptx 2>/dev/null | head -6); do gzip -c $f > $OUT/ptx/$(basename $d)_$(basename $f).gz; done
+done
 ls -la $OUT/ptx
 timeout 200 python3 bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject 2>&1 \
   | grep -v "^WARNING\|^I0000" | tee $OUT/sub/spec_decode.log | tail -14
