@@ -245,6 +245,8 @@ def test_supports_only_fp8_rows_at_kernel_widths():
                   scale=1.0, value_dim=64)
 
 
+# four warpgroups of one stage, each waiting for its wgmmas chunk by chunk (128 registers a thread at 512 threads)
+WG4_CHUNK_WAIT = dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, mma_wait="chunk")
 TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel (session 13)
 
 
@@ -261,7 +263,12 @@ TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits
                                  sm.MgpuSparseConfig(**ONE_WG, logits_mma="fp8", logits_chunk=64, prep="xla"),
                                  sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8", **TWO_LAUNCHES),
                                  sm.MgpuSparseConfig(**ONE_WG, value_mma="fp8", prep="kernel", merge="last"),
-                                 sm.MgpuSparseConfig(gather="lsu"), sm.MgpuSparseConfig(**ONE_WG, gather="lsu")])
+                                 sm.MgpuSparseConfig(gather="lsu"), sm.MgpuSparseConfig(**ONE_WG, gather="lsu"),
+                                 sm.MgpuSparseConfig(mma_wait="chunk"),
+                                 sm.MgpuSparseConfig(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16,
+                                                     mma_wait="chunk"),
+                                 sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8", mma_wait="chunk",
+                                                     **TWO_LAUNCHES)])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
@@ -312,7 +319,9 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
                                  dict(ONE_WG, logits_chunk=64, logits_accs=9),
                                  dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16),
                                  TWO_LAUNCHES, {}, dict(gather="lsu"), dict(ONE_WG, gather="lsu"),
-                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, gather="lsu")])
+                                 dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, gather="lsu"),
+                                 dict(mma_wait="chunk"), WG4_CHUNK_WAIT,
+                                 dict(WG4_CHUNK_WAIT, logits_chunk=192, value_keys=32)])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)

@@ -62,6 +62,12 @@ class SpecPolicy:
         self.counts: dict = {}  # sequence id -> [kept drafts, rejections], discounted
         self._times: dict = {}  # (occupancy bucket, verify?) -> deque of the step's recent wall times
 
+    @property
+    def measures(self) -> bool:
+        """Whether the decision uses measured step times (adaptive, cost not fixed): the engine then makes sure
+        each timed step's wall time is its own (no earlier work still queued on the device)."""
+        return self.adaptive and self.fixed_cost is None
+
     @staticmethod
     def _bucket(active_rows: int) -> int:
         return 1 << max(int(active_rows) - 1, 0).bit_length()

@@ -128,10 +128,17 @@ class MgpuSparseConfig:
     # "lsu" — all 128 threads copy 16-byte `cp.async` chunks (coalesced 512 B per warp). Gather alone (no maths,
     # bench/mla_gather_probe.py, session 15, B = 32): tma 17.7 / 25.7 µs in two calls, lsu 15.2 (0.59 of copy)
     gather: str = "tma"
+    # when a warpgroup waits for its wgmmas: "block" — once after the block's logits and once after its PV product,
+    # so every chunk's A operand stays live until then (the SASS of session 28: all 36 logits A fragments, 144
+    # registers, converted before the first wgmma; 255 registers with spills); "chunk" — after each logits chunk and
+    # each PV call, so one chunk's A is live at a time (fewer registers: room for more warpgroups per SM)
+    mma_wait: str = "block"
 
     def __post_init__(self):
         if self.gather not in ("tma", "lsu"):
             raise ValueError(f"gather must be 'tma' or 'lsu', not {self.gather!r}")
+        if self.mma_wait not in ("block", "chunk"):
+            raise ValueError(f"mma_wait must be 'block' or 'chunk', not {self.mma_wait!r}")
 
 
 def supports(fmt, config: MgpuSparseConfig | None = None) -> bool:
@@ -1075,6 +1082,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     if cfg.prep not in ("xla", "kernel"):
         raise ValueError(f"prep must be 'xla' or 'kernel', got {cfg.prep!r}")
     last, qk = cfg.merge == "last", cfg.prep == "kernel"
+    chunk_wait = cfg.mma_wait == "chunk"
     f8 = cfg.logits_mma == "fp8"
     if cfg.logits_mma not in ("f16", "fp8") or (f8 and qk):
         raise ValueError(f"logits_mma must be 'f16' or 'fp8' (fp8 with prep='xla'), got {cfg.logits_mma!r}")
@@ -1204,11 +1212,13 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                     acc = accs[jj % len(accs)]
                     if not f8:
                         plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
-                        continue
-                    for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
-                        cols = pl.ds(jj * LC + 32 * g, 32)
-                        plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
-                        plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
+                    else:
+                        for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
+                            cols = pl.ds(jj * LC + 32 * g, 32)
+                            plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
+                            plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
+                    if chunk_wait:  # this chunk's A registers are free after it
+                        plgpu.wgmma_wait(0)
                 return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
 
             s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
@@ -1225,9 +1235,13 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                         a, cols = fn(stage), pl.ds(32 * g, 32)
                         plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[0, :, cols], (1, 0)))
                         plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[1, :, cols], (1, 0)))
+                        if chunk_wait:
+                            plgpu.wgmma_wait(0)
                     return
                 for kk, fn in enumerate(value_a):
                     plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
+                    if chunk_wait:
+                        plgpu.wgmma_wait(0)
 
             out = pl.run_state(pv)(plgpu.ACC.init(out))
             stamp(4 + 2 * i)
