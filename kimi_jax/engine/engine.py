@@ -823,11 +823,13 @@ class Engine:
             blocks = self.alloc.blocks(seq.key)
             tables[slot, : len(blocks)] = blocks
         if proposer is not None and policy.measures:
-            # the policy times each program from dispatch to results: first wait for what is still queued in front
-            # of it (prefill chunks and slot inserts dispatched this iteration are never read back), so that a
-            # step's time is its own. On the H200 (session 28) the policy measured 4.8x a one-token step for a
-            # verify step of 32 rows where the throughput gives 3.4x, and stopped verifying drafts that were all kept
+            # the policy times each step from its inputs to its tokens handed out: first wait for what is still
+            # queued in front of it (prefill chunks and slot inserts dispatched this iteration are never read back),
+            # so that a step's time is its own. On the H200 (session 28) that queued work put a verify step of 32
+            # rows at 4.8x a one-token step where the throughput gives 3.2x, and the policy stopped verifying drafts
+            # that were all kept
             jax.block_until_ready(self._state)
+        t0 = time.perf_counter()
         if drafts:
             K = self.runner.spec_tokens
             ids = np.zeros((B, K + 1), np.int32)
@@ -846,11 +848,9 @@ class Engine:
                     if con is not None:
                         allow_ids[slot, i, : len(con.ids)] = con.ids
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
-            t0 = time.perf_counter()
             self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
                                                   tables)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
-            policy.timed(True, time.perf_counter() - t0, int(active.sum()))
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
             for slot, (d, sure) in drafts.items():
@@ -858,10 +858,8 @@ class Engine:
                 self.spec_accepted += kept
                 policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
         else:
-            t0 = time.perf_counter()
             self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
             out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
-            policy.timed(False, time.perf_counter() - t0, int(active.sum()))
             out["n"] = np.ones(B, np.int32)
         if proposer is not None:
             for slot, seq in self._running.items():
@@ -883,6 +881,9 @@ class Engine:
             if seq.finish_reason is None:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
+        # the whole step, its tokens handed out included: on the H200 (session 28) a verify step of 32 rows took
+        # 1.8x a one-token step from dispatch to results but 3.2x with its five times as many tokens handed out
+        policy.timed(bool(drafts), time.perf_counter() - t0, int(active.sum()))
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
         """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for

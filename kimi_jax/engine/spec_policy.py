@@ -124,7 +124,8 @@ class SpecPolicy:
             self.counts[seq_id] = (keep * counts[0], keep * counts[1])
 
     def timed(self, verify: bool, seconds: float, active_rows: int) -> None:
-        """Wall time of one step over ``active_rows`` rows (dispatch to results on the host)."""
+        """Wall time of one step over ``active_rows`` rows: from its inputs to its tokens handed out (what the
+        engine spends per step, not just the device's part)."""
         self._times.setdefault((self._bucket(active_rows), bool(verify)), deque(maxlen=self.window)).append(seconds)
 
     def forget(self, seq_id) -> None:
