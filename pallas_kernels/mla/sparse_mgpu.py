@@ -92,7 +92,8 @@ LN2 = 0.6931471805599453
 class MgpuSparseConfig:
     """Defaults: the fastest measured at B = 32, H = 12, 32K: 2 warpgroups × 4 splits (session 13: kernel
     26.5–29.9 µs vs 30.0 for one warpgroup and 8 splits), the whole op in one launch (session 14: 33.8 µs vs 43.2
-    with q prepared in XLA and a merge launch, Triton 42.1)."""
+    with q prepared in XLA and a merge launch, Triton 42.1), wgmmas waited for chunk by chunk (session 28: op 29.1 µs
+    vs 33.4)."""
     splits: int = 4  # CTAs per sequence, each over k / splits slots (a multiple of 64)
     stages: int = 2  # gathered blocks in flight per warpgroup (64 rows · (c + 32) B: 38 KB each at K3)
     logits_chunk: int = 192  # latent columns converted per logits wgmma call (a multiple of 64 dividing c)
@@ -129,10 +130,10 @@ class MgpuSparseConfig:
     # bench/mla_gather_probe.py, session 15, B = 32): tma 17.7 / 25.7 µs in two calls, lsu 15.2 (0.59 of copy)
     gather: str = "tma"
     # when a warpgroup waits for its wgmmas: "block" — once after the block's logits and once after its PV product,
-    # so every chunk's A operand stays live until then (the SASS of session 28: all 36 logits A fragments, 144
-    # registers, converted before the first wgmma; 255 registers with spills); "chunk" — after each logits chunk and
-    # each PV call, so one chunk's A is live at a time (fewer registers: room for more warpgroups per SM)
-    mma_wait: str = "block"
+    # so every chunk's A operand stays live until then (the SASS, session 28: all 36 logits A fragments, 144
+    # registers, converted before the first wgmma; 255 registers and spills); "chunk" — after each logits chunk and
+    # each PV call, so one chunk's A is live at a time: 220 registers, no spills, the op 29.1 µs vs 33.4 (session 28)
+    mma_wait: str = "chunk"
 
     def __post_init__(self):
         if self.gather not in ("tma", "lsu"):
