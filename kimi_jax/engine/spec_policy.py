@@ -1,9 +1,9 @@
 """When a speculative verify step pays for itself.
 
 A verify step runs every active row over ``k + 1`` positions, so it costs more than the one-token step: on the H200
-with kimi-k3.1-reduced (bench/spec_decode.py, bench/RESULTS.md) 1.6x at one sequence (five tokens route to more
-experts than one) and 1.2x at 32.  Drafts that are rejected make it pure loss (0.62x / 0.84x throughput when every
-draft fails).  So before each step the engine asks whether the expected output of a verify step beats the one-token
+with kimi-k3.1-reduced (bench/spec_decode.py, bench/RESULTS.md, session 28) 1.8x at one sequence (five tokens route
+to more experts than one) and 2.0x at 32.  Drafts that are rejected make it pure loss (0.62x / 0.83x throughput when
+every draft fails).  So before each step the engine asks whether the expected output of a verify step beats the one-token
 step's per unit of time:
 
     (n + sum over drafting rows of E[accepted]) / n  >  cost      (n = active rows, cost = t_verify / t_step)
