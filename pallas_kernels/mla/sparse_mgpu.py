@@ -58,6 +58,13 @@ As whole ops they lose (50.8 µs: the q planes are XLA work); opt-in. After sess
 NOT yet run on a GPU): the slots load on their own barrier, so a CTA translates and issues its first gathers without
 waiting for q's 27 KB.
 
+Session 28: `mma_wait="chunk"` (now the default) waits for each chunk's wgmmas, so one chunk's A fragment is live
+at a time instead of all 36 logits fragments (144 registers, converted before the first wgmma in the SASS): 220
+registers, no spills, **op 29.1 µs vs 33.4 (0.31 of copy)**. `kernel_call(trace=True)` stamps each warpgroup's
+phases (`trace_phases`, `bench/mla_mgpu.py --ops trace`): a CTA takes ≈ 19.5 µs at B = 32 and at B = 1 alike —
+≈ 5 µs of prologue (slots, translation, q), 4 blocks × 2.1 µs of serial compute, ≈ 2.3 µs waiting for refills,
+≈ 3.5 µs of epilogue — so the 0.60 bar needs a different structure (bench/RESULTS.md, session 28).
+
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
 """
