@@ -6,7 +6,9 @@ kernel at its storage preset, fp8 latent rows, latent bytes gathered per second 
 
 Times the whole op (q preparation, slot padding, kernel, merge) as a chain of calls on distinct selections in one
 program (`_timing.device_seconds`), and the Mosaic kernel alone on prepared inputs ("kernel" rows; op minus kernel
-is the XLA side and the merge). Prints a table and writes $OUT/mla_mgpu.json.
+is the XLA side and the merge). `--ops trace` runs the kernel alone with its per-CTA globaltimer stamps
+(`kernel_call(trace=True)`) and prints each phase's median and max over the CTA warpgroups: where a CTA's time goes.
+Prints a table and writes $OUT/mla_mgpu.json.
 """
 
 from __future__ import annotations
