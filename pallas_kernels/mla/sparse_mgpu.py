@@ -452,14 +452,20 @@ def _stamp_fn():
     return fn
 
 
+def trace_ns(trace) -> np.ndarray:
+    """`kernel_call(trace=True)`'s stamps `[..., T]` int32 (the timer's low 32 bits) -> int64 ns with each row's
+    32-bit wrap undone (a row spans microseconds; the timer wraps every 4.3 s)."""
+    t = np.asarray(trace, np.int64)
+    return (t - t[..., :1]) % (1 << 32) + t[..., :1]
+
+
 def trace_phases(trace, blocks_per_wg: int) -> dict:
     """`kernel_call(trace=True)`'s stamps `[NS, B, NW, T]` int32 (ns, low 32 bits) -> each phase's duration in µs
     over every CTA warpgroup (median, max) and the kernel's span: "launch skew" (this CTA's start after the first
     CTA's), "slots + translate", "q ready / prepared", per block "wait gather" and "compute", "finish + combine",
     "last merge". Positions: 0 start, 1 slots translated, 2 q ready, 3 + 2i gather i arrived, 4 + 2i block i
     computed, 3 + 2n finished (combined), 4 + 2n merged."""
-    t = np.asarray(trace, np.int64)
-    t = (t - t[..., :1]) % (1 << 32) + t[..., :1]  # undo the 32-bit wrap inside a CTA's row
+    t = trace_ns(trace)
     t0 = t[..., 0]
     us = lambda a: np.asarray(a, np.float64) / 1e3  # noqa: E731
     phases = {"launch skew": us(t0 - t0.min()), "slots + translate": us(t[..., 1] - t[..., 0]),
