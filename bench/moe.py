@@ -479,6 +479,20 @@ def bench_ffn(args, copy_bw):
             # (sessions 21-22: 100-146 s to compile and run this line)
             jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="reference"))(x, sizes, *ws))
         log(f"FFN {rows_per_expert} rows/expert: reference ready")
+        # the ceiling: the FFN's FLOPs at a dense bf16 matmul's rate (one weight per matmul, served from L2, no
+        # decode, no groups) -> the largest fraction of copy that a kernel doing these FLOPs on bf16 tensor cores
+        # can show; at 64 rows per expert it is below the 0.70 bar (bench/RESULTS.md, session 29)
+        t_ceiling = attempt(f"MXFP4 FFN {rows_per_expert} dense ceiling", lambda: time_jax(
+            jax.jit(lambda a, wg, wu, wd: situ(a @ wg, a @ wu).astype(jnp.bfloat16) @ wd),
+            x, *[jax.random.normal(k_, s_, jnp.bfloat16)
+                 for k_, s_ in zip(jax.random.split(keys[0], 3), ((K, N), (K, N), (N, K)))], reps=20))
+        if t_ceiling:
+            flops = 2 * m * K * N * 3
+            log(f"MXFP4 FFN {rows_per_expert} rows/expert: its FLOPs as dense bf16 matmuls {t_ceiling * 1e6:.0f} us "
+                f"({flops / t_ceiling / 1e12:.0f} TFLOP/s) = {wbytes / t_ceiling / copy_bw:.3f} of copy at most")
+            row(f"MXFP4 expert FFN ceiling: its FLOPs at a dense bf16 matmul's rate (one weight each, no decode), "
+                f"weight bytes/s vs copy ({rows_per_expert} rows/expert)", shape, wbytes / t_ceiling / 1e12,
+                copy_bw / 1e12, 0.7, "TB/s", info=True)
         per_mm = jax.jit(lambda a, g, *w: mgpu_mx.grouped_matmul(
             situ(*[mgpu_mx.grouped_matmul(a, w_, g) for w_ in w[:2]]).astype(jnp.bfloat16), w[2], g))
 
