@@ -248,6 +248,8 @@ def test_supports_only_fp8_rows_at_kernel_widths():
 # four warpgroups of one stage, each waiting for its wgmmas chunk by chunk (128 registers a thread at 512 threads)
 WG4_CHUNK_WAIT = dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, mma_wait="chunk")
 TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel (session 13)
+# a producer warpgroup gathers every block, with 16-byte cp.async chunks or one bulk copy per row
+PRODUCER_LSU, PRODUCER_TMA = dict(producer=True, gather="lsu"), dict(producer=True, gather="tma")
 
 
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG),
@@ -267,7 +269,10 @@ TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits
                                  sm.MgpuSparseConfig(mma_wait="chunk"),
                                  sm.MgpuSparseConfig(**WG4_CHUNK_WAIT),
                                  sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8", mma_wait="chunk",
-                                                     **TWO_LAUNCHES)])
+                                                     **TWO_LAUNCHES),
+                                 sm.MgpuSparseConfig(**PRODUCER_LSU), sm.MgpuSparseConfig(**PRODUCER_TMA),
+                                 sm.MgpuSparseConfig(**ONE_WG, **PRODUCER_LSU),
+                                 sm.MgpuSparseConfig(**PRODUCER_LSU, **TWO_LAUNCHES)])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
@@ -320,7 +325,9 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
                                  TWO_LAUNCHES, {}, dict(gather="lsu"), dict(ONE_WG, gather="lsu"),
                                  dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, gather="lsu"),
                                  dict(mma_wait="chunk"), WG4_CHUNK_WAIT,
-                                 dict(WG4_CHUNK_WAIT, logits_chunk=192, value_keys=32)])
+                                 dict(WG4_CHUNK_WAIT, logits_chunk=192, value_keys=32),
+                                 PRODUCER_LSU, PRODUCER_TMA, dict(ONE_WG, **PRODUCER_LSU),
+                                 dict(PRODUCER_LSU, **TWO_LAUNCHES)])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
@@ -329,14 +336,16 @@ def test_gpu_mgpu_sparse_mla_configs(cfg):
 
 
 @pytest.mark.gpu
-def test_gpu_lsu_gather_with_empty_slots_matches_reference():
-    """gather="lsu" (16-byte cp.async chunks): a short selection (k = 300, padded with empty slots), a sequence
-    cut at 100 keys and one with no key at all, as the TMA gather is checked above."""
+@pytest.mark.parametrize("cfg", [dict(gather="lsu"), PRODUCER_LSU])
+def test_gpu_lsu_gather_with_empty_slots_matches_reference(cfg):
+    """gather="lsu" (16-byte cp.async chunks), by the warpgroups or by a producer: a short selection (k = 300,
+    padded with empty slots), a sequence cut at 100 keys and one with no key at all, as the TMA gather is checked
+    above."""
     parts, bt, idx, q, kw = case(seed=5, H=12, k=300)
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(gather="lsu"), **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(**cfg), **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
     assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3

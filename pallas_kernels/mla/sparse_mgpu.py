@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..moe.mgpu_mxfp4 import _fragment_slots, x_permutation
+from ..moe.mgpu_mxfp4 import _fragment_slots, ws_compute_registers, x_permutation
 from ..moe.mxfp4 import split_e4m3_planes
 from ..triton_prims import CVT_E4M3X4_F16_PTX
 from .sparse_gpu import _merge_pallas, _pow2_at_least
@@ -141,6 +141,12 @@ class MgpuSparseConfig:
     # registers, converted before the first wgmma; 255 registers and spills); "chunk" — after each logits chunk and
     # each PV call, so one chunk's A is live at a time: 220 registers, no spills, the op 29.1 µs vs 33.4 (session 28)
     mma_wait: str = "chunk"
+    # who gathers the rows: False — each warpgroup issues its own blocks (its first `stages` up front, each refill
+    # when it is done with a stage); True — one more warpgroup, the producer, issues every block's gather (with
+    # `gather`'s copies) into the warpgroups' stages as soon as a stage is released, at 40 registers
+    # (`setmaxnreg`), while the consumers, at `moe.mgpu_mxfp4.ws_compute_registers`, only compute: the LSU gather
+    # (the fastest gather alone, 0.59 of copy against 0.42-0.51 for the TMA) then costs the maths nothing
+    producer: bool = False
 
     def __post_init__(self):
         if self.gather not in ("tma", "lsu"):
@@ -436,6 +442,35 @@ def _wait_fn():
         mgu.BarrierRef(mgu.memref_ptr(bar_ref), mgu.c(0, i32), None, 1).wait_parity(bit)
 
     return fn
+
+
+def _release_fn():
+    """A consumer warpgroup is done with a stage: a warpgroup barrier (every thread's reads of it are done), then
+    thread 0 arrives on the stage's `empty` mbarrier (one expected arrival), which the producer waits on before it
+    gathers the next block into the stage."""
+    def fn(ctx, bar_ref):
+        del ctx
+        _, arith, _, _, _, _, mgu = _mlir()
+        _, i32, _, _, void = _copy_types()
+        mgu.warpgroup_barrier()
+        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, _thread_in_wg(), mgu.c(0, i32))):
+            _asm(void, [mgu.memref_ptr(bar_ref)], "mbarrier.arrive.shared::cta.b64 _, [$0];", "l")
+
+    return fn
+
+
+PRODUCER_REGISTERS = 40  # registers per thread of the producer warpgroup (it only issues copies)
+CONSUMERS_BARRIER = 15  # the named barrier the consumer warpgroups meet at (0: the CTA's; 1-4: each warpgroup's)
+
+
+def _consumers_barrier(nw: int, producer: bool):
+    """A barrier of the CTA's nw compute warpgroups: the CTA barrier, or with a producer warpgroup (which never
+    meets them) the named barrier CONSUMERS_BARRIER over their 128·nw threads."""
+    if not producer:
+        from jax._src.lib.mlir.dialects import gpu
+        gpu.barrier()
+    else:
+        _asm(_copy_types()[4], [], f"bar.sync {CONSUMERS_BARRIER}, {128 * nw};", "")
 
 
 def _stamp_fn():
@@ -946,7 +981,7 @@ def _q_fp8_transforms():
     return (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))
 
 
-def _prep_q_fn(c: int, H: int, nw: int):
+def _prep_q_fn(c: int, H: int, nw: int, producer: bool = False):
     """`prepare_q` inside the kernel: raw q smem (f32 or bf16, this sequence's `[H, c]` row-major in any 2-D shape:
     TMA boxes are ≤ 256 wide) and the logit scale (gmem `[1]` f32: scale · layer scale) -> q smem `[16, c]` f16 in
     the contraction order (in `_q_transforms`' tiled, swizzled layout) and c2 smem `[16]` f32; heads ≥ H are zeros
@@ -959,7 +994,7 @@ def _prep_q_fn(c: int, H: int, nw: int):
 
     def fn(ctx, qraw_ref, q_ref, c2_ref, qs_ref, *wg):
         del ctx
-        from jax._src.lib.mlir.dialects import gpu, math as mlir_math
+        from jax._src.lib.mlir.dialects import math as mlir_math
         ir, arith, llvm, memref, _, _, mgu = _mlir()
         f32, f16, i32 = ir.F32Type.get(), ir.F16Type.get(), ir.IntegerType.get_signless(32)
         el_ty = ir.MemRefType(qraw_ref.type).element_type
@@ -1007,12 +1042,12 @@ def _prep_q_fn(c: int, H: int, nw: int):
                 with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, lane, ci(0))):
                     memref.store(arith.mulf(p2, mgu.c(LOG2E, f32)), c2_ref, [head])
         _asm(void, [], "fence.proxy.async.shared::cta;", "")  # generic-proxy writes, read by wgmma
-        gpu.barrier()
+        _consumers_barrier(nw, producer)
 
     return fn
 
 
-def _last_merge_fn(R: int, ns: int, nw: int, H: int):
+def _last_merge_fn(R: int, ns: int, nw: int, H: int, producer: bool = False):
     """After this CTA's partial is in gmem (o_part `[ns, 16, R]`, lse_part `[ns, 16]` f32, this sequence's
     rows): every thread fences its writes (gpu scope), thread 0 counts this split done on the sequence's counter
     (gmem `[1]` u32, zero before the kernel; acq_rel atomic add) and tells the CTA through flag smem `[1]` i32;
@@ -1026,19 +1061,18 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int):
 
     def fn(ctx, o_part_ref, lse_part_ref, cnt_ref, flag_ref, o_ref, lse_ref, ls_ref, *wg):
         del ctx
-        from jax._src.lib.mlir.dialects import gpu
         ir, arith, _, memref, vector, _, mgu = _mlir()
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         index = ir.IndexType.get()
         void = ir.Type.parse("!llvm.void")
         tid = _thread_in_cta(wg)
         _asm(void, [], "fence.acq_rel.gpu;", "")  # this thread's partial writes, before the count
-        gpu.barrier()
+        _consumers_barrier(nw, producer)
         with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
             old = _asm(i32, [mgu.memref_ptr(cnt_ref), mgu.c(1, i32)], "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
                        "=r,l,r")
             memref.store(old, flag_ref, [mgu.c(0, index)])
-        gpu.barrier()
+        _consumers_barrier(nw, producer)
         last = arith.cmpi(arith.CmpIPredicate.eq, memref.load(flag_ref, [mgu.c(0, index)]), mgu.c(ns - 1, i32))
         with mgu.when(last):
             _asm(void, [], "fence.acq_rel.gpu;", "")  # every other split's partial, after its count
@@ -1084,11 +1118,13 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     max_blocks = block_tables.shape[1]
     nblocks = pool_u8.shape[0] // page
     cfg = config
-    S, LC, VK, NW = cfg.stages, cfg.logits_chunk, cfg.value_keys, cfg.warpgroups
+    S, LC, VK, NW, PR = cfg.stages, cfg.logits_chunk, cfg.value_keys, cfg.warpgroups, cfg.producer
     NA = max(1, min(cfg.logits_accs, c // LC))
     if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 128 or R > c:
         raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
+    if PR and NW > 2:
+        raise ValueError(f"a producer warpgroup leaves {NW} compute warpgroups too few registers (at most 2)")
     if NW not in (1, 2, 4) or n_blk % NW:
         raise ValueError(f"warpgroups {NW} must be 1, 2 or 4 and divide the blocks per split {n_blk}")
     if cfg.merge not in ("kernel", "last"):
@@ -1120,7 +1156,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg_ty)
     init_barriers = plgpu.inline_mgpu(arg_types=(ref,))(_init_barriers_fn(S))
     q_ref_ty = plgpu.RefType(transforms=_q_transforms())
-    prep_q = plgpu.inline_mgpu(arg_types=(ref, q_ref_ty, ref, ref) + (splat,) * (NW > 1))(_prep_q_fn(c, H, NW))
+    prep_q = plgpu.inline_mgpu(arg_types=(ref, q_ref_ty, ref, ref) + (splat,) * (NW > 1))(_prep_q_fn(c, H, NW, PR))
     translate = plgpu.inline_mgpu(arg_types=(ref, ref) + ((splat,) if NW > 1 else ()))(
         _translate_fn(nb_w, NW, page, nblocks, max_blocks))
     issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(issue_fn(config.gather)(c, stride))
@@ -1151,11 +1187,13 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(
         _finish_fn(R, to_smem=NW > 1, out_scale=1 / P_SCALE if v8 else 1.0))
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
-    last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
+    last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H, PR))
     stamp_at = plgpu.inline_mgpu(arg_types=(ref, splat))(_stamp_fn())
+    release = plgpu.inline_mgpu(arg_types=(ref,))(_release_fn())
 
     def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar, idx_bar,
-                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None):
+                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None,
+                        empty_smem=None, ready_bar=None):
         refs = list(refs)
         trace_ref = refs.pop() if trace else None
         slots_ref, bt_ref, q_ref = refs[:3]
@@ -1169,7 +1207,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         o_ref, lse_ref, o_fin, lse_fin = refs[4:] if last else (*refs[4:], None, None)
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
-        wg = jax.lax.axis_index("wg") if NW > 1 else 0
+        wg = jax.lax.axis_index("wg") if NW > 1 or PR else 0
         wg_arg = (wg.astype(jnp.int32),) if NW > 1 else ()
         # this warpgroup's scratch (one warpgroup: the scratch has no warpgroup axis — a literal index 0 does not
         # lower inside run_state)
@@ -1180,106 +1218,145 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             if trace:
                 stamp_at(trace_ref.at[sp, b, wg], jnp.asarray(pos, jnp.int32))
 
-        stamp(0)
-        init_barriers(bar_wg)
+        def of(r, w):  # warpgroup w's part of a scratch (the axis exists only for several warpgroups)
+            return r.at[w] if NW > 1 else r
 
-        def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
-            # the slots first, on their own barrier: the gathers start without waiting for q (27 KB raw at K3)
-            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, idx_bar)
-            plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
-            if f8:
-                plgpu.copy_gmem_to_smem(q_lo_ref.at[b], q_lo_smem, q_bar)
-            if not qk:
-                plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
+        def bar_of(r, slot):  # a stage's mbarrier (8 bytes in an int32 scratch)
+            return r.at[pl.ds(2 * slot, 2)]
 
-        if NW > 1:
-            pl.when(wg == 0)(load)
-        else:
-            load()
+        # with a producer, the register file's split (one compute warpgroup: both keep the launch's 255)
+        consumer_registers = ws_compute_registers(NW, PRODUCER_REGISTERS) if PR and NW > 1 else None
 
-        plgpu.barrier_wait(idx_bar)
-        translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
-        stamp(1)
+        def produce():  # the producer warpgroup (PR): every block of every compute warpgroup, stage by stage
+            if consumer_registers:
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.barrier_wait(ready_bar)  # the consumers' barriers initialised, their slots translated
+            for i in range(nb_w):
+                for w in range(NW):
+                    slot = i % S
+                    if i >= S:  # warpgroup w released this stage's previous block (use i // S − 1 of it)
+                        wait(bar_of(of(empty_smem, w), slot), jnp.asarray((i // S - 1) % 2, jnp.int32))
+                    issue(pool_ref, of(rows_smem, w).at[slot], idx_smem.at[w + NW * i], bar_of(of(bar_smem, w), slot))
+            for i in range(max(0, nb_w - S), nb_w):  # no exit with copies in flight: the last blocks released
+                for w in range(NW):
+                    wait(bar_of(of(empty_smem, w), i % S), jnp.asarray(i // S % 2, jnp.int32))
 
-        def bar(slot):
-            return bar_wg.at[pl.ds(2 * slot, 2)]
+        def consume():  # a compute warpgroup
+            if consumer_registers:
+                plgpu.set_max_registers(consumer_registers, action="increase")
+            stamp(0)
+            init_barriers(bar_wg)
+            if PR:
+                init_barriers(mine(empty_smem))
 
-        def block(i):  # the CTA's block row of this warpgroup's i-th block
-            return wg + NW * i
+            def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
+                # the slots first, on their own barrier: the gathers start without waiting for q (27 KB raw at K3)
+                plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, idx_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
+                if f8:
+                    plgpu.copy_gmem_to_smem(q_lo_ref.at[b], q_lo_smem, q_bar)
+                if not qk:
+                    plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
 
-        for s in range(min(S, nb_w)):
-            issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
-        plgpu.barrier_wait(q_bar)
-        if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
-            prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
-        stamp(2)
-
-        def step(i, carry):
-            stats, out = carry
-            slot = i % S
-            wait(bar(slot), (i // S).astype(jnp.int32))
-            stamp(3 + 2 * i)
-            stage = rows_wg.at[slot]
-
-            def logits(*accs):
-                for jj, fn in enumerate(logits_a):
-                    acc = accs[jj % len(accs)]
-                    if not f8:
-                        plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
-                    else:
-                        for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
-                            cols = pl.ds(jj * LC + 32 * g, 32)
-                            plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
-                            plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
-                    if chunk_wait:  # this chunk's A registers are free after it
-                        plgpu.wgmma_wait(0)
-                return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
-
-            s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
-            p, stats, out = softmax(s_t, stats, out, idx_smem.at[block(i)], red_wg.at[i % 2], c2_smem)
-            if v8:  # P · 2^8 as e4m3 hi / lo planes, [heads, positions]
-                store_p(p, p_wg.at[0], p_wg.at[1])
+            if NW > 1:
+                pl.when(wg == 0)(load)
             else:
-                p_wg[...] = p
-            plgpu.commit_smem()
+                load()
 
-            def pv(acc):
-                if v8:
-                    for g, fn in enumerate(value_a):
-                        a, cols = fn(stage), pl.ds(32 * g, 32)
-                        plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[0, :, cols], (1, 0)))
-                        plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[1, :, cols], (1, 0)))
+            plgpu.barrier_wait(idx_bar)
+            translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
+            if PR:  # the producer may start
+                plgpu.barrier_arrive(ready_bar)
+            stamp(1)
+
+            def bar(slot):
+                return bar_wg.at[pl.ds(2 * slot, 2)]
+
+            def block(i):  # the CTA's block row of this warpgroup's i-th block
+                return wg + NW * i
+
+            for s in range(0 if PR else min(S, nb_w)):
+                issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
+            plgpu.barrier_wait(q_bar)
+            if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
+                prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
+            stamp(2)
+
+            def step(i, carry):
+                stats, out = carry
+                slot = i % S
+                wait(bar(slot), (i // S).astype(jnp.int32))
+                stamp(3 + 2 * i)
+                stage = rows_wg.at[slot]
+
+                def logits(*accs):
+                    for jj, fn in enumerate(logits_a):
+                        acc = accs[jj % len(accs)]
+                        if not f8:
+                            plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
+                        else:
+                            for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
+                                cols = pl.ds(jj * LC + 32 * g, 32)
+                                plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
+                                plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
+                        if chunk_wait:  # this chunk's A registers are free after it
+                            plgpu.wgmma_wait(0)
+                    return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
+
+                s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
+                p, stats, out = softmax(s_t, stats, out, idx_smem.at[block(i)], red_wg.at[i % 2], c2_smem)
+                if v8:  # P · 2^8 as e4m3 hi / lo planes, [heads, positions]
+                    store_p(p, p_wg.at[0], p_wg.at[1])
+                else:
+                    p_wg[...] = p
+                plgpu.commit_smem()
+
+                def pv(acc):
+                    if v8:
+                        for g, fn in enumerate(value_a):
+                            a, cols = fn(stage), pl.ds(32 * g, 32)
+                            plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[0, :, cols], (1, 0)))
+                            plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[1, :, cols], (1, 0)))
+                            if chunk_wait:
+                                plgpu.wgmma_wait(0)
+                        return
+                    for kk, fn in enumerate(value_a):
+                        plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
                         if chunk_wait:
                             plgpu.wgmma_wait(0)
-                    return
-                for kk, fn in enumerate(value_a):
-                    plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
-                    if chunk_wait:
-                        plgpu.wgmma_wait(0)
 
-            out = pl.run_state(pv)(plgpu.ACC.init(out))
-            stamp(4 + 2 * i)
+                out = pl.run_state(pv)(plgpu.ACC.init(out))
+                stamp(4 + 2 * i)
 
-            @pl.when(i + S < nb_w)
-            def _refill():
-                issue(pool_ref, stage, idx_smem.at[block(i + S)], bar(slot))
+                if PR:  # the producer refills it
+                    release(bar_of(mine(empty_smem), slot))
+                else:
+                    @pl.when(i + S < nb_w)
+                    def _refill():
+                        issue(pool_ref, stage, idx_smem.at[block(i + S)], bar(slot))
 
-            return stats, out
+                return stats, out
 
-        zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
-        stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
-        if NW == 1:
-            finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
-        else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
-            finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
-            plgpu.barrier_arrive(done_bar)
-            plgpu.barrier_wait(done_bar)
-            combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
-        stamp(3 + 2 * nb_w)
-        if last:  # the sequence's last split to get here merges them all
-            last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
-                       lse_fin.at[b], sc_ref.at[pl.ds(1, 1)], *wg_arg)
-        stamp(4 + 2 * nb_w)
+            zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
+            stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
+            if NW == 1:
+                finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
+            else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
+                finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
+                plgpu.barrier_arrive(done_bar)
+                plgpu.barrier_wait(done_bar)
+                combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
+            stamp(3 + 2 * nb_w)
+            if last:  # the sequence's last split to get here merges them all
+                last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
+                           lse_fin.at[b], sc_ref.at[pl.ds(1, 1)], *wg_arg)
+            stamp(4 + 2 * nb_w)
+
+        if PR:
+            pl.when(wg == NW)(produce)
+            pl.when(wg < NW)(consume)
+        else:
+            consume()
 
     out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32), jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
     if last:  # + the merged result
@@ -1298,6 +1375,8 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                 plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16)),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
+        **(dict(empty_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32), ready_bar=plgpu.Barrier(num_arrivals=NW))
+           if PR else {}),
         q_bar=plgpu.Barrier(num_arrivals=1 if qk else 3 if f8 else 2),
         idx_bar=plgpu.Barrier(num_arrivals=1),
         **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
@@ -1305,7 +1384,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
         **(dict(qraw_smem=plgpu.SMEM((H * c // 128, 128), q.dtype)) if qk else {}),
     )
-    thread_kw = dict(num_threads=NW, thread_name="wg") if NW > 1 else {}
+    thread_kw = dict(num_threads=NW + PR, thread_name="wg") if NW > 1 or PR else {}
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     if qk:  # rows of 128: TMA boxes are at most 256 wide
         if (H * c) % 128:
