@@ -539,6 +539,16 @@ def _operand_types():
     return ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
 
 
+def _row_load(vty, rows_ref, at):
+    """A vector load of a thread's bytes from a gathered row in shared memory, aligned to its own size (rows start
+    on 16 bytes, `row_stride`; a thread's bytes on their size). Said explicitly: LLVM otherwise infers the alignment
+    from the address arithmetic, and where it cannot (the consumer warpgroups' branch of `producer=True`, session
+    29: 7 of 16 LDS.128 per block) it splits the load into single bytes."""
+    ir, _, _, _, vector, _, mgu = _mlir()
+    vt = ir.VectorType(vty)
+    return vector.load(vty, rows_ref, at, alignment=vt.shape[0] * mgu.bitwidth(vt.element_type) // 8)
+
+
 def _logits_words(rows_ref, rows, t16, col0: int, width: int):
     """The logits operand's loads, shared by the f16 and fp8 builders: for each row half h (key rows `_key_of` of
     the thread's fragment rows) and 64-column chunk q, thread t's 16 bytes [col0 + 64q + 16t, +16) as 4 words ->
@@ -550,7 +560,7 @@ def _logits_words(rows_ref, rows, t16, col0: int, width: int):
     for h in (0, 1):
         for q in range(width // CHUNK):
             col = arith.addi(t16, mgu.c(col0 + CHUNK * q, index))
-            words = mgu.bitcast(vector.load(v16i8, rows_ref, [keys[h], col]), v4i32)
+            words = mgu.bitcast(_row_load(v16i8, rows_ref, [keys[h], col]), v4i32)
             for s in range(4):
                 yield h, q, s, vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([s]))
 
@@ -644,8 +654,8 @@ def _value_operand_fn(R: int, key0: int, nkeys: int):
             for a in (0, 1):
                 pa = arith.addi(two_t, mgu.c(key0 + 16 * s + 8 * a, index))  # K position of the pair (2t, 2t+1)
                 ka, kb = _key_of(pa), _key_of(arith.addi(pa, mgu.c(1, index)))
-                wa = mgu.bitcast(vector.load(vload, rows_ref, [ka, dim0]), vword)
-                wb = mgu.bitcast(vector.load(vload, rows_ref, [kb, dim0]), vword)
+                wa = mgu.bitcast(_row_load(vload, rows_ref, [ka, dim0]), vword)
+                wb = mgu.bitcast(_row_load(vload, rows_ref, [kb, dim0]), vword)
                 for u in range(nbytes // 4):
                     pos = ir.DenseI64ArrayAttr.get([u])
                     xa = vector.extract(wa, dynamic_position=[], static_position=pos)
@@ -708,7 +718,7 @@ def _value_operand_fp8_fn(R: int, group: int):
         regs = np.empty(reg_shape, dtype=object)
         for blk in (0, 1):
             base = 32 * group + 16 * blk  # positions base + 4q + e hold keys base + 4e + q
-            words = [mgu.bitcast(vector.load(vload, rows_ref, [arith.addi(quad, mgu.c(base + 4 * e, index)), dim0]),
+            words = [mgu.bitcast(_row_load(vload, rows_ref, [arith.addi(quad, mgu.c(base + 4 * e, index)), dim0]),
                                  vword) for e in range(4)]
             for u in range(nbytes // 4):
                 pos = ir.DenseI64ArrayAttr.get([u])
