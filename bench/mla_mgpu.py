@@ -42,7 +42,8 @@ ap.add_argument("--chain", type=int, default=3,
                      "Mosaic call compiles on its own)")
 ap.add_argument("--ops", default="kernel,op", help="what to time: kernel (alone), op (whole), gather (XLA reading "
                 "the same rows, summed per sequence: what a plain gather of 576-byte rows reaches on this chip), "
-                "trace (the kernel alone with its per-CTA globaltimer timeline: where a CTA's time goes)")
+                "trace (the kernel alone with its per-CTA globaltimer timeline: where a CTA's time goes), floor "
+                "(what the chained timing costs per call by itself: an op writing the outputs' shapes from q alone)")
 ARGS = ap.parse_args()
 PAGE, R, ROPE, TOPK = 64, 512, 64, 2048
 ROWS = []
@@ -149,6 +150,12 @@ def main():
                         return jnp.sum(pool_u8[rows].astype(jnp.int32), axis=1)  # [B, c]
                     t = device_seconds(jax.jit(gather_sum), bt, sel, pool_u8, stacked=(1,))[0]
                     row("XLA gather + sum of the same rows", shape, t * 1e6, lat_bytes / t / 1e12, bw, float("nan"))
+                if "floor" in what:  # one small fusion writing o [B, H, R] and lse [B, H], plus the chain's sum
+                    def outputs_only(q, bt, idx, pool):
+                        return jnp.broadcast_to(q[:, :, :1], (B, H, R)), q[:, :, 0]
+                    t = device_seconds(jax.jit(outputs_only), q, bt, sel, pool, stacked=(2,))[0]
+                    row("chain floor: the op's outputs written from q alone", shape, t * 1e6, lat_bytes / t / 1e12, bw,
+                        float("nan"))
                 if "op" in what:
                     if not ARGS.no_triton:
                         time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
