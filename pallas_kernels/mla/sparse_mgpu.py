@@ -1200,7 +1200,6 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H, PR))
     stamp_at = plgpu.inline_mgpu(arg_types=(ref, splat))(_stamp_fn())
     release = plgpu.inline_mgpu(arg_types=(ref,))(_release_fn())
-    translate_all = plgpu.inline_mgpu(arg_types=(ref, ref))(_translate_fn(n_blk, 1, page, nblocks, max_blocks))
 
     def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar, idx_bar,
                         lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None,
@@ -1241,12 +1240,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         def produce():  # the producer warpgroup (PR): every block of every compute warpgroup, stage by stage
             if consumer_registers:
                 plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            for w in range(NW):  # every stage's barriers, before the consumers learn of them (ready_bar)
-                init_barriers(of(bar_smem, w))
-                init_barriers(of(empty_smem, w))
-            plgpu.barrier_wait(idx_bar)
-            translate_all(idx_smem, bt_ref.at[b])  # every block's positions -> pool rows, while q is prepared
-            plgpu.barrier_arrive(ready_bar)
+            plgpu.barrier_wait(ready_bar)  # the consumers' barriers initialised, their slots translated
             for i in range(nb_w):
                 for w in range(NW):
                     slot = i % S
@@ -1261,8 +1255,9 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             if consumer_registers:
                 plgpu.set_max_registers(consumer_registers, action="increase")
             stamp(0)
-            if not PR:
-                init_barriers(bar_wg)
+            init_barriers(bar_wg)
+            if PR:
+                init_barriers(mine(empty_smem))
 
             def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
                 # the slots first, on their own barrier: the gathers start without waiting for q (27 KB raw at K3)
@@ -1278,30 +1273,24 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             else:
                 load()
 
+            plgpu.barrier_wait(idx_bar)
+            translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
+            if PR:  # the producer may start
+                plgpu.barrier_arrive(ready_bar)
+            stamp(1)
+
             def bar(slot):
                 return bar_wg.at[pl.ds(2 * slot, 2)]
 
             def block(i):  # the CTA's block row of this warpgroup's i-th block
                 return wg + NW * i
 
-            def prepare_q():
-                plgpu.barrier_wait(q_bar)
-                if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
-                    prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
-
-            if PR:  # q first, while the producer translates the slots and gathers; stamps: q, then the slots
-                prepare_q()
-                stamp(1)
-                plgpu.barrier_wait(ready_bar)  # the slots translated (the softmax reads them), the barriers made
-                stamp(2)
-            else:
-                plgpu.barrier_wait(idx_bar)
-                translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
-                stamp(1)
-                for s in range(min(S, nb_w)):
-                    issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
-                prepare_q()
-                stamp(2)
+            for s in range(0 if PR else min(S, nb_w)):
+                issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
+            plgpu.barrier_wait(q_bar)
+            if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
+                prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
+            stamp(2)
 
             def step(i, carry):
                 stats, out = carry
@@ -1396,7 +1385,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                 plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16)),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
-        **(dict(empty_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32), ready_bar=plgpu.Barrier(num_arrivals=1))
+        **(dict(empty_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32), ready_bar=plgpu.Barrier(num_arrivals=NW))
            if PR else {}),
         q_bar=plgpu.Barrier(num_arrivals=1 if qk else 3 if f8 else 2),
         idx_bar=plgpu.Barrier(num_arrivals=1),
