@@ -64,6 +64,11 @@ registers, no spills, **op 29.1 µs vs 33.4 (0.31 of copy)**. `kernel_call(trace
 phases (`trace_phases`, `bench/mla_mgpu.py --ops trace`): a CTA takes ≈ 19.5 µs at B = 32 and at B = 1 alike —
 ≈ 5 µs of prologue (slots, translation, q), 4 blocks × 2.1 µs of serial compute, ≈ 2.3 µs waiting for refills,
 ≈ 3.5 µs of epilogue — so the 0.60 bar needs a different structure (bench/RESULTS.md, session 28).
+Session 29: the bar is above what any gather measured reaches at all — the kernel's LSU gather alone 0.586 of copy,
+a plain read-only Triton gather 0.52. `producer=True` (opt-in) adds a producer warpgroup that keeps every stage
+full: no refill waits, CTA 18.6 µs, kernel span 21.0 µs (0.43 of copy), but the op ties the default (31.0 vs
+30.4 µs). Its first run computed 1.7× slower: in the consumers' branch LLVM could not prove the rows' 16-byte loads
+aligned and split them into byte loads; `_row_load` now states the alignment.
 
 Opt-in: `sparse.sparse_mla(..., backend="gpu", kernel_kw={"impl": "mgpu", **MgpuSparseConfig fields})`. GPU only:
 the body lowers on CPU (tests), runs on an H200.
@@ -144,8 +149,10 @@ class MgpuSparseConfig:
     # who gathers the rows: False — each warpgroup issues its own blocks (its first `stages` up front, each refill
     # when it is done with a stage); True — one more warpgroup, the producer, issues every block's gather (with
     # `gather`'s copies) into the warpgroups' stages as soon as a stage is released, at 40 registers
-    # (`setmaxnreg`), while the consumers, at `moe.mgpu_mxfp4.ws_compute_registers`, only compute: the LSU gather
-    # (the fastest gather alone, 0.59 of copy against 0.42-0.51 for the TMA) then costs the maths nothing
+    # (`setmaxnreg`), while the consumers, at `moe.mgpu_mxfp4.ws_compute_registers`, only compute (at most 2 of
+    # them). H200, session 29, B = 32: with the TMA copies the refill waits vanish (CTA 18.6 µs against 19.5) but
+    # the op ties the default (31.0 vs 30.4 µs); with the LSU copies (the fastest gather alone, 0.59 of copy) it is
+    # slower (40.0 µs): one warpgroup's 2,304 16-byte copies per block compete with the consumers' shared loads
     producer: bool = False
 
     def __post_init__(self):
