@@ -374,6 +374,13 @@ def test_gather_must_be_tma_or_lsu():
         sm.MgpuSparseConfig(gather="dma")
 
 
+def test_producer_takes_at_most_two_compute_warpgroups():
+    """One producer beside four compute warpgroups would leave each of them ~100 registers (the register file is
+    the CTA's pool), far below the 220 the compute holds without spills."""
+    with pytest.raises(ValueError, match="producer"):
+        sm.MgpuSparseConfig(producer=True, warpgroups=4)
+
+
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG, **TWO_LAUNCHES)])
 def test_kernel_with_a_timeline_lowers_for_cuda(cfg):
     """trace=True (a diagnostic): one more output, each CTA warpgroup's globaltimer stamps."""

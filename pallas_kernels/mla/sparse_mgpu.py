@@ -160,6 +160,9 @@ class MgpuSparseConfig:
             raise ValueError(f"gather must be 'tma' or 'lsu', not {self.gather!r}")
         if self.mma_wait not in ("block", "chunk"):
             raise ValueError(f"mma_wait must be 'block' or 'chunk', not {self.mma_wait!r}")
+        if self.producer and self.warpgroups > 2:
+            raise ValueError(f"a producer warpgroup leaves {self.warpgroups} compute warpgroups too few registers "
+                             "(at most 2)")
 
 
 def supports(fmt, config: MgpuSparseConfig | None = None) -> bool:
@@ -1140,8 +1143,6 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 128 or R > c:
         raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
                          f"{CHUNK}); value_keys {VK} must divide {KEYS} (multiple of 16); R {R}")
-    if PR and NW > 2:
-        raise ValueError(f"a producer warpgroup leaves {NW} compute warpgroups too few registers (at most 2)")
     if NW not in (1, 2, 4) or n_blk % NW:
         raise ValueError(f"warpgroups {NW} must be 1, 2 or 4 and divide the blocks per split {n_blk}")
     if cfg.merge not in ("kernel", "last"):
