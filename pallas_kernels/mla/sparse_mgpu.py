@@ -1227,20 +1227,20 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         b = jax.lax.axis_index("b")
         wg = jax.lax.axis_index("wg") if NW > 1 or PR else 0
         wg_arg = (wg.astype(jnp.int32),) if NW > 1 else ()
-        # this warpgroup's scratch (one warpgroup: the scratch has no warpgroup axis — a literal index 0 does not
-        # lower inside run_state)
-        mine = (lambda r: r.at[wg]) if NW > 1 else (lambda r: r)  # noqa: E731
+        def of(r, w):  # warpgroup w's part of a scratch (one warpgroup: the scratch has no warpgroup axis — a
+            return r.at[w] if NW > 1 else r  # literal index 0 does not lower inside run_state)
+
+        def mine(r):  # this warpgroup's part
+            return of(r, wg)
+
+        def bar_of(r, slot):  # a stage's mbarrier (8 bytes in an int32 scratch)
+            return r.at[pl.ds(2 * slot, 2)]
+
         rows_wg, p_wg, red_wg, bar_wg = mine(rows_smem), mine(p_smem), mine(red_smem), mine(bar_smem)
 
         def stamp(pos):  # the timeline (trace=True): position pos of this CTA warpgroup's row
             if trace:
                 stamp_at(trace_ref.at[sp, b, wg], jnp.asarray(pos, jnp.int32))
-
-        def of(r, w):  # warpgroup w's part of a scratch (the axis exists only for several warpgroups)
-            return r.at[w] if NW > 1 else r
-
-        def bar_of(r, slot):  # a stage's mbarrier (8 bytes in an int32 scratch)
-            return r.at[pl.ds(2 * slot, 2)]
 
         # with a producer, the register file's split (one compute warpgroup: both keep the launch's 255)
         consumer_registers = ws_compute_registers(NW, PRODUCER_REGISTERS) if PR and NW > 1 else None
@@ -1288,7 +1288,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             stamp(1)
 
             def bar(slot):
-                return bar_wg.at[pl.ds(2 * slot, 2)]
+                return bar_of(bar_wg, slot)
 
             def block(i):  # the CTA's block row of this warpgroup's i-th block
                 return wg + NW * i
