@@ -48,6 +48,24 @@ def row_indices(batch: int, ctx: int, chain: int, seed: int = 0) -> np.ndarray:
     return out
 
 
+def _pool_and_selections(batch: int, ctx: int, chain: int, dtype):
+    """A random pool of the sequences' pages as `dtype` words `[rows, 576 / itemsize]` on the GPU, and `chain`
+    selections of its rows (`row_indices`)."""
+    import torch
+
+    n_rows = (batch * (ctx // PAGE) + 1) * PAGE
+    info = torch.iinfo(dtype)
+    pool = torch.empty((n_rows, ROW_BYTES // info.bits * 8), dtype=dtype, device="cuda").random_(0, info.max)
+    return pool, torch.from_numpy(row_indices(batch, ctx, chain)).cuda()
+
+
+def _rate_row(name: str, batch: int, ctx: int, t: float, copy_bw: float, checked: bool) -> dict:
+    """One printed row: seconds per call of reading B × 2048 rows -> µs, TB/s and fractions of copy."""
+    read_bytes = batch * TOPK * ROW_BYTES
+    return dict(name=name, batch=batch, ctx=ctx, us=t * 1e6, read_tb_s=read_bytes / t / 1e12,
+                read_of_copy=read_bytes / t / copy_bw, rw_of_copy=2 * read_bytes / t / copy_bw, checked=checked)
+
+
 TRITON_SWEEP = ((8, 2), (16, 4), (32, 4), (32, 8), (64, 8), (128, 8))  # (rows per program, warps)
 
 
@@ -82,13 +100,10 @@ def measure_triton(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dic
     import torch
 
     kernel = _triton_reader()
-    n_rows = (batch * (ctx // PAGE) + 1) * PAGE
-    pool = torch.empty((n_rows, ROW_BYTES // 4), dtype=torch.int32, device="cuda").random_(-2**31, 2**31 - 1)
-    idx = torch.from_numpy(row_indices(batch, ctx, chain)).cuda()
+    pool, idx = _pool_and_selections(batch, ctx, chain, torch.int32)
     n = batch * TOPK
     out = torch.empty((n,), dtype=torch.int32, device="cuda")
     want = _checksum(pool, idx[0])
-    read_bytes = n * ROW_BYTES
     rows = []
     for per, warps in TRITON_SWEEP:
         def run(i, per=per, warps=warps):
@@ -97,9 +112,7 @@ def measure_triton(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dic
         run(0)
         ok = bool(torch.equal(out, want))
         t = torch_event_seconds(run, calls=chain, rounds=15)
-        rows.append(dict(name=f"triton read-only, {per} rows x {warps} warps", batch=batch, ctx=ctx, us=t * 1e6,
-                         read_tb_s=read_bytes / t / 1e12, read_of_copy=read_bytes / t / copy_bw,
-                         rw_of_copy=2 * read_bytes / t / copy_bw, checked=ok))
+        rows.append(_rate_row(f"triton read-only, {per} rows x {warps} warps", batch, ctx, t, copy_bw, ok))
     del pool, idx, out
     torch.cuda.empty_cache()
     return rows
@@ -108,11 +121,8 @@ def measure_triton(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dic
 def measure(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dict]:
     import torch
 
-    n_rows = (batch * (ctx // PAGE) + 1) * PAGE
-    pool = torch.empty((n_rows, WORDS), dtype=torch.int64, device="cuda").random_()
-    idx = torch.from_numpy(row_indices(batch, ctx, chain)).cuda()
+    pool, idx = _pool_and_selections(batch, ctx, chain, torch.int64)
     out = torch.empty((batch * TOPK, WORDS), dtype=torch.int64, device="cuda")
-    read_bytes = batch * TOPK * ROW_BYTES
 
     def gather(i):
         torch.index_select(pool, 0, idx[i], out=out)
@@ -127,9 +137,7 @@ def measure(batch: int, ctx: int, chain: int, copy_bw: float) -> list[dict]:
     rows = []
     for name, fn in (("index_select (random rows)", gather), ("copy_ (same bytes, contiguous)", copy)):
         t = torch_event_seconds(fn, calls=chain, rounds=15)
-        rows.append(dict(name=name, batch=batch, ctx=ctx, us=t * 1e6, read_tb_s=read_bytes / t / 1e12,
-                         read_of_copy=read_bytes / t / copy_bw, rw_of_copy=2 * read_bytes / t / copy_bw,
-                         checked=bool(ok)))
+        rows.append(_rate_row(name, batch, ctx, t, copy_bw, bool(ok)))
     del pool, idx, out
     torch.cuda.empty_cache()
     return rows
