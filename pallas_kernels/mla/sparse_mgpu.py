@@ -429,11 +429,19 @@ def _issue_lsu_fn(row_bytes: int, stride: int):
                 _asm(void, [mgu.getelementptr(dst0, [dst_off], i8), mgu.getelementptr(pool, [src_off], i8)],
                         "cp.async.cg.shared.global [$0], [$1], 16;", "l,l")
         _asm(void, [bar], "cp.async.mbarrier.arrive.shared::cta.b64 [$0];", "l")
-        mgu.warpgroup_barrier()
-        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, i32))):
-            _asm(void, [bar], "mbarrier.arrive.shared::cta.b64 _, [$0];", "l")
+        _arrive_once(bar)
 
     return fn
+
+
+def _arrive_once(bar):
+    """A warpgroup barrier (every thread's work before it is done), then thread 0 arrives once on the mbarrier at
+    the shared-memory pointer `bar`."""
+    _, arith, _, _, _, _, mgu = _mlir()
+    _, i32, _, _, void = _copy_types()
+    mgu.warpgroup_barrier()
+    with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, _thread_in_wg(), mgu.c(0, i32))):
+        _asm(void, [bar], "mbarrier.arrive.shared::cta.b64 _, [$0];", "l")
 
 
 def issue_fn(gather: str):
@@ -460,11 +468,8 @@ def _release_fn():
     gathers the next block into the stage."""
     def fn(ctx, bar_ref):
         del ctx
-        _, arith, _, _, _, _, mgu = _mlir()
-        _, i32, _, _, void = _copy_types()
-        mgu.warpgroup_barrier()
-        with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, _thread_in_wg(), mgu.c(0, i32))):
-            _asm(void, [mgu.memref_ptr(bar_ref)], "mbarrier.arrive.shared::cta.b64 _, [$0];", "l")
+        *_, mgu = _mlir()
+        _arrive_once(mgu.memref_ptr(bar_ref))
 
     return fn
 
