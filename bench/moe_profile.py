@@ -7,7 +7,9 @@ Stop, so ncu sees only that call's kernels (the fused gate / up kernel, down, an
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
         python3 bench/moe_profile.py --rows 32 [--config '{"rows": 48}']
 
-`--config`: overrides of `mgpu_mxfp4.tiled_config(rows)`.
+`--config`: overrides of `mgpu_mxfp4.tiled_config(rows)`. `--tokens`: the model's whole path instead
+(`ops.expert_ffn`: rows / 16 · 112 tokens routed top-16 — the sort, the FFN gathering from the tokens, the
+weighted combine back into the tokens).
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ from pallas_kernels.moe import mgpu_mxfp4 as mm  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 
 E, D, F = 112, 3584, 3072  # local experts at EP 8, K3's hidden and expert widths
+TOP_K = 16
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=32, help="mean rows per expert (default 32)")
     ap.add_argument("--config", default="{}", help="JSON overrides of tiled_config(rows)")
+    ap.add_argument("--tokens", action="store_true",
+                    help="profile ops.expert_ffn (tokens -> sort -> FFN -> combine), as the model runs it")
     args = ap.parse_args()
     keys = jax.random.split(jax.random.key(11), 4)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
@@ -46,11 +51,23 @@ def main():
     sizes = jnp.asarray(np.random.default_rng(200 + args.rows).multinomial(m, [1 / E] * E), jnp.int32)
     cfg = dataclasses.replace(mm.tiled_config(args.rows, (F, D)), **json.loads(args.config))
     ffn = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))
-    jax.block_until_ready(ffn(x, sizes, *wp))
-    print(f"compiled: {args.rows} rows/expert, max group {int(sizes.max())}, {cfg}", flush=True)
+    inputs = (x, sizes)
+    if args.tokens:  # the model's path: each of m / 16 tokens sent to 16 distinct experts, random weights
+        from pallas_kernels.moe import ops
+
+        n_tok = m // TOP_K
+        rng = np.random.default_rng(300 + args.rows)
+        idx = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(n_tok)])
+        sizes = np.bincount(idx.ravel(), minlength=E)
+        weights = jnp.asarray(rng.random((n_tok, TOP_K)), jnp.float32)
+        ffn = jax.jit(lambda a, i, *w: ops.expert_ffn(a, i, weights, *w, situ, configs=(cfg, None)))
+        inputs = (x[:n_tok], jnp.asarray(idx, jnp.int32))
+    jax.block_until_ready(ffn(*inputs, *wp))
+    print(f"compiled: {args.rows} rows/expert, max group {int(sizes.max())}, {cfg}"
+          + (f", from {m // TOP_K} tokens (ops.expert_ffn)" if args.tokens else ""), flush=True)
     cudart = _cudart()
     cudart.cudaProfilerStart()
-    jax.block_until_ready(ffn(x, sizes, *wp))
+    jax.block_until_ready(ffn(*inputs, *wp))
     cudart.cudaProfilerStop()
     print("profiled call done", flush=True)
 
