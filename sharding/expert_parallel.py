@@ -174,10 +174,10 @@ def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, in
     local = (idx >= lo) & (idx < lo + E_l)
     lid = jnp.where(local, idx - lo, E_l)  # other devices' experts -> one trailing group, never computed
     order, token_of_row, sizes = ops.sort_tokens(lid, E_l + 1)
+    # rows back in (token, slot) order (`ops.expert_ffn`), those of other devices' experts (never written) zeroed
     y = ops.expert_ffn_sorted(x, sizes[:E_l], w_gate, w_up, w_down, act, backend=backend, interpret=interpret,
-                              fill_uncovered=False, token_of_row=token_of_row)
-    y = jnp.where(local.reshape(-1)[order][:, None], y, 0.0)  # uncovered rows were not written
-    part = ops.combine(y, order, wt)
+                              fill_uncovered=False, token_of_row=token_of_row, out_rows=ops.slot_rows(order))
+    part = ops.combine_slots(jnp.where(local.reshape(-1)[:, None], y, 0.0), wt)
     if split:
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0, tiled=True)
     return jax.lax.psum(part, axis)

@@ -1073,6 +1073,15 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
             if sum(sizes):
                 assert _rel(got, want_tok) < 1e-2, rows
             assert got.shape == want.shape and not np.asarray(got[sum(sizes):]).any()
+            if gate_up == "fused" and x_rows == "padded" and prepared[0].out_order == "planes":
+                # rows asked for in another order (`ops.expert_ffn` asks for (token, slot) order), gathered from
+                # the padded rows in one step: the same rows, bit for bit
+                out_rows = jnp.asarray(np.random.default_rng(M + 1).permutation(M), jnp.int32)
+                picked = jax.jit(lambda a, g, t, r, *w: mm.expert_ffn_tiled(
+                    a, g, *w, situ, config=cfg, token_of_row=t, out_rows=r, matmul=_reference_tiled_matmul,
+                    gated_matmul=_reference_tiled_gated_matmul, down_matmul=_reference_tiled_matmul_in_place))(
+                    tokens, gs, token_of_row, out_rows, *prepared)
+                assert np.array_equal(np.asarray(picked), np.asarray(got)[np.asarray(out_rows)]), down_rows
 
 
 def test_tiled_config_and_the_ffn_lower_for_cuda():

@@ -1539,7 +1539,8 @@ def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: Prep
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
                      activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None,
-                     gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None, token_of_row=None):
+                     gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None, token_of_row=None,
+                     out_rows=None):
     """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
     in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
     activation runs on those rows, down reads them as they are, and one gather brings the rows back — instead of a
@@ -1549,6 +1550,8 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
 
     `token_of_row [M]`: x_rows is then the `[N, K]` tokens the sorted rows come from (sorted row i =
     x_rows[token_of_row[i]]), and x's planes are made on them before the gather (`gather_x`).
+    `out_rows [R]` int32: the result is those sorted rows, in that order (`y[out_rows]` `[R, D]`), gathered from the
+    padded rows in one step (`ops.expert_ffn` asks for (token, slot) order, so its combine gathers nothing).
 
     `config`: the kernel's tile shape and the FFN's plumbing (default `tiled_config(M / E, (F, D))`;
     `gate_up="fused"` runs gate, up and the activation as one kernel; `down_rows="in_place"` has down store its
@@ -1588,9 +1591,13 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
         y = (down_matmul or tiled_matmul_in_place)(h, plan, w_down, down_cfg, M)
         # rows past Σ group_sizes are in no tile: zeroed by a scatter that writes those rows only (the live rows'
         # indices are out of bounds and dropped)
-        return y.at[jnp.where(plan.live, M, jnp.arange(M))].set(0.0, mode="drop")
+        y = y.at[jnp.where(plan.live, M, jnp.arange(M))].set(0.0, mode="drop")
+        return y if out_rows is None else y[out_rows]
     y_pad = matmul(h, plan, w_down, down_cfg)
-    return jnp.where(plan.live[:, None], y_pad[plan.pad_row], 0.0)
+    pad_row, live = plan.pad_row, plan.live
+    if out_rows is not None:  # the rows asked for, straight from their padded rows
+        pad_row, live = pad_row[out_rows], live[out_rows]
+    return jnp.where(live[:, None], y_pad[pad_row], 0.0)
 
 
 def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):

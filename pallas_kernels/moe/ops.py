@@ -185,26 +185,38 @@ def sort_tokens(expert_idx_nk, num_experts: int):
     return reference.sort_by_expert(expert_idx_nk, num_experts)
 
 
+def slot_rows(order):
+    """The sorted row of each (token, slot) pair `[N·k]` int32: the inverse of `sort_tokens`' `order`."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+
+
+def combine_slots(y_slots, weight_nk):
+    """Expert outputs in (token, slot) order `[N·k, D]` -> `Σ_k weight[n, k] · y` `[N, D]` float32 (deterministic:
+    a fixed-order sum over each token's k rows)."""
+    N, k = weight_nk.shape
+    y = y_slots.astype(jnp.float32).reshape(N, k, y_slots.shape[-1])  # (-1 is ambiguous when N = 0)
+    return jnp.sum(y * weight_nk.astype(jnp.float32)[:, :, None], axis=1)
+
+
 def combine(y_rows, order, weight_nk):
     """Sorted expert outputs `[N·k, D]` -> `Σ_k weight[n, k] · y` `[N, D]` float32, in slot order (deterministic).
 
     Rows may be masked beforehand (e.g. zeroed where a pair's expert lives elsewhere)."""
-    N, k = weight_nk.shape
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
-    y = y_rows[inv].astype(jnp.float32).reshape(N, k, y_rows.shape[-1])  # (-1 is ambiguous when N = 0)
-    return jnp.sum(y * weight_nk.astype(jnp.float32)[:, :, None], axis=1)
+    return combine_slots(y_rows[slot_rows(order)], weight_nk)
 
 
 def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, backend: str = "auto",
                       interpret: bool = False, fuse: bool | None = None, h_dtype=None, fill_uncovered: bool = True,
-                      configs=None, token_of_row=None):
+                      configs=None, token_of_row=None, out_rows=None):
     """The expert FFN on rows already sorted by expert: `down(act(gate x, up x))` `[rows, D]` float32.
 
     `fuse=True` runs gate and up in one kernel with the activation in its epilogue (Pallas backends); None takes
     `FUSE_GATE_UP[backend]`. `h_dtype`:
     the dtype h is stored in (default: the down weight's dtype, bf16 for MXFP4 — as the reference casts).
     `configs`: optional (gate/up config, down config). `token_of_row [rows]`: x_rows is then the `[N, D]` tokens
-    the sorted rows come from (row i = x_rows[token_of_row[i]]; the tile-layout path gathers from them itself)."""
+    the sorted rows come from (row i = x_rows[token_of_row[i]]; the tile-layout path gathers from them itself).
+    `out_rows [R]` int32: return those sorted rows, in that order (`y[out_rows]`, e.g. `slot_rows(order)` for
+    `combine_slots`); the tile-layout path gathers them from its padded rows in one step instead of two."""
     act = resolve_activation(activation)
     w_gate, w_up, w_down = _as_weight(w_gate), _as_weight(w_up), _as_weight(w_down)
     if h_dtype is None:
@@ -216,7 +228,7 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
         # all three weights prepared for the Mosaic MXFP4 kernel: one tile layout for the whole FFN (x padded once,
         # h kept padded, one gather back) instead of padding around each matmul
         return _mgpu_mx.expert_ffn_tiled(x_rows, group_sizes, w_gate, w_up, w_down, act, h_dtype=h_dtype,
-                                         config=c_up, token_of_row=token_of_row)
+                                         config=c_up, token_of_row=token_of_row, out_rows=out_rows)
     if token_of_row is not None:
         x_rows = x_rows[token_of_row]
     if fuse is None:
@@ -230,8 +242,9 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
         u = _gmm(x_rows, (w_up,), group_sizes, backend=b, interpret=interpret, config=c_up,
                  fill_uncovered=fill_uncovered)
         h = act(g, u).astype(h_dtype)
-    return _gmm(h, (w_down,), group_sizes, backend=b, interpret=interpret, config=c_down,
-                fill_uncovered=fill_uncovered)
+    y = _gmm(h, (w_down,), group_sizes, backend=b, interpret=interpret, config=c_down,
+             fill_uncovered=fill_uncovered)
+    return y if out_rows is None else y[out_rows]
 
 
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *, backend: str = "auto",
@@ -243,9 +256,11 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
     w_gate = _as_weight(w_gate)
     E = w_gate.num_experts if _quantized(w_gate) else w_gate.shape[0]
     order, token_of_row, sizes = sort_tokens(expert_idx_nk, E)
+    # the FFN hands its rows back in (token, slot) order: on the tile-layout path one gather from the padded rows
+    # instead of a gather back to sorted rows and another into slot order
     y = expert_ffn_sorted(x_nd, sizes, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret,
-                          fuse=fuse, configs=configs, token_of_row=token_of_row)
-    return combine(y, order, weight_nk)
+                          fuse=fuse, configs=configs, token_of_row=token_of_row, out_rows=slot_rows(order))
+    return combine_slots(y, weight_nk)
 
 
 def routed_experts(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, backend: str = "auto",
