@@ -528,6 +528,29 @@ def bench_ffn(args, copy_bw):
                 t_tokens, _ = checked_time(from_tokens, (x_nd, tok, sizes, *prepared[order]), ref_tok, reps=20)
                 log(f"MXFP4 FFN {rows_per_expert} rows/expert from {n_tok} tokens: dispatch gather + FFN "
                     f"{t_dispatch * 1e6:.0f} us, FFN gathering from the tokens {t_tokens * 1e6:.0f} us; {cfg}")
+                # the model's whole MoE path with the combine (top-16 routing of the same tokens): the FFN's rows
+                # gathered back to sorted order and then into (token, slot) order (before session 30), against
+                # the FFN handing them back in slot order (`ops.expert_ffn`)
+                rng = np.random.default_rng(400 + rows_per_expert)
+                idx = jnp.asarray(np.stack([rng.choice(E, 16, replace=False) for _ in range(n_tok)]), jnp.int32)
+                wt = jnp.asarray(rng.random((n_tok, 16)), jnp.float32)
+                ref_moe = jax.block_until_ready(jax.jit(lambda a, i, w_, *w: ops.expert_ffn(
+                    a, i, w_, *w, situ, backend="reference"))(x_nd, idx, wt, *ws))
+
+                def two_gathers(a, i, w_, *w):
+                    o, t, g = ops.sort_tokens(i, E)
+                    y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t)
+                    return ops.combine(y, o, w_)
+
+                moe_args = (x_nd, idx, wt, *prepared[order])
+                t_two, _ = checked_time(jax.jit(two_gathers), moe_args, ref_moe, reps=20)
+                t_moe, _ = checked_time(jax.jit(lambda a, i, w_, *w: ops.expert_ffn(
+                    a, i, w_, *w, situ, configs=(cfg, None))), moe_args, ref_moe, reps=20)
+                log(f"MXFP4 MoE {rows_per_expert} rows/expert, {n_tok} tokens, sort + FFN + combine: rows "
+                    f"gathered back then into slot order {t_two * 1e6:.0f} us, handed back in slot order "
+                    f"(ops.expert_ffn) {t_moe * 1e6:.0f} us")
+                INFO.setdefault("moe_path_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
+                    two_gathers=t_two * 1e6, slot_order=t_moe * 1e6)
             t_tiled16 = None
             if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
