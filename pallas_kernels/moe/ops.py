@@ -181,8 +181,20 @@ def resolve_activation(activation):
 
 
 def sort_tokens(expert_idx_nk, num_experts: int):
-    """Dropless dispatch plan (reference stable sort): (order [N·k], token_of_row [N·k], group_sizes [E])."""
-    return reference.sort_by_expert(expert_idx_nk, num_experts)
+    """Dropless dispatch plan `expert_idx_nk [N, k]` int (each in [0, num_experts)) -> (order [N·k], token_of_row
+    [N·k], group_sizes [E]) int32: the (token, slot) pairs stably sorted by expert, as `reference.sort_by_expert`.
+
+    One int32 key per pair, expert · N·k + pair index: the keys are unique, so a plain one-operand sort gives the
+    stable order, and XLA's sort moves one array instead of argsort's (key, index) pair. The reference sort when
+    the keys would not fit in int32."""
+    flat = expert_idx_nk.reshape(-1)
+    pairs = flat.shape[0]
+    if num_experts * max(pairs, 1) >= 2 ** 31:
+        return reference.sort_by_expert(expert_idx_nk, num_experts)
+    keys = flat.astype(jnp.int32) * pairs + jnp.arange(pairs, dtype=jnp.int32)
+    order = jnp.sort(keys) % max(pairs, 1)
+    token_of_row = order // expert_idx_nk.shape[1]
+    return order, token_of_row, jnp.bincount(flat, length=num_experts)
 
 
 def slot_rows(order):
