@@ -543,9 +543,8 @@ def bench_ffn(args, copy_bw):
                     return ops.combine(y, o, w_)
 
                 def slots_materialised(a, i, w_, *w):  # the slot-order rows written out before the combine
-                    o, t, g = ops.sort_tokens(i, E)
-                    y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t,
-                                                 out_rows=ops.slot_rows(o))
+                    _, t, g, slot_row = ops.dispatch_plan(i, E)
+                    y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t, out_rows=slot_row)
                     return ops.combine_slots(jax.lax.optimization_barrier(y), w_)
 
                 moe_args = (x_nd, idx, wt, *prepared[order])

@@ -136,7 +136,7 @@ def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, inter
     E_l = _num_experts(w_gate)
     E = E_l * m
     n, k = idx.shape
-    order, token_of_row, sizes = ops.sort_tokens(idx, E)  # sizes [E]: rows this device sends to expert e
+    _, token_of_row, sizes, slot_row = ops.dispatch_plan(idx, E)  # sizes [E]: rows this device sends to expert e
     x_rows = x[token_of_row]
     counts = jax.lax.all_gather(sizes, axis)  # [m, E]: counts[src, e]
     tot = jnp.sum(counts, axis=0)  # rows expert e receives
@@ -161,7 +161,7 @@ def _ragged_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, inter
     y_back = a2a(y, jnp.zeros((n * k,) + y.shape[1:], y.dtype), ret_in.reshape(E).astype(jnp.int32),
                  recv.reshape(E).astype(jnp.int32), ret_out.reshape(E).astype(jnp.int32),
                  sizes.astype(jnp.int32), axis_name=axis)
-    return ops.combine(y_back, order, wt)
+    return ops.combine_slots(y_back[slot_row], wt)  # y_back is in this device's sorted order
 
 
 def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, interpret, split):
@@ -173,10 +173,10 @@ def _allgather_local(x, idx, wt, w_gate, w_up, w_down, *, axis, act, backend, in
     lo = me * E_l
     local = (idx >= lo) & (idx < lo + E_l)
     lid = jnp.where(local, idx - lo, E_l)  # other devices' experts -> one trailing group, never computed
-    order, token_of_row, sizes = ops.sort_tokens(lid, E_l + 1)
+    _, token_of_row, sizes, slot_row = ops.dispatch_plan(lid, E_l + 1)
     # rows back in (token, slot) order (`ops.expert_ffn`), those of other devices' experts (never written) zeroed
     y = ops.expert_ffn_sorted(x, sizes[:E_l], w_gate, w_up, w_down, act, backend=backend, interpret=interpret,
-                              fill_uncovered=False, token_of_row=token_of_row, out_rows=ops.slot_rows(order))
+                              fill_uncovered=False, token_of_row=token_of_row, out_rows=slot_row)
     part = ops.combine_slots(jnp.where(local.reshape(-1)[:, None], y, 0.0), wt)
     if split:
         return jax.lax.psum_scatter(part, axis, scatter_dimension=0, tiled=True)

@@ -395,17 +395,19 @@ def test_fused_expert_ffn_matches_reference_and_is_deterministic(backend, kind):
 @pytest.mark.parametrize("tokens, k, experts", [(224, 16, 112), (3, 16, 896), (0, 16, 8), (40, 4, 3),
                                                 (ops.COUNTING_SORT_MAX_PAIRS // 8 + 1, 8, 64)])
 def test_dispatch_plan_is_the_stable_sort_by_expert(tokens, k, experts):
-    """`ops.sort_tokens` (counting ranks up to COUNTING_SORT_MAX_PAIRS pairs, the reference sort past it) gives
+    """`ops.dispatch_plan` (counting ranks up to COUNTING_SORT_MAX_PAIRS pairs, the reference sort past it) gives
     argsort's stable order: by expert, then by (token, slot); rows of one token follow its slots. Repeated
-    experts in a token (40 × 4 over 3 experts) keep slot order too."""
+    experts in a token (40 × 4 over 3 experts) keep slot order too. `sort_tokens` is its first three outputs."""
     rng = np.random.default_rng(tokens)
     if k <= experts:
         idx = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).reshape(tokens, k)
     else:
         idx = rng.integers(0, experts, (tokens, k))
-    order, token_of_row, sizes = jax.jit(ops.sort_tokens, static_argnums=1)(jnp.asarray(idx, jnp.int32), experts)
+    order, token_of_row, sizes, slot_row = jax.jit(ops.dispatch_plan, static_argnums=1)(jnp.asarray(idx, jnp.int32),
+                                                                                         experts)
     flat = idx.reshape(-1)
     np.testing.assert_array_equal(order, np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(slot_row, np.argsort(np.argsort(flat, kind="stable")))  # order's inverse
     np.testing.assert_array_equal(token_of_row, np.argsort(flat, kind="stable") // k)
     np.testing.assert_array_equal(sizes, np.bincount(flat, minlength=experts))
     assert order.dtype == token_of_row.dtype == sizes.dtype == jnp.int32

@@ -3,5 +3,5 @@
 GPU MXFP4 kernel, which `ops` runs for weights prepared with `mgpu_mxfp4.prepare_weight`; `mxfp4`: the weight
 format and its decoders; `schedule`: row tiles per expert)."""
 
-from .ops import (combine, expert_ffn, expert_ffn_sorted, gated_grouped_matmul, grouped_matmul,  # noqa: F401
+from .ops import (combine, dispatch_plan, expert_ffn, expert_ffn_sorted, gated_grouped_matmul, grouped_matmul,  # noqa: F401
                   resolve_backend, routed_experts, sort_tokens)

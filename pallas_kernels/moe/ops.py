@@ -180,30 +180,37 @@ def resolve_activation(activation):
     return table[activation]
 
 
-# Up to this many (token, slot) pairs `sort_tokens` ranks the pairs by counting instead of sorting: P² compares in
+# Up to this many (token, slot) pairs `dispatch_plan` ranks the pairs by counting instead of sorting: P² compares in
 # one fused reduction. H200, session 31: XLA's GPU sort of 3,584 pairs is one CTA's bitonic sort, 31–32 µs whether
 # it sorts argsort's (key, index) pair or one packed key.
 COUNTING_SORT_MAX_PAIRS = 8192
 
 
-def sort_tokens(expert_idx_nk, num_experts: int):
+def dispatch_plan(expert_idx_nk, num_experts: int):
     """Dropless dispatch plan `expert_idx_nk [N, k]` int (each in [0, num_experts)) -> (order [N·k], token_of_row
-    [N·k], group_sizes [E]) int32: the (token, slot) pairs stably sorted by expert, as `reference.sort_by_expert`.
+    [N·k], group_sizes [E], slot_row [N·k]) int32: the (token, slot) pairs stably sorted by expert, as
+    `reference.sort_by_expert`, and each pair's sorted row (`slot_rows(order)`, the combine's gather index).
 
     Decode-sized batches (≤ `COUNTING_SORT_MAX_PAIRS` pairs) are ranked by counting: a pair's sorted row is its
     expert's first row plus the number of earlier pairs with the same expert; larger ones take the reference sort."""
     flat = expert_idx_nk.reshape(-1).astype(jnp.int32)
     pairs = flat.shape[0]
     if pairs > COUNTING_SORT_MAX_PAIRS:
-        return reference.sort_by_expert(expert_idx_nk, num_experts)
+        order, token_of_row, sizes = reference.sort_by_expert(expert_idx_nk, num_experts)
+        return order, token_of_row, sizes, slot_rows(order)
     pair = jnp.arange(pairs, dtype=jnp.int32)
     same_expert_before = (flat[None, :] == flat[:, None]) & (pair[None, :] < pair[:, None])  # [P, P], [i, j]
     rank = jnp.sum(same_expert_before, axis=1, dtype=jnp.int32)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     first_row = jnp.cumsum(sizes) - sizes
-    sorted_row = first_row[flat] + rank  # = slot_rows(order)
-    order = jnp.zeros_like(pair).at[sorted_row].set(pair, unique_indices=True)
-    return order, order // expert_idx_nk.shape[1], sizes
+    slot_row = first_row[flat] + rank
+    order = jnp.zeros_like(pair).at[slot_row].set(pair, unique_indices=True)
+    return order, order // expert_idx_nk.shape[1], sizes, slot_row
+
+
+def sort_tokens(expert_idx_nk, num_experts: int):
+    """`dispatch_plan` without the slot rows: (order [N·k], token_of_row [N·k], group_sizes [E]) int32."""
+    return dispatch_plan(expert_idx_nk, num_experts)[:3]
 
 
 def slot_rows(order):
@@ -276,11 +283,11 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
     (token, slot) pair is computed, whatever the load per expert. Deterministic on every backend."""
     w_gate = _as_weight(w_gate)
     E = w_gate.num_experts if _quantized(w_gate) else w_gate.shape[0]
-    order, token_of_row, sizes = sort_tokens(expert_idx_nk, E)
+    _, token_of_row, sizes, slot_row = dispatch_plan(expert_idx_nk, E)
     # the FFN hands its rows back in (token, slot) order: on the tile-layout path one gather from the padded rows
     # instead of a gather back to sorted rows and another into slot order
     y = expert_ffn_sorted(x_nd, sizes, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret,
-                          fuse=fuse, configs=configs, token_of_row=token_of_row, out_rows=slot_rows(order))
+                          fuse=fuse, configs=configs, token_of_row=token_of_row, out_rows=slot_row)
     return combine_slots(y, weight_nk)
 
 
