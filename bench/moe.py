@@ -542,22 +542,22 @@ def bench_ffn(args, copy_bw):
                     y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t)
                     return ops.combine(y, o, w_)
 
-                def slots_materialised(a, i, w_, *w):  # the slot-order rows written out before the combine
+                def sorted_plan(a, i, w_, *w):  # session 31's ops.expert_ffn: sorted rows planned, slot order out
                     _, t, g, slot_row = ops.dispatch_plan(i, E)
                     y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t, out_rows=slot_row)
-                    return ops.combine_slots(jax.lax.optimization_barrier(y), w_)
+                    return ops.combine_slots(y, w_)
 
                 moe_args = (x_nd, idx, wt, *prepared[order])
                 t_two, _ = checked_time(jax.jit(two_gathers), moe_args, ref_moe, reps=20)
-                t_mat, _ = checked_time(jax.jit(slots_materialised), moe_args, ref_moe, reps=20)
+                t_sorted, _ = checked_time(jax.jit(sorted_plan), moe_args, ref_moe, reps=20)
                 t_moe, _ = checked_time(jax.jit(lambda a, i, w_, *w: ops.expert_ffn(
                     a, i, w_, *w, situ, configs=(cfg, None))), moe_args, ref_moe, reps=20)
-                log(f"MXFP4 MoE {rows_per_expert} rows/expert, {n_tok} tokens, sort + FFN + combine: rows "
-                    f"gathered back then into slot order {t_two * 1e6:.0f} us, handed back in slot order "
-                    f"(ops.expert_ffn) {t_moe * 1e6:.0f} us, slot-order rows written out before the combine "
-                    f"{t_mat * 1e6:.0f} us")
+                log(f"MXFP4 MoE {rows_per_expert} rows/expert, {n_tok} tokens, plan + FFN + combine: sorted, rows "
+                    f"gathered back then into slot order {t_two * 1e6:.0f} us; sorted plan, rows handed back in slot "
+                    f"order {t_sorted * 1e6:.0f} us; planned from the pairs (ops.expert_ffn, slot_tile_plan) "
+                    f"{t_moe * 1e6:.0f} us")
                 INFO.setdefault("moe_path_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
-                    two_gathers=t_two * 1e6, slot_order=t_moe * 1e6, slots_materialised=t_mat * 1e6)
+                    two_gathers=t_two * 1e6, sorted_plan_slot_order=t_sorted * 1e6, slot_tile_plan=t_moe * 1e6)
             t_tiled16 = None
             if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,

@@ -8,8 +8,9 @@ Stop, so ncu sees only that call's kernels (the fused gate / up kernel, down, an
         python3 bench/moe_profile.py --rows 32 [--config '{"rows": 48}']
 
 `--config`: overrides of `mgpu_mxfp4.tiled_config(rows)`. `--tokens`: the model's whole path instead
-(`ops.expert_ffn`: rows / 16 · 112 tokens routed top-16 — the sort, the FFN gathering from the tokens, the
-weighted combine back into the tokens).
+(`ops.expert_ffn`: rows / 16 · 112 tokens routed top-16 — the plan from the pairs, the FFN gathering from the
+tokens, the weighted combine back into the tokens); `--tokens --sorted-plan`: the same with session 31's sorted
+plan (`ops.dispatch_plan`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def main():
     ap.add_argument("--config", default="{}", help="JSON overrides of tiled_config(rows)")
     ap.add_argument("--tokens", action="store_true",
                     help="profile ops.expert_ffn (tokens -> sort -> FFN -> combine), as the model runs it")
+    ap.add_argument("--sorted-plan", action="store_true",
+                    help="with --tokens: session 31's path (ops.dispatch_plan, the FFN on the sorted plan handing "
+                         "its rows back in slot order) instead of ops.expert_ffn's plan from the pairs")
     args = ap.parse_args()
     keys = jax.random.split(jax.random.key(11), 4)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
@@ -61,6 +65,12 @@ def main():
         sizes = np.bincount(idx.ravel(), minlength=E)
         weights = jnp.asarray(rng.random((n_tok, TOP_K)), jnp.float32)
         ffn = jax.jit(lambda a, i, *w: ops.expert_ffn(a, i, weights, *w, situ, configs=(cfg, None)))
+        if args.sorted_plan:
+            def sorted_plan(a, i, *w):
+                _, t, g, slot_row = ops.dispatch_plan(i, E)
+                y = mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t, out_rows=slot_row)
+                return ops.combine_slots(y, weights)
+            ffn = jax.jit(sorted_plan)
         inputs = (x[:n_tok], jnp.asarray(idx, jnp.int32))
     jax.block_until_ready(ffn(*inputs, *wp))
     print(f"compiled: {args.rows} rows/expert, max group {int(sizes.max())}, {cfg}"

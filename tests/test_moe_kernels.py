@@ -1105,6 +1105,54 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
                 assert np.array_equal(np.asarray(picked), np.asarray(got)[np.asarray(out_rows)]), down_rows
 
 
+@pytest.mark.parametrize("tokens, k, experts, rows", [(12, 4, 5, 8), (9, 3, 3, 16), (0, 4, 4, 8), (30, 2, 6, 8)])
+def test_slot_tile_plan_is_the_sorted_plan_seen_from_the_pairs(tokens, k, experts, rows):
+    """`slot_tile_plan` plans the tile layout from the routing itself (rows = the pairs in (token, slot) order):
+    every padded row holds the pair that the sorted plan (`dispatch_plan` then `tile_plan`) puts there, each
+    pair's padded row is its sorted row's, the tiles and their experts are the same — so the FFN on it gives the
+    sorted path's (token, slot)-order rows bit for bit (kernels swapped for their definitions). Repeated experts
+    in a token (9 × 3 over 3) and routings that leave experts empty are included."""
+    from pallas_kernels.moe import mgpu_mxfp4 as mm
+
+    rng = np.random.default_rng(tokens * 100 + k)
+    idx = jnp.asarray(rng.integers(0, experts - 1 if experts > 4 else experts, (tokens, k)), jnp.int32)
+    P = tokens * k
+    order, token_of_row, sizes, slot_row = ops.dispatch_plan(idx, experts)
+    sorted_plan = mm.tile_plan(sizes, P, experts, rows)
+    plan = jax.jit(mm.slot_tile_plan, static_argnums=(1, 2))(idx, experts, rows)
+    want_src = np.append(np.asarray(order), P)[np.asarray(sorted_plan.src)]  # sorted row -> its pair; P: none
+    np.testing.assert_array_equal(plan.src, want_src)
+    np.testing.assert_array_equal(plan.pad_row, np.asarray(sorted_plan.pad_row)[np.asarray(slot_row)])
+    np.testing.assert_array_equal(plan.tile_group, sorted_plan.tile_group)
+    np.testing.assert_array_equal(plan.num_tiles, sorted_plan.num_tiles)
+    assert np.asarray(plan.live).all() and plan.src.dtype == plan.pad_row.dtype == jnp.int32
+    if P == 0:
+        return  # no rows: nothing to gather (`ops.expert_ffn` takes its sorted path, which returns [0, D])
+
+    D, F = 128, 128
+    keys = jax.random.split(jax.random.key(P + experts), 4)
+    ws = [mx.random_weight(keys[0], experts, D, F), mx.random_weight(keys[1], experts, D, F),
+          mx.random_weight(keys[2], experts, F, D)]
+    x_nd = jax.random.normal(keys[3], (tokens, D), jnp.bfloat16)
+    stand_ins = dict(matmul=_reference_tiled_matmul, gated_matmul=_reference_tiled_gated_matmul)
+    for prepared, gate_up in (([mm.prepare_weight(q) for q in ws], "separate"), (mm.prepare_ffn_weights(*ws), "fused")):
+        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
+        got = jax.jit(lambda a, p, *w: mm.expert_ffn_tiled(
+            a, None, *w, situ, config=cfg, plan=p, token_of_row=jnp.arange(P, dtype=jnp.int32) // k,
+            **stand_ins))(x_nd, plan, *prepared)
+        want = jax.jit(lambda a, t, g, r, *w: mm.expert_ffn_tiled(
+            a, g, *w, situ, config=cfg, token_of_row=t, out_rows=r, **stand_ins))(
+            x_nd, token_of_row, sizes, slot_row, *prepared)
+        assert got.shape == (P, D)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="does not fit"):
+        mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, rows=rows * 2 + 8),
+                            plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)
+    with pytest.raises(ValueError, match="sorted by expert"):
+        mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, down_rows="in_place"),
+                            plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)
+
+
 def test_tiled_config_and_the_ffn_lower_for_cuda():
     """The tile layout's config is the padded plan (one 16-row tile per router-sized group at <= 8 rows per expert
     on average), and the
@@ -1243,8 +1291,14 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
     assert all(ops._mosaic_takes(N * k // E, mm.prepare_weight(q), None) for q in ws)
     ref = reference.expert_ffn(xf, idx, wt, *[mx.dequantize(q, jnp.bfloat16) for q in ws], situ)
-    out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *map(mm.prepare_weight, ws))
+    prepared = [mm.prepare_weight(q) for q in ws]
+    out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *prepared)
     assert _rel(out, ref) < 2e-2
+    # planned from the pairs (`slot_tile_plan`) = planned from the sorted rows (session 31's path), bit for bit
+    _, tok, gs, slot_row = ops.dispatch_plan(idx, E)
+    sorted_plan = jax.jit(lambda a, t, g, r, w_, *w: ops.combine_slots(
+        mm.expert_ffn_tiled(a, g, *w, situ, token_of_row=t, out_rows=r), w_))(xf, tok, gs, slot_row, wt, *prepared)
+    assert np.array_equal(np.asarray(out), np.asarray(sorted_plan))
 
 
 @pytest.mark.gpu

@@ -95,6 +95,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import mxfp4 as mx
+from . import schedule
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes
@@ -1400,6 +1401,25 @@ def tile_plan(group_sizes, M: int, num_experts: int, rows: int) -> TilePlan:
     return TilePlan(*_pad_plan(group_sizes, M, num_experts, rows))
 
 
+def slot_tile_plan(expert_idx_nk, num_experts: int, rows: int) -> TilePlan:
+    """The tile layout of routed (token, slot) pairs planned from the routing itself, `expert_idx_nk [N, k]` int.
+    The plan's rows are the pairs in (token, slot) order (row i = pair i: token i // k, slot i % k), not sorted by
+    expert: `src [m_pad]` holds each padded row's pair (N·k: none), `pad_row [N·k]` each pair's padded row and
+    `live` is all true. Each expert's pairs fill its tiles in pair order, so the padded rows hold exactly what
+    `tile_plan` of the sorted pairs puts there (`ops.dispatch_plan`'s stable sort) — without the sorted rows:
+    no order scatter, no per-row group search, no index composed for the combine. `expert_ffn_tiled(plan=…)`
+    runs the FFN on it and returns the pairs' rows in (token, slot) order, which is what the combine reads."""
+    expert = expert_idx_nk.reshape(-1).astype(jnp.int32)
+    pairs = expert.shape[0]
+    rank, sizes = schedule.expert_ranks(expert, num_experts)
+    t_max = -(-pairs // rows) + num_experts
+    tile_group, num_tiles, pad_start = _tiles(sizes, num_experts, t_max, rows)
+    pad_row = pad_start[expert] + rank
+    src = jnp.full((t_max * rows,), pairs, jnp.int32).at[pad_row].set(jnp.arange(pairs, dtype=jnp.int32),
+                                                                       unique_indices=True)
+    return TilePlan(src, tile_group, num_tiles, pad_row, jnp.ones((pairs,), bool))
+
+
 def tiled_config(rows_per_group: float, out_features: tuple[int, ...] = ()) -> MgpuConfig:
     """The kernel's config for rows already in the tile layout (the padded plan at every size); `out_features`: the
     FFN's weight widths (F, D), if known — widths the warp-specialised kernel cannot split into 128-column items get
@@ -1540,7 +1560,7 @@ def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: Prep
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
                      activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None,
                      gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None, token_of_row=None,
-                     out_rows=None):
+                     out_rows=None, plan: TilePlan | None = None):
     """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
     in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
     activation runs on those rows, down reads them as they are, and one gather brings the rows back — instead of a
@@ -1559,6 +1579,8 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     instead of the padded tile rows); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
     matmul, fused gate / up and in-place down (default `tiled_matmul` / `tiled_gated_matmul` /
     `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU).
+    `plan`: a tile plan made elsewhere (`slot_tile_plan`: the rows are routed pairs in (token, slot) order, each
+    row's token in `token_of_row`); `group_sizes` is then unused and `config.rows` must be the plan's tile rows.
     `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32 accumulation
     either way). bf16 halves those two arrays' traffic ([m_pad, F] each, written by the kernel and read by the
     activation's XLA fusion) but rounds each product before the activation: on the H200 (session 20, 8 rows per
@@ -1572,7 +1594,15 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     cfg = config or tiled_config(M / E, (w_gate.out_features, w_down.out_features))
     matmul = matmul or tiled_matmul
     gated_matmul = gated_matmul or tiled_gated_matmul
-    plan = tile_plan(group_sizes, M, E, cfg.rows)
+    given_plan = plan is not None
+    if not given_plan:
+        plan = tile_plan(group_sizes, M, E, cfg.rows)
+    elif plan.tile_group.shape[0] * cfg.rows != plan.src.shape[0] or plan.pad_row.shape[0] != M:
+        raise ValueError(f"expert_ffn_tiled: a plan of {plan.tile_group.shape[0]} tiles, {plan.src.shape[0]} padded "
+                         f"rows for {plan.pad_row.shape[0]} rows does not fit {cfg.rows}-row tiles over {M} rows")
+    elif cfg.x_rows == "aligned" or cfg.down_rows == "in_place":
+        raise ValueError("expert_ffn_tiled: a plan given from outside runs padded x rows and down gathered back "
+                         "(x_rows='padded', down_rows='gather'); both others need rows sorted by expert")
     src, x_row0 = aligned_rows(group_sizes, plan, cfg.rows, M) if cfg.x_rows == "aligned" else (plan.src, None)
     x_in = gather_x(x_rows, src, token_of_row)
     if cfg.gate_up == "fused":
@@ -1595,6 +1625,10 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
         return y if out_rows is None else y[out_rows]
     y_pad = matmul(h, plan, w_down, down_cfg)
     pad_row, live = plan.pad_row, plan.live
+    if given_plan and out_rows is None:
+        # materialised for the reason given below: the gather back (fused into the combine) reads each row's index
+        # directly instead of recomputing it from the expert ranks inside its reduction
+        pad_row = jax.lax.optimization_barrier(pad_row)
     if out_rows is not None:  # the rows asked for, straight from their padded rows
         # composed and materialised here (the barrier): left to XLA, the index chain out_rows -> pad_row / live
         # fuses into the consumer (the combine's reduction), which then waits on three dependent loads per row

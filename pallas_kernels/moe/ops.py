@@ -33,6 +33,7 @@ from . import gpu as _gpu
 from . import mgpu_mxfp4 as _mgpu_mx
 from . import mxfp4 as mx
 from . import reference
+from . import schedule as _schedule
 from . import tpu as _tpu
 
 BACKENDS = ("reference", "gpu", "mgpu", "tpu")
@@ -180,10 +181,7 @@ def resolve_activation(activation):
     return table[activation]
 
 
-# Up to this many (token, slot) pairs `dispatch_plan` ranks the pairs by counting instead of sorting: P² compares in
-# one fused reduction. H200, session 31: XLA's GPU sort of 3,584 pairs is one CTA's bitonic sort, 31–32 µs whether
-# it sorts argsort's (key, index) pair or one packed key.
-COUNTING_SORT_MAX_PAIRS = 8192
+COUNTING_SORT_MAX_PAIRS = _schedule.COUNTING_SORT_MAX_PAIRS
 
 
 def dispatch_plan(expert_idx_nk, num_experts: int):
@@ -191,20 +189,17 @@ def dispatch_plan(expert_idx_nk, num_experts: int):
     [N·k], group_sizes [E], slot_row [N·k]) int32: the (token, slot) pairs stably sorted by expert, as
     `reference.sort_by_expert`, and each pair's sorted row (`slot_rows(order)`, the combine's gather index).
 
-    Decode-sized batches (≤ `COUNTING_SORT_MAX_PAIRS` pairs) are ranked by counting: a pair's sorted row is its
-    expert's first row plus the number of earlier pairs with the same expert; larger ones take the reference sort."""
+    Decode-sized batches (≤ `COUNTING_SORT_MAX_PAIRS` pairs) are ranked by counting (`schedule.expert_ranks`): a
+    pair's sorted row is its expert's first row plus the number of earlier pairs with the same expert; larger ones
+    take the reference sort."""
     flat = expert_idx_nk.reshape(-1).astype(jnp.int32)
     pairs = flat.shape[0]
     if pairs > COUNTING_SORT_MAX_PAIRS:
         order, token_of_row, sizes = reference.sort_by_expert(expert_idx_nk, num_experts)
         return order, token_of_row, sizes, slot_rows(order)
-    pair = jnp.arange(pairs, dtype=jnp.int32)
-    same_expert_before = (flat[None, :] == flat[:, None]) & (pair[None, :] < pair[:, None])  # [P, P], [i, j]
-    rank = jnp.sum(same_expert_before, axis=1, dtype=jnp.int32)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    first_row = jnp.cumsum(sizes) - sizes
-    slot_row = first_row[flat] + rank
-    order = jnp.zeros_like(pair).at[slot_row].set(pair, unique_indices=True)
+    rank, sizes = _schedule.expert_ranks(flat, num_experts)
+    slot_row = (jnp.cumsum(sizes) - sizes)[flat] + rank
+    order = jnp.zeros_like(flat).at[slot_row].set(jnp.arange(pairs, dtype=jnp.int32), unique_indices=True)
     return order, order // expert_idx_nk.shape[1], sizes, slot_row
 
 
@@ -281,8 +276,22 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
 
     Drop-in for `reference.expert_ffn` (same arguments and result) with a backend choice. Dropless: every
     (token, slot) pair is computed, whatever the load per expert. Deterministic on every backend."""
-    w_gate = _as_weight(w_gate)
+    w_gate, w_up, w_down = _as_weight(w_gate), _as_weight(w_up), _as_weight(w_down)
     E = w_gate.num_experts if _quantized(w_gate) else w_gate.shape[0]
+    N, k = expert_idx_nk.shape
+    c_up = (configs or (None, None))[0]
+    b = resolve_backend(backend, quantized=_quantized(w_gate))
+    if _tiled_ffn_takes(N * k, (w_gate, w_up, w_down), b, interpret, c_up):
+        # the tile-layout FFN planned from the routing itself: the padded rows hold the (token, slot) pairs, and the
+        # rows come back in (token, slot) order, with no sorted rows in between (`mgpu_mxfp4.slot_tile_plan`)
+        cfg = c_up if isinstance(c_up, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
+            N * k / E, (w_gate.out_features, w_down.out_features))
+        if N * k and cfg.x_rows == "padded" and cfg.down_rows == "gather":
+            plan = _mgpu_mx.slot_tile_plan(expert_idx_nk, E, cfg.rows)
+            y = _mgpu_mx.expert_ffn_tiled(x_nd, None, w_gate, w_up, w_down, resolve_activation(activation),
+                                          h_dtype=x_nd.dtype, config=cfg, plan=plan,
+                                          token_of_row=jnp.arange(N * k, dtype=jnp.int32) // k)
+            return combine_slots(y, weight_nk)
     _, token_of_row, sizes, slot_row = dispatch_plan(expert_idx_nk, E)
     # the FFN hands its rows back in (token, slot) order: on the tile-layout path one gather from the padded rows
     # instead of a gather back to sorted rows and another into slot order

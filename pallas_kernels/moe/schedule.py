@@ -6,6 +6,8 @@ that the kernels fill with zeros (ragged_dot semantics) without reading a weight
 
 * `group_tiles` (GPU): tiles never straddle groups. Group g gets ceil(size_g / bm) tiles starting at its own first
   row (not at a multiple of bm) — pointer-based loads need no alignment. Σ ceil(s/bm) tiles, the fewest possible.
+* `expert_ranks`: where each routed (token, slot) pair falls inside its expert's rows — the dispatch plan without
+  a sort (decode-sized batches are ranked by counting).
 * `straddle_tiles` (TPU): tiles are the aligned row blocks of x (BlockSpec index maps address whole blocks); a block
   shared by k groups is visited k times in a row, each visit storing only its group's rows (megablox layout).
 """
@@ -54,6 +56,29 @@ def group_tiles(group_sizes, m_rows: int, bm: int) -> GroupTiles:
     row0 = starts_z[g] + (t - (tile_end[g] - ntiles[g])) * bm
     row_end = starts_z[g] + sizes_z[g]
     return GroupTiles(g, row0.astype(jnp.int32), row_end.astype(jnp.int32), tile_end[-1:].astype(jnp.int32))
+
+
+# Up to this many (token, slot) pairs `expert_ranks` ranks the pairs by counting instead of sorting: P² compares in
+# one fused reduction. H200, session 31: XLA's GPU sort of 3,584 pairs is one CTA's bitonic sort, 31–32 µs whether
+# it sorts argsort's (key, index) pair or one packed key; the counting rank took 5.9 µs.
+COUNTING_SORT_MAX_PAIRS = 8192
+
+
+def expert_ranks(expert_p, num_experts: int):
+    """Pairs' experts `expert_p [P]` int (each in [0, num_experts)) -> (rank [P], sizes [E]) int32: rank[i] = the
+    number of earlier pairs (j < i) with pair i's expert, so pair i is row `first_row[e] + rank[i]` of the pairs
+    stably sorted by expert (first_row = cumsum(sizes) − sizes). Decode-sized batches (≤ `COUNTING_SORT_MAX_PAIRS`)
+    count; larger ones take a stable argsort."""
+    expert = expert_p.astype(jnp.int32)
+    pairs = expert.shape[0]
+    sizes = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
+    pair = jnp.arange(pairs, dtype=jnp.int32)
+    if pairs <= COUNTING_SORT_MAX_PAIRS:
+        same_expert_before = (expert[None, :] == expert[:, None]) & (pair[None, :] < pair[:, None])  # [P, P], [i, j]
+        return jnp.sum(same_expert_before, axis=1, dtype=jnp.int32), sizes
+    order = jnp.argsort(expert, stable=True)
+    sorted_row = jnp.zeros_like(pair).at[order].set(pair, unique_indices=True)
+    return sorted_row - (jnp.cumsum(sizes) - sizes)[expert], sizes
 
 
 class StraddleTiles(NamedTuple):
