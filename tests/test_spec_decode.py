@@ -1,4 +1,4 @@
-"""Speculative decoding (SPEC §12): the prompt-lookup proposer, the KDA roll-back (`modules.kda.commit`), the
+"""Speculative decoding (SPEC §12): the prompt-lookup and draft-model proposers, the KDA roll-back (`modules.kda.commit`), the
 acceptance rule fused into the verify program (`spec_decode.verify_sample`), and the engine end to end.
 
 What must hold: greedy output with speculation equals greedy output without it, whatever the drafts (right, wrong or
@@ -66,6 +66,44 @@ def test_ngram_proposer_reindexes_a_different_context_and_forgets():
 def test_ngram_proposer_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         NgramProposer(**kw)
+
+
+# ================================================================================================== the draft model
+def test_draft_model_proposer_drafts_its_greedy_continuation(tiny_model):
+    """The draft model's drafts are its greedy chain: each one is the argmax of its logits over the context and the
+    drafts before it (checked with one full forward). A context that grew keeps the cache (only the new tokens are
+    fed); a different one under the same id starts over; drafts stop at the room left and at the cache's length."""
+    from kimi_jax.engine.draft_model import DraftModelProposer
+
+    p = DraftModelProposer(tiny_model, 4, 128, vocab_size=tiny_model.config.vocab_size)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 1000, 70).tolist()  # one 64-token chunk and six single tokens
+
+    def assert_greedy_chain(ctx, drafts):
+        logits = tiny_model.logits(np.array([ctx + drafts]))[0]
+        assert drafts == logits[len(ctx) - 1:len(ctx) - 1 + len(drafts)].argmax(-1).tolist()
+
+    d = p.propose("a", prompt, 10)
+    assert len(d) == 4
+    assert_greedy_chain(prompt, d)
+    grown = prompt + d[:2] + [7]  # two drafts kept, then the target's own token
+    d2 = p.propose("a", grown, 3)
+    assert len(d2) == 3 and p._seqs["a"].known == grown
+    assert_greedy_chain(grown, d2)
+    other = rng.integers(0, 1000, 70).tolist()
+    d3 = p.propose("a", other, 4)  # the same id, another context: not fed onto the old cache
+    assert p._seqs["a"].known == other
+    assert_greedy_chain(other, d3)
+    assert p.propose("a", other, 0) == [] and p.propose("b", other * 2, 4) == []  # no room / past the cache
+    p.forget("a")
+    p.forget("never-seen")
+    assert "a" not in p._seqs
+    with pytest.raises(ValueError, match="vocabulary"):
+        DraftModelProposer(tiny_model, 4, 128, vocab_size=tiny_model.config.vocab_size + 1)
+    with pytest.raises(ValueError, match="positions"):
+        DraftModelProposer(tiny_model, 4, tiny_model.config.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        DraftModelProposer(tiny_model, 0, 128)
 
 
 # ================================================================================================== the policy
@@ -505,6 +543,45 @@ def test_preemption_with_drafts_in_flight_gives_identical_outputs(tiny_model):
         eng.shutdown()
 
 
+def test_a_draft_model_drafts_and_the_output_is_the_targets(tiny_model):
+    """`speculative_method="draft"`: another tiny model (other random weights) drafts greedily; the target keeps
+    what it would have produced, so greedy output equals decoding without speculation, and nothing compiles after
+    start. With the target itself as the draft model (swapped in) nearly every draft is kept."""
+    import dataclasses
+
+    from kimi_jax.engine.draft_model import DraftModelProposer
+    from kimi_jax.model import random_model
+
+    draft = random_model(dataclasses.replace(tiny_model.config), seed=1)
+    eng = Engine(tiny_model, Tokenizer.tiny(), EngineConfig(max_num_seqs=2, max_model_len=128,
+                                                            prefill_chunk_sizes=(64, 1), speculative_tokens=K,
+                                                            speculative_method="draft", speculative_adaptive=False),
+                 draft_model=draft).start()
+    try:
+        assert isinstance(eng.proposer, DraftModelProposer) and eng.proposer.model is draft
+        compiled = eng.stats()["compilations"]
+        prompts = [np.random.default_rng(i).integers(0, 1000, n).tolist() for i, n in ((3, 70), (4, 9))]
+        P = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        ref = _without_speculation(eng, lambda: [eng.generate(p, P)[0].token_ids for p in prompts])
+        before = eng.stats()
+        got = [s.collect(1)[0][0].token_ids for s in [eng.submit(p, P) for p in prompts]]
+        after = eng.stats()
+        assert got == ref
+        assert after["spec_draft_tokens"] > before["spec_draft_tokens"]
+        assert after["compilations"] == compiled  # the draft's feed programs were compiled at start
+        eng.proposer = DraftModelProposer(tiny_model, K, 128 + K, vocab_size=tiny_model.config.vocab_size)
+        eng.proposer.warmup()
+        before = eng.stats()
+        again = [eng.generate(p, P)[0].token_ids for p in prompts]
+        after = eng.stats()
+        assert again == ref
+        drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        assert drafted > 0 and accepted >= 0.8 * drafted, (accepted, drafted)
+    finally:
+        eng.shutdown()
+
+
 def test_bad_speculation_settings_are_refused(tiny_model):
     tok = Tokenizer.tiny()
     with pytest.raises(ValueError, match="speculative_tokens"):
@@ -512,6 +589,15 @@ def test_bad_speculation_settings_are_refused(tiny_model):
     with pytest.raises(ValueError, match="speculative method"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              speculative_method="eagle"))
+    with pytest.raises(ValueError, match="go together"):  # a draft method without its model, and the reverse
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
+                                             speculative_method="draft"))
+    with pytest.raises(ValueError, match="go together"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2),
+               draft_model=tiny_model)
+    with pytest.raises(ValueError, match="speculative_tokens >= 1"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_method="draft"),
+               draft_model=tiny_model)
     with pytest.raises(ValueError, match="cost ratio"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              speculative_cost=-1.0))
@@ -529,7 +615,8 @@ def test_server_flags_and_metrics(spec_engine, capsys):
     assert "--prompt-lookup-min" in capsys.readouterr().err
     help_text = build_parser().format_help()
     assert "--speculative-tokens" in help_text and "--prompt-lookup-max" in help_text
-    assert "--speculative-policy" in help_text
+    assert "--speculative-policy" in help_text and "--speculative-model" in help_text
+    assert main(["--speculative-model", "tiny"]) == 2 and "--speculative-tokens" in capsys.readouterr().err
     spec_engine.generate([11, 12, 13] * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                          logit_bias={13: 100.0}))  # some drafts accepted
     families = {f.name: f for f in EngineCollector(spec_engine, "tiny").collect()}

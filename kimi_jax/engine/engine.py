@@ -52,15 +52,16 @@ Seams for what comes next:
 * **Prefix caching** -- ``_admit`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot (KDA state + its
   own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
 * **Speculative decoding** (``speculative_tokens = k > 0``, SPEC §12, ``spec_decode.py``) -- ``_decode`` is the
-  only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup) drafts
+  only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup, or
+  ``draft_model.DraftModelProposer``, a draft model's greedy continuation) drafts
   for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
   ``_emit`` (stop logic, streams and metrics unchanged).  A guided row's drafts come from walking a copy of its
   guide (forced tokens outright, lookup tokens where allowed), with the guide's constraint per position.  Drafts
   never preempt anything: a row drafts only as far as the pages it holds and the free ones reach.
   ``spec_policy.SpecPolicy`` decides per step whether the drafts are expected to pay for the wider step (each
-  sequence's acceptance so far, the measured verify / step time ratio).  A draft model would plug in as another
-  ``DraftProposer``.
+  sequence's acceptance so far, the measured verify / step time ratio; a draft model's time counts in the
+  step it drafts for).
 * **Multi-device** -- ``runner.py`` owns every device program; sharded parameters and caches (``--mesh``) only
   change how ``ModelRunner`` lowers them.
 """
@@ -84,6 +85,7 @@ import numpy as np
 from . import compile_watch
 from .detok import OutputText
 from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .draft_model import DraftModelProposer
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
@@ -96,6 +98,9 @@ from .sampler import Controls, RowParams, empty_controls
 from .sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kimi_jax.engine")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft")  # who drafts: prompt lookup (`ngram.py`), a draft model (`draft_model.py`)
 
 
 @dataclass
@@ -117,7 +122,8 @@ class EngineConfig:
     # tower programs are compiled, up to this many images in one `Model.encode_images` call (their runs overlap;
     # 1: each request's images alone)
     vision_batch_images: int = 16
-    # speculative decoding (SPEC §12): drafts per verify step (0: off) and the prompt-lookup n-gram sizes
+    # speculative decoding (SPEC §12): drafts per verify step (0: off), who drafts them ("ngram": prompt lookup;
+    # "draft": a draft model, `Engine(draft_model=...)`, greedy) and the prompt-lookup n-gram sizes
     speculative_tokens: int = 0
     speculative_method: str = "ngram"
     prompt_lookup_min: int = 2
@@ -211,9 +217,10 @@ def _request_of(item) -> _Request:
 
 class Engine:
     def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None, *,
-                 runner: Optional[ModelRunner] = None, **overrides):
+                 runner: Optional[ModelRunner] = None, draft_model=None, **overrides):
         """``runner``: reuse the compiled programs of another engine with the same model and shapes (a restart
-        after a failure, a second front end) instead of compiling again."""
+        after a failure, a second front end) instead of compiling again. ``draft_model``: a smaller ``Model`` over
+        the same vocabulary that drafts for speculative decoding (``speculative_method="draft"``)."""
         cfg = config or EngineConfig()
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
@@ -246,10 +253,20 @@ class Engine:
         self.proposer = None
         if cfg.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {cfg.speculative_tokens}")
+        if cfg.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {cfg.speculative_method!r}; this engine has: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if (draft_model is not None) != (cfg.speculative_method == "draft"):
+            raise ValueError("speculative_method='draft' and a draft_model go together: pass both or neither")
+        if draft_model is not None and not cfg.speculative_tokens:
+            raise ValueError("a draft model needs speculative_tokens >= 1 (the drafts per verify step)")
         if cfg.speculative_tokens:
-            if cfg.speculative_method != "ngram":
-                raise ValueError(f"unknown speculative method {cfg.speculative_method!r}; this engine has: ngram")
-            self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if cfg.speculative_method == "draft":
+                self.proposer = DraftModelProposer(draft_model, cfg.speculative_tokens,
+                                                   self.max_model_len + cfg.speculative_tokens,
+                                                   vocab_size=self.vocab_size)
+            else:
+                self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.spec_policy = SpecPolicy(cfg.speculative_adaptive, cfg.speculative_cost)
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
@@ -308,6 +325,10 @@ class Engine:
             return self
         compile_watch.install()
         t = self.runner.compile(parallel=self.config.parallel_compile)
+        if isinstance(self.proposer, DraftModelProposer):  # its feed programs too: serving compiles nothing
+            t0 = time.perf_counter()
+            self.proposer.warmup()
+            t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
         self.compilations_at_start = compile_watch.compile_count()
@@ -324,8 +345,12 @@ class Engine:
                  len(self.runner.program_names), t)
         if self.proposer is not None:
             cfg = self.config
-            log.info("speculative decoding: up to %d drafts per step by prompt lookup (n-grams %d..%d), %s policy",
-                     cfg.speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min,
+            if isinstance(self.proposer, DraftModelProposer):
+                dcfg = self.proposer.model.config
+                how = f"a draft model ({dcfg.architecture}, {dcfg.num_layers} layers, greedy)"
+            else:
+                how = f"prompt lookup (n-grams {cfg.prompt_lookup_max}..{cfg.prompt_lookup_min})"
+            log.info("speculative decoding: up to %d drafts per step by %s, %s policy", cfg.speculative_tokens, how,
                      "adaptive" if cfg.speculative_adaptive else "always-verify")
         self._thread = threading.Thread(target=self._loop, name="kimi-jax-engine", daemon=True)
         self.started = True
@@ -816,8 +841,11 @@ class Engine:
             return
         ctl = Controls(**c)
         proposer, policy = self.proposer, self.spec_policy  # read once: a benchmark or test may swap them
+        t_draft = time.perf_counter()
         drafts, later = ({}, {}) if proposer is None else self._draft(proposer, policy, c["emit"], int(active.sum()),
                                                                          constraints)
+        # what drafting cost (a draft model's forward passes) is part of what a verify step costs the policy
+        t_draft = time.perf_counter() - t_draft if drafts else 0.0
         tables = np.zeros((B, self.runner.max_blocks), np.int32)  # null rows for free slots: they write nothing
         for slot, seq in self._running.items():
             blocks = self.alloc.blocks(seq.key)
@@ -883,7 +911,7 @@ class Engine:
                     seq.pending.popleft()
         # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
         # (session 28) a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
-        policy.timed(bool(drafts), time.perf_counter() - t0, int(active.sum()))
+        policy.timed(bool(drafts), time.perf_counter() - t0 + t_draft, int(active.sum()))
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
         """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for

@@ -109,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding (default 0 = off): draft up to K tokens per sequence by prompt lookup "
                         "(the latest earlier occurrence of its last n tokens) and verify them in one step; the output "
                         "distribution is the model's own.  Pays where outputs repeat their context (code, quotes, "
-                        "structured text) and in forced tool calls (what the guide forces is drafted outright)")
+                        "structured text) and in forced tool calls (what the guide forces is drafted outright); "
+                        "--speculative-model drafts with a smaller model instead")
+    p.add_argument("--speculative-model", default=None, metavar="DIR_OR_PRESET",
+                   help="draft the speculative tokens with this smaller model instead of prompt lookup: a checkpoint "
+                        "directory or a preset (random weights, --seed) over the served model's vocabulary; needs "
+                        "--speculative-tokens K.  Its greedy drafts are verified as prompt-lookup drafts are, so the "
+                        "output distribution stays the served model's own")
     p.add_argument("--speculative-policy", choices=["adaptive", "always"], default="adaptive",
                    help="adaptive (default): verify drafts only when they are expected to pay for the wider step, "
                         "from each sequence's acceptance so far and the measured step times; always: whenever a "
@@ -230,6 +236,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail("--max-num-seqs must be at least 1")
     if args.speculative_tokens < 0:
         return _fail(f"--speculative-tokens must be 0 (off) or more, got {args.speculative_tokens}")
+    if args.speculative_model and args.speculative_tokens < 1:
+        return _fail("--speculative-model needs --speculative-tokens K >= 1 (the drafts per verify step)")
     if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
         return _fail(f"--prompt-lookup-min / --prompt-lookup-max must satisfy 1 <= min <= max, got "
                      f"{args.prompt_lookup_min} / {args.prompt_lookup_max}")
@@ -311,6 +319,16 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     log.info("loaded %s (%s, %d layers, vocab %d) in %.1fs; tokenizer %s", what, cfg.architecture, cfg.num_layers,
              cfg.vocab_size, time.perf_counter() - t0, tokenizer)
     max_len = args.max_model_len if args.max_model_len is not None else min(cfg.max_position_embeddings, 2048)
+    draft = None
+    if args.speculative_model:
+        from .server import load_draft_model
+
+        try:
+            draft = load_draft_model(args.speculative_model, dtype=args.dtype, seed=args.seed)
+        except (ValueError, FileNotFoundError, OSError, ImportError) as e:
+            return _fail(f"cannot load the draft model {args.speculative_model}: {e}")
+        log.info("draft model %s: %s, %d layers, vocab %d", args.speculative_model, draft.config.architecture,
+                 draft.config.num_layers, draft.config.vocab_size)
     try:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
@@ -320,9 +338,10 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             vision_batch_images=args.vision_batch_images,
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=args.speculative_policy == "adaptive",
+            speculative_method="draft" if draft is not None else "ngram",
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
-            parallel_compile=platform != "cpu"))
+            parallel_compile=platform != "cpu"), draft_model=draft)
     except ValueError as e:
         return _fail(str(e))
     if mesh is not None and getattr(engine.runner, "mesh", None) is None:

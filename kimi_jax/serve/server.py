@@ -36,6 +36,19 @@ def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = N
     return model, tiny, name
 
 
+def load_draft_model(checkpoint_or_preset: str, *, dtype=None, seed: int = 0):
+    """The draft model for speculative decoding (`--speculative-model`): a checkpoint directory, or a preset with
+    random weights drawn from `seed`, on the default device (a draft model is small; it is not placed on a mesh)."""
+    import os
+
+    from .. import load_model
+    from ..config import get_preset
+
+    if os.path.isdir(checkpoint_or_preset):
+        return load_model(checkpoint_or_preset, dtype=dtype)
+    return _random_preset(checkpoint_or_preset, get_preset(checkpoint_or_preset), dtype=dtype, seed=seed, mesh=None)
+
+
 def _random_preset(name: str, cfg, *, dtype, seed: int, mesh):
     """``load_model(preset)``, and beyond its cap on random-weight models when the weights fit the accelerator.
 
