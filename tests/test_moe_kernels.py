@@ -1460,8 +1460,8 @@ def test_gpu_model_runs_its_mxfp4_experts_on_the_mosaic_kernel(tmp_path):
 @pytest.mark.gpu
 def test_gpu_mgpu_mxfp4_placed_with_large_and_zero_scales():
     """The placed decode on the device at the edges of its multiplier: one expert's scale codes above 128 (lowered
-    per expert, restored in fp32), codes 1 and 0 (a zero scale) in another; every group's rows against ragged_dot
-    over the exactly dequantised weights on their own."""
+    per expert, restored in fp32 — in the tile layout's kernels, on the accumulators), codes 1 and 0 (a zero scale)
+    in another; every group's rows against ragged_dot over the exactly dequantised weights on their own."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes, x, w, gs, _ = _device_mxfp4_case()
@@ -1471,11 +1471,21 @@ def test_gpu_mgpu_mxfp4_placed_with_large_and_zero_scales():
     scale[4, :, 1::3] = 0
     w = mx.MXFP4Weight(w.packed, jnp.asarray(scale))
     want = jax.jit(reference.grouped_matmul)(x, mx.dequantize(w, jnp.bfloat16), gs)
-    got = mm.grouped_matmul(x, mm.prepare_weight(w), gs)
+    prepared = mm.prepare_weight(w)
+    got = mm.grouped_matmul(x, prepared, gs)
+    # the tile layout's matmul applies the expert factor inside the kernel: one warpgroup per CTA, warp-specialised
+    tiled = {}
+    for cfg in (mm.MgpuConfig(rows=16, kh=256, steps=2, ctas_per_sm=3), mm.tiled_config(32)):
+        plan = mm.tile_plan(gs, x.shape[0], len(sizes), cfg.rows)
+        y_pad = jax.jit(lambda a, p, w_, cfg=cfg: mm.tiled_matmul(a[p.src], p, w_, cfg))(
+            jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]), plan, prepared)
+        tiled[cfg.warpgroups] = y_pad[plan.pad_row]
     ends = np.cumsum(sizes)
     for g, (a, b) in enumerate(zip(ends - np.asarray(sizes), ends)):
         if b > a:
             assert _rel(got[a:b], want[a:b]) < 1e-4, g
+            for wgs, y in tiled.items():
+                assert _rel(y[a:b], want[a:b]) < 1e-4, (g, wgs)
 
 
 def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():

@@ -797,7 +797,7 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
-                out_dtype=jnp.float32, *, place=None, x_row0=None):
+                out_dtype=jnp.float32, *, place=None, x_row0=None, scale=None):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
     out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
 
@@ -806,12 +806,18 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     layout (`_store_rows_in_place`); rows no tile covers are left unwritten.
     `x_row0` `[t_max]` int32 (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): tile t reads x rows
     x_row0[t] … x_row0[t] + rows − 1 of planes `[2, any rows, K/2]` instead of its own padded rows; m_pad =
-    t_max · rows either way."""
+    t_max · rows either way.
+    `scale` `[E]` fp32 (not with `place`, which brings its own): each expert's output factor (the placed layout's
+    2^exp_offset, `expert_scale`), applied to the fp32 accumulator before the store, so no XLA pass over the
+    output is needed for it."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if place is not None and scale is not None:
+        raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
     if config.warpgroups > 1:
-        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, x_row0=x_row0)
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, x_row0=x_row0,
+                              scale=scale)
     cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = tile_group.shape[0]
@@ -820,9 +826,11 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     n_blocks = w.out_features // COLS
     decode = _bf16_decodes(kh, w.layout)
     inputs = _placement_inputs(place, w, cfg) + _row0_inputs(x_row0)
+    extra = () if scale is None else (scale,)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
-        place_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(inputs)], refs[len(inputs):]
+        place_refs, refs = refs[:len(inputs)], refs[len(inputs):]
+        extra_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(extra)], refs[len(extra):]
         place_refs, x_rows, x_index = _split_row0(place_refs, x_row0, R)
 
         def item(t, nb, g):
@@ -832,6 +840,8 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
+            if extra_refs:
+                acc = acc * extra_refs[0][g]
             if place_refs:
                 _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs)
             else:
@@ -841,8 +851,8 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_rows = m_pad if place is None else place[2]
-    return _launch(body, w.out_features, out_rows, cfg, out_dtype)(tile_group, num_tiles, *inputs, xs, w.codes,
-                                                                  w.scales_t)
+    return _launch(body, w.out_features, out_rows, cfg, out_dtype)(tile_group, num_tiles, *inputs, *extra, xs,
+                                                                  w.codes, w.scales_t)
 
 
 def _placement_inputs(place, w: PreparedWeight, cfg: MgpuConfig) -> tuple:
@@ -914,7 +924,7 @@ def ws_stages(steps: int, want: int, stage_bytes: int = 0, fixed_bytes: int = 0)
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                   place=None, x_row0=None):
+                   place=None, x_row0=None, scale=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
     `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
@@ -925,10 +935,16 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
-    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `x_row0`:
-    as in `kernel_call`."""
-    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, lambda accs, g: accs[0], (), place=place,
-                    x_row0=x_row0)
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `x_row0`,
+    `scale`: as in `kernel_call`."""
+    if place is not None and scale is not None:
+        raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
+
+    def epilogue(accs, g, *scale_ref):
+        return accs[0] * scale_ref[0][g] if scale_ref else accs[0]
+
+    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, epilogue, () if scale is None else (scale,),
+                    place=place, x_row0=x_row0)
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
@@ -1492,10 +1508,10 @@ def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, o
     `x_row0 [t_max]` (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): x is any number of rows and tile t
     reads rows x_row0[t] … x_row0[t] + rows − 1 of it (padded row t·rows + r holds x row x_row0[t] + r)."""
     xs, cfg = _tile_layout_operands(x_pad, w, config)
-    out = kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0)
-    if w.layout == "placed":
-        out = out.astype(jnp.float32) * jnp.repeat(expert_scale(w)[plan.tile_group], cfg.rows)[:, None]
-    return out
+    # the placed layout's expert factor is applied by the kernel to its fp32 accumulators (session 32: before, an
+    # XLA multiply read and wrote the whole fp32 output once more)
+    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0,
+                       scale=expert_scale(w))
 
 
 def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, num_rows: int):
