@@ -558,6 +558,19 @@ def bench_ffn(args, copy_bw):
                     f"{t_moe * 1e6:.0f} us")
                 INFO.setdefault("moe_path_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
                     two_gathers=t_two * 1e6, sorted_plan_slot_order=t_sorted * 1e6, slot_tile_plan=t_moe * 1e6)
+            if args.ffn_scale_ab:  # the placed layout's expert factor in XLA (before session 32) or in the kernel
+                xla_scale = functools.partial(mgpu_mx.tiled_matmul, scale_in_kernel=False)
+                variants = {"scale in XLA": jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(
+                                a, g, *w, situ, config=cfg, matmul=xla_scale)),
+                            "scale in the kernel": jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(
+                                a, g, *w, situ, config=cfg))}
+                times = {name: [] for name in variants}
+                for _ in range(3):  # interleaved: the two variants alternate, three rounds each
+                    for name, f in variants.items():
+                        times[name].append(checked_time(f, (x, sizes, *prepared[order]), ref, reps=20)[0] * 1e6)
+                log(f"MXFP4 FFN {rows_per_expert} rows/expert, expert scale A/B (three interleaved rounds, us): "
+                    + "; ".join(f"{name} {' / '.join(f'{t:.0f}' for t in ts)}" for name, ts in times.items()))
+                INFO.setdefault("ffn_scale_ab_us", {})[f"{rows_per_expert} rows {cfg}"] = times
             t_tiled16 = None
             if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
@@ -722,6 +735,9 @@ def main():
     ap.add_argument("--ffn-gate-up-order", default="planes", help="FFN section: gate / up output columns "
                     "'planes' (the down matmul's x-plane order, as a model prepares them: h needs no transpose), "
                     "'natural', or both ('planes,natural') timed one after the other")
+    ap.add_argument("--ffn-scale-ab", action="store_true",
+                    help="FFN section: also time the FFN with the placed layout's expert factor applied in XLA "
+                         "(before session 32) and in the kernel, interleaved")
     ap.add_argument("--ffn-from-tokens", action="store_true", help="FFN section: also time it from m / 16 tokens "
                     "(the model's path), the dispatch gather before the FFN against the FFN gathering from the tokens")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")

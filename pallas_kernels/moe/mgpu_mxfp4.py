@@ -1499,19 +1499,24 @@ def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
 
 
 def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                 x_row0=None):
+                 x_row0=None, scale_in_kernel: bool = True):
     """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them; or their planes
     `[2, m_pad, K/2]`) -> `[m_pad, N]` (columns in `w`'s output order), each live tile's rows times its expert's
     weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and written by the kernel in
     `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back). The x plane transpose
     here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation).
     `x_row0 [t_max]` (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): x is any number of rows and tile t
-    reads rows x_row0[t] … x_row0[t] + rows − 1 of it (padded row t·rows + r holds x row x_row0[t] + r)."""
+    reads rows x_row0[t] … x_row0[t] + rows − 1 of it (padded row t·rows + r holds x row x_row0[t] + r).
+    `scale_in_kernel`: the placed layout's expert factor applied by the kernel to its fp32 accumulators (default),
+    or by an XLA multiply of the output (fp32) that its consumer may fuse (what sessions before 32 ran)."""
     xs, cfg = _tile_layout_operands(x_pad, w, config)
-    # the placed layout's expert factor is applied by the kernel to its fp32 accumulators (session 32: before, an
-    # XLA multiply read and wrote the whole fp32 output once more)
-    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0,
-                       scale=expert_scale(w))
+    if scale_in_kernel:
+        return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0,
+                           scale=expert_scale(w))
+    out = kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0)
+    if w.layout == "placed":
+        out = out.astype(jnp.float32) * jnp.repeat(expert_scale(w)[plan.tile_group], cfg.rows)[:, None]
+    return out
 
 
 def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, num_rows: int):
