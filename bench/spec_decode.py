@@ -16,6 +16,9 @@ Scenarios, each at 1 and at ``--max-num-seqs`` concurrent requests (greedy, ``ig
   token, the worst case (what a useless draft costs);
 * ``natural`` -- random prompts through the n-gram proposer on random weights: drafts are rare, so this is the
   cost of looking (host-side lookups, the occasional verify step);
+* ``draft`` (not in the default set) -- a draft model drafts (``engine/draft_model.py``, its greedy continuation):
+  ``--draft-model same`` (default) is the target itself, every draft kept in float32 -- the mechanism's ceiling
+  with the draft's own forward passes paid; a preset name drafts with that preset's random weights (same vocabulary);
 * ``noise`` (not in the default set) -- no speculation at all: the ``natural`` prompts decoded twice, the second
   time in reverse order (other slots, other neighbours), to see how much a row's bf16 numerics depend on its batch;
 * ``chunks`` (not in the default set) -- no speculation either: prompts 64 tokens longer, prefilled in a 64-token
@@ -72,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (CPU 48, GPU 128)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--scenarios", default="repeat,reject,natural")
+    ap.add_argument("--draft-model", default="same", metavar="same|PRESET",
+                    help="the draft scenario's draft model: the target itself (default) or a preset (random weights)")
     args = ap.parse_args(argv)
 
     import jax
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
         return all(same), text, dict(identical_outputs=sum(same), first_difference=min(first), split_gaps=gaps,
                                      logprob_drift=drift)
 
-    chunks_engine = None
+    chunks_engine = draft_proposer = None
     rows, doc = [], {"preset": preset, "dtype": dtype, "device": jax.devices()[0].device_kind, "slots": B, "k": K,
                      "max_tokens": max_tokens, "prompt_tokens": args.prompt_tokens, "runs": []}
     for scenario in args.scenarios.split(","):
@@ -174,7 +179,17 @@ def main(argv=None) -> int:
                       f"{text or ': identical'}", flush=True)
                 doc["runs"].append(dict(scenario=scenario, requests=n, baseline=base, **agreement))
                 continue
-            proposer = ngram if scenario != "reject" else WrongProposer(K, biased, V)
+            if scenario == "draft":
+                if draft_proposer is None:
+                    from kimi_jax.engine.draft_model import DraftModelProposer
+                    from kimi_jax.serve.server import load_draft_model
+
+                    draft = model if args.draft_model == "same" else load_draft_model(args.draft_model, dtype=dtype)
+                    draft_proposer = DraftModelProposer(draft, K, engine.max_model_len + K, vocab_size=V)
+                    draft_proposer.warmup()
+                proposer = draft_proposer
+            else:
+                proposer = ngram if scenario != "reject" else WrongProposer(K, biased, V)
             for name, policy in (("always", always), ("adaptive", adaptive)):
                 spec_out, spec_lps, spec = run(proposer, prompts, params, policy)
                 identical, agree, agreement = compare(base_out, base_lps, spec_out, spec_lps)

@@ -71,8 +71,8 @@ def test_ngram_proposer_rejects_bad_settings(kw):
 # ================================================================================================== the draft model
 def test_draft_model_proposer_drafts_its_greedy_continuation(tiny_model):
     """The draft model's drafts are its greedy chain: each one is the argmax of its logits over the context and the
-    drafts before it (checked with one full forward). A context that grew keeps the cache (only the new tokens are
-    fed); a different one under the same id starts over; drafts stop at the room left and at the cache's length."""
+    drafts before it (checked with one full forward). A context that grew keeps the cache (only what the explored
+    caches lack is fed); a different one under the same id starts over; drafts stop at the room left and at the cache's length."""
     from kimi_jax.engine.draft_model import DraftModelProposer
 
     p = DraftModelProposer(tiny_model, 4, 128, vocab_size=tiny_model.config.vocab_size)
@@ -87,7 +87,12 @@ def test_draft_model_proposer_drafts_its_greedy_continuation(tiny_model):
     assert len(d) == 4
     assert_greedy_chain(prompt, d)
     grown = prompt + d[:2] + [7]  # two drafts kept, then the target's own token
+    calls, advance = [], p._advance
+    p._advance = lambda params, ids, cache: calls.append(ids.shape[1]) or advance(params, ids, cache)
     d2 = p.propose("a", grown, 3)
+    # the kept drafts' cache was explored already: one feed call (the target's token), then two draft steps
+    assert calls == [1, 1, 1]
+    p._advance = advance
     assert len(d2) == 3 and p._seqs["a"].known == grown
     assert_greedy_chain(grown, d2)
     other = rng.integers(0, 1000, 70).tolist()

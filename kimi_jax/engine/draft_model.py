@@ -15,14 +15,19 @@ immutable, so the kept cache still holds only the known tokens, and a rejected d
 layer's state could not be un-updated). A context that is not the old one plus new tokens (another request under
 the same id, a preempted sequence recomputed) starts over.
 
-Cost: one compiled program per feed chunk size, each call one sequence; a proposal is a few feed calls (one per
-chunk) plus k − 1 steps, dispatched from the engine thread, with one device-to-host transfer for the k drafts.
+A proposal keeps the caches it explored (the cache over the known tokens and the first i drafts, i < k). The next
+proposal resumes from the one that holds the drafts the target kept, so it feeds only the verify step's own token
+(two tokens when every draft was kept) instead of everything the sequence gained.
+
+Cost: one compiled program per feed chunk size, each call one sequence; a step's proposal is one or two feed calls
+plus k − 1 draft steps, dispatched from the engine thread, with one device-to-host transfer for the k drafts. Memory:
+a sequence holds up to k copies of the draft model's cache between two proposals (the caches are not donated).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import jax
@@ -54,6 +59,12 @@ class _DraftState:
     known: list  # the tokens the cache holds, in order
     cache: Any  # the draft model's contiguous cache over `known` (never donated)
     next_token: Any  # int32 scalar on the device: the draft's argmax after `known`
+    # the last proposal, so that the next one resumes after the drafts the target kept: its drafts d_1..d_n as ids
+    # and as device scalars, and explored[i] = the cache over known + d_1..d_i (explored[0] is `cache`; drafts[i],
+    # d_{i+1}, is the argmax after explored[i])
+    draft_ids: list = field(default_factory=list)
+    drafts: list = field(default_factory=list)
+    explored: list = field(default_factory=list)
 
 
 class DraftModelProposer:
@@ -91,12 +102,15 @@ class DraftModelProposer:
         if len(tokens) + limit > self.max_len:
             return []
         state = self._state_for(seq_id, tokens)
-        drafts = [state.next_token]
+        drafts, explored = [state.next_token], [state.cache]
         tok, cache = state.next_token, state.cache
         for _ in range(limit - 1):
             tok, cache = self._advance(self.model.params, tok.reshape(1, 1), cache)
             drafts.append(tok)
-        return [int(t) for t in jax.device_get(drafts)]
+            explored.append(cache)
+        state.draft_ids = [int(t) for t in jax.device_get(drafts)]
+        state.drafts, state.explored = drafts, explored
+        return list(state.draft_ids)
 
     def forget(self, seq_id) -> None:
         """Drop a finished (or preempted) sequence's cache."""
@@ -110,6 +124,12 @@ class DraftModelProposer:
             state = _DraftState([], self.model.new_cache(1, self.max_len), None)
         new = [int(t) for t in tokens[len(state.known):]]
         cache, tok, at = state.cache, state.next_token, 0
+        if state.explored:
+            # the kept drafts d_1..d_j (the sequence's new tokens start with them) are in explored[j] already; with
+            # every draft kept, d_n is not in any explored cache: resume from explored[n − 1] and feed it
+            while at < min(len(state.explored) - 1, len(new)) and state.draft_ids[at] == new[at]:
+                at += 1
+            cache, tok = state.explored[at], state.drafts[at]
         while at < len(new):
             n = next(c for c in FEED_CHUNKS if c <= len(new) - at)
             tok, cache = self._advance(self.model.params, jnp.asarray([new[at:at + n]], jnp.int32), cache)

@@ -919,7 +919,7 @@ class Engine:
         has room left under max_tokens / max_model_len, and only as far as the pages it holds and the free ones
         reach (drafts never preempt).  A guided row drafts what its guide forces and the prompt-lookup tokens its
         guide allows (``_guided_drafts``)."""
-        proposals, later = {}, {}
+        proposals, later, rooms = {}, {}, {}
         for slot, seq in self._running.items():
             if not emit[slot]:
                 continue
@@ -927,8 +927,16 @@ class Engine:
             produced = len(seq.req.prompt_ids) + len(seq.output_ids)
             room = min(p.max_tokens - len(seq.output_ids) - 1, self.max_model_len - produced - 1,
                        self.runner.spec_tokens)
-            if room < 1:
-                continue
+            if room >= 1:
+                rooms[slot] = room
+        # the most any proposal could bring (every row drafting its room, a guided row's all certain): when even that
+        # would not pay for a verify step, nothing is proposed -- a draft model's forward passes are not wasted
+        keys = {slot: self._running[slot].key for slot in rooms}
+        if not policy.worth_verifying({keys[s]: r for s, r in rooms.items()}, active_rows,
+                                      {keys[s]: r for s, r in rooms.items() if self._running[s].guide is not None}):
+            return {}, {}
+        for slot, room in rooms.items():
+            seq = self._running[slot]
             d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room)
             sure = 0
             if seq.guide is not None:
