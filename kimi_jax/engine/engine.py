@@ -84,8 +84,8 @@ import numpy as np
 
 from . import compile_watch
 from .detok import OutputText
-from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .draft_model import DraftModelProposer
+from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
