@@ -19,6 +19,11 @@ Scenarios, each at 1 and at ``--max-num-seqs`` concurrent requests (greedy, ``ig
 * ``draft`` (not in the default set) -- a draft model drafts (``engine/draft_model.py``, its greedy continuation):
   ``--draft-model same`` (default) is the target itself, every draft kept in float32 -- the mechanism's ceiling
   with the draft's own forward passes paid; a preset name drafts with that preset's random weights (same vocabulary);
+* ``draft-sampled`` (not in the default set) -- the same draft model with ``draft_sample_method`` probabilistic:
+  a sampled request (``--temperature`` > 0) draws its drafts from the draft's q and the target keeps each with
+  min(1, p/q). Compare with ``draft`` at the same temperature, whose greedy drafts are kept with probability p(d).
+  With it in the set the engine is built with the draft model (its verify program takes q, zeros for the other
+  scenarios' drafts);
 * ``noise`` (not in the default set) -- no speculation at all: the ``natural`` prompts decoded twice, the second
   time in reverse order (other slots, other neighbours), to see how much a row's bf16 numerics depend on its batch;
 * ``chunks`` (not in the default set) -- no speculation either: prompts 64 tokens longer, prefilled in a 64-token
@@ -26,7 +31,9 @@ Scenarios, each at 1 and at ``--max-num-seqs`` concurrent requests (greedy, ``ig
   between two shapes of the same computation (compare with ``natural``'s in bf16).
 
 Per run: output tokens/s (all requests' tokens / wall time), verify steps, drafts proposed / accepted, and the ratio
-to the baseline of the same scenario and concurrency.  Every run's outputs are compared with the baseline's (greedy):
+to the baseline of the same scenario and concurrency.  ``--temperature`` (default 0, greedy) samples every request
+instead (seeded); sampled outputs follow the model's distribution but are not compared token by token.  Greedy
+runs' outputs are compared with the baseline's:
 in float32 they must be equal (else the bench stops); in bf16 a row's logits computed inside a ``[B, k+1]`` verify
 forward round differently from the one-token step's, so near-ties can flip and the run reports how many outputs
 are identical and where the first difference is.  Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail``
@@ -77,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default="repeat,reject,natural")
     ap.add_argument("--draft-model", default="same", metavar="same|PRESET",
                     help="the draft scenario's draft model: the target itself (default) or a preset (random weights)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (default 0: greedy, outputs compared with the baseline)")
     args = ap.parse_args(argv)
 
     import jax
@@ -97,13 +106,28 @@ def main(argv=None) -> int:
     print(f"# {preset} {dtype} on {jax.devices()[0].device_kind}: loaded in {time.perf_counter() - t0:.1f}s",
           flush=True)
     chunks = (64, 1) if args.prompt_tokens < 256 else (256, 64, 1)
+    scenarios = args.scenarios.split(",")
+    draft = None
+    if "draft" in scenarios or "draft-sampled" in scenarios:
+        from kimi_jax.serve.server import load_draft_model
+
+        draft = model if args.draft_model == "same" else load_draft_model(args.draft_model, dtype=dtype)
+    sampled = "draft-sampled" in scenarios  # the engine's verify program then takes the drafts' q
     engine = Engine(model, tok, EngineConfig(max_num_seqs=B, max_model_len=args.prompt_tokens + max_tokens + 64,
                                              prefill_chunk_sizes=chunks, speculative_tokens=K,
-                                             parallel_compile=args.gpu))
+                                             speculative_method="draft" if sampled else "ngram",
+                                             draft_sample_method="probabilistic" if sampled else "greedy",
+                                             parallel_compile=args.gpu), draft_model=draft if sampled else None)
     t0 = time.perf_counter()
     engine.start()
     print(f"# engine: {B} slots, k = {K}, compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-    ngram = engine.proposer
+    if sampled:
+        from kimi_jax.engine.ngram import NgramProposer
+
+        sampled_proposer = engine.proposer
+        ngram = NgramProposer(K, engine.config.prompt_lookup_min, engine.config.prompt_lookup_max)
+    else:
+        ngram = engine.proposer
     always = SpecPolicy(adaptive=False)
     adaptive = engine.spec_policy  # the engine's default: adaptive, cost measured as it runs
     rng = np.random.default_rng(0)
@@ -113,8 +137,8 @@ def main(argv=None) -> int:
         T = args.prompt_tokens + (64 if scenario == "chunks" else 0)  # "chunks": long enough for a 64-token chunk
         prompts = [rng.integers(0, min(V, 1000), T).tolist() for _ in range(n)]
         bias = {biased: 100.0} if scenario in ("repeat", "reject") else {}
-        return prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logit_bias=bias,
-                                       logprobs=True, top_logprobs=2)
+        return prompts, SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=0, ignore_eos=True,
+                                       logit_bias=bias, logprobs=True, top_logprobs=2)
 
     def run(proposer, prompts, params, policy=None):
         engine.proposer = proposer
@@ -157,7 +181,7 @@ def main(argv=None) -> int:
     chunks_engine = draft_proposer = None
     rows, doc = [], {"preset": preset, "dtype": dtype, "device": jax.devices()[0].device_kind, "slots": B, "k": K,
                      "max_tokens": max_tokens, "prompt_tokens": args.prompt_tokens, "runs": []}
-    for scenario in args.scenarios.split(","):
+    for scenario in scenarios:
         for n in (1, B):
             prompts, params = workload(scenario, n)
             base_out, base_lps, base = run(None, prompts, params)
@@ -182,23 +206,25 @@ def main(argv=None) -> int:
             if scenario == "draft":
                 if draft_proposer is None:
                     from kimi_jax.engine.draft_model import DraftModelProposer
-                    from kimi_jax.serve.server import load_draft_model
 
-                    draft = model if args.draft_model == "same" else load_draft_model(args.draft_model, dtype=dtype)
                     draft_proposer = DraftModelProposer(draft, K, engine.max_model_len + K, vocab_size=V)
                     draft_proposer.warmup()
                 proposer = draft_proposer
+            elif scenario == "draft-sampled":
+                proposer = sampled_proposer
             else:
                 proposer = ngram if scenario != "reject" else WrongProposer(K, biased, V)
             for name, policy in (("always", always), ("adaptive", adaptive)):
                 spec_out, spec_lps, spec = run(proposer, prompts, params, policy)
                 identical, agree, agreement = compare(base_out, base_lps, spec_out, spec_lps)
+                if args.temperature > 0:  # sampled: the same distribution, not the same tokens
+                    identical, agree = True, ""
                 if not identical and dtype == "float32":
                     print(f"ERROR: {scenario} x {n}: speculative output differs from the baseline{agree}", flush=True)
                     return 1
                 ratio = spec["tok_per_s"] / base["tok_per_s"]
                 acc = spec["accepted"] / max(spec["drafted"], 1)
-                print(f"{scenario:8s} x {n:3d} {name:8s}: baseline {base['tok_per_s']:8.1f} tok/s ({base['steps']} "
+                print(f"{scenario:13s} x {n:3d} {name:8s}: baseline {base['tok_per_s']:8.1f} tok/s ({base['steps']} "
                       f"steps), speculative {spec['tok_per_s']:8.1f} tok/s ({spec['steps']} steps, "
                       f"{spec['verify_steps']} verify, {spec['accepted']}/{spec['drafted']} drafts kept = {acc:.2f}) "
                       f"-> {ratio:.2f}x{agree}", flush=True)

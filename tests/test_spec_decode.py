@@ -111,6 +111,36 @@ def test_draft_model_proposer_drafts_its_greedy_continuation(tiny_model):
         DraftModelProposer(tiny_model, 0, 128)
 
 
+def test_draft_model_proposer_samples_its_drafts_from_q(tiny_model):
+    """draft_sample_method probabilistic: draft i is a Gumbel-max draw from q_i = softmax(logits_i / T) with
+    ``draft_keys(seed, choice, gen_step + i)`` (logits from one full forward over the context and the drafts before
+    it), ``q()`` holds those distributions, the same seed drafts the same tokens, and a greedy row (T = 0) drafts the
+    argmax chain with no q."""
+    from kimi_jax.engine.draft_model import DraftModelProposer, draft_keys
+
+    p = DraftModelProposer(tiny_model, 4, 128, vocab_size=tiny_model.config.vocab_size, sample_method="probabilistic")
+    V, T, seed, choice, step = tiny_model.config.vocab_size, 0.9, 12345, 1, 6
+    prompt = np.random.default_rng(2).integers(0, 1000, 20).tolist()
+    d = p.propose("a", prompt, 10, temperature=T, seed=seed, choice=choice, gen_step=step)
+    assert len(d) == 4
+    logits = tiny_model.logits(np.array([prompt + d]))[0, len(prompt) - 1:len(prompt) + 3].astype(np.float64) / T
+    q_want = np.exp(logits - logits.max(-1, keepdims=True))
+    q_want /= q_want.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(p.q("a")), q_want, atol=2e-5)
+    for i, tok in enumerate(d):
+        g = np.asarray(jax.random.gumbel(draft_keys(seed, choice, step + i), (V,), jnp.float32))
+        assert tok == int(np.argmax(logits[i] + g))
+    assert p.propose("b", prompt, 10, temperature=T, seed=seed, choice=choice, gen_step=step) == d
+    other = p.propose("c", prompt, 10, temperature=T, seed=seed + 1, choice=choice, gen_step=step)
+    assert other != d  # another seed, other draws (1024 tokens: a repeat of all four is vanishingly unlikely)
+    greedy = p.propose("a", prompt + d[:1] + [5], 3)
+    assert p.q("a") is None
+    full = tiny_model.logits(np.array([prompt + d[:1] + [5] + greedy]))[0]
+    assert greedy == full[len(prompt) + 1:len(prompt) + 4].argmax(-1).tolist()
+    with pytest.raises(ValueError, match="draft sample method"):
+        DraftModelProposer(tiny_model, 4, 128, sample_method="typical")
+
+
 # ================================================================================================== the policy
 def test_policy_verifies_while_drafts_are_expected_to_pay():
     pol = SpecPolicy(cost=1.2)
@@ -318,6 +348,68 @@ def test_sampled_rows_follow_the_target_distribution():
         assert (n[kept] >= 2).all() and (n[~kept] == 1).all()
         if kept.sum() > 2000:
             np.testing.assert_allclose(np.bincount(toks[kept, 1], minlength=V) / kept.sum(), p[1], atol=0.035)
+
+
+def _p_float64(logits_kv, temperature, top_k):
+    """SPEC §12's p as a float64 NumPy transcription: temperature, then the top-k of each position, renormalised."""
+    s = np.asarray(logits_kv, np.float64) / temperature
+    keep = s >= np.sort(s, axis=-1)[:, -top_k][:, None]
+    e = np.where(keep, np.exp(s - s.max(-1, keepdims=True)), 0.0)
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_drafts_sampled_from_q_are_kept_with_min_1_p_over_q():
+    """SPEC §12, draft_sample_method probabilistic: drafts drawn from the draft's q are kept with probability
+    min(1, p/q), a rejection is resampled from norm(max(0, p − q)), so the emitted tokens follow the target's p
+    (float64 NumPy, temperature and top-k applied). The chance the first draft is kept is Σ min(p, q) -- not the
+    one-hot rule's Σ q·p. For a q near p, one far from it, and one with mass on a token p's top-k drops."""
+    N, V, T, top_k = 8000, 6, 0.8, 5
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((K + 1, V)).astype(np.float32)
+    p = _p_float64(base, T, top_k)
+    dropped = int(np.argmin(base[0]))  # outside position 0's top 5
+    logits = jnp.asarray(np.broadcast_to(base, (N, K + 1, V)))
+    rows, ctl, tables = _rows(N, V, [T] * N, top_k=top_k), _ctl(N, V), _tables(V)
+    z = jnp.zeros((N, V), jnp.int32), jnp.zeros((N, V), bool)
+    fn = jax.jit(verify_sample)
+    near = 0.8 * p[:K] + 0.2 / V
+    far = rng.dirichlet(np.ones(V), K)
+    on_dropped = far.copy()
+    on_dropped[0] = 0.5 * far[0] + 0.5 * np.eye(V)[dropped]
+    for q_kv in (near, far, on_dropped):
+        q_kv = (q_kv / q_kv.sum(-1, keepdims=True)).astype(np.float32)
+        q64 = q_kv.astype(np.float64)
+        drafts = np.stack([rng.choice(V, N, p=q64[i] / q64[i].sum()) for i in range(K)], 1)
+        out, _ = fn(logits, jnp.asarray(drafts, jnp.int32), jnp.full((N,), K, jnp.int32), rows, ctl, *z, tables,
+                    jnp.asarray(np.broadcast_to(q_kv, (N, K, V))), jnp.ones((N, K), bool))
+        toks, n = np.asarray(out.tokens), np.asarray(out.n)
+        np.testing.assert_allclose(np.bincount(toks[:, 0], minlength=V) / N, p[0], atol=0.02)
+        assert abs((n >= 2).mean() - np.minimum(p[0], q_kv[0]).sum()) < 0.02
+        for i in (1, 2):  # the token after i kept drafts follows p_i
+            sel = n >= i + 1
+            np.testing.assert_allclose(np.bincount(toks[sel, i], minlength=V) / sel.sum(), p[i], atol=0.035)
+        assert not (toks[:, 0] == dropped).any()
+
+
+def test_rows_without_sampled_drafts_are_bit_identical_with_q():
+    """``has_q`` False: the draft counts as one-hot whatever q holds, so the verify program with q gives the same
+    bits as without (greedy and sampled rows, kept and rejected drafts)."""
+    B, V = 8, 40
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.standard_normal((B, K + 1, V)) * 2, jnp.float32)
+    rows = _rows(B, V, [0.0, 0.7, 1.0, 1.3, 0.0, 0.9, 1.1, 0.6], top_p=0.95)
+    ctl, tables = _ctl(B, V, gen_step=4), _tables(V)
+    z = jnp.zeros((B, V), jnp.int32), jnp.zeros((B, V), bool)
+    greedy = np.asarray(jnp.argmax(logits[:, :K], -1))
+    drafts = np.where(rng.random((B, K)) < 0.5, greedy, rng.integers(0, V, (B, K))).astype(np.int32)
+    n_draft = jnp.asarray(rng.integers(0, K + 1, B), jnp.int32)
+    q = jnp.asarray(rng.dirichlet(np.ones(V), (B, K)), jnp.float32)
+    fn = jax.jit(verify_sample)
+    want, counts_w = fn(logits, jnp.asarray(drafts), n_draft, rows, ctl, *z, tables)
+    got, counts_g = fn(logits, jnp.asarray(drafts), n_draft, rows, ctl, *z, tables, q, jnp.zeros((B, K), bool))
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(counts_w), np.asarray(counts_g))
 
 
 # ================================================================================================== the engine
@@ -587,6 +679,43 @@ def test_a_draft_model_drafts_and_the_output_is_the_targets(tiny_model):
         eng.shutdown()
 
 
+def test_a_draft_model_sampling_its_drafts(tiny_model):
+    """draft_sample_method probabilistic in the engine: greedy requests still equal decoding without speculation;
+    a seeded sampled request gives the same tokens every time; and with the target itself as the draft model at the
+    same temperature, q = p, so min(1, p/q) keeps nearly every draft (the one-hot rule would keep each with
+    probability p(d), a few percent over this random model's vocabulary). Nothing compiles after start."""
+    import dataclasses
+
+    from kimi_jax.model import random_model
+
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=128, prefill_chunk_sizes=(64, 1), speculative_tokens=K,
+                       speculative_method="draft", speculative_adaptive=False, draft_sample_method="probabilistic")
+    draft = random_model(dataclasses.replace(tiny_model.config), seed=1)
+    prompts = [np.random.default_rng(i).integers(0, 1000, n).tolist() for i, n in ((3, 70), (4, 9))]
+    G = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    S = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    for draft_model in (draft, tiny_model):
+        eng = Engine(tiny_model, Tokenizer.tiny(), cfg, draft_model=draft_model).start()
+        try:
+            assert eng.runner.draft_q and eng.proposer.samples
+            compiled = eng.stats()["compilations"]
+            if draft_model is draft:
+                ref = _without_speculation(eng, lambda: [eng.generate(p, G)[0].token_ids for p in prompts])
+                assert [s.collect(1)[0][0].token_ids for s in [eng.submit(p, G) for p in prompts]] == ref
+            before = eng.stats()
+            first = [s.collect(1)[0][0].token_ids for s in [eng.submit(p, S) for p in prompts]]
+            after = eng.stats()
+            assert [eng.generate(p, S)[0].token_ids for p in prompts] == first  # seeded: the same bits, any batch
+            drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+            accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            assert drafted > 0
+            if draft_model is tiny_model:
+                assert accepted >= 0.9 * drafted, (accepted, drafted)
+            assert eng.stats()["compilations"] == compiled
+        finally:
+            eng.shutdown()
+
+
 def test_bad_speculation_settings_are_refused(tiny_model):
     tok = Tokenizer.tiny()
     with pytest.raises(ValueError, match="speculative_tokens"):
@@ -603,6 +732,13 @@ def test_bad_speculation_settings_are_refused(tiny_model):
     with pytest.raises(ValueError, match="speculative_tokens >= 1"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_method="draft"),
                draft_model=tiny_model)
+    with pytest.raises(ValueError, match="draft sample method"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
+                                             speculative_method="draft", draft_sample_method="typical"),
+               draft_model=tiny_model)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
+                                             draft_sample_method="probabilistic"))
     with pytest.raises(ValueError, match="cost ratio"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              speculative_cost=-1.0))
@@ -622,6 +758,9 @@ def test_server_flags_and_metrics(spec_engine, capsys):
     assert "--speculative-tokens" in help_text and "--prompt-lookup-max" in help_text
     assert "--speculative-policy" in help_text and "--speculative-model" in help_text
     assert main(["--speculative-model", "tiny"]) == 2 and "--speculative-tokens" in capsys.readouterr().err
+    assert "--draft-sample-method" in help_text
+    assert main(["--speculative-tokens", "2", "--draft-sample-method", "probabilistic"]) == 2
+    assert "needs --speculative-model" in capsys.readouterr().err
     spec_engine.generate([11, 12, 13] * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                          logit_bias={13: 100.0}))  # some drafts accepted
     families = {f.name: f for f in EngineCollector(spec_engine, "tiny").collect()}

@@ -53,7 +53,7 @@ Seams for what comes next:
   own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
 * **Speculative decoding** (``speculative_tokens = k > 0``, SPEC §12, ``spec_decode.py``) -- ``_decode`` is the
   only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup, or
-  ``draft_model.DraftModelProposer``, a draft model's greedy continuation) drafts
+  ``draft_model.DraftModelProposer``, a draft model's greedy or sampled continuation) drafts
   for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
   ``_emit`` (stop logic, streams and metrics unchanged).  A guided row's drafts come from walking a copy of its
@@ -80,11 +80,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import compile_watch
 from .detok import OutputText
-from .draft_model import DraftModelProposer
+from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer
 from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
@@ -94,7 +95,7 @@ from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, Sequ
 from ..cache import PAGE_TOKENS, CacheLayout
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
-from .sampler import Controls, RowParams, empty_controls
+from .sampler import Controls, RowParams, empty_controls, seed32
 from .sampling_params import ParamError, SamplingParams
 
 log = logging.getLogger("kimi_jax.engine")
@@ -123,9 +124,12 @@ class EngineConfig:
     # 1: each request's images alone)
     vision_batch_images: int = 16
     # speculative decoding (SPEC §12): drafts per verify step (0: off), who drafts them ("ngram": prompt lookup;
-    # "draft": a draft model, `Engine(draft_model=...)`, greedy) and the prompt-lookup n-gram sizes
+    # "draft": a draft model, `Engine(draft_model=...)`) and the prompt-lookup n-gram sizes
     speculative_tokens: int = 0
     speculative_method: str = "ngram"
+    # how a draft model drafts (SPEC §12's draft_sample_method, `draft_model.DRAFT_SAMPLE_METHODS`): "greedy" (its
+    # argmax) or "probabilistic" (sampled rows draw their drafts from the draft's q, verified with min(1, p/q))
+    draft_sample_method: str = "greedy"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # verify only when drafts are expected to pay for the wider step (spec_policy.py); False: whenever a row drafts
@@ -260,11 +264,18 @@ class Engine:
             raise ValueError("speculative_method='draft' and a draft_model go together: pass both or neither")
         if draft_model is not None and not cfg.speculative_tokens:
             raise ValueError("a draft model needs speculative_tokens >= 1 (the drafts per verify step)")
+        if cfg.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"unknown draft sample method {cfg.draft_sample_method!r}; choose from "
+                             f"{', '.join(DRAFT_SAMPLE_METHODS)}")
+        if cfg.draft_sample_method != "greedy" and draft_model is None:
+            raise ValueError(f"draft_sample_method={cfg.draft_sample_method!r} needs a draft model "
+                             "(prompt lookup drafts are deterministic)")
         if cfg.speculative_tokens:
             if cfg.speculative_method == "draft":
                 self.proposer = DraftModelProposer(draft_model, cfg.speculative_tokens,
                                                    self.max_model_len + cfg.speculative_tokens,
-                                                   vocab_size=self.vocab_size)
+                                                   vocab_size=self.vocab_size,
+                                                   sample_method=cfg.draft_sample_method)
             else:
                 self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.spec_policy = SpecPolicy(cfg.speculative_adaptive, cfg.speculative_cost)
@@ -272,7 +283,8 @@ class Engine:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
                                  index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
-                                 stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens)
+                                 stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
+                                 draft_q=getattr(self.proposer, "samples", False))
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
@@ -313,6 +325,7 @@ class Engine:
         self.num_preemptions = 0
         self.images_encoded = 0
         self.spec_steps = 0  # verify steps run
+        self._q_zeros = None  # [k, V] float32 zeros: the q of a row whose drafts were not sampled
         self.spec_drafted = 0  # draft tokens proposed into them
         self.spec_accepted = 0  # of those, accepted
         self.compile_seconds = 0.0
@@ -328,6 +341,8 @@ class Engine:
         if isinstance(self.proposer, DraftModelProposer):  # its feed programs too: serving compiles nothing
             t0 = time.perf_counter()
             self.proposer.warmup()
+            if self.runner.draft_q:  # and the stacking of the verify program's q
+                jax.block_until_ready(self._draft_q(self.proposer, {})["q"])
             t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
@@ -347,7 +362,8 @@ class Engine:
             cfg = self.config
             if isinstance(self.proposer, DraftModelProposer):
                 dcfg = self.proposer.model.config
-                how = f"a draft model ({dcfg.architecture}, {dcfg.num_layers} layers, greedy)"
+                how = (f"a draft model ({dcfg.architecture}, {dcfg.num_layers} layers, "
+                       f"{self.proposer.sample_method} drafts)")
             else:
                 how = f"prompt lookup (n-grams {cfg.prompt_lookup_max}..{cfg.prompt_lookup_min})"
             log.info("speculative decoding: up to %d drafts per step by %s, %s policy", cfg.speculative_tokens, how,
@@ -876,8 +892,9 @@ class Engine:
                     if con is not None:
                         allow_ids[slot, i, : len(con.ids)] = con.ids
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
+            q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
-                                                  tables)
+                                                  tables, **q)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
@@ -935,9 +952,17 @@ class Engine:
         if not policy.worth_verifying({keys[s]: r for s, r in rooms.items()}, active_rows,
                                       {keys[s]: r for s, r in rooms.items() if self._running[s].guide is not None}):
             return {}, {}
+        samples = getattr(proposer, "samples", False)
         for slot, room in rooms.items():
             seq = self._running[slot]
-            d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room)
+            kw = {}
+            if samples:
+                # a guided row drafts greedily: its drafts' number depends on their values (the guide's walk),
+                # which for sampled drafts would bias the output; deterministic drafts can be cut anywhere
+                hot = seq.guide is None and seq.req.params.temperature > 0
+                kw = dict(temperature=seq.req.params.temperature if hot else 0.0, seed=seed32(seq.req.seed),
+                          choice=seq.index, gen_step=len(seq.output_ids))
+            d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room, **kw)
             sure = 0
             if seq.guide is not None:
                 d, sure, later[slot] = self._guided_drafts(seq.guide, constraints.get(slot), d, room)
@@ -958,6 +983,21 @@ class Engine:
                 if slot in later:
                     later[slot] = later[slot][:v]
         return drafts, {s: cons for s, cons in later.items() if s in drafts}
+
+    def _draft_q(self, proposer, drafts: dict) -> dict:
+        """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: a
+        sampled row's distributions from the proposer, zeros (unused) for the rest."""
+        B, K = self.B, self.runner.spec_tokens
+        if self._q_zeros is None:
+            self._q_zeros = jnp.zeros((K, self.vocab_size), jnp.float32)
+        has_q = np.zeros((B, K), bool)
+        rows = [self._q_zeros] * B
+        for slot, (d, _) in drafts.items():
+            q = proposer.q(self._running[slot].key) if hasattr(proposer, "q") else None
+            if q is not None:
+                rows[slot] = q
+                has_q[slot, :len(d)] = True
+        return {"q": jnp.stack(rows), "has_q": has_q}
 
     def _guided_drafts(self, guide: Guide, con, proposal: list, limit: int):
         """Drafts for a guided row, walked on a copy of its guide: each token the guide forces (a constraint of one

@@ -21,7 +21,9 @@ growing sequences never change a shape.
   VerifyOut)``, compiled only with ``spec_tokens = k > 0``: speculative verification (``spec_decode``): row b feeds
   its next token and ``n_draft[b]`` drafts (the rest padding), the drafts are accepted or rejected in the program,
   and the cache keeps ``1 + accepted`` tokens per active row (KDA layers replay their recurrence over just those).
-  The block tables must cover positions ``length … length + n_draft`` of every active row.
+  The block tables must cover positions ``length … length + n_draft`` of every active row.  With ``draft_q``
+  (a draft model that samples its drafts) it also takes the drafts' distributions ``q [B, k, V]`` float32 and
+  ``has_q [B, k]`` bool, for SPEC §12's min(1, p/q) acceptance.
 * ``copy_blocks(state, src [max_blocks], dst [max_blocks]) -> state``: page copies in every MLA pool (a request's
   ``n`` sequences share one prefill; prefix-cache snapshots own private pages).  Null-padded (0 -> 0 is a no-op).
 * small helpers: zero state, zero batch-1 cache, copy of a batch-1 cache (prefix-cache snapshots).
@@ -90,15 +92,16 @@ class ModelRunner:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, prefill_chunk_sizes: Sequence[int],
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
                  num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
-                 images: bool = False, spec_tokens: int = 0):
+                 images: bool = False, spec_tokens: int = 0, draft_q: bool = False):
         """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool,
         the null page included (None: ``1 + max_num_seqs · ceil(max_model_len / 64)``, every slot full);
         ``images``: also compile the image prefill programs (``prefill_img``); ``spec_tokens``: drafts per verify
-        step (0: no ``verify`` program)."""
+        step (0: no ``verify`` program); ``draft_q``: the verify program takes the drafts' q (sampled drafts)."""
         cfg = model.config
         self.model = model
         self.images = bool(images)
         self.spec_tokens = int(spec_tokens)
+        self.draft_q = bool(draft_q) and self.spec_tokens > 0
         if self.spec_tokens < 0:
             raise ValueError(f"spec_tokens must be >= 0, got {spec_tokens}")
         self.D = cfg.hidden_size
@@ -176,12 +179,12 @@ class ModelRunner:
             out, counts = sample(logits[:, 0], rows, ctl, state.counts, state.prompt_mask, tables)
             return DeviceState(cache, counts, state.prompt_mask), out
 
-        def verify(params, state, tokens, n_draft, active, rows, ctl, tables, block_tables):
+        def verify(params, state, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None, has_q=None):
             m = nnx.merge(graphdef, params)
             old = state.cache
             logits, pending = m(tokens, old.replace(block_tables=block_tables), defer_kda=True)
             out, counts = verify_sample(logits, tokens[:, 1:], n_draft, rows, ctl, state.counts, state.prompt_mask,
-                                        tables)
+                                        tables, q, has_q)
             keep = jnp.where(active, out.n, 0)
             cache = m.commit_verify(pending, old.length, keep)
             cache = same_dtypes(cache, old)
@@ -251,8 +254,10 @@ class ModelRunner:
         if self.spec_tokens:
             K1 = self.spec_tokens + 1
             vctl = ctl._replace(allow_class=sds((B, K1), jnp.int32), allow_ids=sds((B, K1, MAX_ALLOWED_IDS), jnp.int32))
+            q = (sds((B, K1 - 1, self.V), jnp.float32), sds((B, K1 - 1), bool)) if self.draft_q else (None, None)
             lowered["verify"] = self._fns["verify"].lower(params, state, sds((B, K1), jnp.int32), sds((B,), jnp.int32),
-                                                          sds((B,), bool), rows, vctl, tables, sds((B, NB), jnp.int32))
+                                                          sds((B,), bool), rows, vctl, tables, sds((B, NB), jnp.int32),
+                                                          *q)
         for c in self.chunk_sizes:
             lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, sds((1, c), jnp.int32), cache1, state,
                                                                  sds((1, NB), jnp.int32))
@@ -334,13 +339,20 @@ class ModelRunner:
                           np.asarray(block_tables, np.int32))
 
     def verify(self, state: DeviceState, tokens: np.ndarray, n_draft: np.ndarray, active: np.ndarray, rows,
-               ctl: Controls, block_tables: np.ndarray):
+               ctl: Controls, block_tables: np.ndarray, q=None, has_q=None):
         """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts,
-        ``ctl`` with per-position constraints (allow_class ``[B, k+1]``, allow_ids ``[B, k+1, MAX_ALLOWED_IDS]``).
-        Returns (state, VerifyOut) -- the state passed in is donated."""
+        ``ctl`` with per-position constraints (allow_class ``[B, k+1]``, allow_ids ``[B, k+1, MAX_ALLOWED_IDS]``);
+        with ``draft_q``, ``q`` float32 ``[B, k, V]`` (device array) and ``has_q`` bool ``[B, k]``: where a draft was
+        sampled from q (``spec_decode.verify_sample``).  Returns (state, VerifyOut) -- the state passed in is
+        donated."""
+        if (q is not None) != self.draft_q:
+            raise ValueError("this runner's verify program takes the drafts' q exactly when built with draft_q=True")
+        if q is not None and self._replicated is not None:  # the draft model's device -> the mesh, replicated
+            q = jax.device_put(q, self._replicated)
+        extra = (None, None) if q is None else (q, np.asarray(has_q, bool))
         return self._call("verify", self.model.params, state, np.asarray(tokens, np.int32),
                           np.asarray(n_draft, np.int32), active, rows, ctl, self.tables,
-                          np.asarray(block_tables, np.int32))
+                          np.asarray(block_tables, np.int32), *extra)
 
     def copy_blocks(self, state: DeviceState, src: Sequence[int], dst: Sequence[int]) -> DeviceState:
         """Copy pages src[i] -> dst[i] in every MLA pool (at most max_blocks pairs)."""

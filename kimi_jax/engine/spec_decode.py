@@ -21,6 +21,10 @@ draws exactly what ``sampler.sample`` would (same processing, same key), so spec
 not draft for.  Keys: position i draws with the row's key for generated-token index ``gen_step + i``; the
 acceptance coins come from a fold of the same key, so a seeded request's output does not depend on its batch.
 
+A draft model that samples its drafts (``draft_sample_method`` probabilistic) hands its distributions q to the
+verify program as well; those rows are kept with probability min(1, p/q) and resampled from norm(max(0, p − q)),
+SPEC §12's rule (``verify_sample``'s ``q_bkv``).
+
 Every row that emits a token this step may draft.  Penalties are applied per position with the counts the drafts
 before it would have made; a guided row's constraint per position is its guide's state after the drafts before it
 (the engine walks a copy of the guide), and what a guide forces is drafted outright -- certain to be kept, so a
@@ -60,8 +64,8 @@ class VerifyOut(NamedTuple):
 
 
 def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv,
-                  tables: Tables):
-    """Acceptance of one verify pass (one-hot drafts), fused into the engine's verify program.
+                  tables: Tables, q_bkv=None, has_q_bk=None):
+    """Acceptance of one verify pass, fused into the engine's verify program.
 
     logits ``[B, k+1, V]`` float32 at the positions of ``[last, d_1..d_k]``; drafts ``[B, k]`` int32; n_draft ``[B]``
     int32 (valid drafts per row, 0..k; the rest are padding).  ``ctl.gen_step`` is the index of the row's first
@@ -69,6 +73,10 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     ``d_1..d_i`` (penalties), exactly what the one-token step would see had those drafts been sampled.
     ``ctl.allow_class`` / ``ctl.allow_ids``: ``[B]`` / ``[B, M]`` for every position alike, or ``[B, k+1]`` /
     ``[B, k+1, M]`` per position (a guide's constraint after each draft).
+    ``q_bkv`` float32 ``[B, k, V]`` and ``has_q_bk`` bool ``[B, k]`` (``draft_sample_method`` probabilistic): where
+    ``has_q``, draft ``d_{i+1}`` was sampled from ``q[b, i]`` and is kept with probability min(1, p_i(d)/q_i(d)); at
+    its rejection the emitted token is drawn from norm(max(0, p_i − q_i)).  Elsewhere (and when q is None) the draft
+    counts as deterministic (one-hot q): the same bits as without q.
     Returns (VerifyOut, new counts -- the emitted tokens added on rows that emit).
     """
     B, K1, V = logits_bkv.shape
@@ -94,6 +102,9 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     p_draft = jnp.where(pr.hot[:K], p_draft, (pr.greedy[:K] == d_kb).astype(jnp.float32))
     coins = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, COIN_STREAM), (), jnp.float32)))(
         keys[:K])
+    if q_bkv is not None:  # u < p/q without dividing; q(d) > 0 for a draft sampled from q
+        q_draft = jnp.take_along_axis(q_bkv, drafts[..., None], axis=-1)[..., 0].T  # [K, B]
+        coins = coins * jnp.where(has_q_bk.T, q_draft, 1.0)
     ok_kb = (coins < p_draft) & (pos[:K, None] < n_draft_b[None, :])
     n_acc = jnp.sum(jnp.cumprod(ok_kb.astype(jnp.int32), axis=0), axis=0)  # [B]: kept before the first rejection
 
@@ -103,7 +114,19 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # [B, k+1]
     rejected = n_acc < n_draft_b
     d_rej = jnp.take_along_axis(padded, n_acc[:, None], axis=1)[:, 0]  # the draft rejected at n_acc
-    scaled = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), -jnp.inf, scaled)
+    one_hot_rest = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), -jnp.inf, scaled)
+    if q_bkv is not None:
+        # a rejected draft sampled from q: the residual norm(max(0, p − q)), as log-weights for the Gumbel draw
+        at = jnp.minimum(n_acc, K - 1)
+        q_at = jnp.take_along_axis(q_bkv, at[:, None, None], axis=1)[:, 0]  # [B, V]
+        sampled = rejected & jnp.take_along_axis(has_q_bk, at[:, None], axis=1)[:, 0]
+        resid = jnp.maximum(jax.nn.softmax(scaled, axis=-1) - q_at, 0.0)
+        log_resid = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
+        # p = q to the last bit leaves no residual (then no rejection could have happened): fall back to p
+        sampled = sampled & jnp.any(resid > 0, axis=-1)
+        scaled = jnp.where(sampled[:, None], log_resid, one_hot_rest)
+    else:
+        scaled = one_hot_rest
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(key)
     extra = jnp.where(hot, jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32), greedy)
 

@@ -114,8 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-model", default=None, metavar="DIR_OR_PRESET",
                    help="draft the speculative tokens with this smaller model instead of prompt lookup: a checkpoint "
                         "directory or a preset (random weights, --seed) over the served model's vocabulary; needs "
-                        "--speculative-tokens K.  Its greedy drafts are verified as prompt-lookup drafts are, so the "
-                        "output distribution stays the served model's own")
+                        "--speculative-tokens K.  The output distribution stays the served model's own "
+                        "(--draft-sample-method)")
+    p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy",
+                   help="how --speculative-model drafts (SPEC §12): greedy (default) drafts its argmax, verified as "
+                        "prompt-lookup drafts are (kept with probability p(draft)); probabilistic samples a sampled "
+                        "request's drafts from the draft model's distribution q at the request's temperature and "
+                        "keeps each with probability min(1, p/q), which keeps more drafts when the two models agree; "
+                        "greedy requests draft greedily either way")
     p.add_argument("--speculative-policy", choices=["adaptive", "always"], default="adaptive",
                    help="adaptive (default): verify drafts only when they are expected to pay for the wider step, "
                         "from each sequence's acceptance so far and the measured step times; always: whenever a "
@@ -238,6 +244,9 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--speculative-tokens must be 0 (off) or more, got {args.speculative_tokens}")
     if args.speculative_model and args.speculative_tokens < 1:
         return _fail("--speculative-model needs --speculative-tokens K >= 1 (the drafts per verify step)")
+    if args.draft_sample_method != "greedy" and not args.speculative_model:
+        return _fail(f"--draft-sample-method {args.draft_sample_method} needs --speculative-model (prompt lookup "
+                     "drafts are deterministic)")
     if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
         return _fail(f"--prompt-lookup-min / --prompt-lookup-max must satisfy 1 <= min <= max, got "
                      f"{args.prompt_lookup_min} / {args.prompt_lookup_max}")
@@ -339,6 +348,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=args.speculative_policy == "adaptive",
             speculative_method="draft" if draft is not None else "ngram",
+            draft_sample_method=args.draft_sample_method if draft is not None else "greedy",
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
             parallel_compile=platform != "cpu"), draft_model=draft)
