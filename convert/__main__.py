@@ -15,8 +15,8 @@ from . import interrupt
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion never needs an accelerator
 
 EPILOG = """\
-Sharding: conversion writes a mesh-independent checkpoint, so there is no --mesh option here; placing parameters
-on a device mesh at load time (kimi_jax.load_model(path, mesh=...)) is the sharding issue's work.
+Sharding: conversion writes a mesh-independent checkpoint, so there is no --mesh option here; parameters are
+placed on a device mesh when loaded (kimi_jax.load_model(path, mesh="8x1"), python -m kimi_jax.serve --mesh 8x1).
 Loading: kimi_jax.load_model(DST) or kimi_jax.load_model(SRC) (a Hugging Face directory is converted in memory).
 MXFP4 experts stay packed in the checkpoint and in the loaded model (decoded inside the MoE kernels).
 The default --dtype keep stores every tensor as it is in SRC, so --export gives back identical safetensors; --dtype
