@@ -207,7 +207,8 @@ def main(argv=None) -> int:
                 if draft_proposer is None:
                     from kimi_jax.engine.draft_model import DraftModelProposer
 
-                    draft_proposer = DraftModelProposer(draft, K, engine.max_model_len + K, vocab_size=V)
+                    draft_proposer = DraftModelProposer(draft, K, engine.max_model_len + K, vocab_size=V,
+                                                        rows=engine.B)
                     draft_proposer.warmup()
                 proposer = draft_proposer
             elif scenario == "draft-sampled":

@@ -141,6 +141,44 @@ def test_draft_model_proposer_samples_its_drafts_from_q(tiny_model):
         DraftModelProposer(tiny_model, 4, 128, sample_method="typical")
 
 
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_a_batched_proposal_drafts_what_each_row_drafts_alone(tiny_model, method):
+    """``propose_batch`` (the engine's path: row = slot) runs every row's draft steps in one batch: each row gets
+    the drafts it would get alone -- greedy chains, or draws with the same keys -- through new prompts, resumed
+    contexts (kept drafts and the target's token), a row left out, a sequence that moved to another row, and rows
+    of different room."""
+    from kimi_jax.engine.draft_model import DraftModelProposer, DraftRequest
+
+    V = tiny_model.config.vocab_size
+    batched = DraftModelProposer(tiny_model, 3, 160, vocab_size=V, sample_method=method, rows=3)
+    alone = DraftModelProposer(tiny_model, 3, 160, vocab_size=V, sample_method=method)
+    rng = np.random.default_rng(4)
+    ctx = {s: rng.integers(0, 1000, n).tolist() for s, n in (("a", 66), ("b", 5), ("c", 1))}
+    kw = {s: dict(temperature=0.0 if s == "c" else 0.8, seed=31 + i, choice=i, gen_step=0)
+          for i, s in enumerate("abc")}
+    layouts = [("a", "b", "c"), ("a", None, "c"), ("c", "a", "b"), ("b", "c", "a")]
+    for step, layout in enumerate(layouts):
+        reqs = [None if s is None else DraftRequest(s, ctx[s], 1 + (i + step) % 3, **kw[s])
+                for i, s in enumerate(layout)]
+        got = batched.propose_batch(reqs)
+        for r, req in enumerate(reqs):
+            if req is None:
+                assert got[r] == []
+                continue
+            want = alone.propose(req.seq_id, req.tokens, req.max_tokens, **kw[req.seq_id])
+            assert got[r] == want, (step, req.seq_id)
+            if method == "probabilistic" and kw[req.seq_id]["temperature"] > 0:
+                np.testing.assert_allclose(np.asarray(batched.q(req.seq_id))[:len(want)],
+                                           np.asarray(alone.q(req.seq_id))[:len(want)], atol=1e-5)
+            else:
+                assert not batched.sampled(req.seq_id)
+            # the target keeps the first draft, then emits a token of its own; the next proposal resumes there
+            ctx[req.seq_id] = ctx[req.seq_id] + want[:1] + [int(rng.integers(0, 1000))]
+            kw[req.seq_id]["gen_step"] += 2
+    with pytest.raises(ValueError, match="batches 3"):
+        batched.propose_batch([None] * 4)
+
+
 # ================================================================================================== the policy
 def test_policy_verifies_while_drafts_are_expected_to_pay():
     pol = SpecPolicy(cost=1.2)

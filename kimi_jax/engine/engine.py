@@ -85,7 +85,7 @@ import numpy as np
 
 from . import compile_watch
 from .detok import OutputText
-from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer
+from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
 from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
@@ -275,7 +275,7 @@ class Engine:
                 self.proposer = DraftModelProposer(draft_model, cfg.speculative_tokens,
                                                    self.max_model_len + cfg.speculative_tokens,
                                                    vocab_size=self.vocab_size,
-                                                   sample_method=cfg.draft_sample_method)
+                                                   sample_method=cfg.draft_sample_method, rows=self.B)
             else:
                 self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.spec_policy = SpecPolicy(cfg.speculative_adaptive, cfg.speculative_cost)
@@ -953,6 +953,7 @@ class Engine:
                                       {keys[s]: r for s, r in rooms.items() if self._running[s].guide is not None}):
             return {}, {}
         samples = getattr(proposer, "samples", False)
+        requests = {}
         for slot, room in rooms.items():
             seq = self._running[slot]
             kw = {}
@@ -962,7 +963,15 @@ class Engine:
                 hot = seq.guide is None and seq.req.params.temperature > 0
                 kw = dict(temperature=seq.req.params.temperature if hot else 0.0, seed=seed32(seq.req.seed),
                           choice=seq.index, gen_step=len(seq.output_ids))
-            d = proposer.propose(seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room, **kw)
+            requests[slot] = (seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room, kw)
+        if getattr(proposer, "rows", 0) >= self.B:  # a draft model: every row's drafts in one batch (row = slot)
+            batch = proposer.propose_batch([DraftRequest(r[0], r[1], r[2], **r[3]) if (r := requests.get(s)) else None
+                                            for s in range(self.B)])
+            drafted = {slot: batch[slot] for slot in requests}
+        else:
+            drafted = {slot: proposer.propose(key, ctx, room, **kw) for slot, (key, ctx, room, kw) in requests.items()}
+        for slot, room in rooms.items():
+            seq, d = self._running[slot], drafted[slot]
             sure = 0
             if seq.guide is not None:
                 d, sure, later[slot] = self._guided_drafts(seq.guide, constraints.get(slot), d, room)
@@ -991,6 +1000,11 @@ class Engine:
         if self._q_zeros is None:
             self._q_zeros = jnp.zeros((K, self.vocab_size), jnp.float32)
         has_q = np.zeros((B, K), bool)
+        if getattr(proposer, "rows", 0) >= B and proposer.batch_q() is not None:  # batched: row = slot already
+            for slot, (d, _) in drafts.items():
+                has_q[slot, :len(d)] = proposer.sampled(self._running[slot].key)
+            q = proposer.batch_q()
+            return {"q": q if q.shape[0] == B else q[:B], "has_q": has_q}
         rows = [self._q_zeros] * B
         for slot, (d, _) in drafts.items():
             q = proposer.q(self._running[slot].key) if hasattr(proposer, "q") else None
