@@ -146,7 +146,7 @@ def test_a_batched_proposal_drafts_what_each_row_drafts_alone(tiny_model, method
     """``propose_batch`` (the engine's path: row = slot) runs every row's draft steps in one batch: each row gets
     the drafts it would get alone -- greedy chains, or draws with the same keys -- through new prompts, resumed
     contexts (kept drafts and the target's token), a row left out, a sequence that moved to another row, and rows
-    of different room."""
+    of different room; the drafting rows are packed into batches of 1, 2 or 3."""
     from kimi_jax.engine.draft_model import DraftModelProposer, DraftRequest
 
     V = tiny_model.config.vocab_size
@@ -156,7 +156,7 @@ def test_a_batched_proposal_drafts_what_each_row_drafts_alone(tiny_model, method
     ctx = {s: rng.integers(0, 1000, n).tolist() for s, n in (("a", 66), ("b", 5), ("c", 1))}
     kw = {s: dict(temperature=0.0 if s == "c" else 0.8, seed=31 + i, choice=i, gen_step=0)
           for i, s in enumerate("abc")}
-    layouts = [("a", "b", "c"), ("a", None, "c"), ("c", "a", "b"), ("b", "c", "a")]
+    layouts = [("a", "b", "c"), ("a", None, "c"), ("c", "a", "b"), (None, "b", None), ("b", "c", "a")]
     for step, layout in enumerate(layouts):
         reqs = [None if s is None else DraftRequest(s, ctx[s], 1 + (i + step) % 3, **kw[s])
                 for i, s in enumerate(layout)]
@@ -175,6 +175,7 @@ def test_a_batched_proposal_drafts_what_each_row_drafts_alone(tiny_model, method
             # the target keeps the first draft, then emits a token of its own; the next proposal resumes there
             ctx[req.seq_id] = ctx[req.seq_id] + want[:1] + [int(rng.integers(0, 1000))]
             kw[req.seq_id]["gen_step"] += 2
+    assert batched.batch_sizes == (1, 2, 3)
     with pytest.raises(ValueError, match="batches 3"):
         batched.propose_batch([None] * 4)
 

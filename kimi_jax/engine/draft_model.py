@@ -111,6 +111,14 @@ def _q_rows(qs):
     return jnp.stack(qs, axis=1)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _q_by_request(q_bkv, slot_of_row_b, rows: int):
+    """A packed batch's q ``[B, k, V]`` -> ``[rows, k, V]`` at each batch row's request row (padding rows, whose
+    index is out of range, are dropped; rows without a request hold zeros)."""
+    out = jnp.zeros((rows,) + q_bkv.shape[1:], q_bkv.dtype)
+    return out.at[slot_of_row_b].set(q_bkv, mode="drop")
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     """One row of a batched proposal (``DraftModelProposer.propose_batch``): the sequence, its whole context, the
@@ -133,7 +141,7 @@ class _DraftState:
     explored: list
     row: int
     draft_ids: list  # d_1..d_n
-    sampled: bool  # drawn from q (row `row` of the proposer's last q)
+    sampled: bool  # drawn from q (batch row `row` of the proposer's last packed q)
 
 
 class DraftModelProposer:
@@ -167,8 +175,11 @@ class DraftModelProposer:
         self.samples = sample_method == "probabilistic"  # the verify program then takes the drafts' q
         self._seqs: dict = {}
         self._advance = _advance_program(draft_model, self.samples)
-        self._zero1 = None  # an empty batch-1 cache: a new sequence's start, and the rows a proposal leaves out
-        self._q = None  # [rows, k, V] float32: the last proposal's q (sampled rows), on the device
+        self._zero1 = None  # an empty batch-1 cache: a new sequence's start, and a batch's padding rows
+        # the batches the draft steps run in: powers of two up to `rows` (and `rows` itself)
+        self.batch_sizes = tuple(sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)}))
+        self._q = None  # [rows, k, V] float32: the last proposal's q by request row (sampled rows), on the device
+        self._q_packed = None  # the same by batch row
 
     def warmup(self) -> None:
         """Compile every program now (the engine calls this at start, so serving compiles nothing): the feed
@@ -179,12 +190,14 @@ class DraftModelProposer:
             if n <= self.max_len:
                 jax.block_until_ready(self._advance(self.model.params, np.zeros((1, n), np.int32), cache))
         t = 1.0 if self.samples else 0.0
-        ids = [(_WARMUP, r) for r in range(self.rows)]
-        drafts = self.propose_batch([DraftRequest(i, [0, 0], self.k, temperature=t) for i in ids])
-        self.propose_batch([DraftRequest(i, [0, 0] + d[:1] + [0], self.k, temperature=t) for i, d in zip(ids, drafts)])
-        for i in ids:
-            self.forget(i)
-        jax.block_until_ready(self._q)
+        for n in self.batch_sizes:
+            ids = [(_WARMUP, r) for r in range(n)]
+            drafts = self.propose_batch([DraftRequest(i, [0, 0], self.k, temperature=t) for i in ids])
+            self.propose_batch([DraftRequest(i, [0, 0] + d[:1] + [0], self.k, temperature=t)
+                                for i, d in zip(ids, drafts)])
+            jax.block_until_ready(self._q)
+            for i in ids:
+                self.forget(i)
 
     def propose(self, seq_id, tokens: Sequence[int], max_tokens: int, *, temperature: float = 0.0,
                 seed: int = 0, choice: int = 0, gen_step: int = 0) -> list[int]:
@@ -197,11 +210,13 @@ class DraftModelProposer:
         """Drafts for up to ``rows`` sequences at once: ``requests[r]`` is row r (None: no sequence). Each row gets
         up to ``min(k, max_tokens)`` drafts; none when that is < 1 or the context would outgrow the cache.
 
-        Per row, the cache over its context minus the last token comes from the last proposal's explored caches
-        (plus, one row at a time, any tokens they lack: a new prompt, or steps the engine did not verify); then one
-        batched step feeds every row's last token and ``max(limits) − 1`` batched steps draft. Sampling
-        (``probabilistic`` and ``temperature`` > 0): draft i is drawn with ``draft_keys(seed, choice, gen_step +
-        i)``, and ``q(seq_id)`` / ``batch_q()`` hold the distributions. Otherwise the drafts are greedy."""
+        The drafting rows run packed into a batch of the next power of two (``batch_sizes``): padding rows are not
+        free (in an MoE draft model every row reads its experts). Per row, the cache over its context minus the
+        last token comes from the last proposal's explored caches (plus, one row at a time, any tokens they lack: a
+        new prompt, or steps the engine did not verify); then one batched step feeds every row's last token and
+        ``max(limits) − 1`` batched steps draft. Sampling (``probabilistic`` and ``temperature`` > 0): draft i is
+        drawn with ``draft_keys(seed, choice, gen_step + i)``, and ``q(seq_id)`` / ``batch_q()`` hold the
+        distributions. Otherwise the drafts are greedy."""
         if len(requests) > self.rows:
             raise ValueError(f"{len(requests)} sequences in one proposal, but this proposer batches {self.rows}")
         limits = {}
@@ -212,41 +227,47 @@ class DraftModelProposer:
             if limit >= 1 and len(req.tokens) and len(req.tokens) + limit <= self.max_len:
                 limits[r] = limit
         if not limits:
+            self._q = None
             return [[] for _ in requests]
+        live = list(limits)  # packed: batch row i drafts for requests[live[i]]
+        B = next(b for b in self.batch_sizes if b >= len(live))
         empty = self._empty()
-        rows1, last = [empty] * self.rows, np.zeros((self.rows, 1), np.int32)
-        for r in limits:
-            rows1[r] = self._cache_before_last(requests[r].seq_id, requests[r].tokens)
-            last[r, 0] = int(requests[r].tokens[-1])
+        rows1, last = [empty] * B, np.zeros((B, 1), np.int32)
+        for i, r in enumerate(live):
+            rows1[i] = self._cache_before_last(requests[r].seq_id, requests[r].tokens)
+            last[i, 0] = int(requests[r].tokens[-1])
         after, cache = self._advance(self.model.params, last, _stack_rows(tuple(rows1)))
         if self.samples:
-            temperature, seed = np.zeros(self.rows, np.float32), np.zeros(self.rows, np.uint32)
-            choice, gen_step = np.zeros(self.rows, np.int32), np.zeros(self.rows, np.int32)
-            for r in limits:
+            temperature, seed = np.zeros(B, np.float32), np.zeros(B, np.uint32)
+            choice, gen_step = np.zeros(B, np.int32), np.zeros(B, np.int32)
+            for i, r in enumerate(live):
                 req = requests[r]
-                temperature[r], seed[r] = max(float(req.temperature), 0.0), int(req.seed) & 0xFFFFFFFF
-                choice[r], gen_step[r] = int(req.choice), int(req.gen_step)
+                temperature[i], seed[i] = max(float(req.temperature), 0.0), int(req.seed) & 0xFFFFFFFF
+                choice[i], gen_step[i] = int(req.choice), int(req.gen_step)
         steps = max(limits.values())
         explored, tokens, qs = [cache], [], []
-        for i in range(steps):
+        for step in range(steps):
             if self.samples:
-                tok, q = _draw_rows(after, temperature, seed, choice, gen_step + np.int32(i))
+                tok, q = _draw_rows(after, temperature, seed, choice, gen_step + np.int32(step))
                 qs.append(q)
             else:
                 tok = after
             tokens.append(tok)
-            if i < steps - 1:
-                after, cache = self._advance(self.model.params, tok.reshape(self.rows, 1), cache)
+            if step < steps - 1:
+                after, cache = self._advance(self.model.params, tok.reshape(B, 1), cache)
                 explored.append(cache)
         if self.samples:
             qs += [jnp.zeros_like(qs[0])] * (self.k - len(qs))
-            self._q = _q_rows(tuple(qs))
-        ids = np.asarray(jax.device_get(tokens)).reshape(steps, self.rows)
+            slot_of_row = np.full(B, self.rows, np.int32)  # padding rows: out of range, dropped
+            slot_of_row[:len(live)] = live
+            self._q_packed = _q_rows(tuple(qs))
+            self._q = _q_by_request(self._q_packed, slot_of_row, self.rows)
+        ids = np.asarray(jax.device_get(tokens)).reshape(steps, B)
         out = [[] for _ in requests]
-        for r, limit in limits.items():
+        for i, r in enumerate(live):
             req = requests[r]
-            out[r] = ids[:limit, r].tolist()
-            self._seqs[req.seq_id] = _DraftState(list(req.tokens), explored[:limit], r, out[r],
+            out[r] = ids[:limits[r], i].tolist()
+            self._seqs[req.seq_id] = _DraftState(list(req.tokens), explored[:limits[r]], i, out[r],
                                                  self.samples and req.temperature > 0)
         return out
 
@@ -254,10 +275,11 @@ class DraftModelProposer:
         """The distributions the last proposal for ``seq_id`` sampled its drafts from: float32 ``[k, V]`` on the
         device (row i for draft i + 1), or None when it drafted greedily. Valid until the next proposal."""
         state = self._seqs.get(seq_id)
-        return None if state is None or not state.sampled else self._q[state.row]
+        return None if state is None or not state.sampled else self._q_packed[state.row]
 
     def sampled(self, seq_id) -> bool:
-        """Whether the last proposal for ``seq_id`` sampled its drafts (from row ``row`` of ``batch_q()``)."""
+        """Whether the last proposal for ``seq_id`` sampled its drafts (``q(seq_id)``; its request's row of
+        ``batch_q()``)."""
         state = self._seqs.get(seq_id)
         return state is not None and state.sampled
 
