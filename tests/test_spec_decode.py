@@ -756,6 +756,8 @@ def test_a_draft_model_sampling_its_drafts(tiny_model):
 
 
 def test_bad_speculation_settings_are_refused(tiny_model):
+    import dataclasses
+
     tok = Tokenizer.tiny()
     with pytest.raises(ValueError, match="speculative_tokens"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=-1))
@@ -778,6 +780,11 @@ def test_bad_speculation_settings_are_refused(tiny_model):
     with pytest.raises(ValueError, match="needs a draft model"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              draft_sample_method="probabilistic"))
+    greedy = EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2, speculative_method="draft")
+    shared = Engine(tiny_model, tok, greedy, draft_model=tiny_model).runner  # its verify program takes no q
+    with pytest.raises(ValueError, match="draft sample method"):
+        Engine(tiny_model, tok, dataclasses.replace(greedy, draft_sample_method="probabilistic"),
+               draft_model=tiny_model, runner=shared)
     with pytest.raises(ValueError, match="cost ratio"):
         Engine(tiny_model, tok, EngineConfig(max_num_seqs=2, max_model_len=128, speculative_tokens=2,
                                              speculative_cost=-1.0))

@@ -289,10 +289,12 @@ class Engine:
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
               or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
-              or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens):
+              or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens
+              or runner.draft_q != bool(getattr(self.proposer, "samples", False))):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
-                             "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs and "
-                             "speculative_tokens")
+                             "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
+                             "speculative_tokens and draft sample method (a verify program with q exactly for "
+                             "sampled drafts)")
         self.runner = runner
         self.alloc = BlockAllocator(runner.spec.num_blocks)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
@@ -892,6 +894,9 @@ class Engine:
                     if con is not None:
                         allow_ids[slot, i, : len(con.ids)] = con.ids
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
+            if getattr(proposer, "samples", False) and not self.runner.draft_q:
+                # verified as one-hot, sampled drafts would bias the output: never run them that way
+                raise RuntimeError("a proposer that samples its drafts needs a runner built with draft_q=True")
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
                                                   tables, **q)
