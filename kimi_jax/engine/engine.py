@@ -327,7 +327,7 @@ class Engine:
         self.num_preemptions = 0
         self.images_encoded = 0
         self.spec_steps = 0  # verify steps run
-        self._q_zeros = None  # [k, V] float32 zeros: the q of a row whose drafts were not sampled
+        self._q_zeros = None  # [B, k, V] zeros: the q a deterministic proposer hands a runner that takes q
         self.spec_drafted = 0  # draft tokens proposed into them
         self.spec_accepted = 0  # of those, accepted
         self.compile_seconds = 0.0
@@ -343,8 +343,6 @@ class Engine:
         if isinstance(self.proposer, DraftModelProposer):  # its feed programs too: serving compiles nothing
             t0 = time.perf_counter()
             self.proposer.warmup()
-            if self.runner.draft_q:  # and the stacking of the verify program's q
-                jax.block_until_ready(self._draft_q(self.proposer, {})["q"])
             t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
@@ -894,9 +892,6 @@ class Engine:
                     if con is not None:
                         allow_ids[slot, i, : len(con.ids)] = con.ids
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
-            if getattr(proposer, "samples", False) and not self.runner.draft_q:
-                # verified as one-hot, sampled drafts would bias the output: never run them that way
-                raise RuntimeError("a proposer that samples its drafts needs a runner built with draft_q=True")
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
                                                   tables, **q)
@@ -957,24 +952,28 @@ class Engine:
         if not policy.worth_verifying({keys[s]: r for s, r in rooms.items()}, active_rows,
                                       {keys[s]: r for s, r in rooms.items() if self._running[s].guide is not None}):
             return {}, {}
-        samples = getattr(proposer, "samples", False)
+        samples, batched = getattr(proposer, "samples", False), getattr(proposer, "rows", 0) >= self.B
+        if samples and not (batched and self.runner.draft_q):
+            # sampled drafts verified as one-hot, or their q lost between rows, would bias the output
+            raise RuntimeError("a proposer that samples its drafts must batch every slot (rows >= max_num_seqs) "
+                               "and needs a runner built with draft_q=True")
         requests = {}
         for slot, room in rooms.items():
             seq = self._running[slot]
-            kw = {}
+            ctx = _Context(seq.req.prompt_ids, seq.output_ids)
             if samples:
                 # a guided row drafts greedily: its drafts' number depends on their values (the guide's walk),
                 # which for sampled drafts would bias the output; deterministic drafts can be cut anywhere
                 hot = seq.guide is None and seq.req.params.temperature > 0
-                kw = dict(temperature=seq.req.params.temperature if hot else 0.0, seed=seed32(seq.req.seed),
-                          choice=seq.index, gen_step=len(seq.output_ids))
-            requests[slot] = (seq.key, _Context(seq.req.prompt_ids, seq.output_ids), room, kw)
-        if getattr(proposer, "rows", 0) >= self.B:  # a draft model: every row's drafts in one batch (row = slot)
-            batch = proposer.propose_batch([DraftRequest(r[0], r[1], r[2], **r[3]) if (r := requests.get(s)) else None
-                                            for s in range(self.B)])
+                requests[slot] = DraftRequest(seq.key, ctx, room, seq.req.params.temperature if hot else 0.0,
+                                              seed32(seq.req.seed), seq.index, len(seq.output_ids))
+            else:
+                requests[slot] = DraftRequest(seq.key, ctx, room)
+        if batched:  # a draft model: every row's drafts in one batch (row = slot)
+            batch = proposer.propose_batch([requests.get(s) for s in range(self.B)])
             drafted = {slot: batch[slot] for slot in requests}
         else:
-            drafted = {slot: proposer.propose(key, ctx, room, **kw) for slot, (key, ctx, room, kw) in requests.items()}
+            drafted = {s: proposer.propose(r.seq_id, r.tokens, r.max_tokens) for s, r in requests.items()}
         for slot, room in rooms.items():
             seq, d = self._running[slot], drafted[slot]
             sure = 0
@@ -999,24 +998,18 @@ class Engine:
         return drafts, {s: cons for s, cons in later.items() if s in drafts}
 
     def _draft_q(self, proposer, drafts: dict) -> dict:
-        """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: a
-        sampled row's distributions from the proposer, zeros (unused) for the rest."""
+        """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: the
+        batched proposer's q, by slot (rows that did not sample hold values the program ignores)."""
         B, K = self.B, self.runner.spec_tokens
-        if self._q_zeros is None:
-            self._q_zeros = jnp.zeros((K, self.vocab_size), jnp.float32)
         has_q = np.zeros((B, K), bool)
-        if getattr(proposer, "rows", 0) >= B and proposer.batch_q() is not None:  # batched: row = slot already
-            for slot, (d, _) in drafts.items():
-                has_q[slot, :len(d)] = proposer.sampled(self._running[slot].key)
-            q = proposer.batch_q()
-            return {"q": q if q.shape[0] == B else q[:B], "has_q": has_q}
-        rows = [self._q_zeros] * B
+        if not getattr(proposer, "samples", False):  # a deterministic proposer swapped in: every draft one-hot
+            if self._q_zeros is None:
+                self._q_zeros = jnp.zeros((B, K, self.vocab_size), jnp.float32)
+            return {"q": self._q_zeros, "has_q": has_q}
         for slot, (d, _) in drafts.items():
-            q = proposer.q(self._running[slot].key) if hasattr(proposer, "q") else None
-            if q is not None:
-                rows[slot] = q
-                has_q[slot, :len(d)] = True
-        return {"q": jnp.stack(rows), "has_q": has_q}
+            has_q[slot, :len(d)] = proposer.sampled(self._running[slot].key)
+        q = proposer.batch_q()
+        return {"q": q if q.shape[0] == B else q[:B], "has_q": has_q}
 
     def _guided_drafts(self, guide: Guide, con, proposal: list, limit: int):
         """Drafts for a guided row, walked on a copy of its guide: each token the guide forces (a constraint of one
