@@ -27,9 +27,8 @@ over.
 
 Cost per engine step: one batched step for the rows' last tokens plus k − 1 batched draft steps (and k batched
 draws when sampling), a row copy per resumed sequence, one stack of the rows, and one device-to-host transfer for
-the drafts, all dispatched from the engine thread. On this 2-core CPU (tiny model, k = 4) a proposal for 4
-sequences takes 6–13 ms batched against 19–39 ms one sequence at a time; one sequence in a batch of 4 costs about
-what it costs alone. Memory: up to k batched copies of the draft model's cache between two proposals (not
+the drafts, all dispatched from the engine thread. On a 2-core CPU (tiny model, k = 4; ``bench/draft_batch.py``) a proposal
+for 4 sequences takes 7.6 ms batched against 20.5 ms one sequence at a time. Memory: up to k batched copies of the draft model's cache between two proposals (not
 donated), and when sampling a ``[rows, k, V]`` float32 q.
 """
 
