@@ -64,7 +64,7 @@ from kimi_jax.config import get_preset  # noqa: E402
 from kimi_jax.model import Model  # noqa: E402
 from kimi_jax.modules.decoder import KimiForCausalLM, ModelCache  # noqa: E402
 from sharding import make_mesh  # noqa: E402
-from sharding import model_context as mc  # noqa: E402
+from kimi_jax import parallel as mc  # noqa: E402
 
 ROWS = []
 

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.context import KernelConfig
+
 from .config import ConfigError, ModelConfig, load_config
 
 log = logging.getLogger("kimi_jax")
@@ -161,7 +163,6 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
     parameters (`<path>_packed`, `<path>_scale`) instead of the plain array; the iterator yields those names."""
     from convert.errors import ConvertError
 
-    from .kernels import KernelConfig
     from .model import Model, _mesh
     from .modules.decoder import KimiForCausalLM
 
@@ -169,7 +170,7 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
     kernels = kernels or KernelConfig()
 
     def build():
-        m = KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, kernels=kernels)
+        m = KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype)
         if mxfp4_experts:
             switched = _packed_modules(m, set(mxfp4_experts))
             if switched != set(mxfp4_experts):
@@ -206,7 +207,7 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
     # the module now holds the only references to the arrays: whatever Model re-lays at load (MXFP4 experts on a
     # GPU, `MoE.use_mosaic_experts`) frees each old array as its replacement is made, not all of them at the end
     del filled, params
-    return Model(module, dtype, mesh=mesh)  # Model re-applies sharding.rules: a no-op for arrays placed here
+    return Model(module, dtype, mesh=mesh, kernels=kernels)  # Model re-applies sharding.rules: a no-op for arrays placed here
 
 
 def _path_name(path) -> str:

@@ -13,9 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.context import ForwardContext, KernelConfig, context_for_mesh
+from sharding.mesh import make_mesh
+from sharding.rules import shard_params
+
 from .config import ModelConfig, PRESETS, get_preset, load_config
-from .kernels import KernelConfig
-from .modules.decoder import KimiForCausalLM, ModelCache, PagedModelCache
+from .modules.decoder import DecoderLayer, KimiForCausalLM, ModelCache, PagedModelCache
+from .modules.moe import use_mosaic_experts
 
 log = logging.getLogger("kimi_jax")
 
@@ -30,8 +34,6 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     distinct (kind, FFN) signature and the result reused, since tracing all 93 layers of the full model in one graph
     is needlessly slow.
     """
-    from .modules.decoder import DecoderLayer
-
     out = {}
     top_cfg = cfg.replace(layer_kinds=(), dense_layers=())
     top = nnx.state(nnx.eval_shape(lambda: KimiForCausalLM(top_cfg, rngs=nnx.Rngs(0), dtype=dtype)), nnx.Param)
@@ -69,27 +71,27 @@ def _sample(logits_bv, temperature, key):
 class Model:
     """A loaded model: config, parameters and jitted forward / prefill / decode functions."""
 
-    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32, mesh=None, vision=None):
+    def __init__(self, module: KimiForCausalLM, dtype=jnp.float32, mesh=None, vision=None,
+                 kernels: KernelConfig = KernelConfig()):
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
         self.mesh = mesh
+        self.kernels = kernels
+        # what every forward of this model runs with: its mesh and axis roles, its kernels (`sharding.context`)
+        self.ctx: ForwardContext = context_for_mesh(mesh, kernels)
         # the MoonViT tower + projector (`modules.vision.VisionTower`), or None for a text-only model / checkpoint;
         # kept outside the text module: its ~0.4B parameters stay replicated and whole-image attention runs apart
         self.vision = vision
-        from .modules.moe import use_expert_parallel, use_mosaic_experts
-
         if jax.default_backend() in ("gpu", "cuda"):  # MXFP4 experts laid out once for the Mosaic GPU kernel
-            use_mosaic_experts(module)
-        use_expert_parallel(module, mesh)  # on a mesh: routed experts computed where they live, not gathered
+            use_mosaic_experts(module, kernels)
         self.graphdef, self.params = nnx.split(module)
         if mesh is not None:
-            from sharding.rules import shard_params
-
             self.params = shard_params(self.params, mesh)
+        ctx = self.ctx
 
         def forward(params, ids, cache, mla_form="absorbed", mm=None):
             m = nnx.merge(self.graphdef, params)
-            return m(ids, cache, mla_form=mla_form, mm=mm)
+            return m(ids, cache, ctx=ctx, mla_form=mla_form, mm=mm)
 
         self._forward = jax.jit(forward, static_argnames=("mla_form",))
         self._step = jax.jit(forward, donate_argnums=(2,))
@@ -262,7 +264,7 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=Non
             "Use `python -m kimi_jax.plan` or jax.eval_shape for the full-size presets, or load a checkpoint.")
     with jax.ensure_compile_time_eval():  # a concrete rng state even under eval_shape (see layers.param_key)
         rngs = nnx.Rngs(seed)
-    module = KimiForCausalLM(cfg, rngs=rngs, dtype=dtype, kernels=kernels or KernelConfig())
+    module = KimiForCausalLM(cfg, rngs=rngs, dtype=dtype)
     vision = None
     if cfg.vision is not None:
         from .modules.vision import VisionTower
@@ -270,7 +272,7 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=Non
         with jax.ensure_compile_time_eval():  # its own stream: the text weights stay those of a text-only build
             vision_rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), 1))
         vision = VisionTower(cfg.vision, rngs=vision_rngs, dtype=dtype)
-    return Model(module, dtype, mesh=_mesh(mesh), vision=vision)
+    return Model(module, dtype, mesh=_mesh(mesh), vision=vision, kernels=kernels or KernelConfig())
 
 
 def _mesh(mesh):
@@ -283,8 +285,6 @@ def _mesh(mesh):
         return mesh
     if mesh is None or not isinstance(mesh, (str, dict)):
         return mesh
-    from sharding.mesh import make_mesh
-
     return make_mesh(mesh)
 
 

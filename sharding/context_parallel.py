@@ -34,17 +34,15 @@ Shapes: q, k `[B, T, H, dk]`, v `[B, T, H, dv]`, g `[B, T, H, dk]`, β `[B, T, H
 absorbed MLA query `[B, T, H, c]` (c = R + rope), latent rows `[B, S, c]`, values their first R = value_dim columns;
 indexer query `[B, T, Hi, d]`, keys `[B, S, d]`, weights `[B, T, Hi]` (Hi^-0.5·d^-0.5 folded in by the caller).
 Functions named `*_shard` run inside a `shard_map` over `axis`; the others take global arrays and a mesh.
-The WHOLE model (every layer, logits, cache, greedy decode) runs these through `prefill` / `decode_step` /
-`generate` below, implemented in `sharding.model_context`: the KDA and MLA modules read `active_context()` while
-that module traces a forward inside one shard_map.
+The WHOLE model (every layer, logits, cache, greedy decode) runs these through `kimi_jax.parallel` (`prefill`,
+`decode_step`, `generate`): the KDA and MLA layers call them when their `ForwardContext` names a context-parallel
+mode.
 The per-shard KDA op is `pallas_kernels.kda.chunk` (the GPU/TPU kernels under backend "auto"); on CPU "auto" means the
 token recurrence instead (`resolve_kda_backend`: jaxlib 0.10.2's batched LAPACK solve can deadlock with fake devices).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from typing import Optional
 
@@ -56,9 +54,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import reference as kda_ref
 
+from .context import DEFAULT_MAX_CHUNK_BYTES, LAYOUTS
+
 CONTEXT = "context"
-LAYOUTS = ("contiguous", "round_robin")
-DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 # KDA token slices longer than this go through the per-shard op in segments of this many tokens (exact; bounds the
 # op's per-call float32 buffers). 0 = never segment.
 KDA_SEGMENT_TOKENS = 8192
@@ -682,52 +680,6 @@ def head_split_decode(q_bhc, kv_bsc, seq_lens_b, qi_bhd=None, ki_bsd=None, w_bh=
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# model level: the active context-parallel mode while a whole-model forward is traced (sharding.model_context)
-# ----------------------------------------------------------------------------------------------------------------
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("kimi_jax_context_parallel", default=None)
-
-
-def active_context():
-    """The `sharding.model_context.ModelContext` of the whole-model forward being traced right now, or None (the
-    ordinary single-program path). The KDA and MLA modules read it to route their sequence-mixing steps (conv,
-    delta rule, attention over earlier keys, cache writes) through this module's collectives."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def using_context(ctx):
-    """Make `ctx` the active context while the body traces (set INSIDE the traced function, so a cached jit trace
-    can never run without it or leak it)."""
-    token = _ACTIVE.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _ACTIVE.reset(token)
-
-
-def prefill(model, input_ids, mesh, **kw):
-    """Model-level prefill split over the mesh's "context" axis; see `sharding.model_context.prefill`."""
-    from . import model_context
-
-    return model_context.prefill(model, input_ids, mesh, **kw)
-
-
-def decode_step(model, cache, token_ids, mesh, **kw):
-    """Model-level decode step (DCP or TP); see `sharding.model_context.decode_step`."""
-    from . import model_context
-
-    return model_context.decode_step(model, cache, token_ids, mesh, **kw)
-
-
-def generate(model, input_ids, max_new_tokens, mesh, **kw):
-    """Greedy generation with token-split prefill and DCP decode; see `sharding.model_context.generate`."""
-    from . import model_context
-
-    return model_context.generate(model, input_ids, max_new_tokens, mesh, **kw)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # communication accounting
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -786,6 +738,5 @@ __all__ = [
     "index_scores", "select_topk", "mla_attend", "mla_query_chunk", "mla_token_split_shard", "mla_head_split_shard",
     "mla_prefill_token_split", "mla_prefill_head_split",
     "dcp_positions", "dcp_place", "dcp_decode_shard", "dcp_decode", "head_split_decode_shard", "head_split_decode",
-    "decode_comm_bytes", "prefill_comm_bytes", "global_rows_shard", "active_context", "using_context",
-    "prefill", "decode_step", "generate",
+    "decode_comm_bytes", "prefill_comm_bytes", "global_rows_shard",
 ]

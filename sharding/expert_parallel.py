@@ -37,11 +37,11 @@ data (psum_scatter sums a fixed number of partials in the collective's fixed ord
 
 Entry points: `ep_expert_ffn` (routing given, as `ops.expert_ffn`) and `ep_moe` (routes with
 `kimi_jax.modules.moe.route` inside the shard_map first). A `Model` on a mesh whose expert axes split the routed
-experts runs every MoE layer through `ep_expert_ffn` (`kimi_jax.modules.moe.use_expert_parallel`): under plain GSPMD
+experts runs every MoE layer through `ep_expert_ffn` (`sharding.moe.routed_experts`): under plain GSPMD
 the kernels' custom calls (Pallas on GPU and TPU) cannot be split, so XLA would gather every expert to every device.
 Inputs are global arrays; outputs are global `[N, D]` float32 arrays sharded like the tokens.
 `ep_expert_ffn_manual` runs the same local bodies from INSIDE a shard_map that is already manual over "context" (the
-context-parallel programs, `sharding.model_context`, on overlay meshes): local tokens in, local `[n, D]` out.
+context-parallel programs, `kimi_jax.parallel`, on overlay meshes): local tokens in, local `[n, D]` out.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def ep_expert_ffn_manual(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, a
                          token_axis=None, method: str = "auto", backend: str = "auto", interpret: bool = False,
                          emulate_a2a: bool = False):
     """Expert-parallel `ops.expert_ffn` called INSIDE a shard_map that is already manual over the expert axes other
-    than "model": the context-parallel programs of `sharding.model_context` (manual over ("data", "context"),
+    than "model": the context-parallel programs of `kimi_jax.parallel` (manual over ("data", "context"),
     "model" left to GSPMD) on an overlay mesh whose routed experts split over ("context", "model").
 
     Arguments are this device's views inside the caller's shard_map:

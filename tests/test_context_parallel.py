@@ -1,4 +1,4 @@
-"""Context parallelism (sharding/context_parallel.py, sharding/model_context.py): the KDA shard-transition math on
+"""Context parallelism (sharding/context_parallel.py, kimi_jax/parallel.py): the KDA shard-transition math on
 one device, the communication accounting, and — in subprocesses with 8 fake CPU devices — token-split / head-split
 prefill and DCP / TP decode against one device: first the ops, then the whole tiny model (every layer; logits,
 cache and greedy tokens; fp32, ≤ 1e-4 relative)."""
@@ -272,7 +272,7 @@ def test_bench_cp_smoke():
 def test_model_decode_comm_bytes_k31():
     """Whole K3.1 Pro model, DCP8 at 1M tokens: 24 MLA layers × (candidates + merge) vs the naive all-gathers."""
     from kimi_jax.config import get_preset
-    from sharding.model_context import decode_comm_bytes_per_step
+    from kimi_jax.parallel import decode_comm_bytes_per_step
 
     cfg = get_preset("kimi-k3.1-pro")
     r = decode_comm_bytes_per_step(cfg, n=8, batch=1, seq_len=1 << 20, kv_dtype="fp8", index_dtype="fp8")
@@ -288,7 +288,7 @@ def test_model_decode_comm_bytes_k31():
 def test_model_entry_points_reject_bad_meshes():
     import kimi_jax
     from sharding import make_mesh
-    from sharding import model_context as mc
+    from kimi_jax import parallel as mc
 
     m = kimi_jax.load_model("tiny")
     with pytest.raises(ValueError, match="no 'context' axis"):
@@ -303,7 +303,7 @@ MODEL_SCRIPT = textwrap.dedent(r"""
     import time, numpy as np, jax, jax.numpy as jnp
     import kimi_jax
     from sharding import make_mesh, context_parallel as cp
-    from sharding import model_context as mc
+    from kimi_jax import parallel as mc
     assert len(jax.devices()) == 8
     T0 = [time.time()]
 

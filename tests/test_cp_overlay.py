@@ -1,5 +1,5 @@
 """Context parallelism on the expert overlay (`expert=8,tensor=1,context=8`, vLLM's K3.1 layout, and
-`expert=8,tensor=2,context=4`): inside the token-split prefill and DCP decode programs (`sharding.model_context`,
+`expert=8,tensor=2,context=4`): inside the token-split prefill and DCP decode programs (`kimi_jax.parallel`,
 one shard_map manual over "context") the routed experts stay split over ("context", "model") and run
 expert-parallel (`sharding.expert_parallel.ep_expert_ffn_manual`) instead of being gathered to every context shard.
 
@@ -85,7 +85,7 @@ MODEL_SCRIPT = textwrap.dedent(r"""
     import re, sys, numpy as np, jax, jax.numpy as jnp, kimi_jax
     import sharding.expert_parallel as ep
     from sharding import make_mesh
-    from sharding import model_context as mc
+    from kimi_jax import parallel as mc
     from sharding.rules import _path_name
     from kimi_jax.modules.moe import moe_layers
     spec, layout = sys.argv[1:3]

@@ -58,10 +58,10 @@ def _advance_program(model, logits_out: bool = False):
     (proposers over the same model share its compiled programs); `after` is each row's argmax after its last id
     (int32 `[B]`) or, with `logits_out`, its logits (float32 `[B, V]`). No donation: the kept cache is read again
     by the next proposal."""
-    graphdef = model.graphdef
+    graphdef, ctx = model.graphdef, model.ctx
 
     def advance(params, ids_bt, cache):
-        logits, cache = nnx.merge(graphdef, params)(ids_bt, cache)
+        logits, cache = nnx.merge(graphdef, params)(ids_bt, cache, ctx=ctx)
         last_bv = logits[:, -1].astype(jnp.float32)
         return (last_bv if logits_out else jnp.argmax(last_bv, axis=-1).astype(jnp.int32)), cache
 

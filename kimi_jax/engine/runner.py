@@ -123,6 +123,7 @@ class ModelRunner:
             raise ValueError(f"a pool of {num_blocks} blocks ({self.spec.usable_blocks} usable, {PAGE_TOKENS} tokens "
                              f"each) cannot hold one sequence of max_model_len {self.L} ({self.max_blocks} blocks)")
         graphdef, act_dtype, spec = model.graphdef, model.dtype, self.spec
+        ctx = model.ctx  # the model's mesh, axis roles and kernels: every program's forward runs with it
         B, V, NB = self.B, self.V, self.max_blocks
         replicated = None
         if self.mesh is not None:  # parameters are placed on the mesh; the caches and batch live replicated on it
@@ -152,7 +153,7 @@ class ModelRunner:
             pools = state.cache.layers
             full = cache1.replace(block_tables=table1,
                                   layers=tuple(p if c is None else c for c, p in zip(cache1.layers, pools)))
-            _, new = m.hidden_states(ids, full, mm=mm)
+            _, new = m.hidden_states(ids, full, ctx=ctx, mm=mm)
             new = same_dtypes(new, full)
             cache1 = new.replace(block_tables=cache1.block_tables,
                                  layers=tuple(None if c is None else n for c, n in zip(cache1.layers, new.layers)))
@@ -173,7 +174,7 @@ class ModelRunner:
 
         def step(params, state, tokens, active, rows, ctl, tables, block_tables):
             m = nnx.merge(graphdef, params)
-            logits, cache = m(tokens[:, None], state.cache.replace(block_tables=block_tables))
+            logits, cache = m(tokens[:, None], state.cache.replace(block_tables=block_tables), ctx=ctx)
             cache = cache.replace(length=jnp.where(active, cache.length, state.cache.length))
             cache = same_dtypes(cache, state.cache)
             out, counts = sample(logits[:, 0], rows, ctl, state.counts, state.prompt_mask, tables)
@@ -182,11 +183,11 @@ class ModelRunner:
         def verify(params, state, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None, has_q=None):
             m = nnx.merge(graphdef, params)
             old = state.cache
-            logits, pending = m(tokens, old.replace(block_tables=block_tables), defer_kda=True)
+            logits, pending = m(tokens, old.replace(block_tables=block_tables), ctx=ctx, defer_kda=True)
             out, counts = verify_sample(logits, tokens[:, 1:], n_draft, rows, ctl, state.counts, state.prompt_mask,
                                         tables, q, has_q)
             keep = jnp.where(active, out.n, 0)
-            cache = m.commit_verify(pending, old.length, keep)
+            cache = m.commit_verify(pending, old.length, keep, ctx)
             cache = same_dtypes(cache, old)
             return DeviceState(cache, counts, state.prompt_mask), out
 

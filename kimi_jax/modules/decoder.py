@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..cache import PAGE_TOKENS
+from sharding.context import ForwardContext
+
 from ..config import ModelConfig
-from ..kernels import KernelConfig
 from ..paged_cache import NULL_BLOCK, LayerPool, PagedCacheSpec
 from .attn_res import AttnResMix
 from .kda import KDACache, KDAPending, KimiDeltaAttention, commit as kda_commit
@@ -133,19 +134,18 @@ AnyCache = Union[ModelCache, PagedModelCache]
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 kernels: KernelConfig = KernelConfig()):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kind = cfg.layer_kinds[layer]
         self.input_layernorm = RMSNorm(D, eps, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(D, eps, rngs=rngs, dtype=dtype)
         if self.kind == "kda":
-            self.self_attn = KimiDeltaAttention(D, cfg.kda, rngs=rngs, dtype=dtype, kernels=kernels)
+            self.self_attn = KimiDeltaAttention(D, cfg.kda, rngs=rngs, dtype=dtype)
         else:
-            self.self_attn = MultiHeadLatentAttention(D, cfg.mla, cfg.indexer, rngs=rngs, dtype=dtype, kernels=kernels)
+            self.self_attn = MultiHeadLatentAttention(D, cfg.mla, cfg.indexer, rngs=rngs, dtype=dtype)
         act = activation_fn(cfg)
         if cfg.is_moe_layer(layer):
-            self.block_sparse_moe = MoE(D, cfg.moe, act, eps, rngs=rngs, dtype=dtype, kernels=kernels)
+            self.block_sparse_moe = MoE(D, cfg.moe, act, eps, rngs=rngs, dtype=dtype)
             self.mlp = None
         else:
             self.mlp = DenseMLP(D, cfg.dense_intermediate_size, act, rngs=rngs, dtype=dtype)
@@ -154,35 +154,35 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResMix(D, eps, rngs=rngs, dtype=dtype)
             self.mlp_res = AttnResMix(D, eps, rngs=rngs, dtype=dtype)
 
-    def attn(self, h, cache, start, mla_form, defer_kda=False):
+    def attn(self, h, cache, start, ctx: ForwardContext, mla_form: str = "absorbed", defer_kda: bool = False):
         x = self.input_layernorm(h)
         if self.kind == "kda":
-            return self.self_attn(x, cache, defer=defer_kda)
-        return self.self_attn(x, cache, start, form=mla_form)
+            return self.self_attn(x, cache, ctx=ctx, defer=defer_kda)
+        return self.self_attn(x, cache, start, ctx=ctx, form=mla_form)
 
-    def ffn(self, h):
+    def ffn(self, h, ctx: ForwardContext):
         x = self.post_attention_layernorm(h)
-        return self.mlp(x) if self.mlp is not None else self.block_sparse_moe(x)
+        return self.mlp(x) if self.mlp is not None else self.block_sparse_moe(x, ctx)
 
 
 class KimiForCausalLM(nnx.Module):
     """The whole text model. `__call__(ids, cache, start)` -> (logits float32 `[B, T, V]`, new cache)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 kernels: KernelConfig = KernelConfig()):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         D = cfg.hidden_size
         self.embed_tokens = nnx.Param(normal_init(rngs, (cfg.vocab_size, D), 1.0, dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, kernels=kernels)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype)
                                 for i in range(cfg.num_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         if cfg.attn_res_block_size:
             self.output_attn_res = AttnResMix(D, cfg.rms_norm_eps, rngs=rngs, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(D, cfg.vocab_size, rngs=rngs, dtype=dtype)
 
-    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None,
-                      defer_kda: bool = False):
-        """Final normed hidden states `[B, T, D]` and the new cache (None without one).
+    def hidden_states(self, ids_bt, cache: Optional[AnyCache] = None, *, ctx: ForwardContext = ForwardContext(),
+                      mla_form: str = "absorbed", mm=None, defer_kda: bool = False):
+        """Final normed hidden states `[B, T, D]` and the new cache (None without one). The one forward driver:
+        `Model`, the engine's programs and the context-parallel programs all run it, with their `ctx`.
 
         `cache`: a contiguous `ModelCache` or a `PagedModelCache` (MLA layers then run on the paged pools; the
         caller's block tables must already cover positions length…length+T−1 of every sequence written).
@@ -210,14 +210,14 @@ class KimiForCausalLM(nnx.Module):
                 if i % block == 0:
                     blocks.append(prefix)
                     prefix = None
-                a, c = layer.attn(h, layer_cache, start, mla_form, defer_kda)
+                a, c = layer.attn(h, layer_cache, start, ctx, mla_form, defer_kda)
                 prefix = a if prefix is None else prefix + a
                 h = layer.mlp_res(blocks + [prefix])
-                prefix = prefix + layer.ffn(h)
+                prefix = prefix + layer.ffn(h, ctx)
             else:  # plain pre-norm residual stream
-                a, c = layer.attn(prefix, layer_cache, start, mla_form, defer_kda)
+                a, c = layer.attn(prefix, layer_cache, start, ctx, mla_form, defer_kda)
                 prefix = prefix + a
-                prefix = prefix + layer.ffn(prefix)
+                prefix = prefix + layer.ffn(prefix, ctx)
             new_layers.append(c.pool if isinstance(c, PagedMLACache) else c)
         h = self.output_attn_res(blocks + [prefix]) if block else prefix
         h = self.norm(h)
@@ -228,24 +228,25 @@ class KimiForCausalLM(nnx.Module):
             new_cache = ModelCache(cache.length + ids_bt.shape[1], tuple(new_layers))
         return h, new_cache
 
-    def commit_verify(self, cache: AnyCache, old_length, keep_b) -> AnyCache:
+    def commit_verify(self, cache: AnyCache, old_length, keep_b, ctx: ForwardContext = ForwardContext()) -> AnyCache:
         """After a `defer_kda` pass over T tokens from `old_length` `[B]`: the cache holding only the first
         `keep_b[b]` (0 ≤ keep ≤ T) of them. KDA layers replay their recurrence over the kept tokens
         (`modules.kda.commit`); MLA rows past the new length stay where they were written and are overwritten
         before anything reads them (every step writes its positions before attending)."""
         keep_b = jnp.asarray(keep_b, jnp.int32)
-        layers = tuple(kda_commit(c, keep_b, layer.self_attn.backend) if isinstance(c, KDAPending) else c
-                       for layer, c in zip(self.layers, cache.layers))
+        layers = tuple(kda_commit(c, keep_b, ctx) if isinstance(c, KDAPending) else c for c in cache.layers)
         length = jnp.asarray(old_length, jnp.int32) + keep_b
         if isinstance(cache, PagedModelCache):
             return cache.replace(length=length, layers=layers)
         return ModelCache(length, layers)
 
-    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, mla_form: str = "absorbed", mm=None,
-                 defer_kda: bool = False):
-        h, new_cache = self.hidden_states(ids_bt, cache, mla_form=mla_form, mm=mm, defer_kda=defer_kda)
+    def logits(self, h_btd):
+        """float32 logits `[B, T, V]` of final hidden states `[B, T, D]` (tied embeddings or lm_head)."""
         if self.lm_head is None:
-            logits = jnp.dot(h, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
-        else:
-            logits = self.lm_head(h, out_dtype=jnp.float32)
-        return logits, new_cache
+            return jnp.dot(h_btd, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
+        return self.lm_head(h_btd, out_dtype=jnp.float32)
+
+    def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, ctx: ForwardContext = ForwardContext(),
+                 mla_form: str = "absorbed", mm=None, defer_kda: bool = False):
+        h, new_cache = self.hidden_states(ids_bt, cache, ctx=ctx, mla_form=mla_form, mm=mm, defer_kda=defer_kda)
+        return self.logits(h), new_cache

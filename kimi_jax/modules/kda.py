@@ -10,12 +10,10 @@ the recurrence and the convs). Once the engine knows how many of the T tokens ea
 the recurrence over just those (the rest made inert: no decay, no write) and cuts the conv tails there. This costs
 one more pass over the state instead of keeping T states per layer alive until acceptance.
 
-Context parallelism (`sharding.context_parallel.active_context()`, set while `sharding.model_context` traces a
-forward inside a shard_map): in "token" mode this device holds a contiguous slice of the prompt — the convs take
-their K−1 halo from the previous device, padded tail tokens are made inert (g = 0, β = 0), and the delta rule runs
-`kda_token_split_shard` (local affine transition + prefix combination across devices: exact, every device ends
-with the whole prompt's state). In the other modes (head split, DCP decode) the layer runs as usual per device,
-with the prefill op from `context_parallel.kda_local_op` (which avoids the CPU solve deadlock with fake devices).
+Every op runs through the partitioned KDA entry point (`sharding.kda`), which takes the `ForwardContext`: heads
+over the tensor axis, and under the token-split prefill (this device holds a contiguous slice of the prompt) the
+convs take their K−1 halo from the previous device, padded tail tokens are made inert (g = 0, β = 0), and the
+slices' state transitions are combined across devices (exact: every device ends with the whole prompt's state).
 """
 
 from __future__ import annotations
@@ -26,12 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.kda import ops as kda_kernels
 from pallas_kernels.kda import reference as kda_ops
-from sharding import context_parallel as cp
+from sharding import kda as kda_sharded
+from sharding.context import ForwardContext
 
 from ..config import KDAConfig
-from ..kernels import KernelConfig
 from .layers import Linear, normal_init, param_key
 
 
@@ -64,7 +61,7 @@ class KDAPending(NamedTuple):
     v_in_btp: jax.Array
 
 
-def commit(pending: KDAPending, keep_b, backend: str = "reference") -> KDACache:
+def commit(pending: KDAPending, keep_b, ctx: ForwardContext = ForwardContext()) -> KDACache:
     """The cache after the first `keep_b[b]` of the verify pass's T tokens (0 ≤ keep ≤ T, int `[B]`).
 
     State: the recurrent op over all T steps with steps t ≥ keep made inert (g = 0, β = 0 leave the state as it is),
@@ -74,8 +71,7 @@ def commit(pending: KDAPending, keep_b, backend: str = "reference") -> KDACache:
     kept_bt = jnp.arange(T, dtype=jnp.int32)[None, :] < jnp.asarray(keep_b, jnp.int32).reshape(B, 1)
     g = jnp.where(kept_bt[:, :, None, None], pending.g_bthk, 0.0)
     beta = jnp.where(kept_bt[:, :, None], pending.beta_bth, 0.0)
-    _, state = kda_kernels.recurrent(pending.q_bthk, pending.k_bthk, pending.v_bthv, g, beta, old.state_bhkv,
-                                     backend=backend)
+    _, state = kda_sharded.recurrent(ctx, pending.q_bthk, pending.k_bthk, pending.v_bthv, g, beta, old.state_bhkv)
     Km1 = old.q_tail_bkp.shape[1]
     rows_bj = jnp.asarray(keep_b, jnp.int32).reshape(B, 1) + jnp.arange(Km1, dtype=jnp.int32)[None, :]
 
@@ -88,10 +84,8 @@ def commit(pending: KDAPending, keep_b, backend: str = "reference") -> KDACache:
 
 
 class KimiDeltaAttention(nnx.Module):
-    def __init__(self, hidden: int, cfg: KDAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 kernels: KernelConfig = KernelConfig()):
+    def __init__(self, hidden: int, cfg: KDAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
-        self.backend = kernels.kda
         H, d, K = cfg.num_heads, cfg.head_dim, cfg.conv_kernel
         P = H * d
         self.q_proj = Linear(hidden, P, rngs=rngs, dtype=dtype)
@@ -114,8 +108,8 @@ class KimiDeltaAttention(nnx.Module):
             self.g_b_proj = Linear(cfg.output_gate_rank, P, rngs=rngs, dtype=dtype)
         self.o_proj = Linear(P, hidden, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x_btd, cache: Optional[KDACache] = None, *, use_chunk: Optional[bool] = None,
-                 defer: bool = False):
+    def __call__(self, x_btd, cache: Optional[KDACache] = None, *, ctx: ForwardContext = ForwardContext(),
+                 use_chunk: Optional[bool] = None, defer: bool = False):
         """x `[B, T, D]` (after input_layernorm) -> (out `[B, T, D]`, new KDACache).
 
         `defer`: speculative verification — run the T tokens with the recurrent op and return a `KDAPending`
@@ -125,20 +119,13 @@ class KimiDeltaAttention(nnx.Module):
         H, d = cfg.num_heads, cfg.head_dim
         if cache is None:
             cache = KDACache.zeros(B, cfg, x_btd.dtype)
-        ctx = cp.active_context()
-        token_split = ctx is not None and ctx.mode == "token"
-
-        if defer and ctx is not None:
+        if defer and ctx.context_parallel:
             raise ValueError("speculative verification (defer=True) does not run under context parallelism")
 
         def branch(proj, conv_w, tail):
             """-> (conv + SiLU output `[B, T, H, d]`, new tail, the projection that entered the conv)."""
             x_btp = proj(x_btd)
-            if token_split:  # K−1 halo from the previous device; the tail of the whole (unpadded) prompt
-                y, new_tail = cp.conv_token_split_shard(x_btp, conv_w[...], tail, axis=ctx.axis,
-                                                        valid_len=ctx.valid_len)
-            else:
-                y, new_tail = kda_ops.causal_conv(x_btp, conv_w[...], tail)
+            y, new_tail = kda_sharded.causal_conv(ctx, x_btp, conv_w[...], tail)
             return jax.nn.silu(y).reshape(B, T, H, d), new_tail, x_btp
 
         q, q_tail, q_in = branch(self.q_proj, self.q_conv1d, cache.q_tail_bkp)
@@ -155,18 +142,14 @@ class KimiDeltaAttention(nnx.Module):
         if defer:
             pending = KDAPending(cache, q, k, v, g, beta, q_in.astype(cache.q_tail_bkp.dtype),
                                  k_in.astype(cache.k_tail_bkp.dtype), v_in.astype(cache.v_tail_bkp.dtype))
-        if token_split:
+        if ctx.token_split:
             real_t = ctx.token_mask(T)  # [T] bool: False on the padding after the prompt
             g = jnp.where(real_t[None, :, None, None], g, 0.0)  # inert steps: no decay, no write
             beta = jnp.where(real_t[None, :, None], beta, 0.0)
-            o, state = cp.kda_token_split_shard(q, k, v, g, beta, cache.state_bhkv, axis=ctx.axis,
-                                                backend=self.backend)
-        elif ctx is not None and use_chunk:
-            o, state = cp.kda_local_op(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
-        elif use_chunk:
-            o, state = kda_kernels.chunk(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
+        if use_chunk or ctx.token_split:
+            o, state = kda_sharded.chunk(ctx, q, k, v, g, beta, cache.state_bhkv)
         else:
-            o, state = kda_kernels.recurrent(q, k, v, g, beta, cache.state_bhkv, backend=self.backend)
+            o, state = kda_sharded.recurrent(ctx, q, k, v, g, beta, cache.state_bhkv)
         # gated per-head RMSNorm, float32
         o = o.astype(jnp.float32)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.o_norm_eps) * self.o_norm[...]

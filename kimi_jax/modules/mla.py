@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.indexer import paged as index_paged
 from pallas_kernels.indexer import reference as index_ops
 from pallas_kernels.mla import reference as mla_ops
-from pallas_kernels.mla import sparse as sparse_mla
+from sharding import context_parallel as cp
+from sharding import dsa
+from sharding.context import ForwardContext
 
 from ..cache import PAGE_TOKENS
 from ..config import IndexerConfig, MLAConfig
-from ..kernels import KernelConfig
 from ..paged_cache import LayerPool, PagedCacheSpec
 from ..quant import hadamard
 from .layers import LayerNorm, Linear, RMSNorm, normal_init
@@ -90,23 +90,12 @@ def _write_rows(buf_bsc, rows_btc, starts_b):
     return jax.vmap(write)(buf_bsc, rows_btc, starts_b)
 
 
-def dsa_backend(configured: str, num_queries: int) -> str:
-    """The DSA kernels are decode kernels (one query per sequence): a named kernel serves decode steps and prefill
-    chunks take the reference ("auto" makes the same choice inside the ops)."""
-    if configured in ("auto", "reference") or num_queries == 1:
-        return configured
-    return "reference"
-
-
 class Indexer(nnx.Module):
     """DSA lightning indexer: per query, the top-k earlier tokens every head may attend to."""
 
-    def __init__(self, hidden: int, q_rank: int, cfg: IndexerConfig, rope, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 backend: str = "auto", precision: str = "exact"):
+    def __init__(self, hidden: int, q_rank: int, cfg: IndexerConfig, rope, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.rope = rope
-        self.backend = backend  # paged top-k implementation (KernelConfig.dsa)
-        self.precision = precision  # KernelConfig.dsa_precision
         self.wq_b = Linear(q_rank, cfg.num_heads * cfg.head_dim, rngs=rngs, dtype=dtype)
         self.wk = Linear(hidden, cfg.head_dim, rngs=rngs, dtype=dtype)
         self.k_norm = LayerNorm(cfg.head_dim, cfg.norm_eps, rngs=rngs, dtype=dtype)
@@ -138,20 +127,17 @@ class Indexer(nnx.Module):
         s = index_ops.scores(q, keys_bsd, w, allowed_bts)
         return index_ops.topk_mask(s, allowed_bts, self.cfg.topk)
 
-    def topk_paged(self, x_btd, cq_btr, cache: PagedMLACache, query_pos_bt, cos_sin):
+    def topk_paged(self, ctx: ForwardContext, x_btd, cq_btr, cache: PagedMLACache, query_pos_bt, cos_sin):
         """Top-k positions int32 `[B, T, topk]` (−1 = empty) over the paged index keys; query_pos −1 = padding."""
         q, w = self.queries(x_btd, cq_btr, cos_sin)
-        return index_paged.topk_indices(q, w, cache.pool.index, cache.block_tables, query_pos_bt, self.cfg.topk,
-                                        fmt=cache.spec.index_format, backend=dsa_backend(self.backend, q.shape[1]),
-                                        precision=self.precision)
+        return dsa.topk_indices(ctx, q, w, cache.pool.index, cache.block_tables, query_pos_bt, self.cfg.topk,
+                                fmt=cache.spec.index_format)
 
 
 class MultiHeadLatentAttention(nnx.Module):
     def __init__(self, hidden: int, cfg: MLAConfig, indexer: Optional[IndexerConfig], *, rngs: nnx.Rngs,
-                 dtype=jnp.float32, kernels: KernelConfig = KernelConfig()):
+                 dtype=jnp.float32):
         self.cfg = cfg
-        self.dsa_backend = kernels.dsa  # paged indexer / sparse-MLA implementation
-        self.dsa_precision = kernels.dsa_precision
         H, R = cfg.num_heads, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(hidden, H * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
@@ -169,13 +155,12 @@ class MultiHeadLatentAttention(nnx.Module):
         if indexer is not None:
             if cfg.q_lora_rank is None:
                 raise ValueError("the DSA indexer reads the q LoRA latent; this MLA has no q_lora_rank")
-            self.indexer = Indexer(hidden, cfg.q_lora_rank, indexer, cfg.rope, rngs=rngs, dtype=dtype,
-                                   backend=kernels.dsa, precision=kernels.dsa_precision)
+            self.indexer = Indexer(hidden, cfg.q_lora_rank, indexer, cfg.rope, rngs=rngs, dtype=dtype)
         else:
             self.indexer = None
 
-    def __call__(self, x_btd, cache: Union[None, MLACache, PagedMLACache], start, *, form: str = "absorbed",
-                 lengths=None):
+    def __call__(self, x_btd, cache: Union[None, MLACache, PagedMLACache], start, *,
+                 ctx: ForwardContext = ForwardContext(), form: str = "absorbed", lengths=None):
         """x `[B, T, D]` (after input_layernorm) at positions start…start+T−1 (`start`: scalar or `[B]`).
 
         `cache` buffers are written at `start` and attended up to start+T; without a cache the new rows alone are
@@ -183,18 +168,13 @@ class MultiHeadLatentAttention(nnx.Module):
         (not written, select nothing, output 0). Returns (out `[B, T, D]`, new cache or None).
         """
         p = self.project(x_btd, start)
-        # --- context parallelism (sharding/model_context.py): token-split prefill / DCP decode over a mesh axis ---
-        from sharding.context_parallel import active_context
-
-        cp_ctx = active_context()
-        if cp_ctx is not None and cp_ctx.splits_mla:
-            o_bthv, new_cache = cp_ctx.mla_attention(self, x_btd, p, cache)  # values, W_UV already applied
+        if ctx.splits_mla:  # the context-parallel programs: token / head split prefill, DCP / TP decode
+            o_bthv, new_cache = self.attend_context_parallel(ctx, x_btd, p, cache)
             return self.output(x_btd, o_bthv), new_cache
-        # --- end context parallelism ---
         if isinstance(cache, PagedMLACache):
             if form != "absorbed":
                 raise ValueError(f"the paged MLA cache runs the absorbed form only, got form={form!r}")
-            o_lat, new_cache = self.attend_paged(x_btd, p, cache, lengths)
+            o_lat, new_cache = self.attend_paged(ctx, x_btd, p, cache, lengths)
             return self.output(x_btd, self.up_values(o_lat)), new_cache
         if lengths is not None:
             raise ValueError("lengths (padding rows) is supported with the paged cache only")
@@ -269,7 +249,7 @@ class MultiHeadLatentAttention(nnx.Module):
             return mla_ops.attention(qf, k, v, mask, cfg.softmax_scale)
         raise ValueError(f"unknown MLA form {form!r}")
 
-    def attend_paged(self, x_btd, p: Projected, cache: PagedMLACache, lengths=None):
+    def attend_paged(self, ctx: ForwardContext, x_btd, p: Projected, cache: PagedMLACache, lengths=None):
         """Write the new rows into the pool (quantise-on-write), select, attend sparsely.
 
         Returns (o_lat float32 `[B, T, H, R]`, the cache with the updated pool). Padding rows (t ≥ lengths[b])
@@ -285,16 +265,82 @@ class MultiHeadLatentAttention(nnx.Module):
         if lengths is not None:
             real = jnp.arange(T, dtype=jnp.int32)[None] < jnp.asarray(lengths, jnp.int32).reshape(B, 1)
             qpos_bt = jnp.where(real, qpos_bt, -1)
+        kw = dict(fmt=spec.latent_format, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank)
+        layer_scale = jnp.asarray(pool.latent_scale, jnp.float32)
         if self.indexer is not None:
-            idx_btk = self.indexer.topk_paged(x_btd, p.cq, cache, qpos_bt, p.cos_sin)
+            idx_btk = self.indexer.topk_paged(ctx, x_btd, p.cq, cache, qpos_bt, p.cos_sin)
+            o_lat, _ = dsa.sparse_attention(ctx, self.absorbed_query(p), pool.latent, cache.block_tables, idx_btk,
+                                            layer_scale, **kw)
         else:  # no indexer: every cached position up to the query's own
-            s = jnp.arange(cache.max_len, dtype=jnp.int32)
-            idx_btk = jnp.where(s[None, None, :] <= qpos_bt[:, :, None], s[None, None, :], -1)
-        o_lat, _ = sparse_mla.sparse_mla(self.absorbed_query(p), pool.latent, cache.block_tables, idx_btk,
-                                         fmt=spec.latent_format, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
-                                         layer_scale=pool.latent_scale, backend=dsa_backend(self.dsa_backend, T),
-                                         precision=self.dsa_precision)
+            o_lat, _ = dsa.dense_attention(ctx, self.absorbed_query(p), pool.latent, cache.block_tables, qpos_bt,
+                                           layer_scale, max_len=cache.max_len, **kw)
         return o_lat, cache
+
+    # -------------------------------------------------------------------------------- context-parallel programs
+    def attend_context_parallel(self, ctx: ForwardContext, x_btd, p: Projected, cache: Optional[MLACache]):
+        """Attention under the context-parallel programs' modes, on contiguous caches: (per-head values float32
+        `[B, T, H, v]` — the latent output already up-projected by W_UV —, new `MLACache` or None).
+
+        * token / head split prefill: the latent rows (and index keys) of the whole prompt are gathered over the
+          context axis and each query attends causally at its global position, query-chunked
+          (`context_parallel.mla_attend`); W_UV runs per chunk, so the float32 latent output of all tokens never
+          exists at once. The cache slots this device owns are filled from the gathered rows.
+        * DCP decode: the new row is written on the device owning its position; each device scores its own keys,
+          keeps a local top-k, the candidates are merged across devices, and the partial outputs merge by
+          log-sum-exp (`context_parallel.dcp_decode_shard`).
+        * TP decode: the cache whole on every device, the same sparse top-k algorithm over all keys.
+        """
+        if self.cfg.rope is not None:
+            raise NotImplementedError("context parallelism covers NoPE MLA (the K3 family); RoPE MLA (DeepSeek) "
+                                      "would need global positions in the projections")
+        if ctx.mode in ("decode_dcp", "decode_tp"):
+            return self._decode_context_parallel(ctx, x_btd, p, cache)
+        return self._prefill_context_parallel(ctx, x_btd, p, cache)
+
+    def _prefill_context_parallel(self, ctx: ForwardContext, x_btd, p: Projected, cache):
+        cfg = self.cfg
+        B, Tl, _ = x_btd.shape
+        pos_t = ctx.first_token(Tl) + jnp.arange(Tl, dtype=jnp.int32)
+        axis = ctx.axes.context
+        gather = (lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True)) if ctx.token_split else (lambda a: a)
+        kv_all = gather(p.row)  # [B, T_pad, R + rope]: every device sees every key row
+        kw = dict(scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, max_chunk_bytes=ctx.max_chunk_bytes)
+        ki_all = None
+        if self.indexer is not None:
+            ki_all = gather(p.index_k)
+            qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin)
+            kw.update(qi_bthd=qi, ki_bsd=ki_all, w_bth=w, topk=self.indexer.cfg.topk)
+        # the absorbed float32 query is formed per query chunk from the bf16 q_nope / q_rope: for all tokens at once
+        # it is T·H·(R + rope)·4 bytes (13.5 GiB at 64K tokens, 96 heads)
+        query_fn = lambda qn, qr: self.absorbed_query(p._replace(q_nope=qn, q_rope=qr))
+        o_v, _ = cp.mla_attend((p.q_nope, p.q_rope), kv_all, pos_t, query_fn=query_fn, out_fn=self.up_values, **kw)
+        if cache is None:
+            return o_v, None
+        kv = _fill_slots(ctx, cache.kv_bsc, kv_all)
+        ki = cache.index_k_bsd if ki_all is None else _fill_slots(ctx, cache.index_k_bsd, ki_all)
+        return o_v, MLACache(kv, ki)
+
+    def _decode_context_parallel(self, ctx: ForwardContext, x_btd, p: Projected, cache: MLACache):
+        if x_btd.shape[1] != 1:
+            raise ValueError(f"{ctx.mode} runs one token per sequence, got {x_btd.shape[1]}")
+        cfg = self.cfg
+        pos_b = p.positions[:, 0]
+        dcp = ctx.mode == "decode_dcp"
+        write = (lambda buf, row: _write_owned(ctx, buf, row, pos_b)) if dcp else (
+            lambda buf, row: _write_rows(buf, row[:, None], pos_b))
+        kv = write(cache.kv_bsc, p.row[:, 0])
+        ki, qi, w, topk = cache.index_k_bsd, None, None, None
+        if self.indexer is not None:
+            ki = write(ki, p.index_k[:, 0])
+            qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin)
+            qi, w, topk = qi[:, 0], w[:, 0], self.indexer.cfg.topk
+        q = self.absorbed_query(p)[:, 0]
+        kw = dict(scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, topk=topk)
+        if dcp:
+            o, _, _ = cp.dcp_decode_shard(q, kv, pos_b + 1, qi, ki, w, axis=ctx.axes.context, layout=ctx.layout, **kw)
+        else:
+            o, _, _ = cp.head_split_decode_shard(q, kv, pos_b + 1, qi, ki, w, **kw)
+        return self.up_values(o[:, None]), MLACache(kv, ki)
 
     def output(self, x_btd, o_bthv):
         """Per-head values `[B, T, H, v]` -> output gate (K3) -> o_proj -> `[B, T, D]` in x's dtype."""
@@ -304,3 +350,30 @@ class MultiHeadLatentAttention(nnx.Module):
         if cfg.output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x_btd, out_dtype=jnp.float32))
         return self.o_proj(o.astype(x_btd.dtype))
+
+
+def _fill_slots(ctx: ForwardContext, buf_blc, rows_btc):
+    """This device's contiguous-cache slots `[B, L, ·]` filled from the prompt rows `[B, T_pad, ·]` (positions 0…;
+    only the first valid_len are real)."""
+    L, T = buf_blc.shape[1], rows_btc.shape[1]
+    pos = ctx.slot_positions(L)
+    src = jnp.take(rows_btc, jnp.clip(pos, 0, T - 1), axis=1).astype(buf_blc.dtype)
+    return jnp.where((pos < ctx.valid_len)[None, :, None], src, buf_blc)
+
+
+def _write_owned(ctx: ForwardContext, buf_blc, row_bc, pos_b):
+    """Write one row per sequence at global position pos_b on the device that owns it (DCP; one slot each)."""
+    L = buf_blc.shape[1]
+    d = jax.lax.axis_index(ctx.axes.context)
+    if ctx.layout == "contiguous":
+        owner, slot = pos_b // L, pos_b % L
+    else:
+        owner, slot = pos_b % ctx.context_size, pos_b // ctx.context_size
+    mine = owner == d
+
+    def one(buf, row, s, m):
+        s = jnp.clip(s, 0, L - 1)
+        old = jax.lax.dynamic_slice_in_dim(buf, s, 1, 0)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(m, row[None].astype(buf.dtype), old), s, 0)
+
+    return jax.vmap(one)(buf_blc, row_bc, slot, mine)

@@ -11,9 +11,10 @@ from flax import nnx
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import ops as moe_ops
+from sharding import moe as moe_sharded
+from sharding.context import ForwardContext, KernelConfig
 
 from ..config import MoEConfig
-from ..kernels import KernelConfig
 from .layers import Linear, RMSNorm, normal_init
 
 log = logging.getLogger("kimi_jax.moe")
@@ -78,11 +79,8 @@ class MoE(nnx.Module):
       (`mgpu_mxfp4.unprepare_weight` gives the checkpoint's arrays back).
     """
 
-    def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 kernels: KernelConfig = KernelConfig()):
+    def __init__(self, hidden: int, cfg: MoEConfig, act, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
-        self.backend = kernels.moe
-        self.interpret = kernels.moe_interpret
         self.act = act
         E, F = cfg.num_experts, cfg.intermediate_size
         width = cfg.latent_size or hidden
@@ -92,11 +90,6 @@ class MoE(nnx.Module):
         self.w3 = nnx.Param(normal_init(rngs, (E, width, F), width ** -0.5, dtype))  # up
         self.w2 = nnx.Param(normal_init(rngs, (E, F, width), F ** -0.5, dtype))  # down
         self.expert_format = "plain"
-        # a mesh whose expert axes ("model", or ("context", "model") on the overlay meshes) split the routed experts
-        # (`use_expert_parallel`, set by `Model`): the FFN then runs where each expert lives
-        # (`sharding.expert_parallel`) instead of under GSPMD, which cannot split a kernel's custom call and would
-        # gather every expert to every device
-        self.ep_mesh = None
         if cfg.latent_size:
             self.routed_expert_down_proj = Linear(hidden, width, rngs=rngs, dtype=dtype)
             self.routed_expert_up_proj = Linear(width, hidden, rngs=rngs, dtype=dtype)
@@ -161,28 +154,15 @@ class MoE(nnx.Module):
         """Expert weight `name` ("w1", …) as the checkpoint's MXFP4 codes and E8M0 scales."""
         return mx.MXFP4Weight(getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...])
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, ctx: ForwardContext = ForwardContext()):
         cfg = self.cfg
         B, T, D = x_btd.shape
         x = x_btd.reshape(B * T, D)
         w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
         xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
-        from sharding.context_parallel import active_context
-
-        cp_ctx = active_context()
-        if cp_ctx is not None and cp_ctx.expert_axes:
-            # a context-parallel program (sharding/model_context.py) whose mesh splits the experts over "context"
-            # too: each device holds its own experts only and the tokens go to them
-            y = cp_ctx.routed_experts(xr, idx, w, *self.expert_weights(), self.act, backend=self.backend,
-                                      interpret=self.interpret)
-        elif self.ep_mesh is not None and not jax.sharding.get_abstract_mesh().manual_axes:
-            from sharding.expert_parallel import ep_expert_ffn
-
-            y = ep_expert_ffn(xr, idx, w, *self.expert_weights(), self.act, mesh=self.ep_mesh, backend=self.backend,
-                              interpret=self.interpret)
-        else:  # one device, or inside a context-parallel program whose experts split over "model" only (GSPMD)
-            y = moe_ops.expert_ffn(xr, idx, w, *self.expert_weights(), self.act,
-                                   backend=self.backend, interpret=self.interpret)
+        # where each expert lives (`sharding.moe`): GSPMD cannot split a kernel's custom call
+        y = moe_sharded.routed_experts(ctx, xr, idx, w, *self.expert_weights(), self.act,
+                                       num_experts=cfg.num_experts)
         y = y.astype(x.dtype)
         if cfg.latent_size:
             if self.routed_expert_norm is not None:
@@ -199,35 +179,9 @@ def moe_layers(module):
     return [(path, m) for path, m in iter_modules(module) if isinstance(m, MoE)]
 
 
-def use_mosaic_experts(module) -> int:
-    """`MoE.use_mosaic_experts` for every MoE layer of `module` whose kernel backend resolves to the GPU kernels
-    (and is not interpreted). Meant for a GPU host, right after loading; returns how many layers were re-laid."""
-    return sum(m.use_mosaic_experts() for _, m in moe_layers(module)
-               if not m.interpret and moe_ops.resolve_backend(m.backend, quantized=True) == "gpu")
-
-
-def use_expert_parallel(module, mesh) -> int:
-    """Run every MoE layer of `module` expert-parallel on `mesh` (`MoE.ep_mesh`) when the mesh splits the routed
-    experts (over its expert axes, `sharding.mesh.expert_axes`: "model", or ("context", "model") on the overlay
-    meshes such as `expert=8,tensor=1,context=8`) in more than one piece and the expert count divides by the
-    product of those axes' sizes; returns how many layers were set. A layer whose experts do not divide stays
-    under GSPMD (logged)."""
-    from sharding.mesh import expert_axes
-
-    if mesh is None:
+def use_mosaic_experts(module, kernels: KernelConfig = KernelConfig()) -> int:
+    """`MoE.use_mosaic_experts` for every MoE layer of `module` when `kernels.moe` resolves to the GPU kernels (and
+    is not interpreted). Meant for a GPU host, right after loading; returns how many layers were re-laid."""
+    if kernels.moe_interpret or moe_ops.resolve_backend(kernels.moe, quantized=True) != "gpu":
         return 0
-    axes = expert_axes(mesh)
-    ways = 1
-    for a in axes:
-        ways *= int(mesh.shape[a])
-    if ways < 2:
-        return 0
-    count = 0
-    for path, m in moe_layers(module):
-        if m.cfg.num_experts % ways == 0:
-            m.ep_mesh = mesh
-            count += 1
-        else:  # sharding.rules leaves such experts replicated too
-            log.warning("MoE %s stays under GSPMD: %d experts do not split %d ways over the expert axes %s",
-                        ".".join(map(str, path)), m.cfg.num_experts, ways, axes)
-    return count
+    return sum(m.use_mosaic_experts() for _, m in moe_layers(module))

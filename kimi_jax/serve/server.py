@@ -83,8 +83,8 @@ def _random_preset(name: str, cfg, *, dtype, seed: int, mesh):
                          f"too large for random weights on {where}; serve a checkpoint instead")
     log.info("preset %s: %.1fB parameters (%.1f GiB as %s), above load_model's random-weight cap; drawing them on %s",
              name, count / 1e9, nbytes / 2**30, dt.name, jax.devices()[0])
-    module = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dt, kernels=KernelConfig())
-    return Model(module, dt, mesh=mesh)
+    module = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dt)
+    return Model(module, dt, mesh=mesh, kernels=KernelConfig())
 
 
 class ServerThread:

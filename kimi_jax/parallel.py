@@ -1,6 +1,4 @@
-"""Context parallelism for the WHOLE model (issue #8): token-split prefill, head-split prefill, DCP decode.
-
-Entry points (also re-exported as `sharding.context_parallel.prefill / decode_step / generate`):
+"""Context parallelism for the WHOLE model: token-split prefill, head-split prefill, DCP and TP decode programs.
 
     prefill(model, ids, mesh, mode="token" | "head", max_len=None, layout="contiguous", logits="all" | "last")
         -> (logits float32 `[B, T, V]` (or `[B, 1, V]` with logits="last"), ModelCache)
@@ -8,40 +6,29 @@ Entry points (also re-exported as `sharding.context_parallel.prefill / decode_st
     generate(model, ids, max_new_tokens, mesh, prefill_mode="token", decode_mode="dcp") -> numpy int `[B, T + n]`
     decode_comm_bytes_per_step(cfg, n=, batch=, seq_len=, kv_dtype=, index_dtype=) -> bytes for the whole model
 
-`mesh` has a "context" axis (`sharding.make_mesh("context=8")`, `"data=2,context=4"`, `"tensor=2,context=4"`):
+Every program runs the model's one forward driver (`KimiForCausalLM.hidden_states`) inside ONE shard_map that is
+manual over the context and data axes, with a `ForwardContext` whose mode says what the layers do
+(`sharding.context`): the op entry points (`sharding.kda`, `sharding.moe`) nest their own shard_map over the
+remaining (tensor) axis, and the MLA layers run their context-parallel attention (`MultiHeadLatentAttention.
+attend_context_parallel`). `mesh` has a "context" axis (`sharding.make_mesh("context=8")`, `"data=2,context=4"`,
+`"tensor=2,context=4"`, the overlay `"expert=8,tensor=1,context=8"`):
 
 * token (prefill): the prompt is cut by tokens over "context" (device d holds tokens [d·Tl, (d+1)·Tl); a prompt
-  that does not divide is padded at the end, and the padding is inert). The whole forward runs inside ONE
-  shard_map: per-token parts (embeddings, norms, projections, MoE, AttnRes mixes, lm_head) run on the local slice
-  as they are; KDA layers take their conv halo from the previous device and combine per-device affine state
-  transitions by a prefix over devices (exact; `context_parallel.kda_token_split_shard`); MLA layers all-gather
-  the latent rows and index keys so every query sees all earlier keys at global positions
-  (`context_parallel.mla_attend`, query-chunked, top-k by the DSA indexer). The cache comes back with KDA states
-  replicated over "context" and the MLA rows + index keys split over "context" by tokens — already the DCP layout.
+  that does not divide is padded at the end, and the padding is inert). KDA layers take their conv halo from the
+  previous device and combine per-device affine state transitions (exact); MLA layers all-gather the latent rows
+  and index keys. The cache comes back with KDA states replicated over "context" and the MLA rows + index keys
+  split over "context" by tokens — already the DCP layout.
 * head (prefill, for comparison): the same devices as one tensor-parallel group (heads, experts and vocab split by
-  `sharding.rules`, activations replicated, GSPMD all-reduces); MLA uses the same query-chunked attention.
-* dcp (decode): every device runs the whole step for the new token (weights replicated over "context", but for
-  the routed experts of overlay meshes: see below), writes the new latent row / index key on the device that owns
-  its position, scores only its own keys, keeps a local top-k, exchanges (score, position) candidates, attends
-  over its share of the winners and merges the partial outputs by log-sum-exp (`context_parallel.dcp_decode_shard`).
-  Per-step traffic: `decode_comm_bytes_per_step`.
-* tp (decode, for comparison): the tensor-parallel step with the MLA cache replicated, the same sparse top-k
-  algorithm over all keys on every device (`context_parallel.head_split_decode_shard`).
+  `sharding.rules`); MLA uses the same query-chunked attention.
+* dcp (decode): every device runs the step for the new token, writes the new latent row / index key on the device
+  that owns its position, scores only its own keys, keeps a local top-k, exchanges (score, position) candidates,
+  attends over its share of the winners and merges the partial outputs by log-sum-exp.
+* tp (decode, for comparison): the tensor-parallel step with the MLA cache replicated and the same sparse top-k.
+Routed experts run where they live (`sharding.moe`): over ("context", "model") on the overlay meshes, over "model"
+otherwise. K3-family NoPE MLA only (DeepSeek's RoPE would need global positions in the projection).
 
-A "model" (tensor) axis of size > 1 combines with "context": it stays under GSPMD (partial-manual shard_map), so
-heads and experts split over it inside each context shard. A "data" axis splits the batch. Routed experts:
-* "model"-only layouts (`context=8`, `tensor=2,context=4`): replicated over "context", split over "model" by GSPMD.
-* overlay meshes (`expert=8,tensor=1,context=8`, `expert=8,tensor=2,context=4`: experts over ("context", "model")):
-  the programs take each device's own experts (in_specs keep the "context" split; `_param_in_specs`) and run them
-  expert-parallel inside the program (`ModelContext.routed_experts` -> `expert_parallel.ep_expert_ffn_manual`):
-  token split — the local tokens are dispatched to the devices that own their experts and the results come back;
-  DCP — every device already holds the step's tokens, computes its own experts' share, and the shares are psum-ed
-  over the expert axes. No device ever holds more than its 1/(context·model) of the experts.
-K3-family NoPE MLA only (DeepSeek's RoPE would need global positions in the projection).
-
-MLA cache layouts ("contiguous": device d holds positions [d·L, (d+1)·L), i.e. the global array is in position
-order; "round_robin": position p on device p mod n, see `context_parallel.dcp_place`). `max_len` is rounded up to
-a multiple of the context size.
+MLA cache layouts ("contiguous": device d holds positions [d·L, (d+1)·L); "round_robin": position p on device
+p mod n, see `sharding.context_parallel.dcp_place`). `max_len` is rounded up to a multiple of the context size.
 """
 
 from __future__ import annotations
@@ -55,176 +42,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import context_parallel as cp
-from .context_parallel import CONTEXT, DEFAULT_MAX_CHUNK_BYTES, LAYOUTS
+from sharding import context_parallel as cp
+from sharding.context import DEFAULT_MAX_CHUNK_BYTES, LAYOUTS, context_for_mesh
+from sharding.context_parallel import CONTEXT
+from sharding.mesh import expert_axes
+from sharding.moe import expert_ways
+from sharding.rules import _path_name, mesh_partition_spec
+
+from .cache import index_key_bytes_per_token, latent_bytes_per_token
+from .modules.decoder import ModelCache
+from .modules.kda import KDACache
+from .modules.mla import MLACache
+from .model import _as_ids
 
 MODES_PREFILL = ("token", "head")
 MODES_DECODE = ("dcp", "tp")
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# what the modules do while a CP forward traces (read through context_parallel.active_context())
-# ----------------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ModelContext:
-    """mode "token": this device holds contiguous tokens of a fresh prompt of `valid_len` real tokens;
-    "head": all tokens on every device (MLA still query-chunked); "dcp": one new token per sequence, the MLA cache
-    split over `axis` in `layout`. `expert_axes`: the mesh's expert axes when this program runs the routed experts
-    expert-parallel (they include `axis`: the overlay meshes), else () — the experts then run as plain code (split
-    over "model" by GSPMD, if at all)."""
-
-    mode: str
-    axis: str = CONTEXT
-    n: int = 1
-    valid_len: int = 0
-    layout: str = "contiguous"
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-    expert_axes: tuple = ()
-
-    @property
-    def splits_mla(self) -> bool:
-        return True
-
-    def token_mask(self, Tl: int):
-        """`[Tl]` bool: which of this device's tokens are real (not end padding)."""
-        pos = self._first_token(Tl) + jnp.arange(Tl, dtype=jnp.int32)
-        return pos < self.valid_len
-
-    def _first_token(self, Tl: int):
-        return jax.lax.axis_index(self.axis) * Tl if self.mode == "token" else 0
-
-    def slot_positions(self, L: int):
-        """`[L]` global position held by each of this device's L cache slots."""
-        if self.mode == "head":
-            return jnp.arange(L, dtype=jnp.int32)
-        d = jax.lax.axis_index(self.axis)
-        slot = jnp.arange(L, dtype=jnp.int32)
-        return d * L + slot if self.layout == "contiguous" else slot * self.n + d
-
-    def mla_attention(self, mod, x_btd, p, cache):
-        """The MLA module's attention step under this mode: (per-head values float32 `[B, T, H, v]` — the latent
-        output already up-projected by W_UV (`mod.up_values`) —, new MLACache or None). Prefill up-projects inside
-        the query-chunk loop, so the float32 latent output `[B, T, H, R]` of all tokens never exists at once."""
-        if self.mode == "dcp":
-            o_lat, new = _mla_dcp_decode(self, mod, x_btd, p, cache)
-            return mod.up_values(o_lat), new
-        if self.mode == "tp":
-            o_lat, new = _mla_tp_decode(mod, x_btd, p, cache)
-            return mod.up_values(o_lat), new
-        return _mla_prefill(self, mod, x_btd, p, cache)
-
-    def routed_experts(self, x_nd, idx_nk, weight_nk, w_gate, w_up, w_down, act, *, backend, interpret):
-        """The MoE layer's routed expert FFN on this device's experts (`expert_axes` set): x `[n, D]`, expert ids
-        `[n, k]` int32, weights `[n, k]` float32 (this device's rows: its own tokens under "token", the step's
-        tokens — the same on every device — under "dcp"); expert weights this device's share along `axis`.
-        Returns `[n, D]` float32 for the same rows."""
-        from .expert_parallel import ep_expert_ffn_manual
-
-        return ep_expert_ffn_manual(x_nd, idx_nk, weight_nk, w_gate, w_up, w_down, act, expert_axes=self.expert_axes,
-                                    token_axis=self.axis if self.mode == "token" else None, backend=backend,
-                                    interpret=interpret)
-
-
-def _mla_prefill(ctx: ModelContext, mod, x_btd, p, cache):
-    from kimi_jax.modules.mla import MLACache
-
-    cfg = mod.cfg
-    B, Tl, _ = x_btd.shape
-    pos_t = ctx._first_token(Tl) + jnp.arange(Tl, dtype=jnp.int32)
-    gather = (lambda a: jax.lax.all_gather(a, ctx.axis, axis=1, tiled=True)) if ctx.mode == "token" else (lambda a: a)
-    kv_all = gather(p.row)  # [B, T_pad, R + rope]: every device sees every key row
-    kw = dict(scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, max_chunk_bytes=ctx.max_chunk_bytes)
-    ki_all = None
-    if mod.indexer is not None:
-        ki_all = gather(p.index_k)
-        qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
-        kw.update(qi_bthd=qi, ki_bsd=ki_all, w_bth=w, topk=mod.indexer.cfg.topk)
-    # the absorbed float32 query is formed per query chunk (inside the chunk loop) from the bf16 q_nope / q_rope:
-    # for all Tl tokens at once it is Tl·H·(R + rope)·4 bytes (13.5 GiB at 64K tokens, 96 heads)
-    query_fn = lambda qn, qr: mod.absorbed_query(p._replace(q_nope=qn, q_rope=qr))
-    # likewise the W_UV up-projection runs per chunk: the float32 latent output of all tokens, T·H·R·4 bytes (12 GiB
-    # at 128K tokens × 48 heads in the head split, 64K × 96 in the token split), plus the transposed copy XLA makes
-    # for the einsum, never exist at once — only the 4× smaller values `[B, T, H, v]`
-    o_v, _ = cp.mla_attend((p.q_nope, p.q_rope), kv_all, pos_t, query_fn=query_fn, out_fn=mod.up_values, **kw)
-    if cache is None:
-        return o_v, None
-    kv = _fill_slots(ctx, cache.kv_bsc, kv_all)
-    ki = cache.index_k_bsd if ki_all is None else _fill_slots(ctx, cache.index_k_bsd, ki_all)
-    return o_v, MLACache(kv, ki)
-
-
-def _fill_slots(ctx: ModelContext, buf_blc, rows_btc):
-    """This device's cache slots `[B, L, ·]` filled from the prompt rows `[B, T_pad, ·]` (positions 0…; only the
-    first valid_len are real)."""
-    L, T = buf_blc.shape[1], rows_btc.shape[1]
-    pos = ctx.slot_positions(L)
-    src = jnp.take(rows_btc, jnp.clip(pos, 0, T - 1), axis=1).astype(buf_blc.dtype)
-    return jnp.where((pos < ctx.valid_len)[None, :, None], src, buf_blc)
-
-
-def _write_owned(ctx: ModelContext, buf_blc, row_bc, pos_b):
-    """Write one row per sequence at global position pos_b on the device that owns it (one slot each, in place)."""
-    L = buf_blc.shape[1]
-    d = jax.lax.axis_index(ctx.axis)
-    if ctx.layout == "contiguous":
-        owner, slot = pos_b // L, pos_b % L
-    else:
-        owner, slot = pos_b % ctx.n, pos_b // ctx.n
-    mine = owner == d
-
-    def one(buf, row, s, m):
-        s = jnp.clip(s, 0, L - 1)
-        old = jax.lax.dynamic_slice_in_dim(buf, s, 1, 0)
-        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(m, row[None].astype(buf.dtype), old), s, 0)
-
-    return jax.vmap(one)(buf_blc, row_bc, slot, mine)
-
-
-def _mla_dcp_decode(ctx: ModelContext, mod, x_btd, p, cache):
-    from kimi_jax.modules.mla import MLACache
-
-    if x_btd.shape[1] != 1:
-        raise ValueError(f"DCP decode runs one token per sequence, got {x_btd.shape[1]}")
-    cfg = mod.cfg
-    pos_b = p.positions[:, 0]
-    kv = _write_owned(ctx, cache.kv_bsc, p.row[:, 0], pos_b)
-    ki = cache.index_k_bsd
-    qi = w = None
-    topk = None
-    if mod.indexer is not None:
-        ki = _write_owned(ctx, ki, p.index_k[:, 0], pos_b)
-        qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
-        qi, w, topk = qi[:, 0], w[:, 0], mod.indexer.cfg.topk
-    o, _, _ = cp.dcp_decode_shard(mod.absorbed_query(p)[:, 0], kv, pos_b + 1, qi, ki, w, axis=ctx.axis,
-                                  layout=ctx.layout, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, topk=topk)
-    return o[:, None], MLACache(kv, ki)
-
-
-def _mla_tp_decode(mod, x_btd, p, cache):
-    """TP decode (GSPMD splits the heads; the cache is whole on every device): the same sparse algorithm as DCP —
-    index scores over all keys, top-k, gather, attend (`context_parallel.head_split_decode_shard`)."""
-    from kimi_jax.modules.mla import MLACache
-
-    if x_btd.shape[1] != 1:
-        raise ValueError(f"TP decode runs one token per sequence, got {x_btd.shape[1]}")
-    cfg = mod.cfg
-    pos_b = p.positions[:, 0]
-    put = jax.vmap(lambda buf, row, s: jax.lax.dynamic_update_slice_in_dim(buf, row[None].astype(buf.dtype), s, 0))
-    kv = put(cache.kv_bsc, p.row[:, 0], pos_b)
-    ki, qi, w, topk = cache.index_k_bsd, None, None, None
-    if mod.indexer is not None:
-        ki = put(ki, p.index_k[:, 0], pos_b)
-        qi, w = mod.indexer.queries(x_btd, p.cq, p.cos_sin)
-        qi, w, topk = qi[:, 0], w[:, 0], mod.indexer.cfg.topk
-    o, _, _ = cp.head_split_decode_shard(mod.absorbed_query(p)[:, 0], kv, pos_b + 1, qi, ki, w,
-                                         scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, topk=topk)
-    return o[:, None], MLACache(kv, ki)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# programs
-# ----------------------------------------------------------------------------------------------------------------
 
 def _check(model, mesh: Mesh, axis: str, layout: str):
     cfg = model.config
@@ -236,6 +69,12 @@ def _check(model, mesh: Mesh, axis: str, layout: str):
     if cfg.mla is not None and cfg.mla.rope is not None:
         raise NotImplementedError("context parallelism covers NoPE MLA (the K3 family); RoPE MLA (DeepSeek) would "
                                   "need global positions in the projections")
+
+
+def _context(model, mesh: Mesh, axis: str, **fields):
+    """The `ForwardContext` of a program over `mesh` whose context role is played by `axis`."""
+    ctx = context_for_mesh(mesh, model.kernels, **fields)
+    return ctx.replace(axes=dataclasses.replace(ctx.axes, context=axis))
 
 
 def _batch_axis(mesh: Mesh, B: int):
@@ -262,8 +101,6 @@ def _placed_params(model, mesh: Mesh):
     """Parameters on `mesh` by `sharding.rules` (heads / vocab over "model"; routed experts over the mesh's expert
     axes: "model", or ("context", "model") on the overlay meshes; everything else replicated over "context" and
     "data"), cached per mesh. A `Model` loaded on the same mesh already holds them so: nothing moves."""
-    from .rules import _path_name, mesh_partition_spec
-
     key = ("params", mesh)
     store = _store(model)
     if key not in store:
@@ -277,8 +114,6 @@ def _program_expert_axes(model, mesh: Mesh, axis: str) -> tuple:
     """The mesh's expert axes when a CP program over `axis` runs the routed experts expert-parallel: they include
     `axis` (the overlay meshes) and split the experts (E divides their size, as `sharding.rules` requires to split
     them at all). () otherwise: the "model"-only layouts keep the programs they had."""
-    from .mesh import expert_axes
-
     axes = expert_axes(mesh)
     moe = getattr(model.config, "moe", None)
     ways = int(np.prod([mesh.shape[a] for a in axes]))
@@ -292,8 +127,6 @@ def _param_in_specs(model, mesh: Mesh, axis: str, expert_axes: tuple):
     the manual axes ("context", "data"); "model" splits stay with GSPMD. With them: each parameter keeps the manual
     part of its placement — the routed experts stay split over `axis` on dim 0 (each context device takes its own
     E / context experts, still split over "model" by GSPMD) instead of being gathered to every context shard."""
-    from .rules import _path_name, mesh_partition_spec
-
     if not expert_axes:
         return P()
     manual = _manual_axes(mesh, axis)
@@ -309,20 +142,10 @@ def _param_in_specs(model, mesh: Mesh, axis: str, expert_axes: tuple):
 
 
 def _cache_specs(cfg, bax, axis, split_mla: bool):
-    from kimi_jax.modules.decoder import ModelCache
-    from kimi_jax.modules.kda import KDACache
-    from kimi_jax.modules.mla import MLACache
-
     mla = P(bax, axis) if split_mla else P(bax)
     layers = tuple(KDACache(P(bax), P(bax), P(bax), P(bax)) if k == "kda" else MLACache(mla, mla)
                    for k in cfg.layer_kinds)
     return ModelCache(P(bax), layers)
-
-
-def _logits(m, h_btd):
-    if m.lm_head is None:
-        return jnp.dot(h_btd, m.embed_tokens[...].T, preferred_element_type=jnp.float32)
-    return m.lm_head(h_btd, out_dtype=jnp.float32)
 
 
 def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only, max_chunk_bytes):
@@ -333,17 +156,17 @@ def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only,
     n = mesh.shape[axis]
     bax = _batch_axis(mesh, B)
     eaxes = _program_expert_axes(model, mesh, axis)
-    ctx = ModelContext("token", axis, n, valid_len, layout, max_chunk_bytes, expert_axes=eaxes)
+    ctx = _context(model, mesh, axis, mode="prefill_token_split", valid_len=valid_len, layout=layout,
+                   max_chunk_bytes=max_chunk_bytes)
     graphdef = model.graphdef
     cspec = _cache_specs(model.config, bax, axis, True)
 
     def body(params, ids, cache):
         m = nnx.merge(graphdef, params)
-        with cp.using_context(ctx):
-            h, new = m.hidden_states(ids, cache)
+        h, new = m.hidden_states(ids, cache, ctx=ctx)
         if last_only:  # only the last real token's logits (TTFT): its hidden row, from whichever device holds it
             h = cp.global_rows_shard(h, [valid_len - 1], axis=axis)
-        return _logits(m, h), new._replace(length=cache.length + valid_len)
+        return m.logits(h), new._replace(length=cache.length + valid_len)
 
     out_logits = P(bax) if last_only else P(bax, axis)
     pspec = _param_in_specs(model, mesh, axis, eaxes)
@@ -354,8 +177,6 @@ def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only,
 
 
 def _fresh_cache(model, mesh, B, max_len, cspec):
-    from kimi_jax.modules.decoder import ModelCache
-
     cfg, dtype = model.config, model.dtype
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cspec, is_leaf=lambda x: isinstance(x, P))
     return jax.jit(lambda: ModelCache.zeros(cfg, B, max_len, dtype), out_shardings=shardings)()
@@ -374,18 +195,17 @@ def _head_fn(model, mesh, kind, valid_len, last_only, max_chunk_bytes):
     if key in store:
         return store[key]
     graphdef = model.graphdef
-    ctx = ModelContext("tp" if kind == "decode" else "head", valid_len=valid_len, max_chunk_bytes=max_chunk_bytes)
+    ctx = context_for_mesh(mesh, model.kernels, mode="decode_tp" if kind == "decode" else "prefill_head_split",
+                           valid_len=valid_len, max_chunk_bytes=max_chunk_bytes)
 
     def fwd(params, ids, cache):
         m = nnx.merge(graphdef, params)
-        if kind == "decode":  # replicated cache, heads split by GSPMD, sparse top-k attention
-            with cp.using_context(ctx):
-                return m(ids, cache)
-        with cp.using_context(ctx):
-            h, new = m.hidden_states(ids, cache)
+        if kind == "decode":  # replicated cache, heads split over the tensor axis, sparse top-k attention
+            return m(ids, cache, ctx=ctx)
+        h, new = m.hidden_states(ids, cache, ctx=ctx)
         if last_only:
             h = h[:, valid_len - 1:valid_len]
-        return _logits(m, h), new
+        return m.logits(h), new
 
     store[key] = jax.jit(fwd, donate_argnums=(2,))
     return store[key]
@@ -409,9 +229,6 @@ def _prefill_program(model, shape, mesh: Mesh, mode: str, max_len, axis: str, la
     cfg, dtype = model.config, model.dtype
 
     def abstract(m, cspec, ids_shape, ids_spec):
-        from kimi_jax.modules.decoder import ModelCache
-        from .rules import _path_name, mesh_partition_spec
-
         sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec))
         params = jax.tree_util.tree_map_with_path(
             lambda path, a: sds(a, mesh_partition_spec(_path_name(path), a.shape, m)), model.params)
@@ -458,8 +275,6 @@ def prefill(model, input_ids, mesh: Mesh, *, mode: str = "token", max_len: Optio
     "last": `[B, 1, V]`, the last prompt token only (what time-to-first-token needs; no `[T, V]` buffer).
     Returns (logits float32 jax array, `ModelCache`): token mode — MLA rows split over `axis` in `layout` order
     (`to_position_order` undoes round_robin); head mode — position order, replicated."""
-    from kimi_jax.model import _as_ids
-
     ids = np.asarray(_as_ids(input_ids, model.config))
     f, args, _, post = _prefill_program(model, ids.shape, mesh, mode, max_len, axis, layout, logits, max_chunk_bytes)
     return post(f(*args(ids)))
@@ -483,8 +298,6 @@ class PrefillPlan:
         return self.memory["temp"] + self.memory["output"]
 
     def run(self, input_ids):
-        from kimi_jax.model import _as_ids
-
         return self._post(self.compiled(*self._args(np.asarray(_as_ids(input_ids, self._cfg)))))
 
 
@@ -507,14 +320,13 @@ def _dcp_decode_fn(model, mesh, axis, B, layout):
     n = mesh.shape[axis]
     bax = _batch_axis(mesh, B)
     eaxes = _program_expert_axes(model, mesh, axis)
-    ctx = ModelContext("dcp", axis, n, 0, layout, expert_axes=eaxes)
+    ctx = _context(model, mesh, axis, mode="decode_dcp", layout=layout)
     graphdef = model.graphdef
     cspec = _cache_specs(model.config, bax, axis, True)
 
     def body(params, ids, cache):
         m = nnx.merge(graphdef, params)
-        with cp.using_context(ctx):
-            return m(ids, cache)
+        return m(ids, cache, ctx=ctx)
 
     pspec = _param_in_specs(model, mesh, axis, eaxes)
     f = jax.jit(_smap(body, mesh, (pspec, P(bax), cspec), (P(bax), cspec), _manual_axes(mesh, axis)),
@@ -585,8 +397,6 @@ def generate(model, input_ids, max_new_tokens: int, mesh: Mesh, *, prefill_mode:
 def to_position_order(cache, n: int, layout: str = "contiguous"):
     """A cache from `prefill(mode="token", layout=layout)` with its MLA arrays back in position order (the layout
     `Model.prefill` uses), as global arrays."""
-    from kimi_jax.modules.mla import MLACache
-
     if layout == "contiguous":
         return cache
 
@@ -610,8 +420,6 @@ def decode_comm_bytes_per_step(cfg, *, n: int, batch: int, seq_len: int, kv_dtyp
     (`kimi_jax.cache`), times the MLA layer count. Keys as there (payload_* per device contributed, recv_* per
     device received on a ring) plus "mla_layers" and "per_layer"; recv_naive_latents is the naive all-gather of
     every other device's cached rows, recv_naive_scores the all-gather of full score rows."""
-    from kimi_jax.cache import index_key_bytes_per_token, latent_bytes_per_token
-
     m, ix = cfg.mla, cfg.indexer
     per = cp.decode_comm_bytes(
         n=n, batch=batch, heads=m.num_heads, value_dim=m.kv_lora_rank, seq_len=seq_len,
@@ -624,5 +432,5 @@ def decode_comm_bytes_per_step(cfg, *, n: int, batch: int, seq_len: int, kv_dtyp
     return out
 
 
-__all__ = ["ModelContext", "prefill", "prefill_plan", "PrefillPlan", "decode_step", "generate", "to_position_order", "decode_comm_bytes_per_step",
+__all__ = ["prefill", "prefill_plan", "PrefillPlan", "decode_step", "generate", "to_position_order", "decode_comm_bytes_per_step",
            "MODES_PREFILL", "MODES_DECODE"]

@@ -1,0 +1,69 @@
+"""The partitioned KDA entry point: the delta-rule ops of `pallas_kernels.kda` with heads (and their states) over
+the tensor axis and the batch over data, inside a `shard_map` (`sharding.partition.shard_call`).
+
+Per mode (`ForwardContext.mode`):
+* plain / head split / DCP / TP decode: each device runs its heads; prefill (T > 1) the chunked op
+  (`context_parallel.kda_local_op`: long prompts in segments), decode the recurrent op.
+* token split: this device holds a contiguous token slice; its affine state transition is combined with the other
+  slices' over the context axis (`context_parallel.kda_token_split_shard`): exact, every device ends with the
+  whole prompt's state.
+
+Shapes: q, k `[B, T, H, dk]`, v `[B, T, H, dv]`, g `[B, T, H, dk]` float32 log-decay, beta `[B, T, H]` float32,
+state `[B, H, dk, dv]` float32. Returns (o `[B, T, H, dv]` in v.dtype, new state float32).
+"""
+
+from __future__ import annotations
+
+from pallas_kernels.kda import ops as kda_ops
+from pallas_kernels.kda import reference
+
+from . import context_parallel as cp
+from .context import ForwardContext
+from .partition import shard_call
+
+
+def _dims(ctx: ForwardContext):
+    d, t = ctx.axes.data, ctx.axes.tensor
+    tok = (d, None, t, None)
+    return tok, (d, None, t), (d, t, None, None)
+
+
+def _backend(ctx: ForwardContext, prefill: bool = False) -> str:
+    """The KDA implementation for this context: "auto" resolved against the context's platform. A prefill that
+    "auto" sends to the reference on a mesh of several CPU devices runs the token recurrence ("recurrent"): the
+    chunked reference's batched LAPACK solve can deadlock jaxlib's XLA:CPU pool when several faked devices run it
+    at once (`context_parallel.resolve_kda_backend`)."""
+    backend = kda_ops.resolve_backend(ctx.kernels.kda, **ctx.platform_kw())
+    several = ctx.mesh is not None and ctx.mesh.size > 1
+    if prefill and several and ctx.kernels.kda == "auto" and backend == "reference":
+        return "recurrent"
+    return backend
+
+
+def chunk(ctx: ForwardContext, q, k, v, g, beta, state):
+    """Prefill of T tokens per sequence from `state` (see the module doc for shapes)."""
+    backend = _backend(ctx, prefill=True)
+    if ctx.token_split:
+        body = lambda *a: cp.kda_token_split_shard(*a, axis=ctx.axes.context, backend=backend)
+    else:
+        body = lambda *a: cp.kda_local_op(*a, backend=backend)
+    tok, per_head, st = _dims(ctx)
+    return shard_call(ctx, body, (q, k, v, g, beta, state), (tok, tok, tok, tok, per_head, st), (tok, st))
+
+
+def recurrent(ctx: ForwardContext, q, k, v, g, beta, state):
+    """The token recurrence over T (usually 1) tokens per sequence from `state`."""
+    if ctx.token_split:
+        raise ValueError("the token-split prefill runs the chunked KDA op, not the recurrence")
+    backend = _backend(ctx)
+    body = lambda *a: kda_ops.recurrent(*a, backend=backend)
+    tok, per_head, st = _dims(ctx)
+    return shard_call(ctx, body, (q, k, v, g, beta, state), (tok, tok, tok, tok, per_head, st), (tok, st))
+
+
+def causal_conv(ctx: ForwardContext, x_btp, w_kp, tail_bkp):
+    """The short causal conv of q, k or v: (out `[B, T, P]` float32, new tail `[B, K−1, P]`). Under the token split
+    the K−1 halo comes from the previous device and the tail is the whole (unpadded) prompt's."""
+    if ctx.token_split:
+        return cp.conv_token_split_shard(x_btp, w_kp, tail_bkp, axis=ctx.axes.context, valid_len=ctx.valid_len)
+    return reference.causal_conv(x_btp, w_kp, tail_bkp)
