@@ -12,15 +12,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.codec import E2M1_VALUES, MXFP4_GROUP, mxfp4_decode, mxfp4_encode  # noqa: F401  (one codec)
+
 from .errors import ConvertError
 
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0
-MXFP4_GROUP = 32
-
-# e2m1 code -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 def fp8_scale_shape(shape, block=FP8_BLOCK) -> tuple:
@@ -71,34 +68,13 @@ def mxfp4_dequant(packed, scale, out_dtype=np.float32, name: str = "") -> np.nda
         raise ConvertError(f"MXFP4 tensors of {name or 'weight'} do not fit: packed {packed.dtype} "
                            f"{list(packed.shape)}, scale {list(scale.shape)} (expected [..., in/2] uint8 and "
                            f"[..., in/{MXFP4_GROUP}])")
-    codes = np.empty(packed.shape[:-1] + (cols,), np.uint8)
-    codes[..., 0::2] = packed & 0x0F  # low nibble: even element
-    codes[..., 1::2] = packed >> 4
-    vals = E2M1_VALUES[codes]
-    exp = scale.astype(np.int32) - 127
-    mult = np.ldexp(np.float32(1.0), exp).astype(np.float32)
-    mult[scale == 255] = np.nan
-    vals = vals.reshape(scale.shape + (MXFP4_GROUP,)) * mult[..., None]
-    return vals.reshape(codes.shape).astype(out_dtype, copy=False)
+    return mxfp4_decode(packed, scale).astype(out_dtype, copy=False)
 
 
 def mxfp4_quant(w) -> tuple[np.ndarray, np.ndarray]:
-    """Quantise `[..., out, in]` to MXFP4 (packed uint8 `[..., out, in/2]`, E8M0 uint8 `[..., out, in/32]`):
-    per 32 values the power-of-two scale that maps the group's largest magnitude into [0, 6], then round to the
-    nearest e2m1 value (ties to the smaller magnitude). Used to build synthetic checkpoints."""
-    w = np.asarray(w, np.float32)
-    cols = w.shape[-1]
+    """Quantise `[..., out, in]` to MXFP4 (packed uint8 `[..., out, in/2]`, E8M0 uint8 `[..., out, in/32]`;
+    `pallas_kernels.codec.mxfp4_encode`). Used to build synthetic checkpoints."""
+    cols = np.shape(w)[-1]
     if cols % MXFP4_GROUP:
         raise ConvertError(f"MXFP4 needs the input dimension to be a multiple of {MXFP4_GROUP}, got {cols}")
-    g = w.reshape(w.shape[:-1] + (cols // MXFP4_GROUP, MXFP4_GROUP))
-    amax = np.abs(g).max(axis=-1)
-    e = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127).astype(np.int32)
-    e = np.clip(e, -127, 127)
-    x = g / np.ldexp(np.float32(1.0), e)[..., None]
-    mags = E2M1_VALUES[:8]
-    dist = np.abs(np.abs(x)[..., None] - mags)  # nearest magnitude; argmin keeps the smaller one on ties
-    code = np.argmin(dist, axis=-1).astype(np.uint8)
-    code |= np.where(np.signbit(x) & (code > 0), 8, 0).astype(np.uint8)
-    code = code.reshape(w.shape)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
-    return packed, (e + 127).astype(np.uint8)
+    return mxfp4_encode(w)

@@ -8,8 +8,11 @@ order, so sequence position p lives at row `table[p // page]`, slot `p % page`, 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import jax.numpy as jnp
+
+from .platform import resolve_platform
 
 
 def flat_slots(block_tables, positions, page: int):
@@ -44,11 +47,12 @@ def gather_pages(parts, block_tables):
 #   "gpu" / "tpu"               the Pallas kernel for that platform (Triton lowering / Mosaic TPU)
 #   "gpu_interpret" / "tpu_interpret"   that kernel in Pallas interpret mode (CPU tests)
 #   "auto"                      the platform's kernel when it supports the call (decode, a format it reads), else
-#                               the reference
+#                               the reference; the platform is the ops' `platform=` argument ("cpu" | "tpu" |
+#                               "gpu" / "cuda"; None = jax.default_backend() at trace time)
 # "pallas_tpu" and "interpret" are the older names of "tpu" and "tpu_interpret".
 DSA_BACKENDS = ("auto", "reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret", "pallas_tpu", "interpret")
 _ALIASES = {"pallas_tpu": "tpu", "interpret": "tpu_interpret"}
-_PLATFORM_KERNEL = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+_PLATFORM_KERNEL = {"gpu": "gpu", "tpu": "tpu"}
 
 
 DSA_PRECISIONS = ("exact", "storage")
@@ -61,10 +65,11 @@ def check_precision(precision: str) -> None:
         raise ValueError(f"DSA precision must be one of {DSA_PRECISIONS}, got {precision!r}")
 
 
-def resolve_dsa_backend(backend: str, *, op: str, supported) -> str:
+def resolve_dsa_backend(backend: str, *, op: str, supported, platform: Optional[str] = None) -> str:
     """The one place the DSA ops pick an implementation. `supported(kind) -> bool` says whether the kernel of kind
-    "gpu" / "tpu" handles this call; "auto" falls back to "reference" when it does not (or on CPU). Explicit kernel
-    names are returned as asked (the caller raises if the call does not fit)."""
+    "gpu" / "tpu" handles this call; "auto" takes the kernel of `platform` (None: the default backend's platform)
+    and falls back to "reference" when it does not (or on CPU). Explicit kernel names are returned as asked (the
+    caller raises if the call does not fit)."""
     if backend not in DSA_BACKENDS:
         raise ValueError(f"unknown {op} backend {backend!r}; choose one of {DSA_BACKENDS}")
     if backend != "auto":
@@ -76,9 +81,7 @@ def resolve_dsa_backend(backend: str, *, op: str, supported) -> str:
         if forced not in DSA_BACKENDS:
             raise ValueError(f"KIMI_JAX_DSA_BACKEND={forced!r}: choose one of {DSA_BACKENDS}")
         return _ALIASES.get(forced, forced)
-    import jax
-
-    kind = _PLATFORM_KERNEL.get(jax.default_backend())
+    kind = _PLATFORM_KERNEL.get(resolve_platform(platform))
     return kind if kind is not None and supported(kind) else "reference"
 
 

@@ -10,6 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# the gated activations are defined beside the expert kernels that fuse them
+from pallas_kernels.moe.activations import clamped_swiglu, situ, swiglu  # noqa: F401
+
 
 def param_key(rngs: nnx.Rngs):
     """The next parameter key, drawn eagerly even while a caller traces (`jax.eval_shape` of a full-size preset):
@@ -67,23 +70,6 @@ class LayerNorm(nnx.Module):
         var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
         y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def situ(g, u, beta: float = 4.0, linear_beta: float = 25.0):
-    """SiTU (K3): [β·tanh(g/β)·sigmoid(g)] · [β_lin·tanh(u/β_lin)], float32."""
-    g = g.astype(jnp.float32)
-    u = u.astype(jnp.float32)
-    return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
-
-
-def swiglu(g, u):
-    g = g.astype(jnp.float32)
-    return jax.nn.silu(g) * u.astype(jnp.float32)
-
-
-def clamped_swiglu(g, u, limit: float = 10.0):
-    g = g.astype(jnp.float32)
-    return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u.astype(jnp.float32), -limit, limit)
 
 
 def activation_fn(cfg):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,14 +9,12 @@ from flax import nnx
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import ops as moe_ops
+from pallas_kernels.moe.routing import route
 from sharding import moe as moe_sharded
 from sharding.context import ForwardContext, KernelConfig
 
 from ..config import MoEConfig
 from .layers import Linear, RMSNorm, normal_init
-
-log = logging.getLogger("kimi_jax.moe")
-
 
 class DenseMLP(nnx.Module):
     """down(act(gate(x), up(x)))."""
@@ -32,32 +28,6 @@ class DenseMLP(nnx.Module):
     def __call__(self, x):
         h = self.act(self.gate_proj(x, out_dtype=jnp.float32), self.up_proj(x, out_dtype=jnp.float32))
         return self.down_proj(h.astype(x.dtype))
-
-
-def route(x_nd, router_de, bias_e, cfg: MoEConfig):
-    """Sigmoid router (SPEC §7). Returns (weights `[N, k]` float32, expert ids `[N, k]` int32).
-
-    Selection uses s + bias (with expert groups: keep the `topk_groups` groups with the largest sum of their top-2
-    biased scores); the weights are the UNBIASED s of the chosen experts, renormalised, times the scaling factor.
-    Ties go to the lower expert id (`jax.lax.top_k`).
-    """
-    logits = jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    s = jax.nn.sigmoid(logits)
-    choice = s + bias_e.astype(jnp.float32)
-    E, G = cfg.num_experts, cfg.num_groups
-    if G > 1:
-        grouped = choice.reshape(-1, G, E // G)
-        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
-        _, best_groups = jax.lax.top_k(group_score, cfg.topk_groups)
-        keep_group = jnp.zeros(group_score.shape, bool).at[
-            jnp.arange(group_score.shape[0])[:, None], best_groups].set(True)
-        choice = jnp.where(jnp.repeat(keep_group, E // G, axis=-1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, cfg.top_k)
-    w = jnp.take_along_axis(choice if cfg.bias_in_weights else s, idx, axis=-1)
-    if cfg.renormalize:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down

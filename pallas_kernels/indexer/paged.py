@@ -27,6 +27,7 @@ exact stages when the row is long). Prefill (T > 1) always takes the reference p
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -128,18 +129,20 @@ def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: 
 
 def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, fmt,
                  max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, backend: str = "auto", kernel_kw=None,
-                 precision: str = "exact"):
+                 precision: str = "exact", platform: Optional[str] = None):
     """Top-k cached positions per query: q `[B, T, Hi, d]`, w `[B, T, Hi]` (scales folded in), pos `[B, T]` int
     (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`.
     Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n).
     `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernel's single-pass
     preset `gpu.FAST[gpu.storage_preset(tokens)]` for the tables' span: selections equal but for near-ties within 2×
     the score error; explicit
-    kernel_kw still win; other backends unchanged)."""
+    kernel_kw still win; other backends unchanged). `platform` ("cpu" | "tpu" | "gpu" / "cuda"; None = the default
+    backend's) is what "auto" picks the kernel for."""
     T = q_bthd.shape[1]
     check_precision(precision)
     which = resolve_dsa_backend(backend, op="indexer",
-                                supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape, tuple(key_parts)))
+                                supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape, tuple(key_parts)),
+                                platform=platform)
     pos_bt = jnp.asarray(pos_bt, jnp.int32)
     if which != "reference":
         if T != 1:

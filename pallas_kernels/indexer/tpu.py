@@ -17,7 +17,10 @@ In-kernel dequantisation:
 - "bf16": bf16 keys -> fp32.
 Scores use fp32 dots at Precision.HIGHEST; the row `[1, page]` is written per step.
 
-Checked on CPU in TPU interpret mode against the reference; not yet run on TPU hardware (the page-per-step grid and
+SMEM: the block table and positions take 4·(max_blocks + 1) bytes per sequence; a batch whose tables exceed the SMEM
+budget (`pallas_kernels.budget`) runs as several calls over batch slices. VMEM: `vmem_bytes`.
+
+Checked on CPU in TPU interpret mode against the reference and exported for TPU; not yet run on TPU hardware (the page-per-step grid and
 the [page, 1] scale blocks want tuning there: several pages per step would amortise the per-step overhead).
 """
 
@@ -30,6 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import numpy as np
+
+from .. import budget
 from ..mla.sparse_gpu import e2m1_value
 from .gpu import e8m0_value
 
@@ -41,6 +47,21 @@ _HI = jax.lax.Precision.HIGHEST
 
 def supports(fmt) -> bool:
     return getattr(fmt, "index_dtype", None) in SUPPORTED
+
+
+def vmem_bytes(Hi: int, d: int, page: int, part_widths_dtypes) -> int:
+    """VMEM of one call: double-buffered q `[Hi, d]`, w `[Hi, 1]`, one page of every key part `[page, w]` and the
+    score row `[1, page]`, plus the in-kernel float32 copies of the page (keys, dots `[Hi, page]`)."""
+    f32 = np.float32
+    parts = sum(budget.tile_bytes((page, w), dt) for w, dt in part_widths_dtypes)
+    return (2 * (budget.tile_bytes((Hi, d), f32) + budget.tile_bytes((Hi, 1), f32) + parts
+                 + budget.tile_bytes((1, page), f32))
+            + budget.tile_bytes((page, d), f32) + budget.tile_bytes((Hi, page), f32))
+
+
+def smem_bytes_per_row(max_blocks: int) -> int:
+    """SMEM of one sequence's prefetched tables: its block-table row and its query position (int32)."""
+    return 4 * (max_blocks + 1)
 
 
 def _dot_nt(a, b):
@@ -84,10 +105,12 @@ def _kernel(bt_ref, pos_ref, q_ref, w_ref, *refs, index_dtype: str, d: int, page
     o_ref[0, 0] = jnp.where(t <= pos_ref[b], s, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
-def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("fmt", "smem_budget", "interpret"))
+def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, smem_budget: int = budget.SMEM_BUDGET,
+           interpret: bool = False):
     """Decode index scores: q `[B, Hi, d]`, w `[B, Hi]`, key_parts `[num_blocks, page, w]` (fmt.parts),
-    block_tables `[B, max_blocks]`, pos `[B]` -> float32 `[B, max_blocks·page]`, −inf where not allowed."""
+    block_tables `[B, max_blocks]`, pos `[B]` -> float32 `[B, max_blocks·page]`, −inf where not allowed.
+    The batch runs in slices whose tables fit `smem_budget` bytes of SMEM."""
     if not supports(fmt):
         raise ValueError(f"the TPU indexer kernel reads {SUPPORTED} keys, not {fmt}")
     B, Hi, d = q_bhd.shape
@@ -104,19 +127,27 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, interpret: bool 
         last = jax.lax.div(jnp.maximum(pos_s[b], 0), page)  # no new DMA for pages past the query
         return bt_s[b * max_blocks + jnp.minimum(j, last)], 0, 0
 
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(B, max_blocks),
-        in_specs=[pl.BlockSpec((1, Hi, d), lambda b, j, *_: (b, 0, 0)),
-                  pl.BlockSpec((1, Hi, 1), lambda b, j, *_: (b, 0, 0))]
-                 + [pl.BlockSpec((1, page, p.shape[-1]), page_map) for p in key_parts],
-        out_specs=pl.BlockSpec((1, 1, 1, page), lambda b, j, *_: (b, j, 0, 0)),
-    )
-    out = pl.pallas_call(
-        functools.partial(_kernel, index_dtype=fmt.index_dtype, d=d, page=page),
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((B, max_blocks, 1, page), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
-    )(bt.reshape(-1), pos, q, w, *key_parts)
+    budget.check("indexer scores (TPU)", smem=0,
+                 vmem=vmem_bytes(Hi, d, page, [(p.shape[-1], p.dtype) for p in key_parts]))
+    rows_per_call = budget.batch_rows_within(B, smem_bytes_per_row(max_blocks), smem_budget=smem_budget)
+
+    def call(bt, pos, q, w):
+        Bc = q.shape[0]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(Bc, max_blocks),
+            in_specs=[pl.BlockSpec((1, Hi, d), lambda b, j, *_: (b, 0, 0)),
+                      pl.BlockSpec((1, Hi, 1), lambda b, j, *_: (b, 0, 0))]
+                     + [pl.BlockSpec((1, page, p.shape[-1]), page_map) for p in key_parts],
+            out_specs=pl.BlockSpec((1, 1, 1, page), lambda b, j, *_: (b, j, 0, 0)),
+        )
+        return pl.pallas_call(
+            functools.partial(_kernel, index_dtype=fmt.index_dtype, d=d, page=page),
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct((Bc, max_blocks, 1, page), jnp.float32),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            interpret=pltpu.InterpretParams() if interpret else False,
+        )(bt.reshape(-1), pos, q, w, *key_parts)
+
+    out = budget.over_batch(call, B, rows_per_call, bt, pos, q, w)
     return out.reshape(B, max_blocks * page)

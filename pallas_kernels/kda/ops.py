@@ -2,7 +2,8 @@
 pool). Both pick a backend in one place (`resolve_backend`):
 
   "auto"       → the GPU kernel (Pallas Triton) on a GPU, the TPU kernel (Pallas Mosaic TPU) on a TPU, else the
-                 jnp reference;
+                 jnp reference; the platform is `platform=` ("cpu" | "tpu" | "gpu" / "cuda") or, when None, that of
+                 `jax.default_backend()` at trace time (pass it when exporting for another platform);
   "gpu", "tpu", "reference"   → that path; "gpu_interpret", "tpu_interpret" → the kernel in Pallas interpret mode
                  (CPU tests).
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..platform import resolve_platform
 from . import chunk_math
 from . import reference
 
@@ -28,14 +30,14 @@ BACKENDS = ("reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
 # bench/kda_gpu_diag.py "model") runs both paths with IEEE fp32 products: under XLA's TF32 default the other layers'
 # roundings and the tiny model's top-k selections amplify the kernels' 1e-6 difference (session 1's 0.31, session 2's
 # 0.28 were that, not the kernels; see bench/RESULTS.md).
-_PLATFORM_TO_BACKEND = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+_PLATFORM_TO_BACKEND = {"gpu": "gpu", "tpu": "tpu"}
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """The single place where a backend is chosen."""
+def resolve_backend(backend: str = "auto", platform: Optional[str] = None) -> str:
+    """The single place where a backend is chosen. "auto" takes the kernel of `platform` (None: the default
+    backend's platform); on "gpu" it falls back to the reference when the Pallas Triton lowering does not import."""
     if backend == "auto":
-        platform = jax.default_backend()
-        backend = _PLATFORM_TO_BACKEND.get(platform, "reference")
+        backend = _PLATFORM_TO_BACKEND.get(resolve_platform(platform), "reference")
         if backend == "gpu":
             from . import gpu
             if not gpu.available():
@@ -103,7 +105,8 @@ def reference_varlen(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=Non
 
 
 def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, backend: str = "auto", *,
-          A_log=None, dt_bias=None, gate_form: Optional[str] = None, lower_bound: float = -5.0):
+          A_log=None, dt_bias=None, gate_form: Optional[str] = None, lower_bound: float = -5.0,
+          platform: Optional[str] = None):
     """Chunked prefill.
 
     Without `cu_seqlens`: B independent sequences of length T; `initial_state` `[B, H, dk, dv]` or None; returns
@@ -116,7 +119,7 @@ def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, bac
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     _check_chunk_layout(B, T, H, dk, dv, initial_state, cu_seqlens)
-    be = resolve_backend(backend)
+    be = resolve_backend(backend, platform)
     if (be.startswith("gpu") and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
         be = "reference"  # no tokens: nothing for a kernel to do (the final states are the initial ones)
     if cu_seqlens is None:
@@ -149,7 +152,8 @@ def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, bac
 
 
 def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str = "auto", *,
-              A_log=None, dt_bias=None, gate_form: Optional[str] = None, lower_bound: float = -5.0):
+              A_log=None, dt_bias=None, gate_form: Optional[str] = None, lower_bound: float = -5.0,
+              platform: Optional[str] = None):
     """Recurrent decode of T (usually 1) tokens for B sequences.
 
     `slot_ids` `[B]` int: sequence b reads and writes `state[slot_ids[b]]` of a pool `[S, H, dk, dv]` float32 (ids must
@@ -166,7 +170,7 @@ def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str =
         slot_ids = jnp.arange(B, dtype=jnp.int32)
     if state.shape[1:] != (H, dk, dv):
         raise ValueError(f"state must be [S, {H}, {dk}, {dv}]; got {state.shape}")
-    be = resolve_backend(backend)
+    be = resolve_backend(backend, platform)
     if (be.startswith("gpu") and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
         be = "reference"  # no tokens: the pool is returned as it is
     if be == "reference":
@@ -182,7 +186,7 @@ def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str =
 
 
 # Decode step with the pool donated: the update happens in place on GPU/TPU.
-recurrent_donated = jax.jit(recurrent, static_argnames=("scale", "backend", "gate_form", "lower_bound"),
+recurrent_donated = jax.jit(recurrent, static_argnames=("scale", "backend", "gate_form", "lower_bound", "platform"),
                             donate_argnames=("state",))
 
 __all__ = ["chunk", "recurrent", "recurrent_donated", "reference_varlen", "resolve_backend", "BACKENDS"]

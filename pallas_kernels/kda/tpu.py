@@ -136,6 +136,8 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, interpre
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, pool_ref, o_ref, pool_out_ref, *,
                    scale, n_steps, gate_form, lower_bound):
+    """One (sequence b, head h): q, k, g `[Tp, dk]`, v `[Tp, dv]`, beta `[Tp, 1]`, dt_bias `[1, dk]`, A_log [H] in
+    SMEM, the state `[dk, dv]` float32."""
     del slot_ref
     h = pl.program_id(1)
     Tp, dk = q_ref.shape
@@ -145,8 +147,7 @@ def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, dtb_ref, 
     g = g_ref[...].astype(jnp.float32)
     if gate_form is not None:
         g = M.gate_value(g, jnp.exp(a_ref[h]), dtb_ref[...].astype(jnp.float32), gate_form, lower_bound)
-    bcol = jax.lax.broadcasted_iota(jnp.int32, b_ref.shape, 1)
-    b = jnp.sum(jnp.where(bcol == h, b_ref[...].astype(jnp.float32), 0.0), axis=1, keepdims=True)  # [Tp, 1]
+    b = b_ref[...].astype(jnp.float32)  # [Tp, 1]
     rows_k = jax.lax.broadcasted_iota(jnp.int32, (Tp, dk), 0)
     rows_v = jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
     rows_1 = jax.lax.broadcasted_iota(jnp.int32, b.shape, 0)
@@ -180,34 +181,35 @@ def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None,
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     Tp = -(-T // 8) * 8
-    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-    flat = lambda x: pad_t(x).reshape(B, Tp, -1)
-    q2, k2, v2, g2, b2 = flat(q), flat(k), flat(v), flat(g), pad_t(beta)
+    # head-major `[B, H, Tp, d]`: every block `(Tp, d)` is (8, ·)-divisible in rows and the whole last dim, so it is
+    # legal for any head dim (a `(Tp, d)` slice of `[B, Tp, H·d]` is not when d is not a multiple of 128)
+    heads = lambda x: jnp.pad(jnp.moveaxis(x, 2, 1), [(0, 0), (0, 0), (0, Tp - T), (0, 0)])
+    q2, k2, v2, g2 = heads(q), heads(k), heads(v), heads(g)
+    b2 = heads(beta[..., None])  # [B, H, Tp, 1]
     if gate_form is None:
         a = jnp.zeros((H,), jnp.float32)
-        dtb = jnp.zeros((1, H * dk), jnp.float32)
+        dtb = jnp.zeros((H, 1, dk), jnp.float32)
     else:
         a = jnp.asarray(A_log, jnp.float32).reshape(H)
-        dtb = jnp.asarray(dt_bias, jnp.float32).reshape(1, H * dk)
-    tok = lambda d: pl.BlockSpec((None, Tp, d), lambda b, h, slot: (b, 0, h))
+        dtb = jnp.asarray(dt_bias, jnp.float32).reshape(H, 1, dk)
+    tok = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, slot: (b, h, 0, 0))
     pool_spec = pl.BlockSpec((None, None, dk, dv), lambda b, h, slot: (slot[b], h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(B, H),
-        in_specs=[tok(dk), tok(dk), tok(dv), tok(dk),
-                  pl.BlockSpec((None, Tp, H), lambda b, h, slot: (b, 0, 0)),
+        in_specs=[tok(dk), tok(dk), tok(dv), tok(dk), tok(1),
                   pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((1, dk), lambda b, h, slot: (0, h)),
+                  pl.BlockSpec((None, 1, dk), lambda b, h, slot: (h, 0, 0)),
                   pool_spec],
         out_specs=[tok(dv), pool_spec],
     )
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, n_steps=T, gate_form=gate_form, lower_bound=lower_bound),
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H * dv), v.dtype),
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={8: 1},  # operand 8 counts the scalar-prefetch slot ids
         compiler_params=_compiler_params(("parallel", "parallel")),
         interpret=_interpret_arg(interpret),
     )(slot_ids.astype(jnp.int32), q2, k2, v2, g2, b2, a, dtb, state_pool.astype(jnp.float32))
-    return o[:, :T].reshape(B, T, H, dv), pool
+    return jnp.moveaxis(o[:, :, :T], 1, 2), pool

@@ -28,6 +28,7 @@ else to the Triton kernel; `kernel_kw={"impl": "mgpu" | "triton", ...}` picks on
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -139,14 +140,14 @@ def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, 
     return "mgpu" if sparse_mgpu.supports(fmt, sparse_mgpu.MgpuSparseConfig()) else "triton"
 
 
-def _pick_backend(backend: str, fmt, T: int, kv_parts=()) -> str:
+def _pick_backend(backend: str, fmt, T: int, kv_parts=(), platform: Optional[str] = None) -> str:
     return resolve_dsa_backend(backend, op="sparse MLA",
-                               supported=lambda kind: _kernel_supports(kind, fmt, T, kv_parts))
+                               supported=lambda kind: _kernel_supports(kind, fmt, T, kv_parts), platform=platform)
 
 
 def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
                block_k: int = DEFAULT_BLOCK_K, q_chunk=None, backend: str = "auto", kernel_kw=None,
-               precision: str = "exact"):
+               precision: str = "exact", platform: Optional[str] = None):
     """Sparse absorbed attention over the paged latent cache.
 
     q `[B, T, H, c]` (absorbed query `[q_nope·W_UK | q_rope]`), kv_parts: the layer pool's latent parts
@@ -156,12 +157,13 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
     `precision`: "exact" (products to ≈ fp32 against the dequantised rows) or "storage" (the GPU kernel's faster
     single-pass settings, `sparse_gpu.storage_preset`, within the quantised formats' 5e-3 bar; explicit kernel_kw
     still win; the reference and the TPU kernel are unchanged).
+    `platform` ("cpu" | "tpu" | "gpu" / "cuda"; None = the default backend's) is what "auto" picks the kernel for.
     """
     B, T, H, c = q_bthc.shape
     check_precision(precision)
     if idx_btk.shape[-1] == 0:  # an empty selection is one empty slot: o = 0, lse = −inf on every backend
         idx_btk = jnp.full(tuple(idx_btk.shape[:-1]) + (1,), -1, jnp.int32)
-    which = _pick_backend(backend, fmt, T, tuple(kv_parts))
+    which = _pick_backend(backend, fmt, T, tuple(kv_parts), platform)
     kernel_kw = dict(kernel_kw or {})
     if which != "reference":
         if T != 1:

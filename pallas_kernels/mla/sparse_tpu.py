@@ -7,9 +7,13 @@ VMEM buffer (one row per DMA, all started before the first wait), and runs an fp
 VMEM scratch (m, l `[H, 1]`, acc `[H, R]`). Empty slots (idx < 0) get an additive −inf bias. The per-layer fp8
 scale is folded outside the kernel: logits use q·(scale·s) and the output is multiplied by s.
 
-Checked on CPU in TPU interpret mode (`interpret=True` -> `pltpu.InterpretParams()`) against the jnp reference.
-Not yet run on TPU hardware: block_k, the per-row DMAs (c = 576 is not a multiple of 128 lanes) and the SMEM footprint
-of the prefetched tables (4·B·(k + max_blocks) B) need tuning there.
+SMEM: the prefetched tables take 4·(k + max_blocks) bytes per sequence; a batch whose tables exceed the SMEM budget
+(`pallas_kernels.budget`; e.g. B = 256 × (k 2048 + 2048 blocks) = 4 MiB) runs as several calls over batch slices.
+VMEM: `vmem_bytes` (≈ 0.6 MiB at H = 96, c = 576, block_k = 128).
+
+Checked on CPU in TPU interpret mode (`interpret=True` -> `pltpu.InterpretParams()`) against the jnp reference and
+exported for TPU (`jax.export`). Not yet run on TPU hardware: block_k and the per-row DMAs (c = 576 is not a multiple
+of 128 lanes) need tuning there.
 """
 
 from __future__ import annotations
@@ -18,10 +22,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import budget
+
 SUPPORTED = ("bf16", "fp8")
+
+
+def vmem_bytes(H: int, c: int, value_dim: int, block_k: int, row_dtype) -> int:
+    """VMEM of one call: double-buffered q `[H, c]`, bias `[1, bk]`, o `[H, R]`, lse `[H, 1]` blocks, the rows buffer
+    `[bk, c]` and the m, l, acc scratch (float32 but the rows)."""
+    f32 = np.float32
+    return (2 * (budget.tile_bytes((H, c), f32) + budget.tile_bytes((1, block_k), f32)
+                 + budget.tile_bytes((H, value_dim), f32) + budget.tile_bytes((H, 1), f32))
+            + budget.tile_bytes((block_k, c), row_dtype) + 2 * budget.tile_bytes((H, 1), f32)
+            + budget.tile_bytes((H, value_dim), f32))
+
+
+def smem_bytes_per_row(k_pad: int, max_blocks: int) -> int:
+    """SMEM of one sequence's prefetched tables: its block-table row and its top-k positions (int32)."""
+    return 4 * (k_pad + max_blocks)
 
 
 def supports(fmt) -> bool:
@@ -44,8 +66,10 @@ def _kernel(bt_ref, idx_ref, q_ref, bias_ref, pool_hbm, o_ref, lse_ref, rows_vme
 
     def start(i, carry):
         pos = jnp.maximum(idx_ref[b * k_pad + j * block_k + i], 0)
-        blk = bt_ref[b * max_blocks + jnp.minimum(pos // page, max_blocks - 1)]
-        row_copy(i, blk * page + pos % page).start()
+        # lax.div / lax.rem (truncating) on pos ≥ 0: jnp's floor `//` and `%` lower through sign(), which Mosaic
+        # resolves by asking the device for its TPU generation, so the kernel could not be exported without a TPU
+        blk = bt_ref[b * max_blocks + jnp.minimum(jax.lax.div(pos, page), max_blocks - 1)]
+        row_copy(i, blk * page + jax.lax.rem(pos, page)).start()
         return carry
 
     def wait(i, carry):
@@ -79,11 +103,12 @@ def _kernel(bt_ref, idx_ref, q_ref, bias_ref, pool_hbm, o_ref, lse_ref, rows_vme
         lse_ref[0] = jnp.where(ok, m_sc[...] + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_k", "smem_budget", "interpret"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
-           block_k: int = 128, interpret: bool = False):
+           block_k: int = 128, smem_budget: int = budget.SMEM_BUDGET, interpret: bool = False):
     """q `[B, H, c]`, kv_parts `(rows [num_blocks, page, c],)`, block_tables `[B, max_blocks]`, idx `[B, k]`
-    -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32)."""
+    -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32). The batch runs in slices whose tables fit
+    `smem_budget` bytes of SMEM."""
     if not supports(fmt):
         raise ValueError(f"the TPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
     (pool,) = kv_parts
@@ -100,34 +125,41 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     ls = jnp.asarray(layer_scale if fmt.kv_dtype == "fp8" else 1.0, jnp.float32)  # bf16 rows are unscaled
     q = q_bhc.astype(jnp.float32) * (scale * ls)
 
-    kernel = functools.partial(_kernel, block_k=bk, k_pad=k_pad, max_blocks=max_blocks, page=page,
-                               value_dim=value_dim)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(B, n),
-        in_specs=[
-            pl.BlockSpec((1, H, c), lambda b, j, *_: (b, 0, 0)),
-            pl.BlockSpec((1, 1, 1, bk), lambda b, j, *_: (b, j, 0, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=[
-            pl.BlockSpec((1, H, value_dim), lambda b, j, *_: (b, 0, 0)),
-            pl.BlockSpec((1, H, 1), lambda b, j, *_: (b, 0, 0)),
-        ],
-        scratch_shapes=[
-            pltpu.VMEM((bk, c), pool.dtype),
-            pltpu.SemaphoreType.DMA((bk,)),
-            pltpu.VMEM((H, 1), jnp.float32),
-            pltpu.VMEM((H, 1), jnp.float32),
-            pltpu.VMEM((H, value_dim), jnp.float32),
-        ],
-    )
-    o, lse = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((B, H, value_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((B, H, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
-    )(bt.reshape(-1), idx.reshape(-1), q, bias, pool.reshape(nblocks * page, c))
+    budget.check("sparse MLA (TPU)", vmem=vmem_bytes(H, c, value_dim, bk, pool.dtype), smem=0)
+    rows_per_call = budget.batch_rows_within(B, smem_bytes_per_row(k_pad, max_blocks), smem_budget=smem_budget)
+
+    def call(q, bias, bt, idx):
+        Bc = q.shape[0]
+        kernel = functools.partial(_kernel, block_k=bk, k_pad=k_pad, max_blocks=max_blocks, page=page,
+                                   value_dim=value_dim)
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(Bc, n),
+            in_specs=[
+                pl.BlockSpec((1, H, c), lambda b, j, *_: (b, 0, 0)),
+                pl.BlockSpec((1, 1, 1, bk), lambda b, j, *_: (b, j, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=[
+                pl.BlockSpec((1, H, value_dim), lambda b, j, *_: (b, 0, 0)),
+                pl.BlockSpec((1, H, 1), lambda b, j, *_: (b, 0, 0)),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((bk, c), pool.dtype),
+                pltpu.SemaphoreType.DMA((bk,)),
+                pltpu.VMEM((H, 1), jnp.float32),
+                pltpu.VMEM((H, 1), jnp.float32),
+                pltpu.VMEM((H, value_dim), jnp.float32),
+            ],
+        )
+        return pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct((Bc, H, value_dim), jnp.float32),
+                       jax.ShapeDtypeStruct((Bc, H, 1), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            interpret=pltpu.InterpretParams() if interpret else False,
+        )(bt.reshape(-1), idx.reshape(-1), q, bias, pool.reshape(nblocks * page, c))
+
+    o, lse = budget.over_batch(call, B, rows_per_call, q, bias, bt, idx)
     return o * ls, lse[..., 0]

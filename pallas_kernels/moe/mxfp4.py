@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-GROUP = 32  # elements per E8M0 scale
-
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+from ..codec import E2M1_VALUES, mxfp4_encode
+from ..codec import MXFP4_GROUP as GROUP  # elements per E8M0 scale
 
 
 class MXFP4Weight(NamedTuple):
@@ -87,10 +85,8 @@ def dequantize(w: MXFP4Weight, dtype=jnp.float32):
 
 
 def quantize(w_ekn) -> MXFP4Weight:
-    """Quantise dense `[E, K, N]` weights to MXFP4 (NumPy, via `convert.quant.mxfp4_quant`; tests and benches)."""
-    from convert.quant import mxfp4_quant
-
-    packed, scale = mxfp4_quant(np.swapaxes(np.asarray(w_ekn, np.float32), -1, -2))
+    """Quantise dense `[E, K, N]` weights to MXFP4 (NumPy, `codec.mxfp4_encode`; tests and benches)."""
+    packed, scale = mxfp4_encode(np.swapaxes(np.asarray(w_ekn, np.float32), -1, -2))
     return MXFP4Weight(jnp.asarray(packed), jnp.asarray(scale))
 
 

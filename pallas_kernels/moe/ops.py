@@ -15,8 +15,9 @@ of copy for the whole FFN at 8 rows per expert; a model on a GPU prepares its MX
 
 Backends: "reference" (jax.lax.ragged_dot, fp32 accumulation; MXFP4 is dequantised whole — a definition, not a
 fast path), "gpu" (Pallas → Triton, `gpu.py`), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
-(Pallas Mosaic TPU, `tpu.py`). "auto" picks by the default device's platform through `GPU_CHOICE` / TPU / else
-reference. `interpret=True` runs the Pallas kernels through their interpreters (GPU: the generic Pallas
+(Pallas Mosaic TPU, `tpu.py`). "auto" picks by the platform through `GPU_CHOICE` / TPU / else reference; the
+platform is the ops' `platform=` argument ("cpu" | "tpu" | "gpu" / "cuda"), None meaning `jax.default_backend()`
+at trace time (pass it when exporting for another platform). `interpret=True` runs the Pallas kernels through their interpreters (GPU: the generic Pallas
 interpreter; TPU: `pltpu.InterpretParams()`), which is how CPU tests check them.
 
 Determinism: routing is a stable sort of (token, slot) pairs by expert; the combine gathers each token's k expert
@@ -26,15 +27,20 @@ backend: the same input gives the same bits.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
+from ..platform import resolve_platform
 from . import gpu as _gpu
 from . import mgpu_mxfp4 as _mgpu_mx
 from . import mxfp4 as mx
 from . import reference
 from . import schedule as _schedule
 from . import tpu as _tpu
+from .activations import ACTIVATIONS
+from .routing import route
 
 BACKENDS = ("reference", "gpu", "mgpu", "tpu")
 
@@ -48,12 +54,13 @@ GPU_CHOICE = {"bf16": "gpu", "mxfp4": "gpu"}
 FUSE_GATE_UP = {"gpu": False, "tpu": True, "mgpu": False, "reference": False}
 
 
-def resolve_backend(backend: str = "auto", *, quantized: bool = False) -> str:
+def resolve_backend(backend: str = "auto", *, quantized: bool = False, platform: Optional[str] = None) -> str:
+    """The one place the MoE ops pick an implementation; "auto" by `platform` (None: the default backend's)."""
     if backend == "auto":
-        platform = jax.default_backend()
-        if platform == "tpu":
+        target = resolve_platform(platform)
+        if target == "tpu":
             return "tpu"
-        if platform in ("gpu", "cuda"):
+        if target == "gpu":
             return GPU_CHOICE["mxfp4" if quantized else "bf16"]
         return "reference"
     if backend not in BACKENDS:
@@ -96,12 +103,12 @@ def _reference_gmm(x, weights, group_sizes, activation, out_dtype):
 
 
 def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.float32, interpret=False,
-         config=None, fill_uncovered=True):
+         config=None, fill_uncovered=True, platform=None):
     quantized = _quantized(weights[0])
-    b = resolve_backend(backend, quantized=quantized)
+    b = resolve_backend(backend, quantized=quantized, platform=platform)
     if any(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
         mcfg = config if isinstance(config, _mgpu_mx.MgpuConfig) else None
-        if (b == "gpu" and not interpret and jax.default_backend() in ("gpu", "cuda")
+        if (b == "gpu" and not interpret and resolve_platform(platform) == "gpu"
                 and all(_mosaic_takes(x.shape[0], w, mcfg) for w in weights)):
             # the Mosaic GPU MXFP4 kernel, one matmul per weight, activation in XLA (always zero-fills uncovered rows)
             outs = [_mgpu_mx.grouped_matmul(x, w, group_sizes, config=mcfg) for w in weights]
@@ -130,10 +137,10 @@ def _mosaic_takes(num_rows: int, w, config) -> bool:
     return _mgpu_mx.supports(w.in_features, w.out_features, cfg) and (cfg.mma == "bf16" or w.layout == "natural")
 
 
-def _tiled_ffn_takes(num_rows: int, weights, backend, interpret, config) -> bool:
+def _tiled_ffn_takes(num_rows: int, weights, backend, interpret, config, platform=None) -> bool:
     """Whether `expert_ffn_sorted` runs `mgpu_mxfp4.expert_ffn_tiled`: on a GPU, not interpreted, all three weights
     prepared, and each weight's shape and layout taken by the kernel at the tile-layout config."""
-    if backend != "gpu" or interpret or jax.default_backend() not in ("gpu", "cuda"):
+    if backend != "gpu" or interpret or resolve_platform(platform) != "gpu":
         return False
     if not all(isinstance(w, _mgpu_mx.PreparedWeight) for w in weights):
         return False
@@ -145,7 +152,7 @@ def _tiled_ffn_takes(num_rows: int, weights, backend, interpret, config) -> bool
 
 
 def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", out_dtype=jnp.float32,
-                   interpret: bool = False, config=None):
+                   interpret: bool = False, config=None, platform: Optional[str] = None):
     """Rows of `x [M, K]` sorted by group; rows [off_e, off_e + size_e) multiply expert e. Returns `[M, N]`.
 
     `w`: dense `[E, K, N]`, or MXFP4 (`MXFP4Weight`, `(packed, scale)`, or `w=packed` uint8 `[E, N, K/2]` with
@@ -155,30 +162,30 @@ def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", ou
     """
     w = _as_weight(w, w_scale)
     _check(x, w, group_sizes)
-    return _gmm(x, (w,), group_sizes, backend=backend, out_dtype=out_dtype, interpret=interpret, config=config)
+    return _gmm(x, (w,), group_sizes, backend=backend, out_dtype=out_dtype, interpret=interpret, config=config,
+                platform=platform)
 
 
 def gated_grouped_matmul(x, w_gate, w_up, group_sizes, activation, *, backend: str = "auto",
-                         out_dtype=jnp.bfloat16, interpret: bool = False, config=None):
+                         out_dtype=jnp.bfloat16, interpret: bool = False, config=None,
+                         platform: Optional[str] = None):
     """`activation(x @ Wg[e], x @ Wu[e])` per row, with the activation fused after the two fp32 accumulators
     (one kernel, h stored once) on the Pallas backends."""
     w_gate, w_up = _as_weight(w_gate), _as_weight(w_up)
     _check(x, w_gate, group_sizes)
     _check(x, w_up, group_sizes)
     return _gmm(x, (w_gate, w_up), group_sizes, backend=backend, activation=resolve_activation(activation),
-                out_dtype=out_dtype, interpret=interpret, config=config)
+                out_dtype=out_dtype, interpret=interpret, config=config, platform=platform)
 
 
 def resolve_activation(activation):
     """A callable `act(g, u)` on fp32, or one of the names "situ", "swiglu", "clamped_swiglu" (SPEC §7)."""
     if callable(activation):
         return activation
-    from kimi_jax.modules.layers import clamped_swiglu, situ, swiglu
-
-    table = {"situ": situ, "swiglu": swiglu, "clamped_swiglu": clamped_swiglu}
-    if activation not in table:
-        raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(table)} or pass a callable")
-    return table[activation]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)} or pass a "
+                         "callable")
+    return ACTIVATIONS[activation]
 
 
 COUNTING_SORT_MAX_PAIRS = _schedule.COUNTING_SORT_MAX_PAIRS
@@ -230,7 +237,7 @@ def combine(y_rows, order, weight_nk):
 
 def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, backend: str = "auto",
                       interpret: bool = False, fuse: bool | None = None, h_dtype=None, fill_uncovered: bool = True,
-                      configs=None, token_of_row=None, out_rows=None):
+                      configs=None, token_of_row=None, out_rows=None, platform: Optional[str] = None):
     """The expert FFN on rows already sorted by expert: `down(act(gate x, up x))` `[rows, D]` float32.
 
     `fuse=True` runs gate and up in one kernel with the activation in its epilogue (Pallas backends); None takes
@@ -245,9 +252,9 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
     if h_dtype is None:
         h_dtype = x_rows.dtype if _quantized(w_down) else w_down.dtype
     c_up, c_down = configs or (None, None)
-    b = resolve_backend(backend, quantized=_quantized(w_gate))
+    b = resolve_backend(backend, quantized=_quantized(w_gate), platform=platform)
     num_rows = x_rows.shape[0] if token_of_row is None else token_of_row.shape[0]
-    if _tiled_ffn_takes(num_rows, (w_gate, w_up, w_down), b, interpret, c_up):
+    if _tiled_ffn_takes(num_rows, (w_gate, w_up, w_down), b, interpret, c_up, platform):
         # all three weights prepared for the Mosaic MXFP4 kernel: one tile layout for the whole FFN (x padded once,
         # h kept padded, one gather back) instead of padding around each matmul
         return _mgpu_mx.expert_ffn_tiled(x_rows, group_sizes, w_gate, w_up, w_down, act, h_dtype=h_dtype,
@@ -258,20 +265,20 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
         fuse = FUSE_GATE_UP[b]
     if fuse and b in ("gpu", "tpu") and not isinstance(w_gate, _mgpu_mx.PreparedWeight):
         h = _gmm(x_rows, (w_gate, w_up), group_sizes, backend=b, activation=act, out_dtype=h_dtype,
-                 interpret=interpret, config=c_up, fill_uncovered=fill_uncovered)
+                 interpret=interpret, config=c_up, fill_uncovered=fill_uncovered, platform=platform)
     else:
         g = _gmm(x_rows, (w_gate,), group_sizes, backend=b, interpret=interpret, config=c_up,
-                 fill_uncovered=fill_uncovered)
+                 fill_uncovered=fill_uncovered, platform=platform)
         u = _gmm(x_rows, (w_up,), group_sizes, backend=b, interpret=interpret, config=c_up,
-                 fill_uncovered=fill_uncovered)
+                 fill_uncovered=fill_uncovered, platform=platform)
         h = act(g, u).astype(h_dtype)
     y = _gmm(h, (w_down,), group_sizes, backend=b, interpret=interpret, config=c_down,
-             fill_uncovered=fill_uncovered)
+             fill_uncovered=fill_uncovered, platform=platform)
     return y if out_rows is None else y[out_rows]
 
 
 def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *, backend: str = "auto",
-               interpret: bool = False, fuse: bool | None = None, configs=None):
+               interpret: bool = False, fuse: bool | None = None, configs=None, platform: Optional[str] = None):
     """Σ_k weight[n,k] · down_e(act(gate_e x, up_e x)) for e = expert_idx[n,k]; `[N, D]` float32.
 
     Drop-in for `reference.expert_ffn` (same arguments and result) with a backend choice. Dropless: every
@@ -280,8 +287,8 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
     E = w_gate.num_experts if _quantized(w_gate) else w_gate.shape[0]
     N, k = expert_idx_nk.shape
     c_up = (configs or (None, None))[0]
-    b = resolve_backend(backend, quantized=_quantized(w_gate))
-    if _tiled_ffn_takes(N * k, (w_gate, w_up, w_down), b, interpret, c_up):
+    b = resolve_backend(backend, quantized=_quantized(w_gate), platform=platform)
+    if _tiled_ffn_takes(N * k, (w_gate, w_up, w_down), b, interpret, c_up, platform):
         # the tile-layout FFN planned from the routing itself: the padded rows hold the (token, slot) pairs, and the
         # rows come back in (token, slot) order, with no sorted rows in between (`mgpu_mxfp4.slot_tile_plan`)
         cfg = c_up if isinstance(c_up, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
@@ -296,14 +303,14 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
     # the FFN hands its rows back in (token, slot) order: on the tile-layout path one gather from the padded rows
     # instead of a gather back to sorted rows and another into slot order
     y = expert_ffn_sorted(x_nd, sizes, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret,
-                          fuse=fuse, configs=configs, token_of_row=token_of_row, out_rows=slot_row)
+                          fuse=fuse, configs=configs, token_of_row=token_of_row, out_rows=slot_row, platform=platform)
     return combine_slots(y, weight_nk)
 
 
 def routed_experts(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, backend: str = "auto",
-                   interpret: bool = False):
-    """Route (`kimi_jax.modules.moe.route`, SPEC §7) then `expert_ffn`. Returns `[N, D]` float32."""
-    from kimi_jax.modules.moe import route
-
+                   interpret: bool = False, platform: Optional[str] = None):
+    """Route (`routing.route`, SPEC §7; `cfg` has the `MoEConfig` router fields) then `expert_ffn`.
+    Returns `[N, D]` float32."""
     weight, idx = route(x_nd, router_de, bias_e, cfg)
-    return expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret)
+    return expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret,
+                      platform=platform)

@@ -33,8 +33,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import numpy as np
+
+from .. import budget
 from . import mxfp4 as mx
-from .schedule import cdiv, straddle_tiles
+from .schedule import cdiv, num_straddle_tiles_bound, straddle_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,19 @@ def _fit(dim: int, pref: int, floor: int) -> int:
             return b
         b //= 2
     return dim
+
+
+def vmem_bytes(bm: int, bk: int, bn: int, K: int, n_w: int, x_dtype, w_dtype, out_dtype, quantized: bool) -> int:
+    """VMEM of one call: double-buffered x, weight (MXFP4: packed `[bn, bk/2]` + the scale row `[bn, K/32]`) and
+    output blocks, plus one float32 `[bm, bn]` accumulator per weight."""
+    if quantized:
+        x = 2 * budget.tile_bytes((bm, bk // 2), x_dtype)
+        w = budget.tile_bytes((bn, bk // 2), np.uint8) + budget.tile_bytes((bn, K // mx.GROUP), np.uint8)
+    else:
+        x = budget.tile_bytes((bm, bk), x_dtype)
+        w = budget.tile_bytes((bk, bn), w_dtype)
+    return (2 * (x + n_w * w + budget.tile_bytes((bm, bn), out_dtype))
+            + n_w * budget.tile_bytes((bm, bn), np.float32))
 
 
 def _select_scales(s_f32, k, ks: int, kh: int):
@@ -132,6 +148,10 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
     bk = _fit(K, cfg.bk, 256 if quantized else 128)
     bn = _fit(N, cfg.bn, 128)
     n_k, n_n = K // bk, N // bn
+    n_tiles = num_straddle_tiles_bound(cdiv(M, bm) * bm, E, bm)
+    budget.check("MoE grouped matmul (TPU)", smem=budget.smem_bytes(n_tiles, n_tiles, n_tiles, E + 1, E + 1, 1),
+                 vmem=vmem_bytes(bm, bk, bn, K, len(weights), x.dtype,
+                                 None if quantized else weights[0].dtype, out_dtype, quantized))
     Mp = cdiv(M, bm) * bm
     if Mp != M:
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))

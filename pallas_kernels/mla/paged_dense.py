@@ -1,0 +1,121 @@
+"""Dense (causal) MLA over the paged latent cache: absorbed attention of each query over ALL of its sequence's cached
+positions. It serves MLA layers without a DSA indexer (Kimi-Linear, K3's MLA layers without an indexer).
+
+For every query (b, t) at sequence position p = query_pos[b, t], keys are the rows `[lat (R) | k_rope]` (c = R + rope,
+shared by all heads: MQA) at positions 0 … p and values their first R = `value_dim` columns:
+
+    o[b,t,h] = Σ_{s ≤ p} softmax_s(scale · q[b,t,h]·kv_s) · kv_s[:R],   lse[b,t,h] = log Σ_{s ≤ p} exp(scale · q·kv_s)
+
+p < 0 marks a padding query: o = 0, lse = −inf. This is exactly `sparse.sparse_mla` with idx = every position ≤ p
+(the tests use that as the oracle), without building or prefetching an index per cached token.
+
+Rows are read from the pool parts `[num_blocks, page, w]` in their stored form and dequantised with
+`fmt.dequantize(parts, layer_scale)` (the `sparse.sparse_mla` contract, e.g. `kimi_jax.quant.LatentFormat`).
+`reference` (below) is the definition: an fp32 online softmax over the block table one page column at a time,
+queries in chunks so that one page's logits stay bounded. The TPU kernel (`paged_dense_tpu.py`) runs decode
+(T = 1) for single-part row formats; "auto" takes it on TPU when it fits, and the reference everywhere else (the
+GPU serves this family through `sparse.sparse_mla`'s kernels with the full selection, or the reference).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..paged import DSA_BACKENDS, resolve_dsa_backend
+from .reference import PRECISION
+from .sparse import DEFAULT_MAX_BLOCK_BYTES, _chunked
+
+BACKENDS = DSA_BACKENDS
+
+
+def _online_softmax_pages(q_bthc, pos_bt, kv_parts, block_tables, layer_scale, *, fmt, scale, value_dim):
+    """fp32 online softmax over the table's pages in order: q `[B, T, H, c]`, pos `[B, T]` -> (o, lse)."""
+    B, T, H, c = q_bthc.shape
+    page = kv_parts[0].shape[1]
+    bt = jnp.asarray(block_tables, jnp.int32)
+    q = q_bthc.astype(jnp.float32)
+
+    def step(carry, j):
+        m, l, acc = carry  # [B,T,H], [B,T,H], [B,T,H,R]
+        rows = fmt.dequantize(tuple(p[bt[:, j]] for p in kv_parts), layer_scale).astype(jnp.float32)  # [B, page, c]
+        s_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # [page]
+        valid = (s_pos[None, None, :] <= pos_bt[:, :, None])[:, :, None, :]  # [B, T, 1, page]
+        rows = jnp.where((s_pos[None, :] <= jnp.max(pos_bt, axis=1)[:, None])[..., None], rows, 0.0)
+        s = jnp.einsum("bthc,bjc->bthj", q, rows, precision=PRECISION) * scale
+        s = jnp.where(valid, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(valid, jnp.exp(s - m_use[..., None]), 0.0)
+        corr = jnp.exp(m - m_use)  # m = −inf -> 0
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bthj,bjr->bthr", p, rows[..., :value_dim], precision=PRECISION)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((B, T, H), -jnp.inf, jnp.float32), jnp.zeros((B, T, H), jnp.float32),
+            jnp.zeros((B, T, H, value_dim), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(bt.shape[1], dtype=jnp.int32))
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o, lse
+
+
+@partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "q_chunk"))
+def reference(q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale=1.0, *, fmt, scale: float, value_dim: int,
+              q_chunk: Optional[int] = None):
+    """The definition (plain jnp, any format, any T). Shapes as `dense_paged_mla`. Queries run in chunks of
+    `q_chunk` (default: one page's logits and rows `[B, Tq, page, c + H]` float32 within 64 MiB)."""
+    B, T, H, c = q_bthc.shape
+    page = kv_parts[0].shape[1]
+    if q_chunk is None:
+        q_chunk = int(max(1, min(T, DEFAULT_MAX_BLOCK_BYTES // max(1, B * page * (c + H) * 4))))
+    pos = jnp.asarray(query_pos_bt, jnp.int32)
+
+    def fn(q, pos_bt1):
+        return _online_softmax_pages(q, pos_bt1[..., 0], tuple(kv_parts), block_tables, layer_scale, fmt=fmt,
+                                     scale=scale, value_dim=value_dim)
+
+    return _chunked(q_bthc, pos[..., None], q_chunk, fn)  # padded chunk rows get pos −1: padding queries
+
+
+def _kernel_supports(kind: str, fmt, T: int, kv_parts) -> bool:
+    if kind != "tpu" or T != 1:
+        return False
+    from . import paged_dense_tpu
+
+    return paged_dense_tpu.supports(fmt, kv_parts)
+
+
+def dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, *, fmt, scale: float, value_dim: int,
+                    layer_scale=1.0, backend: str = "auto", platform: Optional[str] = None):
+    """Causal absorbed MQA over the paged latent cache.
+
+    q `[B, T, H, c]` (absorbed query `[q_nope·W_UK | q_rope]`, any float dtype), kv_parts: the layer pool's latent
+    parts `[num_blocks, page, w]` in format `fmt`, block_tables `[B, max_blocks]` int32, query_pos `[B, T]` int32
+    (the query's sequence position; it attends to positions 0 … query_pos; < 0 = padding query).
+    Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32); a query with no key gets o = 0, lse = −inf.
+    `backend`: "reference", "tpu" / "tpu_interpret" (decode only, T = 1, single-part rows), or "auto" (the TPU
+    kernel when `platform` — "cpu" | "tpu" | "gpu" / "cuda", None = the default backend's — is "tpu" and the call
+    fits it, else the reference).
+    """
+    B, T, H, c = q_bthc.shape
+    which = resolve_dsa_backend(backend, op="dense paged MLA",
+                                supported=lambda kind: _kernel_supports(kind, fmt, T, tuple(kv_parts)),
+                                platform=platform)
+    if which.startswith("gpu"):
+        raise ValueError("dense paged MLA has no GPU kernel; use backend='auto' or 'reference' (or sparse_mla)")
+    pos = jnp.asarray(query_pos_bt, jnp.int32)
+    if which != "reference":
+        if T != 1:
+            raise ValueError(f"the {which} dense paged MLA kernel is decode-only (T = 1), got T = {T}")
+        from . import paged_dense_tpu
+
+        o, lse = paged_dense_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, pos[:, 0], fmt=fmt,
+                                        scale=scale, value_dim=value_dim, layer_scale=layer_scale,
+                                        interpret=which == "tpu_interpret")
+        return o[:, None], lse[:, None]
+    return reference(q_bthc, tuple(kv_parts), block_tables, pos, layer_scale, fmt=fmt, scale=scale,
+                     value_dim=value_dim)

@@ -1,0 +1,137 @@
+"""Dense paged MLA (`pallas_kernels.mla.paged_dense`): each query attends to every cached position ≤ its own.
+
+The oracle is `sparse.sparse_mla` (reference backend) with idx = every position ≤ query_pos; the reference and the
+TPU decode kernel (TPU interpret mode on CPU) must both equal it: bf16 / fp32 / fp8 rows, lengths that end inside a
+page, on a page boundary, at position 0, padding queries (pos < 0: o = 0, lse = −inf) and a batch split into
+several kernel calls by the SMEM budget. The kernel also exports for TPU (`jax.export`) at tiny and full-size dims.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax import quant as Q
+from pallas_kernels import budget
+from pallas_kernels.mla import paged_dense, paged_dense_tpu, sparse
+
+PAGE, NB = 16, 14
+BT = np.array([[3, 1, 7, 5], [2, 9, 0, 13], [11, 4, 6, 8], [10, 12, 0, 0]], np.int32)
+R, ROPE, H = 32, 8, 4
+SCALE = 0.3
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-30)))
+
+
+def case(kv_dtype, seed=0, B=4, T=1):
+    rng = np.random.default_rng(seed)
+    fmt = Q.LatentFormat(kv_dtype, R, ROPE)
+    rows = jnp.asarray(rng.standard_normal((NB, PAGE, R + ROPE)), jnp.float32)
+    layer_scale = 0.05 if kv_dtype == "fp8" else 1.0
+    parts = fmt.quantize(rows, layer_scale)
+    q = jnp.asarray(rng.standard_normal((B, T, H, R + ROPE)), jnp.float32)
+    return fmt, parts, q, layer_scale
+
+
+def oracle(q, parts, bt, pos_bt, fmt, layer_scale):
+    """sparse_mla over idx = every position ≤ query_pos (−1 elsewhere)."""
+    S = bt.shape[1] * PAGE
+    s = np.arange(S)[None, None, :]
+    idx = np.where(s <= np.asarray(pos_bt)[..., None], s, -1).astype(np.int32)
+    return sparse.sparse_mla(q, parts, bt, idx, fmt=fmt, scale=SCALE, value_dim=R, layer_scale=layer_scale,
+                             backend="reference")
+
+
+def assert_equal_attention(got, want, bar):
+    (o, lse), (o_w, lse_w) = got, want
+    lse, lse_w = np.asarray(lse), np.asarray(lse_w)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_w))
+    fin = np.isfinite(lse_w)
+    np.testing.assert_allclose(lse[fin], lse_w[fin], rtol=0, atol=bar)
+    assert rel_rms(o, o_w) < bar
+    np.testing.assert_array_equal(np.asarray(o)[~fin], 0.0)
+
+
+# decode positions: inside the 4th page, on the 2nd page's last slot, position 0, padding
+POS = np.array([[57], [31], [0], [-1]], np.int32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp32"])
+@pytest.mark.parametrize("backend", ["reference", "tpu_interpret"])
+def test_decode_equals_sparse_mla_over_every_position(kv_dtype, backend):
+    fmt, parts, q, ls = case(kv_dtype)
+    got = paged_dense.dense_paged_mla(q, parts, BT, POS, fmt=fmt, scale=SCALE, value_dim=R, layer_scale=ls,
+                                      backend=backend)
+    assert got[0].shape == (4, 1, H, R) and got[1].shape == (4, 1, H)
+    assert got[0].dtype == got[1].dtype == jnp.float32
+    assert_equal_attention(got, oracle(q, parts, BT, POS, fmt, ls), 1e-5)
+
+
+def test_kernel_pages_per_step_and_batch_split():
+    """Several pages per grid step (including a step past the table's end), and a batch split into one-row calls
+    by a small SMEM budget, give the same result."""
+    fmt, parts, q, ls = case("bf16", seed=3)
+    want = oracle(q, parts, BT, POS, fmt, ls)
+    for pps in (1, 3, 4):
+        o, lse = paged_dense_tpu.decode(q[:, 0], parts, BT, POS[:, 0], fmt=fmt, scale=SCALE, value_dim=R,
+                                        pages_per_step=pps, interpret=True)
+        assert_equal_attention((o[:, None], lse[:, None]), want, 1e-5)
+    o, lse = paged_dense_tpu.decode(q[:, 0], parts, BT, POS[:, 0], fmt=fmt, scale=SCALE, value_dim=R,
+                                    pages_per_step=4, smem_budget=paged_dense_tpu.smem_bytes_per_row(4),
+                                    interpret=True)  # one row per call
+    assert_equal_attention((o[:, None], lse[:, None]), want, 1e-5)
+
+
+def test_prefill_reference_equals_sparse_mla():
+    """T > 1 (the reference path): causal positions start … start+T−1, a padded tail, a chunked query axis."""
+    fmt, parts, q, ls = case("fp8", seed=5, B=2, T=5)
+    pos = np.array([[40, 41, 42, 43, 44], [13, 14, 15, 16, -1]], np.int32)
+    bt = BT[:2]
+    want = oracle(q, parts, bt, pos, fmt, ls)
+    for q_chunk in (None, 2):
+        got = paged_dense.reference(q, parts, bt, pos, ls, fmt=fmt, scale=SCALE, value_dim=R, q_chunk=q_chunk)
+        assert_equal_attention(got, want, 1e-5)
+    got = paged_dense.dense_paged_mla(q, parts, bt, pos, fmt=fmt, scale=SCALE, value_dim=R, layer_scale=ls,
+                                      backend="auto", platform="tpu")  # prefill: auto takes the reference
+    assert_equal_attention(got, want, 1e-5)
+
+
+def test_auto_picks_the_tpu_kernel_only_for_the_tpu_platform():
+    fmt, parts, q, ls = case("bf16")
+    pick = lambda fmt, T, platform, parts=parts: paged_dense.resolve_dsa_backend(  # noqa: E731
+        "auto", op="x", platform=platform,
+        supported=lambda kind: paged_dense._kernel_supports(kind, fmt, T, tuple(parts)))
+    assert pick(fmt, 1, "tpu") == "tpu"
+    assert pick(fmt, 2, "tpu") == "reference"
+    assert pick(fmt, 1, "cpu") == "reference" and pick(fmt, 1, "gpu") == "reference"
+    nv = Q.LatentFormat("nvfp4", 512, 64)
+    assert pick(nv, 1, "tpu", tuple(jnp.zeros((1, 16, p.width), p.dtype) for p in nv.parts)) == "reference"
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("H,R_,rope,kv_dtype,B,max_blocks", [
+    (2, 32, 8, "bf16", 4, 8),        # tiny
+    (1, 32, 8, "fp32", 4, 8),        # tiny, heads / 2
+    (32, 512, 64, "bf16", 8, 2048),  # Kimi-Linear 48B, 128K context
+    (4, 512, 64, "fp8", 256, 2048),  # Kimi-Linear heads / 8, B = 256: the tables are split over calls
+    (96, 512, 64, "fp8", 16, 16384),  # K3.1 Pro, 1M context
+    (12, 512, 64, "bf16", 16, 512),  # K3.1 Pro heads / 8
+])
+def test_kernel_exports_for_tpu(H, R_, rope, kv_dtype, B, max_blocks):
+    fmt = Q.LatentFormat(kv_dtype, R_, rope)
+    f = functools.partial(paged_dense_tpu.decode, fmt=fmt, scale=0.1, value_dim=R_)
+    args = (_sds((B, H, R_ + rope), jnp.bfloat16), tuple(_sds((64, 64, p.width), p.dtype) for p in fmt.parts),
+            _sds((B, max_blocks), jnp.int32), _sds((B,), jnp.int32))
+    exp = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exp.mlir_module()
+    assert paged_dense_tpu.vmem_bytes(H, R_ + rope, R_, 64, 8, fmt.parts[0].dtype) <= budget.VMEM_BUDGET
