@@ -12,9 +12,11 @@ the jnp reference ("auto" decides the same per call, against `ForwardContext.pla
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.indexer import paged as index_paged
+from pallas_kernels.mla import paged_dense
 from pallas_kernels.mla import sparse as sparse_mla
 
 from .context import ForwardContext
@@ -60,10 +62,22 @@ def sparse_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, idx_bt
 
 
 def dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *, fmt,
-                    scale: float, value_dim: int, max_len: int):
-    """Absorbed attention of each query over every cached position up to its own (MLA without an indexer):
-    q `[B, T, H, c]`, query_pos `[B, T]` (−1 = a padding query: o = 0). Returns (o, lse) as `sparse_attention`."""
-    s = jnp.arange(max_len, dtype=jnp.int32)
-    idx_bts = jnp.where(s[None, None, :] <= query_pos_bt[:, :, None], s[None, None, :], -1)
-    return sparse_attention(ctx, q_bthc, kv_parts, block_tables, idx_bts, layer_scale, fmt=fmt, scale=scale,
-                            value_dim=value_dim)
+                    scale: float, value_dim: int):
+    """Absorbed attention of each query over every cached position up to its own (MLA without an indexer), reading
+    whole pages (`pallas_kernels.mla.paged_dense`): q `[B, T, H, c]`, query_pos `[B, T]` (−1 = a padding query:
+    o = 0). Returns (o, lse) as `sparse_attention`."""
+    backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
+    on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
+    if backend.startswith("gpu") or (backend == "auto" and on_gpu):
+        # the dense kernel is TPU-only: GPUs keep their sparse kernel with every position up to the query selected
+        s = jnp.arange(block_tables.shape[1] * kv_parts[0].shape[1], dtype=jnp.int32)
+        idx_bts = jnp.where(s[None, None, :] <= query_pos_bt[:, :, None], s[None, None, :], -1)
+        return sparse_attention(ctx, q_bthc, kv_parts, block_tables, idx_bts, layer_scale, fmt=fmt, scale=scale,
+                                value_dim=value_dim)
+    kw = dict(fmt=fmt, scale=scale, value_dim=value_dim, backend=backend, **ctx.platform_kw())
+    body = lambda q, parts, bt, pos, ls: paged_dense.dense_paged_mla(q, parts, bt, pos, layer_scale=ls, **kw)
+    d, t = ctx.axes.data, ctx.axes.tensor
+    B, T, H, _ = q_bthc.shape
+    return shard_call(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
+                      ((d, None, t, None), None, (d, None), (d, None), None),
+                      ((d, None, t, None), (d, None, t)), out_shapes=((B, T, H, value_dim), (B, T, H)))

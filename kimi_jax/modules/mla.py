@@ -273,7 +273,7 @@ class MultiHeadLatentAttention(nnx.Module):
                                             layer_scale, **kw)
         else:  # no indexer: every cached position up to the query's own
             o_lat, _ = dsa.dense_attention(ctx, self.absorbed_query(p), pool.latent, cache.block_tables, qpos_bt,
-                                           layer_scale, max_len=cache.max_len, **kw)
+                                           layer_scale, **kw)
         return o_lat, cache
 
     # -------------------------------------------------------------------------------- context-parallel programs
