@@ -16,7 +16,9 @@ Without --checkpoint it serves the built-in `tiny` preset (Kimi K3.1 architectur
 weights from --seed, the built-in 1024-id tokenizer) -- enough to exercise the whole stack on a laptop CPU.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health (503 once the engine died), GET /metrics (Prometheus, vLLM metric names), GET /stats (engine JSON).
+GET /health (503 once the engine died, while it recovers from a failed step, and while shutting down),
+GET /metrics (Prometheus, vLLM metric names), GET /stats (engine JSON).  Limits and safety (request size, queue,
+image URLs, shutdown): docs/serving.md.
 
 The engine batches up to --max-num-seqs sequences in fixed cache slots of --max-model-len tokens each and runs one
 compiled decode step for all of them; prompts are prefilled in chunks of --prefill-chunk-sizes tokens.  Every XLA
