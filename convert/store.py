@@ -125,7 +125,12 @@ class PartWriter:
         # ocdbt_target_data_file_size=0: one chunk per array. Orbax otherwise splits arrays over 2 GB along their
         # largest axis, and chunks that are not contiguous in memory (e.g. lm_head [D, V] split along V) make
         # TensorStore copy the whole array while writing.
-        self._ck.save(path, args=ocp.args.PyTreeSave(item=nest(self._cur), ocdbt_target_data_file_size=0))
+        # An interrupt is only recorded during the save and raised right after it: raised inside, it would leave
+        # Orbax's / TensorStore's writer threads running, and they recreate the temporary directory after its
+        # cleanup removed it.
+        with interrupt.deferred():
+            self._ck.save(path, args=ocp.args.PyTreeSave(item=nest(self._cur), ocdbt_target_data_file_size=0))
+        interrupt.check()
         log.debug("wrote %s (%d arrays, %.1f MiB)", rel, len(self._cur), self._cur_bytes / 2**20)
         self.parts.append(rel)
         self._cur, self._cur_bytes = {}, 0
@@ -196,29 +201,68 @@ def check_destination(dst: str, overwrite: bool, *, sources=()) -> None:
         raise ConvertError(f"cannot create destination {dst}: {up} is not a directory")
 
 
-def _fresh_dir(prefix: str) -> str:
-    """A new directory `prefix` + a random suffix, made by a plain mkdir: the mode a user expects of their output
-    (0777 less the umask; `tempfile.mkdtemp` would leave the finished checkpoint private, 0700)."""
+OWNER_SUFFIX = ".owner"  # `<tmp>.owner` beside each temporary directory: "pid@host" of the process writing it
+PARTIAL_MARK = ".partial-"  # `<tmp>.owner.partial-pid@host`: an owner file being written, renamed into place
+
+
+def _me() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _owned_fresh_dir(prefix: str) -> tuple[str, str]:
+    """(tmp, owner): a new directory `prefix` + a random suffix and, made BEFORE it, its owner file. The owner file
+    is written under a name of its own and renamed into place, so it is never seen empty or half-written; a
+    directory therefore never exists without a complete owner file, and `clean_leftovers` can prove a leftover's
+    writer dead. The directory is made by a plain mkdir: the mode a user expects of their output (0777 less the
+    umask; `tempfile.mkdtemp` would leave the finished checkpoint private, 0700)."""
     for _ in range(100):
-        path = prefix + secrets.token_hex(4)
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
+        tmp = prefix + secrets.token_hex(4)
+        owner = tmp + OWNER_SUFFIX
+        if os.path.lexists(tmp) or os.path.lexists(owner):
             continue
+        partial = f"{owner}{PARTIAL_MARK}{_me()}"
+        with open(partial, "w") as f:
+            f.write(_me() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(partial, owner)
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            os.unlink(owner)
+            continue
+        return tmp, owner
     raise ConvertError(f"could not create a temporary directory {prefix}*")
 
 
-OWNER_SUFFIX = ".owner"  # `<tmp>.owner` beside each temporary directory: "pid@host" of the process writing it
+def remove_tree(path: str, settle_s: float = 0.3, attempts: int = 20) -> bool:
+    """Remove `path` and make sure it stays removed: a writer thread that was still finishing (Orbax / TensorStore)
+    can recreate it right after `rmtree`. Returns whether it is gone (checked `settle_s` after the last removal)."""
+    import time
+
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(settle_s)
+        if not os.path.lexists(path):
+            return True
+    return not os.path.lexists(path)
 
 
 def _owner_alive(owner_file: str) -> bool:
     """Whether the process named in an owner file may still be writing (True when unsure: another host, unreadable)."""
     try:
         with open(owner_file) as f:
-            pid_s, _, host = f.read().strip().partition("@")
+            return _process_alive(f.read().strip())
+    except OSError:
+        return True
+
+
+def _process_alive(pid_at_host: str) -> bool:
+    """Whether "pid@host" may still run (True when unsure: another host, malformed, not ours to signal)."""
+    pid_s, _, host = pid_at_host.partition("@")
+    try:
         pid = int(pid_s)
-    except (OSError, ValueError):
+    except ValueError:
         return True
     if host != socket.gethostname():
         return True
@@ -234,7 +278,7 @@ def _owner_alive(owner_file: str) -> bool:
 def _owned_by_us(owner_file: str) -> bool:
     try:
         with open(owner_file) as f:
-            return f.read().strip() == f"{os.getpid()}@{socket.gethostname()}"
+            return f.read().strip() == _me()
     except OSError:
         return False
 
@@ -250,6 +294,12 @@ def clean_leftovers(dst: str) -> list[str]:
     if not os.path.isdir(parent):
         return done
     for name in sorted(os.listdir(parent)):
+        if name.startswith(prefix) and PARTIAL_MARK in name:  # an owner file killed before its rename
+            writer = name.rpartition(PARTIAL_MARK)[2]
+            if not _process_alive(writer):
+                os.unlink(os.path.join(parent, name))
+                done.append(f"removed {os.path.join(parent, name)} (an owner file a killed conversion was writing)")
+            continue
         if not (name.startswith(prefix) and name.endswith(OWNER_SUFFIX)):
             continue
         owner = os.path.join(parent, name)
@@ -266,7 +316,8 @@ def clean_leftovers(dst: str) -> list[str]:
             shutil.rmtree(old, ignore_errors=True)
             done.append(f"removed {old} (the checkpoint a killed conversion had already replaced)")
         if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not remove_tree(tmp):
+                continue  # something still writes there: keep the owner file, a later run tries again
             done.append(f"removed {tmp} (the unfinished output of a killed conversion)")
         os.unlink(owner)
     for line in done:
@@ -283,17 +334,10 @@ def atomic_directory(dst: str, overwrite: bool):
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     clean_leftovers(dst)
-    # a SIGTERM between the mkdir and the owner file would leave a directory no later run removes (session 23's
-    # suite caught one): the pair is made with interrupts only recorded, and the `check` below raises one
+    # the owner file comes first and the directory after it, with interrupts only recorded meanwhile (the
+    # `check` below raises one): a directory never exists without an owner file naming this process
     with interrupt.deferred():
-        tmp = _fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
-        owner = tmp + OWNER_SUFFIX
-        try:
-            with open(owner, "w") as f:
-                f.write(f"{os.getpid()}@{socket.gethostname()}\n")
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        tmp, owner = _owned_fresh_dir(os.path.join(parent, f".{os.path.basename(dst)}.tmp-"))
     old = tmp + ".old"
     committed = False
     try:
@@ -319,7 +363,9 @@ def atomic_directory(dst: str, overwrite: bool):
             committed = True
     except BaseException as e:
         if not committed:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with interrupt.deferred():  # a second Ctrl-C must not cut the cleanup short
+                if not remove_tree(tmp):
+                    owner = None  # keep the owner file: the next run into dst removes what is left
         else:  # the new dst is complete; only the replaced one's removal was cut short: the CLI must not say
             # "nothing was written", and the next run's `clean_leftovers` removes the rest (the owner file stays)
             e.committed = dst

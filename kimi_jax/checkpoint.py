@@ -37,6 +37,31 @@ log = logging.getLogger("kimi_jax")
 MXFP4_MODES = ("packed", "dequantize")
 
 
+def preflight(path) -> ModelConfig:
+    """Check what can be checked of a checkpoint directory before any weight is read (seconds, where loading takes
+    minutes): it is a directory, its config parses, and a converted checkpoint's metadata lists parts that all
+    exist (a Hugging Face one: its weight files are indexed, headers only).  Returns the config; raises
+    ``ConfigError`` / ``ConvertError`` (both ``ValueError``s) naming the problem."""
+    from convert import store
+    from convert.errors import ConvertError
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path!r} is not a checkpoint directory")
+    cfg = load_config(path)
+    if os.path.isfile(os.path.join(path, store.META_NAME)):
+        meta = store.read_meta(path)
+        missing = [p for p in meta["parts"] if not os.path.isdir(os.path.join(path, p))]
+        if missing:
+            raise ConvertError(f"{path}: {len(missing)} of the {len(meta['parts'])} weight parts its "
+                               f"{store.META_NAME} lists are missing (first: {missing[0]}); copy or convert it again")
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        from convert.plan import make_plan
+
+        make_plan(path)  # reads the safetensors headers: a missing or unreadable weight file fails here
+    return cfg
+
+
 def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed"):
     """A converted kimi_jax checkpoint dir or a Hugging Face checkpoint dir -> `Model`.
 

@@ -24,6 +24,7 @@ def shared(tiny_model) -> SimpleNamespace:
         return _shared["ns"]
     from kimi_jax.engine import Engine, EngineConfig
     from kimi_jax.serve.app import build_app
+    from kimi_jax.serve.images import ImageFetchConfig
     from kimi_jax.serve.server import ServerThread
     from kimi_jax.tokenizer import Tokenizer
 
@@ -32,7 +33,9 @@ def shared(tiny_model) -> SimpleNamespace:
                                                   prefill_chunk_sizes=PREFILL_CHUNKS, prefix_cache_entries=4))
     engine.start()
     # the random model never closes a string argument of a forced tool call by itself: cap them short
-    app = build_app(engine, tok, model_name="tiny", guided_string_max_tokens=GUIDED_STRING_MAX_TOKENS)
+    # the image tests fetch from HTTP servers on loopback, which a default server refuses (SSRF): allowed here
+    app = build_app(engine, tok, model_name="tiny", guided_string_max_tokens=GUIDED_STRING_MAX_TOKENS,
+                    image_fetch=ImageFetchConfig(allow_private=True))
     server = ServerThread(app).start()
 
     def stop():

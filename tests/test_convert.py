@@ -552,23 +552,23 @@ def test_cli_logs_loads_by_relative_path_and_cleans_up_on_sigterm(kl_dir, tmp_pa
 
 
 def test_a_sigterm_while_the_temporary_directory_is_made_leaves_nothing(kl_dir, tmp_path, monkeypatch):
-    """The CLI's SIGTERM handler fired right after the temporary directory's mkdir, before its owner file exists
-    (the window the SIGTERM test above once hit): the handler only records it there, the conversion stops at its
-    first check with the same exception, and neither the directory nor the output is left."""
+    """The CLI's SIGTERM handler fired while the temporary directory and its owner file are made (the window the
+    SIGTERM test above once hit): the handler only records it there, the conversion stops at its first check with
+    the same exception, and neither the directory nor the output is left."""
     import signal
 
     import convert.store as store
     from convert import interrupt
     from convert.__main__ import _interrupt, _Terminated
 
-    fresh = store._fresh_dir
+    fresh = store._owned_fresh_dir
 
     def fresh_then_sigterm(prefix):
-        path = fresh(prefix)
+        made = fresh(prefix)
         _interrupt(signal.SIGTERM, None)  # as the signal would arrive here
-        return path
+        return made
 
-    monkeypatch.setattr(store, "_fresh_dir", fresh_then_sigterm)
+    monkeypatch.setattr(store, "_owned_fresh_dir", fresh_then_sigterm)
     with pytest.raises(_Terminated):
         convert(str(kl_dir), str(tmp_path / "a"), progress=False)
     assert os.listdir(tmp_path) == []

@@ -91,18 +91,24 @@ def _raw_tcp_server(reply: bytes, drip_s: float = 0.0, drip_from: int = 0):
         srv.close()
 
 
-def test_fetch_failures_outside_oserror_are_image_errors():
+FETCH_FAILED = "could not load an image from"  # the one answer to every failed fetch (images._fetch_failed)
+
+
+def test_fetch_failures_outside_oserror_are_image_errors(caplog):
     """A reply that is not HTTP (BadStatusLine), a URL http.client refuses (InvalidURL: a space or CR/LF in the
-    path) and one urllib refuses (ValueError from Request: a broken IPv6 host) were 500s."""
-    cfg = ImageFetchConfig(timeout_s=5)
+    path) and a broken IPv6 host were 500s.  They are the one fetch failure now; the reason is in the log."""
+    cfg = ImageFetchConfig(timeout_s=5, allow_private=True)  # the test servers listen on loopback
+    caplog.set_level("INFO", logger="kimi_jax.serve")
     with _raw_tcp_server(b"GARBAGE NOT HTTP\r\n\r\n") as base:
-        with pytest.raises(ImageError, match="fetching .* failed: .*BadStatusLine"):
+        with pytest.raises(ImageError, match=FETCH_FAILED):
             load_image(base + "/x.png", "img", cfg)
-        with pytest.raises(ImageError, match="fetching .* failed: .*InvalidURL"):
+        assert "BadStatusLine" in caplog.text
+        with pytest.raises(ImageError, match=FETCH_FAILED):
             load_image(base + "/a b.png", "img", cfg)
-        with pytest.raises(ImageError, match="(?s)fetching .* failed: .*InvalidURL"):
+        assert "InvalidURL" in caplog.text
+        with pytest.raises(ImageError, match=f"(?s){FETCH_FAILED}"):
             load_image(base + "/a\r\nX-Injected: 1", "img", cfg)
-    with pytest.raises(ImageError, match="fetching .* failed: .*Invalid IPv6 URL"):
+    with pytest.raises(ImageError, match=FETCH_FAILED):
         load_image("http://[::1/x.png", "img", cfg)
 
 
@@ -121,13 +127,14 @@ def test_the_fetch_timeout_bounds_the_whole_fetch(where):
     head = f"HTTP/1.0 200 OK\r\nContent-Type: image/png\r\nContent-Length: {len(png)}\r\n\r\n".encode()
     reply = head + png
     with _raw_tcp_server(reply, drip_s=0.05, drip_from=len(head) if where == "body" else 0) as base:
-        cfg = ImageFetchConfig(timeout_s=1.0)
+        cfg = ImageFetchConfig(timeout_s=1.0, allow_private=True)
         t0 = time.monotonic()
-        with pytest.raises(ImageError, match="timed out after 1 s"):
+        with pytest.raises(ImageError, match=FETCH_FAILED):
             load_image(base + "/x.png", "img", cfg)
         assert time.monotonic() - t0 < 3.0
     with _raw_tcp_server(reply) as base:  # the same reply at once is fine
-        assert load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5)).shape == (30, 40, 3)
+        assert load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5, allow_private=True)).shape == \
+            (30, 40, 3)
 
 
 def _with_orientation(img: np.ndarray, orientation: int, fmt: str = "JPEG") -> bytes:
@@ -236,5 +243,5 @@ def test_a_redirect_off_http_is_refused(target):
     allows only data / http(s): the server must not be steered there."""
     reply = f"HTTP/1.1 302 Found\r\nLocation: {target}\r\nContent-Length: 0\r\n\r\n".encode()
     with _raw_tcp_server(reply) as base:
-        with pytest.raises(ImageError, match="fetching .* failed: HTTP 302 .*(ftp: URL refused|file.* is not allowed)"):
-            load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5))
+        with pytest.raises(ImageError, match=FETCH_FAILED):
+            load_image(base + "/x.png", "img", ImageFetchConfig(timeout_s=5, allow_private=True))

@@ -503,13 +503,26 @@ def test_engine_death_gives_503(served, tiny_model):
         def boom():
             raise RuntimeError("simulated device failure")
 
-        eng._decode = boom
+        eng._decode = boom  # a failed step: its request ends, the engine rebuilds its state and serves on
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+        assert "simulated" not in r.text and eng.alive
+
+        class Fatal(BaseException):  # what the engine does not recover from
+            pass
+
+        def fatal():
+            raise Fatal("simulated fatal failure")
+
+        eng._iterate = fatal
+        deadline = time.monotonic() + 30
+        while eng.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         h = httpx.get(srv.url + "/health")
-        assert h.status_code == 503 and "simulated" in h.json()["error"]["message"]
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead" and "simulated" not in h.text
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
-        assert r.status_code == 503
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     finally:
         srv.stop()
         eng.shutdown()

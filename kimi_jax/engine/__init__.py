@@ -8,9 +8,9 @@ See ``engine.py`` for the request life cycle and the seams for prefix caching an
 
 from .engine import Engine, EngineConfig
 from .guide import Constraint, Guide, ProgramGuide, TokenSequenceGuide
-from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
+from .request import (EngineDeadError, EngineError, EngineUnavailableError, RequestDone, RequestFailedError, RequestStream, SeqEvent, SequenceOutput, TokenLogprob)
 from .sampling_params import ParamError, SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "Constraint", "Guide", "ProgramGuide", "TokenSequenceGuide", "EngineDeadError",
-           "RequestDone", "RequestStream", "SeqEvent", "SequenceOutput", "TokenLogprob", "ParamError",
+           "EngineError", "EngineUnavailableError", "RequestFailedError", "RequestDone", "RequestStream", "SeqEvent", "SequenceOutput", "TokenLogprob", "ParamError",
            "SamplingParams"]

@@ -91,7 +91,8 @@ from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
 from .prefix_cache import PrefixCache
-from .request import EngineDeadError, RequestDone, RequestStream, SeqEvent, SequenceOutput, TokenLogprob
+from .request import (EngineDeadError, EngineUnavailableError, RequestDone, RequestFailedError, RequestStream, SeqEvent,
+                      SequenceOutput, TokenLogprob)
 from ..cache import PAGE_TOKENS, CacheLayout
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
@@ -318,6 +319,8 @@ class Engine:
         self._seed_rng = random.SystemRandom()
         self.error: Optional[BaseException] = None
         self.started = False
+        self._recovering = False  # a step failed: the state is being rebuilt (see `_recover`)
+        self.step_failures = 0  # steps that raised and were recovered from
         # counters (written by the engine thread, read anywhere)
         self.num_steps = 0
         self.num_prefill_chunks = 0
@@ -383,6 +386,16 @@ class Engine:
     def alive(self) -> bool:
         return self.started and self.error is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """Alive and not rebuilding its state after a failed step: new requests are taken."""
+        return self.alive and not self._recovering
+
+    def queued_requests(self) -> int:
+        """Requests submitted and not yet running (queued, or in their prefill): what admission control bounds.
+        Read from any thread (a snapshot: the engine thread moves requests on meanwhile)."""
+        return sum(1 for r in list(self._requests.values()) if not r.seqs and not r.done)
+
     def __enter__(self):
         return self.start()
 
@@ -400,6 +413,8 @@ class Engine:
             raise EngineDeadError(f"engine died: {self.error!r}")
         if not self.alive:
             raise EngineDeadError("engine is not running (not started, or shut down)")
+        if self._recovering:
+            raise EngineUnavailableError("the engine is rebuilding its state after a failed step")
         params = (params or SamplingParams()).validate(self.vocab_size)
         ids = [int(i) for i in prompt_ids]
         if not ids:
@@ -467,6 +482,8 @@ class Engine:
         free = self.alloc.free_blocks
         return {
             "alive": self.alive,
+            "healthy": self.healthy,
+            "step_failures": self.step_failures,
             "max_num_seqs": self.B,
             "max_model_len": self.max_model_len,
             "free_slots": len(self._free),
@@ -506,19 +523,84 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                idle = not (self._running or self._prefilling) and (not self._waiting or self._vision_pending)
-                self._intake(block=idle)
-                if self._stop.is_set():
-                    break
-                self._prefill_some()
-                if self._running:
-                    self._decode()
+                try:
+                    self._iterate()
+                except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
+                    self._recover(e)
         except BaseException as e:  # noqa: BLE001 -- the engine must report, not vanish
             self.error = e
             log.exception("engine loop died")
             self._fail_all(EngineDeadError(f"engine died: {e!r}"))
             return
         self._fail_all(EngineDeadError("engine shut down"))
+
+    def _iterate(self) -> None:
+        """One engine iteration: take what came in, prefill within the budget, run one decode step."""
+        idle = not (self._running or self._prefilling) and (not self._waiting or self._vision_pending)
+        self._intake(block=idle)
+        if self._stop.is_set():
+            return
+        self._prefill_some()
+        if self._running:
+            self._decode()
+
+    RECOVERY_BACKOFF_S = (0.1, 5.0)  # first and longest wait between probe steps while the device keeps failing
+
+    def _recover(self, error: Exception) -> None:
+        """A step (prefill, decode, vision, a cache copy) raised: the batch state may be half-updated, so every
+        request in the engine ends with ``RequestFailedError``, every slot, page and prefix snapshot is released,
+        and the state is rebuilt.  ``healthy`` is False (``submit`` refuses) until a probe step -- the compiled
+        decode step over empty rows -- runs on the new state; while it keeps failing it is retried with a growing
+        wait, and the engine never hangs a caller (every stream gets its error at once)."""
+        log.error("engine step failed; ending the %d request(s) in the engine and rebuilding its state",
+                  len(self._requests), exc_info=error)
+        self._recovering = True
+        self.step_failures += 1
+        failed = RequestFailedError("the engine failed while running this request")
+        for req in list(self._requests.values()):
+            for seq in req.seqs:
+                if self.proposer is not None:
+                    self.proposer.forget(seq.key)
+                self.spec_policy.forget(seq.key)
+            req.done = True
+            req.stream.put(failed)
+        self._requests.clear()
+        self._reset_batch()
+        delay, longest = self.RECOVERY_BACKOFF_S
+        while not self._stop.is_set():
+            try:
+                self._state = self.runner.new_state()
+                self._probe_step()
+                break
+            except Exception as e:  # noqa: BLE001 -- still failing: wait, then try again
+                log.warning("engine probe step failed (%s); retrying in %.1f s", type(e).__name__, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, longest)
+        self._recovering = False
+        if not self._stop.is_set():
+            log.info("engine state rebuilt after a failed step; taking requests again")
+
+    def _reset_batch(self) -> None:
+        """Forget every sequence: all slots and pages free, no prefill, no prefix snapshots, default row params."""
+        self._waiting.clear()
+        self._running.clear()
+        self._prefilling = None
+        self._vision_pending = False
+        self._free = list(range(self.B - 1, -1, -1))
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_entries,
+                                        lambda v: (self.runner.copy_cache1(v[0]), v[1]), self._drop_prefix)
+        self.alloc = BlockAllocator(self.runner.spec.num_blocks)
+        self._prefix_blocks = 0
+        self.rows = RowParams(self.B, self.vocab_size)
+
+    def _probe_step(self) -> None:
+        """Run the compiled decode step once with every row free (they write only the null page) and wait for it."""
+        B = self.B
+        tables = np.zeros((B, self.runner.max_blocks), np.int32)
+        self._state, out = self.runner.step(self._state, np.zeros(B, np.int32), np.zeros(B, bool),
+                                            self.rows.device(), Controls(**empty_controls(B, self.vocab_size)),
+                                            tables)
+        jax.block_until_ready(out)
 
     def _fail_all(self, err: EngineDeadError) -> None:
         for req in list(self._requests.values()):
@@ -533,7 +615,9 @@ class Engine:
         while True:
             kind, payload = item
             if kind == "submit":
-                if payload.aborted:
+                if payload.done:  # ended by a failed step before it was taken in (`_recover`)
+                    pass
+                elif payload.aborted:
                     self._finish_request(payload)
                 else:
                     self._waiting.append(payload)

@@ -2,7 +2,8 @@
 
 ``Engine.submit`` returns a ``RequestStream``.  The engine thread puts, in order, ``SeqEvent``s (one per generated
 token of each of the request's ``n`` sequences, interleaved) and finally one ``RequestDone``; if the engine dies, the
-stream raises ``EngineDeadError`` instead.  Consume it with ``for ev in stream`` (plain threads) or
+stream raises ``EngineDeadError`` instead, and if a step fails while the request is in the engine (the engine then
+rebuilds its state and serves on), ``RequestFailedError``; both are ``EngineError``s.  Consume it with ``for ev in stream`` (plain threads) or
 ``async for ev in stream`` (when submitted with ``loop=``; items are handed over with ``call_soon_threadsafe``).
 """
 
@@ -16,8 +17,21 @@ from typing import Optional, Union
 Piece = Union[str, int]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped with an error; no more tokens will come."""
+class EngineError(RuntimeError):
+    """No more tokens will come for this request: the engine stopped, or failed while running it."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped (an error it cannot recover from, or a shutdown); no more tokens will come."""
+
+
+class RequestFailedError(EngineError):
+    """A step of the engine failed while this request was in it: the request ended; the engine rebuilt its state and
+    takes new requests again once a probe step runs (``Engine.healthy``)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is rebuilding its state after a failed step and takes no request until it is back."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from typing import Mapping, Optional, Sequence
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_END = -2 ** 63, 2 ** 63  # a seed is a signed 64-bit integer: larger ones would be silently folded
 
 
 class ParamError(ValueError):
@@ -74,8 +75,9 @@ class SamplingParams:
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _int_at_least(self.top_k, 0, "top_k")
         _finite_between(self.min_p, 0.0, 1.0, "min_p")
-        if self.seed is not None and (not _is_int(self.seed)):
-            raise ParamError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed < SEED_END):
+            raise ParamError(f"seed must be an integer in [-2**63, 2**63) (a signed 64-bit integer, as "
+                             f"Model.generate takes), got {self.seed!r}", "seed")
         _finite_between(self.presence_penalty, -2.0, 2.0, "presence_penalty")
         _finite_between(self.frequency_penalty, -2.0, 2.0, "frequency_penalty")
         _finite_between(self.repetition_penalty, 0.0, 10.0, "repetition_penalty")

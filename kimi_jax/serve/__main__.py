@@ -16,7 +16,9 @@ Without --checkpoint it serves the built-in `tiny` preset (Kimi K3.1 architectur
 weights from --seed, the built-in 1024-id tokenizer) -- enough to exercise the whole stack on a laptop CPU.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize,
-GET /health (503 once the engine died), GET /metrics (Prometheus, vLLM metric names), GET /stats (engine JSON).
+GET /health (503 once the engine died, while it recovers from a failed step, and while shutting down),
+GET /metrics (Prometheus, vLLM metric names), GET /stats (engine JSON).  Limits and safety (request size, queue,
+image URLs, shutdown): docs/serving.md.
 
 The engine batches up to --max-num-seqs sequences in fixed cache slots of --max-model-len tokens each and runs one
 compiled decode step for all of them; prompts are prefilled in chunks of --prefill-chunk-sizes tokens.  Every XLA
@@ -51,6 +53,8 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kim
 
 def build_parser() -> argparse.ArgumentParser:
     from ..config import PRESETS
+    from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
+    from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
 
     p = argparse.ArgumentParser(prog="python -m kimi_jax.serve", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,6 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "images (their runs overlap on the device; 1: each request's images alone; default 16)")
     p.add_argument("--image-fetch-timeout", type=float, default=10.0, metavar="S",
                    help="seconds allowed for fetching one http(s) image URL (default 10)")
+    p.add_argument("--allow-private-image-urls", action="store_true",
+                   help="fetch image URLs whose host resolves to a loopback, private, link-local, multicast or "
+                        "reserved address (refused by default, after DNS and on every redirect, so that a client "
+                        "cannot make the server reach its own network); for trusted deployments only")
+    limits = p.add_argument_group("limits and safety (docs/serving.md)")
+    limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                        help="largest request body in bytes; larger ones get a 413 before they are read "
+                             f"(default {DEFAULT_MAX_REQUEST_BYTES} = 32 MiB; 0: no limit)")
+    limits.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+                        help="requests that may wait for the engine (queued or prefilling); beyond that new ones "
+                             f"get a 429 with Retry-After (default {DEFAULT_MAX_QUEUED_REQUESTS}; 0: no limit)")
+    limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                        help="on SIGTERM / Ctrl-C stop accepting and let running requests finish for up to S "
+                             "seconds; those still running then end with an error (a stream: an error chunk and "
+                             f"[DONE]); a second signal stops at once (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--compilation-cache", metavar="DIR",
                    default=os.environ.get("KIMI_JAX_COMPILATION_CACHE", DEFAULT_COMPILATION_CACHE),
                    help="JAX persistent compilation cache: restarts load compiled programs instead of compiling "
@@ -254,6 +273,12 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--vision-batch-images must be at least 1, got {args.vision_batch_images}")
     if not 0 < args.image_fetch_timeout < float("inf"):
         return _fail(f"--image-fetch-timeout must be a positive number of seconds, got {args.image_fetch_timeout}")
+    if args.max_request_bytes < 0:
+        return _fail(f"--max-request-bytes must be 0 (no limit) or more, got {args.max_request_bytes}")
+    if args.max_queued_requests < 0:
+        return _fail(f"--max-queued-requests must be 0 (no limit) or more, got {args.max_queued_requests}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        return _fail(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     busy = cannot_listen(args.host, args.port)
     if busy:
         return _fail(busy)
@@ -321,7 +346,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     t0 = time.perf_counter()
     try:
         model, tokenizer, name = load_for_serving(args.checkpoint, args.model, dtype=args.dtype, seed=args.seed,
-                                                  mesh=mesh)
+                                                  mesh=mesh, max_model_len=args.max_model_len)
     except (ValueError, FileNotFoundError, OSError, ImportError) as e:
         return _fail(f"cannot load {what}: {e}")
     cfg = model.config
@@ -365,20 +390,25 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     served = args.served_model_name or name
     from .images import ImageFetchConfig
 
+    from .lifecycle import Drain, run_server
+
+    drain = Drain()
     app = build_app(engine, tokenizer, model_name=served, api_key=args.api_key,
                     guided_string_max_tokens=args.guided_string_max_tokens,
                     image_fetch=ImageFetchConfig(timeout_s=args.image_fetch_timeout,
-                                                 allow_remote=not args.no_image_fetch))
+                                                 allow_remote=not args.no_image_fetch,
+                                                 allow_private=args.allow_private_image_urls),
+                    max_request_bytes=args.max_request_bytes or None,
+                    max_queued_requests=args.max_queued_requests or None, drain=drain)
     fmt = app.state.kimi.chat_format
     log.info("chat format: %s; api key: %s", fmt.name if fmt else "none (completions only)",
              "required" if args.api_key else "off")
     log.info("serving %r at http://%s:%d  (OpenAI base_url http://%s:%d/v1)", served, args.host, args.port,
              args.host, args.port)
 
-    import uvicorn
-
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        run_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                   shutdown_timeout_s=args.shutdown_timeout, drain=drain, abort=engine.abort)
     finally:
         engine.shutdown()
     return 0

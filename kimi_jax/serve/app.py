@@ -18,8 +18,15 @@ fetched off the event loop; ``images.py``) when the model has a vision tower and
 becomes its media block with one ``<|media_pad|>`` per image token, so usage and the context check count them.
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, bad parameters
-and prompts longer than the context; 401 for a missing / wrong bearer key when the server has one (``/v1/*``,
-``/tokenize``, ``/detokenize``); 404 for an unknown model or route; 503 when the engine is dead.
+and prompts longer than the context, and JSON nested too deep; 401 for a missing / wrong bearer key when the server
+has one (``/v1/*``, ``/tokenize``, ``/detokenize``, ``/docs``, ``/redoc``, ``/openapi.json``); 404 for an unknown
+model or route; 413 for a body above ``max_request_bytes`` (``limits.BodySizeLimit``); 429 with ``Retry-After`` when
+``max_queued_requests`` requests already wait (``limits.QueueLimit``); 503 when the engine is dead, rebuilding its
+state after a failed step (``Retry-After``), or the server is shutting down (``lifecycle.Drain``).  No error body
+carries an exception's text or other internals: a 500 says only "internal server error" (the log has the rest).
+
+Request preparation -- JSON parsing, validation, image loading, chat templating, tokenization -- runs in a worker
+thread (``run_in_threadpool``), so a large body never stalls the event loop: running streams and /health go on.
 
 A client that disconnects stops its request: streaming responses watch for the disconnect and abort the engine
 request (its slots are freed on the next engine iteration); non-streaming requests poll for it.
@@ -38,15 +45,21 @@ from typing import Any, Optional
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import EngineDeadError, ParamError, RequestDone
+from ..engine import (EngineDeadError, EngineError, EngineUnavailableError, ParamError, RequestDone,
+                      RequestFailedError)
 from ..engine.request import SequenceOutput, apply_event
-from .errors import APIError, bad_request, error_body
+from .errors import INTERNAL_ERROR, APIError, bad_request, error_body
 from .chat import ChatImage
 from .formats import ChatFormat, chat_format_for
 from .images import ImageError, ImageFetchConfig, chat_image, find_image_urls, load_images
+from .lifecycle import Drain, ShuttingDownError
+from .limits import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, RETRY_AFTER_S, BodySizeLimit,
+                     QueueLimit)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
 from .protocol import (check_response_format, opt_bool, parse_common, parse_json_body, parse_tools)
@@ -104,17 +117,94 @@ def _feed(parser, pieces) -> list[dict]:
     return out
 
 
+_RETRY = {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def engine_api_error(e: EngineError) -> APIError:
+    """The answer to a request the engine could not finish: always a 503 with a fixed text per cause (the
+    exception's own text, which may carry internals, goes to the log only)."""
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, "the server is shutting down; the request was stopped before it finished",
+                        code="server_shutting_down")
+    if isinstance(e, RequestFailedError):
+        return APIError(503, "the engine failed while running this request; it is recovering, retry shortly",
+                        code="engine_error", headers=_RETRY)
+    if isinstance(e, EngineUnavailableError):
+        return APIError(503, "the engine is recovering from a failure; retry shortly", code="engine_unavailable",
+                        headers=_RETRY)
+    return APIError(503, "the engine is not running", code="engine_dead")
+
+
+def _sse_error(e: EngineError) -> str:
+    """A stream's last words when the engine cannot finish it: an OpenAI error chunk, then ``[DONE]``."""
+    err = engine_api_error(e)
+    return _sse(err.body()) + "data: [DONE]\n\n"
+
+
+def _docs_routes(app: FastAPI, dependencies: list) -> None:
+    """/openapi.json, /docs and /redoc behind ``dependencies`` (the API key check).  The browser pages fetch the
+    schema without the key; send it yourself (e.g. curl /openapi.json with the header) where a key is set."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=dependencies)
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=dependencies)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=dependencies)
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+
+@dataclass
+class _ChatPlan:
+    """A prepared chat request (``prepare_chat``)."""
+
+    ids: list[int]
+    params: Any  # SamplingParams
+    c: Any  # protocol.Common
+    opts: Any  # the chat format's options
+    guide_factory: Any
+    images: list
+
+
+@dataclass
+class _CompletionPlan:
+    """A prepared completions request (``prepare_completion``): (ids, SamplingParams) per prompt."""
+
+    prompts: list
+    c: Any
+    echo_texts: list[str]
+    skip_special: bool
+
+
 def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = None,
               chat_format: Optional[ChatFormat] = None, guided_string_max_tokens: int = 256,
-              image_fetch: Optional[ImageFetchConfig] = None) -> FastAPI:
+              image_fetch: Optional[ImageFetchConfig] = None,
+              max_request_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BYTES,
+              max_queued_requests: Optional[int] = DEFAULT_MAX_QUEUED_REQUESTS,
+              drain: Optional[Drain] = None) -> FastAPI:
     """The FastAPI app for a started engine.  ``guided_string_max_tokens`` caps a string argument of a forced tool
     call (``tool_choice`` required / named) in case the model never closes it.  ``image_fetch``: limits on image
-    parts (fetch timeout, sizes, whether http(s) URLs are fetched at all)."""
+    parts (fetch timeout, sizes, whether http(s) URLs are fetched at all, private destinations).
+    ``max_request_bytes``: larger bodies get a 413 (None: no limit).  ``max_queued_requests``: requests waiting for
+    the engine beyond which new ones get a 429 (None: no limit).  ``drain``: the shutdown state the server's signal
+    handler drives (``lifecycle.DrainingServer``); default a fresh one that never drains."""
     fmt = chat_format if chat_format is not None else chat_format_for(engine.model.config.architecture, tokenizer)
     st = ServerState(engine, tokenizer, model_name, fmt, api_key or None, ServerMetrics(engine, model_name),
                      int(time.time()), image_fetch or ImageFetchConfig())
-    app = FastAPI(title="kimi_jax", description="OpenAI-compatible server for kimi_jax models", version="0.1.0")
+    drain = drain if drain is not None else Drain()
+    queue_limit = QueueLimit(engine, max_queued_requests)
+    docs_open = st.api_key is None  # with a key, the schema and its pages are behind it too (`_docs_routes`)
+    app = FastAPI(title="kimi_jax", description="OpenAI-compatible server for kimi_jax models", version="0.1.0",
+                  docs_url="/docs" if docs_open else None, redoc_url="/redoc" if docs_open else None,
+                  openapi_url="/openapi.json" if docs_open else None)
+    if max_request_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     app.state.kimi = st
+    app.state.drain = drain
 
     # -------------------------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -122,7 +212,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         # the access log shows only the status; say why (a client's 4xx at info, a 5xx as a warning)
         log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s -> %d %s: %s", req.method,
                 req.url.path, e.status, e.code or e.type, e.message)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(req: Request, e: StarletteHTTPException):
@@ -134,9 +224,9 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                             headers=e.headers)  # a 405 keeps its Allow header
 
     @app.exception_handler(Exception)
-    async def _internal(_req, e: Exception):
-        log.exception("internal error")
-        return JSONResponse(error_body(f"internal server error: {e!r}", "server_error", None, None), status_code=500)
+    async def _internal(req: Request, e: Exception):
+        log.error("%s %s -> 500: internal error", req.method, req.url.path, exc_info=e)
+        return JSONResponse(error_body(INTERNAL_ERROR, "server_error", None, None), status_code=500)
 
     async def require_key(request: Request):
         if st.api_key is None:
@@ -148,6 +238,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                            code="invalid_api_key")
 
     v1 = APIRouter(dependencies=[Depends(require_key)])
+    if not docs_open:
+        _docs_routes(app, [Depends(require_key)])
 
     # -------------------------------------------------------------------------------------------- helpers
     def check_model(body: dict) -> None:
@@ -158,9 +250,15 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             raise APIError(404, f"The model `{m}` does not exist. This server serves `{st.model_name}`.",
                            param="model", code="model_not_found")
 
-    def check_alive() -> None:
+    def check_ready() -> None:
+        """Refuse a generation request the engine cannot take now: shutting down, dead, recovering, queue full."""
+        if drain.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not engine.alive:
-            raise APIError(503, f"the engine is not running: {engine.error!r}", code="engine_dead")
+            raise engine_api_error(EngineDeadError())
+        if not engine.healthy:
+            raise engine_api_error(EngineUnavailableError())
+        queue_limit.check()
 
     def fit_max_tokens(c, prompt_len: int, explicit: bool, what: str):
         L = engine.max_model_len
@@ -182,14 +280,16 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         return c.params.replace(max_tokens=mt)
 
     def submit(ids, params, n, rid, guide_factory=None, images=None):
-        check_alive()
+        """``engine.submit`` on the event loop, after ``check_ready`` (nothing awaits between the two, so the queue
+        limit holds against a burst)."""
+        check_ready()
         try:
             return engine.submit(ids, params, n=n, request_id=rid, guide_factory=guide_factory,
                                  loop=asyncio.get_running_loop(), images=images)
         except ParamError as e:
             raise bad_request(str(e), e.param) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_dead") from None
+        except EngineError as e:
+            raise engine_api_error(e) from None
 
     async def watch_disconnect(request: Request, rids: list[str], label: str):
         try:
@@ -223,10 +323,17 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return JSONResponse(error_body(f"engine is not running: {engine.error!r}", "server_error", None,
-                                           "engine_dead"), status_code=503)
-        return Response(status_code=200)
+        """200 while the engine takes requests; 503 once it died, while it rebuilds its state after a failed step,
+        and while the server shuts down."""
+        if drain.draining:
+            err = APIError(503, "the server is shutting down", code="server_shutting_down")
+        elif not engine.alive:
+            err = engine_api_error(EngineDeadError())
+        elif not engine.healthy:
+            err = engine_api_error(EngineUnavailableError())
+        else:
+            return Response(status_code=200)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.get("/metrics")
     async def metrics():
@@ -259,14 +366,17 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- tokenize
     @v1.post("/tokenize")
     async def tokenize(request: Request):
-        body = parse_json_body(await request.body())
+        return await run_in_threadpool(tokenize_body, await request.body())
+
+    def tokenize_body(raw: bytes) -> dict:
+        body = parse_json_body(raw)
         check_model(body)
         if "messages" in body:
             if st.chat_format is None:
                 raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
             tools, tool_choice = parse_tools(body)
             opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-            _, chat_images = await message_images(body.get("messages"))
+            _, chat_images = message_images(body.get("messages"))
             # as chat completions encodes them: tool_choice "none" leaves the tools out of the prompt
             ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts,
                                   opt_bool(body, "add_generation_prompt", True), chat_images)
@@ -282,7 +392,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
     @v1.post("/detokenize")
     async def detokenize(request: Request):
-        body = parse_json_body(await request.body())
+        return await run_in_threadpool(detokenize_body, await request.body())
+
+    def detokenize_body(raw: bytes) -> dict:
+        body = parse_json_body(raw)
         check_model(body)
         ids = body.get("tokens")
         if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
@@ -297,12 +410,17 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         try:
             return st.chat_format.encode(messages, tools, opts, add_generation_prompt=add_generation_prompt,
                                          images=images)
-        except (ValueError, KeyError, TypeError) as e:
+        except ValueError as e:  # the chat encoder's own words about the messages
             raise bad_request(f"messages: {e}", "messages") from None
+        except (KeyError, TypeError):  # a shape the encoder did not expect: its text would be Python's, not ours
+            log.info("messages the chat encoder could not read", exc_info=True)
+            raise bad_request("messages: a message has an unexpected shape (each needs a 'role' and a 'content' "
+                              "string or list of parts)", "messages") from None
 
-    async def message_images(messages) -> tuple[list, list[ChatImage]]:
+    def message_images(messages) -> tuple[list, list[ChatImage]]:
         """The user messages' images, decoded (uint8 RGB arrays) and as the prompt sees them; ([], []) without
-        any.  Refused with a 400 where this model or chat format cannot take images, or an image is unusable."""
+        any.  Refused with a 400 where this model or chat format cannot take images, or an image is unusable.
+        Blocking (URLs are fetched): called from the request's worker thread."""
         try:
             urls = find_image_urls(messages)
         except ImageError as e:
@@ -316,8 +434,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             name = st.chat_format.name if st.chat_format is not None else "none"
             raise bad_request(f"the {name} chat format has no image form; images need the K3 chat format "
                               f"({urls[0][0]})", "messages", "unsupported")
-        try:  # data URLs decode, http(s) URLs are fetched: both off the event loop
-            arrays = await asyncio.to_thread(load_images, urls, st.image_fetch)
+        try:
+            arrays = load_images(urls, st.image_fetch)
         except ImageError as e:
             raise bad_request(f"messages: {e}", "messages", "invalid_image") from None
         vision_cfg = engine.model.config.vision
@@ -326,7 +444,22 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- chat
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_json_body(await request.body())
+        check_ready()  # refused before the body is read and prepared
+        plan = await run_in_threadpool(prepare_chat, await request.body())
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        stream = submit(plan.ids, plan.params, plan.c.n, rid, plan.guide_factory, plan.images or None)
+        drain.track(rid, [stream], [rid])
+        if plan.c.stream:
+            return SSEResponse(chat_stream(stream, rid, created, plan.c, plan.opts, len(plan.ids)),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await chat_full(request, stream, rid, created, plan.c, plan.opts)
+
+    def prepare_chat(raw: bytes) -> "_ChatPlan":
+        """A chat request body -> what to submit: parsed, checked, images loaded, templated and tokenized
+        (blocking: runs in a worker thread).  Raises ``APIError``."""
+        body = parse_json_body(raw)
         check_model(body)
         fmt = st.chat_format
         if fmt is None:
@@ -337,7 +470,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         tools, tool_choice = parse_tools(body)
         opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
         opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
-        images, chat_images = await message_images(body.get("messages"))
+        images, chat_images = message_images(body.get("messages"))
         ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
         # ids hold every image's <|media_pad|> tokens: the context check counts them
         params = fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
@@ -356,13 +489,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             except ValueError as e:
                 raise bad_request(f"cannot guide a call of these tools: {e}", "tools", "unsupported") from None
             guide_factory = lambda: builder.build(name)  # noqa: E731
-        rid = "chatcmpl-" + uuid.uuid4().hex
-        created = int(time.time())
-        stream = submit(ids, params, c.n, rid, guide_factory, images or None)
-        if c.stream:
-            return SSEResponse(chat_stream(stream, rid, created, c, opts, len(ids)), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await chat_full(request, stream, rid, created, c, opts)
+        return _ChatPlan(ids, params, c, opts, guide_factory, images)
 
     async def chat_stream(stream, rid, created, c, opts, prompt_len):
         n = c.n
@@ -398,9 +525,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                 yield _sse({**base, "choices": [], "usage": usage(done.num_prompt_tokens, done.num_generated_total,
                                                                   done.num_cached_tokens)})
             yield "data: [DONE]\n\n"
-        except EngineDeadError as e:
-            yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
+        except EngineError as e:
+            yield _sse_error(e)
         finally:
+            drain.untrack(rid)
             if done is None and engine.alive:
                 log.info("%s: client disconnected mid-stream; request aborted", rid)
                 engine.abort(rid)
@@ -420,9 +548,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                 _feed(parsers[ev.index], ev.pieces)
                 if ev.finish_reason is not None:
                     parsers[ev.index].finish("length" if ev.finish_reason == "length" else "stop")
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_dead") from None
+        except EngineError as e:
+            raise engine_api_error(e) from None
         finally:
+            drain.untrack(rid)
             watcher.cancel()
             if done is None:
                 engine.abort(rid)
@@ -443,7 +572,30 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- completions
     @v1.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_json_body(await request.body())
+        check_ready()  # refused before the body is read and prepared
+        plan = await run_in_threadpool(prepare_completion, await request.body())
+        c = plan.c
+        rid = "cmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        rids = [f"{rid}-{k}" for k in range(len(plan.prompts))]
+        streams = []
+        try:
+            for (ids, params), sub_id in zip(plan.prompts, rids):
+                streams.append(submit(ids, params, c.n, sub_id))
+        except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
+            for sub_id in rids[:len(streams)]:
+                engine.abort(sub_id)
+            raise
+        drain.track(rid, streams, rids)
+        if c.stream:
+            return SSEResponse(completion_stream(streams, rids, rid, created, c, plan.echo_texts, plan.skip_special),
+                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await completion_full(request, streams, rids, rid, created, c, plan.echo_texts, plan.skip_special)
+
+    def prepare_completion(raw: bytes) -> "_CompletionPlan":
+        """A completions request body -> its prompts (token ids, sampling params each), checked (blocking: runs
+        in a worker thread).  Raises ``APIError``."""
+        body = parse_json_body(raw)
         check_model(body)
         c = parse_common(body, vocab_size=engine.vocab_size, chat=False, max_n=engine.B)
         prompts = parse_prompts(body.get("prompt"))
@@ -458,22 +610,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         skip_special = opt_bool(body, "skip_special_tokens", True)
         explicit = body.get("max_tokens") is not None
         plans = [(ids, fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
-        rid = "cmpl-" + uuid.uuid4().hex
-        created = int(time.time())
-        rids = [f"{rid}-{k}" for k in range(len(plans))]
-        streams = []
-        try:
-            for (ids, params), sub_id in zip(plans, rids):
-                streams.append(submit(ids, params, c.n, sub_id))
-        except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
-            for sub_id in rids[:len(streams)]:
-                engine.abort(sub_id)
-            raise
         echo_texts = [tokenizer.decode(ids, skip_special=skip_special) if echo else "" for ids, _ in plans]
-        if c.stream:
-            return SSEResponse(completion_stream(streams, rids, rid, created, c, echo_texts, skip_special),
-                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await completion_full(request, streams, rids, rid, created, c, echo_texts, skip_special)
+        return _CompletionPlan(plans, c, echo_texts, skip_special)
 
     def parse_prompts(prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -566,9 +704,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                     sum(d.num_prompt_tokens for d in dones.values()), sum(d.num_generated_total for d in dones.values()),
                     sum(d.num_cached_tokens for d in dones.values()))})
             yield "data: [DONE]\n\n"
-        except EngineDeadError as e:
-            yield _sse(error_body(str(e), "server_error", None, "engine_dead"))
+        except EngineError as e:
+            yield _sse_error(e)
         finally:
+            drain.untrack(rid)
             if len(dones) < len(rids) and engine.alive:
                 log.info("%s: client disconnected mid-stream; request aborted", rid)
             for k, r in enumerate(rids):
@@ -593,9 +732,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                     texts[idx].append(piece_text(ev.pieces, skip_special))
                 else:
                     extra_text[idx] += piece_text(ev.pieces, skip_special)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_dead") from None
+        except EngineError as e:
+            raise engine_api_error(e) from None
         finally:
+            drain.untrack(rid)
             watcher.cancel()
             for k, r in enumerate(rids):
                 if k not in dones:

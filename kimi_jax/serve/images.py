@@ -4,9 +4,14 @@ A part is ``{"type": "image_url", "image_url": {"url": URL, "detail": ...}}`` (`
 ``image_url`` is accepted too).  URLs:
 
 * ``data:image/<type>;base64,<data>`` -- decoded in place;
-* ``http://`` / ``https://`` -- fetched with ``urllib`` under ``ImageFetchConfig.timeout_s`` (for the whole fetch,
-  redirects included) and ``max_bytes`` (``allow_remote=False`` refuses them: a server that must not reach out on a
-  client's behalf);
+* ``http://`` / ``https://`` -- fetched with ``http.client`` under ``ImageFetchConfig.timeout_s`` (for the whole
+  fetch, redirects included) and ``max_bytes`` (``allow_remote=False`` refuses them: a server that must not reach
+  out on a client's behalf).  Against server-side request forgery, the host is resolved once per hop and the
+  connection goes to the address that was checked: loopback, private, link-local, shared, multicast, unspecified and
+  reserved addresses (in any spelling: ``ipaddress`` judges the resolved address) are refused unless
+  ``allow_private``; redirects (at most ``MAX_REDIRECTS``, http(s) only) are followed by hand and checked the same
+  way.  Every failure of a fetched image -- refused, unreachable, an HTTP error, too large, not an image -- gives the
+  same message, so answers cannot map hosts or ports; the reason is logged.  Environment proxies are not used;
 * anything else (``file:``, ``ftp:``, ...) is refused.
 
 Pillow decodes every format it knows (PNG, JPEG, WebP, GIF: first frame, ...); the image is turned upright by its
@@ -26,15 +31,17 @@ import http.client
 import io
 import socket
 import threading
-import urllib.error
+import ipaddress
+import logging
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from .chat import IMAGE_PART_TYPES, ChatImage, image_part_url
+
+log = logging.getLogger("kimi_jax.serve")
 
 __all__ = ["ImageError", "ImageFetchConfig", "chat_image", "decode_image", "find_image_urls", "load_image",
            "load_images"]
@@ -51,6 +58,7 @@ class ImageFetchConfig:
     max_pixels: int = 64 * 1024 * 1024  # decoded width × height, checked from the header before decoding
     max_images: int = 16  # per request
     allow_remote: bool = True  # fetch http(s) URLs
+    allow_private: bool = False  # fetch from loopback / private / link-local / reserved addresses too (trusted use)
 
 
 def _short(url: str, n: int = 80) -> str:
@@ -126,8 +134,10 @@ def decode_image(data: bytes, what: str, cfg: ImageFetchConfig = ImageFetchConfi
         raise
     except Exception as e:  # noqa: BLE001 -- Pillow's decoders report broken data as OSError, but also SyntaxError
         # ("broken PNG file"), struct.error, EOFError, IndexError, ...: every one is the client's unusable image
+        # the decoder's own text (a BytesIO repr, internals) goes to the log only
+        log.info("%s: the image does not decode: %s: %s", what, type(e).__name__, e)
         reason = ("not in an image format the server reads (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)"
-                  if isinstance(e, UnidentifiedImageError) else f"{type(e).__name__}: {e}")  # its text: a BytesIO repr
+                  if isinstance(e, UnidentifiedImageError) else "the data is damaged or truncated")
         raise ImageError(f"{what}: cannot decode the image ({reason})") from None
     arr = np.asarray(rgb, dtype=np.uint8)
     if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 1:
@@ -155,7 +165,7 @@ def _data_url_bytes(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ImageError(f"{what}: the data URL's base64 payload is invalid ({e})") from None
+        raise ImageError(f"{what}: the data URL's base64 payload is invalid") from None
 
 
 class _Deadline:
@@ -198,44 +208,115 @@ class _Deadline:
         except OSError:
             pass
 
-    def opener(self) -> urllib.request.OpenerDirector:
-        """A urllib opener whose http(s) connections register their sockets here."""
-        deadline = self
 
-        class Tracked:
-            def do_open(self, http_class, req, **kw):
-                class Conn(http_class):
-                    def __init__(self, *a, **k):
-                        super().__init__(*a, **k)
-                        create = self._create_connection
-
-                        def tracked(*a2, **k2):
-                            sock = create(*a2, **k2)
-                            deadline.add(sock)
-                            return sock
-
-                        self._create_connection = tracked
-
-                return super().do_open(Conn, req, **kw)
-
-        class HTTP(Tracked, urllib.request.HTTPHandler):
-            pass
-
-        class HTTPS(Tracked, urllib.request.HTTPSHandler):
-            pass
-
-        return urllib.request.build_opener(HTTP(), HTTPS(), _HttpOnlyRedirects())
+class _FetchFailed(Exception):
+    """Why a fetch failed, for the server's log only: the client always gets the same text (``_fetch``)."""
 
 
-class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Redirects stay on http(s): urllib's default also follows one to ftp://, which a client could use to make the
-    server fetch from places the URL check (data / http(s) only) refuses."""
+MAX_REDIRECTS = 5
+_REDIRECTS = (301, 302, 303, 307, 308)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # an IPv4 address inside an IPv6 one, translated by a NAT64 gateway
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
-        if scheme not in ("http", "https", ""):
-            raise urllib.error.HTTPError(newurl, code, f"redirect to a {scheme}: URL refused", headers, fp)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+_getaddrinfo = socket.getaddrinfo  # module level, so tests can resolve names without DNS
+
+
+def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``ip`` is a globally routable unicast address: not loopback, private, link-local, shared (CGNAT),
+    multicast, unspecified or reserved -- also when written inside an IPv6 address (IPv4-mapped ``::ffff:a.b.c.d``,
+    NAT64 ``64:ff9b::a.b.c.d``, 6to4 ``2002:...``); Teredo tunnels are refused outright."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return is_public_address(ip.ipv4_mapped)
+        if ip in _NAT64:
+            return is_public_address(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour is not None and not is_public_address(ip.sixtofour):
+            return False
+        if ip.teredo is not None:
+            return False
+    return ip.is_global and not (ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_multicast
+                                 or ip.is_unspecified or ip.is_reserved)
+
+
+def _resolve(host: str, port: int, allow_private: bool) -> tuple:
+    """The address to connect to for ``host``: resolved once here and checked, so the connection goes to the
+    address that was checked (a DNS answer that changes between check and connect cannot win).  Every address the
+    name resolves to must be public unless ``allow_private``."""
+    try:
+        infos = _getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise _FetchFailed(f"cannot resolve {host!r}: {e}") from None
+    if not infos:
+        raise _FetchFailed(f"{host!r} resolves to no address")
+    for *_, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+        if not allow_private and not is_public_address(ip):
+            raise _FetchFailed(f"{host!r} resolves to {ip}, which is not a public address")
+    family, kind, proto, _, sockaddr = infos[0]
+    return family, kind, proto, sockaddr
+
+
+def _connection(url: str, cfg: ImageFetchConfig, deadline: _Deadline) -> tuple[http.client.HTTPConnection, str]:
+    """An http.client connection for ``url`` that connects to its checked address (``_resolve``) while the Host
+    header and TLS (SNI, certificate) use the URL's host name; and the request target (path + query)."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise _FetchFailed(f"scheme {scheme!r} is not http(s)")
+    host = parts.hostname
+    if not host:
+        raise _FetchFailed("no host")
+    port = parts.port or (443 if scheme == "https" else 80)  # ValueError for a bad port: a failure like any other
+    family, kind, proto, sockaddr = _resolve(host, port, cfg.allow_private)
+
+    def connect(_address, timeout, source_address=None):
+        sock = socket.socket(family, kind, proto)
+        deadline.add(sock)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    conn = cls(host, port, timeout=cfg.timeout_s)
+    conn._create_connection = connect  # http.client's documented-by-use hook for how the socket is made
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return conn, target
+
+
+def _get(url: str, cfg: ImageFetchConfig, deadline: _Deadline) -> bytes:
+    """GET ``url``, following up to ``MAX_REDIRECTS`` http(s) redirects by hand (each hop resolved and checked
+    again), and read at most ``cfg.max_bytes`` + 1 bytes of the body."""
+    for _ in range(MAX_REDIRECTS + 1):
+        conn, target = _connection(url, cfg, deadline)
+        try:
+            conn.request("GET", target, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
+            resp = conn.getresponse()
+            if resp.status in _REDIRECTS and resp.getheader("Location"):
+                url = urllib.parse.urljoin(url, resp.getheader("Location"))
+                continue
+            if resp.status != 200:
+                raise _FetchFailed(f"HTTP {resp.status} {resp.reason}")
+            data = bytearray()
+            while len(data) <= cfg.max_bytes:
+                chunk = resp.read1(min(1 << 16, cfg.max_bytes + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+            return bytes(data)
+        finally:
+            conn.close()
+    raise _FetchFailed(f"more than {MAX_REDIRECTS} redirects")
+
+
+def _fetch_failed(what: str, url: str) -> ImageError:
+    """The one answer to every failure of a fetched image -- refused destination, DNS, connection, timeout, HTTP
+    status, size, undecodable bytes -- so that the answers cannot tell a client which hosts or ports exist."""
+    return ImageError(f"{what}: could not load an image from {_short(url)}")
 
 
 def _fetch(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
@@ -243,29 +324,20 @@ def _fetch(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
         raise ImageError(f"{what}: this server does not fetch image URLs ({_short(url)}); send a data URL")
     with _Deadline(cfg.timeout_s) as deadline:
         try:
-            req = urllib.request.Request(url, headers={"User-Agent": "kimi_jax-server", "Accept": "image/*"})
-            with deadline.opener().open(req, timeout=cfg.timeout_s) as resp:
-                data = bytearray()
-                while len(data) <= cfg.max_bytes:
-                    chunk = resp.read1(min(1 << 16, cfg.max_bytes + 1 - len(data)))
-                    if not chunk:
-                        break
-                    data += chunk
-        except urllib.error.HTTPError as e:
-            raise ImageError(f"{what}: fetching {_short(url)} failed: HTTP {e.code} {e.reason}") from None
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
-            # refused, DNS, timeout, a malformed URL (Request: "Invalid IPv6 URL"; http.client: InvalidURL for
-            # spaces or control characters), a reply that is not HTTP (BadStatusLine), a body cut short
-            if deadline.expired:
-                raise ImageError(f"{what}: fetching {_short(url)} failed: timed out after {cfg.timeout_s:g} s") \
-                    from None
-            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
-            raise ImageError(f"{what}: fetching {_short(url)} failed: {reason}") from None
+            data = _get(url, cfg, deadline)
+        except (_FetchFailed, OSError, ValueError, http.client.HTTPException) as e:
+            # refused destination, DNS, connection refused, timeout, a malformed URL, a reply that is not HTTP, a
+            # body cut short: the reason goes to the log only
+            reason = "timed out" if deadline.expired else f"{type(e).__name__}: {e}"
+            log.info("%s: fetching %s failed: %s", what, _short(url), reason)
+            raise _fetch_failed(what, url) from None
         if deadline.expired:  # the shut-down socket ended the body early
-            raise ImageError(f"{what}: fetching {_short(url)} failed: timed out after {cfg.timeout_s:g} s")
+            log.info("%s: fetching %s failed: timed out after %g s", what, _short(url), cfg.timeout_s)
+            raise _fetch_failed(what, url)
     if len(data) > cfg.max_bytes:
-        raise ImageError(f"{what}: {_short(url)} is larger than {cfg.max_bytes} bytes")
-    return bytes(data)
+        log.info("%s: %s is larger than %d bytes", what, _short(url), cfg.max_bytes)
+        raise _fetch_failed(what, url)
+    return data
 
 
 def load_image(url: str, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) -> np.ndarray:
@@ -275,7 +347,12 @@ def load_image(url: str, what: str, cfg: ImageFetchConfig = ImageFetchConfig()) 
         data = _data_url_bytes(url, what, cfg)
         return decode_image(data, what, cfg)
     if scheme in ("http", "https"):
-        return decode_image(_fetch(url, what, cfg), f"{what} ({_short(url)})", cfg)
+        data = _fetch(url, what, cfg)
+        try:
+            return decode_image(data, f"{what} ({_short(url)})", cfg)
+        except ImageError as e:  # what a fetched body decodes to is part of the one answer too
+            log.info("%s", e)
+            raise _fetch_failed(what, url) from None
     raise ImageError(f"{what}: unsupported image URL scheme {scheme or url[:20]!r} ({_short(url)}); use a "
                      "data:image/...;base64 URL or http(s)")
 

@@ -18,19 +18,50 @@ from ..engine.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParam
 from .errors import APIError, bad_request
 
 MAX_N = 16
+MAX_JSON_DEPTH = 64  # objects / arrays inside one another; requests with tool schemas need a dozen
 _MISSING = object()
 
 
+def json_depth_exceeds(value, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests objects / arrays more than ``limit`` deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def parse_json_body(raw: bytes) -> dict:
+    """A request body -> its JSON object; a 400 naming the problem (never the parser's internals) otherwise."""
     if not raw:
         raise bad_request("the request body is empty; expected a JSON object", None, "invalid_json")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", None,
+                          "invalid_json") from None
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid UTF-8 JSON", None, "invalid_json") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return body
+
+
+def _too_deep() -> APIError:
+    return bad_request(f"the request body nests objects / arrays more than {MAX_JSON_DEPTH} deep", None,
+                       "invalid_json")
 
 
 def _type_error(name: str, what: str, value: Any) -> APIError:

@@ -12,19 +12,31 @@ log = logging.getLogger("kimi_jax.serve")
 
 
 def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = None, *, dtype=None, seed: int = 0,
-                     mesh=None):
+                     mesh=None, max_model_len: Optional[int] = None):
     """(model, tokenizer, default served name).  No checkpoint: the ``preset`` (default ``tiny``) with random
     weights; a preset whose vocabulary is the tiny one gets ``Tokenizer.tiny()``.  ``mesh``: a
-    ``jax.sharding.Mesh`` the parameters are placed on (``sharding.rules``), or None for one device."""
+    ``jax.sharding.Mesh`` the parameters are placed on (``sharding.rules``), or None for one device.
+
+    A checkpoint is checked before its weights are read (``checkpoint.preflight``: config, parts / weight files),
+    its tokenizer loaded first (a missing ``tiktoken.model`` fails in seconds, not after the weights), and
+    ``max_model_len`` (when given) held against the config.  Raises ``ValueError`` / ``FileNotFoundError``."""
     from .. import load_model
     from ..config import get_preset
     from ..tokenizer import Tokenizer
     from .formats import tokenizer_family
 
     if checkpoint:
+        from ..checkpoint import preflight
+
+        cfg = preflight(checkpoint)
+        tokenizer = Tokenizer.from_dir(checkpoint, family=tokenizer_family(cfg.architecture))
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary only "
+                             f"{cfg.vocab_size}")
+        if max_model_len is not None and not 2 <= max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_model_len} is outside [2, {cfg.max_position_embeddings}] (the "
+                             "model's max_position_embeddings)")
         model = load_model(checkpoint, dtype=dtype, mesh=mesh)
-        family = tokenizer_family(model.config.architecture)
-        tokenizer = Tokenizer.from_dir(checkpoint, family=family)
         return model, tokenizer, checkpoint
     name = preset or "tiny"
     cfg = get_preset(name)

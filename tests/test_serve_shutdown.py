@@ -1,0 +1,148 @@
+"""`python -m kimi_jax.serve --shutdown-timeout S` on SIGTERM: stops accepting, lets running streams finish until the
+deadline, ends the ones still running with an error chunk and ``[DONE]``; a second signal stops at once.
+
+Real subprocess servers on 127.0.0.1 (the signal handling lives in the command line's uvicorn server); both start
+together, so they compile side by side (and load from the tests' persistent compilation cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 900
+SHUTDOWN_TIMEOUT_S = 3.0
+LONG = {"model": "tiny", "prompt": "hello", "max_tokens": 1900, "ignore_eos": True, "temperature": 0,
+        "stream": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, name: str, shutdown_timeout: float):
+        self.port = _free_port()
+        self.log_path = tmp / f"{name}.log"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                            if p])
+        cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(self.port), "--max-num-seqs", "2",
+               "--max-model-len", "2048", "--prefill-chunk-sizes", "64,16",
+               "--shutdown-timeout", str(shutdown_timeout),
+               "--compilation-cache", os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shutdown")
+    started = {"drain": Server(tmp, "drain", SHUTDOWN_TIMEOUT_S), "twice": Server(tmp, "twice", 600)}
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for s in started.values():
+            s.wait_ready(deadline)
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+class Stream(threading.Thread):
+    """A streaming completion read in the background: its data lines, and when the first one arrived."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.lines: list[str] = []
+        self.first = threading.Event()
+        self.error = None
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.first.set()
+        except httpx.HTTPError as e:
+            self.error = e
+        self.first.set()
+
+
+def test_sigterm_drains_then_ends_running_streams_with_an_error_chunk(servers):
+    srv = servers["drain"]
+    long = Stream(srv.url, LONG)
+    long.start()
+    assert long.first.wait(120)
+    short = Stream(srv.url, {**LONG, "max_tokens": 3})
+    short.start()
+    short.join(120)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.HTTPError):  # no longer accepting
+        httpx.get(srv.url + "/health", timeout=5)
+    long.join(60)
+    assert not long.is_alive() and long.error is None, long.error
+    srv.proc.wait(60)
+    elapsed = time.monotonic() - t0
+    assert short.lines[-1] == "data: [DONE]"
+    assert long.lines[-1] == "data: [DONE]", long.lines[-3:]
+    err = json.loads(long.lines[-2][len("data: "):])["error"]
+    assert err["code"] == "server_shutting_down"
+    assert len(long.lines) > 3  # it ran on after the signal, until the deadline
+    assert SHUTDOWN_TIMEOUT_S - 0.5 <= elapsed < SHUTDOWN_TIMEOUT_S + 30, elapsed
+    assert "shutdown deadline: ending 1 request(s)" in srv.log()
+
+
+def test_a_second_signal_stops_at_once(servers):
+    srv = servers["twice"]  # --shutdown-timeout 600: only the second signal can end it soon
+    long = Stream(srv.url, LONG)
+    long.start()
+    assert long.first.wait(120)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert srv.proc.poll() is None  # draining: the stream runs on
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    srv.proc.wait(30)
+    assert time.monotonic() - t0 < 30
+    long.join(30)
+    assert not long.is_alive()
