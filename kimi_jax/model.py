@@ -72,13 +72,16 @@ class Model:
     """A loaded model: config, parameters and jitted forward / prefill / decode functions."""
 
     def __init__(self, module: KimiForCausalLM, dtype=jnp.float32, mesh=None, vision=None,
-                 kernels: KernelConfig = KernelConfig()):
+                 kernels: KernelConfig = KernelConfig(), platform: Optional[str] = None):
+        """`module` may be abstract (`nnx.eval_shape`): its parameters are then `ShapeDtypeStruct`s, placed on
+        `mesh` by the partition rules without materialising anything (`abstract_model`; the programs can be
+        lowered and exported, not run). `platform`: what "auto" kernels resolve against (None: this host's)."""
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
         self.mesh = mesh
         self.kernels = kernels
         # what every forward of this model runs with: its mesh and axis roles, its kernels (`sharding.context`)
-        self.ctx: ForwardContext = context_for_mesh(mesh, kernels)
+        self.ctx: ForwardContext = context_for_mesh(mesh, kernels, platform=platform)
         # the MoonViT tower + projector (`modules.vision.VisionTower`), or None for a text-only model / checkpoint;
         # kept outside the text module: its ~0.4B parameters stay replicated and whole-image attention runs apart
         self.vision = vision
@@ -235,6 +238,15 @@ class Model:
             tok = _sample(logits_b, temperature, jax.random.fold_in(key, step))
             out.append(tok)
         return np.concatenate([np.asarray(ids), np.stack([np.asarray(t) for t in out], axis=1)], axis=1)
+
+
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, mesh=None, kernels: Optional[KernelConfig] = None,
+                   platform: Optional[str] = None) -> Model:
+    """A `Model` of any size whose parameters are `jax.ShapeDtypeStruct`s placed on `mesh` by the partition rules:
+    nothing is materialised. Its programs (the engine's `ModelRunner.program_args`) can be lowered or exported for
+    `platform` ("tpu", "cuda", "cpu"), whose kernels "auto" then picks."""
+    module = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    return Model(module, dtype, mesh=_mesh(mesh), kernels=kernels or KernelConfig(), platform=platform)
 
 
 def _as_ids(input_ids, cfg: ModelConfig):

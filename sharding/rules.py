@@ -82,10 +82,13 @@ def _path_name(path) -> str:
 
 
 def shard_params(state, mesh):
-    """Place every leaf of an NNX parameter State on `mesh` by the rules. Returns the placed State."""
+    """Place every leaf of an NNX parameter State on `mesh` by the rules. Returns the placed State. Abstract
+    leaves (`jax.ShapeDtypeStruct`) come back abstract, with their sharding."""
     def place(path, leaf):
-        spec = mesh_partition_spec(_path_name(path), leaf.shape, mesh)
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
+        sharding = NamedSharding(mesh, mesh_partition_spec(_path_name(path), leaf.shape, mesh))
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        return jax.device_put(leaf, sharding)
 
     return jax.tree_util.tree_map_with_path(place, state)
 

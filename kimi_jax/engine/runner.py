@@ -227,11 +227,10 @@ class ModelRunner:
                 + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
                 + (["verify"] if self.spec_tokens else []))
 
-    def compile(self, parallel: bool = True) -> float:
-        """Lower and compile every program; returns the wall time.  Idempotent."""
-        if self._exe:
-            return 0.0
-        t0 = time.perf_counter()
+    def program_args(self) -> dict:
+        """Every program as (jitted function, abstract arguments): `ShapeDtypeStruct`s with their shardings, the
+        parameters as the model holds them (concrete or abstract). `compile` lowers these; `kimi_jax.export`
+        exports them for another platform."""
         rep = self._replicated
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         like = lambda a: sds(a.shape, a.dtype)
@@ -242,30 +241,38 @@ class ModelRunner:
         B, NB = self.B, self.max_blocks
         ctl = Controls(sds((B,), jnp.int32), sds((B,), bool), sds((B,), jnp.int32), sds((B, MAX_ALLOWED_IDS), jnp.int32))
         tables = jax.tree.map(like, self.tables)
-        lowered = {
-            "zeros_state": self._fns["zeros_state"].lower(),
-            "zeros_cache1": self._fns["zeros_cache1"].lower(),
-            "copy_cache1": self._fns["copy_cache1"].lower(cache1),
-            "insert": self._fns["insert"].lower(state, cache1, sds((), jnp.int32), sds((self.V,), bool),
-                                                sds((self.V,), jnp.int32)),
-            "step": self._fns["step"].lower(params, state, sds((B,), jnp.int32), sds((B,), bool), rows, ctl, tables,
-                                            sds((B, NB), jnp.int32)),
-            "copy_blocks": self._fns["copy_blocks"].lower(state, sds((NB,), jnp.int32), sds((NB,), jnp.int32)),
+        f = self._fns
+        programs = {
+            "zeros_state": (f["zeros_state"], ()),
+            "zeros_cache1": (f["zeros_cache1"], ()),
+            "copy_cache1": (f["copy_cache1"], (cache1,)),
+            "insert": (f["insert"], (state, cache1, sds((), jnp.int32), sds((self.V,), bool),
+                                     sds((self.V,), jnp.int32))),
+            "step": (f["step"], (params, state, sds((B,), jnp.int32), sds((B,), bool), rows, ctl, tables,
+                                 sds((B, NB), jnp.int32))),
+            "copy_blocks": (f["copy_blocks"], (state, sds((NB,), jnp.int32), sds((NB,), jnp.int32))),
         }
         if self.spec_tokens:
             K1 = self.spec_tokens + 1
             vctl = ctl._replace(allow_class=sds((B, K1), jnp.int32), allow_ids=sds((B, K1, MAX_ALLOWED_IDS), jnp.int32))
             q = (sds((B, K1 - 1, self.V), jnp.float32), sds((B, K1 - 1), bool)) if self.draft_q else (None, None)
-            lowered["verify"] = self._fns["verify"].lower(params, state, sds((B, K1), jnp.int32), sds((B,), jnp.int32),
-                                                          sds((B,), bool), rows, vctl, tables, sds((B, NB), jnp.int32),
-                                                          *q)
+            programs["verify"] = (f["verify"], (params, state, sds((B, K1), jnp.int32), sds((B,), jnp.int32),
+                                                sds((B,), bool), rows, vctl, tables, sds((B, NB), jnp.int32), *q))
         for c in self.chunk_sizes:
-            lowered[f"prefill_{c}"] = self._fns["prefill"].lower(params, sds((1, c), jnp.int32), cache1, state,
-                                                                 sds((1, NB), jnp.int32))
+            programs[f"prefill_{c}"] = (f["prefill"], (params, sds((1, c), jnp.int32), cache1, state,
+                                                       sds((1, NB), jnp.int32)))
             if self.images:
-                lowered[f"prefill_img_{c}"] = self._fns["prefill_img"].lower(
+                programs[f"prefill_img_{c}"] = (f["prefill_img"], (
                     params, sds((1, c), jnp.int32), sds((1, c, self.D), self.model.dtype), sds((1, c), bool), cache1,
-                    state, sds((1, NB), jnp.int32))
+                    state, sds((1, NB), jnp.int32)))
+        return programs
+
+    def compile(self, parallel: bool = True) -> float:
+        """Lower and compile every program; returns the wall time.  Idempotent."""
+        if self._exe:
+            return 0.0
+        t0 = time.perf_counter()
+        lowered = {name: fn.lower(*args) for name, (fn, args) in self.program_args().items()}
         log.info("lowered %d programs in %.1fs; compiling (%s)", len(lowered), time.perf_counter() - t0,
                  "parallel" if parallel else "serial")
         errors = []
