@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import jax
 
     from kimi_jax.engine.draft_model import DraftModelProposer, DraftRequest
-    from kimi_jax.model import load_model
+    from kimi_jax import load_model
 
     model = load_model(args.preset)
     S, K = args.sequences, args.k

@@ -14,7 +14,7 @@ from . import interrupt, store
 from .entries import build, to_json
 from .errors import ConvertError
 from .plan import Plan, make_plan, param_dtypes
-from .safetensors_io import dtype_name
+from .safetensors_io import DTYPES, dtype_name
 
 DTYPE_POLICIES = ("bf16", "fp8", "keep")
 log = logging.getLogger("convert")
@@ -120,6 +120,4 @@ def _src_bytes(plan: Plan, entry, form) -> int:
 
 
 def _np_dtype(name: str):
-    from .safetensors_io import DTYPES
-
     return DTYPES[name]

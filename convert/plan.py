@@ -63,6 +63,8 @@ def fp8_block_of(hf: dict, where: str = "config.json") -> tuple:
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    # convert sits below the model (DESIGN.md), yet takes the parameter shapes from the model itself: a known layer
+    # exception (issue 44), imported on use so that `import convert` does not load the model
     from kimi_jax.model import abstract_params
 
     return {k: tuple(v.shape) for k, v in abstract_params(cfg, dtype).items()}

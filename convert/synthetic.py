@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from kimi_jax.config import ModelConfig
+from kimi_jax.config import ModelConfig, vision_from_hf
 
 from .quant import MXFP4_GROUP
 from .safetensors_io import DTYPES, INDEX_NAME, StreamingWriter
@@ -176,8 +176,7 @@ def k3_tensor_specs(cfg: ModelConfig, *, mxfp4: bool = True, dtype: str = "BF16"
         out += [(pre + "output_attn_res_norm.weight", W, (D,)), (pre + "output_attn_res_proj.weight", W, (1, D))]
     out.append(("language_model.lm_head.weight", W, (V, D)))
     if vision:
-        from kimi_jax.config import vision_from_hf
-        from kimi_jax.modules.vision import checkpoint_layout
+        from kimi_jax.modules.vision import checkpoint_layout  # convert sits below the model (DESIGN.md): see plan.py
 
         vcfg = vision_from_hf(SYNTHETIC_VISION_CONFIG, {}, cfg.hidden_size)
         out += [(name, "BF16", shape) for name, (_, shape, _) in checkpoint_layout(vcfg).items()]

@@ -26,10 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from convert import store
+from convert.entries import build as build_entry, from_json, to_params
+from convert.errors import ConvertError, listing
+from convert.plan import make_plan
 from sharding.context import KernelConfig
+from sharding.rules import mesh_partition_spec
 
-from .config import ConfigError, ModelConfig, load_config
+from .config import PRESETS, ConfigError, ModelConfig, get_preset, load_config
+from .model import Model, _mesh, _parse_dtype, random_model
+from .modules.decoder import KimiForCausalLM
+from .modules.moe import EXPERT_WEIGHTS, moe_layers
+from .modules.vision import VISION_PREFIXES, load_vision_tower
 
 log = logging.getLogger("kimi_jax")
 
@@ -42,9 +52,6 @@ def preflight(path) -> ModelConfig:
     minutes): it is a directory, its config parses, and a converted checkpoint's metadata lists parts that all
     exist (a Hugging Face one: its weight files are indexed, headers only).  Returns the config; raises
     ``ConfigError`` / ``ConvertError`` (both ``ValueError``s) naming the problem."""
-    from convert import store
-    from convert.errors import ConvertError
-
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise ConfigError(f"{path!r} is not a checkpoint directory")
@@ -56,8 +63,6 @@ def preflight(path) -> ModelConfig:
             raise ConvertError(f"{path}: {len(missing)} of the {len(meta['parts'])} weight parts its "
                                f"{store.META_NAME} lists are missing (first: {missing[0]}); copy or convert it again")
     elif os.path.isfile(os.path.join(path, "config.json")):
-        from convert.plan import make_plan
-
         make_plan(path)  # reads the safetensors headers: a missing or unreadable weight file fails here
     return cfg
 
@@ -74,9 +79,6 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
     if mxfp4_experts not in MXFP4_MODES:
         raise ValueError(f"mxfp4_experts must be one of {MXFP4_MODES}, got {mxfp4_experts!r}")
     keep = mxfp4_experts == "packed"
-    from convert import store
-    from convert.errors import ConvertError
-
     path = os.path.abspath(os.fspath(path))  # Orbax reads absolute paths only
     if not os.path.isdir(path):
         raise ConfigError(f"{path!r} is not a checkpoint directory")
@@ -92,8 +94,6 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
         raise ConvertError(f"{path} looks like a kimi_jax checkpoint (it has {store.PARAMS_DIR}/) but its "
                            f"{store.META_NAME} is missing: a damaged or unfinished copy; convert the source again")
     elif os.path.isfile(os.path.join(path, "config.json")):
-        from convert.plan import make_plan
-
         plan = make_plan(path)
         cfg = plan.cfg
         embed = next(e for e in plan.entries if e.targets == ("embed_tokens",))
@@ -109,8 +109,6 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
     if cfg.vision is not None:
         tensors = vision()
         if tensors:
-            from .modules.vision import load_vision_tower
-
             model.vision = load_vision_tower(tensors, cfg.vision, dtype=dtype)
             log.info("vision tower loaded (%d tensors): the model takes images", len(tensors))
         else:
@@ -118,17 +116,31 @@ def load(path, mesh=None, dtype=None, kernels=None, mxfp4_experts: str = "packed
     return model
 
 
-def _is_vision(name: str) -> bool:
-    from .modules.vision import VISION_PREFIXES
+def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0,
+               kernels: Optional[KernelConfig] = None) -> Model:
+    """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir.
 
+    `mesh`: a `jax.sharding.Mesh` with axes ("data", "model"), or a `--mesh` string such as "8x1"; parameters are
+    placed by `sharding.rules` (heads, experts and vocab over "model"). `kernels`: which kernel implementation each
+    op family runs (`KernelConfig`; default "auto": Pallas kernels on TPU/GPU, the jnp reference on CPU).
+    `dtype`: parameter / activation dtype — a JAX dtype or a name ("bf16", "fp32", "bfloat16", "float32", ...);
+    None keeps the checkpoint's (float32 for presets).
+    """
+    dtype = _parse_dtype(dtype)
+    if path_or_preset in PRESETS:
+        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32, mesh=mesh,
+                            kernels=kernels)
+    if not os.path.isdir(path_or_preset):
+        load_config(path_or_preset)  # raises a clear ConfigError
+    return load(path_or_preset, mesh=mesh, dtype=dtype, kernels=kernels)
+
+
+def _is_vision(name: str) -> bool:
     return name.removeprefix("extra.").startswith(VISION_PREFIXES)
 
 
 def _converted_vision(path, meta) -> dict:
     """The vision tower's tensors of a converted checkpoint (carried as `extra.<HF name>` entries), by HF name."""
-    from convert import store
-    from convert.entries import from_json
-
     reader = store.PartReader(path, meta["parts"])
     out = {}
     for entry in (from_json(e) for e in meta["entries"]):
@@ -140,12 +152,10 @@ def _converted_vision(path, meta) -> dict:
 
 def _hf_vision(plan) -> dict:
     """The vision tower's tensors of a Hugging Face checkpoint, by name."""
-    from convert.entries import build
-
     out = {}
     for entry in plan.entries:
         if entry.kind == "extra" and _is_vision(entry.src):
-            arrays, _ = build(entry, plan.sources, [], dtypes=[None], keep_quant=False, fp8_block=plan.fp8_block)
+            arrays, _ = build_entry(entry, plan.sources, [], dtypes=[None], keep_quant=False, fp8_block=plan.fp8_block)
             out[entry.src] = arrays[entry.targets[0]]
     return out
 
@@ -159,8 +169,6 @@ def _mxfp4_expert_targets(entries) -> set:
         if kind == "experts" and form == "mxfp4":
             out.add(targets[0])
     # whole MoE layers only: a layer with some experts' weights plain keeps plain arrays (the MXFP4 ones dequantised)
-    from .modules.moe import EXPERT_WEIGHTS
-
     prefixes = {t.rsplit(".", 1)[0] for t in out}
     whole = {p for p in prefixes if all(f"{p}.{w}" in out for w in EXPERT_WEIGHTS)}
     return {t for t in out if t.rsplit(".", 1)[0] in whole}
@@ -169,8 +177,6 @@ def _mxfp4_expert_targets(entries) -> set:
 def _packed_modules(module, targets: set) -> set:
     """Switch every MoE module whose three expert weights are all in `targets` to MXFP4 parameters (see
     `MoE.use_mxfp4_experts`). Returns the expert targets that were switched."""
-    from .modules.moe import EXPERT_WEIGHTS, moe_layers
-
     switched = set()
     for path, m in moe_layers(module):
         prefix = ".".join(str(p) for p in path)
@@ -186,11 +192,6 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
     """Build the model abstractly and fill its parameters from `arrays(shapes, dtypes)`, an iterator of
     (parameter path, numpy array). `mxfp4_experts`: expert parameter paths whose MoE modules hold MXFP4
     parameters (`<path>_packed`, `<path>_scale`) instead of the plain array; the iterator yields those names."""
-    from convert.errors import ConvertError
-
-    from .model import Model, _mesh
-    from .modules.decoder import KimiForCausalLM
-
     mesh = _mesh(mesh)
     kernels = kernels or KernelConfig()
 
@@ -224,8 +225,6 @@ def assemble(cfg: ModelConfig, arrays, *, dtype, mesh=None, kernels=None, where:
         del arr
     missing = sorted(set(leaves) - set(filled))
     if missing:
-        from convert.errors import listing
-
         raise ConvertError(f"{where}: checkpoint lacks parameter(s) {listing(missing)}")
     params = jax.tree_util.tree_map_with_path(lambda p, _: filled[_path_name(p)], params)
     module = nnx.merge(graphdef, params, rest)
@@ -243,12 +242,6 @@ def _path_name(path) -> str:
 def _sharding(name, shape, mesh) -> Optional[jax.sharding.Sharding]:
     if mesh is None:
         return None
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    try:
-        from sharding import mesh_partition_spec
-    except ImportError:
-        return NamedSharding(mesh, PartitionSpec())
     # the mesh's own expert axes too: with experts over ("context", "model") (`expert=8,tensor=1,context=8`) a
     # "model"-only spec would first put every expert on every device
     return NamedSharding(mesh, mesh_partition_spec(name, shape, mesh))
@@ -261,9 +254,6 @@ def _as_u8(a) -> np.ndarray:
 
 
 def _converted_arrays(path, meta, shapes, dtypes, packed=frozenset()) -> Iterator[tuple[str, np.ndarray]]:
-    from convert import store
-    from convert.entries import from_json, to_params
-
     entries = [from_json(e) for e in meta["entries"]]
     reader = store.PartReader(path, meta["parts"])
     block = tuple(meta.get("fp8_block", (128, 128)))
@@ -272,8 +262,6 @@ def _converted_arrays(path, meta, shapes, dtypes, packed=frozenset()) -> Iterato
         stored = {}
         for n in entry.extra["arrays"]:
             if n not in part:
-                from convert.errors import ConvertError
-
                 raise ConvertError(f"{path}: array {n} is missing from {meta['parts'][entry.extra['part']]}")
             stored[n] = part[n]
         if entry.form == "mxfp4" and entry.targets[0] in packed:  # stored in the HF layout = the parameter layout
@@ -282,20 +270,16 @@ def _converted_arrays(path, meta, shapes, dtypes, packed=frozenset()) -> Iterato
         try:
             tshapes = [shapes[t] for t in entry.targets]
         except KeyError as e:
-            from convert.errors import ConvertError
-
             raise ConvertError(f"{path}: array {e.args[0]} is not a parameter of this model") from None
         out = to_params(entry, stored, tshapes, [dtypes[t] for t in entry.targets], block)
         yield from out.items()
 
 
 def _hf_arrays(plan, dtypes, packed=frozenset()) -> Iterator[tuple[str, np.ndarray]]:
-    from convert.entries import build
-
     for entry in plan.entries:
         if entry.kind == "extra":
             continue
         keep = entry.form == "mxfp4" and entry.targets[0] in packed
-        arrays, _ = build(entry, plan.sources, plan.target_shapes(entry),
+        arrays, _ = build_entry(entry, plan.sources, plan.target_shapes(entry),
                           dtypes=[dtypes.get(t) for t in entry.targets], keep_quant=keep, fp8_block=plan.fp8_block)
         yield from ((n, _as_u8(a) if keep else a) for n, a in arrays.items())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from typing import Optional
 
 import jax
@@ -17,9 +16,13 @@ from sharding.context import ForwardContext, KernelConfig, context_for_mesh
 from sharding.mesh import make_mesh
 from sharding.rules import shard_params
 
-from .config import ModelConfig, PRESETS, get_preset, load_config
+from .cache import PAGE_TOKENS
+from .config import ModelConfig
 from .modules.decoder import DecoderLayer, KimiForCausalLM, ModelCache, PagedModelCache
 from .modules.moe import use_mosaic_experts
+from .modules.vision import VisionTower, preprocess_image
+from .modules.vision_buckets import images_features
+from .paged_cache import PagedCacheSpec
 
 log = logging.getLogger("kimi_jax")
 
@@ -117,9 +120,6 @@ class Model:
         filled, ready for `prefill` / `decode_step`). With an explicit `num_blocks` the tables start empty (null):
         hand pages out with `kimi_jax.paged_cache.BlockAllocator` and set them with `cache.with_block_tables`.
         """
-        from .cache import PAGE_TOKENS
-        from .paged_cache import PagedCacheSpec
-
         max_blocks = -(-int(max_len) // PAGE_TOKENS)
         if index_dtype is None:
             index_dtype = "bf16" if kv_dtype == "bf16" else "fp8"
@@ -139,9 +139,6 @@ class Model:
         Each image runs padded to a bucket of patch counts (`modules.vision_buckets`): the tower compiles once
         per bucket (18 over K3's image sizes), not once per image size; every image's run starts before the
         first's features are fetched."""
-        from .modules.vision import preprocess_image
-        from .modules.vision_buckets import images_features
-
         if self.vision is None:
             why = ("its config has no vision tower" if self.config.vision is None
                    else "the checkpoint holds no vision_tower.* / mm_projector.* tensors")
@@ -279,8 +276,6 @@ def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, mesh=Non
     module = KimiForCausalLM(cfg, rngs=rngs, dtype=dtype)
     vision = None
     if cfg.vision is not None:
-        from .modules.vision import VisionTower
-
         with jax.ensure_compile_time_eval():  # its own stream: the text weights stay those of a text-only build
             vision_rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), 1))
         vision = VisionTower(cfg.vision, rngs=vision_rngs, dtype=dtype)
@@ -319,23 +314,3 @@ def _parse_dtype(dtype):
                          "use bf16 / bfloat16 or fp32 / float32")
     return dt
 
-
-def load_model(path_or_preset: str, *, mesh=None, dtype=None, seed: int = 0,
-               kernels: Optional[KernelConfig] = None) -> Model:
-    """A preset name (random weights), a converted kimi_jax checkpoint dir, or a Hugging Face checkpoint dir.
-
-    `mesh`: a `jax.sharding.Mesh` with axes ("data", "model"), or a `--mesh` string such as "8x1"; parameters are
-    placed by `sharding.rules` (heads, experts and vocab over "model"). `kernels`: which kernel implementation each
-    op family runs (`KernelConfig`; default "auto": Pallas kernels on TPU/GPU, the jnp reference on CPU).
-    `dtype`: parameter / activation dtype — a JAX dtype or a name ("bf16", "fp32", "bfloat16", "float32", ...);
-    None keeps the checkpoint's (float32 for presets).
-    """
-    dtype = _parse_dtype(dtype)
-    if path_or_preset in PRESETS:
-        return random_model(get_preset(path_or_preset), seed=seed, dtype=dtype or jnp.float32, mesh=mesh,
-                            kernels=kernels)
-    if not os.path.isdir(path_or_preset):
-        load_config(path_or_preset)  # raises a clear ConfigError
-    from . import checkpoint
-
-    return checkpoint.load(path_or_preset, mesh=mesh, dtype=dtype, kernels=kernels)

@@ -19,6 +19,7 @@ import numpy as np
 
 from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout
 from .config import ConfigError, ModelConfig, load_config
+from .model import abstract_params
 
 EXPERT_KEYS = ("block_sparse_moe.w1", "block_sparse_moe.w2", "block_sparse_moe.w3")
 FP32_KEYS = ("A_log", "dt_bias", "conv1d", "o_norm", "block_sparse_moe.gate", "e_score_correction_bias")
@@ -31,8 +32,6 @@ def _is_routed_expert(name: str) -> bool:
 
 
 def count_params(cfg: ModelConfig) -> dict:
-    from .model import abstract_params
-
     shapes = abstract_params(cfg)
     sizes = {k: int(np.prod(v.shape)) for k, v in shapes.items()}
     total = sum(sizes.values())

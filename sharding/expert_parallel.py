@@ -54,6 +54,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.moe import mxfp4 as mx
 from pallas_kernels.moe import ops
+from pallas_kernels.moe.routing import route
+
+from .mesh import expert_axes
 
 MODEL, DATA = "model", "data"
 METHODS = ("auto", "ragged", "allgather")
@@ -65,8 +68,6 @@ def expert_group_axis(mesh, axes=None):
     more than one device (`expert=8,tensor=1,context=8` -> "context"; `expert=8,tensor=2,context=4` ->
     ("context", "model"), context-major as `sharding.rules` splits the experts).
     `axes`: the expert axes (default: `sharding.mesh.expert_axes(mesh)`)."""
-    from .mesh import expert_axes
-
     axes = tuple(expert_axes(mesh) if axes is None else axes)
     bad = [a for a in axes if a not in mesh.axis_names or a == DATA]
     if bad or not axes:
@@ -267,9 +268,7 @@ def ep_expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activati
 
 def ep_moe(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, mesh, method: str = "auto",
            backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False, expert_axes=None):
-    """Route (SPEC §7, `kimi_jax.modules.moe.route`, per token — the same on any split) then `ep_expert_ffn`."""
-    from kimi_jax.modules.moe import route
-
+    """Route (SPEC §7, `pallas_kernels.moe.routing.route`, per token — the same on any split) then `ep_expert_ffn`."""
     tok_spec, _ = _token_spec(mesh, x_nd.shape[0], expert_group_axis(mesh, expert_axes))
     routed = jax.jit(_shard_map(lambda x, r, b: route(x, r, b, cfg), mesh, in_specs=(tok_spec, P(), P()),
                                 out_specs=(tok_spec, tok_spec)))

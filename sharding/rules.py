@@ -17,6 +17,8 @@ import re
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .mesh import expert_axes
+
 log = logging.getLogger("kimi_jax.sharding")
 
 MODEL = "model"
@@ -69,8 +71,6 @@ def param_partition_spec(path: str, shape, model_size: int, *, expert_axes=None)
 
 def mesh_partition_spec(path: str, shape, mesh) -> P:
     """`param_partition_spec` for a concrete mesh (any of its axes may be absent)."""
-    from .mesh import expert_axes
-
     model_size = int(mesh.shape.get(MODEL, 1))
     return param_partition_spec(path, shape, model_size,
                                 expert_axes=tuple((a, int(mesh.shape[a])) for a in expert_axes(mesh)))

@@ -439,18 +439,18 @@ def test_a_failing_step_fails_a_non_streaming_request_promptly(served, monkeypat
 
 # ============================================================================================== --checkpoint
 def test_a_checkpoint_without_its_tokenizer_fails_before_any_weight_is_read(tmp_path, monkeypatch):
-    import kimi_jax
+    from kimi_jax.serve import server
     from kimi_jax.config import get_preset
     from kimi_jax.serve.server import load_for_serving
 
     (tmp_path / "kimi_jax_config.json").write_text(get_preset("tiny").to_json())
-    monkeypatch.setattr(kimi_jax, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(server, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(FileNotFoundError, match="tiktoken.model"):
         load_for_serving(str(tmp_path))
 
 
 def test_a_converted_checkpoint_with_a_missing_part_fails_before_loading(tmp_path, monkeypatch):
-    import kimi_jax
+    from kimi_jax.serve import server
     from convert import store
     from kimi_jax.config import get_preset
     from kimi_jax.serve.server import load_for_serving
@@ -458,13 +458,13 @@ def test_a_converted_checkpoint_with_a_missing_part_fails_before_loading(tmp_pat
     (tmp_path / "kimi_jax_config.json").write_text(get_preset("tiny").to_json())
     (tmp_path / store.META_NAME).write_text(json.dumps({"format": store.FORMAT, "version": store.FORMAT_VERSION,
                                                         "parts": ["params/part_00000"], "entries": []}))
-    monkeypatch.setattr(kimi_jax, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(server, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(ValueError, match="missing"):
         load_for_serving(str(tmp_path))
 
 
 def test_an_impossible_max_model_len_fails_before_loading(tmp_path, monkeypatch):
-    import kimi_jax
+    from kimi_jax.serve import server
     from kimi_jax.config import get_preset
     from kimi_jax.serve.server import load_for_serving
     from kimi_jax.tokenizer import Tokenizer
@@ -472,6 +472,6 @@ def test_an_impossible_max_model_len_fails_before_loading(tmp_path, monkeypatch)
     cfg = get_preset("tiny")
     (tmp_path / "kimi_jax_config.json").write_text(cfg.to_json())
     monkeypatch.setattr(Tokenizer, "from_dir", classmethod(lambda cls, *a, **k: Tokenizer.tiny()))
-    monkeypatch.setattr(kimi_jax, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(server, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(ValueError, match="max-model-len"):
         load_for_serving(str(tmp_path), max_model_len=cfg.max_position_embeddings + 1)

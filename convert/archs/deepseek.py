@@ -20,7 +20,7 @@ import re
 from kimi_jax.config import ModelConfig
 
 from ..entries import Entry
-from . import cp, indexer_entries, lin, mla_entries, router_entries
+from .builders import cp, indexer_entries, lin, mla_entries, router_entries
 
 
 def entries(cfg: ModelConfig, names) -> list[Entry]:

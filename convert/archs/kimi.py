@@ -26,7 +26,7 @@ from __future__ import annotations
 from kimi_jax.config import ModelConfig
 
 from ..entries import Entry
-from . import cp, indexer_entries, lin, mla_entries, router_entries
+from .builders import cp, indexer_entries, lin, mla_entries, router_entries
 
 TEXT_PREFIXES = (("language_model.model.", "language_model.lm_head.weight"), ("model.", "lm_head.weight"))
 EXTRA_PREFIXES = ("vision_tower.", "mm_projector.")

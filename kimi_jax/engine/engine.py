@@ -83,7 +83,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compile_watch
+# not `from . import compile_watch`: the package's __init__ imports this module
+import kimi_jax.engine.compile_watch as compile_watch
+
 from .detok import OutputText
 from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
 from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
@@ -94,6 +96,7 @@ from .prefix_cache import PrefixCache
 from .request import (EngineDeadError, EngineUnavailableError, RequestDone, RequestFailedError, RequestStream, SeqEvent,
                       SequenceOutput, TokenLogprob)
 from ..cache import PAGE_TOKENS, CacheLayout
+from ..modules.vision_buckets import patch_buckets, programs_for
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls, seed32
@@ -351,8 +354,6 @@ class Engine:
         self._state = self.runner.new_state()
         self.compilations_at_start = compile_watch.compile_count()
         if self.config.vision_warmup and self.model.vision is not None:
-            from ..modules.vision_buckets import patch_buckets, programs_for
-
             buckets = patch_buckets(self.model.config.vision)
             programs_for(self.model.vision).prepare(buckets)
             log.info("vision tower: compiling %d patch buckets (%d..%d patches) in the background", len(buckets),

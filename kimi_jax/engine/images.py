@@ -31,6 +31,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..modules.vision import image_token_count, navit_size
+from ..modules.vision_buckets import bucket_for, programs_for
 from .sampling_params import ParamError
 
 DIGEST_BYTES = 16
@@ -66,8 +68,6 @@ class PromptImages:
     @classmethod
     def create(cls, ids: Sequence[int], images: Sequence[np.ndarray], vision_cfg) -> "PromptImages":
         """Check ``images`` against the prompt ``ids`` (``ParamError`` naming the problem) and digest them."""
-        from ..modules.vision import image_token_count, navit_size
-
         pad_id = vision_cfg.image_token_id
         counts, arrays, patches = [], [], []
         for i, img in enumerate(images):
@@ -94,14 +94,10 @@ class PromptImages:
         when not (``BucketPrograms.prepare``; a failed compile raises here). True once encoded."""
         if self.features is not None:
             return True
-        from ..modules.vision_buckets import programs_for
-
         return programs_for(model.vision).prepare(self.buckets(model.config.vision))
 
     def buckets(self, vision_cfg) -> list[int]:
         """The patch-count buckets (`modules.vision_buckets.bucket_for`) these images run in, ascending."""
-        from ..modules.vision_buckets import bucket_for
-
         return sorted({bucket_for(n, vision_cfg) for n in self.patches})
 
     def encode(self, model) -> None:

@@ -7,6 +7,7 @@ import math
 import jax.numpy as jnp
 
 from ..config import RopeConfig
+from ..config import yarn_mscale
 
 
 def _yarn_inv_freq(dim: int, rc: RopeConfig):
@@ -39,8 +40,6 @@ def rope_cos_sin(positions_bt, dim: int, rc: RopeConfig):
 
 def attention_factor(rc: RopeConfig) -> float:
     """YaRN's cos/sin scale, by the transformers rule (see RopeConfig.attention_factor)."""
-    from ..config import yarn_mscale
-
     if rc.attention_factor is not None:
         return rc.attention_factor
     if not rc.yarn_factor:

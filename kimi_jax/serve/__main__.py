@@ -9,6 +9,15 @@ import os
 import sys
 import time
 
+from sharding.mesh import AXES, initialize_distributed, make_mesh, parse_mesh_spec
+
+from .. import __version__
+from ..config import PRESETS
+from ..engine import Engine, EngineConfig
+from ..engine.runner import resolve_kv_dtype
+from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, run_server
+from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
+
 DESCRIPTION = """\
 Serve a kimi_jax model over an OpenAI-compatible HTTP API.
 
@@ -52,10 +61,6 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kim
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..config import PRESETS
-    from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
-    from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
-
     p = argparse.ArgumentParser(prog="python -m kimi_jax.serve", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
@@ -176,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def mesh_device_count(text: str) -> int:
     """Devices a `--mesh` spec needs (AxB or a named form of `sharding.mesh`); ValueError when malformed."""
-    from sharding.mesh import AXES, parse_mesh_spec
-
     sizes = parse_mesh_spec(text)  # MeshError is a ValueError; its message shows the accepted forms (AxB, ...)
     return math.prod(sizes[a] for a in AXES)
 
@@ -282,8 +285,6 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     busy = cannot_listen(args.host, args.port)
     if busy:
         return _fail(busy)
-    from ..engine.runner import resolve_kv_dtype
-
     try:
         resolve_kv_dtype(args.kv_dtype)
     except ValueError as e:
@@ -291,8 +292,6 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
 
     # Everything that configures JAX's backends comes before the first device query: multi-process initialisation,
     # then the fake CPU device count.
-    from sharding.mesh import initialize_distributed
-
     if initialize_distributed():
         import jax
 
@@ -324,20 +323,17 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
                      f"visible.{hint}")
     mesh = None
     if need > 1:
-        from sharding.mesh import make_mesh
-
         mesh = make_mesh(args.mesh, devices)
     if args.compilation_cache and args.compilation_cache.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         log.info("persistent compilation cache: %s", args.compilation_cache)
-    from .. import __version__
     where = (f"mesh {args.mesh} = {dict(mesh.shape)} over {mesh.devices.size} devices" if mesh is not None
              else f"{devices[0]} (mesh 1x1)")
     log.info("kimi_jax %s, JAX %s: %d %s device(s) visible, using %s", __version__, jax.__version__,
              len(devices), platform, where)
 
-    from ..engine import Engine, EngineConfig
+    # imported here, not above: FastAPI (the app) and Orbax (the loader) would add ~0.4 s to `--help`
     from .app import build_app
     from .server import load_for_serving
 
@@ -389,8 +385,6 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     engine.start()
     served = args.served_model_name or name
     from .images import ImageFetchConfig
-
-    from .lifecycle import Drain, run_server
 
     drain = Drain()
     app = build_app(engine, tokenizer, model_name=served, api_key=args.api_key,

@@ -64,6 +64,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
 from .protocol import (check_response_format, opt_bool, parse_common, parse_json_body, parse_tools)
 from .tool_guide import K3ToolCallGuideBuilder
+from .. import __version__
 
 log = logging.getLogger("kimi_jax.serve")
 
@@ -345,8 +346,6 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
     @app.get("/version")
     async def version():
-        from .. import __version__
-
         return {"version": __version__}
 
     @v1.get("/v1/models")

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .chat import IMAGE_PART_TYPES, ChatImage, image_part_url
+from ..modules.vision import image_token_count, navit_size
 
 log = logging.getLogger("kimi_jax.serve")
 
@@ -367,8 +368,6 @@ def load_images(urls: Sequence[tuple[str, str]], cfg: ImageFetchConfig = ImageFe
 def chat_image(image_hw3: np.ndarray, vision_cfg) -> ChatImage:
     """The prompt's view of a decoded image: original width × height and its token count on this vision tower
     (the size ``preprocess_image`` resizes and pads it to: (padded h / 28) · (padded w / 28) tokens)."""
-    from ..modules.vision import image_token_count, navit_size
-
     h, w = int(image_hw3.shape[0]), int(image_hw3.shape[1])
     _, (pad_h, pad_w) = navit_size(h, w, vision_cfg)
     p = vision_cfg.patch_size

@@ -8,6 +8,14 @@ import threading
 import time
 from typing import Optional
 
+from ..checkpoint import load_model, preflight
+from ..config import get_preset
+from ..kernels import KernelConfig
+from ..model import MAX_RANDOM_PARAMS, Model, abstract_params
+from ..modules.decoder import KimiForCausalLM
+from ..tokenizer import Tokenizer
+from .formats import tokenizer_family
+
 log = logging.getLogger("kimi_jax.serve")
 
 
@@ -20,14 +28,7 @@ def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = N
     A checkpoint is checked before its weights are read (``checkpoint.preflight``: config, parts / weight files),
     its tokenizer loaded first (a missing ``tiktoken.model`` fails in seconds, not after the weights), and
     ``max_model_len`` (when given) held against the config.  Raises ``ValueError`` / ``FileNotFoundError``."""
-    from .. import load_model
-    from ..config import get_preset
-    from ..tokenizer import Tokenizer
-    from .formats import tokenizer_family
-
     if checkpoint:
-        from ..checkpoint import preflight
-
         cfg = preflight(checkpoint)
         tokenizer = Tokenizer.from_dir(checkpoint, family=tokenizer_family(cfg.architecture))
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -53,9 +54,6 @@ def load_draft_model(checkpoint_or_preset: str, *, dtype=None, seed: int = 0):
     random weights drawn from `seed`, on the default device (a draft model is small; it is not placed on a mesh)."""
     import os
 
-    from .. import load_model
-    from ..config import get_preset
-
     if os.path.isdir(checkpoint_or_preset):
         return load_model(checkpoint_or_preset, dtype=dtype)
     return _random_preset(checkpoint_or_preset, get_preset(checkpoint_or_preset), dtype=dtype, seed=seed, mesh=None)
@@ -74,10 +72,6 @@ def _random_preset(name: str, cfg, *, dtype, seed: int, mesh):
     import jax.numpy as jnp
     import numpy as np
 
-    from .. import load_model
-    from ..kernels import KernelConfig
-    from ..model import MAX_RANDOM_PARAMS, Model, abstract_params
-    from ..modules.decoder import KimiForCausalLM
     from flax import nnx
 
     dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)

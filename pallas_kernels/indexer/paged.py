@@ -32,8 +32,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+# the package's own modules by their full name: `from . import x` would make this module import the package, whose
+# __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
+import pallas_kernels.indexer.gpu as gpu
+import pallas_kernels.indexer.reference as reference
+import pallas_kernels.indexer.tpu as tpu
+
 from ..paged import DSA_BACKENDS, check_precision, gather_pages, resolve_dsa_backend
-from . import reference
 
 DEFAULT_MAX_SCORE_BYTES = 256 << 20
 BACKENDS = DSA_BACKENDS
@@ -106,23 +111,15 @@ def _kernel_supports(kind: str, fmt, q_shape, key_parts=()) -> bool:
     if T != 1:
         return False
     if kind == "gpu":
-        from . import gpu
-
         return gpu.available() and gpu.fits(fmt, Hi, d) and gpu.supports_pool(key_parts)
-    from . import tpu
-
     return tpu.supports(fmt)
 
 
 def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: str, **kernel_kw):
     """The decode score row `[B, max_blocks·page]` from a kernel backend ("gpu", "tpu", "*_interpret")."""
     if backend.startswith("gpu"):
-        from . import gpu
-
         return gpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
                           interpret=backend == "gpu_interpret", **kernel_kw)
-    from . import tpu
-
     return tpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
                       interpret=backend == "tpu_interpret", **kernel_kw)
 
@@ -149,8 +146,6 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
             raise ValueError(f"the {which} indexer kernel is decode-only (T = 1), got T = {T}")
         kernel_kw = dict(kernel_kw or {})
         if precision == "storage" and which.startswith("gpu"):
-            from . import gpu
-
             tokens = jnp.shape(block_tables)[1] * key_parts[0].shape[1]
             kernel_kw = dict(gpu.FAST[gpu.storage_preset(tokens)], **kernel_kw)
         s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which,

@@ -41,7 +41,7 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
-from . import chunk_math as M
+import pallas_kernels.kda.chunk_math as M  # not `from . import`: see kda/ops.py
 
 C = 64
 SUB = M.SUB

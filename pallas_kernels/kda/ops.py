@@ -21,9 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# the package's own modules by their full name: `from . import x` would make this module import the package, whose
+# __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
+import pallas_kernels.kda.chunk_math as chunk_math
+import pallas_kernels.kda.gpu as gpu
+import pallas_kernels.kda.reference as reference
+import pallas_kernels.kda.tpu as tpu
+
 from ..platform import resolve_platform
-from . import chunk_math
-from . import reference
 
 BACKENDS = ("reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret")
 # GPU: "auto" takes the Pallas Triton kernels. The model-level GPU check (tests/test_kernel_path.py, `gpu` case, and
@@ -39,7 +44,6 @@ def resolve_backend(backend: str = "auto", platform: Optional[str] = None) -> st
     if backend == "auto":
         backend = _PLATFORM_TO_BACKEND.get(resolve_platform(platform), "reference")
         if backend == "gpu":
-            from . import gpu
             if not gpu.available():
                 backend = "reference"
     if backend not in BACKENDS:
@@ -138,11 +142,9 @@ def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, bac
 
     interpret = be.endswith("_interpret")
     if be.startswith("gpu"):
-        from . import gpu
         o, s = gpu.chunk(*args, cu, initial_state, scale, interpret=interpret,
                          **_gate_kwargs(A_log, dt_bias, gate_form, lower_bound))
     else:
-        from . import tpu
         qq, kk, vv, gg, bb = args
         gg = _reference_gate(gg, H, dk, A_log, dt_bias, gate_form, lower_bound)  # XLA fuses it into the gather
         o, s = tpu.chunk(qq, kk, vv, gg, bb, cu, initial_state, scale, interpret=interpret)
@@ -179,9 +181,7 @@ def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str =
     interpret = be.endswith("_interpret")
     kw = _gate_kwargs(A_log, dt_bias, gate_form, lower_bound)
     if be.startswith("gpu"):
-        from . import gpu
         return gpu.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
-    from . import tpu
     return tpu.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import chunk_math as M
+import pallas_kernels.kda.chunk_math as M  # not `from . import`: see kda/ops.py
 
 HP = jax.lax.Precision.HIGHEST
 C = 64

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, resolve_dsa_backend
+from . import paged_dense_tpu
 from .reference import PRECISION
 from .sparse import DEFAULT_MAX_BLOCK_BYTES, _chunked
 
@@ -84,8 +85,6 @@ def reference(q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale=1.0, *, 
 def _kernel_supports(kind: str, fmt, T: int, kv_parts) -> bool:
     if kind != "tpu" or T != 1:
         return False
-    from . import paged_dense_tpu
-
     return paged_dense_tpu.supports(fmt, kv_parts)
 
 
@@ -111,8 +110,6 @@ def dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, *, fmt, scale:
     if which != "reference":
         if T != 1:
             raise ValueError(f"the {which} dense paged MLA kernel is decode-only (T = 1), got T = {T}")
-        from . import paged_dense_tpu
-
         o, lse = paged_dense_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, pos[:, 0], fmt=fmt,
                                         scale=scale, value_dim=value_dim, layer_scale=layer_scale,
                                         interpret=which == "tpu_interpret")

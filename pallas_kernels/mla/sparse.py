@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, check_precision, gather_parts, resolve_dsa_backend
+from . import sparse_gpu, sparse_mgpu, sparse_tpu
 from .reference import PRECISION
 
 BACKENDS = DSA_BACKENDS
@@ -111,11 +112,7 @@ def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     if T != 1:
         return False
     if kind == "gpu":
-        from . import sparse_gpu
-
         return sparse_gpu.available() and sparse_gpu.fits(fmt) and sparse_gpu.supports_pool(kv_parts)
-    from . import sparse_tpu
-
     return sparse_tpu.supports(fmt)
 
 
@@ -135,8 +132,6 @@ def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, 
         return "triton"
     if which != "gpu" or precision != "storage" or B < MGPU_MIN_BATCH or H > 16 or len(kv_parts) != 1:
         return "triton"
-    from . import sparse_mgpu
-
     return "mgpu" if sparse_mgpu.supports(fmt, sparse_mgpu.MgpuSparseConfig()) else "triton"
 
 
@@ -170,22 +165,16 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
             raise ValueError(f"the {which} sparse MLA kernel is decode-only (T = 1), got T = {T}")
         common = dict(fmt=fmt, layer_scale=layer_scale, scale=scale, value_dim=value_dim)
         if which.startswith("tpu"):
-            from . import sparse_tpu
-
             o, lse = sparse_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], block_k=block_k,
                                        interpret=which == "tpu_interpret", **common, **kernel_kw)
         elif _gpu_impl(which, kernel_kw, precision, fmt, B, H, kv_parts) == "mgpu":
             # the Mosaic GPU kernel (fp8 rows, storage precision; GPU only)
-            from . import sparse_mgpu
-
             if which == "gpu_interpret":
                 raise ValueError("the mgpu sparse MLA kernel has no interpret mode; use impl='triton' on CPU")
             cfg = sparse_mgpu.MgpuSparseConfig(**{k: v for k, v in kernel_kw.items() if k != "impl"})
             o, lse = sparse_mgpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], config=cfg,
                                         **common)
         else:
-            from . import sparse_gpu
-
             kernel_kw.pop("impl", None)  # "triton": the default GPU kernel
             if precision == "storage":
                 kernel_kw = dict(sparse_gpu.storage_preset(B, H), **kernel_kw)

@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+import pallas_kernels.moe.mxfp4 as mx  # not `from . import`: see moe/ops.py
+
 from ..triton_prims import fp8_dot_nt
-from . import mxfp4 as mx
 from .schedule import group_tiles
 
 

@@ -94,8 +94,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import mxfp4 as mx
-from . import schedule
+import pallas_kernels.moe.mxfp4 as mx  # not `from . import`: see moe/ops.py
+import pallas_kernels.moe.schedule as schedule
 
 COLS = 64  # output columns per warpgroup: the wgmma M side
 BLOCK = 64  # packed bytes per (thread quad) load block: 4 threads x 16 bytes

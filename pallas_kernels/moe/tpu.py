@@ -35,8 +35,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import numpy as np
 
+import pallas_kernels.moe.mxfp4 as mx  # not `from . import`: see moe/ops.py
+
 from .. import budget
-from . import mxfp4 as mx
 from .schedule import cdiv, num_straddle_tiles_bound, straddle_tiles
 
 
