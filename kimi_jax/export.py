@@ -22,6 +22,18 @@ import re
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.context import KernelConfig
+from sharding.mesh import parse_mesh_spec
+
+from .config import PRESETS, get_preset, load_config
+from .engine.guide import NUM_VOCAB_CLASSES
+from .engine.runner import ModelRunner
+from .model import _parse_dtype, abstract_model
+
 log = logging.getLogger("kimi_jax.export")
 
 PLATFORMS = {"tpu": "tpu", "cuda": "cuda", "gpu": "cuda", "cpu": "cpu", "rocm": "rocm"}
@@ -58,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def kernel_config(choice: str):
     """--kernels -> KernelConfig: one implementation for every op family."""
-    from .kernels import KernelConfig
-
     if choice == "auto":
         return KernelConfig()
     if choice == "reference":
@@ -86,15 +96,6 @@ def kernel_calls(mlir_text: str) -> dict:
 
 def export_programs(args) -> dict:
     """Export every engine program; returns the summary (also written to `args.out/summary.json`)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from .config import PRESETS, get_preset, load_config
-    from .engine.guide import NUM_VOCAB_CLASSES
-    from .engine.runner import ModelRunner
-    from .model import _parse_dtype, abstract_model
-
     platform = PLATFORMS[args.platform]
     if args.dcp != 1:
         raise SystemExit("--dcp > 1: the engine's programs do not run decode context parallelism yet; "
@@ -143,8 +144,6 @@ def _flat_program(fn, args):
     """`fn(*args)` as a function of the argument pytrees' leaves returning its output's leaves, so the exported
     module names no Python type (`jax.export` serializes only registered pytree nodes). Returns (flat function,
     leaves, each leaf's path in the arguments, e.g. "[1].cache.length")."""
-    import jax
-
     with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
     leaves = [leaf for _, leaf in with_paths]
 
@@ -163,13 +162,9 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 def _fake_devices(mesh_spec: str) -> None:
     """On a CPU host, as many CPU devices as the mesh needs (before JAX starts its backend)."""
-    from sharding.mesh import parse_mesh_spec
-
     sizes = parse_mesh_spec(mesh_spec)
     need = sizes["data"] * sizes["context"] * sizes["model"]
     if need > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        import jax
-
         jax.config.update("jax_num_cpu_devices", need)
 
 
