@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -242,8 +243,25 @@ def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, mesh=None, kernels: 
     """A `Model` of any size whose parameters are `jax.ShapeDtypeStruct`s placed on `mesh` by the partition rules:
     nothing is materialised. Its programs (the engine's `ModelRunner.program_args`) can be lowered or exported for
     `platform` ("tpu", "cuda", "cpu"), whose kernels "auto" then picks."""
-    module = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    return Model(module, dtype, mesh=_mesh(mesh), kernels=kernels or KernelConfig(), platform=platform)
+    return Model(abstract_module(cfg, dtype), dtype, mesh=_mesh(mesh), kernels=kernels or KernelConfig(),
+                 platform=platform)
+
+
+def abstract_module(cfg: ModelConfig, dtype=jnp.float32) -> KimiForCausalLM:
+    """`KimiForCausalLM` with `ShapeDtypeStruct` parameters, built as `abstract_params` counts them: each distinct
+    (kind, FFN) layer is traced once and copied, since tracing the initialisers of all 93 layers of the full model
+    in one graph takes minutes."""
+    top = nnx.eval_shape(lambda: KimiForCausalLM(cfg.replace(layer_kinds=(), dense_layers=()), rngs=nnx.Rngs(0),
+                                                 dtype=dtype))
+    by_signature, layers = {}, []
+    for i, kind in enumerate(cfg.layer_kinds):
+        sig = (kind, cfg.is_moe_layer(i))
+        if sig not in by_signature:
+            by_signature[sig] = nnx.eval_shape(lambda: DecoderLayer(cfg, i, rngs=nnx.Rngs(0), dtype=dtype))
+        layers.append(copy.deepcopy(by_signature[sig]))
+    top.layers = nnx.List(layers)
+    top.cfg = cfg
+    return top
 
 
 def _as_ids(input_ids, cfg: ModelConfig):

@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import get_preset
-from kimi_jax.kernels import KernelConfig
 from kimi_jax.model import Model
 from kimi_jax.modules.decoder import KimiForCausalLM
 
@@ -41,7 +40,7 @@ def layernorm64(x, w, b, eps):
 def _models():
     base = get_preset("tiny")
     rot = base.replace(indexer=dataclasses.replace(base.indexer, hadamard_rotate=True))
-    build = lambda cfg: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, kernels=KernelConfig.reference())
+    build = lambda cfg: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
     return base, build(base), rot, build(rot)
 
 

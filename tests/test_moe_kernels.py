@@ -1500,9 +1500,9 @@ def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():
     from kimi_jax.modules.moe import MoE, use_mosaic_experts
     from sharding.rules import param_partition_spec
 
-    def layer(moe_backend, latent=128, F=128):
+    def layer(latent=128, F=128):
         cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=F, latent_size=latent)
-        m = MoE(96, cfg, situ, 1e-6, rngs=nnx.Rngs(0), kernels=KernelConfig(moe=moe_backend))
+        m = MoE(96, cfg, situ, 1e-6, rngs=nnx.Rngs(0))
         m.use_mxfp4_experts()
         keys = iter(jax.random.split(jax.random.key(5), 3))
         for name, (k, n) in (("w1", (latent, F)), ("w3", (latent, F)), ("w2", (F, latent))):
@@ -1512,9 +1512,10 @@ def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():
         return m
 
     x = jax.random.normal(jax.random.key(6), (2, 5, 96), jnp.float32)
-    m = layer("reference")
+    m = layer()
     want = np.asarray(m(x))
-    assert use_mosaic_experts(m) == 0 and m.expert_format == "mxfp4"  # its backend is not the GPU kernels
+    # its kernels are not the GPU ones: nothing is re-laid
+    assert use_mosaic_experts(m, KernelConfig(moe="reference")) == 0 and m.expert_format == "mxfp4"
     assert m.use_mosaic_experts() and m.expert_format == "mxfp4_mosaic"
     assert not m.use_mosaic_experts()  # once
     assert not hasattr(m, "w1_packed")
@@ -1523,5 +1524,5 @@ def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():
     for name in ("w1_codes", "w2_scales_t", "w3_exp_offset"):
         shape = getattr(m, name).shape
         assert param_partition_spec(f"layers.3.block_sparse_moe.{name}", shape, 2)[0] == "model"
-    assert use_mosaic_experts(layer("gpu")) == 1
-    assert use_mosaic_experts(layer("gpu", latent=64)) == 0  # K = 64: not a multiple of the kernel's 128
+    assert use_mosaic_experts(layer(), KernelConfig(moe="gpu")) == 1
+    assert use_mosaic_experts(layer(latent=64), KernelConfig(moe="gpu")) == 0  # K = 64: not a multiple of the kernel's 128

@@ -1,10 +1,11 @@
 """`python -m kimi_jax.serve --mesh AxB` beyond one device, through the official ``openai`` client.
 
 Two real server processes on 127.0.0.1 serve the tiny model with the same engine settings, one with ``--mesh 1x1``
-and one with ``--mesh 2x1 --fake-cpu-devices`` (parameters split two ways over the "model" axis) and speculative
-decoding on (``--speculative-tokens 3``: its verify program runs on the mesh).  Neither gets XLA_FLAGS: the 2x1
-server fakes its two CPU devices on request (and logs that it did).  Both must return the same greedy text.  Without that flag, too few devices stop the server with an error that names the XLA_FLAGS fix
-(DESIGN.md), for the tiny model as for any other.
+and one with ``--mesh 8x1 --fake-cpu-devices`` (parameters split eight ways over the "model" axis where they
+divide, every op through its partitioned entry point) and speculative decoding on (``--speculative-tokens 3``: its
+verify program runs on the mesh).  Neither gets XLA_FLAGS: the 8x1 server fakes its eight CPU devices on request
+(and logs that it did).  Both must return the same greedy text.  Without that flag, too few devices stop the
+server with an error that names the XLA_FLAGS fix (DESIGN.md), for the tiny model as for any other.
 
 Subprocesses, because the CPU device count is fixed once per process when JAX starts its backend.
 """
@@ -31,7 +32,7 @@ START_TIMEOUT_S = 900  # compiling the tiny model's programs on 2 busy CPU cores
 
 def _env() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # the 2x1 server fakes its devices itself (--fake-cpu-devices)
+    env.pop("XLA_FLAGS", None)  # the 8x1 server fakes its devices itself (--fake-cpu-devices)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
@@ -85,7 +86,7 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_mesh")
-    started = {mesh: Server(tmp, mesh) for mesh in ("1x1", "2x1")}  # both compile at the same time
+    started = {mesh: Server(tmp, mesh) for mesh in ("1x1", "8x1")}  # both compile at the same time
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for s in started.values():
@@ -101,11 +102,11 @@ def _client(server) -> openai.OpenAI:
 
 
 @pytest.mark.slow
-def test_mesh_2x1_fakes_devices_and_matches_one_device(servers):
-    one, two = servers["1x1"], servers["2x1"]
+def test_mesh_8x1_fakes_devices_and_matches_one_device(servers):
+    one, two = servers["1x1"], servers["8x1"]
     log = two.log()
-    assert "faked 2 CPU devices" in log, log[-3000:]
-    assert "mesh 2x1" in log
+    assert "faked 8 CPU devices" in log, log[-3000:]
+    assert "mesh 8x1" in log
 
     prompts = ["Tell me about the sea.", "Zähle bis fünf: 1, 2,"]
     for prompt in prompts:
@@ -117,7 +118,7 @@ def test_mesh_2x1_fakes_devices_and_matches_one_device(servers):
             assert r.choices[0].finish_reason in ("stop", "length")
             assert r.usage.completion_tokens > 0
             texts[name] = r.choices[0].message.content
-        assert texts["2x1"] == texts["1x1"], (prompt, texts)
+        assert texts["8x1"] == texts["1x1"], (prompt, texts)
 
     # streaming from the sharded server gives the same text as its non-streamed answer
     stream = _client(two).chat.completions.create(
@@ -129,12 +130,12 @@ def test_mesh_2x1_fakes_devices_and_matches_one_device(servers):
         extra_body=NO_THINK).choices[0].message.content
     assert streamed == ref
 
-    # an output that repeats itself (a logit bias): the 2x1 server's prompt-lookup drafts are accepted, and the text
+    # an output that repeats itself (a logit bias): the 8x1 server's prompt-lookup drafts are accepted, and the text
     # is still the 1x1 server's, which decodes one token per step
     texts = {name: _client(srv).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": prompts[0]}], max_tokens=16, temperature=0,
         logit_bias={"13": 100}, extra_body=NO_THINK).choices[0].message.content for name, srv in servers.items()}
-    assert texts["2x1"] == texts["1x1"]
+    assert texts["8x1"] == texts["1x1"]
 
     stats = httpx.get(two.base_url + "/stats", timeout=10).json()
     assert stats["spec_accepted_tokens"] > 0, stats

@@ -144,6 +144,7 @@ def scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, smem_budget: int
         return pl.pallas_call(
             functools.partial(_kernel, index_dtype=fmt.index_dtype, d=d, page=page),
             grid_spec=grid_spec,
+            name="indexer_scores_tpu",
             out_shape=jax.ShapeDtypeStruct((Bc, max_blocks, 1, page), jnp.float32),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
             interpret=pltpu.InterpretParams() if interpret else False,

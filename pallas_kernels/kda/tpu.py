@@ -115,6 +115,7 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, interpre
     o_p, s_f = pl.pallas_call(
         functools.partial(_chunk_kernel, scale=scale),
         grid_spec=grid_spec,
+        name="kda_chunk_tpu",
         out_shape=[jax.ShapeDtypeStruct((H, NCH, C, dv), v.dtype),
                    jax.ShapeDtypeStruct((N, H, dk, dv), jnp.float32)],
         compiler_params=_compiler_params(("parallel", "arbitrary")),
@@ -206,6 +207,7 @@ def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None,
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, n_steps=T, gate_form=gate_form, lower_bound=lower_bound),
         grid_spec=grid_spec,
+        name="kda_recurrent_tpu",
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={8: 1},  # operand 8 counts the scalar-prefetch slot ids

@@ -155,6 +155,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
         return pl.pallas_call(
             kernel,
             grid_spec=grid_spec,
+            name="mla_sparse_decode_tpu",
             out_shape=[jax.ShapeDtypeStruct((Bc, H, value_dim), jnp.float32),
                        jax.ShapeDtypeStruct((Bc, H, 1), jnp.float32)],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
