@@ -155,20 +155,22 @@ class PagedCacheSpec:
         return d
 
     # ---- arrays
-    def init_layer(self, latent_scale: float = 1.0) -> LayerPool:
+    def init_layer(self, latent_scale: float = 1.0, ranks: int = 1) -> LayerPool:
+        """One layer's zeroed pool; `ranks` > 1 (decode context parallelism): the pools of that many ranks stacked,
+        parts `[ranks · num_blocks, 64, w]`, to be split on dim 0 over the DCP axis."""
         def zeros(fmt):
             if fmt is None:
                 return ()
-            return tuple(jnp.zeros((self.num_blocks, PAGE_TOKENS, p.width), p.dtype) for p in fmt.parts)
+            return tuple(jnp.zeros((ranks * self.num_blocks, PAGE_TOKENS, p.width), p.dtype) for p in fmt.parts)
 
         return LayerPool(zeros(self.latent_format), zeros(self.index_format), jnp.float32(latent_scale))
 
-    def init(self, latent_scales=None) -> tuple[LayerPool, ...]:
-        """One pool per MLA layer."""
+    def init(self, latent_scales=None, ranks: int = 1) -> tuple[LayerPool, ...]:
+        """One pool per MLA layer (`ranks` as `init_layer`)."""
         scales = [1.0] * self.num_layers if latent_scales is None else list(latent_scales)
         if len(scales) != self.num_layers:
             raise ValueError(f"need {self.num_layers} latent scales, got {len(scales)}")
-        return tuple(self.init_layer(s) for s in scales)
+        return tuple(self.init_layer(s, ranks) for s in scales)
 
     # ---- write path
     @partial(jax.jit, static_argnums=0)
@@ -240,10 +242,13 @@ class BlockAllocator:
     Block 0 (the null block) is never handed out. Allocation is all-or-nothing.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, block_tokens: int = PAGE_TOKENS):
+        """`block_tokens`: sequence positions one table entry covers — PAGE_TOKENS, or PAGE_TOKENS · N under decode
+        context parallelism over N ranks (each rank's page of that id holds every N-th of those positions)."""
         if num_blocks < 2:
             raise ValueError(f"need at least 2 blocks (block {NULL_BLOCK} is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
+        self.block_tokens = int(block_tokens)
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
         self._blocks: dict = {}
         self._tokens: dict = {}
@@ -268,7 +273,11 @@ class BlockAllocator:
     def _needed(self, seq_id, total_tokens: int) -> int:
         if total_tokens < 0:
             raise ValueError(f"token count must be >= 0, got {total_tokens}")
-        return max(0, CacheLayout.blocks_for_tokens(total_tokens) - len(self._blocks.get(seq_id, ())))
+        return max(0, self.blocks_for_tokens(total_tokens) - len(self._blocks.get(seq_id, ())))
+
+    def blocks_for_tokens(self, tokens: int) -> int:
+        """Table entries a sequence of `tokens` positions needs."""
+        return -(-int(tokens) // self.block_tokens)
 
     def allocate(self, seq_id, total_tokens: int) -> list:
         """Make `seq_id` hold pages for `total_tokens` tokens (its whole length so far, not the increment)."""
@@ -276,7 +285,7 @@ class BlockAllocator:
         if need > len(self._free):
             have = len(self._blocks.get(seq_id, ()))
             raise OutOfBlocksError(
-                f"out of cache blocks: sequence {seq_id!r} needs {need} more block(s) of {PAGE_TOKENS} tokens "
+                f"out of cache blocks: sequence {seq_id!r} needs {need} more block(s) of {self.block_tokens} tokens "
                 f"to hold {total_tokens} tokens (it has {have}), but only {len(self._free)} of "
                 f"{self.num_blocks - 1} are free; free finished sequences or allocate a larger pool")
         new = [self._free.pop() for _ in range(need)]
@@ -314,4 +323,4 @@ class BlockAllocator:
         used = sum(len(b) for b in self._blocks.values())
         return {"total_blocks": self.num_blocks - 1, "used_blocks": used, "free_blocks": len(self._free),
                 "sequences": len(self._blocks), "cached_tokens": sum(self._tokens.values()),
-                "capacity_tokens": used * PAGE_TOKENS, "page_tokens": PAGE_TOKENS}
+                "capacity_tokens": used * self.block_tokens, "page_tokens": self.block_tokens}

@@ -13,6 +13,9 @@ Modes:
 * "decode_dcp"           — one token per sequence, traced manual over context: the MLA cache is split over the
                            context axis in `layout` order (decode context parallelism).
 * "decode_tp"            — one token per sequence, the MLA cache whole on every device, the sparse top-k algorithm.
+
+`dcp` > 1 (the serving engine's paged cache under decode context parallelism, in "plain" programs): the latent
+pages and index keys split over `dcp_axis` token by token (see `sharding.dsa`, DCP section).
 """
 
 from __future__ import annotations
@@ -94,12 +97,26 @@ class ForwardContext:
     valid_len: int = 0
     layout: str = "contiguous"
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    dcp: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown forward mode {self.mode!r}; choose one of {MODES}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown DCP layout {self.layout!r}; choose one of {LAYOUTS}")
+        if self.dcp > 1:
+            self.dcp_axis  # noqa: B018  (validates)
+
+    @property
+    def dcp_axis(self) -> str:
+        """The mesh axis the paged cache's tokens split over under decode context parallelism (`dcp` > 1): the
+        context axis when the mesh has one of that size, else the tensor axis (as vLLM runs DCP inside the tensor
+        group: attention weights stay split by heads, the cache by tokens)."""
+        for axis in (self.axes.context, self.axes.tensor):
+            if self.axis_size(axis) == self.dcp:
+                return axis
+        raise ValueError(f"--dcp {self.dcp} must equal the tensor axis size ({self.axis_size(self.axes.tensor)}) or "
+                         f"the context axis size ({self.axis_size(self.axes.context)}) of the mesh")
 
     def replace(self, **changes) -> "ForwardContext":
         return dataclasses.replace(self, **changes)

@@ -15,12 +15,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from pallas_kernels.indexer import paged as index_paged
+from pallas_kernels.indexer import reference as index_reference
 from pallas_kernels.mla import paged_dense
 from pallas_kernels.mla import sparse as sparse_mla
+from pallas_kernels.paged import gather_pages
 
 from .context import ForwardContext
-from .partition import shard_call
+from .partition import free_axes, shard_call
 
 
 def dsa_backend(configured: str, num_queries: int) -> str:
@@ -81,3 +85,140 @@ def dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_p
     return shard_call(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
                       ((d, None, t, None), None, (d, None), (d, None), None),
                       ((d, None, t, None), (d, None, t)), out_shapes=((B, T, H, value_dim), (B, T, H)))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# decode context parallelism (DCP) over the paged cache
+# ------------------------------------------------------------------------------------------------------------------
+# With `ctx.dcp = N` the latent pages and index keys of every sequence are split over the DCP axis token by token,
+# round-robin: global position p lives on rank p mod N at local position p div N, in the pages the (shared) block
+# table names — every rank has its own pool `[num_blocks, 64, w]` (the global array `[N · num_blocks, 64, w]` split
+# on dim 0), one table entry covers 64 local = 64·N global positions. A query attends on each rank to its own keys
+# (local causal bound floor((pos − r) / N)) and the partial results merge by log-sum-exp; under the DSA indexer each
+# rank keeps a local top-k of (score, position), the N·k candidates are gathered and cut to the global top-k (score
+# descending, earlier position first: the reference's tie rule), and each rank attends to the winners it owns.
+
+def _dcp_local_pos(pos, rank, n: int):
+    """Local causal bound on rank `rank` of global query positions `pos` (−1 = none: a padding query, or a rank
+    holding no key yet)."""
+    return jnp.where(pos >= 0, jnp.floor_divide(pos - rank, n), -1)
+
+
+def _merge_over(o_bthr, lse_bth, axis):
+    """Exact merge of per-rank attention over disjoint key sets: (o, lse) summed by log-sum-exp over `axis`."""
+    m = jax.lax.pmax(lse_bth, axis)
+    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.where(jnp.isfinite(lse_bth), jnp.exp(lse_bth - m_use), 0.0)
+    den = jax.lax.psum(w, axis)
+    o = jax.lax.psum(o_bthr * w[..., None], axis) / jnp.where(den > 0, den, 1.0)[..., None]
+    lse = jnp.where(den > 0, m_use + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def dcp_write(ctx: ForwardContext, spec, pool, block_tables, starts_b, rows_btc, keys_btd=None, lengths_b=None):
+    """Quantise and store T new tokens per sequence (global positions starts…starts+T−1) on the ranks that own
+    them; `spec` is the (per-rank) `PagedCacheSpec`, `pool` its `LayerPool` with parts `[N · num_blocks, 64, w]`.
+    Returns the updated pool."""
+    n, axis = ctx.dcp, ctx.dcp_axis
+    B, T, _ = rows_btc.shape
+    lengths_b = jnp.full((B,), T, jnp.int32) if lengths_b is None else jnp.asarray(lengths_b, jnp.int32)
+    starts_b = jnp.broadcast_to(jnp.asarray(starts_b, jnp.int32), (B,))
+
+    def owned(starts, lengths):
+        """This rank's share of the T new tokens: (their rows among the T `[B, ceil(T/N)]`, local start `[B]`,
+        count `[B]`)."""
+        first = jnp.mod(jax.lax.axis_index(axis) - starts, n)  # offset of this rank's first new token
+        take = first[:, None] + n * jnp.arange(-(-T // n), dtype=jnp.int32)[None, :]
+        return jnp.clip(take, 0, T - 1), (starts + first) // n, jnp.maximum(0, -(-(lengths - first) // n))
+
+    def body(latent, index, scale, bt, starts, lengths, rows, *keys):
+        take, local_start, count = owned(starts, lengths)
+        pick = lambda a: jnp.take_along_axis(a, take[..., None], axis=1)
+        new = spec.write(type(pool)(latent, index, scale), bt, local_start, pick(rows),
+                         pick(keys[0]) if keys else None, count)
+        return new.latent, new.index
+
+    args = (pool.latent, pool.index, pool.latent_scale, block_tables, starts_b, lengths_b, rows_btc)
+    args += () if keys_btd is None else (keys_btd,)
+    in_dims = ((axis,), (axis,)) + (None,) * (len(args) - 2)
+    latent, index = _dcp_only(ctx, body, args, in_dims, ((axis,), (axis,)))
+    return type(pool)(latent, index, pool.latent_scale)
+
+
+def _dcp_only(ctx: ForwardContext, body, args, in_dims, out_dims):
+    """`body` per device over every axis not yet manual; only the pool parts split (dim 0 over the DCP axis, a part
+    tuple taking one entry), every other argument and output whole on every device."""
+    free = free_axes(ctx)
+    spec = lambda d: P() if d is None else P(*(a if a in free else None for a in d))
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    kw = dict(mesh=jax.sharding.get_abstract_mesh() if manual else ctx.mesh,
+              in_specs=tuple(spec(d) for d in in_dims), out_specs=tuple(spec(d) for d in out_dims), check_vma=False)
+    if not free:
+        return body(*args)
+    if set(free) != set(ctx.mesh.axis_names):
+        kw["axis_names"] = set(free)
+    return jax.shard_map(body, **kw)(*args)
+
+
+def dcp_dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *, fmt,
+                        scale: float, value_dim: int):
+    """`dense_attention` over a DCP-split pool: each rank attends to its own positions, merged by log-sum-exp.
+    Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32, the same on every rank."""
+    n, axis = ctx.dcp, ctx.dcp_axis
+    backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
+    on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
+
+    def body(q, parts, bt, pos, ls):
+        r = jax.lax.axis_index(axis)
+        local_pos = _dcp_local_pos(pos, r, n)
+        if backend.startswith("gpu") or (backend == "auto" and on_gpu):
+            s = jnp.arange(bt.shape[1] * parts[0].shape[1], dtype=jnp.int32)
+            idx = jnp.where(s[None, None, :] <= local_pos[:, :, None], s[None, None, :], -1)
+            o, lse = sparse_mla.sparse_mla(q, parts, bt, idx, fmt=fmt, scale=scale, value_dim=value_dim,
+                                           layer_scale=ls, backend=backend, precision=ctx.kernels.dsa_precision,
+                                           **ctx.platform_kw())
+        else:
+            o, lse = paged_dense.dense_paged_mla(q, parts, bt, local_pos, fmt=fmt, scale=scale, value_dim=value_dim,
+                                                 layer_scale=ls, backend=backend, **ctx.platform_kw())
+        return _merge_over(o, lse, axis)
+
+    return _dcp_only(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
+                     (None, (axis,), None, None, None), (None, None))
+
+
+def dcp_sparse_attention(ctx: ForwardContext, q_bthc, qi_bthd, w_bth, kv_parts, key_parts, block_tables,
+                         query_pos_bt, layer_scale, topk: int, *, latent_fmt, index_fmt, scale: float,
+                         value_dim: int):
+    """The DSA path over a DCP-split pool: local index scores and top-k per rank, the global top-k of the gathered
+    candidates, sparse attention per rank over the winners it owns, merged by log-sum-exp. Equal to the one-device
+    selection (every global winner is in its owner's local top-k). q `[B, T, H, c]`, qi `[B, T, Hi, d]`,
+    w `[B, T, Hi]`. Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32."""
+    n, axis = ctx.dcp, ctx.dcp_axis
+    backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
+
+    def body(q, qi, w, parts, kparts, bt, pos, ls):
+        r = jax.lax.axis_index(axis)
+        local_pos = _dcp_local_pos(pos, r, n)  # [B, T]
+        keys_bsd = index_fmt.dequantize(gather_pages(kparts, bt))  # [B, S_local, d] float32
+        S = keys_bsd.shape[1]
+        allowed = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= local_pos[:, :, None]
+        s_bts = index_reference.scores(qi, keys_bsd, w, allowed)
+        s_bts = jnp.where(s_bts == 0, 0.0, s_bts)  # -0.0 == +0.0 for the tie rule
+        k = min(topk, S)
+        val, loc = jax.lax.top_k(s_bts, k)  # [B, T, k] this rank's best, earlier local position first on ties
+        glob = jnp.where(val > -jnp.inf, loc * n + r, jnp.iinfo(jnp.int32).max)
+        all_val = jax.lax.all_gather(val, axis, axis=2, tiled=True)  # [B, T, N·k]
+        all_pos = jax.lax.all_gather(glob, axis, axis=2, tiled=True)
+        # global order: score descending, then position ascending (sort by (−score, position))
+        neg_val, pos = jax.lax.sort((-all_val, all_pos), dimension=-1, num_keys=2)
+        win_val, win_pos = -neg_val[..., :topk], pos[..., :topk]
+        mine = (win_val > -jnp.inf) & (jnp.mod(win_pos, n) == r)
+        idx = jnp.where(mine, win_pos // n, -1)
+        o, lse = sparse_mla.sparse_mla(q, parts, bt, idx, fmt=latent_fmt, scale=scale, value_dim=value_dim,
+                                       layer_scale=ls, backend=backend, precision=ctx.kernels.dsa_precision,
+                                       **ctx.platform_kw())
+        return _merge_over(o, lse, axis)
+
+    return _dcp_only(ctx, body, (q_bthc, qi_bthd, w_bth, tuple(kv_parts), tuple(key_parts), block_tables,
+                                 query_pos_bt, layer_scale),
+                     (None, None, None, (axis,), (axis,), None, None, None), (None, None))

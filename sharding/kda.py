@@ -1,6 +1,9 @@
 """The partitioned KDA entry point: the delta-rule ops of `pallas_kernels.kda` with heads (and their states) over
 the tensor axis and the batch over data, inside a `shard_map` (`sharding.partition.shard_call`).
 
+Heads that do not divide the tensor axis split the state's value columns instead (`state_dims`: exact, each
+column evolves on its own), so a cache of few heads still splits over the tensor axis.
+
 Per mode (`ForwardContext.mode`):
 * plain / head split / DCP / TP decode: each device runs its heads; prefill (T > 1) the chunked op
   (`context_parallel.kda_local_op`: long prompts in segments), decode the recurrent op.
@@ -22,10 +25,27 @@ from .context import ForwardContext
 from .partition import shard_call
 
 
-def _dims(ctx: ForwardContext):
+def state_dims(ctx: ForwardContext, heads: int, dv: int) -> tuple:
+    """How a state `[B, H, dk, dv]` splits: heads over the tensor axis when they divide it, else its value columns
+    (each of the dv columns evolves on its own in the delta rule — o_t = S_tᵀ q_t and the update
+    β(v − Sᵀk) kᵀ act column by column — so a split over dv is exact), else whole."""
     d, t = ctx.axes.data, ctx.axes.tensor
-    tok = (d, None, t, None)
-    return tok, (d, None, t), (d, t, None, None)
+    ways = ctx.axis_size(t)
+    if heads % ways == 0:
+        return (d, t, None, None)
+    if dv % ways == 0:
+        return (d, None, None, t)
+    return (d, None, None, None)
+
+
+def _dims(ctx: ForwardContext, heads: int, dv: int):
+    """(q / k / g dims, v / o dims, beta dims, state dims) for the state split of `state_dims`."""
+    d, t = ctx.axes.data, ctx.axes.tensor
+    st = state_dims(ctx, heads, dv)
+    by_heads = st[1] == t
+    qk = (d, None, t, None) if by_heads else (d, None, None, None)
+    vo = (d, None, t, None) if by_heads else (d, None, None, st[3])
+    return qk, vo, (d, None, t) if by_heads else (d, None, None), st
 
 
 def _backend(ctx: ForwardContext, prefill: bool = False) -> str:
@@ -47,8 +67,8 @@ def chunk(ctx: ForwardContext, q, k, v, g, beta, state):
         body = lambda *a: cp.kda_token_split_shard(*a, axis=ctx.axes.context, backend=backend)
     else:
         body = lambda *a: cp.kda_local_op(*a, backend=backend)
-    tok, per_head, st = _dims(ctx)
-    return shard_call(ctx, body, (q, k, v, g, beta, state), (tok, tok, tok, tok, per_head, st), (tok, st))
+    qk, vo, per_head, st = _dims(ctx, q.shape[2], v.shape[3])
+    return shard_call(ctx, body, (q, k, v, g, beta, state), (qk, qk, vo, qk, per_head, st), (vo, st))
 
 
 def recurrent(ctx: ForwardContext, q, k, v, g, beta, state):
@@ -57,8 +77,8 @@ def recurrent(ctx: ForwardContext, q, k, v, g, beta, state):
         raise ValueError("the token-split prefill runs the chunked KDA op, not the recurrence")
     backend = _backend(ctx)
     body = lambda *a: kda_ops.recurrent(*a, backend=backend)
-    tok, per_head, st = _dims(ctx)
-    return shard_call(ctx, body, (q, k, v, g, beta, state), (tok, tok, tok, tok, per_head, st), (tok, st))
+    qk, vo, per_head, st = _dims(ctx, q.shape[2], v.shape[3])
+    return shard_call(ctx, body, (q, k, v, g, beta, state), (qk, qk, vo, qk, per_head, st), (vo, st))
 
 
 def causal_conv(ctx: ForwardContext, x_btp, w_kp, tail_bkp):

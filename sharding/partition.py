@@ -45,6 +45,12 @@ def _spec(ctx: ForwardContext, free: tuple, dims: Dims, shape) -> P:
     return P(*out)
 
 
+def placement(ctx: ForwardContext, dims: Dims, shape) -> P:
+    """The `PartitionSpec` of an array of `shape` whose dimensions split over `dims` (see `Dims`) on `ctx.mesh`,
+    outside any shard_map: how caches are placed so that the op entry points take them as they are."""
+    return _spec(ctx, tuple(ctx.mesh.axis_names) if ctx.mesh is not None else (), dims, shape)
+
+
 def shard_call(ctx: ForwardContext, fn: Callable, args: tuple, in_dims: Sequence[Dims], out_dims: Sequence[Dims],
                out_shapes: Optional[Sequence] = None):
     """`fn(*args)` run per device over `ctx.mesh`; `fn` returns a tuple with one entry per `out_dims`.

@@ -460,8 +460,13 @@ def test_no_recompilation_across_varied_traffic(engine, tok):
 
 
 def test_engine_death_is_reported_and_runner_reusable(served, tiny_model):
-    """A second engine over the same compiled programs (no compile); when its loop dies, streams raise and new
-    submissions are refused."""
+    """A second engine over the same compiled programs (no compile). A step that raises ends its requests with
+    `RequestFailedError` and the engine recovers; a loop that dies (a BaseException) is reported: streams raise
+    and new submissions are refused."""
+    import time
+
+    from kimi_jax.engine.request import RequestFailedError
+
     before = compile_watch.compile_count()
     eng = Engine(tiny_model, served.tokenizer, served.engine.config, runner=served.engine.runner).start()
     assert compile_watch.compile_count() == before
@@ -471,6 +476,22 @@ def test_engine_death_is_reported_and_runner_reusable(served, tiny_model):
         raise RuntimeError("simulated device failure")
 
     eng._decode = boom
+    with pytest.raises(RequestFailedError):
+        list(eng.submit(_prompt(9, 10), SamplingParams(max_tokens=5)))
+    del eng._decode  # the device works again: the engine took requests back after its probe step
+    deadline = time.monotonic() + 120
+    while not eng.healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.alive and eng.stats()["step_failures"] == 1
+    assert eng.generate(_prompt(9, 10), SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+    class Fatal(BaseException):
+        pass
+
+    def die():
+        raise Fatal("simulated loop death")
+
+    eng._decode = die
     s = eng.submit(_prompt(9, 10), SamplingParams(max_tokens=5))
     with pytest.raises(EngineDeadError):
         list(s)

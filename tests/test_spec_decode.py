@@ -284,7 +284,7 @@ def test_kda_commit_keeps_exactly_the_accepted_prefix(tiny_model):
     out_full, _ = layer(x, start, use_chunk=False)
     np.testing.assert_array_equal(np.asarray(out_defer), np.asarray(out_full))  # outputs don't wait for the commit
     keep = np.array([0, 2, 4])
-    got = commit(pending, keep, layer.backend)
+    got = commit(pending, keep)
     for b, n in enumerate(keep):
         row = jax.tree.map(lambda a: a[b:b + 1], start)
         for t in range(n):  # one token at a time, as decode runs them

@@ -95,7 +95,7 @@ from .spec_policy import SpecPolicy
 from .prefix_cache import PrefixCache
 from .request import (EngineDeadError, EngineUnavailableError, RequestDone, RequestFailedError, RequestStream, SeqEvent,
                       SequenceOutput, TokenLogprob)
-from ..cache import PAGE_TOKENS, CacheLayout
+from ..cache import PAGE_TOKENS
 from ..modules.vision_buckets import patch_buckets, programs_for
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
@@ -118,6 +118,9 @@ class EngineConfig:
     index_dtype: Optional[str] = None  # index keys: None (fp32 / bf16 beside those latents, else fp8), fp8, mxfp4
     num_blocks: Optional[int] = None  # pages per MLA pool incl. the null page; None: every slot at max_model_len
     prefix_cache_entries: int = 0
+    # decode context parallelism: the paged cache's tokens split over this many ranks (the mesh's tensor or context
+    # axis of that size); 1: the pools whole on every device
+    dcp: int = 1
     parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
     images: Optional[bool] = None  # compile the image prefill programs; None: when the model has a vision tower
     # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
@@ -252,7 +255,9 @@ class Engine:
         self.class_masks = vocab_class_masks(tokenizer, self.vocab_size)
         kv_dtype = resolve_kv_dtype(cfg.kv_dtype, model.dtype)
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
-        max_blocks = CacheLayout.blocks_for_tokens(self.max_model_len)
+        if cfg.dcp < 1:
+            raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
+        max_blocks = -(-self.max_model_len // (PAGE_TOKENS * cfg.dcp))  # table entries of one full sequence
         num_blocks = cfg.num_blocks
         if num_blocks is None:  # every slot at max_model_len, and room for the prefix-cache snapshots
             num_blocks = 1 + (self.B + max(0, cfg.prefix_cache_entries)) * max_blocks
@@ -288,19 +293,20 @@ class Engine:
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
                                  index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
                                  stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
-                                 draft_q=getattr(self.proposer, "samples", False))
+                                 draft_q=getattr(self.proposer, "samples", False), dcp=cfg.dcp)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
               or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
               or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens
-              or runner.draft_q != bool(getattr(self.proposer, "samples", False))):
+              or runner.draft_q != bool(getattr(self.proposer, "samples", False)) or runner.dcp != cfg.dcp):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
                              "sampled drafts)")
         self.runner = runner
-        self.alloc = BlockAllocator(runner.spec.num_blocks)
+        self._cache_bytes_per_device = runner.cache_bytes_per_device()
+        self.alloc = BlockAllocator(runner.spec.num_blocks, runner.block_tokens)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
         self.prefix_cache = PrefixCache(cfg.prefix_cache_entries,
                                         lambda v: (self.runner.copy_cache1(v[0]), v[1]), self._drop_prefix)
@@ -427,9 +433,9 @@ class Engine:
                              f"{self.max_model_len} (prompt + at least one generated token)", "messages")
         if not isinstance(n, int) or not 1 <= n <= self.B:
             raise ParamError(f"n must be an integer in [1, {self.B}] (max_num_seqs), got {n!r}", "n")
-        need = n * CacheLayout.blocks_for_tokens(len(ids))
+        need = n * self.alloc.blocks_for_tokens(len(ids))
         if need > self.alloc.num_blocks - 1:
-            raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of {PAGE_TOKENS} "
+            raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of {self.alloc.block_tokens} "
                              f"tokens; this server's pool has {self.alloc.num_blocks - 1}", "n")
         prompt_images = self._check_images(ids, images) if images is not None and len(images) else None
         if guide_factory is not None:  # a guide that cannot be built fails here, not on the engine thread
@@ -488,11 +494,14 @@ class Engine:
             "max_num_seqs": self.B,
             "max_model_len": self.max_model_len,
             "free_slots": len(self._free),
-            "total_blocks": total,  # cache pages (PAGE_TOKENS tokens in every MLA layer), the null page aside
+            "total_blocks": total,  # cache pages (per DCP rank), the null page aside
             "free_blocks": free,
             "used_blocks": total - free,
             "prefix_cache_blocks": self._prefix_blocks,  # of used_blocks: held by prefix-cache snapshots
-            "block_tokens": PAGE_TOKENS,
+            "block_tokens": self.alloc.block_tokens,  # sequence positions one page id covers (64 · dcp)
+            "dcp": self.runner.dcp,
+            "cache_bytes_per_device": self._cache_bytes_per_device,
+            "max_cached_tokens": self.runner.max_cached_tokens,
             "kv_dtype": self.runner.kv_dtype,
             "index_dtype": self.runner.index_dtype if self.runner.spec.index_format is not None else None,
             "num_preemptions": self.num_preemptions,
@@ -590,7 +599,7 @@ class Engine:
         self._free = list(range(self.B - 1, -1, -1))
         self.prefix_cache = PrefixCache(self.config.prefix_cache_entries,
                                         lambda v: (self.runner.copy_cache1(v[0]), v[1]), self._drop_prefix)
-        self.alloc = BlockAllocator(self.runner.spec.num_blocks)
+        self.alloc = BlockAllocator(self.runner.spec.num_blocks, self.runner.block_tokens)
         self._prefix_blocks = 0
         self.rows = RowParams(self.B, self.vocab_size)
 
@@ -779,7 +788,7 @@ class Engine:
         prefill_len = sum(chunks)
         # the prefill's pages up front, plus one page of headroom per running sequence (so that admitting it does
         # not immediately force a preemption)
-        need = n * CacheLayout.blocks_for_tokens(prefill_len) + len(self._running)
+        need = n * self.alloc.blocks_for_tokens(prefill_len) + len(self._running)
         while self.alloc.free_blocks < need and self.prefix_cache.evict_lru():
             pass
         if self.alloc.free_blocks < need:
@@ -798,7 +807,7 @@ class Engine:
                 hit = None
         if hit is not None:
             job.pos, (job.cache1, owner) = hit
-            used = CacheLayout.blocks_for_tokens(job.pos)
+            used = self.alloc.blocks_for_tokens(job.pos)
             self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(owner)[:used],
                                                   self.alloc.blocks(keys[0])[:used])
             if job.seq is None:
@@ -852,7 +861,7 @@ class Engine:
         """Snapshot the prefilled prefix: KDA state + private copies of its pages (skipped when pages are short)."""
         if self.prefix_cache.capacity <= 0:
             return
-        need = CacheLayout.blocks_for_tokens(job.prefill_len)
+        need = self.alloc.blocks_for_tokens(job.prefill_len)
         if self.alloc.free_blocks < need:
             return
         self._orders += 1

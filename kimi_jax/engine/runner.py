@@ -50,6 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.kda import state_dims as kda_state_dims
+from sharding.partition import placement
+
 from ..cache import PAGE_TOKENS
 from ..modules.decoder import PagedModelCache
 from ..paged_cache import LayerPool, PagedCacheSpec
@@ -92,9 +95,11 @@ class ModelRunner:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, prefill_chunk_sizes: Sequence[int],
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
                  num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
-                 images: bool = False, spec_tokens: int = 0, draft_q: bool = False):
-        """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool,
-        the null page included (None: ``1 + max_num_seqs · ceil(max_model_len / 64)``, every slot full);
+                 images: bool = False, spec_tokens: int = 0, draft_q: bool = False, dcp: int = 1):
+        """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool
+        (per DCP rank), the null page included (None: ``1 + max_num_seqs · max_blocks``, every slot full);
+        ``dcp``: decode context parallelism — the pages split over that many ranks token by token (the mesh's
+        tensor or context axis of that size, `ForwardContext.dcp_axis`), a table entry covering 64 · dcp positions;
         ``images``: also compile the image prefill programs (``prefill_img``); ``spec_tokens``: drafts per verify
         step (0: no ``verify`` program); ``draft_q``: the verify program takes the drafts' q (sampled drafts)."""
         cfg = model.config
@@ -114,24 +119,28 @@ class ModelRunner:
             raise ValueError(f"prefill chunk sizes must be positive integers, got {prefill_chunk_sizes}")
         self.kv_dtype = resolve_kv_dtype(kv_dtype, model.dtype) or resolve_kv_dtype("auto", model.dtype)
         self.index_dtype = index_dtype or default_index_dtype(self.kv_dtype)
-        self.max_blocks = -(-self.L // PAGE_TOKENS)
+        # what every program's forward runs with: the model's mesh, axis roles and kernels, and this engine's DCP
+        self.ctx = ctx = model.ctx.replace(dcp=int(dcp))
+        self.dcp = ctx.dcp
+        self.block_tokens = PAGE_TOKENS * self.dcp  # positions one block-table entry covers
+        self.max_blocks = -(-self.L // self.block_tokens)
         if num_blocks is None:
             num_blocks = 1 + self.B * self.max_blocks
         self.spec = PagedCacheSpec.create(cfg, num_blocks=int(num_blocks), kv_dtype=self.kv_dtype,
                                           index_dtype=self.index_dtype)
         if self.spec.usable_blocks < self.max_blocks:
-            raise ValueError(f"a pool of {num_blocks} blocks ({self.spec.usable_blocks} usable, {PAGE_TOKENS} tokens "
-                             f"each) cannot hold one sequence of max_model_len {self.L} ({self.max_blocks} blocks)")
+            raise ValueError(f"a pool of {num_blocks} blocks ({self.spec.usable_blocks} usable, {self.block_tokens} "
+                             f"positions each) cannot hold one sequence of max_model_len {self.L} "
+                             f"({self.max_blocks} blocks)")
         graphdef, act_dtype, spec = model.graphdef, model.dtype, self.spec
-        ctx = model.ctx  # the model's mesh, axis roles and kernels: every program's forward runs with it
         B, V, NB = self.B, self.V, self.max_blocks
         replicated = None
-        if self.mesh is not None:  # parameters are placed on the mesh; the caches and batch live replicated on it
+        if self.mesh is not None:  # the batch inputs and sampling state live replicated on the mesh
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._replicated = replicated
 
         def zeros_cache(batch, with_pools):
-            c = PagedModelCache.zeros(cfg, spec, batch, NB, act_dtype, latent_scales)
+            c = PagedModelCache.zeros(cfg, spec, batch, NB, act_dtype, latent_scales, ranks=self.dcp)
             if not with_pools:  # the per-sequence part only: MLA rows live in the batch state's pools
                 c = c.replace(layers=tuple(None if isinstance(x, LayerPool) else x for x in c.layers))
             return c
@@ -192,32 +201,88 @@ class ModelRunner:
             return DeviceState(cache, counts, state.prompt_mask), out
 
         def copy_blocks(state, src, dst):
+            def copy_part(p):  # page src[i] -> dst[i] on every DCP rank (rank r's pages are rows r·nb … of dim 0)
+                per_rank = p.reshape((self.dcp, -1) + p.shape[1:])
+                return per_rank.at[:, dst].set(per_rank[:, src]).reshape(p.shape)
+
             def copy(pool):
                 if not isinstance(pool, LayerPool):
                     return pool
-                move = lambda parts: tuple(p.at[dst].set(p[src]) for p in parts)
+                move = lambda parts: tuple(copy_part(p) for p in parts)
                 return LayerPool(move(pool.latent), move(pool.index), pool.latent_scale)
 
             layers = tuple(copy(p) for p in state.cache.layers)
             return state._replace(cache=state.cache.replace(layers=layers))
 
-        out = {} if replicated is None else {"out_shardings": replicated}
+        # where every buffer lives (`state_shardings`): KDA states and conv tails split by heads as the KDA entry
+        # point splits them, the MLA pools split over the DCP axis (else whole on every device), the rest whole
+        self._abstract_state = jax.eval_shape(zeros_state)
+        self._abstract_cache1 = jax.eval_shape(zeros_cache1)
+        st, c1 = self.state_shardings(self._abstract_state), self.state_shardings(self._abstract_cache1)
+        out = (lambda sh: {}) if replicated is None else (lambda sh: {"out_shardings": sh})
         self._fns = {
-            "zeros_state": jax.jit(zeros_state, **out),
-            "zeros_cache1": jax.jit(zeros_cache1, **out),
-            "copy_cache1": jax.jit(copy_cache1, **out),
-            "prefill": jax.jit(prefill, donate_argnums=(2, 3), **out),
-            "prefill_img": jax.jit(prefill_img, donate_argnums=(4, 5), **out),
-            "insert": jax.jit(insert, donate_argnums=(0,), **out),
-            "step": jax.jit(step, donate_argnums=(1,), **out),
-            "verify": jax.jit(verify, donate_argnums=(1,), **out),
-            "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out),
+            "zeros_state": jax.jit(zeros_state, **out(st)),
+            "zeros_cache1": jax.jit(zeros_cache1, **out(c1)),
+            "copy_cache1": jax.jit(copy_cache1, **out(c1)),
+            "prefill": jax.jit(prefill, donate_argnums=(2, 3), **out((c1, st))),
+            "prefill_img": jax.jit(prefill_img, donate_argnums=(4, 5), **out((c1, st))),
+            "insert": jax.jit(insert, donate_argnums=(0,), **out(st)),
+            "step": jax.jit(step, donate_argnums=(1,), **out((st, replicated))),
+            "verify": jax.jit(verify, donate_argnums=(1,), **out((st, replicated))),
+            "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out(st)),
         }
         self._exe: dict = {}
         self.tables = Tables(jnp.asarray(class_masks), jnp.asarray(stop_mask))
         if replicated is not None:
             self.tables = jax.device_put(self.tables, replicated)
         self.compile_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------------ placement
+    def state_shardings(self, abstract):
+        """`NamedSharding` per leaf of a `DeviceState` or batch-1 cache (abstract or concrete), or None without a
+        mesh. KDA states `[B, H, dk, dv]` and conv tails `[B, K−1, H·d]` split their heads over the tensor axis and
+        rows over data (where they divide: as `sharding.kda` takes them; few heads split their value columns); MLA pool parts `[N·num_blocks, 64, w]`
+        split dim 0 over the DCP axis; everything else is whole on every device."""
+        if self.mesh is None:
+            return None
+        ctx, mesh = self.ctx, self.mesh
+        d, t = ctx.axes.data, ctx.axes.tensor
+        named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+        rep = named(jax.sharding.PartitionSpec())
+        pool_part = named(jax.sharding.PartitionSpec(ctx.dcp_axis) if self.dcp > 1 else jax.sharding.PartitionSpec())
+
+        def layer(c):
+            if c is None:
+                return None
+            if isinstance(c, LayerPool):
+                return LayerPool(tuple(pool_part for _ in c.latent), tuple(pool_part for _ in c.index), rep)
+            state = named(placement(ctx, kda_state_dims(ctx, *c.state_bhkv.shape[1:2], c.state_bhkv.shape[3]),
+                                    c.state_bhkv.shape))
+            tail = lambda a: named(placement(ctx, (d, None, t), a.shape))
+            return type(c)(state, tail(c.q_tail_bkp), tail(c.k_tail_bkp), tail(c.v_tail_bkp))
+
+        cache = abstract.cache if isinstance(abstract, DeviceState) else abstract
+        placed = cache.replace(length=rep, block_tables=rep, layers=tuple(layer(c) for c in cache.layers))
+        if isinstance(abstract, DeviceState):
+            return DeviceState(placed, rep, rep)
+        return placed
+
+    def cache_bytes_per_device(self) -> int:
+        """Bytes of every cache and state buffer of the model (KDA states and conv tails, MLA pools and their
+        scales, lengths, block tables) on the most loaded device; the sampler's penalty rows aside."""
+        leaves = jax.tree.leaves(self._abstract_state.cache)
+        shardings = (jax.tree.leaves(self.state_shardings(self._abstract_state).cache) if self.mesh is not None
+                     else None)
+        total = 0
+        for i, a in enumerate(leaves):
+            shape = a.shape if shardings is None else shardings[i].shard_shape(a.shape)
+            total += int(np.prod(shape)) * jnp.dtype(a.dtype).itemsize
+        return total
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Sequence positions the pools hold across the DCP ranks (the null page aside)."""
+        return self.spec.usable_blocks * self.block_tokens
 
     # ------------------------------------------------------------------------------------------------ compile
     @property
@@ -235,8 +300,14 @@ class ModelRunner:
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         like = lambda a: sds(a.shape, a.dtype)
         params = self.model.params
-        state = jax.tree.map(like, jax.eval_shape(self._fns["zeros_state"]))
-        cache1 = jax.tree.map(like, jax.eval_shape(self._fns["zeros_cache1"]))
+
+        def placed(abstract):
+            shardings = self.state_shardings(abstract)
+            if shardings is None:
+                return jax.tree.map(like, abstract)
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+        state, cache1 = placed(self._abstract_state), placed(self._abstract_cache1)
         rows = jax.tree.map(like, RowParams(self.B, self.V).abstract())
         B, NB = self.B, self.max_blocks
         ctl = Controls(sds((B,), jnp.int32), sds((B,), bool), sds((B,), jnp.int32), sds((B, MAX_ALLOWED_IDS), jnp.int32))

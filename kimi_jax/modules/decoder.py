@@ -79,12 +79,12 @@ class PagedModelCache:
 
     @staticmethod
     def zeros(cfg: ModelConfig, spec: PagedCacheSpec, batch: int, max_blocks: int, dtype,
-              latent_scales=None) -> "PagedModelCache":
+              latent_scales=None, ranks: int = 1) -> "PagedModelCache":
         """Empty cache: all lengths 0, all tables null, zeroed KDA states and pools (one pool per MLA layer, in
-        layer order, with its latent scale)."""
+        layer order, with its latent scale; `ranks` > 1: the pools of that many DCP ranks stacked on dim 0)."""
         if spec.config.mla != cfg.mla or spec.config.indexer != cfg.indexer:
             raise ValueError("the PagedCacheSpec was built for a different MLA / indexer configuration")
-        pools = iter(spec.init(latent_scales))
+        pools = iter(spec.init(latent_scales, ranks))
         layers = tuple(KDACache.zeros(batch, cfg.kda, dtype) if kind == "kda" else next(pools)
                        for kind in cfg.layer_kinds)
         return PagedModelCache(jnp.zeros((batch,), jnp.int32), jnp.full((batch, max_blocks), NULL_BLOCK, jnp.int32),

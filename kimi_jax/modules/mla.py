@@ -259,7 +259,10 @@ class MultiHeadLatentAttention(nnx.Module):
         B, T, _ = x_btd.shape
         spec = cache.spec
         starts_b = p.positions[:, 0]
-        pool = spec.write(cache.pool, cache.block_tables, starts_b, p.row, p.index_k, lengths)
+        if ctx.dcp > 1:  # the pages split over the DCP axis token by token: each rank stores the tokens it owns
+            pool = dsa.dcp_write(ctx, spec, cache.pool, cache.block_tables, starts_b, p.row, p.index_k, lengths)
+        else:
+            pool = spec.write(cache.pool, cache.block_tables, starts_b, p.row, p.index_k, lengths)
         cache = PagedMLACache(pool, cache.block_tables, spec)
         qpos_bt = p.positions
         if lengths is not None:
@@ -267,7 +270,17 @@ class MultiHeadLatentAttention(nnx.Module):
             qpos_bt = jnp.where(real, qpos_bt, -1)
         kw = dict(fmt=spec.latent_format, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank)
         layer_scale = jnp.asarray(pool.latent_scale, jnp.float32)
-        if self.indexer is not None:
+        if ctx.dcp > 1:  # each rank attends to its own tokens, merged by log-sum-exp
+            if self.indexer is None:
+                o_lat, _ = dsa.dcp_dense_attention(ctx, self.absorbed_query(p), pool.latent, cache.block_tables,
+                                                   qpos_bt, layer_scale, **kw)
+            else:
+                qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin)
+                o_lat, _ = dsa.dcp_sparse_attention(
+                    ctx, self.absorbed_query(p), qi, w, pool.latent, pool.index, cache.block_tables, qpos_bt,
+                    layer_scale, self.indexer.cfg.topk, latent_fmt=kw["fmt"], index_fmt=spec.index_format,
+                    scale=kw["scale"], value_dim=kw["value_dim"])
+        elif self.indexer is not None:
             idx_btk = self.indexer.topk_paged(ctx, x_btd, p.cq, cache, qpos_bt, p.cos_sin)
             o_lat, _ = dsa.sparse_attention(ctx, self.absorbed_query(p), pool.latent, cache.block_tables, idx_btk,
                                             layer_scale, **kw)

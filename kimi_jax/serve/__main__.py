@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp32", "fp8", "mxfp4"],
                    help="storage format of the DSA index keys (default: the latent's for fp32 / bf16 latents, else "
                         "fp8 = 132 B/token/layer; mxfp4 = 68 B needs index keys a multiple of 32 wide)")
+    p.add_argument("--dcp", type=int, default=1, metavar="N",
+                   help="decode context parallelism: split every sequence's cached MLA tokens N ways, round-robin, "
+                        "over the mesh's tensor axis (N = its size, as vLLM's DCP inside the TP group) or a context "
+                        "axis of size N (named --mesh form); each device then holds 1/N of the pages "
+                        "(default 1: the pools whole on every device)")
     p.add_argument("--num-blocks", type=int, default=None, metavar="N",
                    help="pages of 64 tokens per MLA cache pool, the null page included (default: enough for every "
                         "slot at --max-model-len plus the prefix cache). Fewer pages than that overcommit: when they "
@@ -324,6 +329,11 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     mesh = None
     if need > 1:
         mesh = make_mesh(args.mesh, devices)
+    if args.dcp != 1:
+        sizes = parse_mesh_spec(args.mesh)
+        if args.dcp < 1 or args.dcp not in (sizes["model"], sizes["context"]):
+            return _fail(f"--dcp {args.dcp} must equal the mesh's tensor size ({sizes['model']}) or its context size "
+                         f"({sizes['context']}); --mesh {args.mesh}")
     if args.compilation_cache and args.compilation_cache.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -363,7 +373,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
-            num_blocks=args.num_blocks,
+            num_blocks=args.num_blocks, dcp=args.dcp,
             prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
             vision_batch_images=args.vision_batch_images,
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
