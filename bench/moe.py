@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from _timing import pipelined_seconds, torch_event_seconds  # noqa: E402
 from pallas_kernels.moe import gpu as moe_gpu  # noqa: E402
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx  # noqa: E402
+from pallas_kernels.experimental import mxfp4_fp8_mma as fp8_mma  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops  # noqa: E402
 
@@ -385,15 +386,15 @@ def bench_mxfp4(args, copy_bw):
                     around = f"x planes + plan {tp * 1e6:.0f} us"
                 else:
                     if mcfg.mma == "fp8":  # the kernel alone, on its prepared rows (x planes, tiles)
-                        prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
+                        prep = jax.jit(lambda a, g: fp8_mma.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
                         prep = (prep[0], prep[1], prep[3], prep[4])
-                        fk = jax.jit(lambda xh, xl, tg, nt, w_: mgpu_mx.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
+                        fk = jax.jit(lambda xh, xl, tg, nt, w_: fp8_mma.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
                     else:
                         prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:3])(x, sizes)
                         fk = jax.jit(lambda xs, tg, nt, w_: mgpu_mx.kernel_call(xs, tg, nt, w_, mcfg))
                     tk = time_jax(fk, *prep, wp, reps=20)
                     # the XLA around the kernel, each side alone: the row preparation and the unpadding of outᵀ
-                    prep_f = mgpu_mx.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
+                    prep_f = fp8_mma.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
                     tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
                     _, _, _, pad_row, live = mgpu_mx.prepare_rows(x, sizes, E, mcfg.rows)
                     out_t = fk(*prep, wp)
@@ -558,19 +559,6 @@ def bench_ffn(args, copy_bw):
                     f"{t_moe * 1e6:.0f} us")
                 INFO.setdefault("moe_path_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
                     two_gathers=t_two * 1e6, sorted_plan_slot_order=t_sorted * 1e6, slot_tile_plan=t_moe * 1e6)
-            if args.ffn_scale_ab:  # the placed layout's expert factor in XLA or in the kernel
-                xla_scale = functools.partial(mgpu_mx.tiled_matmul, scale_in_kernel=False)
-                variants = {"scale in XLA": jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(
-                                a, g, *w, situ, config=cfg, matmul=xla_scale)),
-                            "scale in the kernel": jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(
-                                a, g, *w, situ, config=cfg))}
-                times = {name: [] for name in variants}
-                for _ in range(3):  # interleaved: the two variants alternate, three rounds each
-                    for name, f in variants.items():
-                        times[name].append(checked_time(f, (x, sizes, *prepared[order]), ref, reps=20)[0] * 1e6)
-                log(f"MXFP4 FFN {rows_per_expert} rows/expert, expert scale A/B (three interleaved rounds, us): "
-                    + "; ".join(f"{name} {' / '.join(f'{t:.0f}' for t in ts)}" for name, ts in times.items()))
-                INFO.setdefault("ffn_scale_ab_us", {})[f"{rows_per_expert} rows {cfg}"] = times
             t_tiled16 = None
             if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
@@ -735,9 +723,6 @@ def main():
     ap.add_argument("--ffn-gate-up-order", default="planes", help="FFN section: gate / up output columns "
                     "'planes' (the down matmul's x-plane order, as a model prepares them: h needs no transpose), "
                     "'natural', or both ('planes,natural') timed one after the other")
-    ap.add_argument("--ffn-scale-ab", action="store_true",
-                    help="FFN section: also time the FFN with the placed layout's expert factor applied in XLA "
-                         "and in the kernel, interleaved")
     ap.add_argument("--ffn-from-tokens", action="store_true", help="FFN section: also time it from m / 16 tokens "
                     "(the model's path), the dispatch gather before the FFN against the FFN gathering from the tokens")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
