@@ -44,8 +44,9 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
+from ..codec import e2m1_value
 from ..mla.sparse_gpu import (  # one Triton probe, shared helpers
-    MIN_DOT, _pow2, _pow2_at_least, available, e2m1_value, split_hi_lo)
+    MIN_DOT, _pow2, _pow2_at_least, available, split_hi_lo)
 from ..paged import pool_offsets_safe
 from ..triton_prims import fp8_dot_nt
 

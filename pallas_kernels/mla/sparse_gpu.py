@@ -46,6 +46,7 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
+from ..codec import e2m1_value
 from ..paged import pool_offsets_safe
 from ..triton_prims import fp8_e4m3_to_f16
 from .reference import merge_partials
@@ -75,17 +76,6 @@ def fits(fmt) -> bool:
     preset: rope = 8)."""
     R, rope = getattr(fmt, "latent", 0), getattr(fmt, "rope", 0)
     return supports(fmt) and _pow2(R) and _pow2(rope) and rope >= 16 and R >= 32
-
-
-def e2m1_value(code_i32):
-    """4-bit e2m1 codes (int32, 0..15) -> float32 values by arithmetic (no table): bit 3 sign, bits 2..1 exponent
-    e (bias 1), bit 0 mantissa m: e = 0 -> 0.5·m, else 2^(e−1)·(1 + m/2)."""
-    mag = code_i32 & 7
-    e = mag >> 1
-    m = (mag & 1).astype(jnp.float32)
-    pow2 = ((1 << e) >> 1).astype(jnp.float32)  # e = 1, 2, 3 -> 1, 2, 4 (e = 0 -> 0, replaced below)
-    v = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
-    return jnp.where((code_i32 & 8) != 0, -v, v)
 
 
 def _dot_nt(a, b):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..codec import E2M1_VALUES, mxfp4_encode
+from ..codec import E2M1_VALUES, e2m1_value, mxfp4_encode
 from ..codec import MXFP4_GROUP as GROUP  # elements per E8M0 scale
 from ..triton_prims import inline_asm_primitive
 
@@ -117,17 +117,10 @@ def decode_lo_hi_f16(p_u8):
 F16_TRICK_EXP = 14  # decode_lo_hi_f16 values are 2^−14 times the e2m1 value
 
 
-def _e2m1_f32(code):
-    c3 = code & 7
-    normal = jax.lax.bitcast_convert_type((c3 << 22) + (126 << 23), jnp.float32)  # 2^(e−1)·(1 + m/2), e ≥ 1
-    mag = jnp.where(c3 < 2, c3.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(code >= 8, -mag, mag)
-
-
 def decode_lo_hi_f32(p_u8):
     """Packed bytes -> (even, odd) e2m1 values as float32 with int32/f32 ops and selects (TPU kernels)."""
     p = p_u8.astype(jnp.int32)
-    return _e2m1_f32(p & 0x0F), _e2m1_f32(p >> 4)
+    return e2m1_value(p & 0x0F), e2m1_value(p >> 4)
 
 
 # ------------------------------------------------------------------------- fast GPU decode: byte permutes in PTX
