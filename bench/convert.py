@@ -8,7 +8,7 @@ tensors) at reduced depth and expert count, written with seeded random values in
 (never into the repository). `python -m convert` then runs in a child process whose resident set size (with any
 children) is sampled every 20 ms. Reported: source size, largest stacked tensor and largest array, peak RSS, wall
 time and MB/s (source bytes / conversion wall time; the source was just written, so it is largely in the page
-cache). A table and a JSON line are printed and the result is appended to bench/RESULTS.md.
+cache). A table and a JSON line are printed; `--json FILE` also writes the JSON there.
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # this file is named like the `convert` package: keep bench/ off the import path so `import convert` finds the package
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != HERE]
-RESULTS = os.path.join(HERE, "RESULTS.md")
-HEADER = """# Benchmark results
-
-Dated measurements appended by the scripts in bench/. Each section names the script, the machine and the versions.
-"""
 
 
 def bench_config(layers: int, experts: int):
@@ -100,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part-size", default="1GiB", help="passed to python -m convert --part-size")
     ap.add_argument("--dtype", default="bf16", choices=("keep", "bf16", "fp8"), help="passed to python -m convert")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the output")
-    ap.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
     args = ap.parse_args(argv)
 
     from convert.synthetic import k3_tensor_specs, write_k3_checkpoint
@@ -187,19 +182,9 @@ def main(argv=None) -> int:
     for a, b in rows:
         print(f"{a:<{w}}  {b}")
     print(json.dumps(result))
-    if not args.no_results:
-        new = not os.path.exists(RESULTS)
-        with open(RESULTS, "a") as f:
-            if new:
-                f.write(HEADER)
-            f.write(f"\n## Checkpoint conversion (`bench/convert.py`), {result['date']}, {os.cpu_count()}-core CPU\n\n")
-            f.write(f"Command: `python bench/convert.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
-            f.write(f"- machine: {result['machine']}\n- versions: {result['versions']}\n")
-            f.write(f"- checkpoint: {result['config']}\n\n")
-            f.write("| metric | value |\n|---|---|\n")
-            for a, b in rows:
-                f.write(f"| {a} | {b} |\n")
-            f.write(f"\n```json\n{json.dumps(result)}\n```\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
     return 0
 
 

@@ -1,7 +1,8 @@
 # Source on a GPU host before running the benches in one go:  source bench/device_env.sh
 # Installs the wheels carried in .whl/ (fla-core, jax-triton, and the server stack the CUDA image lacks:
 # fastapi, uvicorn, openai, pydantic…) into /tmp/site and puts this checkout on PYTHONPATH.
-# Fetch the wheels on a machine with pip access first (see bench/RESULTS.md, "How these were run").
+# Fetch the wheels on a machine with pip access first (`pip download --no-deps -d .whl PACKAGE==VERSION`;
+# docs/performance.md lists the versions each figure was measured with).
 set -o pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -31,7 +31,7 @@ of the cut), and the sparse-MLA output vs the reference: relative RMS ≤ 5e-3, 
 (STORAGE_BAR; rows above fp32 level, 1e-5 / 1e-4, are marked "not fp32-exact"). Times: median of 3 rounds of back-to-back calls;
 an op reading < 2 GB is timed as a chain of 16 calls in one jitted program, each call on data of its own (its own
 key pages / its own top-k rows), divided by 16: back-to-back dispatch of a microsecond-scale jit measures the host's
-≈ 50 µs per call (session 6: every piece of the sparse-MLA op, even a 256 KB XLA fusion, "took" 43–70 µs), and one
+≈ 50 µs per call (every piece of the sparse-MLA op, even a 256 KB XLA fusion, "took" 43–70 µs that way), and one
 input repeated would come from the 50 MB L2 (a chain on the same 38 MB of rows "read" 9 TB/s).
 Prints `name, shape, ours, peer, ratio, bar, pass/fail` last; writes $OUT/dsa.json when OUT is set.
 Memory at 1M × 32: index pool 4.4 GB, latent pool 19 GB, the jnp indexer's dequantised keys 17 GB.
@@ -448,7 +448,7 @@ MLA_SWEEP = {  # per (batch, heads) class
                 ("sr16_bk64_ns4", dict(_W["sr16_bk64"], splits=4)), ("sr16_bk64_s2", dict(_W["sr16_bk64"], num_stages=2)),
                 ("w16_fast_bk32", dict(_W["w16_fast"], block_k=32)), ("t_bk64", dict(block_h=16, block_k=64))],
     "B1_H12": [("default", {}), ("sr16_bk32_s5_qi_ns16", dict(_W["sr16_bk32_s5_qi"], splits=16)),
-               ("sr16_bk32_s5_qi", _W["sr16_bk32_s5_qi"]),  # 3 launches instead of ≈ 6: 14.8 vs 20.6 µs (session 8)
+               ("sr16_bk32_s5_qi", _W["sr16_bk32_s5_qi"]),  # 3 launches instead of ≈ 6: 14.8 vs 20.6 µs (H200)
                ("sr16_bk32_s5_qi_co", _W["sr16_bk32_s5_qi_co"]),
                ("sr16_bk16_s6_qi_co", _W["sr16_bk16_s6_qi_co"]),
                ("sr16_bk32_w8_s5_qi_co", _W["sr16_bk32_w8_s5_qi_co"]),

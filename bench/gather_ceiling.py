@@ -5,7 +5,7 @@ torch (nobody's kernel here), beside a plain copy of the same number of bytes an
 
 Why (issue #5): the bar for sparse MLA decode is latent bytes gathered per second ≥ 0.60 of copy bandwidth, with
 2048 rows of 576 bytes per sequence (37.7 MB at B = 32). Our kernel's gather alone, without any arithmetic
-(`bench/mla_gather_probe.py`), reached 0.51–0.59 of copy (session 15). This script asks whether that is our
+(`bench/mla_gather_probe.py`), reached 0.51–0.59 of copy. This script asks whether that is our
 gather's shortcoming or the memory system's: `torch.index_select` of the same rows (the selection drawn as
 `bench/dsa.py` draws it: 2048 distinct sorted positions per sequence, pages of 64 tokens permuted over the pool)
 against `copy_` of the same bytes, contiguous. Every timing chains `--chain` different selections so the rows come

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of one session in a single call on a 2-GPU H200 host (≤ 10 minutes), run from the repo root:
+# The main GPU measurements in a single call on a 2-GPU H200 host (≤ 10 minutes), run from the repo root:
 #
 #   bash bench/h200x2_batch.sh
 #
@@ -34,7 +34,7 @@ gpu1=$!
     echo "DSA GPU tests failed: serving with KIMI_JAX_DSA_BACKEND=reference" > "$RES/serve_note.txt"
     export KIMI_JAX_DSA_BACKEND=reference
   fi
-  OUT="$RES" timeout -k 5 "$SERVE_S" python3 bench/serve.py --gpu --no-results --startup-timeout $((SERVE_S - 90)) 2>&1 | quiet > "$RES/serve.log"
+  OUT="$RES" timeout -k 5 "$SERVE_S" python3 bench/serve.py --gpu --startup-timeout $((SERVE_S - 90)) 2>&1 | quiet > "$RES/serve.log"
 ) &
 gpu0=$!
 wait $gpu1 $gpu0

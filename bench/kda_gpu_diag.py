@@ -179,7 +179,7 @@ def model_checks():
 
     # The whole model at IEEE fp32 products: under XLA's GPU default (TF32) the rest of the model rounds its inputs to
     # 10 mantissa bits, so a 1e-6 difference in the KDA output moves some roundings, and the tiny model's top-8-of-70
-    # index selection and top-2 routing turn those into 2e-2..3e-1 logit differences (2026-11-30, session 3).
+    # index selection and top-2 routing turn those into 2e-2..3e-1 logit differences.
     with jax.default_matmul_precision("highest"):
         a = seq(kimi_jax.load_model("tiny", kernels=KernelConfig(kda="gpu", moe="reference")))
         b = seq(kimi_jax.load_model("tiny", kernels=KernelConfig(kda="reference", moe="reference")))

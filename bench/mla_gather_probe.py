@@ -4,7 +4,7 @@ warpgroups per CTA), with no arithmetic. How close to copy bandwidth can this ga
 
     python3 bench/mla_gather_probe.py [--configs '[{}, {"splits": 8, "warpgroups": 1, "stages": 4}]']
 
-Why (issue #5, session 14): the whole op runs at 0.26 of copy against a 0.60 bar; removing a quarter of its
+Why (issue #5): the whole op runs at 0.26 of copy against a 0.60 bar; removing a quarter of its
 instructions (the fp8 tensor-core products) moved the kernel by 4%, so it is not issue-bound. If the gather alone
 is also far from the bar, the next step is the gather's structure (more bytes in flight per SM, fewer / larger
 copies), not the arithmetic. Prints µs and latent bytes/s vs the torch copy bandwidth measured in the same run.

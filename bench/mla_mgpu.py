@@ -28,6 +28,7 @@ from _timing import device_seconds, torch_copy_bandwidth  # noqa: E402
 
 from kimi_jax import quant as Q  # noqa: E402
 from pallas_kernels.mla import sparse, sparse_gpu  # noqa: E402
+from mla_trace import trace_phases  # noqa: E402
 from pallas_kernels.mla import sparse_mgpu as sm  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,7 +73,7 @@ def trace_kernel(c, q16, c2, slots, bt, pool_u8, H, shape):
     except Exception as e:  # noqa: BLE001
         print(f"trace {c}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
         return
-    phases = sm.trace_phases(np.asarray(trace), trace.shape[-1] // 2 - 2)
+    phases = trace_phases(np.asarray(trace), trace.shape[-1] // 2 - 2)
     print(f"timeline {shape} {c}", flush=True)
     for name, (med, mx) in phases.items():
         print(f"  {name:24s} median {med:7.2f} us  max {mx:7.2f} us", flush=True)

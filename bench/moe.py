@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from _timing import pipelined_seconds, torch_event_seconds  # noqa: E402
 from pallas_kernels.moe import gpu as moe_gpu  # noqa: E402
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx  # noqa: E402
+from pallas_kernels.experimental import mxfp4_fp8_mma as fp8_mma  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops  # noqa: E402
 
@@ -132,14 +133,14 @@ def copy_bandwidth():
 
 # ------------------------------------------------------------------------------------------------- bf16 section
 
-GPU_SWEEP = [  # run 1 (bench/RESULTS.md) also tried 64x256 (w4/w8), 128x128 (w4), 64x128x128: all slower
+GPU_SWEEP = [  # 64x256 (w4/w8), 128x128 (w4), 64x128x128 were also timed on the H200: all slower
     moe_gpu.GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3),
-    # session 8: a group's last tile runs a 64-row MMA when it holds ≤ 64 rows (1.46x -> 1.23x the rows computed)
+    # a group's last tile runs a 64-row MMA when it holds ≤ 64 rows (1.46x -> 1.23x the rows computed)
     moe_gpu.GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, bm_small=64),
     moe_gpu.GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=4),
     moe_gpu.GpuConfig(bm=128, bn=256, bk=128, num_warps=8, num_stages=2),
     moe_gpu.GpuConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=4),
-    # session 6, untimed: one row tile per expert at ~146 rows (128-row tiles cut most experts in two, and each row
+    # untimed: one row tile per expert at ~146 rows (128-row tiles cut most experts in two, and each row
     # tile streams the expert's whole weight again); ptxas 178 registers, 147 KB shared, wgmma, no spills
     moe_gpu.GpuConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=3),
     moe_gpu.GpuConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=4),  # 196 KB shared
@@ -292,14 +293,14 @@ def bench_bf16(args):
 # ------------------------------------------------------------------------------------------------ MXFP4 section
 
 Q_SWEEP = [  # 8 rows/expert. 2026-11-30 (f16-trick decode): "2d" 16x64x256 w4 best at 489 us; 3d, swap_ab, wider
-    # or deeper tiles and 8 warps slower. Then the PTX byte-permute decodes ("asm", "asm_sign"); session 10: the
+    # or deeper tiles and 8 warps slower. Then the PTX byte-permute decodes ("asm", "asm_sign"); the
     # codes on fp8 tensor cores ("fp8", swap_ab: the weights the wgmma's register operand): correct but 2.4x slower
-    # (H200, s10_gpu4: 0.82 TB/s at 16x128x256 w8, 0.78 at 16x64x256 w4, 0.44-0.73 for the other shapes; 32 / 64
+    # (H200: 0.82 TB/s at 16x128x256 w8, 0.78 at 16x64x256 w4, 0.44-0.73 for the other shapes; 32 / 64
     # rows 0.55 / 0.33): every small wgmma is waited for. Its best two stay in the sweep.
     moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=8, num_stages=3, swap_ab=True, dequant="fp8"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="fp8"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm_sign"),  # +4% (session 7)
+    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm_sign"),  # +4% over "asm" (H200)
     moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm_sign"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=4, dequant="asm_sign"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm"),
@@ -385,15 +386,15 @@ def bench_mxfp4(args, copy_bw):
                     around = f"x planes + plan {tp * 1e6:.0f} us"
                 else:
                     if mcfg.mma == "fp8":  # the kernel alone, on its prepared rows (x planes, tiles)
-                        prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
+                        prep = jax.jit(lambda a, g: fp8_mma.prepare_rows_fp8(a, g, E, mcfg.rows)[:5])(x, sizes)
                         prep = (prep[0], prep[1], prep[3], prep[4])
-                        fk = jax.jit(lambda xh, xl, tg, nt, w_: mgpu_mx.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
+                        fk = jax.jit(lambda xh, xl, tg, nt, w_: fp8_mma.kernel_call_fp8(xh, xl, tg, nt, w_, mcfg))
                     else:
                         prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:3])(x, sizes)
                         fk = jax.jit(lambda xs, tg, nt, w_: mgpu_mx.kernel_call(xs, tg, nt, w_, mcfg))
                     tk = time_jax(fk, *prep, wp, reps=20)
                     # the XLA around the kernel, each side alone: the row preparation and the unpadding of outᵀ
-                    prep_f = mgpu_mx.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
+                    prep_f = fp8_mma.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
                     tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
                     _, _, _, pad_row, live = mgpu_mx.prepare_rows(x, sizes, E, mcfg.rows)
                     out_t = fk(*prep, wp)
@@ -476,12 +477,12 @@ def bench_ffn(args, copy_bw):
 
         ref = jax.block_until_ready(
             # the weights as arguments: closed over, jit would embed their 1.2 GB in the program as constants
-            # (sessions 21-22: 100-146 s to compile and run this line)
+            # (100-146 s to compile and run this line)
             jax.jit(lambda a, g, *w: ops.expert_ffn_sorted(a, g, *w, situ, backend="reference"))(x, sizes, *ws))
         log(f"FFN {rows_per_expert} rows/expert: reference ready")
         # the ceiling: the FFN's FLOPs at a dense bf16 matmul's rate (one weight per matmul, served from L2, no
         # decode, no groups) -> the largest fraction of copy that a kernel doing these FLOPs on bf16 tensor cores
-        # can show; at 64 rows per expert it is below the 0.70 bar (bench/RESULTS.md, session 29)
+        # can show; at 64 rows per expert it is below the 0.70 bar (docs/performance.md)
         t_ceiling = attempt(f"MXFP4 FFN {rows_per_expert} dense ceiling", lambda: time_jax(
             jax.jit(lambda a, wg, wu, wd: situ(a @ wg, a @ wu).astype(jnp.bfloat16) @ wd),
             x, *[jax.random.normal(k_, s_, jnp.bfloat16)
@@ -519,7 +520,7 @@ def bench_ffn(args, copy_bw):
                 tok = jnp.asarray(np.random.default_rng(rows_per_expert).permutation(np.arange(m) % n_tok), jnp.int32)
                 ref_tok = jax.block_until_ready(jax.jit(lambda a, t, g, *w: ops.expert_ffn_sorted(
                     a[t], g, *w, situ, backend="reference"))(x_nd, tok, sizes, *ws))
-                # the dispatch gather, then the FFN on the sorted rows (before session 27) ...
+                # the dispatch gather, then the FFN on the sorted rows (the old path) ...
                 dispatch = jax.jit(lambda a, t, g, *w: mgpu_mx.expert_ffn_tiled(a[t], g, *w, situ, config=cfg))
                 t_dispatch, _ = checked_time(dispatch, (x_nd, tok, sizes, *prepared[order]), ref_tok, reps=20)
                 # ... against the FFN gathering from the tokens itself (planes made on the tokens)
@@ -529,7 +530,7 @@ def bench_ffn(args, copy_bw):
                 log(f"MXFP4 FFN {rows_per_expert} rows/expert from {n_tok} tokens: dispatch gather + FFN "
                     f"{t_dispatch * 1e6:.0f} us, FFN gathering from the tokens {t_tokens * 1e6:.0f} us; {cfg}")
                 # the model's whole MoE path with the combine (top-16 routing of the same tokens): the FFN's rows
-                # gathered back to sorted order and then into (token, slot) order (before session 30), against
+                # gathered back to sorted order and then into (token, slot) order (the old path), against
                 # the FFN handing them back in slot order (`ops.expert_ffn`)
                 rng = np.random.default_rng(400 + rows_per_expert)
                 idx = jnp.asarray(np.stack([rng.choice(E, 16, replace=False) for _ in range(n_tok)]), jnp.int32)
@@ -542,7 +543,7 @@ def bench_ffn(args, copy_bw):
                     y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t)
                     return ops.combine(y, o, w_)
 
-                def sorted_plan(a, i, w_, *w):  # session 31's ops.expert_ffn: sorted rows planned, slot order out
+                def sorted_plan(a, i, w_, *w):  # the previous ops.expert_ffn: sorted rows planned, slot order out
                     _, t, g, slot_row = ops.dispatch_plan(i, E)
                     y = mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t, out_rows=slot_row)
                     return ops.combine_slots(y, w_)
@@ -558,21 +559,8 @@ def bench_ffn(args, copy_bw):
                     f"{t_moe * 1e6:.0f} us")
                 INFO.setdefault("moe_path_us", {})[f"{rows_per_expert} rows {cfg}"] = dict(
                     two_gathers=t_two * 1e6, sorted_plan_slot_order=t_sorted * 1e6, slot_tile_plan=t_moe * 1e6)
-            if args.ffn_scale_ab:  # the placed layout's expert factor in XLA (before session 32) or in the kernel
-                xla_scale = functools.partial(mgpu_mx.tiled_matmul, scale_in_kernel=False)
-                variants = {"scale in XLA": jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(
-                                a, g, *w, situ, config=cfg, matmul=xla_scale)),
-                            "scale in the kernel": jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(
-                                a, g, *w, situ, config=cfg))}
-                times = {name: [] for name in variants}
-                for _ in range(3):  # interleaved: the two variants alternate, three rounds each
-                    for name, f in variants.items():
-                        times[name].append(checked_time(f, (x, sizes, *prepared[order]), ref, reps=20)[0] * 1e6)
-                log(f"MXFP4 FFN {rows_per_expert} rows/expert, expert scale A/B (three interleaved rounds, us): "
-                    + "; ".join(f"{name} {' / '.join(f'{t:.0f}' for t in ts)}" for name, ts in times.items()))
-                INFO.setdefault("ffn_scale_ab_us", {})[f"{rows_per_expert} rows {cfg}"] = times
             t_tiled16 = None
-            if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16 (session 20)
+            if cfg.gate_up == "separate" and args.ffn_bf16_gate_up:  # gate and up written in bf16
                 tiled16 = jax.jit(lambda a, g, *w: mgpu_mx.expert_ffn_tiled(a, g, *w, situ, config=cfg,
                                                                             gate_up_dtype=jnp.bfloat16))
                 t_tiled16, _ = checked_time(tiled16, (x, sizes, *wp), ref, reps=20)
@@ -729,15 +717,12 @@ def main():
     ap.add_argument("--ffn-configs", default="", help="FFN section: also time the tile layout with these MgpuConfig "
                     "overrides of tiled_config (JSON list), e.g. '[{\"rows\": 16, \"ctas_per_sm\": 4}]'")
     ap.add_argument("--ffn-bf16-gate-up", action="store_true", help="FFN section: also time gate / up written in "
-                    "bf16 (`expert_ffn_tiled(gate_up_dtype=...)`; session 20: 1%% faster, inside the spread)")
+                    "bf16 (`expert_ffn_tiled(gate_up_dtype=...)`; 1%% faster on the H200, inside the spread)")
     ap.add_argument("--ffn-no-peers", action="store_true", help="FFN section: time only the tile layout's configs "
                     "(not the per-matmul padding and the Triton kernel: a config sweep in less device time)")
     ap.add_argument("--ffn-gate-up-order", default="planes", help="FFN section: gate / up output columns "
                     "'planes' (the down matmul's x-plane order, as a model prepares them: h needs no transpose), "
                     "'natural', or both ('planes,natural') timed one after the other")
-    ap.add_argument("--ffn-scale-ab", action="store_true",
-                    help="FFN section: also time the FFN with the placed layout's expert factor applied in XLA "
-                         "(before session 32) and in the kernel, interleaved")
     ap.add_argument("--ffn-from-tokens", action="store_true", help="FFN section: also time it from m / 16 tokens "
                     "(the model's path), the dispatch gather before the FFN against the FFN gathering from the tokens")
     ap.add_argument("--ffn-only", action="store_true", help="only the MXFP4 expert FFN section (and copy bandwidth)")
@@ -773,7 +758,7 @@ def main():
     print_table()
     out = os.environ.get("OUT")
     if out:
-        os.makedirs(out, exist_ok=True)  # OUT may name a sub-folder per run (bench/runs scripts)
+        os.makedirs(out, exist_ok=True)  # OUT may name a sub-folder per measurement
         with open(os.path.join(out, "moe.json"), "w") as fh:
             json.dump(dict(rows=ROWS, info=INFO), fh, indent=1, default=str)
 

@@ -10,7 +10,7 @@
 4. The grouped matmul (asm_sign, fp8) against ragged_dot on the dequantised weights: random codes, and codes
    without the ±0.5 magnitudes (no subnormal weights).
 
-What it found on the H200 (session 10, bench/runs/s10_gpu2-4.sh): the tensor cores take subnormal codes exactly
+What it found on the H200: the tensor cores take subnormal codes exactly
 (2.7e-5 either way); the 2.7e-2 error of the first version was x's lo plane coming out as zeros — inside a jit, XLA
 on the GPU folded the e4m3 convert pair of the split — fixed with `reduce_precision` (both planes 2.3e-5 now).
 """

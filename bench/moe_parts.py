@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from _timing import torch_copy_bandwidth  # noqa: E402
 from moe import situ, time_jax  # noqa: E402
 from pallas_kernels.moe import mgpu_mxfp4 as mm  # noqa: E402
+from pallas_kernels.moe.mgpu_mxfp4 import kernels as mk  # noqa: E402  (the module whose decode / step are patched)
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 
 E, D, F = 112, 3584, 3072
@@ -127,22 +128,22 @@ def _half_decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh, pieces):
 @contextlib.contextmanager
 def variant(name: str):
     """Patch the kernel's decode (and, for "half", its step) while a kernel is traced and compiled."""
-    saved = mm._bf16_decodes, mm._decode_and_mma
+    saved = mk._bf16_decodes, mk._decode_and_mma
     name = name.removesuffix("_l2")
     if name == "free":
-        mm._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(kh)), _inline(_const_decode_fn(mm.BLOCK)))
+        mk._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(kh)), _inline(_const_decode_fn(mm.BLOCK)))
     elif name == "half":
-        mm._bf16_decodes = lambda kh, layout: (_inline(_folded_decode_fn(kh, layout)), None)
-        mm._decode_and_mma = _half_decode_and_mma
+        mk._bf16_decodes = lambda kh, layout: (_inline(_folded_decode_fn(kh, layout)), None)
+        mk._decode_and_mma = _half_decode_and_mma
     elif name == "freehalf":
-        mm._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(mm.BLOCK)), None)
-        mm._decode_and_mma = _half_decode_and_mma
+        mk._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(mm.BLOCK)), None)
+        mk._decode_and_mma = _half_decode_and_mma
     elif name == "stream":
-        mm._decode_and_mma = lambda *_: None
+        mk._decode_and_mma = lambda *_: None
     try:
         yield
     finally:
-        mm._bf16_decodes, mm._decode_and_mma = saved
+        mk._bf16_decodes, mk._decode_and_mma = saved
 
 
 def main():

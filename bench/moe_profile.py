@@ -9,8 +9,8 @@ Stop, so ncu sees only that call's kernels (the fused gate / up kernel, down, an
 
 `--config`: overrides of `mgpu_mxfp4.tiled_config(rows)`. `--tokens`: the model's whole path instead
 (`ops.expert_ffn`: rows / 16 · 112 tokens routed top-16 — the plan from the pairs, the FFN gathering from the
-tokens, the weighted combine back into the tokens); `--tokens --sorted-plan`: the same with session 31's sorted
-plan (`ops.dispatch_plan`).
+tokens, the weighted combine back into the tokens); `--tokens --sorted-plan`: the same with the sorted
+plan (`ops.dispatch_plan`) for comparison.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--tokens", action="store_true",
                     help="profile ops.expert_ffn (tokens -> sort -> FFN -> combine), as the model runs it")
     ap.add_argument("--sorted-plan", action="store_true",
-                    help="with --tokens: session 31's path (ops.dispatch_plan, the FFN on the sorted plan handing "
+                    help="with --tokens: the sorted-plan path (ops.dispatch_plan, the FFN on the sorted plan handing "
                          "its rows back in slot order) instead of ops.expert_ffn's plan from the pairs")
     args = ap.parse_args()
     keys = jax.random.split(jax.random.key(11), 4)

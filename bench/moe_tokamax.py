@@ -13,7 +13,7 @@ both on the inputs `bench/moe.py` draws (same seeds, so the same group sizes):
   bytes go in as int4 codes (a speed peer only; its own reference checks it). Ours: the Mosaic kernel on prepared
   weights (`mgpu_mxfp4.grouped_matmul`). Weight bytes/s vs copy bandwidth.
 Every timed call is checked against a float32 reference first. Needs tokamax 0.0.17 (Python >= 3.12, jax >= 0.11.1)
-and its small dependencies; the GPU image has neither — carry the wheels (bench/RESULTS.md, session 20). It imports
+and its small dependencies; the GPU image has neither — carry the wheels into `.whl/` (`source bench/device_env.sh`). It imports
 `xprof` only for its own benchmarking helpers: a stand-in module is put in its place when xprof is missing.
 """
 

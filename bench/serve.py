@@ -19,7 +19,7 @@ decode tokens/s.  The roofline is the bytes one decode step must move -- every w
 weights, plus the routed experts the batch touches: E·(1 - (1 - k/E)^B) per MoE layer under uniform routing) plus
 the cache traffic (KDA state read + written, conv tails, MLA latent rows and index keys read for the context,
 the new rows written) -- over the device's measured copy bandwidth (max of an XLA copy and an elementwise pass, in
-a separate process before the server starts).  Bar (bench/BENCHMARKS.md, end to end): ours >= 50% of the roofline.
+a separate process before the server starts).  Bar (docs/performance.md, end to end): ours >= 50% of the roofline.
 
 ``--gpu`` serves ``kimi-k3.1-reduced`` (kimi_jax/config.py: K3.1 at full width -- hidden 7168, 96 heads of 128,
 expert width 3072, latent 3584, top-16 -- 4 layers KDA, KDA, KDA, MLA all MoE, 128 experts instead of 896, vocab
@@ -27,8 +27,7 @@ expert width 3072, latent 3584, top-16 -- 4 layers KDA, KDA, KDA, MLA all MoE, 1
 H200 including compilation.
 
 Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail`` last; writes the JSON document to ``$OUT``
-(serve.json, plus the server log) when set and to ``--json FILE``; appends a dated entry to bench/RESULTS.md unless
-``--no-results``.
+(serve.json, plus the server log) when set and to ``--json FILE``. Current figures live in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -53,12 +52,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script from a checkout: import this checkout's kimi_jax
     sys.path.insert(0, str(ROOT))
-RESULTS = HERE / "RESULTS.md"
-HEADER = """# Benchmark results
-
-Dated entries appended by the scripts in bench/ (newest last). Each entry names the script, the commit, the machine
-and the exact settings; numbers are only comparable within one machine.
-"""
 BAR = 0.5  # decode tokens/s >= 50% of the bytes-per-step roofline (BENCHMARKS.md, "end to end")
 
 GPU_DEFAULTS = {  # --gpu: sized to run in one go in < 7 minutes on one H200, compilation included
@@ -352,15 +345,6 @@ def _git_rev() -> str:
         return "unknown"
 
 
-def append_results(entry: str) -> None:
-    """Append only: never rewrite what others wrote (the header is written once, when the file is missing)."""
-    new = not RESULTS.exists()
-    with open(RESULTS, "a", encoding="utf-8") as f:
-        if new:
-            f.write(HEADER)
-        f.write("\n" + entry.rstrip() + "\n")
-
-
 # ================================================================================================== main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -390,7 +374,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-vocab", type=int, default=1000,
                    help="prompts are random ids below this (default 1000: the built-in tokenizer's text ids)")
     p.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
-    p.add_argument("--no-results", action="store_true", help="do not append to bench/RESULTS.md")
     return p
 
 
@@ -550,16 +533,6 @@ def main(argv=None) -> int:
         Path(args.json).write_text(text, encoding="utf-8")
     if out_dir:
         (out_dir / "serve.json").write_text(text, encoding="utf-8")
-    if not args.no_results:
-        settings = (f"model `{args.model}` ({doc['url']}), prompt {args.prompt_tokens} tokens, {args.max_tokens} "
-                    f"output tokens (ignore_eos, temperature 0.8), {args.requests_per_client} requests per client")
-        if setup:
-            settings += "; " + ", ".join(f"{k} {v}" for k, v in setup.items())
-        settings += f"; compilations while serving: {compiles}"
-        entry = (f"## {doc['date'][:10]} bench/serve.py (commit {doc['commit']})\n\n"
-                 f"Host: {doc['host']}, {doc['versions']}. Settings: {settings}.\n\n{table}\n\n{bars}\n")
-        append_results(entry)
-        print(f"appended to {RESULTS}")
     print()
     print(table)
     print()

@@ -11,10 +11,10 @@ Lowers `pallas_kernels.kda.gpu.chunk` (or `pallas_kernels.moe.ops.grouped_matmul
 `triton` package for sm_90 (TTIR → TTGIR → LLIR → PTX) and runs its `ptxas -v`. High register counts cap how many
 programs an SM holds; spills to local memory cost DRAM/L1 traffic. `--sass` adds the static SASS instruction mix
 (`cuobjdump -sass`), counting apart the two kinds of copies ptxas inserts (`IMAD.MOV` register moves and
-`IMAD.U32 R, RZ, RZ, UR` copies of uniform-register constants): what an issue-bound kernel (the MXFP4 decode, session
-5's ncu profile) spends on moves rather than work. Every report also counts what Triton's pipeliner made of the
+`IMAD.U32 R, RZ, RZ, UR` copies of uniform-register constants): what an issue-bound kernel (the MXFP4 decode under
+ncu) spends on moves rather than work. Every report also counts what Triton's pipeliner made of the
 loads (`ttgir`: asynchronous global->shared copies vs plain `tt.load`s, wgmma vs mma.sync dots): a gather left as a
-plain load inside a loop is waited for in every iteration (session 6: the sparse-MLA latent rows).
+plain load inside a loop is waited for in every iteration (as the sparse-MLA latent rows once were).
 """
 
 from __future__ import annotations

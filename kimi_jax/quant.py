@@ -54,18 +54,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.codec import E2M1_MAX, E2M1_VALUES, E8M0_BIAS, MXFP4_GROUP  # noqa: F401  (one codec)
+
 from .cache import INDEX_DTYPES, KV_DTYPES, index_key_bytes_per_token, latent_bytes_per_token
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 NVFP4_GROUP = 16
-MXFP4_GROUP = 32
 INDEX_FP8_GROUP = 128
 INDEX_FP8_MIN_AMAX = 1e-4
-E8M0_BIAS = 127
 
 # e2m1 rounding thresholds on |x|, paired with whether a value exactly on the threshold moves up. At a midpoint
 # the even code wins: 0.25 -> 0 (code 0), 0.75 -> 1 (code 2), 1.25 -> 1 (2), 1.75 -> 2 (4), 2.5 -> 2 (4),

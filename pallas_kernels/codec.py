@@ -3,7 +3,9 @@ writes (checkpoints of Kimi K3's routed experts, compressed-tensors `mxfp4-pack-
 
 Layout `[..., out, in]` values <-> packed uint8 `[..., out, in/2]` (two e2m1 codes per byte, the LOW nibble holding
 the even element) and E8M0 uint8 scales `[..., out, in/32]`: value = e2m1 · 2^(s − 127), s = 255 is NaN.
-NumPy only (no jax), so `convert` can import it cheaply.
+The module imports NumPy only, so `convert` can import it cheaply; `e2m1_value` is the table-free jnp decode the
+kernels trace (jax is imported when it is called). The jnp block formats built on these (NVFP4, MXFP4, fp8 caches)
+are `kimi_jax.quant`'s; the kernels' PTX decodes are `pallas_kernels.moe.mxfp4`'s, tested against this table.
 """
 
 from __future__ import annotations
@@ -11,10 +13,26 @@ from __future__ import annotations
 import numpy as np
 
 MXFP4_GROUP = 32  # elements per E8M0 scale
+E2M1_MAX = 6.0  # largest e2m1 magnitude
+E8M0_BIAS = 127
 
 # e2m1 code -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def e2m1_value(code_i32):
+    """4-bit e2m1 codes (int32, 0..15) -> float32 values by arithmetic (no table, so it lowers inside Pallas
+    kernels on every backend): bit 3 sign, bits 2..1 exponent e (bias 1), bit 0 mantissa m: e = 0 -> 0.5·m,
+    else 2^(e−1)·(1 + m/2)."""
+    import jax.numpy as jnp  # noqa: PLC0415  (this module stays NumPy-only at import time)
+
+    mag = code_i32 & 7
+    e = mag >> 1
+    m = (mag & 1).astype(jnp.float32)
+    pow2 = ((1 << e) >> 1).astype(jnp.float32)  # e = 1, 2, 3 -> 1, 2, 4 (e = 0 -> 0, replaced below)
+    v = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+    return jnp.where((code_i32 & 8) != 0, -v, v)
 
 
 def mxfp4_decode(packed_u8, scale_u8) -> np.ndarray:

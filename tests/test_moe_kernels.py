@@ -699,7 +699,9 @@ def test_mgpu_row_preparation_reproduces_the_grouped_matmul():
     w8 = jnp.stack([lo8.astype(jnp.float32).reshape(E, N, K // G, G // 2),
                     hi8.astype(jnp.float32).reshape(E, N, K // G, G // 2)], axis=3).reshape(E, N, K)
     w8 = w8 * jnp.repeat(mx.scale_f32(w.scale, mx.E4M3_DECODE_EXP), G, axis=-1)
-    x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = mm.prepare_rows_fp8(x, gs, E, 16)
+    from pallas_kernels.experimental import mxfp4_fp8_mma
+
+    x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = mxfp4_fp8_mma.prepare_rows_fp8(x, gs, E, 16)
     xp = x_hi.astype(jnp.float32) + x_lo.astype(jnp.float32)
     out_t = jnp.zeros((N, xp.shape[0]), jnp.float32)
     for t in range(int(num_tiles[0])):

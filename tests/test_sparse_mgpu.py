@@ -5,6 +5,8 @@ reference on the dequantised rows on a GPU (`gpu` marker)."""
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,9 @@ from pallas_kernels.mla.reference import merge_partials
 from pallas_kernels.mla.sparse_gpu import pool_rows
 from pallas_kernels.mla import sparse_mgpu as sm
 from pallas_kernels.moe.mgpu_mxfp4 import x_permutation
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import mla_trace  # noqa: E402  (bench/mla_trace.py: the kernel's timer stamps read back)
 
 R, ROPE = 512, 64  # K3.1 latent geometry: the kernel reads K3 widths only
 C = R + ROPE
@@ -206,9 +211,9 @@ def test_contract_with_xla_side_matches_reference(splits, warpgroups, merge, pre
         o, lse = merge_partials(o[:, :, :H], lse[:, :, :H])
         return o * layer_scale, lse
 
-    monkeypatch.setattr(sm, "kernel_call", fake_kernel)
+    monkeypatch.setattr(sm.kernel, "kernel_call", fake_kernel)
     real_merge = sm.merge  # the Pallas merge kernel, in interpret mode on CPU
-    monkeypatch.setattr(sm, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
+    monkeypatch.setattr(sm.kernel, "merge", lambda o, lse, H, ls: real_merge(o, lse, H, ls, interpret=True))
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
     mma, value_mma = mma.split("-") if "-" in mma else (mma, "f16")  # "fp8-fp8": both products on e4m3
     cfg = sm.MgpuSparseConfig(splits=splits, warpgroups=warpgroups, merge=merge, prep=prep, logits_mma=mma,
@@ -365,7 +370,7 @@ def test_gpu_timeline_leaves_the_result_and_stamps_in_order():
     o, lse = call()
     o_t, lse_t, trace = call(trace=True)
     assert (np.asarray(o_t) == np.asarray(o)).all() and (np.asarray(lse_t) == np.asarray(lse)).all()
-    t = sm.trace_ns(trace)
+    t = mla_trace.trace_ns(trace)
     assert (np.diff(t, axis=-1) >= 0).all() and (t[..., -1] > t[..., 0]).all()
 
 
@@ -403,7 +408,7 @@ def test_trace_phases_reads_each_ctas_timeline():
     trace = np.stack([row, row + 2000])[:, None, None, :].astype(np.int64)  # 2 splits, 1 sequence, 1 warpgroup
     trace[1, ..., :] += (1 << 32) - 3000  # the second CTA's timer wraps past 2^32 mid-row
     trace = (trace % (1 << 32)).astype(np.int64).astype(np.int32)
-    ph = sm.trace_phases(trace, n)
+    ph = mla_trace.trace_phases(trace, n)
     assert ph["slots + translate"] == (1.0, 1.0) and ph["block 0 wait gather"] == (2.0, 2.0)
     assert ph["block 1 compute"] == (3.5, 3.5) and ph["last merge"] == (2.0, 2.0)
     assert ph["CTA total"] == (16.0, 16.0)

@@ -44,8 +44,9 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
+from ..codec import e2m1_value
 from ..mla.sparse_gpu import (  # one Triton probe, shared helpers
-    MIN_DOT, _pow2, _pow2_at_least, available, e2m1_value, split_hi_lo)
+    MIN_DOT, _pow2, _pow2_at_least, available, split_hi_lo)
 from ..paged import pool_offsets_safe
 from ..triton_prims import fp8_dot_nt
 
@@ -278,7 +279,7 @@ FAST = {
     "sp512_qk": dict(exact=False, block_n=512, num_warps=8, num_stages=3, orient="qk"),
     "sp128_qk_s4": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk"),
     "sp256_qk_big": dict(exact=False, block_n=256, num_warps=4, num_stages=3, orient="qk", tokens_per_program=16384),
-    # session 6: the scale gather one chunk ahead (`prefetch`), around the winner sp128_qk_s4 (0.69 at 1M × 32)
+    # the scale gather one chunk ahead (`prefetch`), around the winner sp128_qk_s4 (0.69 at 1M × 32)
     "sp128_qk_s4_pf": dict(exact=False, block_n=128, num_warps=4, num_stages=4, orient="qk", prefetch=True),
     "sp128_qk_s3_pf": dict(exact=False, block_n=128, num_warps=4, num_stages=3, orient="qk", prefetch=True),
     "sp256_qk_s4_pf": dict(exact=False, block_n=256, num_warps=4, num_stages=4, orient="qk", prefetch=True),
@@ -291,16 +292,16 @@ FAST = {
     "sp64_qk_s6_pf": dict(exact=False, block_n=64, num_warps=4, num_stages=6, orient="qk", prefetch=True),  # 96 / 25K
     "sp64_qk_s8_pf": dict(exact=False, block_n=64, num_warps=4, num_stages=8, orient="qk", prefetch=True),  # 96 / 34K
     "sp256_qk_w8_s5_pf": dict(exact=False, block_n=256, num_warps=8, num_stages=5, orient="qk", prefetch=True),  # 128/77K
-    # session 7: at 32K and 128K × 32 the auto rule made 1024 programs (≈ 2 waves of 4 per SM, 8 and 32 chunks each);
+    # at 32K and 128K × 32 the auto rule made 1024 programs (≈ 2 waves of 4 per SM, 8 and 32 chunks each);
     # half as many (one wave) run twice as long, so the pipeline's fill and drain are paid half as often. Measured
     # at 128K × 32 (2026-12-01): 195.6 / 228.9 µs vs 195.2 for s5 with the default rule: no gain
     "sp128_qk_s5_pf_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
                               target_programs=2 * 132),
     "sp128_qk_s8_pf_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=8, orient="qk", prefetch=True,
                               target_programs=2 * 132),
-    # session 7: ncu at 32K × 32 — kernel 49.8 µs plus three XLA fusions preparing q (2.6-3.1 µs each) of a 58 µs
+    # ncu at 32K × 32 — kernel 49.8 µs plus three XLA fusions preparing q (2.6-3.1 µs each) of a 58 µs
     # call. q prepared in the kernel (as sparse MLA's q_inside, which took that op from 42.5 to 38.6 µs): 128
-    # registers, 42 KB for sm_90, bit-equal to the outside path in interpret mode. Timed 2026-12-01 (session 8):
+    # registers, 42 KB for sm_90, bit-equal to the outside path in interpret mode. Timed 2026-12-01 (H200):
     # 191.1 vs 193.1 µs at 128K × 32 (0.702 of copy), 54.4 µs at 32K
     "sp128_qk_s5_pf_qi": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
                               q_inside=True),
@@ -309,7 +310,7 @@ FAST = {
     # 2026-12-01: 52.0 µs at 32K × 32 (0.63 of copy) vs 54.4-55.7 for sp128_qk_s5_pf_qi; 187.7 vs 188.9 at 128K
     "sp128_qk_s5_pf_qi_1w": dict(exact=False, block_n=128, num_warps=4, num_stages=5, orient="qk", prefetch=True,
                                  q_inside=True, target_programs=2 * 132),
-    # session 8: the qk loop's SASS (bench/triton_regs.py --op indexer --sass) re-reads q's mma fragments from shared
+    # the qk loop's SASS (bench/triton_regs.py --op indexer --sass) re-reads q's mma fragments from shared
     # memory every chunk and assembles each HMMA's A operand with 4 register moves: 150 IMAD.MOV of 645 loop
     # instructions per warp (20 per key). With the keys as the M side (kq) the dot is one wgmma (HGMMA, M = 128
     # keys per warpgroup, q the shared-memory operand): 486 per warp (15 per key), 132 registers. Timed 2026-12-01 at
@@ -332,7 +333,7 @@ def _kq_f8(block_n: int, num_stages: int, num_warps: int = 4, waves=None) -> dic
     return kw if waves is None else dict(kw, target_programs=waves * 132)
 
 
-# session 9: the fp8 codes straight into fp8 wgmma (keys the M side) against two e4m3 planes of q (`dot_dtype="fp8"`):
+# the fp8 codes straight into fp8 wgmma (keys the M side) against two e4m3 planes of q (`dot_dtype="fp8"`):
 # no conversion of the keys at all — 368 loop instructions per 128 keys instead of 645 (pip triton 3.6 screen), three
 # key buffers in flight; timings at `STORAGE_PRESET`
 FAST.update({
@@ -352,10 +353,10 @@ FAST.update({
 
 
 # `precision="storage"` (single-pass products, the storage formats' bar): the fastest correct settings of the H200
-# sweeps. Session 9 (2026-12-01, bench/runs/s9_gpu3-5.sh): fp8 tensor-core dots on the stored codes (`dot_dtype=
+# sweeps. On the H200 (2026-12-01): fp8 tensor-core dots on the stored codes (`dot_dtype=
 # "fp8"`, keys the wgmma M side), one wave of programs, 6e-4 relative RMS — at 1M × 32 1,228 µs (0.87 of copy; was
 # 0.70), at 128K × 32 162.6 µs (0.82; was 0.66-0.70) with 256-key blocks; at 32K × 32 64-key blocks win: 47.2 µs
-# (dsa_profile; 48.8 in the bench: 0.68-0.70 of copy) vs 50.1-50.2 for 256 and 52.1 for session 8's
+# (dsa_profile; 48.8 in the bench: 0.68-0.70 of copy) vs 50.1-50.2 for 256 and 52.1 for the previous
 # sp128_qk_s5_pf_qi_1w. Which one runs depends on the tokens a sequence's table spans (`storage_preset`); 64K is the
 # switch, between the two measured contexts. Also timed at 32K (µs): 256-key w8 50.0, s4 54.8, auto programs 56.0;
 # 128-key 1w 50.1 (s5) / 58.5 (s6), 3 waves 58.6, auto 53.4; 64-key s8 47.8, auto 53.2. At 128K: 64-key s6 / s8

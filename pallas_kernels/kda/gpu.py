@@ -57,7 +57,7 @@ TUNING = dict(
     fast_inverse=True,   # diagonal blocks of (I+Akk)^-1 by chunk_math.unit_lower_inverse instead of substitution
     intra_warps=4, intra_stages=1,
     # kernel B: one pipeline stage keeps its shared memory at 80 KB (144 KB with 2), two programs per SM; H200, 8K:
-    # whole op 2.94 vs 2.98 ms (session 4)
+    # whole op 2.94 vs 2.98 ms (H200)
     state_bv=64, state_warps=4, state_stages=1,
     split_o=False,       # True: kernel B only carries the state (stores it per chunk + Vn); kernel C forms O in parallel
     out_bv=64, out_warps=4, out_stages=2,
@@ -79,13 +79,13 @@ TUNING = dict(
                          # carried backwards — no [64, dk] value in registers; A1 also writes βk e^Γ so A2 forms no gate)
     wu_form="substitute",  # A2 (tiled rows only): "substitute" (block forward substitution through W_m) or "inverse"
                            # (T's off-diagonal 16×16 blocks first, then independent W_i = Σ_j T_ij βk_j e^Γ_j)
-    # A1 holds 255 registers per thread (bench/triton_regs.py; ncu: 12.5% occupancy). Session 4 tried an A1 that
+    # A1 holds 255 registers per thread (bench/triton_regs.py; ncu: 12.5% occupancy). An A1 that
     # takes dk in 2–4 column parts (138–168 registers): 2.59–2.79 ms alone against 1.7 ms — the re-reads and
-    # recomputation cost more than the occupancy gains — and is not kept. Session 5 capped registers through the
+    # recomputation cost more than the occupancy gains — and is not kept. Capping registers through the
     # Triton module attribute `ttg.maxnreg` (A1 at 200 / 168 / 128, A2 at 168 / 128): every cap spilled and was
-    # slower (bench/RESULTS.md, session 5), so no cap is applied.
-    # H200, T = 8K, H = 96 (session 3): tiled A1 and A2 at 2 warps each — kernel A 2.29 ms, whole op 2.99 ms (full
-    # A1 at 4 + 4 warps: kernel A 3.49–3.82 ms); since session 5 (base-2 gates, bf16 A1 -> A2 intermediates) kernel A
+    # slower, so no cap is applied.
+    # H200, T = 8K, H = 96: tiled A1 and A2 at 2 warps each — kernel A 2.29 ms, whole op 2.99 ms (full
+    # A1 at 4 + 4 warps: kernel A 3.49–3.82 ms); with base-2 gates, bf16 A1 -> A2 intermediates) kernel A
     # 1.97 ms, whole op 2.63 ms. wu_cols: column tiles of W/U per (chunk, head) (dk/wu_cols wide)
     rows_warps=2, rows_stages=1,
     wu_cols=1, wu_warps=2, wu_stages=1,

@@ -117,13 +117,13 @@ def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
 
 
 MGPU_MIN_BATCH = 16  # below this the Triton storage preset is faster (H200, H = 12, Triton vs Mosaic op: B = 1
-# 18.9 vs 25.5 µs, B = 8 26.9 vs 28.3, B = 16 29.7 vs 29.5 (a tie), B = 32 42.0 vs 33.5; bench/RESULTS.md session 15)
+# 18.9 vs 25.5 µs, B = 8 26.9 vs 28.3, B = 16 29.7 vs 29.5 (a tie), B = 32 42.0 vs 33.5; H200)
 
 
 def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, kv_parts) -> str:
     """Which GPU kernel: kernel_kw["impl"] when given; otherwise the Mosaic one-launch kernel for fp8 rows at
     storage precision with ≤ 16 heads (one TP shard of K3's 96) and ≥ `MGPU_MIN_BATCH` sequences (H200,
-    bench/RESULTS.md sessions 14-15: 33.5 µs vs the Triton storage preset's 42–48 at B = 32, H = 12, 32K), and
+    H200: 33.5 µs vs the Triton storage preset's 42–48 at B = 32, H = 12, 32K), and
     the Triton kernel for everything else (small batches, exact products, other formats, more heads, interpret
     mode)."""
     if "impl" in kernel_kw:

@@ -46,6 +46,7 @@ try:  # present in jax 0.10.x and 0.11.x
 except ImportError:  # pragma: no cover - a jax without the Triton lowering
     pltriton = None
 
+from ..codec import e2m1_value
 from ..paged import pool_offsets_safe
 from ..triton_prims import fp8_e4m3_to_f16
 from .reference import merge_partials
@@ -75,17 +76,6 @@ def fits(fmt) -> bool:
     preset: rope = 8)."""
     R, rope = getattr(fmt, "latent", 0), getattr(fmt, "rope", 0)
     return supports(fmt) and _pow2(R) and _pow2(rope) and rope >= 16 and R >= 32
-
-
-def e2m1_value(code_i32):
-    """4-bit e2m1 codes (int32, 0..15) -> float32 values by arithmetic (no table): bit 3 sign, bits 2..1 exponent
-    e (bias 1), bit 0 mantissa m: e = 0 -> 0.5·m, else 2^(e−1)·(1 + m/2)."""
-    mag = code_i32 & 7
-    e = mag >> 1
-    m = (mag & 1).astype(jnp.float32)
-    pow2 = ((1 << e) >> 1).astype(jnp.float32)  # e = 1, 2, 3 -> 1, 2, 4 (e = 0 -> 0, replaced below)
-    v = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
-    return jnp.where((code_i32 & 8) != 0, -v, v)
 
 
 def _dot_nt(a, b):
@@ -405,7 +395,7 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     "wide64_qr": dict(block_h=64, block_k=64, exact=False, num_warps=8, num_stages=2, q_reload=True,
                       merge="pallas"),  # 255 / 0 / 180 KB
     "w16_fast": dict(block_h=16, block_k=64, exact=False, num_warps=4, num_stages=2, merge="pallas"),
-    # session 6: every gather software-pipelined (TTGIR: cp.async for the rows of both dots, none synchronous) —
+    # every gather software-pipelined (TTGIR: cp.async for the rows of both dots, none synchronous) —
     # pool rows computed outside (`pool_rows`) and the PV rows a second load (`value_reload`)
     "sr16_bk64": dict(block_h=16, block_k=64, exact=False, num_warps=8, num_stages=3, slots_outside=True,
                       value_reload=True, merge="pallas"),  # 199 / 0 / 91 KB
@@ -424,7 +414,7 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
                          value_reload=True, merge="pallas"),  # 182 / 0 / 54 KB, 2 buffers
     "sr16_bk64_s5": dict(block_h=16, block_k=64, exact=False, num_warps=8, num_stages=5, slots_outside=True,
                          value_reload=True, merge="pallas"),  # 199 / 0 / 161 KB, 2 buffers
-    # session 7: ncu on sr16_bk32_s5 (8 splits, B = 32, H = 12): 255 registers and 90 KB hold an SM to 2 programs
+    # ncu on sr16_bk32_s5 (8 splits, B = 32, H = 12): 255 registers and 90 KB hold an SM to 2 programs
     # (8 warps), which issue 0.41 instructions per cycle per scheduler. Value halves per program (block_v = 256:
     # twice the programs, each recomputing QKᵀ from L2-resident rows) cut the registers
     "sr16_bk16_v256_s5": dict(block_h=16, block_k=16, exact=False, num_warps=4, num_stages=5, slots_outside=True,
@@ -437,7 +427,7 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     # pool rows 3.4, kernel 31.6, merge 5.4 µs (ncu) — and 38.6 µs per call vs 42.5 with q prepared outside
     "sr16_bk32_s5_qi": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                             value_reload=True, merge="pallas", q_inside=True),  # 255 / 0 / 90 KB
-    # session 8: the loop body's SASS (bench/triton_regs.py --sass: `loop`) has each warp's QKᵀ as ONE chain of 36
+    # the loop body's SASS (bench/triton_regs.py --sass: `loop`) has each warp's QKᵀ as ONE chain of 36
     # dependent HMMA (its [16, 8] tile over k = 576), a latency two warps per scheduler might not hide. Split
     # logits (qk_split: 1190 -> 982 loop instructions, chains of ≤ 8) and the lazy rescale (the [16, 512] f32
     # accumulator's 64 FMULs per thread skipped unless a max moves by > 8; 221 registers with both). Timed
@@ -445,7 +435,7 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     # sr16_bk32_s5_qi — no gain. ncu (SourceCounters): 1.9 active warps per scheduler, 0.53 eligible, 0.41 issued;
     # stalls spread over fixed-latency waits (LDS, HMMA, F2FP: 22%), issue (22%), global (15%) and shared (15%)
     # dependencies: with 2 programs per SM no single chain dominates; the kernel needs fewer instructions per row
-    # (≈ 137 warp-instructions per gathered row) AND more warps in flight, i.e. another structure (see RESULTS)
+    # (≈ 137 warp-instructions per gathered row) AND more warps in flight, i.e. another structure (sparse_mgpu)
     "sr16_bk32_s5_qi_c8": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
                                value_reload=True, merge="pallas", q_inside=True, qk_split=8),  # 255 / 0 / 90 KB
     "sr16_bk32_s5_qi_lz": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5, slots_outside=True,
@@ -453,7 +443,7 @@ WIDE = {  # ptxas (triton 3.6, sm_90a) at K3.1, fp8 rows: regs / spill bytes / s
     "sr16_bk32_s5_qi_c8_lz": dict(block_h=16, block_k=32, exact=False, num_warps=4, num_stages=5,
                                   slots_outside=True, value_reload=True, merge="pallas", q_inside=True, qk_split=8,
                                   lazy=True),  # 221 / 0 / 90 KB
-    # session 9: the conversion staged once (`convert_once`): one load per block feeding both dots, converted by a
+    # the conversion staged once (`convert_once`): one load per block feeding both dots, converted by a
     # non-pure asm op and read by ldmatrix. Loop instructions per gathered row (all warps, bench/triton_regs.py
     # --sass with pip triton 3.6): 86 (bk32, 4 warps) / 131 (bk32, 8 warps) / 82 (bk64, 8 warps) vs 149 for
     # sr16_bk32_s5_qi. SLOWER on the H200 (B = 32, H = 12, 8 splits unless named; µs): co 53.6, co_s4 45.3,
@@ -498,10 +488,10 @@ def pool_rows(block_tables, idx_bk, page: int, nblocks: int):
 
 def storage_preset(B: int, H: int) -> dict:
     """Kernel settings for `precision="storage"` (products at the storage formats' 5e-3 bar, not fp32-level), from
-    the H200 sweeps (bench/RESULTS.md; device time per call at 32K): ≤ 16 heads `sr16_bk32_s5_qi` — at B ≥ 8
+    the H200 sweeps (device time per call at 32K): ≤ 16 heads `sr16_bk32_s5_qi` — at B ≥ 8
     sequences with 8 splits (38.6 µs; 42.5 with q prepared outside, 96 for the exact default at B = 32, H = 12,
     2026-12-01), below 8 with the automatic split count (14.8 vs 20.6 µs for the default settings at B = 1, H = 12,
-    session 8: three launches instead of six) — and, for more heads, `wide128_v256` at B ≥ 8 (212 vs 482 µs at
+    three launches instead of six) — and, for more heads, `wide128_v256` at B ≥ 8 (212 vs 482 µs at
     H = 96); below 8 sequences with more than 16 heads the default settings stay (empty dict: nothing faster measured)."""
     if H <= 16:
         return dict(WIDE["sr16_bk32_s5_qi"], **({"splits": 8} if B >= 8 else {}))

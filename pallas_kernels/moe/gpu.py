@@ -65,21 +65,21 @@ class GpuConfig:
     num_stages: int = 3
     swap_ab: bool = False
     # MXFP4 tile decode: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`), "asm_sign" (one
-    # magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; 4% faster than "asm" on the H200, session 7),
+    # magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; 4% faster than "asm" on the H200),
     # "bf16" (the same numbers in jnp), "2d" (f16 bit trick, scales expanded to the tile), "3d" (as 2d, scales
     # broadcast [bn, bk/32, 16]), "fp8" (the codes as e4m3 on fp8 tensor cores, one dot per 32-element scale group,
-    # x as two e4m3 planes: `_fp8_groups`; 2.4x slower than "asm_sign" on the H200, session 10)
+    # x as two e4m3 planes: `_fp8_groups`; 2.4x slower than "asm_sign" on the H200)
     dequant: str = "asm_sign"
     # > 0: a tile holding at most bm_small rows (a group's last tile, or a small group) runs a bm_small-row MMA
     # instead of bm rows (a second code path in the same program, picked per tile at run time). At K3 prefill's
     # ~146 rows per expert, 128-row tiles compute 1.46x the rows and 128 + 64 mixed tiles 1.23x (bench/moe.py);
-    # one launch, so a group's tiles still follow each other and share its weights through L2. H200, session 8:
+    # one launch, so a group's tiles still follow each other and share its weights through L2. H200:
     # 0.880 vs 0.915 ms (4%, not the 16% fewer rows: the 64-row wgmma path runs at a lower rate per row).
     bm_small: int = 0
 
 
-# The decode used by `default_config` for MXFP4 weights: "asm_sign" since session 8 (2026-12-01; H200 at 8 rows per
-# expert: 1.93 TB/s vs 1.86 for "asm"); "asm" before it, "2d" before the PTX decodes (bench/RESULTS.md).
+# The decode used by `default_config` for MXFP4 weights: "asm_sign" (2026-12-01; H200 at 8 rows per
+# expert: 1.93 TB/s vs 1.86 for "asm"); faster than "asm" and the older "2d" decode.
 MXFP4_DECODE = "asm_sign"
 
 
@@ -91,7 +91,7 @@ def _pow2_at_least(v: float, lo: int, hi: int) -> int:
 
 
 def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool, n_w: int = 1) -> GpuConfig:
-    """Block shapes by problem kind, from the H200 sweeps in bench/RESULTS.md (2026-11-30).
+    """Block shapes by problem kind, from the H200 sweeps (2026-11-30, `bench/moe.py --sweep`).
 
     bf16, ~146 rows per expert (K3 prefill): 128x256x64 tiles, 8 warps, 3 stages (389 TFLOP/s; 64-row tiles, 128x128
     and deeper pipelines were slower), a group's last tile on a 64-row MMA when it holds ≤ 64 rows (`bm_small`:
@@ -101,12 +101,12 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
     (bm >= rows per expert, up to 64) and each weight tile is decoded once; 64x256 weight tiles, 4 warps (with the
     f16-trick "2d" decode: 1.34 TB/s at 8 rows per expert; 3d decode, wider/deeper tiles, 8 warps and swap_ab were
     slower). The decode is now `MXFP4_DECODE` (PTX byte permutes, ~4x fewer ops per element; block shapes re-swept
-    on the H200 in session 7: 16x64x256, 4 warps, 3 stages was still the best at 8 rows per expert; session 10:
+    on the H200: 16x64x256, 4 warps, 3 stages was still the best at 8 rows per expert; later:
     512-wide steps 3% faster there). The fp8 tensor-core path (`dequant="fp8"`) measured 2.4x slower: opt-in only."""
     avg = m_rows / max(num_groups, 1)
     if quantized:
         dq = MXFP4_DECODE
-        if avg <= 16:  # 512-wide steps: 1.98 vs 1.92-1.95 TB/s at 8 rows per expert (H200, s10_gpu1-2)
+        if avg <= 16:  # 512-wide steps: 1.98 vs 1.92-1.95 TB/s at 8 rows per expert (H200)
             return GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant=dq)
         if avg <= 32:
             return GpuConfig(bm=32, bn=64, bk=256, num_warps=4, num_stages=3, dequant=dq)
@@ -117,7 +117,7 @@ def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool
         return GpuConfig(bm=_pow2_at_least(avg, 16, 32), bn=64, bk=128, num_warps=4, num_stages=4, swap_ab=True)
     if n_w == 2:
         return GpuConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
-    # a group's last tile of ≤ 64 rows on the 64-row path: 0.880 vs 0.915 ms at K3 prefill (H200, session 8)
+    # a group's last tile of ≤ 64 rows on the 64-row path: 0.880 vs 0.915 ms at K3 prefill (H200)
     return GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, bm_small=64)
 
 

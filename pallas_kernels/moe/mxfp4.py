@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..codec import E2M1_VALUES, mxfp4_encode
+from ..codec import E2M1_VALUES, e2m1_value, mxfp4_encode
 from ..codec import MXFP4_GROUP as GROUP  # elements per E8M0 scale
 from ..triton_prims import inline_asm_primitive
 
@@ -117,22 +117,15 @@ def decode_lo_hi_f16(p_u8):
 F16_TRICK_EXP = 14  # decode_lo_hi_f16 values are 2^−14 times the e2m1 value
 
 
-def _e2m1_f32(code):
-    c3 = code & 7
-    normal = jax.lax.bitcast_convert_type((c3 << 22) + (126 << 23), jnp.float32)  # 2^(e−1)·(1 + m/2), e ≥ 1
-    mag = jnp.where(c3 < 2, c3.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(code >= 8, -mag, mag)
-
-
 def decode_lo_hi_f32(p_u8):
     """Packed bytes -> (even, odd) e2m1 values as float32 with int32/f32 ops and selects (TPU kernels)."""
     p = p_u8.astype(jnp.int32)
-    return _e2m1_f32(p & 0x0F), _e2m1_f32(p >> 4)
+    return e2m1_value(p & 0x0F), e2m1_value(p >> 4)
 
 
 # ------------------------------------------------------------------------- fast GPU decode: byte permutes in PTX
 # Why: the jnp decode above costs ~8 integer/float ops per element in Triton plus f32 round trips; at decode-sized
-# groups that, not HBM, bounds the MXFP4 grouped matmul (bench/RESULTS.md). The PTX below turns one 32-bit word of
+# groups that, not HBM, bounds the MXFP4 grouped matmul (`bench/moe.py`). The PTX below turns one 32-bit word of
 # packed codes (8 elements) into four bf16x2 registers, already scaled, in 15 integer ops (and, shr, prmt, lop3) and
 # 6 bf16x2 FMAs — under 2 integer ops per element:
 #   1. a 16-entry signed lookup through `prmt` (a byte permute whose selector nibbles are the codes): bytes
@@ -188,8 +181,8 @@ lop3.b32 d4qh, d4p, d4n, d4sg, 0xD8;
 {_PLACE_AND_SCALE}}}"""
 
 
-# A variant (GpuConfig.dequant="asm_sign", the default since session 8: 4% faster than DECODE_PTX on the H200 at 8
-# rows per expert, 1.93 vs 1.86 TB/s of weights, session 7): one positive-magnitude
+# A variant (GpuConfig.dequant="asm_sign", the default: 4% faster than DECODE_PTX on the H200 at 8
+# rows per expert, 1.93 vs 1.86 TB/s of weights): one positive-magnitude
 # table instead of the signed pair, and the sign ORed into each bf16 lane afterwards from the code bytes (placed by
 # a byte permute under bits 15/31; a 4-bit shift brings the low nibbles' sign bits there). Same 21 working
 # instructions per 8 elements but six table/mask words instead of eight; in `bench/triton_regs.py --op moe --sass`
@@ -224,7 +217,7 @@ PTX_DECODES = {"asm": DECODE_PTX, "asm_sign": DECODE_PTX_SIGN}
 # (`NEG192_PTX`, one multiply per group instead of two per word), $7 / $8 = the magnitude table `LUT_POS`, $9 =
 # 0x43434343. The sign copies use the word itself as the permute's second pool (its other bytes are masked away by
 # the 0x80008000 of the final lop3). Inline copies of `DECODE_PTX_SIGN` re-materialise 6 constants and two −192·h
-# products per word in the PTX; ptxas had already shared most of them (the same speed on the H200, session 11).
+# products per word in the PTX; ptxas had already shared most of them (the same speed on the H200).
 DECODE_PTX_SIGN_OPERANDS = """{
 .reg .b32 d4m, d4mh, d4q, d4qh, d4s01, d4s23, d4t01, d4t23;
 and.b32 d4m, $4, 0x77777777;
@@ -302,7 +295,7 @@ def _decode_asm_p(form: str = "asm"):
 # 4 multiplies = 15 instructions per 8 weights. The shifts do not wrap, and four of the five go left: those are
 # written as multiplies by 2^k, which ptxas issues as IMAD on the FMA pipe, next to the bf16 multiplies, instead of
 # on the integer ALU pipe that the masks (and rotations) use — ncu put the first version of this decode (five
-# rotations) on "math pipe throttle" (session 16).
+# rotations) on "math pipe throttle".
 # Output registers as in the table decodes: $0..$3 = lo(b0, b1), lo(b2, b3), hi(b0, b1), hi(b2, b3) of the natural
 # word (byte b, low / high nibble), lane 0 in the low half.
 PLACED_SHIFTS = ((-6, 4), (0, 0), (3, 5), (6, 6))  # per output register: left shifts of (magnitudes, signs); < 0: right
@@ -413,7 +406,7 @@ lop3.b32 $1, e4c, 0x1C1C1C1C, e4d, 0xEA;
 
 
 # A byte-permute table decode to normal e4m3 codes (0.5 = 0x30, unscaled; 9 instructions per 8 elements and two
-# table words) was timed beside this one on the H200 (session 10): the same error, 3-5% slower; the tensor cores take
+# table words) was timed beside this one on the H200: the same error, 3-5% slower; the tensor cores take
 # the subnormal codes exactly (`bench/moe_fp8_check.py`).
 
 
@@ -451,7 +444,7 @@ def split_e4m3_planes(x):
 
     x_hi is rounded with `reduce_precision` (4 exponent, 3 mantissa bits: e4m3's rounding below 240, except that it
     flushes values under 2^−6 to zero — those go whole into x_lo), not by converting to e4m3 and back: inside a jit,
-    XLA on the GPU folded that pair of converts away and the residual came out as zeros (H200, session 10)."""
+    XLA on the GPU folded that pair of converts away and the residual came out as zeros (H200)."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1)
     _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax < 2^e

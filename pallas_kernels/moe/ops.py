@@ -47,7 +47,7 @@ from .routing import route
 
 BACKENDS = ("reference", "gpu", "mgpu", "tpu")
 
-# The GPU kernel used by backend="auto", per weight kind; chosen by measurement (bench/moe.py, bench/RESULTS.md):
+# The GPU kernel used by backend="auto", per weight kind; chosen by measurement (bench/moe.py, docs/performance.md):
 # at K3 shapes on an H200 the Pallas→Triton kernel ran 389 TFLOP/s, JAX's ragged_dot_mgpu 270 (best of 4 configs).
 GPU_CHOICE = {"bf16": "gpu", "mxfp4": "gpu"}
 

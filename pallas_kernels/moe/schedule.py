@@ -59,7 +59,7 @@ def group_tiles(group_sizes, m_rows: int, bm: int) -> GroupTiles:
 
 
 # Up to this many (token, slot) pairs `expert_ranks` ranks the pairs by counting instead of sorting: P² compares in
-# one fused reduction. H200, session 31: XLA's GPU sort of 3,584 pairs is one CTA's bitonic sort, 31–32 µs whether
+# one fused reduction. H200: XLA's GPU sort of 3,584 pairs is one CTA's bitonic sort, 31–32 µs whether
 # it sorts argsort's (key, index) pair or one packed key; the counting rank took 5.9 µs.
 COUNTING_SORT_MAX_PAIRS = 8192
 

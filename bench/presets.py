@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Named presets: the exact bench commands behind every figure in docs/performance.md.
+
+    python3 bench/presets.py                 # list the presets
+    python3 bench/presets.py NAME [NAME ...] # run them one after the other (from the repository root)
+    python3 bench/presets.py --dry-run NAME  # print the commands only
+
+Each preset is one or more command lines of the scripts in bench/; their options select the shapes, so a measurement
+is repeated by name rather than by a copied script. On a GPU host `source bench/device_env.sh` first (it installs the
+wheels carried in `.whl/` and sets PYTHONPATH / OUT). Extra arguments after `--` are appended to every command of a
+single preset, e.g. `python3 bench/presets.py moe-ffn -- --ffn-rows 32`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# name -> (what it measures, card, the command lines)
+PRESETS: dict[str, tuple[str, str, list[str]]] = {
+    "kda": ("KDA prefill vs fla chunk_kda and decode state bytes vs copy (H=96, d=128, bf16)", "1 GPU",
+            ["bench/kda.py --budget 320"]),
+    "moe-grouped": ("MoE bf16 grouped matmul vs dense / batched dense / torch._grouped_mm; MXFP4 matmul sweep",
+                    "1 GPU", ["bench/moe.py --sweep --no-ep --budget 210"]),
+    "moe-ep": ("expert-parallel FFN over 2 GPUs: ragged all-to-all vs all-gather + psum_scatter", "2 GPUs",
+               ["bench/moe.py --sweep --budget 175"]),
+    "moe-ffn": ("MXFP4 expert FFN at 8 / 32 / 64 rows per expert, its dense-MMA ceiling, the model's MoE path",
+                "1 GPU", ["bench/moe.py --no-ep --ffn-only --ffn-sizes routed --ffn-no-peers --ffn-rows 8,32,64 "
+                          "--ffn-from-tokens"]),
+    "moe-parts": ("the MXFP4 FFN's two kernels with one part taken out at a time", "1 GPU",
+                  ["bench/moe_parts.py --rows 32", "bench/moe_parts.py --rows 64"]),
+    "moe-tokamax": ("tokamax ragged_dot (bf16, 4-bit) beside ours", "1 GPU", ["bench/moe_tokamax.py"]),
+    "dsa-indexer": ("DSA indexer key bytes vs copy at 32K / 128K / 1M x 32 (storage presets)", "1 GPU",
+                    ["bench/dsa.py --batches 32 --heads 12 --contexts 32768,131072,1048576 --ix-storage --no-tune"]),
+    "sparse-mla": ("Mosaic sparse MLA decode op at B=32, H=12, 32K, beside the timing chain's own floor", "1 GPU",
+                   ["bench/mla_mgpu.py --ops floor,op --batches 32 --no-triton --configs '[{}]'"]),
+    "gather-ceiling": ("the best read-only gather of sparse MLA's rows (torch, Triton, our LSU / TMA gather)",
+                       "1 GPU", ["bench/gather_ceiling.py --batches 32 --ctx 32768,131072 --triton",
+                                 "bench/mla_gather_probe.py"]),
+    "cp": ("context parallelism on 2 GPUs: token- vs head-split prefill, DCP2 vs TP2 decode, capacity", "2 GPUs",
+           ["bench/cp.py --reps 2 --budget 155",
+            "bench/cp.py --tokens 131072 --skip decode,capacity --reps 2 --budget 280 --grace 20"]),
+    "serve-gpu": ("the real server, kimi-k3.1-reduced bf16, 1 and 32 clients, decode vs bytes roofline", "1 GPU",
+                  ["bench/serve.py --gpu"]),
+    "serve-cpu": ("the real server, tiny float32, 1 / 8 / 32 clients", "CPU", ["bench/serve.py"]),
+    "spec-decode": ("speculative decoding, adaptive policy vs always, repetitive and rejected drafts", "1 GPU",
+                    ["bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject"]),
+    "spec-draft": ("a draft model (the target itself), greedy and sampled drafts, 1 and 4 requests", "1 GPU",
+                   ["bench/spec_decode.py --gpu --max-tokens 96 --max-num-seqs 4 --scenarios draft,draft-sampled "
+                    "--temperature 1"]),
+    "draft-batch": ("the batched draft proposal against one sequence per call", "CPU", ["bench/draft_batch.py"]),
+    "vision": ("the vision tower: exact, bucketed and batched paths, cuDNN attention", "1 GPU",
+               ["bench/vision.py --path all --attention fused --sides 448,1000,1792 --reps 3"]),
+    "convert": ("checkpoint conversion: peak RSS and throughput on a synthetic K3.1 checkpoint", "CPU",
+                ["bench/convert.py"]),
+}
+
+
+def commands(name: str, extra: list[str]) -> list[list[str]]:
+    return [[sys.executable, *shlex.split(line), *extra] for line in PRESETS[name][2]]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="presets to run (none: list them)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    if not args.names:
+        for name, (what, card, lines) in PRESETS.items():
+            print(f"{name:15s} [{card}] {what}")
+            for line in lines:
+                print(f"{'':15s}   python3 {line}")
+        return 0
+    unknown = [n for n in args.names if n not in PRESETS]
+    if unknown:
+        ap.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(PRESETS)}")
+    if extra and len(args.names) > 1:
+        ap.error("arguments after -- apply to a single preset")
+    rc = 0
+    for name in args.names:
+        for cmd in commands(name, extra):
+            print("+ " + shlex.join(["python3", *cmd[1:]]), flush=True)
+            if not args.dry_run:
+                rc = subprocess.call(cmd, cwd=ROOT) or rc
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,3 +1,0 @@
-source bench/device_env.sh
-( JAX_PLATFORMS=cuda timeout 220 python3 -m pytest -q -m gpu tests/test_dsa_kernels.py tests/test_kernel_path.py -k "dsa or pads or sparse or indexer or q_prepared or lazy" --tb=line 2>&1 | grep -v "Warning\|warn\|return rule\|^tests/" | tail -12 )
-timeout 330 python3 bench/dsa.py --batches 32 --heads 12 --contexts 32768,131072 --only sp128_qk_s5_pf_qi,sp128_qk_s5_pf,sr16_bk32_s5_qi_ns8,sr16_bk32_s5_qi_c8_ns8,sr16_bk32_s5_qi_lz_ns8,sr16_bk32_s5_qi_c8_lz_ns8,sr16_bk32_s5_qi_c8_lz_ns4 --budget 310 2>&1 | grep -E "tuning_sparse|tuning_indexer|^sparse MLA ctx|^indexer ctx|FAIL|rror" | cut -c1-1500 | tail -12

@@ -1,4 +1,0 @@
-source bench/device_env.sh
-( JAX_PLATFORMS=cuda timeout 170 python3 -m pytest -q -m gpu tests/test_dsa_kernels.py -k "convert_once or fp8_to_f16 or q_prepared or lazy" --tb=line 2>&1 | grep -v "Warning\|warn\|return rule\|^tests/" | tail -12 )
-timeout 250 python3 bench/dsa.py --batches 32 --heads 12 --contexts 32768 --only sr16_bk32_s5_qi_ns8,sr16_bk32_s5_qi_co_ns8,sr16_bk32_s4_qi_co_ns8,sr16_bk32_w8_s5_qi_co_ns8,sr16_bk64_w8_s5_qi_co_ns8,sr16_bk16_s6_qi_co_ns8,sr16_bk32_s5_qi_co_ns16,sr16_bk32_s5_qi_co_ns4 --budget 230 2>&1 | grep -E "tuning_sparse|^sparse MLA ctx|^indexer ctx|FAIL|rror" | cut -c1-1800 | tail -12
-timeout 150 python3 bench/dsa.py --batches 1 --heads 12 --contexts 32768 --only sr16_bk32_s5_qi,sr16_bk32_s5_qi_co,sr16_bk16_s6_qi_co,sr16_bk32_w8_s5_qi_co --budget 130 2>&1 | grep -E "tuning_sparse|^sparse MLA ctx|FAIL|rror" | cut -c1-900 | tail -6

@@ -1,0 +1,160 @@
+"""Row plans of the Mosaic GPU MXFP4 kernels (XLA side): rows sorted by expert padded per expert to whole tiles.
+
+`tile_plan` / `slot_tile_plan` -> `TilePlan` (src `[m_pad]`, tile -> expert `[t_max]`, live tiles `[1]`, padded
+row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + E and m_pad = t_max · rows. `prepare_rows`
+gives the padded-plan kernels their x planes `[2, m_pad, K/2]` bf16; `gather_x` the tile layout's; `unpad_output`
+brings a padded result back to `[M, N]`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels.moe.schedule as schedule
+from .config import ROW_ALIGN
+from .layout import _planes_in_contraction_order
+
+
+def _group_of(ends, idx):
+    """Group of each index for sorted group ends: a count of the ends ≤ idx (a compare-all, no search loop: XLA's
+    `searchsorted` scan costs tens of µs of small kernels on the GPU)."""
+    return jnp.sum(idx[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def _tiles(group_sizes, E: int, t_max: int, rows: int):
+    """Per-group padding to `rows`: (tile -> group `[t_max]`, live tiles `[1]`, padded row start per group)."""
+    sizes = group_sizes.astype(jnp.int32)
+    tiles_g = (sizes + rows - 1) // rows
+    tile_end = jnp.cumsum(tiles_g)
+    tile_start = tile_end - tiles_g
+    tile_group = jnp.minimum(_group_of(tile_end, jnp.arange(t_max, dtype=jnp.int32)), E - 1)
+    return tile_group, tile_end[-1:], tile_start * rows
+
+
+def _pad_plan(group_sizes, M: int, num_experts: int, rows: int):
+    """Rows padded per group to multiples of `rows`, as gathers only (no scatter) -> (source row of each padded row
+    `[m_pad]` (M: a zero row), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live
+    row mask `[M]`)."""
+    E = num_experts
+    t_max = -(-M // rows) + E
+    m_pad = t_max * rows
+    tile_group, num_tiles, pad_start = _tiles(group_sizes, E, t_max, rows)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    # padded row p: tile p // rows of group g, k-th padded row of g; a real row while k < the group's size
+    p = jnp.arange(m_pad, dtype=jnp.int32)
+    g = tile_group[p // rows]
+    k = p - pad_start[g]
+    src = jnp.where((p // rows < num_tiles[0]) & (k < sizes[g]), starts[g] + k, M)
+    # padded row of each sorted row; rows past Σ sizes go to the last padded row (never a live tile's) and are zeroed
+    row = jnp.arange(M, dtype=jnp.int32)
+    g_of_row = jnp.minimum(_group_of(ends, row), E - 1)
+    live = row < ends[-1]
+    pad_row = jnp.where(live, pad_start[g_of_row] + row - starts[g_of_row], m_pad - 1)
+    return src, tile_group, num_tiles, pad_row, live
+
+
+def _pad_rows(x, group_sizes, num_experts: int, rows: int):
+    """Rows padded per group to multiples of `rows` -> (x's rows in padded order `[m_pad, K]` (zeros between
+    groups), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live row mask `[M]`)."""
+    src, *plan = _pad_plan(group_sizes, x.shape[0], num_experts, rows)
+    return (x.at[src].get(mode="fill", fill_value=0), *plan)
+
+
+def prepare_rows(x, group_sizes, num_experts: int, rows: int = 16):
+    """XLA side of the bf16 path: `_pad_rows`, x split into even / odd elements in the kernel's contraction order
+    -> (x planes `[2, m_pad, K/2]` bf16 (even, odd: one copy per step brings both), tile -> group, live tiles, padded
+    row of each input row, live row mask)."""
+    x_rows, tile_group, num_tiles, pad_row, live = _pad_rows(x.astype(jnp.bfloat16), group_sizes, num_experts, rows)
+    return _planes_in_contraction_order(x_rows), tile_group, num_tiles, pad_row, live
+
+
+def group_bounds(group_sizes, M: int):
+    """`group_sizes [E]` -> row bounds `[E + 2]` int32: expert e's rows are [b[e], b[e + 1]) (sizes clipped so that
+    every bound lies in [0, M]); the rows [b[E], b[E + 1] = M) past Σ sizes, which the kernel zeroes."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), M)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends, jnp.full((1,), M, jnp.int32)])
+
+
+class TilePlan(NamedTuple):
+    """Rows padded per expert to whole tiles of `rows` (`tile_plan`): the layout `expert_ffn_tiled` keeps x, the
+    gate / up outputs, h and the down output in, so the padding happens once per FFN instead of around each matmul."""
+    src: jax.Array  # [m_pad] int32: the sorted row each padded row holds (M: none, a zero row)
+    tile_group: jax.Array  # [t_max] int32: each tile's expert (dead tiles: clamped, never computed)
+    num_tiles: jax.Array  # [1] int32: live tiles
+    pad_row: jax.Array  # [M] int32: each sorted row's padded row
+    live: jax.Array  # [M] bool: rows inside Σ group_sizes
+
+
+def tile_plan(group_sizes, M: int, num_experts: int, rows: int) -> TilePlan:
+    """The padded-row plan of `M` sorted rows over `group_sizes [E]` for `rows`-row tiles (`_pad_plan`)."""
+    return TilePlan(*_pad_plan(group_sizes, M, num_experts, rows))
+
+
+def slot_tile_plan(expert_idx_nk, num_experts: int, rows: int) -> TilePlan:
+    """The tile layout of routed (token, slot) pairs planned from the routing itself, `expert_idx_nk [N, k]` int.
+    The plan's rows are the pairs in (token, slot) order (row i = pair i: token i // k, slot i % k), not sorted by
+    expert: `src [m_pad]` holds each padded row's pair (N·k: none), `pad_row [N·k]` each pair's padded row and
+    `live` is all true. Each expert's pairs fill its tiles in pair order, so the padded rows hold exactly what
+    `tile_plan` of the sorted pairs puts there (`ops.dispatch_plan`'s stable sort) — without the sorted rows:
+    no order scatter, no per-row group search, no index composed for the combine. `expert_ffn_tiled(plan=…)`
+    runs the FFN on it and returns the pairs' rows in (token, slot) order, which is what the combine reads."""
+    expert = expert_idx_nk.reshape(-1).astype(jnp.int32)
+    pairs = expert.shape[0]
+    rank, sizes = schedule.expert_ranks(expert, num_experts)
+    t_max = -(-pairs // rows) + num_experts
+    tile_group, num_tiles, pad_start = _tiles(sizes, num_experts, t_max, rows)
+    pad_row = pad_start[expert] + rank
+    src = jnp.full((t_max * rows,), pairs, jnp.int32).at[pad_row].set(jnp.arange(pairs, dtype=jnp.int32),
+                                                                       unique_indices=True)
+    return TilePlan(src, tile_group, num_tiles, pad_row, jnp.ones((pairs,), bool))
+
+
+def aligned_rows(group_sizes, plan: TilePlan, rows: int, M: int):
+    """`MgpuConfig.x_rows="aligned"` for `M` sorted rows -> (the sorted row each aligned row holds `[m8 + rows]`
+    int32 (M: none, a zero row) — each group's rows padded to a multiple of `ROW_ALIGN`, then `rows` zero rows;
+    the aligned row where each tile of `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last
+    tile reads up to rows − 1 rows past the group: the next group's, or the zero rows; dead tiles start at the
+    zero rows."""
+    plan8 = tile_plan(group_sizes, M, group_sizes.shape[0], ROW_ALIGN)  # the same plan, in 8-row tiles
+    m8 = plan8.src.shape[0]
+    src = jnp.concatenate([plan8.src, jnp.full((rows,), M, jnp.int32)])
+    # tile t of `plan` starts at sorted row first[t], a multiple of rows into its group; dead tiles (first = M)
+    # at the zero rows
+    first, _ = tile_rows(plan, rows, M)
+    x_row0 = jnp.concatenate([plan8.pad_row, jnp.full((1,), m8, jnp.int32)])[first]
+    return src, x_row0
+
+
+def gather_x(x, src, token_of_row=None):
+    """x's rows in a tile layout: `x [M, K]` sorted rows -> `x[src]` `[len(src), K]` bf16 (src = M: a zero row), whose
+    planes the kernel's wrapper makes (`_tile_layout_operands`: a transpose XLA fuses into this gather). With
+    `token_of_row [M]`, `x [N, K]` is the tokens the sorted rows come from (sorted row i = x[token_of_row[i]]): the
+    planes are made on the N tokens (k times fewer rows) and the gather moves contiguous half-rows -> planes
+    `[2, len(src), K/2]`, and the sorted rows `[M, K]` are never materialised."""
+    if token_of_row is None:
+        return x.astype(jnp.bfloat16).at[src].get(mode="fill", fill_value=0)
+    tok = token_of_row.at[src].get(mode="fill", fill_value=x.shape[0])
+    return _planes_in_contraction_order(x.astype(jnp.bfloat16)).at[:, tok].get(mode="fill", fill_value=0)
+
+
+def tile_rows(plan: TilePlan, rows: int, num_rows: int):
+    """Where each tile's rows go back in sorted order: (first sorted row `[t_max]`, valid rows `[t_max]` int32) —
+    a tile's padded rows hold consecutive sorted rows of one expert, then padding, so its valid rows are a prefix
+    (padded row t·rows + r holds sorted row first + r for r < valid)."""
+    src_tiles = plan.src.reshape(-1, rows)
+    return src_tiles[:, 0], jnp.sum(src_tiles < num_rows, axis=1, dtype=jnp.int32)
+
+
+def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):
+    """The kernel's outᵀ `[N, m_pad]` fp32 (`store="rows"`: out `[m_pad, N]`) -> `[M, N]` `out_dtype`: each input
+    row's padded row (`pad_row [M]`), times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed
+    layout's 2^exp_offset), zeros where `live [M]` is false."""
+    out = out_t[pad_row] if store == "rows" else out_t[:, pad_row].T
+    if row_scale is not None:
+        out = out * row_scale[pad_row][:, None]
+    return jnp.where(live[:, None], out, 0).astype(out_dtype)
