@@ -103,9 +103,6 @@ def kernel_calls(mlir_text: str) -> dict:
 def export_programs(args) -> dict:
     """Export every engine program; returns the summary (also written to `args.out/summary.json`)."""
     platform = PLATFORMS[args.platform]
-    if args.dcp != 1:
-        raise ValueError("--dcp > 1: the engine's programs do not run decode context parallelism yet "
-                         "(kimi_jax.parallel has the model-level DCP programs)")
     cfg = get_preset(args.model) if args.model in PRESETS else load_config(args.model)
     dtype = _parse_dtype(args.dtype)
     # a 1x1 mesh is a mesh of one device: the same partitioned programs as any other
@@ -117,12 +114,13 @@ def export_programs(args) -> dict:
     runner = ModelRunner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          prefill_chunk_sizes=chunks, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
                          class_masks=np.zeros((NUM_VOCAB_CLASSES, V), bool), stop_mask=np.zeros(V, bool),
-                         spec_tokens=args.speculative_tokens)
+                         spec_tokens=args.speculative_tokens, dcp=args.dcp)
     os.makedirs(args.out, exist_ok=True)
     summary = {"platform": platform, "model": args.model, "architecture": cfg.architecture, "mesh": args.mesh,
                "devices": int(model.mesh.size), "kernels": args.kernels,
                "dtype": jnp.dtype(dtype).name, "kv_dtype": runner.kv_dtype, "index_dtype": runner.index_dtype,
-               "max_num_seqs": runner.B, "max_model_len": runner.L, "prefill_chunk_sizes": list(runner.chunk_sizes),
+               "max_num_seqs": runner.B, "dcp": runner.dcp,
+               "cache_bytes_per_device": runner.cache_bytes_per_device(), "max_cached_tokens": runner.max_cached_tokens, "max_model_len": runner.L, "prefill_chunk_sizes": list(runner.chunk_sizes),
                "jax": jax.__version__, "programs": {}}
     wanted = tuple(x.strip() for x in args.programs.split(",")) if args.programs else None
     for name, (fn, fn_args) in runner.program_args().items():

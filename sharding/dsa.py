@@ -18,10 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.indexer import paged as index_paged
-from pallas_kernels.indexer import reference as index_reference
 from pallas_kernels.mla import paged_dense
 from pallas_kernels.mla import sparse as sparse_mla
-from pallas_kernels.paged import gather_pages
 
 from .context import ForwardContext
 from .partition import free_axes, shard_call
@@ -199,11 +197,10 @@ def dcp_sparse_attention(ctx: ForwardContext, q_bthc, qi_bthd, w_bth, kv_parts, 
     def body(q, qi, w, parts, kparts, bt, pos, ls):
         r = jax.lax.axis_index(axis)
         local_pos = _dcp_local_pos(pos, r, n)  # [B, T]
-        keys_bsd = index_fmt.dequantize(gather_pages(kparts, bt))  # [B, S_local, d] float32
-        S = keys_bsd.shape[1]
-        allowed = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= local_pos[:, :, None]
-        s_bts = index_reference.scores(qi, keys_bsd, w, allowed)
+        s_bts = index_paged.score_rows(qi, w, kparts, bt, local_pos, fmt=index_fmt, backend=backend,
+                                       **ctx.platform_kw())  # [B, T, S_local], −inf where not allowed
         s_bts = jnp.where(s_bts == 0, 0.0, s_bts)  # -0.0 == +0.0 for the tie rule
+        S = s_bts.shape[-1]
         k = min(topk, S)
         val, loc = jax.lax.top_k(s_bts, k)  # [B, T, k] this rank's best, earlier local position first on ties
         glob = jnp.where(val > -jnp.inf, loc * n + r, jnp.iinfo(jnp.int32).max)

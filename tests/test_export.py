@@ -143,7 +143,7 @@ def test_cli_cuda_export_lowers_the_triton_kernels_without_a_gpu(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (("--mesh", "3y"), "--mesh"),
-    (("--dcp", "2"), "--dcp"),
+    (("--dcp", "3"), "--dcp 3"),
     (("--kv-dtype", "int3"), "kv dtype"),
 ])
 def test_cli_bad_arguments_fail_with_a_clear_message(tmp_path, args, message):

@@ -124,6 +124,24 @@ def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: 
                       interpret=backend == "tpu_interpret", **kernel_kw)
 
 
+def score_rows(q_bthd, w_bth, key_parts, block_tables, pos_bt, *, fmt, backend: str = "auto",
+               platform: Optional[str] = None):
+    """The index scores themselves, float32 `[B, T, max_blocks·page]` (−inf where not allowed: past the query's
+    position, or every key of a padding query with pos < 0), for callers that merge selections themselves (decode
+    context parallelism). One query per sequence (T = 1) takes the platform's score kernel under "auto" (or a named
+    kernel), longer ones the reference; the ranking equals `topk_indices`' on the same backend."""
+    T = q_bthd.shape[1]
+    which = resolve_dsa_backend(backend, op="indexer", platform=platform,
+                                supported=lambda kind: _kernel_supports(kind, fmt, q_bthd.shape, tuple(key_parts)))
+    pos_bt = jnp.asarray(pos_bt, jnp.int32)
+    if which != "reference" and T == 1:
+        s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which)
+        return s[:, None]
+    keys_bsd = fmt.dequantize(gather_pages(tuple(key_parts), block_tables))
+    allowed = jnp.arange(keys_bsd.shape[1], dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
+    return reference.scores(q_bthd, keys_bsd, w_bth, allowed)
+
+
 def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, fmt,
                  max_score_bytes: int = DEFAULT_MAX_SCORE_BYTES, backend: str = "auto", kernel_kw=None,
                  precision: str = "exact", platform: Optional[str] = None):
