@@ -121,3 +121,48 @@ class CacheLayout:
         """Everything one sequence of `tokens` tokens holds: its MLA pages (rounded up to whole pages) plus the
         fixed KDA state."""
         return self.blocks_for_tokens(tokens) * self.page_bytes + self.state_bytes_per_sequence
+
+
+@dataclass(frozen=True)
+class EngineAllocation:
+    """What the serving engine allocates for its cache on each device (`allocate` computes it; the engine's
+    `ModelRunner` places exactly these buffers and `/stats` reports the same `cache_bytes_per_device`)."""
+
+    num_blocks: int  # pages per MLA pool per DCP rank, the null page included
+    max_blocks: int  # block-table entries of one sequence at max_model_len
+    block_tokens: int  # sequence positions one table entry covers (PAGE_TOKENS · dcp)
+    cache_bytes_per_device: int  # KDA states + conv tails + MLA pools + lengths + tables on the most loaded device
+    max_cached_tokens: int  # positions the pools hold across the DCP ranks, the null pages aside
+
+
+def _split(n: int, ways: int) -> int:
+    """`n` divided over `ways` devices when it divides, else whole (the placement rule of `sharding.partition`)."""
+    return n // ways if ways > 1 and n % ways == 0 else n
+
+
+def allocate(layout: CacheLayout, *, max_num_seqs: int, max_model_len: int, num_blocks: int | None = None,
+             prefix_cache_entries: int = 0, tensor: int = 1, data: int = 1, dcp: int = 1) -> EngineAllocation:
+    """The engine's cache for `max_num_seqs` slots of `max_model_len` tokens on a mesh of `tensor` × `data` devices
+    (any context axis adds nothing here but the DCP split), with decode context parallelism over `dcp` ranks.
+
+    Placement (docs/serving.md, "Sharded serving"): KDA states `[B, H, dk, dv]` float32 split their rows over data
+    and their heads over tensor (their value columns when the heads do not divide), conv tails `[B, K−1, H·d]` their
+    rows over data and channels over tensor; each MLA pool holds `num_blocks` pages per DCP rank (the pools whole on
+    every device without DCP); lengths and block tables are whole everywhere."""
+    cfg, B = layout.config, int(max_num_seqs)
+    block_tokens = PAGE_TOKENS * int(dcp)
+    max_blocks = -(-int(max_model_len) // block_tokens)
+    if num_blocks is None:
+        num_blocks = 1 + (B + max(0, int(prefix_cache_entries))) * max_blocks
+    rows = _split(B, data)
+    total = 4 * B + 4 * B * max_blocks  # lengths, block tables
+    k = cfg.kda
+    if k is not None:
+        H, d, P = k.num_heads, k.head_dim, k.proj_dim
+        state = rows * H * d * d * 4
+        state //= tensor if tensor > 1 and (H % tensor == 0 or d % tensor == 0) else 1
+        tails = 3 * rows * (k.conv_kernel - 1) * _split(P, tensor) * layout.activation_bytes
+        total += len(cfg.kda_layers) * (state + tails)
+    total += len(cfg.mla_layers) * (int(num_blocks) * layout.layer_page_bytes + 4)  # + the latent scale
+    return EngineAllocation(int(num_blocks), max_blocks, block_tokens, total,
+                            (int(num_blocks) - 1) * block_tokens)

@@ -11,13 +11,14 @@ Byte figures come from `kimi_jax.cache.CacheLayout`, the layout the engine alloc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout
+from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout, allocate
 from .config import ConfigError, ModelConfig, load_config
 from .model import abstract_params
 
@@ -158,6 +159,14 @@ def main(argv=None) -> int:
     p.add_argument("--weights-dtype", default="release", choices=WEIGHT_DTYPES,
                    help="release (default) = the family's published format: K3 / K3.1 routed experts MXFP4 and "
                         "the rest bf16, DeepSeek-V3.2 fp8, Kimi-Linear bf16")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="B",
+                   help="with --max-model-len: also print what the serving engine allocates for B slots (key 'engine': "
+                        "pages per pool, cache_bytes_per_device, max_cached_tokens), the figures its /stats reports")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per engine slot")
+    p.add_argument("--num-blocks", type=int, default=None, help="pages per MLA pool per DCP rank (engine default: "
+                   "every slot at --max-model-len plus --prefix-cache-entries)")
+    p.add_argument("--prefix-cache-entries", type=int, default=0, help="the engine's prefix-cache snapshots")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="activation dtype (KDA conv tails)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     try:
@@ -165,6 +174,15 @@ def main(argv=None) -> int:
         result = plan(cfg, kv_dtype=a.kv_dtype, index_dtype=a.index_dtype, mesh=parse_mesh(a.mesh), dcp=a.dcp,
                       hbm_gb=a.hbm_gb, weights_dtype=a.weights_dtype,
                       gpu_memory_utilization=a.gpu_memory_utilization)
+        if (a.max_num_seqs is None) != (a.max_model_len is None):
+            raise ValueError("--max-num-seqs and --max-model-len go together (the engine's slots)")
+        if a.max_num_seqs is not None:
+            tp, dp = parse_mesh(a.mesh)
+            layout = CacheLayout(cfg, kv_dtype=a.kv_dtype, index_dtype=a.index_dtype,
+                                 activation_bytes=2 if a.dtype == "bf16" else 4)
+            result["engine"] = dataclasses.asdict(allocate(
+                layout, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, num_blocks=a.num_blocks,
+                prefix_cache_entries=a.prefix_cache_entries, tensor=tp, data=dp, dcp=a.dcp))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,6 +211,11 @@ def main(argv=None) -> int:
                 f"TP{tp} (latent replicated on every device)" if tp > 1 else "one device per model replica")
         print(f"  capacity          {mode}: {r['max_cached_tokens']:,} cached tokens, "
               f"{r['max_1m_sequences']} concurrent 1M-token sequences")
+    if "engine" in r:
+        e = r["engine"]
+        print(f"  engine            {a.max_num_seqs} slots x {a.max_model_len} tokens: {e['num_blocks']} pages per "
+              f"pool{' per DCP rank' if a.dcp > 1 else ''}, {e['cache_bytes_per_device'] / 2**20:,.1f} MiB of cache "
+              f"per device, {e['max_cached_tokens']:,} cached tokens")
     return 0
 
 

@@ -95,7 +95,7 @@ from .spec_policy import SpecPolicy
 from .prefix_cache import PrefixCache
 from .request import (EngineDeadError, EngineUnavailableError, RequestDone, RequestFailedError, RequestStream, SeqEvent,
                       SequenceOutput, TokenLogprob)
-from ..cache import PAGE_TOKENS
+from ..cache import CacheLayout, allocate
 from ..modules.vision_buckets import patch_buckets, programs_for
 from ..paged_cache import BlockAllocator
 from .runner import ModelRunner, resolve_kv_dtype
@@ -257,10 +257,11 @@ class Engine:
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
-        max_blocks = -(-self.max_model_len // (PAGE_TOKENS * cfg.dcp))  # table entries of one full sequence
+        # default pool: every slot at max_model_len, and room for the prefix-cache snapshots (the planner's formula)
         num_blocks = cfg.num_blocks
-        if num_blocks is None:  # every slot at max_model_len, and room for the prefix-cache snapshots
-            num_blocks = 1 + (self.B + max(0, cfg.prefix_cache_entries)) * max_blocks
+        if num_blocks is None:
+            num_blocks = allocate(CacheLayout(model.config), max_num_seqs=self.B, max_model_len=self.max_model_len,
+                                  prefix_cache_entries=cfg.prefix_cache_entries, dcp=cfg.dcp).num_blocks
         if cfg.vision_batch_images < 1:
             raise ValueError(f"vision_batch_images must be >= 1, got {cfg.vision_batch_images}")
         self.proposer = None
@@ -364,10 +365,11 @@ class Engine:
             programs_for(self.model.vision).prepare(buckets)
             log.info("vision tower: compiling %d patch buckets (%d..%d patches) in the background", len(buckets),
                      buckets[0], buckets[-1])
-        log.info("engine ready: %d slots x %d tokens, %d pages of %d tokens (%s latent, %s index keys), prefill "
-                 "chunks %s, %d programs compiled in %.1fs", self.B, self.max_model_len, self.alloc.num_blocks - 1,
-                 PAGE_TOKENS, self.runner.kv_dtype, self.runner.index_dtype, list(self.runner.chunk_sizes),
-                 len(self.runner.program_names), t)
+        log.info("engine ready: %d slots x %d tokens, %d pages of %d positions (%s latent, %s index keys; DCP %d; "
+                 "%.1f MiB of cache per device), prefill chunks %s, %d programs compiled in %.1fs", self.B,
+                 self.max_model_len, self.alloc.num_blocks - 1, self.alloc.block_tokens, self.runner.kv_dtype,
+                 self.runner.index_dtype, self.runner.dcp, self._cache_bytes_per_device / 2**20,
+                 list(self.runner.chunk_sizes), len(self.runner.program_names), t)
         if self.proposer is not None:
             cfg = self.config
             if isinstance(self.proposer, DraftModelProposer):
