@@ -1,8 +1,9 @@
 """`python -m kimi_jax.serve --mesh AxB` beyond one device, through the official ``openai`` client.
 
 Two real server processes on 127.0.0.1 serve the tiny model with the same engine settings, one with ``--mesh 1x1``
-and one with ``--mesh 8x1 --fake-cpu-devices`` (parameters split eight ways over the "model" axis where they
-divide, every op through its partitioned entry point) and speculative decoding on (``--speculative-tokens 3``: its
+and one with ``--mesh 8x1 --dcp 8 --fake-cpu-devices`` (parameters split eight ways over the "model" axis where they
+divide, every op through its partitioned entry point, the MLA cache split eight ways by tokens) and speculative
+decoding on (``--speculative-tokens 3``: its
 verify program runs on the mesh).  Neither gets XLA_FLAGS: the 8x1 server fakes its eight CPU devices on request
 (and logs that it did).  Both must return the same greedy text.  Without that flag, too few devices stop the
 server with an error that names the XLA_FLAGS fix (DESIGN.md), for the tiny model as for any other.
@@ -52,7 +53,7 @@ class Server:
         cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")
         cmd = [sys.executable, "-m", "kimi_jax.serve", "--mesh", mesh, "--port", str(self.port),
                "--compilation-cache", cache, *SERVER_ARGS,
-               *(["--fake-cpu-devices", "--speculative-tokens", "3"] if mesh != "1x1" else [])]
+               *(["--fake-cpu-devices", "--dcp", "8", "--speculative-tokens", "3"] if mesh != "1x1" else [])]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=self._log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -140,6 +141,11 @@ def test_mesh_8x1_fakes_devices_and_matches_one_device(servers):
     stats = httpx.get(two.base_url + "/stats", timeout=10).json()
     assert stats["spec_accepted_tokens"] > 0, stats
     assert stats["compilations"] == stats["compilations_at_start"], stats  # serving on the mesh never compiles
+    # --dcp 8: the pages split eight ways by tokens (a table entry covers 512 positions; at 256 tokens per slot
+    # each slot still takes one page per rank, so the bound of tests/test_sharded_serving.py does not apply here)
+    one_stats = httpx.get(one.base_url + "/stats", timeout=10).json()
+    assert stats["dcp"] == 8 and stats["block_tokens"] == 8 * one_stats["block_tokens"], stats
+    assert stats["cache_bytes_per_device"] < one_stats["cache_bytes_per_device"] / 3, (stats, one_stats)
 
 
 @pytest.mark.parametrize("model", ["tiny", "kimi-k3"])
