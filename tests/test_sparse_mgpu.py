@@ -5,7 +5,7 @@ reference on the dequantised rows on a GPU (`gpu` marker)."""
 from __future__ import annotations
 
 import functools
-import sys
+import importlib.util
 from pathlib import Path
 
 import jax
@@ -20,8 +20,12 @@ from pallas_kernels.mla.sparse_gpu import pool_rows
 from pallas_kernels.mla import sparse_mgpu as sm
 from pallas_kernels.moe.mgpu_mxfp4 import x_permutation
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import mla_trace  # noqa: E402  (bench/mla_trace.py: the kernel's timer stamps read back)
+# bench/mla_trace.py (the kernel's timer stamps read back), loaded by path: bench/ on sys.path would shadow the
+# `convert` package with bench/convert.py for every later import in this process
+_trace_spec = importlib.util.spec_from_file_location("mla_trace", Path(__file__).resolve().parents[1] / "bench" /
+                                                     "mla_trace.py")
+mla_trace = importlib.util.module_from_spec(_trace_spec)
+_trace_spec.loader.exec_module(mla_trace)
 
 R, ROPE = 512, 64  # K3.1 latent geometry: the kernel reads K3 widths only
 C = R + ROPE
