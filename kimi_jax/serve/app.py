@@ -9,6 +9,7 @@ Endpoints
   POST /v1/completions        text completion: prompt as a string, a list of strings, token ids or lists of ids
   GET  /v1/models             the served model
   POST /tokenize, /detokenize vLLM-style helpers (a prompt string or chat messages -> ids; ids -> text)
+  GET  /tokenizer_info        vLLM's shape, for lm-eval's remote tokenizer (``routes_tokenizer.py``)
   GET  /health                200 while the engine runs, 503 once it died
   GET  /metrics               Prometheus text (``metrics.py``)
   GET  /stats                 the engine's counters as JSON (free slots, compilations, ...)
