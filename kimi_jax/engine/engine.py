@@ -88,7 +88,7 @@ import kimi_jax.engine.compile_watch as compile_watch
 
 from .detok import OutputText
 from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
-from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .guide import ALL, ONLY_IDS, Constraint, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
@@ -250,6 +250,13 @@ class Engine:
         stop_mask = np.zeros(self.vocab_size, bool)
         stop_mask[list(self.stop_ids)] = True
         self.class_masks = vocab_class_masks(tokenizer, self.vocab_size)
+        # dynamic rows of the class table: one per slot and verify position, holding a step's bitmask constraint
+        # (`Constraint.bits`, a grammar's allowed set) for that row; uploaded only in steps that use them
+        self._dyn_base, self._dyn_per_slot = len(self.class_masks), max(0, cfg.speculative_tokens) + 1
+        self._dyn_bits = np.zeros((self.B * self._dyn_per_slot, -(-self.vocab_size // 32)), np.int32)
+        self._dyn_dirty = False
+        self._dyn_upload = None
+        class_table = np.concatenate([self.class_masks, np.zeros((len(self._dyn_bits), self.vocab_size), bool)])
         kv_dtype = resolve_kv_dtype(cfg.kv_dtype, model.dtype)
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         max_blocks = CacheLayout.blocks_for_tokens(self.max_model_len)
@@ -286,7 +293,7 @@ class Engine:
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
-                                 index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
+                                 index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=class_table,
                                  stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
                                  draft_q=getattr(self.proposer, "samples", False))
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
@@ -294,7 +301,8 @@ class Engine:
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
               or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
               or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens
-              or runner.draft_q != bool(getattr(self.proposer, "samples", False))):
+              or runner.draft_q != bool(getattr(self.proposer, "samples", False))
+              or runner.tables.class_masks.shape != class_table.shape):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
@@ -352,6 +360,8 @@ class Engine:
             t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
+        self._dyn_dirty = True  # compile the bitmask upload now (zero rows): serving compiles nothing
+        self._upload_dynamic_masks()
         self.compilations_at_start = compile_watch.compile_count()
         if self.config.vision_warmup and self.model.vision is not None:
             buckets = patch_buckets(self.model.config.vision)
@@ -930,7 +940,7 @@ class Engine:
                     continue
                 constraints[slot] = con
                 if con is not None:
-                    c["allow_class"][slot] = con.vocab_class
+                    c["allow_class"][slot] = self._constraint_class(con, slot, 0)
                     c["allow_ids"][slot, : len(con.ids)] = con.ids
             tokens[slot] = seq.pending[0]
             active[slot] = True
@@ -972,11 +982,12 @@ class Engine:
             allow_ids = np.repeat(c["allow_ids"][:, None], K + 1, axis=1)
             for slot, cons in later.items():
                 for i, con in enumerate(cons, start=1):
-                    allow_class[slot, i] = ALL if con is None else con.vocab_class
+                    allow_class[slot, i] = ALL if con is None else self._constraint_class(con, slot, i)
                     allow_ids[slot, i] = V
                     if con is not None:
                         allow_ids[slot, i, : len(con.ids)] = con.ids
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
+            self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
                                                   tables, **q)
@@ -988,6 +999,7 @@ class Engine:
                 self.spec_accepted += kept
                 policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
         else:
+            self._upload_dynamic_masks()
             self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
             out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
             out["n"] = np.ones(B, np.int32)
@@ -1081,6 +1093,34 @@ class Engine:
                 if slot in later:
                     later[slot] = later[slot][:v]
         return drafts, {s: cons for s, cons in later.items() if s in drafts}
+
+    def _constraint_class(self, con: Constraint, slot: int, pos: int) -> int:
+        """The class-table row a constraint selects: its vocabulary class, or -- for a bitmask constraint -- the
+        slot's dynamic row for verify position ``pos``, filled with its bits for this step."""
+        if con.bits is None:
+            return con.vocab_class
+        row = slot * self._dyn_per_slot + pos
+        self._dyn_bits[row] = con.bits
+        self._dyn_dirty = True
+        return self._dyn_base + row
+
+    def _upload_dynamic_masks(self) -> None:
+        """Put this step's bitmask rows into the runner's class table (one packed upload, unpacked on device)."""
+        if not self._dyn_dirty:
+            return
+        self._dyn_dirty = False
+        tables = self.runner.tables
+        if self._dyn_upload is None:
+            base, V = self._dyn_base, self.vocab_size
+
+            def upload(table, words):
+                shifts = jnp.arange(32, dtype=jnp.int32)
+                bits = (words[:, :, None] >> shifts) & 1  # [R, W, 32]
+                rows = bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
+                return jax.lax.dynamic_update_slice_in_dim(table, rows, base, axis=0)
+
+            self._dyn_upload = jax.jit(upload, donate_argnums=(0,), out_shardings=tables.class_masks.sharding)
+        self.runner.tables = tables._replace(class_masks=self._dyn_upload(tables.class_masks, self._dyn_bits))
 
     def _draft_q(self, proposer, drafts: dict) -> dict:
         """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: the

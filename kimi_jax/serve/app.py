@@ -63,7 +63,8 @@ from .limits import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, RET
                      QueueLimit)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
-from .protocol import (check_response_format, opt_bool, parse_common, parse_json_body, parse_tools)
+from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
+from .structured import StructuredGuideBuilder, request_grammar
 from .routes_tokenizer import (PromptReport, add_tokenizer_routes, encode_prompt_text, merge_logprobs,
                                parse_prompt_logprobs)
 from ..engine.prompt_logprobs import PromptScorer
@@ -187,6 +188,7 @@ class _CompletionPlan:
     echo_logprobs: bool = False  # the choices' logprobs start with the prompt's tokens
     prompt_k: Optional[int] = None  # vLLM's prompt_logprobs
     generate: bool = True  # False for max_tokens 0: the prompt is reported, nothing is generated
+    guide_factory: Any = None  # structured output (``structured.py``)
 
 
 def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = None,
@@ -475,7 +477,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             raise bad_request(f"{engine.model.config.architecture} has no chat format here; use /v1/completions",
                               "messages", "unsupported")
         c = parse_common(body, vocab_size=engine.vocab_size, chat=True, max_n=engine.B)
-        check_response_format(body)
+        grammar = request_grammar(body)
         tools, tool_choice = parse_tools(body)
         opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
         opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
@@ -498,6 +500,13 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             except ValueError as e:
                 raise bad_request(f"cannot guide a call of these tools: {e}", "tools", "unsupported") from None
             guide_factory = lambda: builder.build(name)  # noqa: E731
+            if grammar is not None:
+                raise bad_request(f"{grammar.param} cannot be combined with tool_choice {tool_choice!r}: that turn is "
+                                  "already guided to a tool call", grammar.param, "unsupported")
+        elif grammar is not None:
+            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=fmt.name,
+                                                   thinking=opts.thinking, tools=opts.tool_calls,
+                                                   max_tokens=params.max_tokens).build
         return _ChatPlan(ids, params, c, opts, guide_factory, images)
 
     async def chat_stream(stream, rid, created, c, opts, prompt_len):
@@ -595,7 +604,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         streams = []
         try:
             for (ids, params), sub_id in zip(plan.prompts, rids):
-                streams.append(submit(ids, params, c.n, sub_id))
+                streams.append(submit(ids, params, c.n, sub_id, plan.guide_factory))
         except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
             for sub_id in rids[:len(streams)]:
                 engine.abort(sub_id)
@@ -619,6 +628,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         prompts = parse_prompts(body.get("prompt"))
         echo = opt_bool(body, "echo", False)
         prompt_k = parse_prompt_logprobs(body)
+        grammar = request_grammar(body)
         if not generate and not echo and prompt_k is None:
             raise bad_request("max_tokens 0 generates nothing: it needs echo (or prompt_logprobs)", "max_tokens")
         if body.get("suffix") is not None:
@@ -636,7 +646,11 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             reports = [PromptReport(tokenizer, token_str, ids, skip_special, scorer.score(ids) if scored else None)
                        for ids, _ in plans]
         echo_texts = [r.text for r in reports] if echo else ["" for _ in plans]
-        return _CompletionPlan(plans, c, echo_texts, skip_special, reports, echo_logprobs, prompt_k, generate)
+        guide_factory = None
+        if grammar is not None:
+            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=None).build
+        return _CompletionPlan(plans, c, echo_texts, skip_special, reports, echo_logprobs, prompt_k, generate,
+                               guide_factory)
 
     def prompt_fields(plan: "_CompletionPlan", k: int) -> tuple[Optional[dict], dict]:
         """(the prompt's legacy logprobs or None, extra choice fields) for prompt ``k``."""
