@@ -308,6 +308,10 @@ class Engine:
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
                              "sampled drafts)")
         self.runner = runner
+        # this engine's class table (its dynamic rows are its own); engines sharing a runner each set theirs on it
+        # under one lock right before a step
+        self._tables = runner.tables
+        self._tables_lock = runner.__dict__.setdefault("_engine_tables_lock", threading.Lock())
         self.alloc = BlockAllocator(runner.spec.num_blocks)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
         self.prefix_cache = PrefixCache(cfg.prefix_cache_entries,
@@ -360,8 +364,9 @@ class Engine:
             t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
-        self._dyn_dirty = True  # compile the bitmask upload now (zero rows): serving compiles nothing
-        self._upload_dynamic_masks()
+        for _ in range(2):  # compile the bitmask upload now (zero rows) for the runner's table and its own output
+            self._dyn_dirty = True  # (a committed array: another jit signature): serving compiles nothing
+            self._upload_dynamic_masks()
         self.compilations_at_start = compile_watch.compile_count()
         if self.config.vision_warmup and self.model.vision is not None:
             buckets = patch_buckets(self.model.config.vision)
@@ -989,8 +994,10 @@ class Engine:
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
-            self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
-                                                  tables, **q)
+            with self._tables_lock:
+                self.runner.tables = self._tables
+                self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
+                                                      tables, **q)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
@@ -1000,7 +1007,9 @@ class Engine:
                 policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
         else:
             self._upload_dynamic_masks()
-            self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
+            with self._tables_lock:
+                self.runner.tables = self._tables
+                self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
             out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
             out["n"] = np.ones(B, np.int32)
         if proposer is not None:
@@ -1109,7 +1118,7 @@ class Engine:
         if not self._dyn_dirty:
             return
         self._dyn_dirty = False
-        tables = self.runner.tables
+        tables = self._tables
         if self._dyn_upload is None:
             base, V = self._dyn_base, self.vocab_size
 
@@ -1119,8 +1128,11 @@ class Engine:
                 rows = bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
                 return jax.lax.dynamic_update_slice_in_dim(table, rows, base, axis=0)
 
-            self._dyn_upload = jax.jit(upload, donate_argnums=(0,), out_shardings=tables.class_masks.sharding)
-        self.runner.tables = tables._replace(class_masks=self._dyn_upload(tables.class_masks, self._dyn_bits))
+            # not donated: another engine sharing the runner may still hold the previous table; one program per
+            # runner, so an engine that reuses another's runner compiles nothing
+            self._dyn_upload = self.runner.__dict__.setdefault(
+                "_engine_dyn_upload", jax.jit(upload, out_shardings=tables.class_masks.sharding))
+        self._tables = tables._replace(class_masks=self._dyn_upload(tables.class_masks, self._dyn_bits))
 
     def _draft_q(self, proposer, drafts: dict) -> dict:
         """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: the
