@@ -139,6 +139,10 @@ class EngineConfig:
     # verify only when drafts are expected to pay for the wider step (spec_policy.py); False: whenever a row drafts
     speculative_adaptive: bool = True
     speculative_cost: Optional[float] = None  # verify step time / one-token step time; None: measured as it runs
+    # bit-exact batch invariance under speculative decoding: every step is a verify step and every row drafts what
+    # its own proposer gives (no adaptive policy). Without it a row's token comes from the verify program when some
+    # other row drafts and from the one-token step otherwise -- equal up to float rounding, not bit for bit
+    speculative_batch_invariant: bool = False
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -289,7 +293,8 @@ class Engine:
                                                    sample_method=cfg.draft_sample_method, rows=self.B)
             else:
                 self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        self.spec_policy = SpecPolicy(cfg.speculative_adaptive, cfg.speculative_cost)
+        self.spec_policy = SpecPolicy(cfg.speculative_adaptive and not cfg.speculative_batch_invariant,
+                                      cfg.speculative_cost)
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
@@ -974,7 +979,8 @@ class Engine:
             # were all kept
             jax.block_until_ready(self._state)
         t0 = time.perf_counter()
-        if drafts:
+        verified = bool(drafts) or (proposer is not None and self.config.speculative_batch_invariant)
+        if verified:
             K = self.runner.spec_tokens
             ids = np.zeros((B, K + 1), np.int32)
             ids[:, 0] = tokens
@@ -1034,7 +1040,7 @@ class Engine:
                     seq.pending.popleft()
         # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
         # (session 28) a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
-        policy.timed(bool(drafts), time.perf_counter() - t0 + t_draft, int(active.sum()))
+        policy.timed(verified, time.perf_counter() - t0 + t_draft, int(active.sum()))
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
         """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for
