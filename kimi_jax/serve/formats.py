@@ -14,7 +14,7 @@ the two choices SPEC §11 leaves open (see ``chat.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .chat import encode_chat, encode_chat_kimi_linear, normalize_reasoning_effort
@@ -34,9 +34,11 @@ class ChatOptions:
     # whether the request lets the model call tools (tools given and tool_choice not "none"); when not, a tool-call
     # section the model writes anyway comes back as content text, never as tool_calls (OpenAI's contract)
     tool_calls: bool = True
+    # the request's tools ({"type": "function", "function": {...}}): the K2 parser resolves a bare-counter call id
+    tools: tuple = field(default=(), compare=False)
 
     def with_tools(self, tools, tool_choice) -> "ChatOptions":
-        return replace(self, tool_calls=bool(tools) and tool_choice != "none")
+        return replace(self, tool_calls=bool(tools) and tool_choice != "none", tools=tuple(tools or ()))
 
 
 class ChatFormat:
@@ -105,7 +107,8 @@ class KimiLinearFormat(ChatFormat):
                                        add_generation_prompt=add_generation_prompt)
 
     def new_parser(self, opts):
-        return KimiLinearOutputParser(self.tok, in_reasoning=opts.thinking, tool_calls=opts.tool_calls)
+        return KimiLinearOutputParser(self.tok, in_reasoning=opts.thinking, tool_calls=opts.tool_calls,
+                                      tools=opts.tools)
 
 
 def chat_format_for(architecture: str, tokenizer) -> Optional[ChatFormat]:
