@@ -6,7 +6,9 @@
   thinking-effort system message.
 * Kimi-Linear / K2 (``kimi_linear``): ``encode_chat_kimi_linear`` / ``KimiLinearOutputParser``; thinking off by
   default (``<think>`` opened in the prompt when on); ``reasoning_effort`` other than "none" is accepted and ignored.
-* Anything else (``deepseek_v32``): no chat format; /v1/completions still works.
+* DeepSeek-V3.2 (``deepseek_v32``), when the tokenizer has its ``<｜User｜>`` / ``<｜Assistant｜>`` control tokens:
+  ``encode_chat_dsv32`` / ``DSV32OutputParser`` (``chat_dsv32.py``, DSML tool calls); thinking off by default.
+* Anything else: no chat format; /v1/completions still works.
 
 ``chat_template_kwargs`` also takes ``keep_past_reasoning`` (bool) and, for K3, ``escape_attributes`` (bool) --
 the two choices SPEC §11 leaves open (see ``chat.py``).
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .chat import encode_chat, encode_chat_kimi_linear, normalize_reasoning_effort
+from .chat_dsv32 import ASSISTANT, USER, DSV32OutputParser, encode_chat_dsv32
 from .errors import bad_request
 from .parsers import K3OutputParser, KimiLinearOutputParser
 
@@ -111,11 +114,26 @@ class KimiLinearFormat(ChatFormat):
                                       tools=opts.tools)
 
 
+class DeepSeekV32Format(ChatFormat):
+    name = "deepseek_v32"
+    default_thinking = False
+
+    def encode(self, messages, tools, opts, add_generation_prompt=True, images=()):
+        if images:
+            raise ValueError("the DeepSeek-V3.2 chat format has no image form")
+        return encode_chat_dsv32(self.tok, messages, tools or None, thinking=opts.thinking)
+
+    def new_parser(self, opts):
+        return DSV32OutputParser(self.tok, thinking=opts.thinking, tool_calls=opts.tool_calls)
+
+
 def chat_format_for(architecture: str, tokenizer) -> Optional[ChatFormat]:
     if architecture in K3_ARCHS:
         return K3Format(tokenizer)
     if architecture in K2_ARCHS:
         return KimiLinearFormat(tokenizer)
+    if architecture == "deepseek_v32" and tokenizer.has_token(USER) and tokenizer.has_token(ASSISTANT):
+        return DeepSeekV32Format(tokenizer)
     return None
 
 
