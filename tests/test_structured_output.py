@@ -139,7 +139,8 @@ def test_bad_formats_are_400s(http, extra, param):
 def test_grammar_masks_under_speculative_decoding(served, tiny_model):
     """An n-gram speculative engine (its own compile: the verify program) keeps the grammar: drafts are checked
     against each position's mask and forced tokens are drafted as certain."""
-    eng = Engine(tiny_model, served.tokenizer, max_num_seqs=4, max_model_len=256, prefill_chunk_sizes=(16,),
+    # the settings of test_batch_invariance's float32 speculative engine: the compiled programs come from the cache
+    eng = Engine(tiny_model, served.tokenizer, max_num_seqs=16, max_model_len=192, prefill_chunk_sizes=(16,),
                  speculative_tokens=3, speculative_adaptive=False).start()
     try:
         spec = request_grammar({"guided_json": SCHEMA})
