@@ -128,6 +128,7 @@ def test_with_tools_auto_the_answer_follows_the_format_or_a_tool_section_opens(h
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: undefined_rule\n"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
     ({"response_format": STRICT, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": "required"}, "response_format"),
 ])

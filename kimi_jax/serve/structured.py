@@ -120,6 +120,9 @@ def request_grammar(body: dict) -> Optional[GrammarSpec]:
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("'structured_outputs' must be an object", "structured_outputs", "invalid_type")
+        if so.get("structural_tag") is not None:
+            raise bad_request("structured_outputs.structural_tag is not supported (json, regex, choice, grammar, "
+                              "json_object are)", "structured_outputs", "unsupported")
         for key in ("json", "regex", "choice", "grammar"):
             if so.get(key) is not None:
                 value = _schema(so[key], "structured_outputs") if key == "json" else so[key]
