@@ -174,3 +174,21 @@ def test_bitmask_constraint_reaches_the_sampler(served):
     outs = served.engine.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), guide_factory=Two)
     assert set(outs[0].token_ids) <= set(allowed)
     assert isinstance(GrammarSpec("x", "y"), GrammarSpec)
+
+
+def test_forced_tool_call_nested_arguments_follow_their_schema(http):
+    """tool_choice required / named: an object or array argument is written as JSON that follows its own schema."""
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "who": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                 "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["name", "age"], "additionalProperties": False},
+        "days": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 7}, "minItems": 1,
+                 "maxItems": 3}},
+        "required": ["who", "days"]}}}]
+    out = _chat(http, {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "book"}},
+                       **NO_THINK}, max_tokens=150)
+    ch = out["choices"][0]
+    assert ch["finish_reason"] == "tool_calls", ch
+    args = json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"])
+    assert set(args["who"]) == {"name", "age"} and len(args["who"]["name"]) <= 6 and 0 <= args["who"]["age"] <= 99
+    assert 1 <= len(args["days"]) <= 3 and all(isinstance(d, int) and 1 <= d <= 7 for d in args["days"])

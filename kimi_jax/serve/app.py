@@ -493,7 +493,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
                                              escape_attributes=opts.escape_attributes,
                                              max_string_tokens=guided_string_max_tokens,
-                                             max_tokens=params.max_tokens)
+                                             max_tokens=params.max_tokens, vocab_size=engine.vocab_size)
             name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
             try:  # built once here, so a schema the guide cannot follow is a 400, not a failure mid-decode
                 builder.build(name)

@@ -171,7 +171,8 @@ class GrammarPart(_Part):
     ``empty``: parts that may follow ``end_id`` as the very first token (an empty output instead of the format);
     None: not allowed."""
 
-    def __init__(self, lltok, grammar: str, end_id: int, vocab_size: int, then=(), empty=None):
+    def __init__(self, lltok, grammar: str, end_id: int, vocab_size: int, then=(), empty=None,
+                 bound: Optional[int] = None):
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
@@ -181,6 +182,7 @@ class GrammarPart(_Part):
         self.empty = None if empty is None else list(empty)
         self.empty_ok = empty is not None
         self.started = False
+        self.bound = bound  # what a budget reserves for this part (a grammar itself may have no length bound)
 
     def constraint(self):
         mask = llnp.allocate_token_bitmask(1, self.V)
@@ -213,7 +215,9 @@ class GrammarPart(_Part):
         return False, []
 
     def most_tokens(self):
-        raise TypeError("a grammar has no length bound")
+        if self.bound is None:
+            raise TypeError("a grammar has no length bound")
+        return self.bound + 1  # the end token included
 
     def __deepcopy__(self, memo):
         other = copy.copy(self)
