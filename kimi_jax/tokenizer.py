@@ -126,6 +126,18 @@ K2_SPECIAL_OFFSETS: dict[str, int] = {
 }
 _K2_THINK_OFFSETS = {"<think>": 22, "</think>": 23}
 
+# DeepSeek-V3.2's chat markers, for tokenizers packed here (the tiny "dsv32" family: tests of its chat format); the
+# real DeepSeek vocabulary is no tiktoken file and places them elsewhere
+DSV32_SPECIAL_OFFSETS: dict[str, int] = {
+    "<｜begin▁of▁sentence｜>": 0,
+    "<｜end▁of▁sentence｜>": 1,
+    "<｜User｜>": 2,
+    "<｜Assistant｜>": 3,
+    "<think>": 4,
+    "</think>": 5,
+    "[PAD]": 255,
+}
+
 # Tokens that sit at the top of the reserved block (counted from its end) in the compact layout.
 _TOP_ANCHORED = {"[PAD]": 1, "[UNK]": 2}
 
@@ -140,6 +152,8 @@ _FAMILY_ALIASES = {
     "kimi_linear": "k2",
     "kimi-linear": "k2",
     "kimi-linear-48b": "k2",
+    "dsv32": "dsv32",
+    "deepseek_v32": "dsv32",
 }
 
 
@@ -170,7 +184,7 @@ def special_token_map(
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {sorted(set(_FAMILY_ALIASES))}")
     if base_vocab_size <= 0 or num_reserved <= 0:
         raise ValueError(f"base_vocab_size and num_reserved must be positive, got {base_vocab_size}, {num_reserved}")
-    offsets = dict(K3_SPECIAL_OFFSETS if key == "k3" else K2_SPECIAL_OFFSETS)
+    offsets = dict({"k3": K3_SPECIAL_OFFSETS, "k2": K2_SPECIAL_OFFSETS, "dsv32": DSV32_SPECIAL_OFFSETS}[key])
     if key == "k2" and think_tokens:
         offsets.update(_K2_THINK_OFFSETS)
     if num_reserved >= NUM_RESERVED_SPECIAL:
@@ -249,8 +263,8 @@ TINY_NUM_RANKS = 1000  # 256 byte tokens + 744 merges
 TINY_NUM_RESERVED = 24  # ids 1000..1023: control tokens ([BOS] 1000 ... <|media_pad|> 1009, [PAD] 1023)
 
 # Names of the end-of-turn tokens, by preference, for ``Tokenizer.eos_id``.
-_EOS_PREFERENCE = ("<|end_of_msg|>", "<|im_end|>", "[EOS]")
-_STOP_NAMES = ("<|end_of_msg|>", "<|im_end|>", "[EOS]", "[EOT]")
+_EOS_PREFERENCE = ("<|end_of_msg|>", "<|im_end|>", "<｜end▁of▁sentence｜>", "[EOS]")
+_STOP_NAMES = ("<|end_of_msg|>", "<|im_end|>", "<｜end▁of▁sentence｜>", "[EOS]", "[EOT]")
 
 
 MAX_WINDOW_CHARS = 400_000  # characters encoded at once
@@ -416,7 +430,7 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int | None:
-        return self._special.get("[BOS]")
+        return self._first_special(("[BOS]", "<｜begin▁of▁sentence｜>"))
 
     @property
     def pad_id(self) -> int | None:

@@ -88,7 +88,7 @@ import kimi_jax.engine.compile_watch as compile_watch
 
 from .detok import OutputText
 from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
-from .guide import ALL, ONLY_IDS, Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .guide import ALL, ONLY_IDS, Constraint, Guide, MAX_ALLOWED_IDS, vocab_class_masks
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
@@ -142,6 +142,10 @@ class EngineConfig:
     # verify only when drafts are expected to pay for the wider step (spec_policy.py); False: whenever a row drafts
     speculative_adaptive: bool = True
     speculative_cost: Optional[float] = None  # verify step time / one-token step time; None: measured as it runs
+    # bit-exact batch invariance under speculative decoding: every step is a verify step and every row drafts what
+    # its own proposer gives (no adaptive policy). Without it a row's token comes from the verify program when some
+    # other row drafts and from the one-token step otherwise -- equal up to float rounding, not bit for bit
+    speculative_batch_invariant: bool = False
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -253,6 +257,13 @@ class Engine:
         stop_mask = np.zeros(self.vocab_size, bool)
         stop_mask[list(self.stop_ids)] = True
         self.class_masks = vocab_class_masks(tokenizer, self.vocab_size)
+        # dynamic rows of the class table: one per slot and verify position, holding a step's bitmask constraint
+        # (`Constraint.bits`, a grammar's allowed set) for that row; uploaded only in steps that use them
+        self._dyn_base, self._dyn_per_slot = len(self.class_masks), max(0, cfg.speculative_tokens) + 1
+        self._dyn_bits = np.zeros((self.B * self._dyn_per_slot, -(-self.vocab_size // 32)), np.int32)
+        self._dyn_dirty = False
+        self._dyn_upload = None
+        class_table = np.concatenate([self.class_masks, np.zeros((len(self._dyn_bits), self.vocab_size), bool)])
         kv_dtype = resolve_kv_dtype(cfg.kv_dtype, model.dtype)
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         if cfg.dcp < 1:
@@ -288,11 +299,12 @@ class Engine:
                                                    sample_method=cfg.draft_sample_method, rows=self.B)
             else:
                 self.proposer = NgramProposer(cfg.speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        self.spec_policy = SpecPolicy(cfg.speculative_adaptive, cfg.speculative_cost)
+        self.spec_policy = SpecPolicy(cfg.speculative_adaptive and not cfg.speculative_batch_invariant,
+                                      cfg.speculative_cost)
         if runner is None:
             runner = ModelRunner(model, max_num_seqs=self.B, max_model_len=self.max_model_len,
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
-                                 index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=self.class_masks,
+                                 index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=class_table,
                                  stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
                                  draft_q=getattr(self.proposer, "samples", False), dcp=cfg.dcp)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
@@ -300,13 +312,18 @@ class Engine:
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
               or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
               or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens
-              or runner.draft_q != bool(getattr(self.proposer, "samples", False)) or runner.dcp != cfg.dcp):
+              or runner.draft_q != bool(getattr(self.proposer, "samples", False)) or runner.dcp != cfg.dcp
+              or runner.tables.class_masks.shape != class_table.shape):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
                              "sampled drafts)")
         self.runner = runner
         self._cache_bytes_per_device = runner.cache_bytes_per_device()
+        # this engine's class table (its dynamic rows are its own); engines sharing a runner each set theirs on it
+        # under one lock right before a step
+        self._tables = runner.tables
+        self._tables_lock = runner.__dict__.setdefault("_engine_tables_lock", threading.Lock())
         self.alloc = BlockAllocator(runner.spec.num_blocks, runner.block_tokens)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
         self.prefix_cache = PrefixCache(cfg.prefix_cache_entries,
@@ -359,6 +376,9 @@ class Engine:
             t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
+        for _ in range(2):  # compile the bitmask upload now (zero rows) for the runner's table and its own output
+            self._dyn_dirty = True  # (a committed array: another jit signature): serving compiles nothing
+            self._upload_dynamic_masks()
         self.compilations_at_start = compile_watch.compile_count()
         if self.config.vision_warmup and self.model.vision is not None:
             buckets = patch_buckets(self.model.config.vision)
@@ -941,7 +961,7 @@ class Engine:
                     continue
                 constraints[slot] = con
                 if con is not None:
-                    c["allow_class"][slot] = con.vocab_class
+                    c["allow_class"][slot] = self._constraint_class(con, slot, 0)
                     c["allow_ids"][slot, : len(con.ids)] = con.ids
             tokens[slot] = seq.pending[0]
             active[slot] = True
@@ -970,7 +990,8 @@ class Engine:
             # were all kept
             jax.block_until_ready(self._state)
         t0 = time.perf_counter()
-        if drafts:
+        verified = bool(drafts) or (proposer is not None and self.config.speculative_batch_invariant)
+        if verified:
             K = self.runner.spec_tokens
             ids = np.zeros((B, K + 1), np.int32)
             ids[:, 0] = tokens
@@ -983,14 +1004,17 @@ class Engine:
             allow_ids = np.repeat(c["allow_ids"][:, None], K + 1, axis=1)
             for slot, cons in later.items():
                 for i, con in enumerate(cons, start=1):
-                    allow_class[slot, i] = ALL if con is None else con.vocab_class
+                    allow_class[slot, i] = ALL if con is None else self._constraint_class(con, slot, i)
                     allow_ids[slot, i] = V
                     if con is not None:
                         allow_ids[slot, i, : len(con.ids)] = con.ids
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
+            self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
-            self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
-                                                  tables, **q)
+            with self._tables_lock:
+                self.runner.tables = self._tables
+                self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
+                                                      tables, **q)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
@@ -999,7 +1023,10 @@ class Engine:
                 self.spec_accepted += kept
                 policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
         else:
-            self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
+            self._upload_dynamic_masks()
+            with self._tables_lock:
+                self.runner.tables = self._tables
+                self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
             out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
             out["n"] = np.ones(B, np.int32)
         if proposer is not None:
@@ -1024,7 +1051,7 @@ class Engine:
                     seq.pending.popleft()
         # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
         # (session 28) a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
-        policy.timed(bool(drafts), time.perf_counter() - t0 + t_draft, int(active.sum()))
+        policy.timed(verified, time.perf_counter() - t0 + t_draft, int(active.sum()))
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
         """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for
@@ -1092,6 +1119,37 @@ class Engine:
                 if slot in later:
                     later[slot] = later[slot][:v]
         return drafts, {s: cons for s, cons in later.items() if s in drafts}
+
+    def _constraint_class(self, con: Constraint, slot: int, pos: int) -> int:
+        """The class-table row a constraint selects: its vocabulary class, or -- for a bitmask constraint -- the
+        slot's dynamic row for verify position ``pos``, filled with its bits for this step."""
+        if con.bits is None:
+            return con.vocab_class
+        row = slot * self._dyn_per_slot + pos
+        self._dyn_bits[row] = con.bits
+        self._dyn_dirty = True
+        return self._dyn_base + row
+
+    def _upload_dynamic_masks(self) -> None:
+        """Put this step's bitmask rows into the runner's class table (one packed upload, unpacked on device)."""
+        if not self._dyn_dirty:
+            return
+        self._dyn_dirty = False
+        tables = self._tables
+        if self._dyn_upload is None:
+            base, V = self._dyn_base, self.vocab_size
+
+            def upload(table, words):
+                shifts = jnp.arange(32, dtype=jnp.int32)
+                bits = (words[:, :, None] >> shifts) & 1  # [R, W, 32]
+                rows = bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
+                return jax.lax.dynamic_update_slice_in_dim(table, rows, base, axis=0)
+
+            # not donated: another engine sharing the runner may still hold the previous table; one program per
+            # runner, so an engine that reuses another's runner compiles nothing
+            self._dyn_upload = self.runner.__dict__.setdefault(
+                "_engine_dyn_upload", jax.jit(upload, out_shardings=tables.class_masks.sharding))
+        self._tables = tables._replace(class_masks=self._dyn_upload(tables.class_masks, self._dyn_bits))
 
     def _draft_q(self, proposer, drafts: dict) -> dict:
         """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: the

@@ -15,6 +15,11 @@ Building blocks (``ProgramGuide`` runs them in order):
                                  produced) -- forced after ``max_tokens``;
 * ``FreeUntil(end_ids)``        anything until one of ``end_ids`` is produced.
 
+A constraint may instead carry an arbitrary allowed set as a packed bitmask (``Constraint.bits``: int32 words, bit
+``t % 32`` of word ``t // 32`` for token t -- the layout grammar engines such as llguidance fill): the engine writes it
+into a per-slot row of the class table for that step (``Engine``'s dynamic rows), so a grammar-guided row also shares
+the one compiled step.  ``GrammarPart`` parts (``kimi_jax.serve.structured``) produce these.
+
 Vocabulary classes (``vocab_class_masks``): ``ALL``, ``ONLY_IDS`` (nothing but the listed ids), ``TEXT`` (ordinary BPE
 tokens, no control tokens), ``DIGITS`` (tokens made of ASCII digits only), ``NUMBER_START`` (digit tokens not
 starting with "0", so a number built from it is valid JSON).
@@ -26,7 +31,7 @@ The server uses these for ``tool_choice="required"`` / a named tool (``kimi_jax.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -38,13 +43,28 @@ MAX_ALLOWED_IDS = 64
 
 @dataclass(frozen=True)
 class Constraint:
-    """Allowed next tokens: every token of ``vocab_class`` plus ``ids``."""
+    """Allowed next tokens: every token of ``vocab_class`` plus ``ids`` -- or, when ``bits`` is set, exactly the
+    tokens whose bit is set there (int32 words ``[ceil(V / 32)]``; ``vocab_class`` and ``ids`` are then ignored)."""
 
     vocab_class: int = ALL
     ids: tuple[int, ...] = ()
+    bits: Optional[np.ndarray] = field(default=None, compare=False)
 
     def allows(self, token_id: int, class_masks: np.ndarray) -> bool:
+        if self.bits is not None:
+            return bit_set(self.bits, token_id)
         return bool(class_masks[self.vocab_class, token_id]) or token_id in self.ids
+
+
+def bit_set(bits: np.ndarray, token_id: int) -> bool:
+    w = int(token_id) >> 5
+    return w < len(bits) and bool((int(bits[w]) >> (int(token_id) & 31)) & 1)
+
+
+def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed int32 words -> bool ``[..., vocab_size]`` (numpy; bit t % 32 of word t // 32)."""
+    b = np.ascontiguousarray(bits, dtype=np.int32).view(np.uint8)
+    return np.unpackbits(b, axis=-1, bitorder="little")[..., :vocab_size].astype(bool)
 
 
 def vocab_class_masks(tokenizer, vocab_size: int) -> np.ndarray:

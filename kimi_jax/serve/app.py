@@ -9,6 +9,7 @@ Endpoints
   POST /v1/completions        text completion: prompt as a string, a list of strings, token ids or lists of ids
   GET  /v1/models             the served model
   POST /tokenize, /detokenize vLLM-style helpers (a prompt string or chat messages -> ids; ids -> text)
+  GET  /tokenizer_info        vLLM's shape, for lm-eval's remote tokenizer (``routes_tokenizer.py``)
   GET  /health                200 while the engine runs, 503 once it died
   GET  /metrics               Prometheus text (``metrics.py``)
   GET  /stats                 the engine's counters as JSON (free slots, compilations, ...)
@@ -62,7 +63,11 @@ from .limits import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, RET
                      QueueLimit)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
-from .protocol import (check_response_format, opt_bool, parse_common, parse_json_body, parse_tools)
+from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
+from .structured import StructuredGuideBuilder, request_grammar
+from .routes_tokenizer import (PromptReport, add_tokenizer_routes, encode_prompt_text, merge_logprobs,
+                               parse_prompt_logprobs)
+from ..engine.prompt_logprobs import PromptScorer
 from .tool_guide import K3ToolCallGuideBuilder
 from .. import __version__
 
@@ -179,6 +184,11 @@ class _CompletionPlan:
     c: Any
     echo_texts: list[str]
     skip_special: bool
+    reports: list = None  # a routes_tokenizer.PromptReport per prompt when echo / prompt_logprobs ask for one
+    echo_logprobs: bool = False  # the choices' logprobs start with the prompt's tokens
+    prompt_k: Optional[int] = None  # vLLM's prompt_logprobs
+    generate: bool = True  # False for max_tokens 0: the prompt is reported, nothing is generated
+    guide_factory: Any = None  # structured output (``structured.py``)
 
 
 def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = None,
@@ -239,6 +249,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                            code="invalid_api_key")
 
     v1 = APIRouter(dependencies=[Depends(require_key)])
+    add_tokenizer_routes(v1, tokenizer, engine.max_model_len)
+    scorer = PromptScorer(engine.model, engine.max_model_len)  # prompt log-probs (compiles per length bucket)
     if not docs_open:
         _docs_routes(app, [Depends(require_key)])
 
@@ -383,7 +395,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise bad_request("'prompt' must be a string (or send 'messages')", "prompt", "invalid_type")
-            ids = tokenizer.encode(prompt)
+            ids = encode_prompt_text(tokenizer, prompt)
         out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if opt_bool(body, "return_token_strs", False):
             out["token_strs"] = [token_str(t) for t in ids]
@@ -465,7 +477,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             raise bad_request(f"{engine.model.config.architecture} has no chat format here; use /v1/completions",
                               "messages", "unsupported")
         c = parse_common(body, vocab_size=engine.vocab_size, chat=True, max_n=engine.B)
-        check_response_format(body)
+        grammar = request_grammar(body)
         tools, tool_choice = parse_tools(body)
         opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
         opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
@@ -481,13 +493,20 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
                                              escape_attributes=opts.escape_attributes,
                                              max_string_tokens=guided_string_max_tokens,
-                                             max_tokens=params.max_tokens)
+                                             max_tokens=params.max_tokens, vocab_size=engine.vocab_size)
             name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
             try:  # built once here, so a schema the guide cannot follow is a 400, not a failure mid-decode
                 builder.build(name)
             except ValueError as e:
                 raise bad_request(f"cannot guide a call of these tools: {e}", "tools", "unsupported") from None
             guide_factory = lambda: builder.build(name)  # noqa: E731
+            if grammar is not None:
+                raise bad_request(f"{grammar.param} cannot be combined with tool_choice {tool_choice!r}: that turn is "
+                                  "already guided to a tool call", grammar.param, "unsupported")
+        elif grammar is not None:
+            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=fmt.name,
+                                                   thinking=opts.thinking, tools=opts.tool_calls,
+                                                   max_tokens=params.max_tokens).build
         return _ChatPlan(ids, params, c, opts, guide_factory, images)
 
     async def chat_stream(stream, rid, created, c, opts, prompt_len):
@@ -576,41 +595,94 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         c = plan.c
         rid = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
+        if not plan.generate:  # max_tokens 0: the prompt only
+            if c.stream:
+                return SSEResponse(prompt_only_stream(plan, rid, created), media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache"})
+            return prompt_only_response(plan, rid, created)
         rids = [f"{rid}-{k}" for k in range(len(plan.prompts))]
         streams = []
         try:
             for (ids, params), sub_id in zip(plan.prompts, rids):
-                streams.append(submit(ids, params, c.n, sub_id))
+                streams.append(submit(ids, params, c.n, sub_id, plan.guide_factory))
         except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
             for sub_id in rids[:len(streams)]:
                 engine.abort(sub_id)
             raise
         drain.track(rid, streams, rids)
         if c.stream:
-            return SSEResponse(completion_stream(streams, rids, rid, created, c, plan.echo_texts, plan.skip_special),
+            return SSEResponse(completion_stream(streams, rids, rid, created, c, plan),
                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await completion_full(request, streams, rids, rid, created, c, plan.echo_texts, plan.skip_special)
+        return await completion_full(request, streams, rids, rid, created, c, plan)
 
     def prepare_completion(raw: bytes) -> "_CompletionPlan":
         """A completions request body -> its prompts (token ids, sampling params each), checked (blocking: runs
         in a worker thread).  Raises ``APIError``."""
         body = parse_json_body(raw)
         check_model(body)
+        mt = body.get("max_tokens")
+        generate = not (isinstance(mt, (int, float)) and not isinstance(mt, bool) and mt == 0)
+        if not generate:  # checked as 1 below; nothing is generated
+            body = dict(body, max_tokens=1)
         c = parse_common(body, vocab_size=engine.vocab_size, chat=False, max_n=engine.B)
         prompts = parse_prompts(body.get("prompt"))
         echo = opt_bool(body, "echo", False)
+        prompt_k = parse_prompt_logprobs(body)
+        grammar = request_grammar(body)
+        if not generate and not echo and prompt_k is None:
+            raise bad_request("max_tokens 0 generates nothing: it needs echo (or prompt_logprobs)", "max_tokens")
         if body.get("suffix") is not None:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         best_of = body.get("best_of")
         if best_of is not None and best_of != c.n:
             raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
-        if echo and c.params.logprobs:
-            raise bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
         skip_special = opt_bool(body, "skip_special_tokens", True)
         explicit = body.get("max_tokens") is not None
         plans = [(ids, fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
-        echo_texts = [tokenizer.decode(ids, skip_special=skip_special) if echo else "" for ids, _ in plans]
-        return _CompletionPlan(plans, c, echo_texts, skip_special)
+        echo_logprobs = echo and c.params.logprobs
+        reports = None
+        if echo or prompt_k is not None:
+            scored = echo_logprobs or prompt_k is not None
+            reports = [PromptReport(tokenizer, token_str, ids, skip_special, scorer.score(ids) if scored else None)
+                       for ids, _ in plans]
+        echo_texts = [r.text for r in reports] if echo else ["" for _ in plans]
+        guide_factory = None
+        if grammar is not None:
+            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=None).build
+        return _CompletionPlan(plans, c, echo_texts, skip_special, reports, echo_logprobs, prompt_k, generate,
+                               guide_factory)
+
+    def prompt_fields(plan: "_CompletionPlan", k: int) -> tuple[Optional[dict], dict]:
+        """(the prompt's legacy logprobs or None, extra choice fields) for prompt ``k``."""
+        if plan.reports is None:
+            return None, {}
+        rep = plan.reports[k]
+        lp = rep.legacy_logprobs(plan.c.params.top_logprobs) if plan.echo_logprobs else None
+        more = {"prompt_logprobs": rep.prompt_logprobs(plan.prompt_k)} if plan.prompt_k is not None else {}
+        return lp, more
+
+    def prompt_only_choices(plan: "_CompletionPlan") -> list[dict]:
+        n, choices = plan.c.n, []
+        for k in range(len(plan.prompts)):
+            lp, more = prompt_fields(plan, k)
+            for i in range(n):
+                choices.append({"index": k * n + i, "text": plan.echo_texts[k], "logprobs": lp,
+                                "finish_reason": "length", "stop_reason": None, **more})
+        return choices
+
+    def prompt_only_response(plan: "_CompletionPlan", rid: str, created: int) -> dict:
+        n_prompt = sum(len(ids) for ids, _ in plan.prompts)
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": prompt_only_choices(plan), "usage": usage(n_prompt, 0, 0)}
+
+    async def prompt_only_stream(plan: "_CompletionPlan", rid: str, created: int):
+        base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+        extra = {"usage": None} if plan.c.include_usage else {}
+        for ch in prompt_only_choices(plan):
+            yield _sse({**base, "choices": [ch], **extra})
+        if plan.c.include_usage:
+            yield _sse({**base, "choices": [], "usage": usage(sum(len(ids) for ids, _ in plan.prompts), 0, 0)})
+        yield "data: [DONE]\n\n"
 
     def parse_prompts(prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -668,19 +740,21 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             for t in tasks:
                 t.cancel()
 
-    async def completion_stream(streams, rids, rid, created, c, echo_texts, skip_special):
+    async def completion_stream(streams, rids, rid, created, c, plan):
+        echo_texts, skip_special = plan.echo_texts, plan.skip_special
         n = c.n
         dones: dict[int, RequestDone] = {}
         base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
         extra = {"usage": None} if c.include_usage else {}
         text_len: dict[int, int] = {}
         try:
-            if any(echo_texts):
+            if plan.reports is not None:
                 for k, t in enumerate(echo_texts):
+                    lp, more = prompt_fields(plan, k)
                     for i in range(n):
                         text_len[k * n + i] = len(t)
-                        yield _sse({**base, "choices": [{"index": k * n + i, "text": t, "logprobs": None,
-                                                         "finish_reason": None}], **extra})
+                        yield _sse({**base, "choices": [{"index": k * n + i, "text": t, "logprobs": lp,
+                                                         "finish_reason": None, **more}], **extra})
             async for k, ev in merged(streams):
                 if isinstance(ev, RequestDone):
                     dones[k] = ev
@@ -713,7 +787,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                 if k not in dones:
                     engine.abort(r)
 
-    async def completion_full(request, streams, rids, rid, created, c, echo_texts, skip_special):
+    async def completion_full(request, streams, rids, rid, created, c, plan):
+        echo_texts, skip_special = plan.echo_texts, plan.skip_special
         n = c.n
         outs = {k * n + i: SequenceOutput(i) for k in range(len(streams)) for i in range(n)}
         texts: dict[int, list[str]] = {idx: [] for idx in outs}  # text of each generated token
@@ -746,9 +821,10 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             lp = None
             if c.params.logprobs:
                 lp = legacy_logprobs(o.logprobs, len(echo_texts[k]), texts[idx])
+            prompt_lp, more = prompt_fields(plan, k)
             choices.append({"index": idx, "text": echo_texts[k] + "".join(texts[idx]) + extra_text[idx],
-                            "logprobs": lp,
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                            "logprobs": merge_logprobs(prompt_lp, lp),
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, **more})
         return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
                 "choices": choices,
                 "usage": usage(sum(d.num_prompt_tokens for d in dones.values()),

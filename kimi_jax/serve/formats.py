@@ -6,7 +6,9 @@
   thinking-effort system message.
 * Kimi-Linear / K2 (``kimi_linear``): ``encode_chat_kimi_linear`` / ``KimiLinearOutputParser``; thinking off by
   default (``<think>`` opened in the prompt when on); ``reasoning_effort`` other than "none" is accepted and ignored.
-* Anything else (``deepseek_v32``): no chat format; /v1/completions still works.
+* DeepSeek-V3.2 (``deepseek_v32``), when the tokenizer has its ``<｜User｜>`` / ``<｜Assistant｜>`` control tokens:
+  ``encode_chat_dsv32`` / ``DSV32OutputParser`` (``chat_dsv32.py``, DSML tool calls); thinking off by default.
+* Anything else: no chat format; /v1/completions still works.
 
 ``chat_template_kwargs`` also takes ``keep_past_reasoning`` (bool) and, for K3, ``escape_attributes`` (bool) --
 the two choices SPEC §11 leaves open (see ``chat.py``).
@@ -14,10 +16,11 @@ the two choices SPEC §11 leaves open (see ``chat.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .chat import encode_chat, encode_chat_kimi_linear, normalize_reasoning_effort
+from .chat_dsv32 import ASSISTANT, USER, DSV32OutputParser, encode_chat_dsv32
 from .errors import bad_request
 from .parsers import K3OutputParser, KimiLinearOutputParser
 
@@ -34,9 +37,11 @@ class ChatOptions:
     # whether the request lets the model call tools (tools given and tool_choice not "none"); when not, a tool-call
     # section the model writes anyway comes back as content text, never as tool_calls (OpenAI's contract)
     tool_calls: bool = True
+    # the request's tools ({"type": "function", "function": {...}}): the K2 parser resolves a bare-counter call id
+    tools: tuple = field(default=(), compare=False)
 
     def with_tools(self, tools, tool_choice) -> "ChatOptions":
-        return replace(self, tool_calls=bool(tools) and tool_choice != "none")
+        return replace(self, tool_calls=bool(tools) and tool_choice != "none", tools=tuple(tools or ()))
 
 
 class ChatFormat:
@@ -105,7 +110,21 @@ class KimiLinearFormat(ChatFormat):
                                        add_generation_prompt=add_generation_prompt)
 
     def new_parser(self, opts):
-        return KimiLinearOutputParser(self.tok, in_reasoning=opts.thinking, tool_calls=opts.tool_calls)
+        return KimiLinearOutputParser(self.tok, in_reasoning=opts.thinking, tool_calls=opts.tool_calls,
+                                      tools=opts.tools)
+
+
+class DeepSeekV32Format(ChatFormat):
+    name = "deepseek_v32"
+    default_thinking = False
+
+    def encode(self, messages, tools, opts, add_generation_prompt=True, images=()):
+        if images:
+            raise ValueError("the DeepSeek-V3.2 chat format has no image form")
+        return encode_chat_dsv32(self.tok, messages, tools or None, thinking=opts.thinking)
+
+    def new_parser(self, opts):
+        return DSV32OutputParser(self.tok, thinking=opts.thinking, tool_calls=opts.tool_calls)
 
 
 def chat_format_for(architecture: str, tokenizer) -> Optional[ChatFormat]:
@@ -113,6 +132,8 @@ def chat_format_for(architecture: str, tokenizer) -> Optional[ChatFormat]:
         return K3Format(tokenizer)
     if architecture in K2_ARCHS:
         return KimiLinearFormat(tokenizer)
+    if architecture == "deepseek_v32" and tokenizer.has_token(USER) and tokenizer.has_token(ASSISTANT):
+        return DeepSeekV32Format(tokenizer)
     return None
 
 

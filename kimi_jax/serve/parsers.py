@@ -35,7 +35,12 @@ them) -> reasoning; ``<|tool_calls_section_begin|>`` ... ``<|tool_call_begin|>fu
 <|tool_call_argument_begin|>{json}<|tool_call_end|>`` ... ``<|tool_calls_section_end|>`` -> tool calls (arguments
 streamed as the model writes them, so not checked: like OpenAI's own API, whose docs tell clients to validate
 ``arguments``, a call's arguments are invalid JSON when the model wrote them so; the call id is the
-``functions.NAME:IDX`` text); ``<|im_end|>`` / ``[EOS]`` end.
+``functions.NAME:IDX`` text); ``<|im_end|>`` / ``[EOS]`` end.  Call ids as vLLM reads them: ``functions.NAME:IDX``
+or ``NAME:IDX``; an id without ``:IDX`` (``functions.get.0``) is no call and goes back as content text; a bare counter
+(``0``) names no function, so the name comes from the request's tools -- the only tool, or the one tool whose
+``properties`` hold every argument key -- and the call is dropped when that is ambiguous or the arguments do not
+parse (it is then emitted whole when it ends, not streamed).  Text after a tool section is kept as content
+(vLLM drops it; OpenAI allows content beside calls).
 """
 
 from __future__ import annotations
@@ -586,7 +591,8 @@ class K3OutputParser(_OutputParserBase):
 # ====================================================================================================================
 # Kimi-Linear / K2
 
-_K2_ID_RE = re.compile(r"^\s*(?:functions\.)?([^\s:]+)(?::(\d+))?\s*$")
+_K2_ID_RE = re.compile(r"^\s*(?:functions\.)?([^\s:]+):(\d+)\s*$")
+_K2_COUNTER_RE = re.compile(r"^\s*\d+\s*$")
 _K2_END_NAMES = ("<|im_end|>", "[EOS]", "[EOT]")
 
 
@@ -606,8 +612,11 @@ class KimiLinearOutputParser(_OutputParserBase):
         in_reasoning: bool = False,
         id_factory: Callable[[], str] | None = None,
         tool_calls: bool = True,
+        tools: Iterable[dict] = (),
     ):
         super().__init__(tokenizer, id_factory, tool_calls)
+        self._tools = [t.get("function", t) for t in tools if isinstance(t, dict)]
+        self._counter: dict | None = None  # a bare-counter call being collected: {"id", "args": [str]}
         self._state = "reasoning" if in_reasoning else "content"  # content | reasoning | section | call_id | args
         self._seen_content = False
         self._held = ""  # text held back while it may be the start of a <think> tag
@@ -626,7 +635,9 @@ class KimiLinearOutputParser(_OutputParserBase):
         elif st == "call_id":
             self._id_buf.append(s)
         elif st == "args":
-            if self._call_index is not None:
+            if self._counter is not None:
+                self._counter["args"].append(s)
+            elif self._call_index is not None:
                 self._emit_args(self._call_index, s)
                 self._args_len += len(s)
             else:
@@ -701,6 +712,11 @@ class KimiLinearOutputParser(_OutputParserBase):
             return
         if name == "<|tool_call_argument_begin|>" and st == "call_id":
             ref = "".join(self._id_buf)
+            if self._allow_calls and _K2_COUNTER_RE.match(ref):
+                self._counter = {"id": ref.strip(), "args": []}
+                self._call_index = None
+                self._state = "args"
+                return
             m = _K2_ID_RE.match(ref) if self._allow_calls else None
             if m is None:  # an id that does not parse (or no calls allowed): the call goes back as content text
                 self._emit_content("<|tool_call_begin|>" + ref + "<|tool_call_argument_begin|>")
@@ -728,10 +744,36 @@ class KimiLinearOutputParser(_OutputParserBase):
         # anything else: ignore
 
     def _end_call(self) -> None:
+        if self._counter is not None:
+            counter, self._counter = self._counter, None
+            args = "".join(counter["args"]).strip()
+            name = self._counter_name(args)
+            if name is not None:
+                self._emit_args(self._start_call(name, counter["id"]), args or "{}")
         if self._call_index is not None and self._args_len == 0:
             self._emit_args(self._call_index, "{}")
         self._call_index = None
         self._args_len = 0
+
+    def _counter_name(self, args: str) -> str | None:
+        """The function a bare-counter call means: the only tool, else the one tool whose properties hold every
+        argument key; None when none or several fit, or the arguments are no JSON object."""
+        names = [f.get("name") for f in self._tools if isinstance(f.get("name"), str)]
+        if len(names) == 1:
+            return names[0]
+        try:
+            obj = _strict_json(args) if args else {}
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        fits = []
+        for f in self._tools:
+            params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
+            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+            if isinstance(f.get("name"), str) and set(obj) <= set(props):
+                fits.append(f["name"])
+        return fits[0] if len(fits) == 1 else None
 
     def _close_all(self) -> None:
         self._flush_held()

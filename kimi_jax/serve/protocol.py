@@ -251,15 +251,3 @@ def parse_tools(d: dict) -> tuple[list[dict], Any]:
     else:
         raise _type_error("tool_choice", "a string or an object", choice)
     return [dict(t, type="function") for t in tools], choice
-
-
-def check_response_format(d: dict) -> None:
-    rf = d.get("response_format")
-    if rf is None:
-        return
-    if not isinstance(rf, dict):  # e.g. "text": OpenAI's shape is {"type": "text"}
-        raise _type_error("response_format", 'an object such as {"type": "text"}', rf)
-    if rf.get("type") not in ("text",):
-        kind = rf.get("type")
-        raise bad_request(f"response_format {kind!r} is not supported by this server (only 'text')",
-                          "response_format")

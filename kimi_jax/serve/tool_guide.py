@@ -15,8 +15,9 @@ ids ``encode_chat`` produces for an assistant turn with that call -- and lets th
 
 VALUE by JSON-schema type: ``enum`` -> one of the values; string -> ordinary text tokens (no control tokens) until the
 model closes the argument, at most ``max_string_tokens``; integer / number -> digit tokens (no leading zero, at most
-``max_number_tokens``); boolean -> true / false; null -> null; object / array -> ``{}`` / ``[]`` (nested schemas are
-not guided yet).  The server's K3 parser turns the result into OpenAI ``tool_calls`` exactly as for a free call.
+``max_number_tokens``); boolean -> true / false; null -> null; object / array -> compact JSON that follows the argument's own schema
+(llguidance, ``structured.GrammarPart``; at most ``max_string_tokens`` of them are reserved in the budget).  The
+server's K3 parser turns the result into OpenAI ``tool_calls`` exactly as for a free call.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
+import llguidance
+
 from ..engine.guide import DIGITS, NUMBER_START, TEXT, Choice, Forced, ProgramGuide, Text, most_tokens
 from .chat import CALL_INDEX_BASE, escape_attribute, json_type_name
+from .structured import JSON_OPTIONS, GrammarPart, GrammarSpec, check_grammar, lltokenizer
 
 _TYPE_ATTR = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
               "object": "object", "array": "array"}
@@ -33,7 +37,8 @@ _TYPE_ATTR = {"string": "string", "integer": "number", "number": "number", "bool
 
 class K3ToolCallGuideBuilder:
     def __init__(self, tokenizer, tools: Sequence[dict], *, thinking: bool, escape_attributes: bool = True,
-                 max_string_tokens: int = 256, max_number_tokens: int = 4, max_tokens: int = 1 << 30):
+                 max_string_tokens: int = 256, max_number_tokens: int = 4, max_tokens: int = 1 << 30,
+                 vocab_size: Optional[int] = None):
         self.tok = tokenizer
         self.tools = [t["function"] for t in tools]
         self.thinking = thinking
@@ -43,6 +48,8 @@ class K3ToolCallGuideBuilder:
         self.max_tokens = max_tokens  # the request's completion budget: reasoning gets what the call leaves
         tid = tokenizer.token_id
         self.O, self.C, self.S, self.E = tid("<|open|>"), tid("<|close|>"), tid("<|sep|>"), tid("<|end_of_msg|>")
+        self.V = vocab_size or tokenizer.vocab_size
+        self._lltok = None
 
     # ---------------------------------------------------------------- token helpers
     def _text(self, s: str) -> list[int]:
@@ -84,13 +91,20 @@ class K3ToolCallGuideBuilder:
             value = Choice([(self._text("true") + [C], []), (self._text("false") + [C], [])])
         elif stype == "null":
             value = Forced(self._text("null") + [C])
-        elif stype == "object":
-            value = Forced(self._text("{}") + [C])
-        elif stype == "array":
-            value = Forced(self._text("[]") + [C])
+        elif stype in ("object", "array"):
+            value = self._json_value(schema, stype)
         else:
             attr, value = "string", Text(TEXT, [C], self.max_string_tokens)
         return [Forced(head(attr)), value]
+
+    def _json_value(self, schema: dict, stype: str):
+        """A JSON object / array argument following its schema, ended by the argument's <|close|>."""
+        if self._lltok is None:
+            self._lltok = lltokenizer(self.tok, self.C, self.V)
+        sub = dict(schema, type=stype)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(sub, overrides=JSON_OPTIONS)
+        check_grammar(GrammarSpec(grammar, "tools"), self._lltok)
+        return GrammarPart(self._lltok, grammar, self.C, self.V, bound=self.max_string_tokens)
 
     def _call_parts(self, fn: dict) -> list:
         params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
