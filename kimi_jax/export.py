@@ -30,7 +30,7 @@ from sharding.context import KernelConfig
 from sharding.mesh import parse_mesh_spec
 
 from .config import PRESETS, get_preset, load_config
-from .engine.guide import NUM_VOCAB_CLASSES
+from .engine.guide import class_table_rows
 from .engine.runner import ModelRunner
 from .model import _parse_dtype, abstract_model
 
@@ -113,14 +113,16 @@ def export_programs(args) -> dict:
     V = cfg.vocab_size
     runner = ModelRunner(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          prefill_chunk_sizes=chunks, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
-                         class_masks=np.zeros((NUM_VOCAB_CLASSES, V), bool), stop_mask=np.zeros(V, bool),
+                         class_masks=np.zeros((class_table_rows(args.max_num_seqs, args.speculative_tokens), V), bool),
+                         stop_mask=np.zeros(V, bool),
                          spec_tokens=args.speculative_tokens, dcp=args.dcp)
     os.makedirs(args.out, exist_ok=True)
     summary = {"platform": platform, "model": args.model, "architecture": cfg.architecture, "mesh": args.mesh,
                "devices": int(model.mesh.size), "kernels": args.kernels,
                "dtype": jnp.dtype(dtype).name, "kv_dtype": runner.kv_dtype, "index_dtype": runner.index_dtype,
                "max_num_seqs": runner.B, "dcp": runner.dcp,
-               "cache_bytes_per_device": runner.cache_bytes_per_device(), "max_cached_tokens": runner.max_cached_tokens, "max_model_len": runner.L, "prefill_chunk_sizes": list(runner.chunk_sizes),
+               "cache_bytes_per_device": runner.cache_bytes_per_device(), "max_cached_tokens": runner.max_cached_tokens,
+               "max_model_len": runner.L, "prefill_chunk_sizes": list(runner.chunk_sizes),
                "jax": jax.__version__, "programs": {}}
     wanted = tuple(x.strip() for x in args.programs.split(",")) if args.programs else None
     for name, (fn, fn_args) in runner.program_args().items():

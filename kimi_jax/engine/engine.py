@@ -88,7 +88,7 @@ import kimi_jax.engine.compile_watch as compile_watch
 
 from .detok import OutputText
 from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
-from .guide import ALL, ONLY_IDS, Constraint, Guide, MAX_ALLOWED_IDS, vocab_class_masks
+from .guide import ALL, ONLY_IDS, Constraint, Guide, MAX_ALLOWED_IDS, class_table_rows, vocab_class_masks
 from .images import PromptImages, encode_many
 from .ngram import NgramProposer
 from .spec_policy import SpecPolicy
@@ -260,7 +260,8 @@ class Engine:
         # dynamic rows of the class table: one per slot and verify position, holding a step's bitmask constraint
         # (`Constraint.bits`, a grammar's allowed set) for that row; uploaded only in steps that use them
         self._dyn_base, self._dyn_per_slot = len(self.class_masks), max(0, cfg.speculative_tokens) + 1
-        self._dyn_bits = np.zeros((self.B * self._dyn_per_slot, -(-self.vocab_size // 32)), np.int32)
+        dyn_rows = class_table_rows(self.B, cfg.speculative_tokens) - len(self.class_masks)
+        self._dyn_bits = np.zeros((dyn_rows, -(-self.vocab_size // 32)), np.int32)
         self._dyn_dirty = False
         self._dyn_upload = None
         class_table = np.concatenate([self.class_masks, np.zeros((len(self._dyn_bits), self.vocab_size), bool)])
@@ -457,7 +458,8 @@ class Engine:
             raise ParamError(f"n must be an integer in [1, {self.B}] (max_num_seqs), got {n!r}", "n")
         need = n * self.alloc.blocks_for_tokens(len(ids))
         if need > self.alloc.num_blocks - 1:
-            raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of {self.alloc.block_tokens} "
+            raise ParamError(f"{n} sequence(s) of a {len(ids)}-token prompt need {need} cache pages of "
+                             f"{self.alloc.block_tokens} "
                              f"tokens; this server's pool has {self.alloc.num_blocks - 1}", "n")
         prompt_images = self._check_images(ids, images) if images is not None and len(images) else None
         if guide_factory is not None:  # a guide that cannot be built fails here, not on the engine thread

@@ -67,6 +67,12 @@ def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.unpackbits(b, axis=-1, bitorder="little")[..., :vocab_size].astype(bool)
 
 
+def class_table_rows(max_num_seqs: int, speculative_tokens: int) -> int:
+    """Rows of the sampler's class table an engine passes its runner: the vocabulary classes, then one dynamic row
+    per slot and verify position (a step's grammar bitmask for that row, `Constraint.bits`)."""
+    return NUM_VOCAB_CLASSES + max_num_seqs * (max(0, speculative_tokens) + 1)
+
+
 def vocab_class_masks(tokenizer, vocab_size: int) -> np.ndarray:
     """``[NUM_VOCAB_CLASSES, vocab_size]`` bool table, one row per class (see the module docstring)."""
     masks = np.zeros((NUM_VOCAB_CLASSES, vocab_size), bool)
