@@ -49,8 +49,19 @@ def main() -> int:
     from kimi_jax.engine.guide import TokenSequenceGuide
     from kimi_jax.tokenizer import Tokenizer
 
+    from flax import nnx
+
+    from kimi_jax.config import get_preset
+    from kimi_jax.model import MAX_RANDOM_PARAMS, Model, param_count
+    from kimi_jax.modules.decoder import KimiForCausalLM
+
     t0 = time.perf_counter()
-    model = kimi_jax.load_model(a.model, dtype=jnp.bfloat16 if a.dtype == "bf16" else jnp.float32)
+    dt = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32
+    preset = get_preset(a.model)
+    if param_count(preset) > MAX_RANDOM_PARAMS:  # e.g. kimi-k3.1-reduced: random weights drawn on the accelerator
+        model = Model(KimiForCausalLM(preset, rngs=nnx.Rngs(0), dtype=dt), dt)  # (as the server does for it)
+    else:
+        model = kimi_jax.load_model(a.model, dtype=dt)
     V = model.config.vocab_size
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, prefill_chunk_sizes=(64, 16),
                        speculative_tokens=a.spec, speculative_batch_invariant=a.invariant)
