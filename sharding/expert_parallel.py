@@ -29,7 +29,7 @@ caller's row order (GSPMD regathers it for the next, replicated, op). With N not
 stay replicated over the expert group and the result is psum-ed, i.e. already in the caller's layout.
 
 "auto" picks by bytes moved: all-gather while the expert group is smaller than top_k (measured on 2 H200s, k = 8:
-all-gather 2.26 ms, ragged 2.86 ms, one GPU 3.67 ms — bench/RESULTS.md), ragged beyond.
+all-gather 2.26 ms, ragged 2.86 ms, one GPU 3.67 ms — `bench/moe.py`), ragged beyond.
 
 Both are deterministic for a fixed mesh: sorts are stable, combines sum slots in a fixed order, collectives move
 data (psum_scatter sums a fixed number of partials in the collective's fixed order). Results equal the one-device
@@ -201,7 +201,7 @@ def resolve_method(method: str, split: bool, model_size: int = 2, top_k: int = 8
     product of the expert axes). With n local tokens of width D over m devices, all-gather + reduce-scatter
     moves ≈ (m−1)·n·D·(2 + 4) bytes (bf16 tokens in, fp32 partial sums out); ragged all-to-all moves
     ≈ (m−1)/m·n·k·D·(2 + 4) (bf16 rows out, fp32 results back). All-gather is cheaper while m < k — measured on
-    two H200s at K3 shapes (k = 8): all-gather 2.26 ms, ragged 2.86 ms (bench/RESULTS.md). XLA:CPU has no
+    two H200s at K3 shapes (k = 8): all-gather 2.26 ms, ragged 2.86 ms (`bench/moe.py`). XLA:CPU has no
     ragged_all_to_all, so CPU always takes all-gather."""
     if method not in METHODS:
         raise ValueError(f"unknown expert-parallel method {method!r}; choose one of {', '.join(METHODS)}")

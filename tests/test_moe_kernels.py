@@ -1296,7 +1296,7 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
     prepared = [mm.prepare_weight(q) for q in ws]
     out = jax.jit(lambda *a: ops.expert_ffn(*a, situ, backend="gpu"))(xf, idx, wt, *prepared)
     assert _rel(out, ref) < 2e-2
-    # planned from the pairs (`slot_tile_plan`) = planned from the sorted rows (session 31's path), bit for bit
+    # planned from the pairs (`slot_tile_plan`) = planned from the sorted rows (the earlier path), bit for bit
     _, tok, gs, slot_row = ops.dispatch_plan(idx, E)
     sorted_plan = jax.jit(lambda a, t, g, r, w_, *w: ops.combine_slots(
         mm.expert_ffn_tiled(a, g, *w, situ, token_of_row=t, out_rows=r), w_))(xf, tok, gs, slot_row, wt, *prepared)

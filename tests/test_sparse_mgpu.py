@@ -238,7 +238,7 @@ def test_sparse_mla_routes_impl_mgpu_and_refuses_interpret_mode():
         sparse.decode(q, parts, bt, idx, backend="gpu", kernel_kw={"impl": "mgpu", "block_h": 16}, **kw)
 
 
-ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: session 12's default
+ONE_WG = dict(splits=8, warpgroups=1)  # one warpgroup per CTA: the earlier default
 ONE_WG_CFG = sm.MgpuSparseConfig(**ONE_WG)
 
 
@@ -256,7 +256,7 @@ def test_supports_only_fp8_rows_at_kernel_widths():
 
 # four warpgroups of one stage, each waiting for its wgmmas chunk by chunk (128 registers a thread at 512 threads)
 WG4_CHUNK_WAIT = dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, mma_wait="chunk")
-TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel (session 13)
+TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel
 # a producer warpgroup gathers every block, with 16-byte cp.async chunks or one bulk copy per row
 PRODUCER_LSU, PRODUCER_TMA = dict(producer=True, gather="lsu"), dict(producer=True, gather="tma")
 

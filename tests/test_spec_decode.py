@@ -212,7 +212,7 @@ def test_policy_rate_is_kept_over_kept_plus_rejections():
     assert pol.rate("a") == pytest.approx((2 + 0.5) / (2 + 1 + 1))
     pol.observe("a", 4, 4)  # all kept: no rejection
     assert pol.rate("a") == pytest.approx((6 + 0.5) / (6 + 1 + 1))
-    for _ in range(3):  # quick to trust drafts that are kept (session 27: the running mean sat at 0.83 here)
+    for _ in range(3):  # quick to trust drafts that are kept (a running mean sat at 0.83 here)
         pol.observe("b", 4, 4)
     assert SpecPolicy().rate("b") == 0.5 and pol.rate("b") > 0.95
 

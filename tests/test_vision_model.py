@@ -64,7 +64,7 @@ print("OK")
 
 def test_prefill_and_decode_with_an_image_equal_the_full_forward():
     """In its own process: compiling this decode step late in the full suite's process crashed XLA:CPU (a segfault
-    in backend_compile, twice; alone it passes) -- under investigation, see the session 19 note."""
+    in backend_compile, twice; alone it passes) -- not understood yet."""
     import subprocess
     import sys
 

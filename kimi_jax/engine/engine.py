@@ -987,7 +987,7 @@ class Engine:
         if proposer is not None and policy.measures:
             # the policy times each step from its inputs to its tokens handed out: first wait for what is still
             # queued in front of it (prefill chunks and slot inserts dispatched this iteration are never read back),
-            # so that a step's time is its own. On the H200 (session 28) that queued work put a verify step of 32
+            # so that a step's time is its own. On the H200 that queued work put a verify step of 32
             # rows at 4.5-4.8x a one-token step (2.0x timed after it), and the policy stopped verifying drafts that
             # were all kept
             jax.block_until_ready(self._state)
@@ -1052,7 +1052,7 @@ class Engine:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
         # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
-        # (session 28) a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
+        # a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
         policy.timed(verified, time.perf_counter() - t0 + t_draft, int(active.sum()))
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):

@@ -1,7 +1,7 @@
 """When a speculative verify step pays for itself.
 
 A verify step runs every active row over ``k + 1`` positions, so it costs more than the one-token step: on the H200
-with kimi-k3.1-reduced (bench/spec_decode.py, bench/RESULTS.md, session 28) 1.8x at one sequence (five tokens route
+with kimi-k3.1-reduced (`bench/spec_decode.py`) 1.8x at one sequence (five tokens route
 to more experts than one) and 2.0x at 32.  Drafts that are rejected make it pure loss (0.62x / 0.83x throughput when
 every draft fails).  So before each step the engine asks whether the expected output of a verify step beats the one-token
 step's per unit of time:
@@ -14,10 +14,9 @@ ended by one rejection (or by running out of drafts), so ``a`` is estimated from
 
     a = (kept + prior * prior_weight) / (kept + rejections + prior_weight)
 
-over the sequence's verify steps, older steps discounted by ``memory`` per step.  (Session 27 found the earlier
-estimate, a running mean of kept / drafted moved 0.3 of the way per step from the prior, both slow -- three steps that
+over the sequence's verify steps, older steps discounted by ``memory`` per step.  (An earlier estimate, a running mean of kept / drafted moved 0.3 of the way per step from the prior, both slow -- three steps that
 kept all 4 drafts left it at 0.83 -- and biased low: under the prefix model kept / drafted is E / v, not a; at
-a = 0.9 and 4 drafts it expected 2.2 kept where 3.1 are.)  A sequence whose drafts keep failing stops causing verify
+a = 0.9 and 4 drafts it expected 2.2 kept where 3.1 are; it was replaced for that.)  A sequence whose drafts keep failing stops causing verify
 steps; while it decodes one token at a time its counts shrink by ``recovery`` per step, so its rate drifts back
 towards the prior and it is tried again later (text can turn repetitive).  ``cost`` is
 measured by the engine unless given: the medians of both kinds of steps' recent wall times (each from its inputs
@@ -25,12 +24,12 @@ to its tokens handed out, timed after the device has finished the work queued be
 (active rows rounded up to a power of two: a verify step of 32 rows is not compared with a one-token step of 1);
 until both have been timed at an occupancy it is ``initial_cost``, and until ``min_samples`` verify steps have been
 timed there it is at most ``initial_cost``.  Medians and that cap because one slow step must not switch
-speculation off for good: on the H200 (session 26) a running mean took the first verify step of 32 rows -- right
+speculation off for good: on the H200 a running mean took the first verify step of 32 rows -- right
 after the batch's prefills, whose time a step's wall clock can absorb -- at 3.2x a step against the 1.2x the
 throughput shows, and a policy that stops verifying never times another verify step to correct it.  The medians
-were not enough (session 27: 4.3-4.4x at 32 rows, the policy stopped verifying drafts that were all kept): prefill
+were not enough (4.3-4.4x at 32 rows, the policy stopped verifying drafts that were all kept): prefill
 chunks are dispatched without being read back, so the next step's wall clock waited for them.  Timed after them,
-a verify step of 32 rows is 2.0x a one-token step (session 28), and the adaptive policy matches "always" on
+a verify step of 32 rows is 2.0x a one-token step, and the adaptive policy matches "always" on
 repetitive text (1.12x) while keeping 0.95x where every draft fails ("always": 0.83x).
 
 Which steps verify never changes what is sampled -- both programs draw from the target distribution -- only how

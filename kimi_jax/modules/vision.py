@@ -177,7 +177,7 @@ QUERY_CHUNK = 2048  # queries per score block: a 16384-patch image then holds [H
 def fused_attention_available(dtype, head_dim: int) -> bool:
     """Whether `attention` hands a clip to cuDNN's fused flash attention: a CUDA default backend, a 16-bit tower and
     a head dim cuDNN takes (≤ 128, a multiple of 8). The materialised path below holds [H, 2048, L] float32 scores
-    per query chunk and ran a 16384-patch image in 533 ms on an H200 (bench/vision.py, session 19)."""
+    per query chunk and ran a 16384-patch image in 533 ms on an H200 (`bench/vision.py`)."""
     return (jax.default_backend() in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
             and head_dim <= 128 and head_dim % 8 == 0)
 

@@ -9,7 +9,7 @@ on the host:
 
 * each patch's position-table taps (`vision.axis_resize_taps` of its row and column, zero weight past L): the
   device resamples the learned table from them (`vision.gather_pos_table`, K² row gathers). Resampling on the host
-  instead was 3 GFLOP of numpy per 16K-patch image (H200 host, session 24: 596 ms per image end to end against
+  instead was 3 GFLOP of numpy per 16K-patch image (H200 host: 596 ms per image end to end against
   144 ms now and 107 for the exact path's device time; 58 → 8 ms at 1K patches);
 * the RoPE angles `[L_b, head_dim/2]` (`vision.rope_angles`), zeros past L;
 * the real patch count L: attention masks the padded keys (`vision.attention(kv_len=...)`), so real patches see
@@ -102,7 +102,7 @@ class BucketPrograms:
         # first step; XLA rounds to nearest even as numpy's bf16 does, so the bits are the same). Rounding on the
         # host cost more than the bytes it saves: numpy's float32 -> bf16 of a 1792-px image's 19M values takes
         # ~45 ms (a float32 pad ~18 ms) on a 2-core host, against ~2-4 ms for the 38 MB more over PCIe; on the H200
-        # (session 28) the bucketed path took 136.5 ms per 1792-px image against 104.8 for the exact one
+        # the bucketed path took 136.5 ms per 1792-px image against 104.8 for the exact one
         self._patch_dtype = np.dtype(np.float32)
         graphdef, self._state = nnx.split(tower)
 
