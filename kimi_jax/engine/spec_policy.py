@@ -14,9 +14,10 @@ ended by one rejection (or by running out of drafts), so ``a`` is estimated from
 
     a = (kept + prior * prior_weight) / (kept + rejections + prior_weight)
 
-over the sequence's verify steps, older steps discounted by ``memory`` per step.  (An earlier estimate, a running mean of kept / drafted moved 0.3 of the way per step from the prior, both slow -- three steps that
-kept all 4 drafts left it at 0.83 -- and biased low: under the prefix model kept / drafted is E / v, not a; at
-a = 0.9 and 4 drafts it expected 2.2 kept where 3.1 are; it was replaced for that.)  A sequence whose drafts keep failing stops causing verify
+over the sequence's verify steps, older steps discounted by ``memory`` per step.  (An earlier estimate, a running
+mean of kept / drafted moved 0.3 of the way per step from the prior, was both slow -- three steps that kept all 4
+drafts left it at 0.83 -- and biased low: under the prefix model kept / drafted is E / v, not a; at a = 0.9 and 4
+drafts it expected 2.2 kept where 3.1 are.)  A sequence whose drafts keep failing stops causing verify
 steps; while it decodes one token at a time its counts shrink by ``recovery`` per step, so its rate drifts back
 towards the prior and it is tried again later (text can turn repetitive).  ``cost`` is
 measured by the engine unless given: the medians of both kinds of steps' recent wall times (each from its inputs
