@@ -14,7 +14,6 @@ Subprocesses, because the CPU device count is fixed once per process when JAX st
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_process import ServerProcess, server_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "256", "--prefill-chunk-sizes", "64,16",
@@ -32,62 +32,20 @@ START_TIMEOUT_S = 900  # compiling the tiny model's programs on 2 busy CPU cores
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # the 8x1 server fakes its devices itself (--fake-cpu-devices)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
+    return server_env()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m kimi_jax.serve` in a subprocess; its log goes to a file (a pipe nobody reads could fill up)."""
-
-    def __init__(self, tmp: Path, mesh: str):
-        self.port = _free_port()
-        self.log_path = tmp / f"serve_{mesh}.log"
-        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")
-        cmd = [sys.executable, "-m", "kimi_jax.serve", "--mesh", mesh, "--port", str(self.port),
-               "--compilation-cache", cache, *SERVER_ARGS,
-               *(["--fake-cpu-devices", "--dcp", "8", "--speculative-tokens", "3"] if mesh != "1x1" else [])]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=self._log, stderr=subprocess.STDOUT)
-        self.base_url = f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+def _server(tmp: Path, mesh: str) -> ServerProcess:
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")
+    return ServerProcess(tmp / f"serve_{mesh}.log", [
+        "--mesh", mesh, "--compilation-cache", cache, *SERVER_ARGS,
+        *(["--fake-cpu-devices", "--dcp", "8", "--speculative-tokens", "3"] if mesh != "1x1" else [])])
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_mesh")
-    started = {mesh: Server(tmp, mesh) for mesh in ("1x1", "8x1")}  # both compile at the same time
+    started = {mesh: _server(tmp, mesh) for mesh in ("1x1", "8x1")}  # both compile at the same time
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for s in started.values():
@@ -99,7 +57,7 @@ def servers(tmp_path_factory):
 
 
 def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.mark.slow
@@ -138,12 +96,12 @@ def test_mesh_8x1_fakes_devices_and_matches_one_device(servers):
         logit_bias={"13": 100}, extra_body=NO_THINK).choices[0].message.content for name, srv in servers.items()}
     assert texts["8x1"] == texts["1x1"]
 
-    stats = httpx.get(two.base_url + "/stats", timeout=10).json()
+    stats = httpx.get(two.url + "/stats", timeout=10).json()
     assert stats["spec_accepted_tokens"] > 0, stats
     assert stats["compilations"] == stats["compilations_at_start"], stats  # serving on the mesh never compiles
     # --dcp 8: the pages split eight ways by tokens (a table entry covers 512 positions; at 256 tokens per slot
     # each slot still takes one page per rank, so the bound of tests/test_sharded_serving.py does not apply here)
-    one_stats = httpx.get(one.base_url + "/stats", timeout=10).json()
+    one_stats = httpx.get(one.url + "/stats", timeout=10).json()
     assert stats["dcp"] == 8 and stats["block_tokens"] == 8 * one_stats["block_tokens"], stats
     assert stats["cache_bytes_per_device"] < one_stats["cache_bytes_per_device"] / 3, (stats, one_stats)
 

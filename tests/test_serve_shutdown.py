@@ -10,70 +10,31 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from server_process import ServerProcess
 
-ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900
 SHUTDOWN_TIMEOUT_S = 3.0
 LONG = {"model": "tiny", "prompt": "hello", "max_tokens": 1900, "ignore_eos": True, "temperature": 0,
         "stream": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: Path, name: str, shutdown_timeout: float):
-        self.port = _free_port()
-        self.log_path = tmp / f"{name}.log"
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                            if p])
-        cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(self.port), "--max-num-seqs", "2",
-               "--max-model-len", "2048", "--prefill-chunk-sizes", "64,16",
-               "--shutdown-timeout", str(shutdown_timeout),
-               "--compilation-cache", os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"server not ready:\n{self.log()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self._log.close()
+def _server(tmp: Path, name: str, shutdown_timeout: float) -> ServerProcess:
+    return ServerProcess(tmp / f"{name}.log", [
+        "--max-num-seqs", "2", "--max-model-len", "2048", "--prefill-chunk-sizes", "64,16",
+        "--shutdown-timeout", str(shutdown_timeout),
+        "--compilation-cache", os.environ.get("JAX_COMPILATION_CACHE_DIR", "none")])
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shutdown")
-    started = {"drain": Server(tmp, "drain", SHUTDOWN_TIMEOUT_S), "twice": Server(tmp, "twice", 600)}
+    started = {"drain": _server(tmp, "drain", SHUTDOWN_TIMEOUT_S), "twice": _server(tmp, "twice", 600)}
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for s in started.values():
@@ -81,7 +42,7 @@ def servers(tmp_path_factory):
         yield started
     finally:
         for s in started.values():
-            s.stop()
+            s.stop(graceful=False)
 
 
 class Stream(threading.Thread):

@@ -1,0 +1,74 @@
+"""`python -m kimi_jax.serve` in a subprocess on a free 127.0.0.1 port, for tests that need a real server process
+(signals, faked device counts). Its log goes to a file: a pipe nobody reads could fill up and block the server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(**overrides) -> dict:
+    """The environment of a server subprocess: CPU JAX, unbuffered output, this checkout first on the path, no
+    XLA_FLAGS (a server fakes its CPU devices itself with --fake-cpu-devices)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **overrides)
+    if "XLA_FLAGS" not in overrides:
+        env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+class ServerProcess:
+    """One server process. `args`: the serve flags besides --port; `url` is its base address."""
+
+    def __init__(self, log_path: Path, args: list):
+        self.port = free_port()
+        self.log_path = Path(log_path)
+        cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(self.port), *args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until /health answers 200, the process exits (an AssertionError with its log), or `deadline`
+        (time.monotonic) passes."""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready in time:\n{self.log()[-4000:]}")
+
+    def stop(self, graceful: bool = True) -> None:
+        """SIGTERM and a bounded wait (then SIGKILL), or SIGKILL at once."""
+        if self.proc.poll() is None:
+            if graceful:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
+        self._log.close()
