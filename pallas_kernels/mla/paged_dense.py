@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, resolve_dsa_backend
 from . import paged_dense_tpu
-from .reference import PRECISION
+from .reference import PRECISION, online_softmax_finish, online_softmax_init, online_softmax_step
 from .sparse import DEFAULT_MAX_BLOCK_BYTES, _chunked
 
 BACKENDS = DSA_BACKENDS
@@ -41,27 +41,16 @@ def _online_softmax_pages(q_bthc, pos_bt, kv_parts, block_tables, layer_scale, *
     q = q_bthc.astype(jnp.float32)
 
     def step(carry, j):
-        m, l, acc = carry  # [B,T,H], [B,T,H], [B,T,H,R]
         rows = fmt.dequantize(tuple(p[bt[:, j]] for p in kv_parts), layer_scale).astype(jnp.float32)  # [B, page, c]
         s_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # [page]
         valid = (s_pos[None, None, :] <= pos_bt[:, :, None])[:, :, None, :]  # [B, T, 1, page]
         rows = jnp.where((s_pos[None, :] <= jnp.max(pos_bt, axis=1)[:, None])[..., None], rows, 0.0)
         s = jnp.einsum("bthc,bjc->bthj", q, rows, precision=PRECISION) * scale
-        s = jnp.where(valid, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(valid, jnp.exp(s - m_use[..., None]), 0.0)
-        corr = jnp.exp(m - m_use)  # m = −inf -> 0
-        l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bthj,bjr->bthr", p, rows[..., :value_dim], precision=PRECISION)
-        return (m_new, l, acc), None
+        values = lambda p: jnp.einsum("bthj,bjr->bthr", p, rows[..., :value_dim], precision=PRECISION)
+        return online_softmax_step(carry, s, valid, values), None
 
-    init = (jnp.full((B, T, H), -jnp.inf, jnp.float32), jnp.zeros((B, T, H), jnp.float32),
-            jnp.zeros((B, T, H, value_dim), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(bt.shape[1], dtype=jnp.int32))
-    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    return o, lse
+    carry, _ = jax.lax.scan(step, online_softmax_init(B, T, H, value_dim), jnp.arange(bt.shape[1], dtype=jnp.int32))
+    return online_softmax_finish(carry)
 
 
 @partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "q_chunk"))

@@ -54,3 +54,29 @@ def merge_partials(o_parts, lse_parts):
     w = jnp.exp(lse_parts - jnp.where(jnp.isfinite(lse), lse, 0.0))
     w = jnp.where(jnp.isfinite(lse_parts), w, 0.0)
     return jnp.sum(w[..., None] * o_parts, axis=0), lse
+
+
+def online_softmax_init(B: int, T: int, H: int, value_dim: int):
+    """The empty running state (max, sum, weighted values) of a float32 online softmax over key blocks."""
+    return (jnp.full((B, T, H), -jnp.inf, jnp.float32), jnp.zeros((B, T, H), jnp.float32),
+            jnp.zeros((B, T, H, value_dim), jnp.float32))
+
+
+def online_softmax_step(carry, s_bthj, valid, weighted_values):
+    """Fold one block of logits `[B, T, H, j]` (`valid` broadcastable to them; invalid keys add nothing) into the
+    running state; `weighted_values(p) -> [B, T, H, R]` is the block's values weighted by p `[B, T, H, j]`."""
+    m, l, acc = carry
+    s = jnp.where(valid, s_bthj, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(valid, jnp.exp(s - m_use[..., None]), 0.0)
+    corr = jnp.exp(m - m_use)  # m = −inf -> 0
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + weighted_values(p)
+
+
+def online_softmax_finish(carry):
+    """(o `[B, T, H, R]`, lse `[B, T, H]`) of the running state; a query with no valid key gets o = 0, lse = −inf."""
+    m, l, acc = carry
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o, lse

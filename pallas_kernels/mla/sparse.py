@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, check_precision, gather_parts, resolve_dsa_backend
 from . import sparse_gpu, sparse_mgpu, sparse_tpu
-from .reference import PRECISION
+from .reference import PRECISION, online_softmax_finish, online_softmax_init, online_softmax_step
 
 BACKENDS = DSA_BACKENDS
 DEFAULT_BLOCK_K = 64
@@ -55,26 +55,14 @@ def online_softmax_attention(q_bthc, fetch, idx_btk, *, scale: float, value_dim:
     q = q_bthc.astype(jnp.float32)
 
     def step(carry, idx_blk):
-        m, l, acc = carry  # [B,T,H], [B,T,H], [B,T,H,R]
         ok = idx_blk >= 0
         rows = jnp.where(ok[..., None], fetch(idx_blk).astype(jnp.float32), 0.0)  # [B, T, bk, c]; empty slots 0
-        valid = ok[:, :, None, :]
         s = jnp.einsum("bthc,btjc->bthj", q, rows, precision=_HI) * scale
-        s = jnp.where(valid, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(valid, jnp.exp(s - m_use[..., None]), 0.0)
-        corr = jnp.exp(m - m_use)  # m = −inf -> 0
-        l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bthj,btjr->bthr", p, rows[..., :value_dim], precision=_HI)
-        return (m_new, l, acc), None
+        values = lambda p: jnp.einsum("bthj,btjr->bthr", p, rows[..., :value_dim], precision=_HI)
+        return online_softmax_step(carry, s, ok[:, :, None, :], values), None
 
-    init = (jnp.full((B, T, H), -jnp.inf, jnp.float32), jnp.zeros((B, T, H), jnp.float32),
-            jnp.zeros((B, T, H, value_dim), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(step, init, idx)
-    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    return o, lse
+    carry, _ = jax.lax.scan(step, online_softmax_init(B, T, H, value_dim), idx)
+    return online_softmax_finish(carry)
 
 
 def _chunked(q_bthc, idx_btk, q_chunk: int, fn):
