@@ -46,7 +46,6 @@ from sharding import context_parallel as cp
 from sharding.context import DEFAULT_MAX_CHUNK_BYTES, LAYOUTS, context_for_mesh
 from sharding.context_parallel import CONTEXT
 from sharding.mesh import expert_axes
-from sharding.moe import expert_ways
 from sharding.rules import _path_name, mesh_partition_spec
 
 from .cache import index_key_bytes_per_token, latent_bytes_per_token
@@ -153,7 +152,6 @@ def _token_prefill_fn(model, mesh, axis, B, T_pad, valid_len, layout, last_only,
     store = _store(model)
     if key in store:
         return store[key]
-    n = mesh.shape[axis]
     bax = _batch_axis(mesh, B)
     eaxes = _program_expert_axes(model, mesh, axis)
     ctx = _context(model, mesh, axis, mode="prefill_token_split", valid_len=valid_len, layout=layout,
@@ -317,7 +315,6 @@ def _dcp_decode_fn(model, mesh, axis, B, layout):
     store = _store(model)
     if key in store:
         return store[key]
-    n = mesh.shape[axis]
     bax = _batch_axis(mesh, B)
     eaxes = _program_expert_axes(model, mesh, axis)
     ctx = _context(model, mesh, axis, mode="decode_dcp", layout=layout)

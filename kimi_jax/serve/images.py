@@ -165,7 +165,7 @@ def _data_url_bytes(url: str, what: str, cfg: ImageFetchConfig) -> bytes:
         payload += "=" * (-len(payload) % 4)
     try:
         return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
+    except (binascii.Error, ValueError):
         raise ImageError(f"{what}: the data URL's base64 payload is invalid") from None
 
 

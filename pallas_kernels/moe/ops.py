@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
