@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharding.context import KernelConfig
-from sharding.mesh import parse_mesh_spec
+from sharding.mesh import fake_cpu_devices, parse_mesh_spec
 
 from .config import PRESETS, get_preset, load_config
 from .engine.guide import class_table_rows
@@ -175,8 +175,8 @@ def _fake_devices(mesh_spec: str) -> None:
     """On a CPU host, as many CPU devices as the mesh needs (before JAX starts its backend)."""
     sizes = parse_mesh_spec(mesh_spec)
     need = sizes["data"] * sizes["context"] * sizes["model"]
-    if need > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", need)
+    if need > 1:
+        fake_cpu_devices(need)
 
 
 def main(argv=None) -> int:

@@ -121,6 +121,25 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return {a: int(mesh.shape.get(a, 1)) for a in AXES}
 
 
+FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def fake_cpu_devices(n: int) -> bool:
+    """Ask JAX for `n` CPU devices, if that can still take effect; returns whether it was set.
+
+    JAX reads the CPU device count once, when it starts its backends, so this must run before anything touches a
+    device.  `jax_num_cpu_devices` is the config form of XLA_FLAGS=--xla_force_host_platform_device_count=N (no
+    re-exec needed).  A count the user chose in XLA_FLAGS or in the config wins: we never override it.
+    """
+    if FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", "") or getattr(jax.config, "jax_num_cpu_devices", -1) > 0:
+        return False
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backends are already up (JAX refuses the change): too late in this process
+        return False
+    return True
+
+
 def initialize_distributed() -> bool:
     """Call `jax.distributed.initialize()` when a multi-process launch is detected; returns whether it did."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("COORDINATOR_ADDRESS"):

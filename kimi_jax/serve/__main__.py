@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from sharding.mesh import AXES, initialize_distributed, make_mesh, parse_mesh_spec
+from sharding.mesh import (AXES, FAKE_DEVICES_FLAG, fake_cpu_devices, initialize_distributed, make_mesh,
+                           parse_mesh_spec)
 
 from .. import __version__
 from ..config import PRESETS
@@ -188,27 +189,6 @@ def mesh_device_count(text: str) -> int:
     """Devices a `--mesh` spec needs (AxB or a named form of `sharding.mesh`); ValueError when malformed."""
     sizes = parse_mesh_spec(text)  # MeshError is a ValueError; its message shows the accepted forms (AxB, ...)
     return math.prod(sizes[a] for a in AXES)
-
-
-FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
-
-
-def fake_cpu_devices(n: int) -> bool:
-    """Ask JAX for `n` CPU devices, if that can still take effect; returns whether it was set.
-
-    JAX reads the CPU device count once, when it starts its backends, so this must run before anything touches a
-    device.  `jax_num_cpu_devices` is the config form of XLA_FLAGS=--xla_force_host_platform_device_count=N (no
-    re-exec needed).  A count the user chose in XLA_FLAGS or in the config wins: we never override it.
-    """
-    import jax
-
-    if FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", "") or getattr(jax.config, "jax_num_cpu_devices", -1) > 0:
-        return False
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:  # the backends are already up (JAX refuses the change): too late in this process
-        return False
-    return True
 
 
 def _port(text: str) -> int:
