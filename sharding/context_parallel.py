@@ -570,8 +570,9 @@ def dcp_place(cache_bs_, n: int, layout: str = "contiguous"):
     raise ValueError(f"unknown DCP layout {layout!r}; choose one of {LAYOUTS}")
 
 
-def _merge_over_axis(o_bhr, lse_bh, axis):
-    """Exact merge of partial attention over disjoint key sets held by the devices of `axis` (pmax + psum)."""
+def merge_over_axis(o_bhr, lse_bh, axis):
+    """Exact merge of partial attention over disjoint key sets held by the devices of `axis` (pmax + psum):
+    o `[..., R]`, lse `[...]` per device -> the same (o, lse) on every device."""
     m = jax.lax.pmax(lse_bh, axis)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     wgt = jnp.where(jnp.isfinite(lse_bh), jnp.exp(lse_bh - m), 0.0)
@@ -579,6 +580,25 @@ def _merge_over_axis(o_bhr, lse_bh, axis):
     num = jax.lax.psum(wgt[..., None] * o_bhr, axis)
     safe = jnp.where(den > 0, den, 1.0)
     return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def merge_topk_candidates(vals, pos, axis, topk: int):
+    """The global top-k of every device's candidates along `axis`: vals `[..., k]` float32 scores (−inf = no
+    candidate), pos `[..., k]` int32 their global positions. Returns (scores, positions) `[..., topk]`, the same on
+    every device, ordered by score descending and on equal scores the earlier position first (the one-device tie
+    rule); positions −1 (scores −inf) past the candidates. Exact whenever each device's candidates are its own
+    top-k: every global winner is in its owner's local top-k."""
+    last = vals.ndim - 1
+    big = jnp.iinfo(jnp.int32).max
+    all_s = jax.lax.all_gather(vals, axis, axis=last, tiled=True)
+    all_p = jax.lax.all_gather(jnp.where(vals > -jnp.inf, pos, big), axis, axis=last, tiled=True)
+    neg_s, key_p = jax.lax.sort((-all_s, all_p), dimension=-1, num_keys=2)
+    win_s, win_p = -neg_s[..., :topk], key_p[..., :topk]
+    short = topk - win_s.shape[-1]
+    if short > 0:
+        pad = [(0, 0)] * last + [(0, short)]
+        win_s, win_p = jnp.pad(win_s, pad, constant_values=-jnp.inf), jnp.pad(win_p, pad)
+    return win_s, jnp.where(win_s > -jnp.inf, win_p, -1)
 
 
 def dcp_decode_shard(q_bhc, kv_blc, seq_lens_b, qi_bhd=None, ki_bld=None, w_bh=None, *, axis: str = CONTEXT,
@@ -602,17 +622,11 @@ def dcp_decode_shard(q_bhc, kv_blc, seq_lens_b, qi_bhd=None, ki_bld=None, w_bh=N
         kl = min(topk, L)
         vals, li = jax.lax.top_k(s, kl)  # ties: lower slot = earlier position, in both layouts
         cpos = jnp.where(vals > -jnp.inf, pos_l[li], -1)
-        all_s = jax.lax.all_gather(vals, axis, axis=1, tiled=True)  # [B, n·kl]
-        all_p = jax.lax.all_gather(cpos, axis, axis=1, tiled=True)
-        big = jnp.iinfo(jnp.int32).max
-        neg_s, key_p = jax.lax.sort((-all_s, jnp.where(all_p < 0, big, all_p)), dimension=-1, num_keys=2)
-        sel = jnp.where(neg_s < jnp.inf, key_p, -1)[:, :topk]
-        if sel.shape[1] < topk:
-            sel = jnp.pad(sel, ((0, 0), (0, topk - sel.shape[1])), constant_values=-1)
+        _, sel = merge_topk_candidates(vals, cpos, axis, topk)  # [B, topk]
         mine = (cpos >= 0) & jnp.any(cpos[:, :, None] == sel[:, None, :], axis=-1)  # [B, kl]
         rows, ok = _gather_rows(kv_blc, li)[:, None], mine[:, None]  # [B, 1, kl, c]
     o, lse = _softmax_attend(q_bhc[:, None], rows, ok, scale, value_dim)
-    o, lse = _merge_over_axis(o[:, 0], lse[:, 0], axis)
+    o, lse = merge_over_axis(o[:, 0], lse[:, 0], axis)
     return o, lse, sel
 
 

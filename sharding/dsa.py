@@ -15,14 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax.sharding import PartitionSpec as P
-
 from pallas_kernels.indexer import paged as index_paged
 from pallas_kernels.mla import paged_dense
 from pallas_kernels.mla import sparse as sparse_mla
 
+from . import context_parallel as cp
 from .context import ForwardContext
-from .partition import free_axes, shard_call
+from .partition import shard_call
 
 
 def dsa_backend(configured: str, num_queries: int) -> str:
@@ -63,21 +62,31 @@ def sparse_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, idx_bt
                       ((d, None, t, None), (d, None, t)), out_shapes=((B, T, H, value_dim), (B, T, H)))
 
 
+def _dense_local(ctx: ForwardContext, backend: str, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *,
+                 fmt, scale: float, value_dim: int):
+    """Per device: absorbed attention of each query over every position of its pages up to `query_pos` — the dense
+    paged kernel (TPU) or reference, or on a GPU (which has no dense kernel) its sparse kernel with all those
+    positions selected."""
+    on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
+    if backend.startswith("gpu") or (backend == "auto" and on_gpu):
+        s = jnp.arange(block_tables.shape[1] * kv_parts[0].shape[1], dtype=jnp.int32)
+        idx_bts = jnp.where(s[None, None, :] <= query_pos_bt[:, :, None], s[None, None, :], -1)
+        return sparse_mla.sparse_mla(q_bthc, kv_parts, block_tables, idx_bts, fmt=fmt, scale=scale,
+                                     value_dim=value_dim, layer_scale=layer_scale, backend=backend,
+                                     precision=ctx.kernels.dsa_precision, **ctx.platform_kw())
+    return paged_dense.dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, fmt=fmt, scale=scale,
+                                       value_dim=value_dim, layer_scale=layer_scale, backend=backend,
+                                       **ctx.platform_kw())
+
+
 def dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *, fmt,
                     scale: float, value_dim: int):
     """Absorbed attention of each query over every cached position up to its own (MLA without an indexer), reading
     whole pages (`pallas_kernels.mla.paged_dense`): q `[B, T, H, c]`, query_pos `[B, T]` (−1 = a padding query:
     o = 0). Returns (o, lse) as `sparse_attention`."""
     backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
-    on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
-    if backend.startswith("gpu") or (backend == "auto" and on_gpu):
-        # the dense kernel is TPU-only: GPUs keep their sparse kernel with every position up to the query selected
-        s = jnp.arange(block_tables.shape[1] * kv_parts[0].shape[1], dtype=jnp.int32)
-        idx_bts = jnp.where(s[None, None, :] <= query_pos_bt[:, :, None], s[None, None, :], -1)
-        return sparse_attention(ctx, q_bthc, kv_parts, block_tables, idx_bts, layer_scale, fmt=fmt, scale=scale,
-                                value_dim=value_dim)
-    kw = dict(fmt=fmt, scale=scale, value_dim=value_dim, backend=backend, **ctx.platform_kw())
-    body = lambda q, parts, bt, pos, ls: paged_dense.dense_paged_mla(q, parts, bt, pos, layer_scale=ls, **kw)
+    body = lambda q, parts, bt, pos, ls: _dense_local(ctx, backend, q, parts, bt, pos, ls, fmt=fmt, scale=scale,
+                                                      value_dim=value_dim)
     d, t = ctx.axes.data, ctx.axes.tensor
     B, T, H, _ = q_bthc.shape
     return shard_call(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
@@ -100,17 +109,6 @@ def _dcp_local_pos(pos, rank, n: int):
     """Local causal bound on rank `rank` of global query positions `pos` (−1 = none: a padding query, or a rank
     holding no key yet)."""
     return jnp.where(pos >= 0, jnp.floor_divide(pos - rank, n), -1)
-
-
-def _merge_over(o_bthr, lse_bth, axis):
-    """Exact merge of per-rank attention over disjoint key sets: (o, lse) summed by log-sum-exp over `axis`."""
-    m = jax.lax.pmax(lse_bth, axis)
-    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.where(jnp.isfinite(lse_bth), jnp.exp(lse_bth - m_use), 0.0)
-    den = jax.lax.psum(w, axis)
-    o = jax.lax.psum(o_bthr * w[..., None], axis) / jnp.where(den > 0, den, 1.0)[..., None]
-    lse = jnp.where(den > 0, m_use + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-    return o, lse
 
 
 def dcp_write(ctx: ForwardContext, spec, pool, block_tables, starts_b, rows_btc, keys_btd=None, lengths_b=None):
@@ -139,23 +137,9 @@ def dcp_write(ctx: ForwardContext, spec, pool, block_tables, starts_b, rows_btc,
     args = (pool.latent, pool.index, pool.latent_scale, block_tables, starts_b, lengths_b, rows_btc)
     args += () if keys_btd is None else (keys_btd,)
     in_dims = ((axis,), (axis,)) + (None,) * (len(args) - 2)
-    latent, index = _dcp_only(ctx, body, args, in_dims, ((axis,), (axis,)))
+    shapes = tuple(parts[0].shape if parts else None for parts in (pool.latent, pool.index))
+    latent, index = shard_call(ctx, body, args, in_dims, ((axis,), (axis,)), out_shapes=shapes)
     return type(pool)(latent, index, pool.latent_scale)
-
-
-def _dcp_only(ctx: ForwardContext, body, args, in_dims, out_dims):
-    """`body` per device over every axis not yet manual; only the pool parts split (dim 0 over the DCP axis, a part
-    tuple taking one entry), every other argument and output whole on every device."""
-    free = free_axes(ctx)
-    spec = lambda d: P() if d is None else P(*(a if a in free else None for a in d))
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    kw = dict(mesh=jax.sharding.get_abstract_mesh() if manual else ctx.mesh,
-              in_specs=tuple(spec(d) for d in in_dims), out_specs=tuple(spec(d) for d in out_dims), check_vma=False)
-    if not free:
-        return body(*args)
-    if set(free) != set(ctx.mesh.axis_names):
-        kw["axis_names"] = set(free)
-    return jax.shard_map(body, **kw)(*args)
 
 
 def dcp_dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *, fmt,
@@ -164,24 +148,16 @@ def dcp_dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, que
     Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32, the same on every rank."""
     n, axis = ctx.dcp, ctx.dcp_axis
     backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
-    on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
 
     def body(q, parts, bt, pos, ls):
-        r = jax.lax.axis_index(axis)
-        local_pos = _dcp_local_pos(pos, r, n)
-        if backend.startswith("gpu") or (backend == "auto" and on_gpu):
-            s = jnp.arange(bt.shape[1] * parts[0].shape[1], dtype=jnp.int32)
-            idx = jnp.where(s[None, None, :] <= local_pos[:, :, None], s[None, None, :], -1)
-            o, lse = sparse_mla.sparse_mla(q, parts, bt, idx, fmt=fmt, scale=scale, value_dim=value_dim,
-                                           layer_scale=ls, backend=backend, precision=ctx.kernels.dsa_precision,
-                                           **ctx.platform_kw())
-        else:
-            o, lse = paged_dense.dense_paged_mla(q, parts, bt, local_pos, fmt=fmt, scale=scale, value_dim=value_dim,
-                                                 layer_scale=ls, backend=backend, **ctx.platform_kw())
-        return _merge_over(o, lse, axis)
+        local_pos = _dcp_local_pos(pos, jax.lax.axis_index(axis), n)
+        o, lse = _dense_local(ctx, backend, q, parts, bt, local_pos, ls, fmt=fmt, scale=scale, value_dim=value_dim)
+        return cp.merge_over_axis(o, lse, axis)
 
-    return _dcp_only(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
-                     (None, (axis,), None, None, None), (None, None))
+    B, T, H, _ = q_bthc.shape
+    return shard_call(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
+                      (None, (axis,), None, None, None), (None, None),
+                      out_shapes=((B, T, H, value_dim), (B, T, H)))
 
 
 def dcp_sparse_attention(ctx: ForwardContext, q_bthc, qi_bthd, w_bth, kv_parts, key_parts, block_tables,
@@ -201,21 +177,16 @@ def dcp_sparse_attention(ctx: ForwardContext, q_bthc, qi_bthd, w_bth, kv_parts, 
                                        **ctx.platform_kw())  # [B, T, S_local], −inf where not allowed
         s_bts = jnp.where(s_bts == 0, 0.0, s_bts)  # -0.0 == +0.0 for the tie rule
         S = s_bts.shape[-1]
-        k = min(topk, S)
-        val, loc = jax.lax.top_k(s_bts, k)  # [B, T, k] this rank's best, earlier local position first on ties
-        glob = jnp.where(val > -jnp.inf, loc * n + r, jnp.iinfo(jnp.int32).max)
-        all_val = jax.lax.all_gather(val, axis, axis=2, tiled=True)  # [B, T, N·k]
-        all_pos = jax.lax.all_gather(glob, axis, axis=2, tiled=True)
-        # global order: score descending, then position ascending (sort by (−score, position))
-        neg_val, pos = jax.lax.sort((-all_val, all_pos), dimension=-1, num_keys=2)
-        win_val, win_pos = -neg_val[..., :topk], pos[..., :topk]
-        mine = (win_val > -jnp.inf) & (jnp.mod(win_pos, n) == r)
-        idx = jnp.where(mine, win_pos // n, -1)
+        val, loc = jax.lax.top_k(s_bts, min(topk, S))  # this rank's best, earlier local position first on ties
+        _, win_pos = cp.merge_topk_candidates(val, loc * n + r, axis, topk)  # [B, T, topk], −1 past the winners
+        idx = jnp.where((win_pos >= 0) & (jnp.mod(win_pos, n) == r), win_pos // n, -1)
         o, lse = sparse_mla.sparse_mla(q, parts, bt, idx, fmt=latent_fmt, scale=scale, value_dim=value_dim,
                                        layer_scale=ls, backend=backend, precision=ctx.kernels.dsa_precision,
                                        **ctx.platform_kw())
-        return _merge_over(o, lse, axis)
+        return cp.merge_over_axis(o, lse, axis)
 
-    return _dcp_only(ctx, body, (q_bthc, qi_bthd, w_bth, tuple(kv_parts), tuple(key_parts), block_tables,
-                                 query_pos_bt, layer_scale),
-                     (None, None, None, (axis,), (axis,), None, None, None), (None, None))
+    B, T, H, _ = q_bthc.shape
+    return shard_call(ctx, body, (q_bthc, qi_bthd, w_bth, tuple(kv_parts), tuple(key_parts), block_tables,
+                                  query_pos_bt, layer_scale),
+                      (None, None, None, (axis,), (axis,), None, None, None), (None, None),
+                      out_shapes=((B, T, H, value_dim), (B, T, H)))
