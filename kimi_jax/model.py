@@ -33,22 +33,9 @@ MAX_RANDOM_PARAMS = 2_000_000_000
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     """Every parameter's `jax.ShapeDtypeStruct`, keyed by its path ("layers.3.self_attn.q_b_proj.kernel").
 
-    Shapes come from `nnx.eval_shape` of the real modules, nothing is materialised. Layers are traced once per
-    distinct (kind, FFN) signature and the result reused, since tracing all 93 layers of the full model in one graph
-    is needlessly slow.
+    Shapes come from `abstract_module` (the real modules under `nnx.eval_shape`); nothing is materialised.
     """
-    out = {}
-    top_cfg = cfg.replace(layer_kinds=(), dense_layers=())
-    top = nnx.state(nnx.eval_shape(lambda: KimiForCausalLM(top_cfg, rngs=nnx.Rngs(0), dtype=dtype)), nnx.Param)
-    out.update(_flat(top))
-    by_signature = {}
-    for i, kind in enumerate(cfg.layer_kinds):
-        sig = (kind, cfg.is_moe_layer(i))
-        if sig not in by_signature:
-            layer = nnx.eval_shape(lambda: DecoderLayer(cfg, i, rngs=nnx.Rngs(0), dtype=dtype))
-            by_signature[sig] = _flat(nnx.state(layer, nnx.Param))
-        out.update({f"layers.{i}.{k}": v for k, v in by_signature[sig].items()})
-    return out
+    return _flat(nnx.state(abstract_module(cfg, dtype), nnx.Param))
 
 
 def _flat(state) -> dict:
