@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import budget
+from .sparse_tpu import softmax_init, softmax_result, softmax_update
 
 SUPPORTED = ("fp32", "bf16", "fp8")
 ROWS_PER_STEP = 512  # default pages_per_step = ROWS_PER_STEP // page: ~0.6 MB of bf16 rows per step at c = 576
@@ -62,9 +63,7 @@ def _kernel(bt_ref, pos_ref, q_ref, *refs, pages_per_step: int, page: int, value
 
     @pl.when(j == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        softmax_init(m_sc, l_sc, acc_sc)
 
     pos = pos_ref[b]
     q = q_ref[...]  # [H, c] float32, already times scale·layer_scale
@@ -78,23 +77,11 @@ def _kernel(bt_ref, pos_ref, q_ref, *refs, pages_per_step: int, page: int, value
             s = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                                     preferred_element_type=jnp.float32)  # [H, page]
             t_col = first + jax.lax.broadcasted_iota(jnp.int32, (1, page), 1)
-            s = jnp.where(t_col <= pos, s, -jnp.inf)
-            m_prev = m_sc[...]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))  # finite: position `first` is valid
-            p = jnp.exp(s - m_new)
-            corr = jnp.exp(m_prev - m_new)
-            l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=-1, keepdims=True)
-            acc_sc[...] = acc_sc[...] * corr + jax.lax.dot_general(
-                p, rows[:, :value_dim], (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32)
-            m_sc[...] = m_new
+            softmax_update(m_sc, l_sc, acc_sc, jnp.where(t_col <= pos, s, -jnp.inf), rows[:, :value_dim])
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
-        l = l_sc[...]
-        ok = l > 0
-        o_ref[...] = acc_sc[...] / jnp.where(ok, l, 1.0)
-        lse_ref[...] = jnp.where(ok, m_sc[...] + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+        o_ref[...], lse_ref[...] = softmax_result(m_sc, l_sc, acc_sc)
 
 
 def _call(q_bhc, *, pool, bt, pos, page: int, pages_per_step: int, value_dim: int, interpret: bool):

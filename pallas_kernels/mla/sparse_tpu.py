@@ -50,6 +50,35 @@ def supports(fmt) -> bool:
     return getattr(fmt, "kv_dtype", None) in SUPPORTED
 
 
+def softmax_init(m_sc, l_sc, acc_sc):
+    """Empty online-softmax scratch of the MLA TPU kernels: running max and sum `[H, 1]`, weighted values `[H, R]`."""
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
+def softmax_update(m_sc, l_sc, acc_sc, s_hj, values_jr):
+    """Fold one block of logits `[H, j]` float32 (−inf = no key) and its values `[j, R]` into the scratch."""
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s_hj, axis=-1, keepdims=True))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s_hj - m_use)
+    corr = jnp.exp(m_prev - m_use)
+    l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=-1, keepdims=True)
+    acc_sc[...] = acc_sc[...] * corr + jax.lax.dot_general(
+        p, values_jr, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32)
+    m_sc[...] = m_new
+
+
+def softmax_result(m_sc, l_sc, acc_sc):
+    """(o `[H, R]`, lse `[H, 1]`) of the scratch; a query with no key gets o = 0 and lse = −inf."""
+    l = l_sc[...]
+    ok = l > 0
+    return (acc_sc[...] / jnp.where(ok, l, 1.0),
+            jnp.where(ok, m_sc[...] + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf))
+
+
 def _kernel(bt_ref, idx_ref, q_ref, bias_ref, pool_hbm, o_ref, lse_ref, rows_vmem, sems, m_sc, l_sc, acc_sc, *,
             block_k: int, k_pad: int, max_blocks: int, page: int, value_dim: int):
     b = pl.program_id(0)
@@ -57,9 +86,7 @@ def _kernel(bt_ref, idx_ref, q_ref, bias_ref, pool_hbm, o_ref, lse_ref, rows_vme
 
     @pl.when(j == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        softmax_init(m_sc, l_sc, acc_sc)
 
     def row_copy(i, slot):
         return pltpu.make_async_copy(pool_hbm.at[pl.ds(slot, 1)], rows_vmem.at[pl.ds(i, 1)], sems.at[i])
@@ -83,24 +110,11 @@ def _kernel(bt_ref, idx_ref, q_ref, bias_ref, pool_hbm, o_ref, lse_ref, rows_vme
     q = q_ref[0].astype(jnp.float32)  # [H, c], already times scale·layer_scale
     s = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
-    s = s + bias_ref[0, 0]  # [H, bk] + [1, bk]
-    m_prev = m_sc[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_use)
-    corr = jnp.exp(m_prev - m_use)
-    l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=-1, keepdims=True)
-    acc_sc[...] = acc_sc[...] * corr + jax.lax.dot_general(
-        p, rows[:, :value_dim], (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
-    m_sc[...] = m_new
+    softmax_update(m_sc, l_sc, acc_sc, s + bias_ref[0, 0], rows[:, :value_dim])  # logits [H, bk] + [1, bk]
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
-        l = l_sc[...]
-        ok = l > 0
-        o_ref[0] = acc_sc[...] / jnp.where(ok, l, 1.0)
-        lse_ref[0] = jnp.where(ok, m_sc[...] + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+        o_ref[0], lse_ref[0] = softmax_result(m_sc, l_sc, acc_sc)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_k", "smem_budget", "interpret"))
