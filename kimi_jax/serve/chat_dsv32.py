@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from kimi_jax.tokenizer import Tokenizer
 
-from .chat import Segment, _content_text, _reasoning_text, segments_to_ids
+from .chat import Segment, _content_text, _reasoning_text, _Segments, segments_to_ids
 from .parsers import _OutputParserBase, _partial_suffix, new_tool_call_id
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -94,10 +94,9 @@ def render_call(name: str, arguments: Any) -> str:
     return f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>"
 
 
-class _Writer:
+class _Writer(_Segments):
     def __init__(self, tokenizer: Tokenizer):
-        self.tok = tokenizer
-        self.out: list[Segment] = []
+        super().__init__(tokenizer, ())  # DeepSeek's markers are optional: `mark` spells missing ones as text
 
     def mark(self, name: str) -> None:
         """A control token where the tokenizer has it, its spelling as text otherwise."""
@@ -105,14 +104,6 @@ class _Writer:
             self.out.append(self.tok.token_id(name))
         else:
             self.text(name)
-
-    def text(self, s: str) -> None:
-        if not s:
-            return
-        if self.out and isinstance(self.out[-1], str):
-            self.out[-1] += s
-        else:
-            self.out.append(s)
 
 
 def render_chat_segments_dsv32(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
