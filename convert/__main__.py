@@ -33,9 +33,10 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
-def main(argv=None) -> int:
+def main(argv=None, command: bool = False) -> int:
     """The command line; returns the exit status (0, 2 for a refused or failed conversion, 130 / 143 when
-    interrupted by Ctrl-C / SIGTERM, with nothing written)."""
+    interrupted by Ctrl-C / SIGTERM, with nothing written). As the process's own command (`command=True`) the
+    signals are ignored once the outcome is decided, so a late one cannot turn "written" into death by signal."""
     on_main = threading.current_thread() is threading.main_thread()
     # Installed before anything heavy is imported. SIGTERM cleans up as Ctrl-C does; both are also recorded, so one
     # whose exception Python swallowed (raised inside a GC callback) is raised again at the next tensor
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     finally:
         interrupt.clear()
         for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            signal.signal(sig, signal.SIG_IGN if command else signal.SIG_DFL if handler is None else handler)
 
 
 def _main(argv) -> int:
@@ -155,4 +156,4 @@ def _quiet_unraisable(unraisable, default=sys.unraisablehook):
 
 if __name__ == "__main__":
     sys.unraisablehook = _quiet_unraisable  # the command's own process only (late callbacks arrive after main)
-    raise SystemExit(main())
+    raise SystemExit(main(command=True))
