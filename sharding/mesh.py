@@ -19,6 +19,7 @@ environment variables are present).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import jax
 import numpy as np
@@ -140,9 +141,37 @@ def fake_cpu_devices(n: int) -> bool:
     return True
 
 
-def initialize_distributed() -> bool:
-    """Call `jax.distributed.initialize()` when a multi-process launch is detected; returns whether it did."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
-        return True
-    return False
+def initialize_distributed(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None, *, auto: bool = False,
+                           heartbeat_timeout_s: int = 100) -> bool:
+    """Start `jax.distributed` when this is one process of several; returns whether it did.
+
+    A launch is multi-process when a coordinator address is given (here, or JAX_COORDINATOR_ADDRESS /
+    COORDINATOR_ADDRESS), with the process count and this process's index from the arguments or
+    JAX_NUM_PROCESSES / JAX_PROCESS_ID; or with ``auto``, where JAX detects the cluster itself (TPU pod slices,
+    SLURM, Open MPI). CPU collectives between processes run over gloo. A process that misses heartbeats for
+    ``heartbeat_timeout_s`` seconds stops every other one (JAX's coordination service): a dead peer is an exit,
+    never a hang. Must run before anything touches a device."""
+    env = os.environ
+    address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or env.get("COORDINATOR_ADDRESS")
+    if not address and not auto:
+        return False
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU client reads it
+    jax.distributed.initialize(address or None, num_processes, process_id,
+                               heartbeat_timeout_seconds=int(heartbeat_timeout_s))
+    return True
+
+
+def distributed_process() -> tuple[int, int]:
+    """(this process's index, the number of processes) of the `jax.distributed` run, (0, 1) without one; unlike
+    `jax.process_index()` it does not start the backends (the fake CPU device count can still be set after it)."""
+    from jax._src import distributed  # the run's state before any backend exists; not public API
+
+    state = distributed.global_state
+    if state.client is None:
+        return 0, 1
+    return int(state.process_id), int(state.num_processes)

@@ -98,6 +98,7 @@ from .request import (EngineDeadError, EngineUnavailableError, RequestDone, Requ
 from ..cache import CacheLayout, allocate
 from ..modules.vision_buckets import patch_buckets, programs_for
 from ..paged_cache import BlockAllocator
+from .multihost import Mirror, mirror_runner
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls, seed32
 from .sampling_params import ParamError, SamplingParams
@@ -232,10 +233,13 @@ def _request_of(item) -> _Request:
 
 class Engine:
     def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None, *,
-                 runner: Optional[ModelRunner] = None, draft_model=None, **overrides):
+                 runner: Optional[ModelRunner] = None, draft_model=None, mirror: Optional[Mirror] = None,
+                 **overrides):
         """``runner``: reuse the compiled programs of another engine with the same model and shapes (a restart
         after a failure, a second front end) instead of compiling again. ``draft_model``: a smaller ``Model`` over
-        the same vocabulary that drafts for speculative decoding (``speculative_method="draft"``)."""
+        the same vocabulary that drafts for speculative decoding (``speculative_method="draft"``). ``mirror``: a
+        multi-process server's `multihost.Mirror` (built alike on every process; process 0 runs the engine, the
+        others replay its device calls with `Mirror.follow`); images and a draft model are single-process only."""
         cfg = config or EngineConfig()
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
@@ -263,10 +267,14 @@ class Engine:
         dyn_rows = class_table_rows(self.B, cfg.speculative_tokens) - len(self.class_masks)
         self._dyn_bits = np.zeros((dyn_rows, -(-self.vocab_size // 32)), np.int32)
         self._dyn_dirty = False
-        self._dyn_upload = None
         class_table = np.concatenate([self.class_masks, np.zeros((len(self._dyn_bits), self.vocab_size), bool)])
         kv_dtype = resolve_kv_dtype(cfg.kv_dtype, model.dtype)
+        self.mirror = mirror or Mirror()
+        if self.mirror.multiprocess and draft_model is not None:
+            raise ValueError("a draft model (--speculative-model) is not served across processes: it runs on process "
+                             "0's first device; use prompt lookup drafts (--speculative-tokens alone)")
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
+        images = images and not self.mirror.multiprocess  # the vision tower's programs are not mirrored
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
         # default pool: every slot at max_model_len, and room for the prefix-cache snapshots (the planner's formula)
@@ -319,12 +327,10 @@ class Engine:
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
                              "sampled drafts)")
-        self.runner = runner
+        self.runner = mirror_runner(runner, self.mirror) if self.mirror.multiprocess else runner
         self._cache_bytes_per_device = runner.cache_bytes_per_device()
-        # this engine's class table (its dynamic rows are its own); engines sharing a runner each set theirs on it
-        # under one lock right before a step
+        # this engine's class table (its dynamic rows are its own), passed to every step: engines may share a runner
         self._tables = runner.tables
-        self._tables_lock = runner.__dict__.setdefault("_engine_tables_lock", threading.Lock())
         self.alloc = BlockAllocator(runner.spec.num_blocks, runner.block_tokens)
         self._prefix_blocks = 0  # pages held by prefix-cache snapshots
         self.prefix_cache = PrefixCache(cfg.prefix_cache_entries,
@@ -381,7 +387,7 @@ class Engine:
             self._dyn_dirty = True  # (a committed array: another jit signature): serving compiles nothing
             self._upload_dynamic_masks()
         self.compilations_at_start = compile_watch.compile_count()
-        if self.config.vision_warmup and self.model.vision is not None:
+        if self.config.vision_warmup and self.model.vision is not None and self.runner.images:
             buckets = patch_buckets(self.model.config.vision)
             programs_for(self.model.vision).prepare(buckets)
             log.info("vision tower: compiling %d patch buckets (%d..%d patches) in the background", len(buckets),
@@ -481,6 +487,9 @@ class Engine:
         vision = getattr(self.model, "vision", None)
         if vision is None:
             raise ParamError("this model has no vision tower: it cannot take images", "images")
+        if self.mirror.multiprocess:
+            raise ParamError("images are not served across several processes (the vision tower runs on one); "
+                             "serve image requests from a single-process server", "images")
         if not self.runner.images:
             raise ParamError("this engine was built without image prefill programs (EngineConfig.images=False)",
                              "images")
@@ -524,6 +533,7 @@ class Engine:
             "prefix_cache_blocks": self._prefix_blocks,  # of used_blocks: held by prefix-cache snapshots
             "block_tokens": self.alloc.block_tokens,  # sequence positions one page id covers (64 · dcp)
             "dcp": self.runner.dcp,
+            "processes": self.mirror.channel.size if self.mirror.multiprocess else 1,
             "cache_bytes_per_device": self._cache_bytes_per_device,
             "max_cached_tokens": self.runner.max_cached_tokens,
             "kv_dtype": self.runner.kv_dtype,
@@ -632,8 +642,9 @@ class Engine:
         B = self.B
         tables = np.zeros((B, self.runner.max_blocks), np.int32)
         self._state, out = self.runner.step(self._state, np.zeros(B, np.int32), np.zeros(B, bool),
-                                            self.rows.device(), Controls(**empty_controls(B, self.vocab_size)),
-                                            tables)
+                                            self.rows.device(self.runner.put_rows),
+                                            Controls(**empty_controls(B, self.vocab_size)), tables,
+                                            sampling_tables=self._tables)
         jax.block_until_ready(out)
 
     def _fail_all(self, err: EngineDeadError) -> None:
@@ -1013,10 +1024,9 @@ class Engine:
             vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
-            with self._tables_lock:
-                self.runner.tables = self._tables
-                self._state, out = self.runner.verify(self._state, ids, n_draft, active, self.rows.device(), vctl,
-                                                      tables, **q)
+            rows = self.rows.device(self.runner.put_rows)
+            self._state, out = self.runner.verify(self._state, ids, n_draft, active, rows, vctl, tables, **q,
+                                                  sampling_tables=self._tables)
             out = {k: np.asarray(v) for k, v in out._asdict().items()}
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
@@ -1026,9 +1036,9 @@ class Engine:
                 policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
         else:
             self._upload_dynamic_masks()
-            with self._tables_lock:
-                self.runner.tables = self._tables
-                self._state, out = self.runner.step(self._state, tokens, active, self.rows.device(), ctl, tables)
+            rows = self.rows.device(self.runner.put_rows)
+            self._state, out = self.runner.step(self._state, tokens, active, rows, ctl, tables,
+                                                sampling_tables=self._tables)
             out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
             out["n"] = np.ones(B, np.int32)
         if proposer is not None:
@@ -1137,21 +1147,7 @@ class Engine:
         if not self._dyn_dirty:
             return
         self._dyn_dirty = False
-        tables = self._tables
-        if self._dyn_upload is None:
-            base, V = self._dyn_base, self.vocab_size
-
-            def upload(table, words):
-                shifts = jnp.arange(32, dtype=jnp.int32)
-                bits = (words[:, :, None] >> shifts) & 1  # [R, W, 32]
-                rows = bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
-                return jax.lax.dynamic_update_slice_in_dim(table, rows, base, axis=0)
-
-            # not donated: another engine sharing the runner may still hold the previous table; one program per
-            # runner, so an engine that reuses another's runner compiles nothing
-            self._dyn_upload = self.runner.__dict__.setdefault(
-                "_engine_dyn_upload", jax.jit(upload, out_shardings=tables.class_masks.sharding))
-        self._tables = tables._replace(class_masks=self._dyn_upload(tables.class_masks, self._dyn_bits))
+        self._tables = self.runner.update_class_masks(self._tables, self._dyn_bits, self._dyn_base)
 
     def _draft_q(self, proposer, drafts: dict) -> dict:
         """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: the

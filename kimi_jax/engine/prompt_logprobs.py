@@ -53,7 +53,8 @@ class PromptScorer:
     """Scores prompts with ``model``'s full forward; thread-safe (one prompt at a time: callers queue on a lock, so
     concurrent scoring never multiplies the device memory of the ``[T, V]`` logits)."""
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, mirror=None):
+        """``mirror``: the server's `multihost.Mirror` (the scoring program then runs on every process)."""
         self.model = model
         self.max_len = int(max_len)
         self._lock = threading.Lock()
@@ -71,7 +72,11 @@ class PromptScorer:
             top_lp, top_ids = jax.lax.top_k(lp, k)
             return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
-        self._score = jax.jit(score)
+        mesh = getattr(model, "mesh", None)
+        whole = {} if mesh is None else {"out_shardings": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())}
+        jitted = jax.jit(score, **whole)  # replicated results: process 0 reads them whole
+        program = lambda padded: jitted(self.model.params, padded)
+        self._score = program if mirror is None else mirror.register("prompt_scores", program)
 
     def score(self, ids: Sequence[int]) -> PromptScores:
         ids = [int(t) for t in ids]
@@ -86,7 +91,7 @@ class PromptScorer:
         padded = np.zeros((1, L), np.int32)
         padded[0, :T] = ids
         with self._lock:
-            out = self._score(self.model.params, padded)
+            out = self._score(padded)
             chosen, rank, top_ids, top_lp = (np.asarray(a) for a in out)
             self.programs.add(L)
         n = T - 1

@@ -57,7 +57,7 @@ from ..cache import PAGE_TOKENS
 from ..modules.decoder import PagedModelCache
 from ..paged_cache import LayerPool, PagedCacheSpec
 from .guide import MAX_ALLOWED_IDS
-from .sampler import Controls, RowParams, Tables, sample
+from .sampler import Controls, RowParams, Rows, Tables, sample
 from .spec_decode import verify_sample
 
 log = logging.getLogger("kimi_jax.engine")
@@ -232,6 +232,7 @@ class ModelRunner:
             "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out(st)),
         }
         self._exe: dict = {}
+        self._mask_uploads: dict = {}  # `update_class_masks` program per first row
         self.tables = Tables(jnp.asarray(class_masks), jnp.asarray(stop_mask))
         if replicated is not None:
             self.tables = jax.device_put(self.tables, replicated)
@@ -413,12 +414,14 @@ class ModelRunner:
                           np.asarray(counts_row, np.int32))
 
     def step(self, state: DeviceState, tokens: np.ndarray, active: np.ndarray, rows, ctl: Controls,
-             block_tables: np.ndarray):
-        return self._call("step", self.model.params, state, tokens, active, rows, ctl, self.tables,
-                          np.asarray(block_tables, np.int32))
+             block_tables: np.ndarray, sampling_tables: Optional[Tables] = None):
+        """One decode token per slot; ``sampling_tables``: the class table to sample with (None: the runner's own, as
+        built; an engine passes its copy with its dynamic bitmask rows, `update_class_masks`)."""
+        return self._call("step", self.model.params, state, tokens, active, rows, ctl,
+                          self.tables if sampling_tables is None else sampling_tables, np.asarray(block_tables, np.int32))
 
     def verify(self, state: DeviceState, tokens: np.ndarray, n_draft: np.ndarray, active: np.ndarray, rows,
-               ctl: Controls, block_tables: np.ndarray, q=None, has_q=None):
+               ctl: Controls, block_tables: np.ndarray, q=None, has_q=None, sampling_tables: Optional[Tables] = None):
         """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts,
         ``ctl`` with per-position constraints (allow_class ``[B, k+1]``, allow_ids ``[B, k+1, MAX_ALLOWED_IDS]``);
         with ``draft_q``, ``q`` float32 ``[B, k, V]`` (device array) and ``has_q`` bool ``[B, k]``: where a draft was
@@ -430,8 +433,30 @@ class ModelRunner:
             q = jax.device_put(q, self._replicated)
         extra = (None, None) if q is None else (q, np.asarray(has_q, bool))
         return self._call("verify", self.model.params, state, np.asarray(tokens, np.int32),
-                          np.asarray(n_draft, np.int32), active, rows, ctl, self.tables,
+                          np.asarray(n_draft, np.int32), active, rows, ctl, self.tables if sampling_tables is None else sampling_tables,
                           np.asarray(block_tables, np.int32), *extra)
+
+    def put_rows(self, rows_host: Rows) -> Rows:
+        """The slots' sampling parameters (numpy `Rows`, `RowParams`' host copy) on the devices, replicated on the
+        mesh: the ``rows`` argument of `step` / `verify`."""
+        return jax.device_put(rows_host, self._replicated)
+
+    def update_class_masks(self, tables: Tables, words: np.ndarray, base: int) -> Tables:
+        """``tables`` with class-table rows ``base … base + R`` replaced by bitmask ``words`` int32 ``[R, ⌈V/32⌉]``
+        (bit j of word w: token 32·w + j allowed), unpacked on device: one small upload per step for the guided rows
+        whose grammar gives a bitmask. The table passed in is not donated (another engine may hold it)."""
+        upload = self._mask_uploads.get(int(base))
+        if upload is None:
+            V = self.V
+
+            def unpack(table, words):
+                shifts = jnp.arange(32, dtype=jnp.int32)
+                bits = (words[:, :, None] >> shifts) & 1  # [R, W, 32]
+                rows = bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
+                return jax.lax.dynamic_update_slice_in_dim(table, rows, base, axis=0)
+
+            upload = self._mask_uploads[int(base)] = jax.jit(unpack, out_shardings=tables.class_masks.sharding)
+        return tables._replace(class_masks=upload(tables.class_masks, np.asarray(words, np.int32)))
 
     def copy_blocks(self, state: DeviceState, src: Sequence[int], dst: Sequence[int]) -> DeviceState:
         """Copy pages src[i] -> dst[i] in every MLA pool (at most max_blocks pairs)."""

@@ -211,10 +211,11 @@ class RowParams:
         return Rows(self.temperature, self.top_p, self.top_k, self.min_p, self.presence, self.frequency,
                     self.repetition, self.min_tokens, self.seed, self.choice, self.bias_ids, self.bias_vals)
 
-    def device(self) -> Rows:
+    def device(self, put=jax.device_put) -> Rows:
+        """The device copy, made by ``put`` (host `Rows` -> device `Rows`) after each change."""
         if self._device is None:
             # copy: on CPU device_put may alias the numpy buffer, which `set` later mutates
-            self._device = jax.device_put(jax.tree.map(np.copy, self._host()))
+            self._device = put(jax.tree.map(np.copy, self._host()))
         return self._device
 
 

@@ -9,8 +9,8 @@ import os
 import sys
 import time
 
-from sharding.mesh import (AXES, FAKE_DEVICES_FLAG, fake_cpu_devices, initialize_distributed, make_mesh,
-                           parse_mesh_spec)
+from sharding.mesh import (AXES, FAKE_DEVICES_FLAG, distributed_process, fake_cpu_devices, initialize_distributed,
+                           make_mesh, parse_mesh_spec)
 
 from .. import __version__
 from ..config import PRESETS
@@ -46,15 +46,18 @@ examples:
 
 --mesh AxB is A-way model parallel x B-way data parallel over A*B devices (the named forms of sharding.mesh, e.g.
 model=4,data=2, work too).  Parameters are placed by sharding/rules.py (KDA / MLA heads, routed experts and the
-vocabulary split over the model axis); the engine's caches and batch live replicated on the mesh, so the data axis
-adds devices but not yet throughput.  With fewer than A*B devices the server stops with an error naming the fix, on
+vocabulary split over the model axis); KDA states split by heads, and with --dcp N the MLA pages split N ways
+(docs/serving.md "Sharded serving").  With fewer than A*B devices the server stops with an error naming the fix, on
 a CPU-only machine:
       XLA_FLAGS=--xla_force_host_platform_device_count=N python -m kimi_jax.serve --mesh ...
 or --fake-cpu-devices, which does the same from inside (JAX's CPU device count set to A*B before its backend
 starts; logged).
-Multi-host: with the standard JAX multi-process variables set (JAX_COORDINATOR_ADDRESS, ...), the server calls
-jax.distributed.initialize() first (sharding.mesh.initialize_distributed); serving across several processes is not
-implemented yet and stops with an error after initialising.
+Several processes (a TPU pod slice, GPU hosts, or two CPU processes here): run the same command on every process
+with --coordinator-address / --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID; --distributed on a TPU pod); --mesh spans the devices of all of them.  Process 0 listens and
+schedules; the others run the same programs on their devices.  For example, 2 processes x 4 faked CPU devices:
+  python -m kimi_jax.serve --mesh 8x1 --dcp 8 --fake-cpu-devices --coordinator-address 127.0.0.1:8476 \\
+      --num-processes 2 --process-id 0 &          # and the same with --process-id 1
 """
 
 log = logging.getLogger("kimi_jax.serve")
@@ -164,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch image URLs whose host resolves to a loopback, private, link-local, multicast or "
                         "reserved address (refused by default, after DNS and on every redirect, so that a client "
                         "cannot make the server reach its own network); for trusted deployments only")
+    multi = p.add_argument_group(
+        "several processes (docs/serving.md): the same command on every process; process 0 listens")
+    multi.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
+                       help="process 0's address for jax.distributed (default: $JAX_COORDINATOR_ADDRESS); giving "
+                            "one makes this a multi-process launch")
+    multi.add_argument("--num-processes", type=int, default=None, metavar="N",
+                       help="processes in the launch (default: $JAX_NUM_PROCESSES, or what JAX detects)")
+    multi.add_argument("--process-id", type=int, default=None, metavar="I",
+                       help="this process's index, 0 … N-1 (default: $JAX_PROCESS_ID, or what JAX detects)")
+    multi.add_argument("--distributed", action="store_true",
+                       help="initialise jax.distributed with what JAX detects by itself (TPU pod slices, SLURM, "
+                            "Open MPI), without a coordinator address")
+    multi.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                       help="a process silent for S seconds stops every other one with a non-zero exit (JAX's "
+                            "coordination service), so a dead peer never leaves the server hanging (default 30)")
     limits = p.add_argument_group("limits and safety (docs/serving.md)")
     limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help="largest request body in bytes; larger ones get a 413 before they are read "
@@ -267,26 +285,34 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--max-queued-requests must be 0 (no limit) or more, got {args.max_queued_requests}")
     if not 0 <= args.shutdown_timeout < float("inf"):
         return _fail(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
-    busy = cannot_listen(args.host, args.port)
-    if busy:
-        return _fail(busy)
+    if args.heartbeat_timeout < 1:
+        return _fail(f"--heartbeat-timeout must be at least 1 second, got {args.heartbeat_timeout}")
     try:
         resolve_kv_dtype(args.kv_dtype)
     except ValueError as e:
         return _fail(f"--kv-dtype: {e}")
 
     # Everything that configures JAX's backends comes before the first device query: multi-process initialisation,
-    # then the fake CPU device count.
-    if initialize_distributed():
-        import jax
-
-        log.info("jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count())
-        if jax.process_count() > 1:
-            # Every process of a multi-controller JAX program must run the same programs in the same order; the
-            # engine schedules on one host and has no channel to replay its steps on the others yet.
-            return _fail(f"serving across {jax.process_count()} processes is not implemented yet (the engine would "
-                         "have to replay its schedule on every process); run one server per host")
-    faked = auto_devices and args.fake_cpu_devices and need > 1 and fake_cpu_devices(need)
+    # then the fake CPU device count (per process).
+    try:
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id,
+                               auto=args.distributed, heartbeat_timeout_s=args.heartbeat_timeout)
+    except (ValueError, RuntimeError) as e:
+        return _fail(f"cannot start jax.distributed: {e}")
+    rank, processes = distributed_process()
+    if processes > 1:
+        log.info("jax.distributed initialised: process %d of %d", rank, processes)
+    leader = rank == 0
+    if processes > 1 and args.speculative_model:
+        return _fail("--speculative-model is not served across processes (the draft model runs on process 0's "
+                     "first device); use prompt lookup drafts (--speculative-tokens alone)")
+    if processes > 1 and need % processes:
+        return _fail(f"--mesh {args.mesh} ({need} devices) does not divide over {processes} processes")
+    busy = cannot_listen(args.host, args.port) if leader else None  # only process 0 listens
+    if busy:
+        return _fail(busy)
+    per_process = need // processes
+    faked = auto_devices and args.fake_cpu_devices and per_process > 1 and fake_cpu_devices(per_process)
 
     import jax
 
@@ -294,7 +320,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     platform = devices[0].platform
     if faked and platform == "cpu":
         log.info("--mesh %s: faked %d CPU devices (--fake-cpu-devices: jax_num_cpu_devices=%d, the same as "
-                 "XLA_FLAGS=%s=%d)", args.mesh, len(devices), need, FAKE_DEVICES_FLAG, need)
+                 "XLA_FLAGS=%s=%d)", args.mesh, jax.local_device_count(), per_process, FAKE_DEVICES_FLAG,
+                 per_process)
     if need > len(devices):
         hint = ""
         if platform == "cpu" and args.fake_cpu_devices and FAKE_DEVICES_FLAG in os.environ.get("XLA_FLAGS", ""):
@@ -302,8 +329,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             hint = (f" --fake-cpu-devices leaves the CPU device count that XLA_FLAGS sets "
                     f"({os.environ['XLA_FLAGS']!r}); set {FAKE_DEVICES_FLAG}={need} there or unset it")
         elif platform == "cpu":
-            hint = (f" On a CPU-only machine you can fake devices: XLA_FLAGS={FAKE_DEVICES_FLAG}={need} python -m "
-                    f"kimi_jax.serve --mesh {args.mesh} ..., or add --fake-cpu-devices")
+            hint = (f" On a CPU-only machine you can fake devices: XLA_FLAGS={FAKE_DEVICES_FLAG}={per_process} "
+                    f"python -m kimi_jax.serve --mesh {args.mesh} ..., or add --fake-cpu-devices")
         return _fail(f"--mesh {args.mesh} needs {need} devices but only {len(devices)} {platform} device(s) are "
                      f"visible.{hint}")
     mesh = None
@@ -349,6 +376,11 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             return _fail(f"cannot load the draft model {args.speculative_model}: {e}")
         log.info("draft model %s: %s, %d layers, vocab %d", args.speculative_model, draft.config.architecture,
                  draft.config.num_layers, draft.config.vocab_size)
+    mirror = None
+    if processes > 1:
+        from ..engine.multihost import Channel, Mirror
+
+        mirror = Mirror(Channel.from_jax())
     try:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
@@ -362,7 +394,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             draft_sample_method=args.draft_sample_method if draft is not None else "greedy",
             # compiling the programs in parallel threads pays off with many cores (accelerator hosts); on a small
             # CPU box XLA already keeps every core busy compiling one program
-            parallel_compile=platform != "cpu"), draft_model=draft)
+            parallel_compile=platform != "cpu"), draft_model=draft, mirror=mirror)
     except ValueError as e:
         return _fail(str(e))
     if mesh is not None and getattr(engine.runner, "mesh", None) is None:
@@ -372,6 +404,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
                      "(it must take the mesh from model.mesh); serve with --mesh 1x1")
     log.info("compiling the engine programs (%d slots x %d tokens, prefill chunks %s) ...", args.max_num_seqs,
              max_len, list(engine.runner.chunk_sizes))
+    if not leader:
+        return follow(engine)
     engine.start()
     served = args.served_model_name or name
     from .images import ImageFetchConfig
@@ -395,6 +429,20 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
                    shutdown_timeout_s=args.shutdown_timeout, drain=drain, abort=engine.abort)
     finally:
         engine.shutdown()
+        engine.mirror.stop()  # the other processes return from `follow`
+    return 0
+
+
+def follow(engine) -> int:
+    """A process other than 0: compile the same programs, then run the device calls process 0 publishes until it
+    stops (`engine.multihost`)."""
+    from ..engine.prompt_logprobs import PromptScorer
+
+    PromptScorer(engine.model, engine.max_model_len, engine.mirror)  # its program, registered as process 0's is
+    t = engine.runner.compile(parallel=engine.config.parallel_compile)
+    log.info("process %d: %d programs compiled in %.1fs; following process 0", distributed_process()[0],
+             len(engine.runner.program_names), t)
+    engine.mirror.follow()
     return 0
 
 

@@ -250,7 +250,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
     v1 = APIRouter(dependencies=[Depends(require_key)])
     add_tokenizer_routes(v1, tokenizer, engine.max_model_len)
-    scorer = PromptScorer(engine.model, engine.max_model_len)  # prompt log-probs (compiles per length bucket)
+    # prompt log-probs (a program per length bucket; on every process of a multi-process server)
+    scorer = PromptScorer(engine.model, engine.max_model_len, engine.mirror)
     if not docs_open:
         _docs_routes(app, [Depends(require_key)])
 

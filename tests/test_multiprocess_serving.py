@@ -1,0 +1,161 @@
+"""`python -m kimi_jax.serve` as two processes of four faked CPU devices each (jax.distributed, gloo collectives),
+against one single-device server (docs/serving.md, "Several processes").
+
+The same command runs on both processes; process 0 listens and schedules, process 1 replays its device calls
+(`kimi_jax.engine.multihost`). Both serve `--mesh 8x1 --dcp 8`: the tensor axis and the MLA pages span the two
+processes. The two-process server must give the same greedy tokens as one device, with log-probs within float32
+noise — for concurrent requests, prompts of several prefill chunks, prompt log-probs (lm-evaluation-harness's
+echo), and with so few pages that sequences are preempted and recomputed. A process killed mid-stream ends the
+stream and the server (a non-zero exit within the heartbeat timeout), never a hang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from server_process import ROOT, ServerProcess, free_port, server_env
+
+HEARTBEAT_S = 5
+COMMON = ["--max-num-seqs", "4", "--max-model-len", "1024", "--prefill-chunk-sizes", "64,1", "--log-level", "info"]
+
+
+class Launch:
+    """The processes of one multi-process server; `url` is process 0's."""
+
+    def __init__(self, tmp, args: list, processes: int = 2):
+        self.port, coordinator = free_port(), free_port()
+        self.logs = [tmp / f"process{i}.log" for i in range(processes)]
+        self.procs = []
+        for i in range(processes):
+            cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(self.port), *args,
+                   "--coordinator-address", f"127.0.0.1:{coordinator}", "--num-processes", str(processes),
+                   "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S)]
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=open(self.logs[i], "w"),
+                                               stderr=subprocess.STDOUT))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self, i: int) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    raise AssertionError(f"process {i} exited with {p.returncode}:\n{self.log(i)[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"not ready in time:\n{self.log(0)[-3000:]}\n---\n{self.log(1)[-3000:]}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(30)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(two-process server, one-device server), started together (their programs compile at the same time)."""
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    cache = ["--compilation-cache", str(tmp / "jax_cache")]
+    # 4 pages of 512 positions (64 per DCP rank): 3 usable for 4 slots of up to 1024 tokens -> preemptions
+    multi = Launch(tmp, ["--mesh", "8x1", "--dcp", "8", "--fake-cpu-devices", "--num-blocks", "4", *COMMON, *cache])
+    single = ServerProcess(tmp / "single.log", [*COMMON, *cache])
+    try:
+        deadline = time.monotonic() + 900
+        multi.wait_ready(deadline)
+        single.wait_ready(deadline)
+        yield multi, single
+    finally:
+        multi.stop()
+        single.stop()
+
+
+def _complete(url: str, prompt: list, max_tokens: int, **extra) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
+            "ignore_eos": True, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _together(url: str, prompts: list, max_tokens: int) -> list:
+    """The prompts submitted at once (batched into the same decode steps)."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _complete(url, p, max_tokens), prompts))
+
+
+def _prompts(lengths) -> list:
+    rng = np.random.RandomState(0)
+    return [list(map(int, rng.randint(5, 900, n))) for n in lengths]
+
+
+def test_two_processes_give_one_devices_tokens_with_preemption(servers):
+    multi, single = servers
+    stats = httpx.get(multi.url + "/stats").json()
+    assert stats["processes"] == 2 and stats["dcp"] == 8
+    # prompts of 1 to 8 prefill chunks; two grow past their first page when the 3 usable ones are taken: preempted
+    prompts = _prompts([5, 70, 480, 500])
+    got, want = _together(multi.url, prompts, 40), _together(single.url, prompts, 40)
+    for g, w in zip(got, want):
+        assert g["text"] == w["text"]
+        np.testing.assert_allclose(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], atol=2e-4)
+    assert httpx.get(multi.url + "/stats").json()["num_preemptions"] > 0
+
+
+def test_prompt_logprobs_across_processes(servers):
+    multi, single = servers
+    prompt = _prompts([90])[0]
+    got = _complete(multi.url, prompt, 0, echo=True)["logprobs"]["token_logprobs"]
+    want = _complete(single.url, prompt, 0, echo=True)["logprobs"]["token_logprobs"]
+    assert got[0] is None and want[0] is None
+    np.testing.assert_allclose(got[1:], want[1:], atol=2e-4)
+
+
+def test_a_killed_process_ends_the_stream_and_the_server(servers):
+    """Last in this module: it takes the two-process server down."""
+    multi, _ = servers
+    leader, follower = multi.procs
+    events = []
+
+    def stream():
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0.0, "stream": True,
+                "ignore_eos": True}
+        try:
+            with httpx.stream("POST", multi.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+        except httpx.HTTPError as e:  # the server process went away mid-stream: the connection drops
+            events.append(f"closed: {type(e).__name__}")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(stream)
+        while len(events) < 3:  # streaming
+            assert not done.done(), events
+            time.sleep(0.05)
+        follower.kill()
+        killed = time.monotonic()
+        leader.wait(HEARTBEAT_S + 60)
+        done.result(timeout=60)
+    assert leader.returncode != 0
+    assert time.monotonic() - killed < HEARTBEAT_S + 60
+    # the client saw an end: an error event (and [DONE]) or the connection closing -- not a stream that just stops
+    assert events[-1] == "[DONE]" and any('"error"' in e for e in events) or events[-1].startswith("closed"), \
+        events[-3:]
