@@ -40,12 +40,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--spec", type=int, default=0, help="speculative tokens (prompt lookup); 0: off")
     ap.add_argument("--invariant", action="store_true", help="speculative_batch_invariant (with --spec)")
+    ap.add_argument("--decode-buckets", default="auto",
+                    help="auto (default): 1, 2, 4, … below --max-num-seqs, as the server on an accelerator; none; "
+                         "or a list like 1,2,4")
     a = ap.parse_args()
 
     import jax.numpy as jnp
 
     import kimi_jax
     from kimi_jax.engine import Engine, EngineConfig, SamplingParams
+    from kimi_jax.engine.engine import default_decode_buckets
     from kimi_jax.engine.guide import TokenSequenceGuide
     from kimi_jax.tokenizer import Tokenizer
 
@@ -63,8 +67,10 @@ def main() -> int:
     else:
         model = kimi_jax.load_model(a.model, dtype=dt)
     V = model.config.vocab_size
+    buckets = (default_decode_buckets(a.max_num_seqs) if a.decode_buckets == "auto" else ()
+               if a.decode_buckets == "none" else tuple(int(b) for b in a.decode_buckets.split(",")))
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, prefill_chunk_sizes=(64, 16),
-                       speculative_tokens=a.spec, speculative_batch_invariant=a.invariant)
+                       speculative_tokens=a.spec, speculative_batch_invariant=a.invariant, decode_buckets=buckets)
     eng = Engine(model, Tokenizer.tiny(), cfg).start()
     print(f"{a.model} {a.dtype}: engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     rep = a.spec > 0
@@ -106,7 +112,7 @@ def main() -> int:
                         print(f"  first difference at token {j}: alone {x[:2]} vs crowd {y[:2]}")
                         break
         s = eng.stats()
-        print(f"verify steps {s['spec_verify_steps']}, steps {s['num_steps']}")
+        print(f"verify steps {s['spec_verify_steps']}, steps {s['num_steps']} by program width {s['steps_by_rows']}")
     finally:
         eng.shutdown()
     return 1 if failed else 0

@@ -147,6 +147,19 @@ class EngineConfig:
     # its own proposer gives (no adaptive policy). Without it a row's token comes from the verify program when some
     # other row drafts and from the one-token step otherwise -- equal up to float rounding, not bit for bit
     speculative_batch_invariant: bool = False
+    # row counts below max_num_seqs with decode (and verify) programs of their own: a step runs the smallest bucket
+    # that holds the running sequences, over just their slots (`ModelRunner.bucket_for`); () = always all slots
+    decode_buckets: tuple[int, ...] = ()
+
+
+def default_decode_buckets(max_num_seqs: int, data_ways: int = 1) -> tuple[int, ...]:
+    """Powers of two below ``max_num_seqs`` (vLLM's graph sizes 1, 2, 4, 8, …), multiples of the mesh's data
+    axis so that every bucket splits over it."""
+    buckets, b = [], max(1, int(data_ways))
+    while b < max_num_seqs:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets)
 
 
 @dataclass(eq=False)  # identity: sequences sit in deques / dicts
@@ -315,13 +328,15 @@ class Engine:
                                  prefill_chunk_sizes=cfg.prefill_chunk_sizes, kv_dtype=kv_dtype,
                                  index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=class_table,
                                  stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
-                                 draft_q=getattr(self.proposer, "samples", False), dcp=cfg.dcp)
+                                 draft_q=getattr(self.proposer, "samples", False), dcp=cfg.dcp,
+                                 decode_buckets=cfg.decode_buckets)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
               or (cfg.index_dtype is not None and runner.index_dtype != cfg.index_dtype)
               or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens
               or runner.draft_q != bool(getattr(self.proposer, "samples", False)) or runner.dcp != cfg.dcp
+              or runner.buckets != tuple(sorted(set(cfg.decode_buckets)))
               or runner.tables.class_masks.shape != class_table.shape):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
@@ -357,6 +372,7 @@ class Engine:
         self.step_failures = 0  # steps that raised and were recovered from
         # counters (written by the engine thread, read anywhere)
         self.num_steps = 0
+        self.steps_by_rows: dict[int, int] = {}  # decode / verify steps per program width (a bucket, or max_num_seqs)
         self.num_prefill_chunks = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -544,6 +560,7 @@ class Engine:
             "num_requests_running": len(running_reqs),
             "num_requests_waiting": len(self._waiting) + self._inbox.qsize() + (1 if pre is not None else 0),
             "num_steps": self.num_steps,
+            "steps_by_rows": {str(k): v for k, v in sorted(self.steps_by_rows.items())},
             "num_prefill_chunks": self.num_prefill_chunks,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -1004,6 +1021,10 @@ class Engine:
             jax.block_until_ready(self._state)
         t0 = time.perf_counter()
         verified = bool(drafts) or (proposer is not None and self.config.speculative_batch_invariant)
+        slots = self._bucket_slots()
+        width = self.B if slots is None else len(slots)
+        self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
+        pick = (lambda a: a) if slots is None else (lambda a: a[slots])  # the bucket's rows of a [B, ...] input
         if verified:
             K = self.runner.spec_tokens
             ids = np.zeros((B, K + 1), np.int32)
@@ -1025,9 +1046,11 @@ class Engine:
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             rows = self.rows.device(self.runner.put_rows)
-            self._state, out = self.runner.verify(self._state, ids, n_draft, active, rows, vctl, tables, **q,
-                                                  sampling_tables=self._tables)
-            out = {k: np.asarray(v) for k, v in out._asdict().items()}
+            q = {k: pick(v) for k, v in q.items()}
+            self._state, out = self.runner.verify(self._state, pick(ids), pick(n_draft), pick(active), rows,
+                                                  Controls(*map(pick, vctl)), pick(tables), **q,
+                                                  sampling_tables=self._tables, slots=slots)
+            out = self._by_slot({k: np.asarray(v) for k, v in out._asdict().items()}, slots)
             self.spec_steps += 1
             self.spec_drafted += int(n_draft.sum())
             for slot, (d, sure) in drafts.items():
@@ -1037,9 +1060,10 @@ class Engine:
         else:
             self._upload_dynamic_masks()
             rows = self.rows.device(self.runner.put_rows)
-            self._state, out = self.runner.step(self._state, tokens, active, rows, ctl, tables,
-                                                sampling_tables=self._tables)
-            out = {k: np.asarray(v)[:, None] for k, v in out._asdict().items()}  # one position per row
+            self._state, out = self.runner.step(self._state, pick(tokens), pick(active), rows,
+                                                Controls(*map(pick, ctl)), pick(tables),
+                                                sampling_tables=self._tables, slots=slots)
+            out = self._by_slot({k: np.asarray(v)[:, None] for k, v in out._asdict().items()}, slots)  # one position
             out["n"] = np.ones(B, np.int32)
         if proposer is not None:
             for slot, seq in self._running.items():
@@ -1064,6 +1088,25 @@ class Engine:
         # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
         # a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
         policy.timed(verified, time.perf_counter() - t0 + t_draft, int(active.sum()))
+
+    def _bucket_slots(self) -> Optional[np.ndarray]:
+        """The slots this step runs over: None (all B) when no compiled bucket is smaller, else the running slots
+        and enough free ones (inactive rows) to fill the smallest bucket that holds them."""
+        b = self.runner.bucket_for(len(self._running))
+        if b is None:
+            return None
+        busy = sorted(self._running)
+        return np.asarray(busy + sorted(set(range(self.B)) - set(busy))[: b - len(busy)], np.int32)
+
+    def _by_slot(self, out: dict, slots: Optional[np.ndarray]) -> dict:
+        """A bucketed step's outputs (row i = slot slots[i]) laid out by slot, ``[B, ...]``."""
+        if slots is None:
+            return out
+        full = {}
+        for k, v in out.items():
+            full[k] = np.zeros((self.B,) + v.shape[1:], v.dtype)
+            full[k][slots] = v
+        return full
 
     def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
         """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for

@@ -95,13 +95,16 @@ class ModelRunner:
     def __init__(self, model, *, max_num_seqs: int, max_model_len: int, prefill_chunk_sizes: Sequence[int],
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
                  num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
-                 images: bool = False, spec_tokens: int = 0, draft_q: bool = False, dcp: int = 1):
+                 images: bool = False, spec_tokens: int = 0, draft_q: bool = False, dcp: int = 1,
+                 decode_buckets: Sequence[int] = ()):
         """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool
         (per DCP rank), the null page included (None: ``1 + max_num_seqs · max_blocks``, every slot full);
         ``dcp``: decode context parallelism — the pages split over that many ranks token by token (the mesh's
         tensor or context axis of that size, `ForwardContext.dcp_axis`), a table entry covering 64 · dcp positions;
         ``images``: also compile the image prefill programs (``prefill_img``); ``spec_tokens``: drafts per verify
-        step (0: no ``verify`` program); ``draft_q``: the verify program takes the drafts' q (sampled drafts)."""
+        step (0: no ``verify`` program); ``draft_q``: the verify program takes the drafts' q (sampled drafts);
+        ``decode_buckets``: row counts below ``max_num_seqs`` that get `step` (and `verify`) programs of their own
+        over just those slots, so a step with few sequences running computes few rows (`bucket_for`)."""
         cfg = model.config
         self.model = model
         self.images = bool(images)
@@ -115,6 +118,9 @@ class ModelRunner:
         self.L = int(max_model_len)
         self.V = cfg.vocab_size
         self.chunk_sizes = tuple(sorted({int(c) for c in prefill_chunk_sizes}, reverse=True))
+        self.buckets = tuple(sorted({int(b) for b in decode_buckets}))
+        if self.buckets and not 1 <= self.buckets[0] <= self.buckets[-1] < self.B:
+            raise ValueError(f"decode buckets must lie in [1, max_num_seqs={self.B}), got {list(decode_buckets)}")
         if not self.chunk_sizes or self.chunk_sizes[-1] < 1:
             raise ValueError(f"prefill chunk sizes must be positive integers, got {prefill_chunk_sizes}")
         self.kv_dtype = resolve_kv_dtype(kv_dtype, model.dtype) or resolve_kv_dtype("auto", model.dtype)
@@ -214,6 +220,32 @@ class ModelRunner:
             layers = tuple(copy(p) for p in state.cache.layers)
             return state._replace(cache=state.cache.replace(layers=layers))
 
+        def take_rows(state, slots):  # the slots' rows of every per-slot buffer (the page pools are shared)
+            take = lambda a: a[slots]
+            c = state.cache
+            layers = tuple(p if isinstance(p, LayerPool) or p is None else jax.tree.map(take, p) for p in c.layers)
+            return DeviceState(c.replace(length=c.length[slots], layers=layers), state.counts[slots],
+                               state.prompt_mask[slots])
+
+        def put_rows(state, slots, sub):  # `take_rows` undone: the rows written back, the pools as the step left them
+            put = lambda dst, src: dst.at[slots].set(src)
+            c, n = state.cache, sub.cache
+            layers = tuple(q if isinstance(q, LayerPool) or q is None else jax.tree.map(put, p, q)
+                           for p, q in zip(c.layers, n.layers))
+            return DeviceState(c.replace(length=put(c.length, n.length), layers=layers), put(state.counts, sub.counts),
+                               state.prompt_mask)
+
+        def step_rows(params, state, slots, tokens, active, rows, ctl, tables, block_tables):
+            sub, out = step(params, take_rows(state, slots), tokens, active, jax.tree.map(lambda a: a[slots], rows),
+                            ctl, tables, block_tables)
+            return put_rows(state, slots, sub), out
+
+        def verify_rows(params, state, slots, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None,
+                        has_q=None):
+            sub, out = verify(params, take_rows(state, slots), tokens, n_draft, active,
+                              jax.tree.map(lambda a: a[slots], rows), ctl, tables, block_tables, q, has_q)
+            return put_rows(state, slots, sub), out
+
         # where every buffer lives (`state_shardings`): KDA states and conv tails split by heads as the KDA entry
         # point splits them, the MLA pools split over the DCP axis (else whole on every device), the rest whole
         self._abstract_state = jax.eval_shape(zeros_state)
@@ -230,6 +262,8 @@ class ModelRunner:
             "step": jax.jit(step, donate_argnums=(1,), **out((st, replicated))),
             "verify": jax.jit(verify, donate_argnums=(1,), **out((st, replicated))),
             "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out(st)),
+            "step_rows": jax.jit(step_rows, donate_argnums=(1,), **out((st, replicated))),
+            "verify_rows": jax.jit(verify_rows, donate_argnums=(1,), **out((st, replicated))),
         }
         self._exe: dict = {}
         self._mask_uploads: dict = {}  # `update_class_masks` program per first row
@@ -291,7 +325,9 @@ class ModelRunner:
         return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"]
                 + [f"prefill_{c}" for c in self.chunk_sizes]
                 + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
-                + (["verify"] if self.spec_tokens else []))
+                + (["verify"] if self.spec_tokens else [])
+                + [f"step_{b}" for b in self.buckets]
+                + ([f"verify_{b}" for b in self.buckets] if self.spec_tokens else []))
 
     def program_args(self) -> dict:
         """Every program as (jitted function, abstract arguments): `ShapeDtypeStruct`s with their shardings, the
@@ -311,7 +347,13 @@ class ModelRunner:
         state, cache1 = placed(self._abstract_state), placed(self._abstract_cache1)
         rows = jax.tree.map(like, RowParams(self.B, self.V).abstract())
         B, NB = self.B, self.max_blocks
-        ctl = Controls(sds((B,), jnp.int32), sds((B,), bool), sds((B,), jnp.int32), sds((B, MAX_ALLOWED_IDS), jnp.int32))
+
+        def controls(b, K1=None):  # a step's (K1 = None) or a verify step's per-position constraints, b rows
+            per = (b,) if K1 is None else (b, K1)
+            return Controls(sds((b,), jnp.int32), sds((b,), bool), sds(per, jnp.int32),
+                            sds(per + (MAX_ALLOWED_IDS,), jnp.int32))
+
+        ctl = controls(B)
         tables = jax.tree.map(like, self.tables)
         f = self._fns
         programs = {
@@ -324,12 +366,21 @@ class ModelRunner:
                                  sds((B, NB), jnp.int32))),
             "copy_blocks": (f["copy_blocks"], (state, sds((NB,), jnp.int32), sds((NB,), jnp.int32))),
         }
+        for b in self.buckets:  # the same step over b slots (`slots [b]` picks them)
+            programs[f"step_{b}"] = (f["step_rows"], (params, state, sds((b,), jnp.int32), sds((b,), jnp.int32),
+                                                      sds((b,), bool), rows, controls(b), tables,
+                                                      sds((b, NB), jnp.int32)))
         if self.spec_tokens:
             K1 = self.spec_tokens + 1
-            vctl = ctl._replace(allow_class=sds((B, K1), jnp.int32), allow_ids=sds((B, K1, MAX_ALLOWED_IDS), jnp.int32))
             q = (sds((B, K1 - 1, self.V), jnp.float32), sds((B, K1 - 1), bool)) if self.draft_q else (None, None)
             programs["verify"] = (f["verify"], (params, state, sds((B, K1), jnp.int32), sds((B,), jnp.int32),
-                                                sds((B,), bool), rows, vctl, tables, sds((B, NB), jnp.int32), *q))
+                                                sds((B,), bool), rows, controls(B, K1), tables,
+                                                sds((B, NB), jnp.int32), *q))
+            for b in self.buckets:
+                qb = (sds((b, K1 - 1, self.V), jnp.float32), sds((b, K1 - 1), bool)) if self.draft_q else (None, None)
+                programs[f"verify_{b}"] = (f["verify_rows"], (
+                    params, state, sds((b,), jnp.int32), sds((b, K1), jnp.int32), sds((b,), jnp.int32),
+                    sds((b,), bool), rows, controls(b, K1), tables, sds((b, NB), jnp.int32), *qb))
         for c in self.chunk_sizes:
             programs[f"prefill_{c}"] = (f["prefill"], (params, sds((1, c), jnp.int32), cache1, state,
                                                        sds((1, NB), jnp.int32)))
@@ -413,27 +464,40 @@ class ModelRunner:
         return self._call("insert", state, cache1, np.int32(slot), np.asarray(prompt_mask_row, bool),
                           np.asarray(counts_row, np.int32))
 
+    def bucket_for(self, running: int) -> Optional[int]:
+        """The fewest rows of a compiled bucket that hold ``running`` sequences; None: the full ``[B]`` step."""
+        return next((b for b in self.buckets if b >= running), None)
+
     def step(self, state: DeviceState, tokens: np.ndarray, active: np.ndarray, rows, ctl: Controls,
-             block_tables: np.ndarray, sampling_tables: Optional[Tables] = None):
-        """One decode token per slot; ``sampling_tables``: the class table to sample with (None: the runner's own, as
-        built; an engine passes its copy with its dynamic bitmask rows, `update_class_masks`)."""
-        return self._call("step", self.model.params, state, tokens, active, rows, ctl,
-                          self.tables if sampling_tables is None else sampling_tables, np.asarray(block_tables, np.int32))
+             block_tables: np.ndarray, sampling_tables: Optional[Tables] = None, slots: Optional[np.ndarray] = None):
+        """One decode token per row; ``sampling_tables``: the class table to sample with (None: the runner's own, as
+        built; an engine passes its copy with its dynamic bitmask rows, `update_class_masks`). ``slots`` None: rows
+        are the B slots; else int32 ``[b]`` distinct slots (b a bucket): tokens, active, ctl and block_tables then
+        hold b rows, one per listed slot, and so does the result; ``rows`` stays the ``[B]`` upload."""
+        tables = self.tables if sampling_tables is None else sampling_tables
+        if slots is None:
+            return self._call("step", self.model.params, state, tokens, active, rows, ctl, tables,
+                              np.asarray(block_tables, np.int32))
+        return self._call(f"step_{len(slots)}", self.model.params, state, np.asarray(slots, np.int32), tokens,
+                          active, rows, ctl, tables, np.asarray(block_tables, np.int32))
 
     def verify(self, state: DeviceState, tokens: np.ndarray, n_draft: np.ndarray, active: np.ndarray, rows,
-               ctl: Controls, block_tables: np.ndarray, q=None, has_q=None, sampling_tables: Optional[Tables] = None):
+               ctl: Controls, block_tables: np.ndarray, q=None, has_q=None, sampling_tables: Optional[Tables] = None,
+               slots: Optional[np.ndarray] = None):
         """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts,
         ``ctl`` with per-position constraints (allow_class ``[B, k+1]``, allow_ids ``[B, k+1, MAX_ALLOWED_IDS]``);
         with ``draft_q``, ``q`` float32 ``[B, k, V]`` (device array) and ``has_q`` bool ``[B, k]``: where a draft was
-        sampled from q (``spec_decode.verify_sample``).  Returns (state, VerifyOut) -- the state passed in is
-        donated."""
+        sampled from q (``spec_decode.verify_sample``).  ``slots``: as in `step`.  Returns (state, VerifyOut) --
+        the state passed in is donated."""
         if (q is not None) != self.draft_q:
             raise ValueError("this runner's verify program takes the drafts' q exactly when built with draft_q=True")
         if q is not None and self._replicated is not None:  # the draft model's device -> the mesh, replicated
             q = jax.device_put(q, self._replicated)
         extra = (None, None) if q is None else (q, np.asarray(has_q, bool))
-        return self._call("verify", self.model.params, state, np.asarray(tokens, np.int32),
-                          np.asarray(n_draft, np.int32), active, rows, ctl, self.tables if sampling_tables is None else sampling_tables,
+        tables = self.tables if sampling_tables is None else sampling_tables
+        picked = () if slots is None else (np.asarray(slots, np.int32),)
+        return self._call("verify" if slots is None else f"verify_{len(slots)}", self.model.params, state, *picked,
+                          np.asarray(tokens, np.int32), np.asarray(n_draft, np.int32), active, rows, ctl, tables,
                           np.asarray(block_tables, np.int32), *extra)
 
     def put_rows(self, rows_host: Rows) -> Rows:

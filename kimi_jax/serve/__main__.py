@@ -15,6 +15,7 @@ from sharding.mesh import (AXES, FAKE_DEVICES_FLAG, distributed_process, fake_cp
 from .. import __version__
 from ..config import PRESETS
 from ..engine import Engine, EngineConfig
+from ..engine.engine import default_decode_buckets
 from ..engine.runner import resolve_kv_dtype
 from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, run_server
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
@@ -118,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "largest chunks that fit, a remainder smaller than every size rides the decode steps.  KDA "
                         "pads each call to whole 64-token blocks, so use multiples of 64 plus 1 (on accelerators "
                         "e.g. 1024,256,64,1)")
+    p.add_argument("--decode-buckets", default="auto", metavar="auto|none|B1,B2,...",
+                   help="decode step programs over fewer slots than --max-num-seqs, so that a step with few "
+                        "sequences running computes few rows (vLLM's batch sizes): auto (default) = 1, 2, 4, … below "
+                        "--max-num-seqs on an accelerator, none on CPU; none = every step over all slots (the same "
+                        "arithmetic for a row whatever the load: docs/serving.md, Batch invariance); or a list")
     p.add_argument("--prefill-token-budget", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps while sequences are running (default 256)")
     p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
@@ -219,6 +225,20 @@ def _port(text: str) -> int:
     return port
 
 
+def parse_decode_buckets(text: str, max_num_seqs: int):
+    """``--decode-buckets``: "auto", () for "none", or the listed row counts (each in [1, max_num_seqs))."""
+    text = text.strip().lower()
+    if text in ("auto", "none"):
+        return "auto" if text == "auto" else ()
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"expected auto, none or row counts like 1,2,4,8; got {text!r}") from None
+    if not sizes or not 1 <= sizes[0] <= sizes[-1] < max_num_seqs:
+        raise ValueError(f"row counts must lie in [1, --max-num-seqs={max_num_seqs}), got {text!r}")
+    return sizes
+
+
 def cannot_listen(host: str, port: int) -> str | None:
     """Why the server could not listen on (host, port) — a bad address, a port in use — or None. Checked before the
     model loads (minutes for a real checkpoint) rather than found by uvicorn after it; the probe socket is closed
@@ -265,6 +285,10 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         return _fail(f"--prefill-chunk-sizes: {e}")
     if args.max_num_seqs < 1:
         return _fail("--max-num-seqs must be at least 1")
+    try:
+        buckets = parse_decode_buckets(args.decode_buckets, args.max_num_seqs)
+    except ValueError as e:
+        return _fail(f"--decode-buckets: {e}")
     if args.speculative_tokens < 0:
         return _fail(f"--speculative-tokens must be 0 (off) or more, got {args.speculative_tokens}")
     if args.speculative_model and args.speculative_tokens < 1:
@@ -386,6 +410,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
             num_blocks=args.num_blocks, dcp=args.dcp,
+            decode_buckets=(default_decode_buckets(args.max_num_seqs, mesh.shape["data"] if mesh is not None else 1)
+                            if buckets == "auto" and platform != "cpu" else () if buckets == "auto" else buckets),
             prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
             vision_batch_images=args.vision_batch_images,
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
