@@ -223,7 +223,7 @@ class KimiForCausalLM(nnx.Module):
         h = self.norm(h)
         new_cache = None
         # tokens the cache gains: this device's ids, or under the token split the whole prompt / chunk's real tokens
-        grown = cache.length + (ctx.valid_len if ctx.token_split else ids_bt.shape[1]) if cache is not None else None
+        grown = None if cache is None else cache.length + (ctx.valid_len if ctx.token_split else ids_bt.shape[1])
         if paged:
             new_cache = cache.replace(length=grown, layers=tuple(new_layers))
         elif cache is not None:

@@ -266,6 +266,7 @@ class MultiHeadLatentAttention(nnx.Module):
         """
         cfg = self.cfg
         spec = cache.spec
+        index_queries = None  # (qi, w) of the DCP top-k
         if ctx.token_split:
             if ctx.dcp < 2 or ctx.dcp_axis != ctx.axes.context or lengths is not None:
                 raise ValueError("a token-split prefill into the paged cache runs over the DCP axis (dcp > 1), "
