@@ -4,7 +4,7 @@ Builds the model abstractly on the requested mesh (parameters as `ShapeDtypeStru
 rules), builds the serving engine's fixed set of programs (`ModelRunner.program_args`: the decode step, one prefill
 program per chunk size, the cache helpers), exports each with `jax.export` for `--platform`, and writes
 `DIR/<program>.jax` (serialized `jax.export.Exported`; the decode step is `step.jax`, prefill programs
-`prefill_<C>.jax`) and `DIR/summary.json`. Exit status 0 only if every program exported.
+`prefill_<C>.jax`, token-split ones `prefill_split_<C>.jax`) and `DIR/summary.json`. Exit status 0 only if every program exported.
 
 Exporting for TPU from a CPU host applies Mosaic's real lowering rules (block shapes, memory spaces), so this is
 how a program that must run on a TPU pod is checked on a laptop. `--kernels auto` means what "auto" picks on the
@@ -30,6 +30,7 @@ from sharding.context import KernelConfig
 from sharding.mesh import fake_cpu_devices, parse_mesh_spec
 
 from .config import PRESETS, get_preset, load_config
+from .engine.engine import DEFAULT_TOKEN_SPLIT_MIN_TOKENS
 from .engine.guide import class_table_rows
 from .engine.runner import ModelRunner
 from .model import _parse_dtype, abstract_model
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="1x1", help="AxB (tensor x data) or a named form such as "
                    "expert=8,tensor=1,context=8 (default 1x1)")
     p.add_argument("--dcp", type=int, default=1, help="decode context parallelism ways (1: none)")
+    p.add_argument("--token-split-min-tokens", type=int, default=DEFAULT_TOKEN_SPLIT_MIN_TOKENS,
+                   help="with --dcp over a context axis, the chunk sizes of at least this many tokens export their "
+                        f"token-split prefill program prefill_split_<C>, as serve compiles it (default "
+                        f"{DEFAULT_TOKEN_SPLIT_MIN_TOKENS}; 0: none)")
     p.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
                    help="kernel implementation of every op family; auto = what auto picks on --platform")
     p.add_argument("--dtype", default="bf16", help="parameter / activation dtype (bf16, fp32)")
@@ -115,7 +120,8 @@ def export_programs(args) -> dict:
                          prefill_chunk_sizes=chunks, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
                          class_masks=np.zeros((class_table_rows(args.max_num_seqs, args.speculative_tokens), V), bool),
                          stop_mask=np.zeros(V, bool),
-                         spec_tokens=args.speculative_tokens, dcp=args.dcp)
+                         spec_tokens=args.speculative_tokens, dcp=args.dcp,
+                         token_split_min_tokens=args.token_split_min_tokens)
     os.makedirs(args.out, exist_ok=True)
     summary = {"platform": platform, "model": args.model, "architecture": cfg.architecture, "mesh": args.mesh,
                "devices": int(model.mesh.size), "kernels": args.kernels,

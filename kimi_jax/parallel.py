@@ -5,6 +5,8 @@
     decode_step(model, cache, token_ids, mesh, mode="dcp" | "tp", layout="contiguous") -> (logits `[B, V]`, cache)
     generate(model, ids, max_new_tokens, mesh, prefill_mode="token", decode_mode="dcp") -> numpy int `[B, T + n]`
     decode_comm_bytes_per_step(cfg, n=, batch=, seq_len=, kv_dtype=, index_dtype=) -> bytes for the whole model
+    token_split_chunk(model, ctx, chunk) -> f(params, ids [1, chunk], PagedModelCache) -> PagedModelCache: the
+        serving engine's token-split prefill of one chunk at any position, into its DCP-split paged cache
 
 Every program runs the model's one forward driver (`KimiForCausalLM.hidden_states`) inside ONE shard_map that is
 manual over the context and data axes, with a `ForwardContext` whose mode says what the layers do
@@ -43,16 +45,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sharding import context_parallel as cp
-from sharding.context import DEFAULT_MAX_CHUNK_BYTES, LAYOUTS, context_for_mesh
+from sharding.context import DEFAULT_MAX_CHUNK_BYTES, LAYOUTS, ForwardContext, context_for_mesh
 from sharding.context_parallel import CONTEXT
 from sharding.mesh import expert_axes
 from sharding.rules import _path_name, mesh_partition_spec
 
 from .cache import index_key_bytes_per_token, latent_bytes_per_token
-from .modules.decoder import ModelCache
+from .modules.decoder import ModelCache, PagedModelCache
 from .modules.kda import KDACache
 from .modules.mla import MLACache
 from .model import _as_ids
+from .paged_cache import LayerPool
 
 MODES_PREFILL = ("token", "head")
 MODES_DECODE = ("dcp", "tp")
@@ -407,6 +410,83 @@ def to_position_order(cache, n: int, layout: str = "contiguous"):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the serving engine's token-split prefill chunk
+# ----------------------------------------------------------------------------------------------------------------
+
+def token_split_context(ctx: ForwardContext, chunk: int) -> ForwardContext:
+    """The context of a token-split prefill chunk of `chunk` tokens under the engine's serving context `ctx`: plain
+    mode with `dcp` > 1 over the mesh's context axis (`dcp_axis`), the axis the chunk's tokens split over.
+
+    Only a context axis: there a plain chunk runs every token on every device of the axis, and the token split
+    divides that work N ways with the weights as they are. A DCP axis that is the tensor axis already splits a
+    plain chunk's work by heads over the same devices; a token split there would need every device to hold every
+    head's weights."""
+    if ctx.dcp < 2 or ctx.dcp_axis != ctx.axes.context:
+        raise ValueError(f"the engine's token-split prefill runs over a context axis that holds the DCP split "
+                         f"(--mesh ...,context=N --dcp N); this engine has dcp={ctx.dcp}"
+                         + (f" over the {ctx.dcp_axis!r} axis" if ctx.dcp > 1 else ""))
+    return ctx.replace(mode="prefill_token_split", valid_len=int(chunk))
+
+
+def check_token_split_chunk(cfg, dcp: int, chunk: int) -> None:
+    """A chunk of `chunk` tokens splits over `dcp` devices: equal slices (no padding: a padded token would have to
+    be kept out of the paged cache too), each at least the K−1 tokens of the KDA conv halo."""
+    K = cfg.kda.conv_kernel if cfg.kda is not None else 1
+    if chunk % dcp:
+        raise ValueError(f"prefill chunk size {chunk} does not split over --dcp {dcp} devices; token-split chunk "
+                         f"sizes must be multiples of {dcp}")
+    if chunk // dcp < K - 1:
+        raise ValueError(f"prefill chunk size {chunk} over --dcp {dcp} devices leaves {chunk // dcp} tokens per "
+                         f"device, fewer than the {K - 1} of the KDA conv halo; token-split chunks need at least "
+                         f"{(K - 1) * dcp} tokens")
+
+
+def _paged_cache_specs(cache: PagedModelCache, axis: str) -> PagedModelCache:
+    """shard_map specs of an engine cache under the token split: the MLA pool parts split over `axis` on dim 0 (as
+    the engine places them under DCP: each rank its own pages), everything else whole."""
+    whole = lambda tree: jax.tree.map(lambda _: P(), tree)
+
+    def layer(c):
+        if isinstance(c, LayerPool):
+            return LayerPool(tuple(P(axis) for _ in c.latent), tuple(P(axis) for _ in c.index), P())
+        return whole(c)
+
+    return cache.replace(length=P(), block_tables=P(), layers=tuple(layer(c) for c in cache.layers))
+
+
+def token_split_chunk(model, ctx: ForwardContext, chunk: int):
+    """The forward of one prefill chunk of one sequence into the engine's paged cache, split by tokens over the DCP
+    axis: `f(params, ids [1, chunk] int32, cache: PagedModelCache (batch 1, the MLA pools included)) -> new cache`,
+    to be traced inside the caller's jit (`engine.runner.ModelRunner` compiles one per token-split chunk size).
+    `ctx` is the engine's serving context (plain mode, `dcp` > 1 over the context axis: `token_split_context`).
+
+    One shard_map, manual over the context axis (and "data"), runs `KimiForCausalLM.hidden_states` under
+    `token_split_context`: device d holds tokens [d·c, (d+1)·c) of the chunk (c = chunk / dcp), at positions
+    length + d·c …. KDA layers continue from the cache's state and conv tails — the state enters device 0's
+    slice and the affine combine of the slices' transitions carries it on, the tails are device 0's conv halo —
+    so every device ends with the exact state after the chunk (`sharding.kda`); MLA layers gather the chunk's rows,
+    index keys and queries, each rank stores the rows it owns in its pages (the DCP layout the decode step reads)
+    and attends every query of the chunk over its own keys, earlier chunks' included, keeping its own tokens' merged
+    outputs (`MultiHeadLatentAttention.attend_paged`); routed experts run where they live."""
+    mesh = ctx.mesh
+    check_token_split_chunk(model.config, ctx.dcp, chunk)
+    split = token_split_context(ctx, chunk)
+    axis = ctx.axes.context
+    pspec = _param_in_specs(model, mesh, axis, _program_expert_axes(model, mesh, axis))
+    graphdef = model.graphdef
+
+    def body(params, ids, cache):
+        _, new = nnx.merge(graphdef, params).hidden_states(ids, cache, ctx=split)
+        return new
+
+    def forward(params, ids, cache):
+        cspec = _paged_cache_specs(cache, axis)
+        return _smap(body, mesh, (pspec, P(None, axis), cspec), cspec, _manual_axes(mesh, axis))(params, ids, cache)
+
+    return forward
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # accounting
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -430,4 +510,4 @@ def decode_comm_bytes_per_step(cfg, *, n: int, batch: int, seq_len: int, kv_dtyp
 
 
 __all__ = ["prefill", "prefill_plan", "PrefillPlan", "decode_step", "generate", "to_position_order", "decode_comm_bytes_per_step",
-           "MODES_PREFILL", "MODES_DECODE"]
+           "token_split_chunk", "token_split_context", "check_token_split_chunk", "MODES_PREFILL", "MODES_DECODE"]

@@ -570,14 +570,23 @@ def dcp_place(cache_bs_, n: int, layout: str = "contiguous"):
     raise ValueError(f"unknown DCP layout {layout!r}; choose one of {LAYOUTS}")
 
 
-def merge_over_axis(o_bhr, lse_bh, axis):
+def merge_over_axis(o_bhr, lse_bh, axis, scatter_dim: Optional[int] = None):
     """Exact merge of partial attention over disjoint key sets held by the devices of `axis` (pmax + psum):
-    o `[..., R]`, lse `[...]` per device -> the same (o, lse) on every device."""
+    o `[..., R]`, lse `[...]` per device -> the same (o, lse) on every device.
+    `scatter_dim` (a dimension of lse, e.g. the tokens): each device keeps only its own contiguous share of that
+    dimension — device i the i-th of n equal blocks — by a reduce-scatter instead of the all-reduce (the engine's
+    token-split prefill: every device merged the whole chunk's queries but keeps its own tokens)."""
     m = jax.lax.pmax(lse_bh, axis)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     wgt = jnp.where(jnp.isfinite(lse_bh), jnp.exp(lse_bh - m), 0.0)
-    den = jax.lax.psum(wgt, axis)
-    num = jax.lax.psum(wgt[..., None] * o_bhr, axis)
+    if scatter_dim is None:
+        total = lambda a: jax.lax.psum(a, axis)
+    else:
+        total = lambda a: jax.lax.psum_scatter(a, axis, scatter_dimension=scatter_dim, tiled=True)
+        share = m.shape[scatter_dim] // _axis_size(axis)
+        m = jax.lax.dynamic_slice_in_dim(m, jax.lax.axis_index(axis) * share, share, scatter_dim)
+    den = total(wgt)
+    num = total(wgt[..., None] * o_bhr)
     safe = jnp.where(den > 0, den, 1.0)
     return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
 

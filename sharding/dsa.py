@@ -104,6 +104,16 @@ def dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_p
 # (local causal bound floor((pos − r) / N)) and the partial results merge by log-sum-exp; under the DSA indexer each
 # rank keeps a local top-k of (score, position), the N·k candidates are gathered and cut to the global top-k (score
 # descending, earlier position first: the reference's tie rule), and each rank attends to the winners it owns.
+# Under the engine's token-split prefill (`ctx.token_split`: traced manual over the DCP axis, each device holding a
+# contiguous slice of a prefill chunk) the callers pass the whole chunk's queries on every rank, and the merge
+# keeps each rank's own slice of them (`_own_tokens`).
+
+def _own_tokens(ctx: ForwardContext):
+    """Which dimension of the merged (o, lse) each rank keeps its own share of: under the engine's token-split
+    prefill (`ctx.token_split`, manual over the DCP axis) every rank attends the whole chunk's queries and keeps its
+    own contiguous slice of the tokens (dim 1); otherwise none (every rank keeps every query)."""
+    return 1 if ctx.token_split else None
+
 
 def _dcp_local_pos(pos, rank, n: int):
     """Local causal bound on rank `rank` of global query positions `pos` (−1 = none: a padding query, or a rank
@@ -145,14 +155,15 @@ def dcp_write(ctx: ForwardContext, spec, pool, block_tables, starts_b, rows_btc,
 def dcp_dense_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *, fmt,
                         scale: float, value_dim: int):
     """`dense_attention` over a DCP-split pool: each rank attends to its own positions, merged by log-sum-exp.
-    Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32, the same on every rank."""
+    Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32, the same on every rank (under the token split:
+    each rank's own `[B, T / N, ...]` slice of the tokens)."""
     n, axis = ctx.dcp, ctx.dcp_axis
     backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
 
     def body(q, parts, bt, pos, ls):
         local_pos = _dcp_local_pos(pos, jax.lax.axis_index(axis), n)
         o, lse = _dense_local(ctx, backend, q, parts, bt, local_pos, ls, fmt=fmt, scale=scale, value_dim=value_dim)
-        return cp.merge_over_axis(o, lse, axis)
+        return cp.merge_over_axis(o, lse, axis, _own_tokens(ctx))
 
     B, T, H, _ = q_bthc.shape
     return shard_call(ctx, body, (q_bthc, tuple(kv_parts), block_tables, query_pos_bt, layer_scale),
@@ -166,7 +177,8 @@ def dcp_sparse_attention(ctx: ForwardContext, q_bthc, qi_bthd, w_bth, kv_parts, 
     """The DSA path over a DCP-split pool: local index scores and top-k per rank, the global top-k of the gathered
     candidates, sparse attention per rank over the winners it owns, merged by log-sum-exp. Equal to the one-device
     selection (every global winner is in its owner's local top-k). q `[B, T, H, c]`, qi `[B, T, Hi, d]`,
-    w `[B, T, Hi]`. Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32."""
+    w `[B, T, Hi]`. Returns (o `[B, T, H, value_dim]`, lse `[B, T, H]`) float32 (under the token split: each rank's
+    own `[B, T / N, ...]` slice of the tokens)."""
     n, axis = ctx.dcp, ctx.dcp_axis
     backend = dsa_backend(ctx.kernels.dsa, q_bthc.shape[1])
 
@@ -183,7 +195,7 @@ def dcp_sparse_attention(ctx: ForwardContext, q_bthc, qi_bthd, w_bth, kv_parts, 
         o, lse = sparse_mla.sparse_mla(q, parts, bt, idx, fmt=latent_fmt, scale=scale, value_dim=value_dim,
                                        layer_scale=ls, backend=backend, precision=ctx.kernels.dsa_precision,
                                        **ctx.platform_kw())
-        return cp.merge_over_axis(o, lse, axis)
+        return cp.merge_over_axis(o, lse, axis, _own_tokens(ctx))
 
     B, T, H, _ = q_bthc.shape
     return shard_call(ctx, body, (q_bthc, qi_bthd, w_bth, tuple(kv_parts), tuple(key_parts), block_tables,

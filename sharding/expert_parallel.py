@@ -334,8 +334,11 @@ def ep_expert_ffn_manual(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, a
             y_nd = _allgather_local(x_nd, idx_nk, wt_nk, wg, wu, wd, split=split, **kw)
         return jax.lax.all_gather(y_nd, inner, tiled=True) if sub > 1 else y_nd
 
-    if inner:
-        w_spec = P(inner)
+    # every axis still automatic joins through a nested shard_map, not only an expert axis: GSPMD cannot partition
+    # the kernels' custom calls even over an axis of size 1 (the overlay `expert=8,tensor=1,context=8`)
+    free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if free:
+        w_spec = P(inner) if inner else P()
         local = jax.shard_map(local, in_specs=(P(), P(), P(), w_spec, w_spec, w_spec), out_specs=P(),
-                              axis_names=set(inner), check_vma=False)
+                              axis_names=set(free), check_vma=False)
     return local(*toks, w_gate, w_up, w_down)[:n]

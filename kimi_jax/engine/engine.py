@@ -13,6 +13,10 @@ Life of a request (``submit`` -> ``RequestStream``):
    does not stall the others.  The leftover (< smallest chunk) and the prompt's last token are fed through the
    decode steps ("tail" tokens; their sampled outputs are ignored), so prefill needs no program per leftover
    length.  The finished batch-1 cache is inserted into the request's slots (all ``n`` share that one prefill).
+   With ``dcp`` > 1 over a context axis, text chunks of at least ``token_split_min_tokens`` run split by tokens
+   over it (``runner.py``, ``prefill_split``: the same result, the KDA state passed on exactly) wherever they start:
+   a later chunk, a recompute after preemption or the rest after a prefix-cache hit continues from the state and
+   pages before it.  ``stats()["token_split_prefill_tokens"]`` counts the prompt tokens that went that way.
 3. **Decode.**  Every iteration runs ONE compiled step of fixed shape ``[max_num_seqs]`` for all slots: running
    rows feed their next token (a prompt tail token or the last sampled token), free rows a dummy token that is
    ignored.  Sampling (``sampler.py``) is fused into the step with per-row parameters.  Steady-state serving never
@@ -108,6 +112,15 @@ log = logging.getLogger("kimi_jax.engine")
 
 SPECULATIVE_METHODS = ("ngram", "draft")  # who drafts: prompt lookup (`ngram.py`), a draft model (`draft_model.py`)
 
+# The default threshold of the token-split prefill (`EngineConfig.token_split_min_tokens`): chunks of 1024 tokens
+# and more (the accelerator default chunk sizes are 1024, 256, 64, 1) split over the context axis, the shorter ones
+# run whole on every device of it.  At 1024 tokens each of 8 devices gets 128, two blocks of the KDA chunked op (it
+# pads every call to whole 64-token blocks); the split's fixed costs -- the all-gather of every KDA layer's
+# [H, dk, dk + dv] state transition, the N-step combine, the gathers of the chunk's latent rows and queries --
+# weigh on a few tokens per device and are small beside a long chunk's work, which it divides N ways.  A reasoned
+# choice, not a measured crossover.
+DEFAULT_TOKEN_SPLIT_MIN_TOKENS = 1024
+
 
 @dataclass
 class EngineConfig:
@@ -122,6 +135,9 @@ class EngineConfig:
     # decode context parallelism: the paged cache's tokens split over this many ranks (the mesh's tensor or context
     # axis of that size); 1: the pools whole on every device
     dcp: int = 1
+    # with dcp > 1 over a context axis: prefill chunk sizes of at least this many tokens run split by tokens over it
+    # (`runner.py`, ``prefill_split``); 0: never. See DEFAULT_TOKEN_SPLIT_MIN_TOKENS for the default
+    token_split_min_tokens: int = DEFAULT_TOKEN_SPLIT_MIN_TOKENS
     parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
     images: Optional[bool] = None  # compile the image prefill programs; None: when the model has a vision tower
     # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
@@ -290,6 +306,9 @@ class Engine:
         images = images and not self.mirror.multiprocess  # the vision tower's programs are not mirrored
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
+        if cfg.token_split_min_tokens < 0:
+            raise ValueError(f"token_split_min_tokens must be >= 0 (0: no token-split prefill), got "
+                             f"{cfg.token_split_min_tokens}")
         # default pool: every slot at max_model_len, and room for the prefix-cache snapshots (the planner's formula)
         num_blocks = cfg.num_blocks
         if num_blocks is None:
@@ -329,7 +348,8 @@ class Engine:
                                  index_dtype=cfg.index_dtype, num_blocks=num_blocks, class_masks=class_table,
                                  stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
                                  draft_q=getattr(self.proposer, "samples", False), dcp=cfg.dcp,
-                                 decode_buckets=cfg.decode_buckets)
+                                 decode_buckets=cfg.decode_buckets,
+                                 token_split_min_tokens=cfg.token_split_min_tokens)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
@@ -337,11 +357,12 @@ class Engine:
               or (images and not runner.images) or runner.spec_tokens != cfg.speculative_tokens
               or runner.draft_q != bool(getattr(self.proposer, "samples", False)) or runner.dcp != cfg.dcp
               or runner.buckets != tuple(sorted(set(cfg.decode_buckets)))
+              or runner.token_split_min_tokens != cfg.token_split_min_tokens
               or runner.tables.class_masks.shape != class_table.shape):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
-                             "sampled drafts)")
+                             "sampled drafts), dcp, token-split threshold and decode buckets")
         self.runner = mirror_runner(runner, self.mirror) if self.mirror.multiprocess else runner
         self._cache_bytes_per_device = runner.cache_bytes_per_device()
         # this engine's class table (its dynamic rows are its own), passed to every step: engines may share a runner
@@ -374,6 +395,7 @@ class Engine:
         self.num_steps = 0
         self.steps_by_rows: dict[int, int] = {}  # decode / verify steps per program width (a bucket, or max_num_seqs)
         self.num_prefill_chunks = 0
+        self.token_split_prefill_tokens = 0  # prompt tokens prefilled by token-split chunks
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished = 0
@@ -413,6 +435,8 @@ class Engine:
                  self.max_model_len, self.alloc.num_blocks - 1, self.alloc.block_tokens, self.runner.kv_dtype,
                  self.runner.index_dtype, self.runner.dcp, self._cache_bytes_per_device / 2**20,
                  list(self.runner.chunk_sizes), len(self.runner.program_names), t)
+        if self.runner.dcp > 1:
+            log.info("%s", self.runner.token_split_summary())
         if self.proposer is not None:
             cfg = self.config
             if isinstance(self.proposer, DraftModelProposer):
@@ -562,6 +586,9 @@ class Engine:
             "num_steps": self.num_steps,
             "steps_by_rows": {str(k): v for k, v in sorted(self.steps_by_rows.items())},
             "num_prefill_chunks": self.num_prefill_chunks,
+            # prompt tokens whose prefill chunk ran split by tokens over the context axis, and the sizes that do
+            "token_split_prefill_tokens": self.token_split_prefill_tokens,
+            "token_split_chunk_sizes": list(self.runner.token_split_sizes),
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "requests_finished": self.requests_finished,
@@ -748,6 +775,8 @@ class Engine:
                 job.pos += size
                 spent += size
                 self.num_prefill_chunks += 1
+                if self.runner.splits_tokens(size, images=mm is not None):
+                    self.token_split_prefill_tokens += size
             self._finish_prefill(job)
 
     def _images_ready(self, item) -> Optional[bool]:

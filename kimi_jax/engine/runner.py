@@ -9,9 +9,18 @@ growing sequences never change a shape.
   size C: runs C prompt tokens of one sequence at its current length.  ``cache1`` is that sequence's per-sequence
   state (length + KDA layers, batch 1; no MLA rows); its MLA rows go straight into the pools of ``state`` through
   ``table1``.  Exact tokens, no padding -- padding would enter the KDA recurrent state.
+* ``prefill_split[C](params, ids [1, C], cache1, state, table1) -> (cache1, state)``: the same chunk split by tokens
+  over the DCP axis (``kimi_jax.parallel.token_split_chunk``): device d of that axis runs tokens [d·C/N,
+  (d+1)·C/N) of it -- the KDA state and conv tails continue exactly across the devices and from the earlier chunks,
+  each rank writes the rows it owns into its pages and attends the chunk's queries over its own keys.  Compiled
+  instead of ``prefill[C]`` for the chunk sizes C >= ``token_split_min_tokens`` when ``dcp`` = N > 1 runs over a
+  context axis (``token_split_sizes``); ``prefill()`` picks it for those sizes.  Where it pays: long chunks, whose
+  per-token work (projections, KDA, experts), which a plain chunk runs on every device of the context axis, then
+  splits N ways.
 * ``prefill_img[C](params, ids [1, C], feats [1, C, D], mask [1, C], cache1, state, table1)``: the same with image
   features spliced in where ``mask`` is set (the decoder's ``mm`` input), for chunks that hold image tokens; compiled
-  only with ``images=True`` (a model with a vision tower), so text-only chunks keep their program and cost.
+  only with ``images=True`` (a model with a vision tower), so text-only chunks keep their program and cost (image
+  chunks never take the token split).
 * ``insert(state, cache1, slot, prompt_mask_row, counts_row) -> state``: puts a prefilled sequence's KDA state and
   length into one slot and sets that slot's penalty rows (counts are non-zero when a preempted sequence resumes).
 * ``step(params, state, tokens [B], active [B], rows, controls, tables, block_tables [B, max_blocks]) -> (state,
@@ -30,7 +39,8 @@ growing sequences never change a shape.
 
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
-of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6`` (+ 1 with speculation),
+of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6`` (+ 1 with speculation; a
+token-split chunk size has its ``prefill_split`` program in place of its ``prefill``),
 independent of traffic (the vision tower itself, run by ``Model.encode_images`` at admission, compiles once per
 patch-count bucket the images fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per
 image size).
@@ -55,6 +65,7 @@ from sharding.partition import placement
 
 from ..cache import PAGE_TOKENS
 from ..modules.decoder import PagedModelCache
+from ..parallel import check_token_split_chunk, token_split_chunk
 from ..paged_cache import LayerPool, PagedCacheSpec
 from .guide import MAX_ALLOWED_IDS
 from .sampler import Controls, RowParams, Rows, Tables, sample
@@ -96,11 +107,13 @@ class ModelRunner:
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
                  num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
                  images: bool = False, spec_tokens: int = 0, draft_q: bool = False, dcp: int = 1,
-                 decode_buckets: Sequence[int] = ()):
+                 decode_buckets: Sequence[int] = (), token_split_min_tokens: int = 0):
         """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool
         (per DCP rank), the null page included (None: ``1 + max_num_seqs · max_blocks``, every slot full);
         ``dcp``: decode context parallelism — the pages split over that many ranks token by token (the mesh's
         tensor or context axis of that size, `ForwardContext.dcp_axis`), a table entry covering 64 · dcp positions;
+        ``token_split_min_tokens``: with dcp > 1 over a context axis, prefill chunk sizes of at least this many
+        tokens run split by tokens over it (``prefill_split``; each must be a multiple of dcp); 0: never;
         ``images``: also compile the image prefill programs (``prefill_img``); ``spec_tokens``: drafts per verify
         step (0: no ``verify`` program); ``draft_q``: the verify program takes the drafts' q (sampled drafts);
         ``decode_buckets``: row counts below ``max_num_seqs`` that get `step` (and `verify`) programs of their own
@@ -128,6 +141,21 @@ class ModelRunner:
         # what every program's forward runs with: the model's mesh, axis roles and kernels, and this engine's DCP
         self.ctx = ctx = model.ctx.replace(dcp=int(dcp))
         self.dcp = ctx.dcp
+        if token_split_min_tokens < 0:
+            raise ValueError(f"token_split_min_tokens must be >= 0 (0: no token-split prefill), got "
+                             f"{token_split_min_tokens}")
+        self.token_split_min_tokens = int(token_split_min_tokens)
+        # the chunk sizes that prefill split by tokens over the DCP axis: a context axis only (over the tensor axis
+        # a plain chunk already splits its work by heads; `kimi_jax.parallel.token_split_context`)
+        over_context = self.dcp > 1 and ctx.dcp_axis == ctx.axes.context
+        self.token_split_sizes = tuple(c for c in self.chunk_sizes if over_context and self.token_split_min_tokens
+                                       and c >= self.token_split_min_tokens)
+        for c in self.token_split_sizes:
+            try:
+                check_token_split_chunk(cfg, self.dcp, c)
+            except ValueError as e:
+                raise ValueError(f"{e} (or raise the token-split threshold above {c}, or set it to 0 to turn the "
+                                 "token split off)") from None
         self.block_tokens = PAGE_TOKENS * self.dcp  # positions one block-table entry covers
         self.max_blocks = -(-self.L // self.block_tokens)
         if num_blocks is None:
@@ -163,20 +191,27 @@ class ModelRunner:
         def copy_cache1(c):
             return jax.tree.map(lambda a: a + jnp.zeros((), a.dtype), c)
 
-        def prefill(params, ids, cache1, state, table1, mm=None):
-            m = nnx.merge(graphdef, params)
+        def plain(params, ids, full, mm=None):  # the plain chunk: every token on every device
+            _, new = nnx.merge(graphdef, params).hidden_states(ids, full, ctx=ctx, mm=mm)
+            return new
+
+        def prefill(params, ids, cache1, state, table1, forward=plain):
+            """The chunk `ids` of one sequence, run by `forward(params, ids, full cache) -> full cache`."""
             pools = state.cache.layers
             full = cache1.replace(block_tables=table1,
                                   layers=tuple(p if c is None else c for c, p in zip(cache1.layers, pools)))
-            _, new = m.hidden_states(ids, full, ctx=ctx, mm=mm)
-            new = same_dtypes(new, full)
+            new = same_dtypes(forward(params, ids, full), full)
             cache1 = new.replace(block_tables=cache1.block_tables,
                                  layers=tuple(None if c is None else n for c, n in zip(cache1.layers, new.layers)))
             layers = tuple(n if isinstance(p, LayerPool) else p for p, n in zip(pools, new.layers))
             return cache1, state._replace(cache=state.cache.replace(layers=layers))
 
         def prefill_img(params, ids, feats, mask, cache1, state, table1):
-            return prefill(params, ids, cache1, state, table1, mm=(feats, mask))
+            with_images = lambda params, ids, full: plain(params, ids, full, mm=(feats, mask))
+            return prefill(params, ids, cache1, state, table1, forward=with_images)
+
+        def prefill_split(params, ids, cache1, state, table1):
+            return prefill(params, ids, cache1, state, table1, forward=token_split_chunk(model, ctx, ids.shape[1]))
 
         def insert(state, cache1, slot, prompt_mask_row, counts_row):
             put = lambda dst, src: jax.lax.dynamic_update_index_in_dim(dst, src[0].astype(dst.dtype), slot, 0)
@@ -258,6 +293,7 @@ class ModelRunner:
             "copy_cache1": jax.jit(copy_cache1, **out(c1)),
             "prefill": jax.jit(prefill, donate_argnums=(2, 3), **out((c1, st))),
             "prefill_img": jax.jit(prefill_img, donate_argnums=(4, 5), **out((c1, st))),
+            "prefill_split": jax.jit(prefill_split, donate_argnums=(2, 3), **out((c1, st))),
             "insert": jax.jit(insert, donate_argnums=(0,), **out(st)),
             "step": jax.jit(step, donate_argnums=(1,), **out((st, replicated))),
             "verify": jax.jit(verify, donate_argnums=(1,), **out((st, replicated))),
@@ -323,7 +359,7 @@ class ModelRunner:
     @property
     def program_names(self) -> list[str]:
         return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"]
-                + [f"prefill_{c}" for c in self.chunk_sizes]
+                + [self._prefill_name(c) for c in self.chunk_sizes]
                 + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
                 + (["verify"] if self.spec_tokens else [])
                 + [f"step_{b}" for b in self.buckets]
@@ -382,8 +418,9 @@ class ModelRunner:
                     params, state, sds((b,), jnp.int32), sds((b, K1), jnp.int32), sds((b,), jnp.int32),
                     sds((b,), bool), rows, controls(b, K1), tables, sds((b, NB), jnp.int32), *qb))
         for c in self.chunk_sizes:
-            programs[f"prefill_{c}"] = (f["prefill"], (params, sds((1, c), jnp.int32), cache1, state,
-                                                       sds((1, NB), jnp.int32)))
+            name = self._prefill_name(c)
+            programs[name] = (f["prefill_split" if c in self.token_split_sizes else "prefill"],
+                              (params, sds((1, c), jnp.int32), cache1, state, sds((1, NB), jnp.int32)))
             if self.images:
                 programs[f"prefill_img_{c}"] = (f["prefill_img"], (
                     params, sds((1, c), jnp.int32), sds((1, c, self.D), self.model.dtype), sds((1, c), bool), cache1,
@@ -443,13 +480,40 @@ class ModelRunner:
     def copy_cache1(self, cache1: PagedModelCache) -> PagedModelCache:
         return self._call("copy_cache1", cache1)
 
+    def _prefill_name(self, size: int) -> str:
+        """The text prefill program of chunk size `size`: ``prefill_split_{size}`` (token split) or
+        ``prefill_{size}``."""
+        return f"prefill_split_{size}" if size in self.token_split_sizes else f"prefill_{size}"
+
+    def token_split_summary(self) -> str:
+        """One line for the start log: which prefill chunk sizes run token-split, or why none does."""
+        if self.token_split_sizes:
+            return (f"token-split prefill: chunk sizes {list(self.token_split_sizes)} split {self.dcp} ways over the "
+                    f"{self.ctx.axes.context!r} axis (threshold {self.token_split_min_tokens} tokens)")
+        if not self.token_split_min_tokens:
+            why = "threshold 0"
+        elif self.dcp < 2:
+            why = "no --dcp"
+        elif self.ctx.dcp_axis != self.ctx.axes.context:
+            why = (f"DCP runs over the tensor axis, where a plain chunk already splits its work by heads; a context "
+                   f"axis of size {self.dcp} would take it")
+        else:
+            why = f"no chunk size reaches the threshold of {self.token_split_min_tokens} tokens"
+        return f"token-split prefill: off ({why})"
+
+    def splits_tokens(self, size: int, images: bool = False) -> bool:
+        """Whether a prefill chunk of `size` tokens (with image tokens: `images`) runs split by tokens over the
+        DCP axis."""
+        return not images and size in self.token_split_sizes
+
     def prefill(self, cache1: PagedModelCache, ids: np.ndarray, state: DeviceState, table1: np.ndarray, mm=None):
         """Run one sequence's chunk; returns (cache1, state) -- both passed in are donated.  ``mm``: None, or
-        (features ``[1, C, D]`` in the model's dtype, mask bool ``[1, C]``) for a chunk with image tokens."""
+        (features ``[1, C, D]`` in the model's dtype, mask bool ``[1, C]``) for a chunk with image tokens.  Text
+        chunks of the ``token_split_sizes`` run split by tokens over the DCP axis (the same result)."""
         ids = np.asarray(ids, np.int32).reshape(1, -1)
         table1 = np.asarray(table1, np.int32).reshape(1, self.max_blocks)
         if mm is None:
-            return self._call(f"prefill_{ids.shape[1]}", self.model.params, ids, cache1, state, table1)
+            return self._call(self._prefill_name(ids.shape[1]), self.model.params, ids, cache1, state, table1)
         if not self.images:
             raise RuntimeError("this runner was built without image prefill programs (images=False)")
         feats, mask = mm

@@ -222,10 +222,12 @@ class KimiForCausalLM(nnx.Module):
         h = self.output_attn_res(blocks + [prefix]) if block else prefix
         h = self.norm(h)
         new_cache = None
+        # tokens the cache gains: this device's ids, or under the token split the whole prompt / chunk's real tokens
+        grown = None if cache is None else cache.length + (ctx.valid_len if ctx.token_split else ids_bt.shape[1])
         if paged:
-            new_cache = cache.replace(length=cache.length + ids_bt.shape[1], layers=tuple(new_layers))
+            new_cache = cache.replace(length=grown, layers=tuple(new_layers))
         elif cache is not None:
-            new_cache = ModelCache(cache.length + ids_bt.shape[1], tuple(new_layers))
+            new_cache = ModelCache(grown, tuple(new_layers))
         return h, new_cache
 
     def commit_verify(self, cache: AnyCache, old_length, keep_b, ctx: ForwardContext = ForwardContext()) -> AnyCache:

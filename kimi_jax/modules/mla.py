@@ -167,15 +167,15 @@ class MultiHeadLatentAttention(nnx.Module):
         the keys. `lengths` `[B]` (paged cache only): how many of the T tokens are real; rows past it are padding
         (not written, select nothing, output 0). Returns (out `[B, T, D]`, new cache or None).
         """
-        p = self.project(x_btd, start)
-        if ctx.splits_mla:  # the context-parallel programs: token / head split prefill, DCP / TP decode
-            o_bthv, new_cache = self.attend_context_parallel(ctx, x_btd, p, cache)
-            return self.output(x_btd, o_bthv), new_cache
-        if isinstance(cache, PagedMLACache):
+        p = self.project(x_btd, start, ctx)
+        if isinstance(cache, PagedMLACache):  # the engine's programs (plain, or its token-split prefill chunks)
             if form != "absorbed":
                 raise ValueError(f"the paged MLA cache runs the absorbed form only, got form={form!r}")
             o_lat, new_cache = self.attend_paged(ctx, x_btd, p, cache, lengths)
             return self.output(x_btd, self.up_values(o_lat)), new_cache
+        if ctx.splits_mla:  # the context-parallel programs: token / head split prefill, DCP / TP decode
+            o_bthv, new_cache = self.attend_context_parallel(ctx, x_btd, p, cache)
+            return self.output(x_btd, o_bthv), new_cache
         if lengths is not None:
             raise ValueError("lengths (padding rows) is supported with the paged cache only")
         if cache is None:
@@ -190,8 +190,10 @@ class MultiHeadLatentAttention(nnx.Module):
             new_cache = MLACache(kv_bsc, keys)
         return self.output(x_btd, self.attend_contiguous(x_btd, p, kv_bsc, keys, form)), new_cache
 
-    def project(self, x_btd, start) -> Projected:
-        """Queries, the new latent rows and index keys of x `[B, T, D]` at positions start…start+T−1."""
+    def project(self, x_btd, start, ctx: ForwardContext = ForwardContext()) -> Projected:
+        """Queries, the new latent rows and index keys of x `[B, T, D]` at positions start…start+T−1 — under the
+        token split (this device holding a contiguous slice of the prompt or chunk) from start + the slice's offset
+        (`ForwardContext.first_token`)."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
         H, R, nope, rope_d = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -205,8 +207,8 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         ckv = self.kv_a_proj_with_mqa(x_btd)
         lat, k_rope = self.kv_a_layernorm(ckv[..., :R]), ckv[..., R:]
-        positions = (jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))[:, None]
-                     + jnp.arange(T, dtype=jnp.int32)[None, :])  # [B, T]
+        first = jnp.asarray(start, jnp.int32) + ctx.first_token(T)
+        positions = jnp.broadcast_to(first, (B,))[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         cos_sin = None
         if cfg.rope is not None:
             cos_sin = rope_cos_sin(positions, rope_d, cfg.rope)
@@ -254,10 +256,31 @@ class MultiHeadLatentAttention(nnx.Module):
 
         Returns (o_lat float32 `[B, T, H, R]`, the cache with the updated pool). Padding rows (t ≥ lengths[b])
         are not written and select nothing (o_lat = 0 there).
+
+        Under the engine's token-split prefill (`ctx.token_split`, over the DCP axis: this device holds T = C / N
+        consecutive tokens of a C-token chunk) the chunk's rows, index keys, positions and queries are gathered
+        over the axis first: each rank stores the rows of the whole chunk that it owns and attends all C queries
+        over its own keys (the earlier chunks' and this one's), and the log-sum-exp merge leaves each device its
+        own T tokens' outputs. The queries travel as q_nope / q_rope (in the model's dtype) and are absorbed after
+        the gather.
         """
         cfg = self.cfg
-        B, T, _ = x_btd.shape
         spec = cache.spec
+        index_queries = None  # (qi, w) of the DCP top-k
+        if ctx.token_split:
+            if ctx.dcp < 2 or ctx.dcp_axis != ctx.axes.context or lengths is not None:
+                raise ValueError("a token-split prefill into the paged cache runs over the DCP axis (dcp > 1), "
+                                 "on real tokens only")
+            chunk = lambda a: jax.lax.all_gather(a, ctx.axes.context, axis=1, tiled=True)
+            # the indexer queries from this device's x and q latent, then gathered
+            index_queries = None if self.indexer is None else tuple(
+                chunk(a) for a in self.indexer.queries(x_btd, p.cq, p.cos_sin))
+            p = p._replace(q_nope=chunk(p.q_nope), q_rope=chunk(p.q_rope), row=chunk(p.row),
+                           index_k=None if p.index_k is None else chunk(p.index_k), positions=chunk(p.positions),
+                           cq=None, cos_sin=None)  # (those two served this device's tokens above)
+        elif ctx.dcp > 1 and self.indexer is not None:
+            index_queries = self.indexer.queries(x_btd, p.cq, p.cos_sin)
+        B, T = p.positions.shape
         starts_b = p.positions[:, 0]
         if ctx.dcp > 1:  # the pages split over the DCP axis token by token: each rank stores the tokens it owns
             pool = dsa.dcp_write(ctx, spec, cache.pool, cache.block_tables, starts_b, p.row, p.index_k, lengths)
@@ -275,7 +298,7 @@ class MultiHeadLatentAttention(nnx.Module):
                 o_lat, _ = dsa.dcp_dense_attention(ctx, self.absorbed_query(p), pool.latent, cache.block_tables,
                                                    qpos_bt, layer_scale, **kw)
             else:
-                qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin)
+                qi, w = index_queries
                 o_lat, _ = dsa.dcp_sparse_attention(
                     ctx, self.absorbed_query(p), qi, w, pool.latent, pool.index, cache.block_tables, qpos_bt,
                     layer_scale, self.indexer.cfg.topk, latent_fmt=kw["fmt"], index_fmt=spec.index_format,

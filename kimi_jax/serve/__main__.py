@@ -15,7 +15,7 @@ from sharding.mesh import (AXES, FAKE_DEVICES_FLAG, distributed_process, fake_cp
 from .. import __version__
 from ..config import PRESETS
 from ..engine import Engine, EngineConfig
-from ..engine.engine import default_decode_buckets
+from ..engine.engine import DEFAULT_TOKEN_SPLIT_MIN_TOKENS, default_decode_buckets
 from ..engine.runner import resolve_kv_dtype
 from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, run_server
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "over the mesh's tensor axis (N = its size, as vLLM's DCP inside the TP group) or a context "
                         "axis of size N (named --mesh form); each device then holds 1/N of the pages "
                         "(default 1: the pools whole on every device)")
+    p.add_argument("--token-split-min-tokens", type=int, default=DEFAULT_TOKEN_SPLIT_MIN_TOKENS, metavar="N",
+                   help="with --dcp N over a context axis (named --mesh form, e.g. expert=8,tensor=1,context=8 "
+                        "--dcp 8): prefill chunk sizes of at least N tokens run split by tokens over that axis, "
+                        "each device 1/dcp of the chunk, instead of every device running all of it (default "
+                        f"{DEFAULT_TOKEN_SPLIT_MIN_TOKENS}; 0 = never).  Such chunk sizes must be multiples of "
+                        "--dcp.  /stats counts token_split_prefill_tokens")
     p.add_argument("--num-blocks", type=int, default=None, metavar="N",
                    help="pages of 64 tokens per MLA cache pool, the null page included (default: enough for every "
                         "slot at --max-model-len plus the prefix cache). Fewer pages than that overcommit: when they "
@@ -289,6 +295,9 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         buckets = parse_decode_buckets(args.decode_buckets, args.max_num_seqs)
     except ValueError as e:
         return _fail(f"--decode-buckets: {e}")
+    if args.token_split_min_tokens < 0:
+        return _fail(f"--token-split-min-tokens must be 0 (no token-split prefill) or more, got "
+                     f"{args.token_split_min_tokens}")
     if args.speculative_tokens < 0:
         return _fail(f"--speculative-tokens must be 0 (off) or more, got {args.speculative_tokens}")
     if args.speculative_model and args.speculative_tokens < 1:
@@ -409,7 +418,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, max_model_len=max_len, prefill_chunk_sizes=chunk_sizes,
             prefill_token_budget=args.prefill_token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype,
-            num_blocks=args.num_blocks, dcp=args.dcp,
+            num_blocks=args.num_blocks, dcp=args.dcp, token_split_min_tokens=args.token_split_min_tokens,
             decode_buckets=(default_decode_buckets(args.max_num_seqs, mesh.shape["data"] if mesh is not None else 1)
                             if buckets == "auto" and platform != "cpu" else () if buckets == "auto" else buckets),
             prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
