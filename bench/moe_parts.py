@@ -112,13 +112,12 @@ def _inline(fn_cols):
     return plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(t, t))(fn)
 
 
-def _half_decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh, pieces):
+def _half_decode_and_mma(decode, acc_refs, w_bufs, xs_s):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    whole, _ = decode_fns
     for i, acc_ref in enumerate(acc_refs):
-        lo, hi = whole(w_bufs[2 * i], w_bufs[2 * i + 1])
+        lo, hi = decode(w_bufs[2 * i], w_bufs[2 * i + 1])
         cols = pl.ds(0, mm.BLOCK)
         plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0, :, cols], (1, 0)))
         plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1, :, cols], (1, 0)))
@@ -128,22 +127,22 @@ def _half_decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh, pieces):
 @contextlib.contextmanager
 def variant(name: str):
     """Patch the kernel's decode (and, for "half", its step) while a kernel is traced and compiled."""
-    saved = mk._bf16_decodes, mk._decode_and_mma
+    saved = mk._bf16_decode, mk._decode_and_mma
     name = name.removesuffix("_l2")
     if name == "free":
-        mk._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(kh)), _inline(_const_decode_fn(mm.BLOCK)))
+        mk._bf16_decode = lambda kh, layout: _inline(_const_decode_fn(kh))
     elif name == "half":
-        mk._bf16_decodes = lambda kh, layout: (_inline(_folded_decode_fn(kh, layout)), None)
+        mk._bf16_decode = lambda kh, layout: _inline(_folded_decode_fn(kh, layout))
         mk._decode_and_mma = _half_decode_and_mma
     elif name == "freehalf":
-        mk._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(mm.BLOCK)), None)
+        mk._bf16_decode = lambda kh, layout: _inline(_const_decode_fn(mm.BLOCK))
         mk._decode_and_mma = _half_decode_and_mma
     elif name == "stream":
         mk._decode_and_mma = lambda *_: None
     try:
         yield
     finally:
-        mk._bf16_decodes, mk._decode_and_mma = saved
+        mk._bf16_decode, mk._decode_and_mma = saved
 
 
 def main():

@@ -827,10 +827,6 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
             assert (h_type[0], h_type[2:]) == ("2", ("128", "bf16")) and int(h_type[1]) % rows == 0, h_type
             between = planes.split("@mosaic_gpu", 2)[1]  # from the fused kernel to down
             assert "stablehlo.transpose" not in between
-        # each weight's step decoded and multiplied in 64-byte pieces (2 per 128 bytes)
-        stepped = _tiled_ffn_cuda_text(mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla",
-                                                     warpgroups=2, gate_up=gate_up, decode_pieces=True))
-        assert stepped.count("stablehlo.custom_call @mosaic_gpu") == kernels
     E, D = 4, 512
     sds = jax.ShapeDtypeStruct
     assert (mm.ws_stages(14, 4), mm.ws_stages(7, 4), mm.ws_stages(12, 4), mm.ws_stages(2, 4)) == (2, 1, 4, 2)
@@ -1306,7 +1302,6 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(rows=16, kh=128, steps=4), dict(rows=16, kh=256, steps=2),
                                  dict(rows=48, kh=128, steps=3), dict(rows=80, kh=128, steps=4),
-                                 dict(rows=40, kh=128, steps=4, decode_pieces=True),
                                  dict(rows=40, kh=64, steps=4, warpgroups=4)])
 def test_gpu_mgpu_mxfp4_warp_specialised_matches_reference(cfg):
     """The warp-specialised kernel (`MgpuConfig(warpgroups=2)`) on the device against ragged_dot over the exactly
@@ -1394,14 +1389,12 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     # tiles that are not powers of two: 40 rows, 48, 80
     # down storing its rows in place (one warpgroup per CTA; warp-specialised after the fused gate / up)
     in_place = [dataclasses.replace(mm.tiled_config(r), down_rows="in_place") for r in (8, 64)]
-    # each 64-byte piece's MMAs issued as soon as it is decoded (one and two warpgroups per CTA)
-    step_wait = [dataclasses.replace(mm.tiled_config(r), decode_pieces=True) for r in (8, 32)]
     # down on four compute warpgroups of its own after the fused two-warpgroup gate / up
     down_w4 = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
     for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
                                (ws_separate, None), (rows40, None), (rows80, None), (in_place[0], None),
-                               (in_place[1], None), (step_wait[0], None), (step_wait[1], None), (down_w4, None),
+                               (in_place[1], None), (down_w4, None),
                                (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(

@@ -26,7 +26,7 @@ from .rows import (  # noqa: F401
     unpad_output, _group_of, _pad_plan, _pad_rows, _tiles
 )
 from .decode import (  # noqa: F401
-    _bf16_decode, _bf16_decodes, _decode_fn
+    _bf16_decode, _decode_fn
 )
 from .kernels import (  # noqa: F401
     kernel_call, kernel_call_gated, kernel_call_gated_ws, kernel_call_ws, _check_kernel_shapes, _check_same_form,

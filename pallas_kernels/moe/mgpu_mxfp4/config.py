@@ -95,9 +95,6 @@ class MgpuConfig:
     # per set bit of the row count), so the padded result is never written nor read back; the rows past Σ sizes
     # are zeroed by an XLA scatter that touches only them
     down_rows: str = "gather"
-    # True: each weight's step decoded in 64-byte pieces (`BLOCK`), each piece's MMAs issued as soon as it is
-    # decoded (measured 1-2% slower as a whole FFN; not a default)
-    decode_pieces: bool = False
     # the tile-layout FFN's down matmul on a kernel config of its own (same `rows`: one tile plan); None: this one.
     # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
     # fused gate / up kernel (two weights' accumulators) cannot fit their 104 registers

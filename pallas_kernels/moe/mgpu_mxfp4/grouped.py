@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import BLOCK, COLS, MgpuConfig, ROW_ALIGN
-from .decode import _bf16_decodes
+from .decode import _bf16_decode
 from .kernels import _cta_grid, _mma_over_k, kernel_call
 from .layout import PreparedWeight, _planes_in_contraction_order, config_for, expert_scale, planes_column_order
 import pallas_kernels.experimental.mxfp4_fp8_mma as fp8_mma
@@ -99,7 +99,7 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}; bounds {bounds.shape} must be [E + 2 = {E + 2}]")
     n_blocks = N // COLS
-    decode = _bf16_decodes(kh, w.layout)
+    decode = _bf16_decode(kh, w.layout)
     store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5 + (plgpu.RefType(),))(_store_direct_fn())
     scaled = row_scale is not None
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import BLOCK, COLS, MgpuConfig, ROW_ALIGN, WS_MEMORY_REGISTERS, _PoolRegisterSplit, ws_stages
-from .decode import _bf16_decodes
+from .decode import _bf16_decode
 from .layout import PreparedWeight, expert_scale
 
 
@@ -136,29 +136,18 @@ def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32, pl
     )
 
 
-def _decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh: int, pieces: bool):
+def _decode_and_mma(decode, acc_refs, w_bufs, xs_s):
     """One pipeline step: for each (accumulator `[64, rows]`, codes `[64, kh]` and scales `[kh/16, 64]` in shared
-    memory), the codes decoded and multiplied with the x planes' tile `xs_s [2, rows, kh]` (bf16), then a wait for
-    those MMAs: the next decode reuses the A registers, and the step's buffers are released only after it (leaving
-    one group in flight — wgmma_wait(1), x released a step late — gave wrong results and NaNs on the H200).
-    `decode_fns`: (decode of kh bytes, decode of one `BLOCK`); `pieces` (`MgpuConfig.decode_pieces`): each weight
-    decoded one BLOCK at a time, each piece's MMAs issued as soon as it is decoded."""
-    import jax.experimental.pallas as pl
+    memory), the codes decoded (`decode`, `_bf16_decode`) and multiplied with the x planes' tile `xs_s [2, rows, kh]`
+    (bf16), then a wait for those MMAs: the next decode reuses the A registers, and the step's buffers are released
+    only after it (leaving one group in flight — wgmma_wait(1), x released a step late — gave wrong results and NaNs
+    on the H200)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    whole, piece = decode_fns
     for i, acc_ref in enumerate(acc_refs):
-        codes, scales = w_bufs[2 * i], w_bufs[2 * i + 1]
-        if not pieces:
-            lo, hi = whole(codes, scales)
-            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-        else:
-            for p in range(kh // BLOCK):
-                k_bytes = pl.ds(p * BLOCK, BLOCK)
-                lo, hi = piece(codes.at[:, k_bytes], scales.at[pl.ds(p * BLOCK // 16, BLOCK // 16)])
-                plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0, :, k_bytes], (1, 0)))
-                plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1, :, k_bytes], (1, 0)))
+        lo, hi = decode(w_bufs[2 * i], w_bufs[2 * i + 1])
+        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
         plgpu.wgmma_wait(0)
 
 
@@ -174,7 +163,7 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
     def step(_, *bufs):
         *w_bufs, xs_s = bufs
-        _decode_and_mma(decode, acc_refs, w_bufs, xs_s, kh, cfg.decode_pieces)
+        _decode_and_mma(decode, acc_refs, w_bufs, xs_s)
 
     weight_specs = [plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
                     plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb))]
@@ -214,7 +203,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     m_pad = t_max * R
     _check_kernel_shapes(xs, w, cfg, tile_group, x_row0)
     n_blocks = w.out_features // COLS
-    decode = _bf16_decodes(kh, w.layout)
+    decode = _bf16_decode(kh, w.layout)
     inputs = _placement_inputs(place, w, cfg) + _row0_inputs(x_row0)
     extra = () if scale is None else (scale,)
 
@@ -370,7 +359,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     out_bytes = wgs * R * COLS * jnp.dtype(out_dtype).itemsize  # the compute warpgroups' staging tiles
     stages = ws_stages(steps, config.steps, stage_bytes=n_w * (cols * kh + kh // 16 * cols) + 2 * R * kh * 2,
                        fixed_bytes=out_bytes + 1024)  # + barriers
-    decode = _bf16_decodes(kh, w.layout)
+    decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
     if place is not None and n_w != 1:
         raise ValueError("mgpu MXFP4: rows stored in place take one weight")
@@ -388,7 +377,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
         def mma_step(_, *bufs):
             *w_bufs, xs_s, acc_refs = bufs
             mine = [b.at[my_cols] if j % 2 == 0 else b.at[:, my_cols] for j, b in enumerate(w_bufs)]
-            _decode_and_mma(decode, acc_refs, mine, xs_s, kh, config.decode_pieces)
+            _decode_and_mma(decode, acc_refs, mine, xs_s)
             return acc_refs
 
         def pipeline(body, compute_context, state):
@@ -500,7 +489,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     _check_kernel_shapes(xs, w_gate, cfg, tile_group, x_row0)
     planes = w_gate.out_order == "planes"
     n_blocks = N // COLS
-    decode = _bf16_decodes(kh, w_gate.layout)
+    decode = _bf16_decode(kh, w_gate.layout)
     scaled = gate_scale is not None
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
