@@ -967,19 +967,14 @@ def _rows_of_planes(planes):
     return in_order[:, np.argsort(mm.planes_column_order(2 * kh))]
 
 
-def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32, *, x_row0=None):
+def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p (x_pad given as rows, or as the planes
-    a fused kernel writes; with `x_row0`, padded row t·rows + r is row x_row0[t] + r of x) times its tile's
-    expert's weight (the exactly dequantised codes), fp32, rounded to `out_dtype`, the columns in the weight's
+    a fused kernel writes) times its tile's expert's weight (the exactly dequantised codes), fp32, rounded to `out_dtype`, the columns in the weight's
     stored order."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     if x_pad.ndim == 3:
         x_pad = _rows_of_planes(x_pad)
-    if x_row0 is not None:
-        assert x_pad.shape[0] >= cfg.rows
-        rows_of_tiles = x_row0[:, None] + jnp.arange(cfg.rows)[None, :]  # [t_max, rows], all within x
-        x_pad = x_pad[rows_of_tiles.reshape(-1)]
     wd = mx.dequantize(mm.unprepare_weight(w), jnp.float32)  # [E, K, N]
     if w.out_order == "planes":
         wd = wd[:, :, mm.planes_column_order(w.out_features)]
@@ -987,14 +982,12 @@ def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32, *, x_row
     return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row]).astype(out_dtype)
 
 
-def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=jnp.float32, *,
-                                  x_row0=None):
+def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_gated_matmul` computes, by definition: the activation of the two tile-layout
     products, rounded to `out_dtype` — as the down matmul's x planes for weights with out_order="planes"."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    h = activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg, x_row0=x_row0),
-                   _reference_tiled_matmul(x_pad, plan, w_up, cfg, x_row0=x_row0))
+    h = activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg), _reference_tiled_matmul(x_pad, plan, w_up, cfg))
     h = h.astype(out_dtype)
     return mm.columns_as_planes(h) if w_gate.out_order == "planes" else h
 
@@ -1005,37 +998,6 @@ def _reference_tiled_matmul_in_place(x_pad, plan, w, cfg, num_rows):
     y_pad = _reference_tiled_matmul(x_pad, plan, w, cfg)
     rows = jnp.where(plan.src < num_rows, plan.src, num_rows)  # padding rows: out of bounds, dropped
     return jnp.full((num_rows, y_pad.shape[1]), jnp.nan, jnp.float32).at[rows].set(y_pad, mode="drop")
-
-
-@pytest.mark.parametrize("sizes", [[5, 0, 9, 2], [0, 0, 0, 0], [8, 8, 8, 8], [1, 17, 0, 3], [40, 0, 1, 0]])
-def test_aligned_rows_start_every_tile_on_an_8_row_boundary_at_its_rows(sizes):
-    """`x_rows="aligned"`: each group's rows padded to a multiple of 8 (plus one tile of zero rows at the end);
-    every tile of the R-row plan starts at a multiple of 8 there, and its valid rows are the group's rows it
-    covers; dead tiles start at the zero rows."""
-    from pallas_kernels.moe import mgpu_mxfp4 as mm
-
-    M, E = sum(sizes) + 3, len(sizes)  # 3 rows past Σ sizes: in no group
-    x = np.arange(1, M + 1, dtype=np.float32)[:, None] * np.ones((1, 4), np.float32)  # row i holds i + 1
-    for R in (8, 16, 40):
-        plan = mm.tile_plan(jnp.asarray(sizes, jnp.int32), M, E, R)
-        src, row0 = mm.aligned_rows(jnp.asarray(sizes, jnp.int32), plan, R, M)
-        x8, row0 = np.asarray(mm.gather_x(jnp.asarray(x), src), np.float32), np.asarray(row0)
-        m8 = (-(-M // 8) + E) * 8
-        assert x8.shape == (m8 + R, 4) and not x8[m8:].any() and (row0 % 8 == 0).all()
-        first, valid = map(np.asarray, mm.tile_rows(plan, R, M))
-        live = int(plan.num_tiles[0])
-        for t in range(live):
-            assert (x8[row0[t]:row0[t] + valid[t], 0] == np.arange(first[t], first[t] + valid[t]) + 1).all()
-            assert row0[t] + R <= x8.shape[0]
-        assert (row0[live:] == m8).all()
-        assert sorted(x8[:, 0][x8[:, 0] > 0].astype(int)) == list(range(1, sum(sizes) + 1))  # each grouped row once
-    plan = mm.tile_plan(jnp.zeros((4,), jnp.int32), 0, 4, 16)  # no rows at all: every tile dead
-    src, row0 = mm.aligned_rows(jnp.zeros((4,), jnp.int32), plan, 16, 0)
-    assert (np.asarray(src) == 0).all() and (np.asarray(row0) == src.shape[0] - 16).all()
-    with pytest.raises(ValueError, match="multiple of 8"):
-        mm.MgpuConfig(rows=12, x_rows="aligned")
-    with pytest.raises(ValueError, match="x_rows must be"):
-        mm.MgpuConfig(x_rows="sorted")
 
 
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
@@ -1067,13 +1029,9 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     want_tok = ops.expert_ffn_sorted(tokens[token_of_row], gs, *ws, situ, backend="reference")
     # each weight natural, or gate / up in the down matmul's plane order (h handed over as planes)
     for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
-        # x gathered into padded rows, or into groups aligned to 8 rows, each tile read from its first row
-        for rows, gate_up, down_rows, x_rows in (
-                (8, "separate", "gather", "padded"), (16, "separate", "gather", "padded"),
-                (16, "fused", "gather", "padded"), (8, "separate", "in_place", "padded"),
-                (16, "fused", "in_place", "padded"), (8, "separate", "gather", "aligned"),
-                (16, "fused", "in_place", "aligned")):
-            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows, x_rows=x_rows)
+        for rows, gate_up, down_rows in ((8, "separate", "gather"), (16, "separate", "gather"), (16, "fused", "gather"),
+                                         (8, "separate", "in_place"), (16, "fused", "in_place")):
+            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows)
             got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
                                                                matmul=_reference_tiled_matmul,
                                                                gated_matmul=_reference_tiled_gated_matmul,
@@ -1092,7 +1050,7 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
             if sum(sizes):
                 assert _rel(got, want_tok) < 1e-2, rows
             assert got.shape == want.shape and not np.asarray(got[sum(sizes):]).any()
-            if gate_up == "fused" and x_rows == "padded" and prepared[0].out_order == "planes":
+            if gate_up == "fused" and prepared[0].out_order == "planes":
                 # rows asked for in another order (`ops.expert_ffn` asks for (token, slot) order), gathered from
                 # the padded rows in one step: the same rows, bit for bit
                 out_rows = jnp.asarray(np.random.default_rng(M + 1).permutation(M), jnp.int32)
@@ -1194,19 +1152,6 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, down_rows="in_place"))
         results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<(\d+)x(\d+)x(\w+)>", text)
         assert results[-1] == ("40", "512", "f32") and len(results) == (3 if cfg.gate_up == "separate" else 2)
-    # x in groups aligned to 8 rows, each tile read from its first row there: gate / up take x's planes on the
-    # M = 40 rows' 8-row plan (72 rows) plus one tile of zero rows, not the t_max · rows padded rows (which only h
-    # and down's rows take) — on one, two and three compute warpgroups
-    for cfg in (mm.tiled_config(40 / 4), mm.tiled_config(64), mm.tiled_config(32, (256, 512))):
-        R = cfg.rows
-        m_pad, m8 = (-(-40 // R) + 4) * R, (40 // 8 + 4) * 8
-        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, x_rows="aligned"), gate_up_order="planes")
-        first = re.search(r"stablehlo.custom_call @mosaic_gpu.*", text).group(0)
-        assert f"tensor<2x{m8 + R}x256xbf16>" in first, (R, first[:300])
-        assert f"tensor<2x{m_pad}x256xbf16>" not in text
-        # from 20 tokens (top-2): x's planes made on the tokens, then gathered into the aligned rows
-        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, x_rows="aligned"), gate_up_order="planes", tokens=20)
-        assert "tensor<2x20x256xbf16>" in text and f"tensor<2x{m8 + R}x256xbf16>" in text
     # down on a kernel config of its own: four warpgroups after the fused two-warpgroup kernel
     text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4)))
@@ -1341,8 +1286,7 @@ def _device_ffn_case(F: int, seed: int):
 def test_gpu_three_compute_warpgroups_match_reference():
     """W = 3 compute warpgroups (192-column items, 152 registers each): one matmul (whole items, and a ragged last
     item), and the tile-layout FFN with gate, up and SiTU fused at W = 3 (F = 384: two items) and down on a W = 2
-    or W = 3 (ragged) config of its own, gate / up in either column order, against the references; x in 8-row
-    aligned groups gives the same bits."""
+    or W = 3 (ragged) config of its own, gate / up in either column order, against the references."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes, ws, x, gs = _device_ffn_case(F=384, seed=33)
@@ -1364,10 +1308,6 @@ def test_gpu_three_compute_warpgroups_match_reference():
             got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
             assert _rel(got, want) < 1e-2, (kh, down.warpgroups, prepared[0].out_order)
             assert not np.asarray(got[sum(sizes):]).any()
-            aligned = dataclasses.replace(cfg, x_rows="aligned")  # x in 8-row-aligned groups: the same bits
-            got_aligned = jax.jit(lambda a, g, *w, cfg=aligned: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(
-                x, gs, *prepared)
-            np.testing.assert_array_equal(np.asarray(got_aligned), np.asarray(got))
 
 
 @pytest.mark.gpu
@@ -1413,13 +1353,6 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
         got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *ffn_prepared)
         assert _rel(got, want) < 1e-2, cfg
         assert not np.asarray(got[sum(sizes):]).any()
-        # x in groups aligned to 8 rows, each tile read from its first row there (its rows past the group's are
-        # the next group's): each real row's products are the same, bit for bit
-        aligned = dataclasses.replace(cfg or mm.tiled_config(x.shape[0] / 4, (256, 512)),
-                                      x_rows="aligned")
-        got_aligned = jax.jit(lambda a, g, *w, cfg=aligned: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(
-            x, gs, *ffn_prepared)
-        np.testing.assert_array_equal(np.asarray(got_aligned), np.asarray(got), err_msg=str(cfg))
     # one matmul with a plane-order weight gives its natural columns back, bit for bit
     np.testing.assert_array_equal(np.asarray(mm.grouped_matmul(x, ffn_prepared[0], gs)), np.asarray(per_matmul[0]))
     # and `ops` takes this path for three prepared weights on the GPU

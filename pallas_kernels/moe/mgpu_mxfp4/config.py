@@ -99,10 +99,6 @@ class MgpuConfig:
     # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
     # fused gate / up kernel (two weights' accumulators) cannot fit their 104 registers
     down_config: "MgpuConfig | None" = None
-    # the tile-layout FFN's x for gate / up (`expert_ffn_tiled`): "padded" — gathered into the padded rows (every
-    # tile's rows written, dead tiles' zeros too); "aligned" — each group's rows padded only to a multiple of 8
-    # (`ROW_ALIGN`), plus `rows` zero rows, each tile's copy starting at its first row there (no gain measured)
-    x_rows: str = "padded"
 
     def __post_init__(self):
         if self.store not in ("cols", "rows"):
@@ -111,11 +107,6 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.gate_up not in ("separate", "fused"):
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
-        if self.x_rows not in ("padded", "aligned"):
-            raise ValueError(f"MgpuConfig.x_rows must be 'padded' or 'aligned', got {self.x_rows!r}")
-        if self.x_rows == "aligned" and self.rows % ROW_ALIGN:
-            raise ValueError(f"MgpuConfig: x_rows='aligned' starts tiles on {ROW_ALIGN}-row boundaries, so rows must "
-                             f"be a multiple of {ROW_ALIGN}, got {self.rows}")
         if self.down_rows not in ("gather", "in_place"):
             raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from .config import MgpuConfig, fit_config, tiled_config
 from .kernels import kernel_call, kernel_call_gated
 from .layout import PreparedWeight, _planes_in_contraction_order, columns_as_planes, expert_scale
-from .rows import TilePlan, aligned_rows, gather_x, tile_plan, tile_rows
+from .rows import TilePlan, gather_x, tile_plan, tile_rows
 
 
 def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
@@ -29,18 +29,15 @@ def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
     return _planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), cfg
 
 
-def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                 x_row0=None):
+def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
     """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them; or their planes
     `[2, m_pad, K/2]`) -> `[m_pad, N]` (columns in `w`'s output order), each live tile's rows times its expert's
     weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and written by the kernel in
     `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back). The x plane transpose
     here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation).
-    `x_row0 [t_max]` (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): x is any number of rows and tile t
-    reads rows x_row0[t] … x_row0[t] + rows − 1 of it (padded row t·rows + r holds x row x_row0[t] + r).
     The placed layout's expert factor is applied by the kernel to its fp32 accumulators."""
     xs, cfg = _tile_layout_operands(x_pad, w, config)
-    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0, scale=expert_scale(w))
+    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, scale=expert_scale(w))
 
 
 def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, num_rows: int):
@@ -54,13 +51,13 @@ def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: Mgpu
 
 
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                       config: MgpuConfig, out_dtype=jnp.float32, *, x_row0=None):
+                       config: MgpuConfig, out_dtype=jnp.float32):
     """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
     h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten) — for weights with
-    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`. `x_row0`: as in `tiled_matmul`."""
+    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`."""
     xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
     return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
-                             expert_scale(w_up), out_dtype, x_row0=x_row0)
+                             expert_scale(w_up), out_dtype)
 
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
@@ -81,8 +78,7 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
 
     `config`: the kernel's tile shape and the FFN's plumbing (default `tiled_config(M / E, (F, D))`;
     `gate_up="fused"` runs gate, up and the activation as one kernel; `down_rows="in_place"` has down store its
-    rows where they belong instead of a gather back; `x_rows="aligned"` gathers x into groups padded to 8 rows
-    instead of the padded tile rows); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
+    rows where they belong instead of a gather back); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
     matmul, fused gate / up and in-place down (default `tiled_matmul` / `tiled_gated_matmul` /
     `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU).
     `plan`: a tile plan made elsewhere (`slot_tile_plan`: the rows are routed pairs in (token, slot) order, each
@@ -103,18 +99,17 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     elif plan.tile_group.shape[0] * cfg.rows != plan.src.shape[0] or plan.pad_row.shape[0] != M:
         raise ValueError(f"expert_ffn_tiled: a plan of {plan.tile_group.shape[0]} tiles, {plan.src.shape[0]} padded "
                          f"rows for {plan.pad_row.shape[0]} rows does not fit {cfg.rows}-row tiles over {M} rows")
-    elif cfg.x_rows == "aligned" or cfg.down_rows == "in_place":
-        raise ValueError("expert_ffn_tiled: a plan given from outside runs padded x rows and down gathered back "
-                         "(x_rows='padded', down_rows='gather'); both others need rows sorted by expert")
-    src, x_row0 = aligned_rows(group_sizes, plan, cfg.rows, M) if cfg.x_rows == "aligned" else (plan.src, None)
-    x_in = gather_x(x_rows, src, token_of_row)
+    elif cfg.down_rows == "in_place":
+        raise ValueError("expert_ffn_tiled: a plan given from outside runs down gathered back (down_rows='gather'); "
+                         "in place needs rows sorted by expert")
+    x_in = gather_x(x_rows, plan.src, token_of_row)
     if cfg.gate_up == "fused":
         # the kernel rounds h to h_dtype itself (as XLA's convert would: to nearest even), so h is written and
         # read back at half the bytes of fp32; with out_order="planes" it writes down's x planes
         written = h_dtype if jnp.dtype(h_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else jnp.float32
-        h = gated_matmul(x_in, plan, w_gate, w_up, activation, cfg, out_dtype=written, x_row0=x_row0).astype(h_dtype)
+        h = gated_matmul(x_in, plan, w_gate, w_up, activation, cfg, out_dtype=written).astype(h_dtype)
     else:
-        gate, up = (matmul(x_in, plan, w, cfg, gate_up_dtype, x_row0=x_row0).astype(jnp.float32)
+        gate, up = (matmul(x_in, plan, w, cfg, gate_up_dtype).astype(jnp.float32)
                     for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
         if w_gate.out_order == "planes":  # columns in plane order: the planes are whole 64-column blocks of h

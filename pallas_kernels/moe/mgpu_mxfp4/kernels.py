@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import BLOCK, COLS, MgpuConfig, ROW_ALIGN, WS_MEMORY_REGISTERS, _PoolRegisterSplit, ws_stages
+from .config import BLOCK, COLS, MgpuConfig, WS_MEMORY_REGISTERS, _PoolRegisterSplit, ws_stages
 from .decode import _bf16_decode
 from .layout import PreparedWeight, expert_scale
 
@@ -176,16 +176,13 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
-                out_dtype=jnp.float32, *, place=None, x_row0=None, scale=None):
+                out_dtype=jnp.float32, *, place=None, scale=None):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
     out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
 
     `place` (store="rows"): (first output row `[t_max]`, valid rows `[t_max]` int32 of each tile, M) — each live
     tile's first valid-rows rows go straight to their rows of out `[M, N]`, times the expert's scale for the placed
     layout (`_store_rows_in_place`); rows no tile covers are left unwritten.
-    `x_row0` `[t_max]` int32 (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): tile t reads x rows
-    x_row0[t] … x_row0[t] + rows − 1 of planes `[2, any rows, K/2]` instead of its own padded rows; m_pad =
-    t_max · rows either way.
     `scale` `[E]` fp32 (not with `place`, which brings its own): each expert's output factor (the placed layout's
     2^exp_offset, `expert_scale`), applied to the fp32 accumulator before the store, so no XLA pass over the
     output is needed for it."""
@@ -195,27 +192,24 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     if place is not None and scale is not None:
         raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
     if config.warpgroups > 1:
-        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, x_row0=x_row0,
-                              scale=scale)
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, scale=scale)
     cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = tile_group.shape[0]
     m_pad = t_max * R
-    _check_kernel_shapes(xs, w, cfg, tile_group, x_row0)
+    _check_kernel_shapes(xs, w, cfg, tile_group)
     n_blocks = w.out_features // COLS
     decode = _bf16_decode(kh, w.layout)
-    inputs = _placement_inputs(place, w, cfg) + _row0_inputs(x_row0)
+    inputs = _placement_inputs(place, w, cfg)
     extra = () if scale is None else (scale,)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
         place_refs, refs = refs[:len(inputs)], refs[len(inputs):]
         extra_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(extra)], refs[len(extra):]
-        place_refs, x_rows, x_index = _split_row0(place_refs, x_row0, R)
 
         def item(t, nb, g):
             def acc_scope(acc_ref):
-                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, x_rows,
-                            x_index(t), cfg)
+                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, R, t, cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
@@ -254,41 +248,19 @@ def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs):
     _store_rows_in_place(acc, o_smem, out_ref, nb, row0_ref[t], n_ref[t])
 
 
-def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group, x_row0=None):
-    """x planes `[2, m_pad, K/2]` (with `x_row0`: `[2, any rows ≥ rows, K/2]`) and weight `[E, N, K/2]` as the
-    padded-plan kernels take them, m_pad = t_max · rows for `tile_group [t_max]`."""
+def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group):
+    """x planes `[2, m_pad, K/2]` and weight `[E, N, K/2]` as the padded-plan kernels take them, m_pad = t_max · rows
+    for `tile_group [t_max]`."""
     _, x_rows, KH = xs.shape
     KH2, N = w.codes.shape[2], w.out_features
     m_pad = tile_group.shape[0] * cfg.rows
-    bad_rows = x_rows < cfg.rows if x_row0 is not None else x_rows != m_pad
-    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % COLS or bad_rows:
+    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % COLS or x_rows != m_pad:
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={cfg.kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {COLS}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}"
-                         + (" (at least one tile's)" if x_row0 is not None else ""))
-    if x_row0 is not None and x_row0.shape != tile_group.shape:
-        raise ValueError(f"mgpu MXFP4: x_row0 {x_row0.shape} needs one row per tile, {tile_group.shape}")
-
-
-def _row0_inputs(x_row0) -> tuple:
-    """The kernel input of `x_row0` (each tile's first x row, `MgpuConfig.x_rows="aligned"`), if any."""
-    return () if x_row0 is None else (x_row0,)
-
-
-def _split_row0(refs, x_row0, R: int):
-    """The refs after the placement inputs -> (placement refs, the x tile's `BlockSpec` row dimension, tile t -> its
-    index there): rows from x_row0[t] (`pl.Element`) with `x_row0`, else padded tile t (block R). The offset is
-    rounded down to `ROW_ALIGN` where the lowering can see it (the copy's tiled source needs that); `x_row0`'s
-    values are multiples of it already."""
-    import jax.experimental.pallas as pl
-
-    if x_row0 is None:
-        return refs, R, lambda t: t
-    *refs, row0_ref = refs
-    return tuple(refs), pl.Element(R), lambda t: jax.lax.div(row0_ref[t], ROW_ALIGN) * ROW_ALIGN
+                         f"{BLOCK}), N={N} of {COLS}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}")
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                   place=None, x_row0=None, scale=None):
+                   place=None, scale=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
     `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
@@ -299,8 +271,8 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
-    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `x_row0`,
-    `scale`: as in `kernel_call`."""
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `scale`: as
+    in `kernel_call`."""
     if place is not None and scale is not None:
         raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
 
@@ -308,11 +280,11 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
         return accs[0] * scale_ref[0][g] if scale_ref else accs[0]
 
     return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, epilogue, () if scale is None else (scale,),
-                    place=place, x_row0=x_row0)
+                    place=place)
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32, x_row0=None):
+                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
     `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su) (weights with out_order="planes": the down matmul's x planes
     `[2, m_pad, F/2]`). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside the one x
@@ -325,15 +297,14 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
         return activation(gate, up)
 
     scales = () if gate_scale is None else (gate_scale, up_scale)
-    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales, x_row0=x_row0)
+    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales)
 
 
-def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None,
-             x_row0=None):
+def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None):
     """The warp-specialised kernel over one weight or a (gate, up) pair of one shape and layout: each work item's
     accumulators `[64, R]` fp32 (one per weight) -> `epilogue(accs, g, *extra_refs)` (g the item's expert, `extra`
     kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block (or, with `place`,
-    its valid rows in place: `kernel_call`). `x_row0`: each tile's first x row (`kernel_call`)."""
+    its valid rows in place: `kernel_call`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -345,7 +316,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     _check_same_form(weights)
     # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
     planes = len(weights) == 2 and w.out_order == "planes"
-    _check_kernel_shapes(xs, w, config, tile_group, x_row0)
+    _check_kernel_shapes(xs, w, config, tile_group)
     KH = xs.shape[2]
     R, kh, N = config.rows, config.kh, w.out_features
     m_pad = tile_group.shape[0] * R
@@ -363,13 +334,11 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
     if place is not None and n_w != 1:
         raise ValueError("mgpu MXFP4: rows stored in place take one weight")
-    place_inputs = _placement_inputs(place, w, config) + _row0_inputs(x_row0)
+    place_inputs = _placement_inputs(place, w, config)
 
     def kernel(tile_group_ref, num_ref, *refs, o_smem):
         n_place = len(place_inputs)
         place_refs, refs = refs[:n_place], refs[n_place:]
-        place_refs, _, x_index = _split_row0(place_refs, x_row0, R)
-        x_start = x_index if x_row0 is not None else (lambda t: t * R)  # element offsets into x's rows
         extra_refs, (xs_ref, *w_refs, out_ref) = refs[:len(extra)], refs[len(extra):]
         wg = lax.axis_index("wg")
         my_cols = pl.ds(wg * COLS, COLS)
@@ -393,7 +362,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
             g = tile_group_ref[t]
             per_weight = [(codes.at[g, pl.ds(nb * cols, cols)], scales.at[g, :, pl.ds(nb * cols, cols)])
                           for codes, scales in zip(w_refs[0::2], w_refs[1::2])]
-            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(x_start(t), R)])
+            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(t * R, R)])
 
         ignore = lambda *_, **__: None  # noqa: E731 — the allocations depend on the specs and shapes only
 
@@ -464,7 +433,7 @@ def _check_same_form(weights) -> None:
 
 
 def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32, x_row0=None):
+                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
     """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
     shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the
     fp32 epilogue; out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`) = activation(x·Wgᵀ·sg,
@@ -472,29 +441,26 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
     `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
     arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
-    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`). `x_row0`:
-    each tile's first x row (`kernel_call`)."""
+    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if config.warpgroups > 1:
         return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale,
-                                    out_dtype, x_row0)
+                                    out_dtype)
     cfg = dataclasses.replace(config, store="rows")
     R, kh = cfg.rows, cfg.kh
     t_max = tile_group.shape[0]
     m_pad = t_max * R
     N = w_gate.out_features
     _check_same_form((w_gate, w_up))
-    _check_kernel_shapes(xs, w_gate, cfg, tile_group, x_row0)
+    _check_kernel_shapes(xs, w_gate, cfg, tile_group)
     planes = w_gate.out_order == "planes"
     n_blocks = N // COLS
     decode = _bf16_decode(kh, w_gate.layout)
     scaled = gate_scale is not None
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
-        row0_refs, refs = refs[:len(_row0_inputs(x_row0))], refs[len(_row0_inputs(x_row0)):]
-        _, x_rows, x_index = _split_row0(row0_refs, x_row0, R)
         if scaled:
             sg_ref, su_ref, xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
         else:
@@ -503,7 +469,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
         def item(t, nb, g):
             def acc_scope(acc_g, acc_u):
                 _mma_over_k(decode, (acc_g, acc_u), ((cg_ref.at[g], scg_ref.at[g]), (cu_ref.at[g], scu_ref.at[g])),
-                            xs_ref, nb, x_rows, x_index(t), cfg)
+                            xs_ref, nb, R, t, cfg)
                 return acc_g[...], acc_u[...]
 
             acc = plgpu.ACC((COLS, R), jnp.float32)
@@ -516,5 +482,5 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scales = (gate_scale, up_scale) if scaled else ()
-    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *_row0_inputs(x_row0), *scales, xs,
+    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *scales, xs,
                                                            w_gate.codes, w_gate.scales_t, w_up.codes, w_up.scales_t)

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.moe.schedule as schedule
-from .config import ROW_ALIGN
 from .layout import _planes_in_contraction_order
 
 
@@ -112,22 +111,6 @@ def slot_tile_plan(expert_idx_nk, num_experts: int, rows: int) -> TilePlan:
     src = jnp.full((t_max * rows,), pairs, jnp.int32).at[pad_row].set(jnp.arange(pairs, dtype=jnp.int32),
                                                                        unique_indices=True)
     return TilePlan(src, tile_group, num_tiles, pad_row, jnp.ones((pairs,), bool))
-
-
-def aligned_rows(group_sizes, plan: TilePlan, rows: int, M: int):
-    """`MgpuConfig.x_rows="aligned"` for `M` sorted rows -> (the sorted row each aligned row holds `[m8 + rows]`
-    int32 (M: none, a zero row) — each group's rows padded to a multiple of `ROW_ALIGN`, then `rows` zero rows;
-    the aligned row where each tile of `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last
-    tile reads up to rows − 1 rows past the group: the next group's, or the zero rows; dead tiles start at the
-    zero rows."""
-    plan8 = tile_plan(group_sizes, M, group_sizes.shape[0], ROW_ALIGN)  # the same plan, in 8-row tiles
-    m8 = plan8.src.shape[0]
-    src = jnp.concatenate([plan8.src, jnp.full((rows,), M, jnp.int32)])
-    # tile t of `plan` starts at sorted row first[t], a multiple of rows into its group; dead tiles (first = M)
-    # at the zero rows
-    first, _ = tile_rows(plan, rows, M)
-    x_row0 = jnp.concatenate([plan8.pad_row, jnp.full((1,), m8, jnp.int32)])[first]
-    return src, x_row0
 
 
 def gather_x(x, src, token_of_row=None):
