@@ -992,31 +992,14 @@ def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, ou
     return mm.columns_as_planes(h) if w_gate.out_order == "planes" else h
 
 
-def _reference_tiled_matmul_in_place(x_pad, plan, w, cfg, num_rows):
-    """What `mgpu_mxfp4.tiled_matmul_in_place` computes, by definition: the tile-layout product's valid rows in
-    their sorted rows; the rows no tile covers hold NaN, standing in for memory the kernel never writes."""
-    y_pad = _reference_tiled_matmul(x_pad, plan, w, cfg)
-    rows = jnp.where(plan.src < num_rows, plan.src, num_rows)  # padding rows: out of bounds, dropped
-    return jnp.full((num_rows, y_pad.shape[1]), jnp.nan, jnp.float32).at[rows].set(y_pad, mode="drop")
-
-
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
 def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
-    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back — or down
-    storing its rows in place) with the kernel swapped for its definition: equal to the reference FFN on the same
-    sorted rows, zeros past Σ sizes — groups that fill whole tiles, empty groups, none at all, and one larger than
-    two tiles. Each tile's rows in place are its (first row, valid rows) prefix."""
+    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back) with the
+    kernel swapped for its definition: equal to the reference FFN on the same sorted rows, zeros past Σ sizes —
+    groups that fill whole tiles, empty groups, none at all, and one larger than two tiles."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     M = sum(sizes) + extra
-    for rows in (8, 16):
-        plan = mm.tile_plan(jnp.asarray(sizes, jnp.int32), M, len(sizes), rows)
-        first, valid = map(np.asarray, mm.tile_rows(plan, rows, M))
-        src = np.asarray(plan.src).reshape(-1, rows)
-        for t in range(int(plan.num_tiles[0])):
-            assert valid[t] >= 1 and list(src[t, :valid[t]]) == list(range(first[t], first[t] + valid[t]))
-            assert (src[t, valid[t]:] == M).all()
-
     E, D, F = 4, 128, 128
     keys = jax.random.split(jax.random.key(sum(sizes) + extra), 4)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
@@ -1029,23 +1012,20 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     want_tok = ops.expert_ffn_sorted(tokens[token_of_row], gs, *ws, situ, backend="reference")
     # each weight natural, or gate / up in the down matmul's plane order (h handed over as planes)
     for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
-        for rows, gate_up, down_rows in ((8, "separate", "gather"), (16, "separate", "gather"), (16, "fused", "gather"),
-                                         (8, "separate", "in_place"), (16, "fused", "in_place")):
-            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows)
+        for rows, gate_up in ((8, "separate"), (16, "separate"), (16, "fused")):
+            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
             got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
                                                                matmul=_reference_tiled_matmul,
-                                                               gated_matmul=_reference_tiled_gated_matmul,
-                                                               down_matmul=_reference_tiled_matmul_in_place))(
+                                                               gated_matmul=_reference_tiled_gated_matmul))(
                 x, gs, *prepared)
             assert got.shape == want.shape
             if sum(sizes):
                 assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
-            assert not np.asarray(got[sum(sizes):]).any()  # in place: the rows no tile covers zeroed, not NaN
+            assert not np.asarray(got[sum(sizes):]).any()
             # from the tokens: x's planes made on them, gathered as half-rows
             got = jax.jit(lambda a, g, t, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t,
                                                                   matmul=_reference_tiled_matmul,
-                                                                  gated_matmul=_reference_tiled_gated_matmul,
-                                                                  down_matmul=_reference_tiled_matmul_in_place))(
+                                                                  gated_matmul=_reference_tiled_gated_matmul))(
                 tokens, gs, token_of_row, *prepared)
             if sum(sizes):
                 assert _rel(got, want_tok) < 1e-2, rows
@@ -1056,9 +1036,8 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
                 out_rows = jnp.asarray(np.random.default_rng(M + 1).permutation(M), jnp.int32)
                 picked = jax.jit(lambda a, g, t, r, *w: mm.expert_ffn_tiled(
                     a, g, *w, situ, config=cfg, token_of_row=t, out_rows=r, matmul=_reference_tiled_matmul,
-                    gated_matmul=_reference_tiled_gated_matmul, down_matmul=_reference_tiled_matmul_in_place))(
-                    tokens, gs, token_of_row, out_rows, *prepared)
-                assert np.array_equal(np.asarray(picked), np.asarray(got)[np.asarray(out_rows)]), down_rows
+                    gated_matmul=_reference_tiled_gated_matmul))(tokens, gs, token_of_row, out_rows, *prepared)
+                assert np.array_equal(np.asarray(picked), np.asarray(got)[np.asarray(out_rows)]), rows
 
 
 @pytest.mark.parametrize("tokens, k, experts, rows", [(12, 4, 5, 8), (9, 3, 3, 16), (0, 4, 4, 8), (30, 2, 6, 8)])
@@ -1104,9 +1083,6 @@ def test_slot_tile_plan_is_the_sorted_plan_seen_from_the_pairs(tokens, k, expert
     with pytest.raises(ValueError, match="does not fit"):
         mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, rows=rows * 2 + 8),
                             plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)
-    with pytest.raises(ValueError, match="sorted by expert"):
-        mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, down_rows="in_place"),
-                            plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)
 
 
 def test_tiled_config_and_the_ffn_lower_for_cuda():
@@ -1147,19 +1123,12 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
     with pytest.raises(ValueError, match="gate_up must be"):
         mm.MgpuConfig(gate_up="both")
-    # down storing its rows in place: its kernel's result is the FFN's [M = 40, D = 512] rows, not the padded rows
-    for cfg in (mm.tiled_config(40 / 4), mm.tiled_config(64)):  # one warpgroup per CTA; warp-specialised, fused
-        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, down_rows="in_place"))
-        results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<(\d+)x(\d+)x(\w+)>", text)
-        assert results[-1] == ("40", "512", "f32") and len(results) == (3 if cfg.gate_up == "separate" else 2)
     # down on a kernel config of its own: four warpgroups after the fused two-warpgroup kernel
     text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4)))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
     with pytest.raises(ValueError, match="down_config must tile rows"):
         mm.MgpuConfig(rows=40, down_config=mm.MgpuConfig(rows=16))
-    with pytest.raises(ValueError, match="down_rows must be"):
-        mm.MgpuConfig(down_rows="scatter")
     # K3's expert shapes (3584 -> 3072 -> 3584, 112 experts per device at EP 8): every default's stages fit shared
     # memory at the K loops these widths give (the warp-specialised kernel checks that while lowering)
     E = 112
@@ -1327,14 +1296,11 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     ws_separate = dataclasses.replace(mm.tiled_config(64), gate_up="separate")
     rows40, rows80 = mm.tiled_config(32, (192,)), mm.tiled_config(64, (192,))  # widths that take one warpgroup
     # tiles that are not powers of two: 40 rows, 48, 80
-    # down storing its rows in place (one warpgroup per CTA; warp-specialised after the fused gate / up)
-    in_place = [dataclasses.replace(mm.tiled_config(r), down_rows="in_place") for r in (8, 64)]
     # down on four compute warpgroups of its own after the fused two-warpgroup gate / up
     down_w4 = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
     for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
-                               (ws_separate, None), (rows40, None), (rows80, None), (in_place[0], None),
-                               (in_place[1], None), (down_w4, None),
+                               (ws_separate, None), (rows40, None), (rows80, None), (down_w4, None),
                                (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(
@@ -1349,7 +1315,7 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     # so by the fused kernels (two warpgroups and one) or moved in 64-column blocks after separate ones
     ffn_prepared = mm.prepare_ffn_weights(*ws)
     assert [q.out_order for q in ffn_prepared] == ["planes", "planes", "natural"]
-    for cfg in (fused, mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, in_place[1], None):
+    for cfg in (fused, mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, None):
         got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *ffn_prepared)
         assert _rel(got, want) < 1e-2, cfg
         assert not np.asarray(got[sum(sizes):]).any()

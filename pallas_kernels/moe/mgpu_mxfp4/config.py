@@ -89,12 +89,6 @@ class MgpuConfig:
     # 64. The CTA's register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4);
     # with gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
-    # the tile-layout FFN's down matmul (`expert_ffn_tiled`): "gather" — it writes every padded row and one XLA
-    # gather brings the rows back (with the placed layout's expert scale); "in_place" — the kernel scales each tile
-    # by its expert's factor and stores its valid rows straight into their rows of the `[M, D]` result (a TMA copy
-    # per set bit of the row count), so the padded result is never written nor read back; the rows past Σ sizes
-    # are zeroed by an XLA scatter that touches only them
-    down_rows: str = "gather"
     # the tile-layout FFN's down matmul on a kernel config of its own (same `rows`: one tile plan); None: this one.
     # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
     # fused gate / up kernel (two weights' accumulators) cannot fit their 104 registers
@@ -107,8 +101,6 @@ class MgpuConfig:
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.gate_up not in ("separate", "fused"):
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
-        if self.down_rows not in ("gather", "in_place"):
-            raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
         if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
             raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
         if self.down_config is not None and (self.down_config.rows != self.rows

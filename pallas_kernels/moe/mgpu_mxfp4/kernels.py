@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import BLOCK, COLS, MgpuConfig, WS_MEMORY_REGISTERS, _PoolRegisterSplit, ws_stages
 from .decode import _bf16_decode
-from .layout import PreparedWeight, expert_scale
+from .layout import PreparedWeight
 
 
 def _store_transposed_fn():
@@ -69,28 +69,6 @@ def _store_tile(acc, o_smem, out_ref, nb, t, store: str):
         o_smem[...] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
-
-
-def _store_rows_in_place(acc, o_smem, out_ref, nb, row0, n):
-    """A work item's `[64, R]` fp32 result -> its first `n` rows (0 ≤ n ≤ R, dynamic) stored at out[row0 …
-    row0 + n, 64·nb …]: the tile goes through the `[R, 64]` staging buffer as in `_store_tile`, then one TMA copy
-    per set bit b of n moves rows [n & ~(2b − 1), +b) — copies need static sizes, and a row of 64 fp32 or bf16 is
-    a multiple of the 128 bytes a copy's shared-memory start must align to."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    R = o_smem.shape[0]
-    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
-    plgpu.commit_smem()
-    b = 1 << (R.bit_length() - 1)  # the largest power of two ≤ R
-    while b:
-        @pl.when((n & b) != 0)
-        def _copy(b=b):
-            off = n & ~(2 * b - 1)
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, b)],
-                                    out_ref.at[pl.ds(row0 + off, b), pl.ds(nb * COLS, COLS)])
-        b //= 2
 
 
 def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
@@ -176,23 +154,18 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
-                out_dtype=jnp.float32, *, place=None, scale=None):
+                out_dtype=jnp.float32, *, scale=None):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
     out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
 
-    `place` (store="rows"): (first output row `[t_max]`, valid rows `[t_max]` int32 of each tile, M) — each live
-    tile's first valid-rows rows go straight to their rows of out `[M, N]`, times the expert's scale for the placed
-    layout (`_store_rows_in_place`); rows no tile covers are left unwritten.
-    `scale` `[E]` fp32 (not with `place`, which brings its own): each expert's output factor (the placed layout's
+    `scale` `[E]` fp32: each expert's output factor (the placed layout's
     2^exp_offset, `expert_scale`), applied to the fp32 accumulator before the store, so no XLA pass over the
     output is needed for it."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if place is not None and scale is not None:
-        raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
     if config.warpgroups > 1:
-        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, scale=scale)
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, scale=scale)
     cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = tile_group.shape[0]
@@ -200,11 +173,9 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     _check_kernel_shapes(xs, w, cfg, tile_group)
     n_blocks = w.out_features // COLS
     decode = _bf16_decode(kh, w.layout)
-    inputs = _placement_inputs(place, w, cfg)
     extra = () if scale is None else (scale,)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
-        place_refs, refs = refs[:len(inputs)], refs[len(inputs):]
         extra_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(extra)], refs[len(extra):]
 
         def item(t, nb, g):
@@ -215,37 +186,13 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
             if extra_refs:
                 acc = acc * extra_refs[0][g]
-            if place_refs:
-                _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs)
-            else:
-                _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
+            _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_rows = m_pad if place is None else place[2]
-    return _launch(body, w.out_features, out_rows, cfg, out_dtype)(tile_group, num_tiles, *inputs, *extra, xs,
-                                                                  w.codes, w.scales_t)
-
-
-def _placement_inputs(place, w: PreparedWeight, cfg: MgpuConfig) -> tuple:
-    """The kernel inputs of `place`: first row and valid rows per tile, then the expert scales for the placed
-    layout (none for the natural layout)."""
-    if place is None:
-        return ()
-    if cfg.store != "rows":
-        raise ValueError("mgpu MXFP4: rows stored in place need store='rows'")
-    scale = expert_scale(w)
-    return (place[0], place[1]) + (() if scale is None else (scale,))
-
-
-def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs):
-    """`_store_rows_in_place` of tile t (expert g) at column block nb, times the expert's factor where `place_refs`
-    (`_placement_inputs`) carry the scales."""
-    row0_ref, n_ref, *scale_ref = place_refs
-    if scale_ref:
-        acc = acc * scale_ref[0][g]
-    _store_rows_in_place(acc, o_smem, out_ref, nb, row0_ref[t], n_ref[t])
+    return _launch(body, w.out_features, m_pad, cfg, out_dtype)(tile_group, num_tiles, *extra, xs, w.codes,
+                                                               w.scales_t)
 
 
 def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group):
@@ -260,7 +207,7 @@ def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group):
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                   place=None, scale=None):
+                   scale=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
     `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
@@ -271,16 +218,13 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
-    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `scale`: as
-    in `kernel_call`."""
-    if place is not None and scale is not None:
-        raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `scale`: as in
+    `kernel_call`."""
 
     def epilogue(accs, g, *scale_ref):
         return accs[0] * scale_ref[0][g] if scale_ref else accs[0]
 
-    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, epilogue, () if scale is None else (scale,),
-                    place=place)
+    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, epilogue, () if scale is None else (scale,))
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
@@ -300,11 +244,10 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
     return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales)
 
 
-def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None):
+def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra):
     """The warp-specialised kernel over one weight or a (gate, up) pair of one shape and layout: each work item's
     accumulators `[64, R]` fp32 (one per weight) -> `epilogue(accs, g, *extra_refs)` (g the item's expert, `extra`
-    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block (or, with `place`,
-    its valid rows in place: `kernel_call`)."""
+    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -332,13 +275,8 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                        fixed_bytes=out_bytes + 1024)  # + barriers
     decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
-    if place is not None and n_w != 1:
-        raise ValueError("mgpu MXFP4: rows stored in place take one weight")
-    place_inputs = _placement_inputs(place, w, config)
 
     def kernel(tile_group_ref, num_ref, *refs, o_smem):
-        n_place = len(place_inputs)
-        place_refs, refs = refs[:n_place], refs[n_place:]
         extra_refs, (xs_ref, *w_refs, out_ref) = refs[:len(extra)], refs[len(extra):]
         wg = lax.axis_index("wg")
         my_cols = pl.ds(wg * COLS, COLS)
@@ -385,10 +323,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                     block = nb * wgs + wg  # this warpgroup's 64-column block of the output
 
                     def store():
-                        if place_refs:
-                            _store_placed(out, o_smem.at[wg], out_ref, block, t, g, place_refs)
-                        else:
-                            _store_tile(out, o_smem.at[wg], out_ref, block, t, "planes" if planes else "rows")
+                        _store_tile(out, o_smem.at[wg], out_ref, block, t, "planes" if planes else "rows")
 
                     if ragged:
                         pl.when(block < N // COLS)(store)
@@ -413,15 +348,14 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     with _PoolRegisterSplit():  # the pipeline's setmaxnreg is emitted while the kernel is traced, here
         return plgpu.kernel(
             kernel,
-            out_type=jax.ShapeDtypeStruct((2, m_pad, N // 2) if planes else (m_pad if place is None else place[2], N),
-                                          out_dtype),
+            out_type=jax.ShapeDtypeStruct((2, m_pad, N // 2) if planes else (m_pad, N), out_dtype),
             grid=(num_sms,),
             grid_names=("sm",),
             num_threads=wgs + 1,
             thread_name="wg",
             scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        )(tile_group, num_tiles, *place_inputs, *extra, xs, *w_operands)
+        )(tile_group, num_tiles, *extra, xs, *w_operands)
 
 
 def _check_same_form(weights) -> None:

@@ -125,14 +125,6 @@ def gather_x(x, src, token_of_row=None):
     return _planes_in_contraction_order(x.astype(jnp.bfloat16)).at[:, tok].get(mode="fill", fill_value=0)
 
 
-def tile_rows(plan: TilePlan, rows: int, num_rows: int):
-    """Where each tile's rows go back in sorted order: (first sorted row `[t_max]`, valid rows `[t_max]` int32) —
-    a tile's padded rows hold consecutive sorted rows of one expert, then padding, so its valid rows are a prefix
-    (padded row t·rows + r holds sorted row first + r for r < valid)."""
-    src_tiles = plan.src.reshape(-1, rows)
-    return src_tiles[:, 0], jnp.sum(src_tiles < num_rows, axis=1, dtype=jnp.int32)
-
-
 def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):
     """The kernel's outᵀ `[N, m_pad]` fp32 (`store="rows"`: out `[m_pad, N]`) -> `[M, N]` `out_dtype`: each input
     row's padded row (`pad_row [M]`), times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed
