@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -159,8 +158,8 @@ def main():
     x = jax.random.normal(keys[3], (m, D), jnp.bfloat16)
     sizes = jnp.asarray(np.random.default_rng(200 + args.rows).multinomial(m, [1 / E] * E), jnp.int32)
     cfg = mm.tiled_config(args.rows, (F, D))
-    gcfg = mm.fit_config(dataclasses.replace(cfg, store="rows"), D)
-    down_cfg = mm.fit_config(dataclasses.replace(cfg.down_config or cfg, store="rows"), F)
+    gcfg = mm.fit_config(cfg, D)
+    down_cfg = mm.fit_config(cfg.down_config or cfg, F)
     plan = jax.jit(lambda g: mm.tile_plan(g, m, E, cfg.rows))(sizes)
     xs = jax.jit(lambda a, p: mm._tile_layout_operands(mm.gather_x(a, p.src), wg, cfg)[0])(x, plan)
     live_tiles = int(plan.num_tiles[0])

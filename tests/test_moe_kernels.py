@@ -724,8 +724,7 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
     for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
                    (placed, mm.MgpuConfig(rows=8, plan="kernel")), (natural, mm.default_config(8)),
-                   (natural, mm.MgpuConfig(plan="xla", store="cols")),
-                   (natural, mm.MgpuConfig(mma="fp8", store="rows")), (natural, mm.MgpuConfig(mma="fp8", rows=8))):
+                   (natural, mm.MgpuConfig(mma="fp8")), (natural, mm.MgpuConfig(mma="fp8", rows=8))):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -736,12 +735,8 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
             x, placed, gs)
     with pytest.raises(ValueError, match="layout must be one of"):
         mm.PreparedWeight(codes, scales_t, layout="swizzled")
-    with pytest.raises(ValueError, match="store must be 'cols' or 'rows'"):
-        mm.MgpuConfig(store="tiles")
     with pytest.raises(ValueError, match="plan must be 'kernel' or 'xla'"):
         mm.MgpuConfig(plan="host")
-    with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
-        mm.MgpuConfig(store="cols", plan="kernel")
     with pytest.raises(ValueError, match="warpgroups must be 1 or one of"):
         mm.MgpuConfig(warpgroups=5)  # 2, 3 (K3's gate / up: 16 items of 192 columns) and 4 are taken
     with pytest.raises(ValueError, match="warp-specialised kernel"):
@@ -1142,7 +1137,7 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
                                  dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
                                  dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32),
                                  dict(rows=8, plan="xla"), dict(rows=32, kh=256, steps=2, plan="xla"),
-                                 dict(rows=16, plan="xla", store="cols"), dict(mma="fp8", rows=16, store="rows"),
+                                 dict(mma="fp8", rows=16),
                                  dict(rows=8, plan="kernel"), dict(rows=32, kh=256, steps=2, plan="kernel"),
                                  dict(rows=16, ctas_per_sm=4, plan="kernel"), dict(rows=48, kh=256, steps=2, plan="xla")])
 @pytest.mark.parametrize("layout", ["placed", "natural"])

@@ -68,10 +68,6 @@ class MgpuConfig:
     # instructions per 8 weights instead of ~20), one wgmma pair (x as two e4m3 planes) per 32-element group into
     # that group's accumulator, scaled and summed after the step (`kernel_call_fp8`)
     mma: str = "bf16"
-    # the kernel's output: "rows" = `[padded rows, N]` (each thread writes its accumulator transposed into the
-    # staging tile, `_store_transposed_fn`), gathered back as whole rows; "cols" = outᵀ `[N, padded rows]` (the
-    # staging tile as the accumulator holds it), gathered back column by column (slower; not a default)
-    store: str = "rows"
     # where the group plan lives (bf16 path): "xla" = rows padded per expert to whole tiles in XLA (`prepare_rows`,
     # `kernel_call`, `unpad_output`; the fp8 path's only plan); "kernel" = each work item is (expert, 64-column
     # block), the kernel reads the expert's row bounds, fetches its x rows by offset and stores each output row in
@@ -83,7 +79,7 @@ class MgpuConfig:
     gate_up: str = "separate"
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
     # copies and waiting for its MMAs every step (`kernel_call`); W = 2 or 4 (`WS_WARPGROUPS`) — warp-specialised
-    # (`kernel_call_ws`, the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute
+    # (`kernel_call_ws`, the padded plan and the bf16 decode only): per SM one CTA of W compute
     # warpgroups, each decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one
     # warpgroup's decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of
     # 64. The CTA's register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4);
@@ -95,23 +91,19 @@ class MgpuConfig:
     down_config: "MgpuConfig | None" = None
 
     def __post_init__(self):
-        if self.store not in ("cols", "rows"):
-            raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {self.store!r}")
         if self.plan not in ("kernel", "xla"):
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.gate_up not in ("separate", "fused"):
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
-        if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
-            raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
         if self.down_config is not None and (self.down_config.rows != self.rows
                                              or self.down_config.down_config is not None):
             raise ValueError(f"MgpuConfig.down_config must tile rows as this config does (rows={self.rows}) and "
                              f"have no down_config of its own, got {self.down_config!r}")
         if self.warpgroups not in (1, *WS_WARPGROUPS):
             raise ValueError(f"MgpuConfig.warpgroups must be 1 or one of {WS_WARPGROUPS}, got {self.warpgroups!r}")
-        if self.warpgroups > 1 and (self.mma, self.plan, self.store) != ("bf16", "xla", "rows"):
-            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups > 1) takes mma='bf16', plan='xla', "
-                             f"store='rows'; got {self.mma!r}, {self.plan!r}, {self.store!r}")
+        if self.warpgroups > 1 and (self.mma, self.plan) != ("bf16", "xla"):
+            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups > 1) takes mma='bf16' and "
+                             f"plan='xla'; got {self.mma!r}, {self.plan!r}")
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:

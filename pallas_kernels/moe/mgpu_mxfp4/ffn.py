@@ -20,10 +20,10 @@ from .rows import TilePlan, gather_x, tile_plan
 
 
 def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
-    """x planes of padded rows and the kernel's config for weight `w` (rows stored in place, step width fitted).
+    """x planes of padded rows and the kernel's config for weight `w` (the padded plan, step width fitted).
     `x_pad`: `[m_pad, K]` rows, or already the planes `[2, m_pad, K/2]` (what a fused gate / up kernel with
     out_order="planes" writes), taken as they are."""
-    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w.in_features)
+    cfg = fit_config(dataclasses.replace(config, plan="xla"), w.in_features)
     if x_pad.ndim == 3:
         return x_pad.astype(jnp.bfloat16), cfg
     return _planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), cfg

@@ -172,16 +172,16 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     if config.mma == "fp8":
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = fp8_mma.prepare_rows_fp8(x, group_sizes, w.num_experts,
                                                                                  config.rows)
-        out_t = fp8_mma.kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
-        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv, store=config.store)
+        out = fp8_mma.kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
+        return unpad_output(out, pad_row, live, out_dtype, row_scale=inv)
     elif config.mma == "bf16" and config.plan == "kernel":
         xs, bounds = prepare_grouped(x, group_sizes, config)
         return kernel_call_grouped(xs, bounds, w, config, expert_scale(w), out_rows=x.shape[0]).astype(out_dtype)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
-        out_t = kernel_call(xs, tile_group, num_tiles, w, config)
+        out = kernel_call(xs, tile_group, num_tiles, w, config)
         row_scale = None
         if w.layout == "placed":  # each padded row's expert's 2^exp_offset (1 for real checkpoints)
             row_scale = jnp.repeat(expert_scale(w)[tile_group], config.rows)
-        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale, store=config.store)
+        return unpad_output(out, pad_row, live, out_dtype, row_scale=row_scale)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")

@@ -3,7 +3,7 @@
 `kernel_call`: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over work items (row tile, 64-column
 block); the weights stream through a TMA pipeline, the decode writes the wgmma A operand in registers (weights
 as the M side, 64 columns per warpgroup) and a tile of x rows is the N side. x planes `[2, m_pad, K/2]` bf16 and a
-`PreparedWeight` -> out `[m_pad, N]` (store="rows", fp32 or bf16) or outᵀ `[N, m_pad]` fp32 (store="cols").
+`PreparedWeight` -> out `[m_pad, N]` (fp32 or bf16).
 `kernel_call_ws` / `kernel_call_gated_ws`: warp-specialised (W compute warpgroups of 64 columns each and one
 memory warpgroup per CTA); `kernel_call_gated[_ws]` computes gate and up of each x tile and the activation in the
 epilogue, writing h only. fp32 accumulation everywhere.
@@ -47,28 +47,22 @@ def _store_transposed_fn():
 
 
 def _store_tile(acc, o_smem, out_ref, nb, t, store: str):
-    """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] ("cols") or out[rows·t …, 64·nb …] ("rows")
-    through shared memory and a TMA copy, once the previous item's copy has read the staging buffer. "planes": out
-    is the next matmul's x planes `[2, m_pad, N/2]` and block nb of the (`planes_column_order`) columns goes to
-    plane nb mod 2, columns 64·(nb // 2) … (the rows' tile as for "rows")."""
+    """A work item's `[64, rows]` fp32 result -> out[rows·t …, 64·nb …] (`store="rows"`) through the `[rows, 64]`
+    staging buffer (written transposed, `_store_transposed_fn`) and a TMA copy, once the previous item's copy has
+    read the buffer. "planes": out is the next matmul's x planes `[2, m_pad, N/2]` and block nb of the
+    (`planes_column_order`) columns goes to plane nb mod 2, columns 64·(nb // 2) … (the rows' tile as for "rows")."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if store in ("rows", "planes"):
-        R = o_smem.shape[0]
-        plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
-        plgpu.commit_smem()
-        if store == "rows":
-            dst = out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)]
-        else:
-            dst = out_ref.at[nb % 2, pl.ds(t * R, R), pl.ds(nb // 2 * COLS, COLS)]
-        plgpu.copy_smem_to_gmem(o_smem, dst)
+    R = o_smem.shape[0]
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
+    plgpu.commit_smem()
+    if store == "rows":
+        dst = out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)]
     else:
-        R = o_smem.shape[1]
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
+        dst = out_ref.at[nb % 2, pl.ds(t * R, R), pl.ds(nb // 2 * COLS, COLS)]
+    plgpu.copy_smem_to_gmem(o_smem, dst)
 
 
 def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
@@ -95,21 +89,17 @@ def _cta_grid(cfg: MgpuConfig) -> tuple[int]:
 
 def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32, planes: bool = False):
     """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
-    (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer (`store="rows"`: out
-    `[m_pad, N]` in `out_dtype` (fp32 or bf16), staging `[rows, 64]`; `planes`: out is the next matmul's x planes
-    `[2, m_pad, N/2]`, stored as for "rows" by `_store_tile(store="planes")`)."""
+    (`nd_loop` over the "sm" axis), out `[m_pad, N]` in `out_dtype` (fp32 or bf16) and a `[rows, 64]` staging
+    buffer (`planes`: out is the next matmul's x planes `[2, m_pad, N/2]`, `_store_tile(store="planes")`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    rows_major = cfg.store == "rows" or planes
-    if not rows_major and jnp.dtype(out_dtype) != jnp.float32:
-        raise ValueError(f"mgpu MXFP4: store='cols' writes fp32 only, got out_dtype={jnp.dtype(out_dtype)}")
-    out_shape = (2, m_pad, N // 2) if planes else (m_pad, N) if rows_major else (N, m_pad)
+    out_shape = (2, m_pad, N // 2) if planes else (m_pad, N)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=_cta_grid(cfg),
         grid_names=("sm",),
-        scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS) if rows_major else (COLS, cfg.rows), out_dtype)),
+        scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS), out_dtype)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
@@ -155,8 +145,8 @@ def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg:
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
                 out_dtype=jnp.float32, *, scale=None):
-    """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
-    out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
+    """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> out `[m_pad, N]` in `out_dtype`, fp32 or
+    bf16 (fp32 accumulation either way; rows of dead tiles unwritten).
 
     `scale` `[E]` fp32: each expert's output factor (the placed layout's
     2^exp_offset, `expert_scale`), applied to the fp32 accumulator before the store, so no XLA pass over the
@@ -186,7 +176,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
             if extra_refs:
                 acc = acc * extra_refs[0][g]
-            _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
+            _store_tile(acc, o_smem, out_ref, nb, t, "rows")
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -209,7 +199,7 @@ def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group):
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
                    scale=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
-    `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
+    `kernel_call` (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
     One CTA per SM (W + 1 warpgroups take the register file: W compute warpgroups at (512 − 40) / W registers, the
     memory warpgroup at 40). A work item is (row tile t, block of C = 64·W columns); its K loop is one
@@ -253,8 +243,8 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     from jax import lax
     from jax._src.pallas.mosaic_gpu.pipeline import PipelinePipeline
 
-    if config.store != "rows" or config.mma != "bf16":
-        raise ValueError("mgpu MXFP4: the warp-specialised kernel stores rows and decodes to bf16")
+    if config.mma != "bf16":
+        raise ValueError("mgpu MXFP4: the warp-specialised kernel decodes to bf16")
     w = weights[0]
     _check_same_form(weights)
     # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
@@ -382,7 +372,7 @@ def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: P
     if config.warpgroups > 1:
         return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale,
                                     out_dtype)
-    cfg = dataclasses.replace(config, store="rows")
+    cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = tile_group.shape[0]
     m_pad = t_max * R

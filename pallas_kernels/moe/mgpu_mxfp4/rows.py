@@ -125,11 +125,11 @@ def gather_x(x, src, token_of_row=None):
     return _planes_in_contraction_order(x.astype(jnp.bfloat16)).at[:, tok].get(mode="fill", fill_value=0)
 
 
-def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):
-    """The kernel's outᵀ `[N, m_pad]` fp32 (`store="rows"`: out `[m_pad, N]`) -> `[M, N]` `out_dtype`: each input
-    row's padded row (`pad_row [M]`), times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed
-    layout's 2^exp_offset), zeros where `live [M]` is false."""
-    out = out_t[pad_row] if store == "rows" else out_t[:, pad_row].T
+def unpad_output(out_pad, pad_row, live, out_dtype, row_scale=None):
+    """The kernel's out `[m_pad, N]` -> `[M, N]` `out_dtype`: each input row's padded row (`pad_row [M]`), times
+    `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed layout's 2^exp_offset), zeros where
+    `live [M]` is false."""
+    out = out_pad[pad_row]
     if row_scale is not None:
         out = out * row_scale[pad_row][:, None]
     return jnp.where(live[:, None], out, 0).astype(out_dtype)
