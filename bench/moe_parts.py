@@ -176,7 +176,7 @@ def main():
     for name in args.variants.split(","):
         p_ = plan_l2 if name.endswith("_l2") else plan
         with variant(name):
-            gu = jax.jit(lambda a, p, w1, w2: mm.kernel_call_gated(
+            gu = jax.jit(lambda a, p, w1, w2: mm.kernel_call_gated_ws(
                 a, p.tile_group, p.num_tiles, w1, w2, situ, gcfg, mm.expert_scale(w1), mm.expert_scale(w2),
                 jnp.bfloat16))
             h_v = jax.block_until_ready(gu(xs, p_, wg, wu))

@@ -964,8 +964,8 @@ def _rows_of_planes(planes):
 
 def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p (x_pad given as rows, or as the planes
-    a fused kernel writes) times its tile's expert's weight (the exactly dequantised codes), fp32, rounded to `out_dtype`, the columns in the weight's
-    stored order."""
+    a fused kernel writes) times its tile's expert's weight (the exactly dequantised codes), fp32, rounded to
+    `out_dtype`, the columns in the weight's stored order."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     if x_pad.ndim == 3:
@@ -1007,8 +1007,8 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     want_tok = ops.expert_ffn_sorted(tokens[token_of_row], gs, *ws, situ, backend="reference")
     # each weight natural, or gate / up in the down matmul's plane order (h handed over as planes)
     for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
-        for rows, gate_up in ((8, "separate"), (16, "separate"), (16, "fused")):
-            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
+        for rows, gate_up, wgs in ((8, "separate", 1), (16, "separate", 1), (16, "fused", 2)):
+            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, warpgroups=wgs)
             got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
                                                                matmul=_reference_tiled_matmul,
                                                                gated_matmul=_reference_tiled_gated_matmul))(
@@ -1066,7 +1066,7 @@ def test_slot_tile_plan_is_the_sorted_plan_seen_from_the_pairs(tokens, k, expert
     x_nd = jax.random.normal(keys[3], (tokens, D), jnp.bfloat16)
     stand_ins = dict(matmul=_reference_tiled_matmul, gated_matmul=_reference_tiled_gated_matmul)
     for prepared, gate_up in (([mm.prepare_weight(q) for q in ws], "separate"), (mm.prepare_ffn_weights(*ws), "fused")):
-        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
+        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, warpgroups=2 if gate_up == "fused" else 1)
         got = jax.jit(lambda a, p, *w: mm.expert_ffn_tiled(
             a, None, *w, situ, config=cfg, plan=p, token_of_row=jnp.arange(P, dtype=jnp.int32) // k,
             **stand_ins))(x_nd, plan, *prepared)
@@ -1113,11 +1113,14 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         narrow = mm.tiled_config(r, (3072, 3648))  # D = 3648: 57 blocks of 64 columns, not whole pairs
         one_wg_rows = mm.tiled_config(r).rows if r <= 64 else mm.default_config(r).rows  # prefill: default's tiles
         assert (narrow.warpgroups, narrow.rows) == (1, one_wg_rows)
-    for gate_up, kernels in (("separate", 3), ("fused", 2)):  # fused: SiTU's tanh and logistic in the epilogue
-        text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(40 / 4), gate_up=gate_up))
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
+    # fused: SiTU's tanh and logistic in the warp-specialised kernel's epilogue
+    for cfg, kernels in ((mm.tiled_config(40 / 4), 3), (mm.tiled_config(64), 2)):
+        text = _tiled_ffn_cuda_text(cfg)
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, cfg
     with pytest.raises(ValueError, match="gate_up must be"):
         mm.MgpuConfig(gate_up="both")
+    with pytest.raises(ValueError, match="gate_up='fused' runs on the warp-specialised kernel"):
+        mm.MgpuConfig(gate_up="fused")  # one warpgroup per CTA: no fused kernel
     # down on a kernel config of its own: four warpgroups after the fused two-warpgroup kernel
     text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4)))
@@ -1276,15 +1279,15 @@ def test_gpu_three_compute_warpgroups_match_reference():
 
 @pytest.mark.gpu
 def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
-    """The tile-layout FFN on the device (three Mosaic kernels on padded rows; or gate, up and SiTU fused into one)
-    against the reference FFN over the exactly dequantised weights, and against the same FFN with each matmul
-    padded and unpadded on its own; skewed groups (one empty, one of 70 rows) and uncovered tail rows."""
+    """The tile-layout FFN on the device (three Mosaic kernels on padded rows; or gate, up and SiTU fused into one
+    warp-specialised kernel) against the reference FFN over the exactly dequantised weights, and against the same
+    FFN with each matmul padded and unpadded on its own; skewed groups (one empty, one of 70 rows) and uncovered
+    tail rows."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes, ws, x, gs = _device_ffn_case(F=256, seed=31)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     prepared = [mm.prepare_weight(q) for q in ws]
-    fused = dataclasses.replace(mm.tiled_config(8), gate_up="fused", kh=128)  # gate, up and SiTU in one kernel
     rows48 = dataclasses.replace(mm.tiled_config(32, (192,)), rows=48)  # one warpgroup per CTA
     # tiled_config(32 / 64): the warp-specialised kernel (two compute warpgroups), gate, up and SiTU fused; beside
     # them its three separate matmuls, and 40- and 80-row tiles on one warpgroup per CTA
@@ -1294,9 +1297,9 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     # down on four compute warpgroups of its own after the fused two-warpgroup gate / up
     down_w4 = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
-    for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
-                               (ws_separate, None), (rows40, None), (rows80, None), (down_w4, None),
-                               (None, jnp.bfloat16), (None, None)):
+    for cfg, gate_up_dtype in ((mm.tiled_config(8), None), (mm.tiled_config(32), None), (rows48, None),
+                               (mm.tiled_config(64), None), (ws_separate, None), (rows40, None), (rows80, None),
+                               (down_w4, None), (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(
             x, gs, *prepared)
@@ -1307,10 +1310,10 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     np.testing.assert_allclose(np.asarray(got), np.asarray(mm.grouped_matmul(h, prepared[2], gs)), rtol=2e-2,
                                atol=2e-2 * float(jnp.abs(want).max()))
     # gate / up in the down matmul's plane order (what a model on a GPU prepares): h handed over as planes, written
-    # so by the fused kernels (two warpgroups and one) or moved in 64-column blocks after separate ones
+    # so by the fused kernel or moved in 64-column blocks after separate ones
     ffn_prepared = mm.prepare_ffn_weights(*ws)
     assert [q.out_order for q in ffn_prepared] == ["planes", "planes", "natural"]
-    for cfg in (fused, mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, None):
+    for cfg in (mm.tiled_config(8), mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, None):
         got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *ffn_prepared)
         assert _rel(got, want) < 1e-2, cfg
         assert not np.asarray(got[sum(sizes):]).any()

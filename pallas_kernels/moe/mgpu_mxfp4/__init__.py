@@ -29,7 +29,7 @@ from .decode import (  # noqa: F401
     _bf16_decode, _decode_fn
 )
 from .kernels import (  # noqa: F401
-    kernel_call, kernel_call_gated, kernel_call_gated_ws, kernel_call_ws, _check_kernel_shapes, _check_same_form,
+    kernel_call, kernel_call_gated_ws, kernel_call_ws, _check_kernel_shapes, _check_same_form,
     _cta_grid, _decode_and_mma, _for_each_item, _launch, _mma_over_k, _store_tile, _store_transposed_fn, _ws_call
 )
 from .grouped import (  # noqa: F401

@@ -74,16 +74,17 @@ class MgpuConfig:
     # place (`kernel_call_grouped`: no padding, no gathers; `default_config` at <= 8 rows per expert)
     plan: str = "xla"
     # the tile-layout FFN's gate and up (`expert_ffn_tiled`): "separate" — two kernels, the activation in XLA;
-    # "fused" — one kernel computing both products of each x tile and the activation in its epilogue
-    # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
+    # "fused" — one warp-specialised kernel (warpgroups ≥ 2) computing both products of each x tile and the
+    # activation in its epilogue (`kernel_call_gated_ws`: each x tile fetched once, no fp32 gate / up outputs
+    # written and read back)
     gate_up: str = "separate"
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
-    # copies and waiting for its MMAs every step (`kernel_call`); W = 2 or 4 (`WS_WARPGROUPS`) — warp-specialised
-    # (`kernel_call_ws`, the padded plan and the bf16 decode only): per SM one CTA of W compute
-    # warpgroups, each decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one
-    # warpgroup's decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of
-    # 64. The CTA's register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4);
-    # with gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
+    # copies and waiting for its MMAs every step (`kernel_call`); W = 2, 3 or 4 (`WS_WARPGROUPS`) — warp-specialised
+    # (`kernel_call_ws`, the padded plan and the bf16 decode only): per SM one CTA of W compute warpgroups, each
+    # decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one warpgroup's
+    # decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of 64. The CTA's
+    # register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4); with
+    # gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
     # the tile-layout FFN's down matmul on a kernel config of its own (same `rows`: one tile plan); None: this one.
     # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
@@ -101,6 +102,9 @@ class MgpuConfig:
                              f"have no down_config of its own, got {self.down_config!r}")
         if self.warpgroups not in (1, *WS_WARPGROUPS):
             raise ValueError(f"MgpuConfig.warpgroups must be 1 or one of {WS_WARPGROUPS}, got {self.warpgroups!r}")
+        if self.gate_up == "fused" and self.warpgroups == 1:
+            raise ValueError(f"MgpuConfig: gate_up='fused' runs on the warp-specialised kernel; it takes warpgroups "
+                             f"in {WS_WARPGROUPS}, got warpgroups=1")
         if self.warpgroups > 1 and (self.mma, self.plan) != ("bf16", "xla"):
             raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups > 1) takes mma='bf16' and "
                              f"plan='xla'; got {self.mma!r}, {self.plan!r}")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import MgpuConfig, fit_config, tiled_config
-from .kernels import kernel_call, kernel_call_gated
+from .kernels import kernel_call, kernel_call_gated_ws
 from .layout import PreparedWeight, _planes_in_contraction_order, columns_as_planes, expert_scale
 from .rows import TilePlan, gather_x, tile_plan
 
@@ -42,12 +42,12 @@ def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, o
 
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                        config: MgpuConfig, out_dtype=jnp.float32):
-    """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
+    """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated_ws`): `x_pad [m_pad, K]` ->
     h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten) — for weights with
     out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`."""
     xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
-    return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
-                             expert_scale(w_up), out_dtype)
+    return kernel_call_gated_ws(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg,
+                                expert_scale(w_gate), expert_scale(w_up), out_dtype)
 
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,

@@ -121,8 +121,8 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
             @pl.when(g < E)
             def _matmul():
                 def acc_scope(acc_ref):
-                    _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb,
-                                pl.Element(RX), x_row, cfg)
+                    _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, pl.Element(RX), x_row,
+                                cfg)
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, RX), jnp.float32))

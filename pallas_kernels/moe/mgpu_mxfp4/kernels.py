@@ -5,7 +5,7 @@ block); the weights stream through a TMA pipeline, the decode writes the wgmma A
 as the M side, 64 columns per warpgroup) and a tile of x rows is the N side. x planes `[2, m_pad, K/2]` bf16 and a
 `PreparedWeight` -> out `[m_pad, N]` (fp32 or bf16).
 `kernel_call_ws` / `kernel_call_gated_ws`: warp-specialised (W compute warpgroups of 64 columns each and one
-memory warpgroup per CTA); `kernel_call_gated[_ws]` computes gate and up of each x tile and the activation in the
+memory warpgroup per CTA); `kernel_call_gated_ws` computes gate and up of each x tile and the activation in the
 epilogue, writing h only. fp32 accumulation everywhere.
 """
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import BLOCK, COLS, MgpuConfig, WS_MEMORY_REGISTERS, _PoolRegisterSplit, ws_stages
+from .config import BLOCK, COLS, MgpuConfig, WS_MEMORY_REGISTERS, WS_WARPGROUPS, _PoolRegisterSplit, ws_stages
 from .decode import _bf16_decode
 from .layout import PreparedWeight
 
@@ -87,16 +87,15 @@ def _cta_grid(cfg: MgpuConfig) -> tuple[int]:
     return (num_sms * cfg.ctas_per_sm,)
 
 
-def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32, planes: bool = False):
+def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32):
     """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
     (`nd_loop` over the "sm" axis), out `[m_pad, N]` in `out_dtype` (fp32 or bf16) and a `[rows, 64]` staging
-    buffer (`planes`: out is the next matmul's x planes `[2, m_pad, N/2]`, `_store_tile(store="planes")`)."""
+    buffer."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    out_shape = (2, m_pad, N // 2) if planes else (m_pad, N)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct((m_pad, N), out_dtype),
         grid=_cta_grid(cfg),
         grid_names=("sm",),
         scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS), out_dtype)),
@@ -119,28 +118,26 @@ def _decode_and_mma(decode, acc_refs, w_bufs, xs_s):
         plgpu.wgmma_wait(0)
 
 
-def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
-    """One tile's loop over K: per step, for each (accumulator `[64, rows]`, (codes `[N, K/2]`, scales `[K/32, N]`)
-    of one expert's weight), the 64-column block nb's codes and scales decoded and multiplied with the x planes'
-    tile (`BlockSpec` row dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA
-    pipeline of `cfg.steps` stages. One weight: a grouped matmul; two (gate, up): both products of the same x tile,
-    one weight after the other (each waits for its MMAs before the next decode reuses the registers)."""
+def _mma_over_k(decode, acc_ref, codes_ref, scales_ref, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
+    """One tile's loop over K into the accumulator `acc_ref [64, rows]`: per step, the 64-column block nb of one
+    expert's codes `[N, K/2]` and scales `[K/32, N]` decoded and multiplied with the x planes' tile (`BlockSpec` row
+    dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA pipeline of `cfg.steps`
+    stages."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     kh = cfg.kh
 
-    def step(_, *bufs):
-        *w_bufs, xs_s = bufs
-        _decode_and_mma(decode, acc_refs, w_bufs, xs_s)
+    def step(_, codes_s, scales_s, xs_s):
+        _decode_and_mma(decode, (acc_ref,), (codes_s, scales_s), xs_s)
 
-    weight_specs = [plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-                    plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb))]
     plgpu.emit_pipeline(
         step,
         grid=(xs_ref.shape[-1] // kh,),
-        in_specs=weight_specs * len(acc_refs) + [plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk))],
+        in_specs=[plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                  plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
+                  plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk))],
         max_concurrent_steps=cfg.steps,
-    )(*[r for pair in weight_refs for r in pair], xs_ref)
+    )(codes_ref, scales_ref, xs_ref)
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
@@ -170,7 +167,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
 
         def item(t, nb, g):
             def acc_scope(acc_ref):
-                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, R, t, cfg)
+                _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, R, t, cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
@@ -219,11 +216,14 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
                          config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
-    """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
-    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su) (weights with out_order="planes": the down matmul's x planes
-    `[2, m_pad, F/2]`). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside the one x
-    tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the activation runs on them in
-    the epilogue, so gate and up are never written to memory."""
+    """Gate and up in one warp-specialised kernel (`MgpuConfig(gate_up="fused")`, warpgroups ≥ 2): `prepare_rows`'
+    x planes, two weights of one shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded
+    to nearest even) = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile (weights with
+    out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`), with `gate_scale` / `up_scale` `[E]` each
+    expert's fp32 output factor (the placed layout's 2^exp_offset) or None. As `kernel_call_ws`, with each step's
+    stage holding both weights' blocks beside the one x tile and each compute warpgroup two accumulators (gate, up)
+    for its 64 columns; `activation(g, u)` runs on them in the epilogue (it must lower in Mosaic GPU: elementwise
+    arithmetic, tanh, logistic, exp), so gate and up are never written to memory."""
     def epilogue(accs, g, *scale_refs):
         gate, up = accs
         if scale_refs:
@@ -243,8 +243,9 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     from jax import lax
     from jax._src.pallas.mosaic_gpu.pipeline import PipelinePipeline
 
-    if config.mma != "bf16":
-        raise ValueError("mgpu MXFP4: the warp-specialised kernel decodes to bf16")
+    if config.mma != "bf16" or config.warpgroups not in WS_WARPGROUPS:
+        raise ValueError(f"mgpu MXFP4: the warp-specialised kernel decodes to bf16 on one of {WS_WARPGROUPS} compute "
+                         f"warpgroups; got mma={config.mma!r}, warpgroups={config.warpgroups}")
     w = weights[0]
     _check_same_form(weights)
     # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
@@ -354,57 +355,3 @@ def _check_same_form(weights) -> None:
     forms = [(v.codes.shape, v.layout, v.out_order) for v in weights]
     if any(f != forms[0] for f in forms):
         raise ValueError(f"mgpu MXFP4: fused gate / up need one shape, layout and output order, got {forms}")
-
-
-def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
-    """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
-    shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the
-    fp32 epilogue; out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`) = activation(x·Wgᵀ·sg,
-    x·Wuᵀ·su) per padded row of a live tile, with
-    `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
-    `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
-    arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
-    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`)."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if config.warpgroups > 1:
-        return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale,
-                                    out_dtype)
-    cfg = config
-    R, kh = cfg.rows, cfg.kh
-    t_max = tile_group.shape[0]
-    m_pad = t_max * R
-    N = w_gate.out_features
-    _check_same_form((w_gate, w_up))
-    _check_kernel_shapes(xs, w_gate, cfg, tile_group)
-    planes = w_gate.out_order == "planes"
-    n_blocks = N // COLS
-    decode = _bf16_decode(kh, w_gate.layout)
-    scaled = gate_scale is not None
-
-    def body(tile_group_ref, num_ref, *refs, o_smem):
-        if scaled:
-            sg_ref, su_ref, xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
-        else:
-            xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
-
-        def item(t, nb, g):
-            def acc_scope(acc_g, acc_u):
-                _mma_over_k(decode, (acc_g, acc_u), ((cg_ref.at[g], scg_ref.at[g]), (cu_ref.at[g], scu_ref.at[g])),
-                            xs_ref, nb, R, t, cfg)
-                return acc_g[...], acc_u[...]
-
-            acc = plgpu.ACC((COLS, R), jnp.float32)
-            gate, up = pl.run_scoped(acc_scope, acc, acc)
-            if scaled:
-                gate, up = gate * sg_ref[g], up * su_ref[g]
-            _store_tile(activation(gate, up), o_smem, out_ref, nb, t, "planes" if planes else "rows")
-
-        _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    scales = (gate_scale, up_scale) if scaled else ()
-    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *scales, xs,
-                                                           w_gate.codes, w_gate.scales_t, w_up.codes, w_up.scales_t)
