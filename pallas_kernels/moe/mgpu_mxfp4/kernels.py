@@ -143,11 +143,10 @@ def _mma_over_k(decode, acc_ref, codes_ref, scales_ref, xs_ref, nb, x_rows, x_in
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
                 out_dtype=jnp.float32, *, scale=None):
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> out `[m_pad, N]` in `out_dtype`, fp32 or
-    bf16 (fp32 accumulation either way; rows of dead tiles unwritten).
+    bf16 (fp32 accumulation either way; rows of dead tiles unwritten); warpgroups > 1: `kernel_call_ws`.
 
-    `scale` `[E]` fp32: each expert's output factor (the placed layout's
-    2^exp_offset, `expert_scale`), applied to the fp32 accumulator before the store, so no XLA pass over the
-    output is needed for it."""
+    `scale` `[E]` fp32: each expert's output factor (the placed layout's 2^exp_offset, `expert_scale`), applied to
+    the fp32 accumulator before the store, so no XLA pass over the output is needed for it."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
