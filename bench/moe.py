@@ -393,14 +393,13 @@ def bench_mxfp4(args, copy_bw):
                         prep = jax.jit(lambda a, g: mgpu_mx.prepare_rows(a, g, E, mcfg.rows)[:3])(x, sizes)
                         fk = jax.jit(lambda xs, tg, nt, w_: mgpu_mx.kernel_call(xs, tg, nt, w_, mcfg))
                     tk = time_jax(fk, *prep, wp, reps=20)
-                    # the XLA around the kernel, each side alone: the row preparation and the unpadding of outᵀ
+                    # the XLA around the kernel, each side alone: the row preparation and the unpadding of out
                     prep_f = fp8_mma.prepare_rows_fp8 if mcfg.mma == "fp8" else mgpu_mx.prepare_rows
                     tp = time_jax(jax.jit(lambda a, g: prep_f(a, g, E, mcfg.rows)), x, sizes, reps=20)
                     _, _, _, pad_row, live = mgpu_mx.prepare_rows(x, sizes, E, mcfg.rows)
-                    out_t = fk(*prep, wp)
-                    tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16,
-                                                                                 store=mcfg.store)),
-                                  out_t, pad_row, live, reps=20)
+                    out = fk(*prep, wp)
+                    tu = time_jax(jax.jit(lambda o, pr, lv: mgpu_mx.unpad_output(o, pr, lv, jnp.bfloat16)),
+                                  out, pad_row, live, reps=20)
                     around = f"row prep {tp * 1e6:.0f} us, unpad {tu * 1e6:.0f} us"
                 INFO.setdefault("mgpu_mxfp4_us", {})[f"{rows_per_expert} rows {mcfg} {layout}"] = dict(
                     op=t * 1e6, kernel=tk * 1e6, prep=tp * 1e6, unpad=tu * 1e6)

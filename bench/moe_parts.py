@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -112,13 +111,12 @@ def _inline(fn_cols):
     return plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(t, t))(fn)
 
 
-def _half_decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh, pieces):
+def _half_decode_and_mma(decode, acc_refs, w_bufs, xs_s):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    whole, _ = decode_fns
     for i, acc_ref in enumerate(acc_refs):
-        lo, hi = whole(w_bufs[2 * i], w_bufs[2 * i + 1])
+        lo, hi = decode(w_bufs[2 * i], w_bufs[2 * i + 1])
         cols = pl.ds(0, mm.BLOCK)
         plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0, :, cols], (1, 0)))
         plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1, :, cols], (1, 0)))
@@ -128,22 +126,22 @@ def _half_decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh, pieces):
 @contextlib.contextmanager
 def variant(name: str):
     """Patch the kernel's decode (and, for "half", its step) while a kernel is traced and compiled."""
-    saved = mk._bf16_decodes, mk._decode_and_mma
+    saved = mk._bf16_decode, mk._decode_and_mma
     name = name.removesuffix("_l2")
     if name == "free":
-        mk._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(kh)), _inline(_const_decode_fn(mm.BLOCK)))
+        mk._bf16_decode = lambda kh, layout: _inline(_const_decode_fn(kh))
     elif name == "half":
-        mk._bf16_decodes = lambda kh, layout: (_inline(_folded_decode_fn(kh, layout)), None)
+        mk._bf16_decode = lambda kh, layout: _inline(_folded_decode_fn(kh, layout))
         mk._decode_and_mma = _half_decode_and_mma
     elif name == "freehalf":
-        mk._bf16_decodes = lambda kh, layout: (_inline(_const_decode_fn(mm.BLOCK)), None)
+        mk._bf16_decode = lambda kh, layout: _inline(_const_decode_fn(mm.BLOCK))
         mk._decode_and_mma = _half_decode_and_mma
     elif name == "stream":
         mk._decode_and_mma = lambda *_: None
     try:
         yield
     finally:
-        mk._bf16_decodes, mk._decode_and_mma = saved
+        mk._bf16_decode, mk._decode_and_mma = saved
 
 
 def main():
@@ -160,8 +158,8 @@ def main():
     x = jax.random.normal(keys[3], (m, D), jnp.bfloat16)
     sizes = jnp.asarray(np.random.default_rng(200 + args.rows).multinomial(m, [1 / E] * E), jnp.int32)
     cfg = mm.tiled_config(args.rows, (F, D))
-    gcfg = mm.fit_config(dataclasses.replace(cfg, store="rows"), D)
-    down_cfg = mm.fit_config(dataclasses.replace(cfg.down_config or cfg, store="rows"), F)
+    gcfg = mm.fit_config(cfg, D)
+    down_cfg = mm.fit_config(cfg.down_config or cfg, F)
     plan = jax.jit(lambda g: mm.tile_plan(g, m, E, cfg.rows))(sizes)
     xs = jax.jit(lambda a, p: mm._tile_layout_operands(mm.gather_x(a, p.src), wg, cfg)[0])(x, plan)
     live_tiles = int(plan.num_tiles[0])
@@ -178,7 +176,7 @@ def main():
     for name in args.variants.split(","):
         p_ = plan_l2 if name.endswith("_l2") else plan
         with variant(name):
-            gu = jax.jit(lambda a, p, w1, w2: mm.kernel_call_gated(
+            gu = jax.jit(lambda a, p, w1, w2: mm.kernel_call_gated_ws(
                 a, p.tile_group, p.num_tiles, w1, w2, situ, gcfg, mm.expert_scale(w1), mm.expert_scale(w2),
                 jnp.bfloat16))
             h_v = jax.block_until_ready(gu(xs, p_, wg, wu))

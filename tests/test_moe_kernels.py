@@ -724,8 +724,7 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
     for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
                    (placed, mm.MgpuConfig(rows=8, plan="kernel")), (natural, mm.default_config(8)),
-                   (natural, mm.MgpuConfig(plan="xla", store="cols")),
-                   (natural, mm.MgpuConfig(mma="fp8", store="rows")), (natural, mm.MgpuConfig(mma="fp8", rows=8))):
+                   (natural, mm.MgpuConfig(mma="fp8")), (natural, mm.MgpuConfig(mma="fp8", rows=8))):
         text = jax.jit(lambda a, b, g, cfg=cfg: mm.grouped_matmul(a, b, g, config=cfg)).trace(x, w, gs).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -736,12 +735,8 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
             x, placed, gs)
     with pytest.raises(ValueError, match="layout must be one of"):
         mm.PreparedWeight(codes, scales_t, layout="swizzled")
-    with pytest.raises(ValueError, match="store must be 'cols' or 'rows'"):
-        mm.MgpuConfig(store="tiles")
     with pytest.raises(ValueError, match="plan must be 'kernel' or 'xla'"):
         mm.MgpuConfig(plan="host")
-    with pytest.raises(ValueError, match="store='cols' needs plan='xla'"):
-        mm.MgpuConfig(store="cols", plan="kernel")
     with pytest.raises(ValueError, match="warpgroups must be 1 or one of"):
         mm.MgpuConfig(warpgroups=5)  # 2, 3 (K3's gate / up: 16 items of 192 columns) and 4 are taken
     with pytest.raises(ValueError, match="warp-specialised kernel"):
@@ -827,10 +822,6 @@ def test_mgpu_warp_specialised_kernel_lowers_for_cuda():
             assert (h_type[0], h_type[2:]) == ("2", ("128", "bf16")) and int(h_type[1]) % rows == 0, h_type
             between = planes.split("@mosaic_gpu", 2)[1]  # from the fused kernel to down
             assert "stablehlo.transpose" not in between
-        # each weight's step decoded and multiplied in 64-byte pieces (2 per 128 bytes)
-        stepped = _tiled_ffn_cuda_text(mm.MgpuConfig(rows=rows, kh=kh, steps=steps, ctas_per_sm=1, plan="xla",
-                                                     warpgroups=2, gate_up=gate_up, decode_pieces=True))
-        assert stepped.count("stablehlo.custom_call @mosaic_gpu") == kernels
     E, D = 4, 512
     sds = jax.ShapeDtypeStruct
     assert (mm.ws_stages(14, 4), mm.ws_stages(7, 4), mm.ws_stages(12, 4), mm.ws_stages(2, 4)) == (2, 1, 4, 2)
@@ -971,19 +962,14 @@ def _rows_of_planes(planes):
     return in_order[:, np.argsort(mm.planes_column_order(2 * kh))]
 
 
-def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32, *, x_row0=None):
+def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_matmul` computes, by definition: padded row p (x_pad given as rows, or as the planes
-    a fused kernel writes; with `x_row0`, padded row t·rows + r is row x_row0[t] + r of x) times its tile's
-    expert's weight (the exactly dequantised codes), fp32, rounded to `out_dtype`, the columns in the weight's
-    stored order."""
+    a fused kernel writes) times its tile's expert's weight (the exactly dequantised codes), fp32, rounded to
+    `out_dtype`, the columns in the weight's stored order."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     if x_pad.ndim == 3:
         x_pad = _rows_of_planes(x_pad)
-    if x_row0 is not None:
-        assert x_pad.shape[0] >= cfg.rows
-        rows_of_tiles = x_row0[:, None] + jnp.arange(cfg.rows)[None, :]  # [t_max, rows], all within x
-        x_pad = x_pad[rows_of_tiles.reshape(-1)]
     wd = mx.dequantize(mm.unprepare_weight(w), jnp.float32)  # [E, K, N]
     if w.out_order == "planes":
         wd = wd[:, :, mm.planes_column_order(w.out_features)]
@@ -991,74 +977,24 @@ def _reference_tiled_matmul(x_pad, plan, w, cfg, out_dtype=jnp.float32, *, x_row
     return jnp.einsum("pk,pkn->pn", x_pad.astype(jnp.float32), wd[expert_of_row]).astype(out_dtype)
 
 
-def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=jnp.float32, *,
-                                  x_row0=None):
+def _reference_tiled_gated_matmul(x_pad, plan, w_gate, w_up, activation, cfg, out_dtype=jnp.float32):
     """What `mgpu_mxfp4.tiled_gated_matmul` computes, by definition: the activation of the two tile-layout
     products, rounded to `out_dtype` — as the down matmul's x planes for weights with out_order="planes"."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
-    h = activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg, x_row0=x_row0),
-                   _reference_tiled_matmul(x_pad, plan, w_up, cfg, x_row0=x_row0))
+    h = activation(_reference_tiled_matmul(x_pad, plan, w_gate, cfg), _reference_tiled_matmul(x_pad, plan, w_up, cfg))
     h = h.astype(out_dtype)
     return mm.columns_as_planes(h) if w_gate.out_order == "planes" else h
 
 
-def _reference_tiled_matmul_in_place(x_pad, plan, w, cfg, num_rows):
-    """What `mgpu_mxfp4.tiled_matmul_in_place` computes, by definition: the tile-layout product's valid rows in
-    their sorted rows; the rows no tile covers hold NaN, standing in for memory the kernel never writes."""
-    y_pad = _reference_tiled_matmul(x_pad, plan, w, cfg)
-    rows = jnp.where(plan.src < num_rows, plan.src, num_rows)  # padding rows: out of bounds, dropped
-    return jnp.full((num_rows, y_pad.shape[1]), jnp.nan, jnp.float32).at[rows].set(y_pad, mode="drop")
-
-
-@pytest.mark.parametrize("sizes", [[5, 0, 9, 2], [0, 0, 0, 0], [8, 8, 8, 8], [1, 17, 0, 3], [40, 0, 1, 0]])
-def test_aligned_rows_start_every_tile_on_an_8_row_boundary_at_its_rows(sizes):
-    """`x_rows="aligned"`: each group's rows padded to a multiple of 8 (plus one tile of zero rows at the end);
-    every tile of the R-row plan starts at a multiple of 8 there, and its valid rows are the group's rows it
-    covers; dead tiles start at the zero rows."""
-    from pallas_kernels.moe import mgpu_mxfp4 as mm
-
-    M, E = sum(sizes) + 3, len(sizes)  # 3 rows past Σ sizes: in no group
-    x = np.arange(1, M + 1, dtype=np.float32)[:, None] * np.ones((1, 4), np.float32)  # row i holds i + 1
-    for R in (8, 16, 40):
-        plan = mm.tile_plan(jnp.asarray(sizes, jnp.int32), M, E, R)
-        src, row0 = mm.aligned_rows(jnp.asarray(sizes, jnp.int32), plan, R, M)
-        x8, row0 = np.asarray(mm.gather_x(jnp.asarray(x), src), np.float32), np.asarray(row0)
-        m8 = (-(-M // 8) + E) * 8
-        assert x8.shape == (m8 + R, 4) and not x8[m8:].any() and (row0 % 8 == 0).all()
-        first, valid = map(np.asarray, mm.tile_rows(plan, R, M))
-        live = int(plan.num_tiles[0])
-        for t in range(live):
-            assert (x8[row0[t]:row0[t] + valid[t], 0] == np.arange(first[t], first[t] + valid[t]) + 1).all()
-            assert row0[t] + R <= x8.shape[0]
-        assert (row0[live:] == m8).all()
-        assert sorted(x8[:, 0][x8[:, 0] > 0].astype(int)) == list(range(1, sum(sizes) + 1))  # each grouped row once
-    plan = mm.tile_plan(jnp.zeros((4,), jnp.int32), 0, 4, 16)  # no rows at all: every tile dead
-    src, row0 = mm.aligned_rows(jnp.zeros((4,), jnp.int32), plan, 16, 0)
-    assert (np.asarray(src) == 0).all() and (np.asarray(row0) == src.shape[0] - 16).all()
-    with pytest.raises(ValueError, match="multiple of 8"):
-        mm.MgpuConfig(rows=12, x_rows="aligned")
-    with pytest.raises(ValueError, match="x_rows must be"):
-        mm.MgpuConfig(x_rows="sorted")
-
-
 @pytest.mark.parametrize("sizes,extra", [([5, 0, 9, 2], 3), ([0, 0, 0, 0], 4), ([8, 8, 8, 8], 0), ([1, 17, 0, 3], 0)])
 def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
-    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back — or down
-    storing its rows in place) with the kernel swapped for its definition: equal to the reference FFN on the same
-    sorted rows, zeros past Σ sizes — groups that fill whole tiles, empty groups, none at all, and one larger than
-    two tiles. Each tile's rows in place are its (first row, valid rows) prefix."""
+    """The tile-layout FFN's plumbing (pad once, gate / up / act / down on padded rows, one gather back) with the
+    kernel swapped for its definition: equal to the reference FFN on the same sorted rows, zeros past Σ sizes —
+    groups that fill whole tiles, empty groups, none at all, and one larger than two tiles."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     M = sum(sizes) + extra
-    for rows in (8, 16):
-        plan = mm.tile_plan(jnp.asarray(sizes, jnp.int32), M, len(sizes), rows)
-        first, valid = map(np.asarray, mm.tile_rows(plan, rows, M))
-        src = np.asarray(plan.src).reshape(-1, rows)
-        for t in range(int(plan.num_tiles[0])):
-            assert valid[t] >= 1 and list(src[t, :valid[t]]) == list(range(first[t], first[t] + valid[t]))
-            assert (src[t, valid[t]:] == M).all()
-
     E, D, F = 4, 128, 128
     keys = jax.random.split(jax.random.key(sum(sizes) + extra), 4)
     ws = [mx.random_weight(keys[0], E, D, F), mx.random_weight(keys[1], E, D, F), mx.random_weight(keys[2], E, F, D)]
@@ -1071,40 +1007,32 @@ def test_tiled_expert_ffn_layout_matches_the_sorted_ffn(sizes, extra):
     want_tok = ops.expert_ffn_sorted(tokens[token_of_row], gs, *ws, situ, backend="reference")
     # each weight natural, or gate / up in the down matmul's plane order (h handed over as planes)
     for prepared in ([mm.prepare_weight(q) for q in ws], mm.prepare_ffn_weights(*ws)):
-        # x gathered into padded rows, or into groups aligned to 8 rows, each tile read from its first row
-        for rows, gate_up, down_rows, x_rows in (
-                (8, "separate", "gather", "padded"), (16, "separate", "gather", "padded"),
-                (16, "fused", "gather", "padded"), (8, "separate", "in_place", "padded"),
-                (16, "fused", "in_place", "padded"), (8, "separate", "gather", "aligned"),
-                (16, "fused", "in_place", "aligned")):
-            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, down_rows=down_rows, x_rows=x_rows)
+        for rows, gate_up, wgs in ((8, "separate", 1), (16, "separate", 1), (16, "fused", 2)):
+            cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, warpgroups=wgs)
             got = jax.jit(lambda a, g, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg,
                                                                matmul=_reference_tiled_matmul,
-                                                               gated_matmul=_reference_tiled_gated_matmul,
-                                                               down_matmul=_reference_tiled_matmul_in_place))(
+                                                               gated_matmul=_reference_tiled_gated_matmul))(
                 x, gs, *prepared)
             assert got.shape == want.shape
             if sum(sizes):
                 assert _rel(got, want) < 1e-2, rows  # h is rounded to bf16 on both sides; sums in another order
-            assert not np.asarray(got[sum(sizes):]).any()  # in place: the rows no tile covers zeroed, not NaN
+            assert not np.asarray(got[sum(sizes):]).any()
             # from the tokens: x's planes made on them, gathered as half-rows
             got = jax.jit(lambda a, g, t, *w: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, token_of_row=t,
                                                                   matmul=_reference_tiled_matmul,
-                                                                  gated_matmul=_reference_tiled_gated_matmul,
-                                                                  down_matmul=_reference_tiled_matmul_in_place))(
+                                                                  gated_matmul=_reference_tiled_gated_matmul))(
                 tokens, gs, token_of_row, *prepared)
             if sum(sizes):
                 assert _rel(got, want_tok) < 1e-2, rows
             assert got.shape == want.shape and not np.asarray(got[sum(sizes):]).any()
-            if gate_up == "fused" and x_rows == "padded" and prepared[0].out_order == "planes":
+            if gate_up == "fused" and prepared[0].out_order == "planes":
                 # rows asked for in another order (`ops.expert_ffn` asks for (token, slot) order), gathered from
                 # the padded rows in one step: the same rows, bit for bit
                 out_rows = jnp.asarray(np.random.default_rng(M + 1).permutation(M), jnp.int32)
                 picked = jax.jit(lambda a, g, t, r, *w: mm.expert_ffn_tiled(
                     a, g, *w, situ, config=cfg, token_of_row=t, out_rows=r, matmul=_reference_tiled_matmul,
-                    gated_matmul=_reference_tiled_gated_matmul, down_matmul=_reference_tiled_matmul_in_place))(
-                    tokens, gs, token_of_row, out_rows, *prepared)
-                assert np.array_equal(np.asarray(picked), np.asarray(got)[np.asarray(out_rows)]), down_rows
+                    gated_matmul=_reference_tiled_gated_matmul))(tokens, gs, token_of_row, out_rows, *prepared)
+                assert np.array_equal(np.asarray(picked), np.asarray(got)[np.asarray(out_rows)]), rows
 
 
 @pytest.mark.parametrize("tokens, k, experts, rows", [(12, 4, 5, 8), (9, 3, 3, 16), (0, 4, 4, 8), (30, 2, 6, 8)])
@@ -1138,7 +1066,7 @@ def test_slot_tile_plan_is_the_sorted_plan_seen_from_the_pairs(tokens, k, expert
     x_nd = jax.random.normal(keys[3], (tokens, D), jnp.bfloat16)
     stand_ins = dict(matmul=_reference_tiled_matmul, gated_matmul=_reference_tiled_gated_matmul)
     for prepared, gate_up in (([mm.prepare_weight(q) for q in ws], "separate"), (mm.prepare_ffn_weights(*ws), "fused")):
-        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up)
+        cfg = mm.MgpuConfig(rows=rows, kh=64, gate_up=gate_up, warpgroups=2 if gate_up == "fused" else 1)
         got = jax.jit(lambda a, p, *w: mm.expert_ffn_tiled(
             a, None, *w, situ, config=cfg, plan=p, token_of_row=jnp.arange(P, dtype=jnp.int32) // k,
             **stand_ins))(x_nd, plan, *prepared)
@@ -1149,9 +1077,6 @@ def test_slot_tile_plan_is_the_sorted_plan_seen_from_the_pairs(tokens, k, expert
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="does not fit"):
         mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, rows=rows * 2 + 8),
-                            plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)
-    with pytest.raises(ValueError, match="sorted by expert"):
-        mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, down_rows="in_place"),
                             plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)
 
 
@@ -1188,37 +1113,20 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
         narrow = mm.tiled_config(r, (3072, 3648))  # D = 3648: 57 blocks of 64 columns, not whole pairs
         one_wg_rows = mm.tiled_config(r).rows if r <= 64 else mm.default_config(r).rows  # prefill: default's tiles
         assert (narrow.warpgroups, narrow.rows) == (1, one_wg_rows)
-    for gate_up, kernels in (("separate", 3), ("fused", 2)):  # fused: SiTU's tanh and logistic in the epilogue
-        text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(40 / 4), gate_up=gate_up))
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, gate_up
+    # fused: SiTU's tanh and logistic in the warp-specialised kernel's epilogue
+    for cfg, kernels in ((mm.tiled_config(40 / 4), 3), (mm.tiled_config(64), 2)):
+        text = _tiled_ffn_cuda_text(cfg)
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, cfg
     with pytest.raises(ValueError, match="gate_up must be"):
         mm.MgpuConfig(gate_up="both")
-    # down storing its rows in place: its kernel's result is the FFN's [M = 40, D = 512] rows, not the padded rows
-    for cfg in (mm.tiled_config(40 / 4), mm.tiled_config(64)):  # one warpgroup per CTA; warp-specialised, fused
-        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, down_rows="in_place"))
-        results = re.findall(r"stablehlo.custom_call @mosaic_gpu.*?-> tensor<(\d+)x(\d+)x(\w+)>", text)
-        assert results[-1] == ("40", "512", "f32") and len(results) == (3 if cfg.gate_up == "separate" else 2)
-    # x in groups aligned to 8 rows, each tile read from its first row there: gate / up take x's planes on the
-    # M = 40 rows' 8-row plan (72 rows) plus one tile of zero rows, not the t_max · rows padded rows (which only h
-    # and down's rows take) — on one, two and three compute warpgroups
-    for cfg in (mm.tiled_config(40 / 4), mm.tiled_config(64), mm.tiled_config(32, (256, 512))):
-        R = cfg.rows
-        m_pad, m8 = (-(-40 // R) + 4) * R, (40 // 8 + 4) * 8
-        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, x_rows="aligned"), gate_up_order="planes")
-        first = re.search(r"stablehlo.custom_call @mosaic_gpu.*", text).group(0)
-        assert f"tensor<2x{m8 + R}x256xbf16>" in first, (R, first[:300])
-        assert f"tensor<2x{m_pad}x256xbf16>" not in text
-        # from 20 tokens (top-2): x's planes made on the tokens, then gathered into the aligned rows
-        text = _tiled_ffn_cuda_text(dataclasses.replace(cfg, x_rows="aligned"), gate_up_order="planes", tokens=20)
-        assert "tensor<2x20x256xbf16>" in text and f"tensor<2x{m8 + R}x256xbf16>" in text
+    with pytest.raises(ValueError, match="gate_up='fused' runs on the warp-specialised kernel"):
+        mm.MgpuConfig(gate_up="fused")  # one warpgroup per CTA: no fused kernel
     # down on a kernel config of its own: four warpgroups after the fused two-warpgroup kernel
     text = _tiled_ffn_cuda_text(dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4)))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
     with pytest.raises(ValueError, match="down_config must tile rows"):
         mm.MgpuConfig(rows=40, down_config=mm.MgpuConfig(rows=16))
-    with pytest.raises(ValueError, match="down_rows must be"):
-        mm.MgpuConfig(down_rows="scatter")
     # K3's expert shapes (3584 -> 3072 -> 3584, 112 experts per device at EP 8): every default's stages fit shared
     # memory at the K loops these widths give (the warp-specialised kernel checks that while lowering)
     E = 112
@@ -1232,7 +1140,7 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
                                  dict(rows=64, ctas_per_sm=1, steps=3), dict(kh=64, ctas_per_sm=3, steps=3),
                                  dict(mma="fp8", rows=8), dict(mma="fp8", rows=16, kh=64), dict(mma="fp8", rows=32),
                                  dict(rows=8, plan="xla"), dict(rows=32, kh=256, steps=2, plan="xla"),
-                                 dict(rows=16, plan="xla", store="cols"), dict(mma="fp8", rows=16, store="rows"),
+                                 dict(mma="fp8", rows=16),
                                  dict(rows=8, plan="kernel"), dict(rows=32, kh=256, steps=2, plan="kernel"),
                                  dict(rows=16, ctas_per_sm=4, plan="kernel"), dict(rows=48, kh=256, steps=2, plan="xla")])
 @pytest.mark.parametrize("layout", ["placed", "natural"])
@@ -1306,7 +1214,6 @@ def test_gpu_ops_run_prepared_weights_on_the_mosaic_kernel():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(rows=16, kh=128, steps=4), dict(rows=16, kh=256, steps=2),
                                  dict(rows=48, kh=128, steps=3), dict(rows=80, kh=128, steps=4),
-                                 dict(rows=40, kh=128, steps=4, decode_pieces=True),
                                  dict(rows=40, kh=64, steps=4, warpgroups=4)])
 def test_gpu_mgpu_mxfp4_warp_specialised_matches_reference(cfg):
     """The warp-specialised kernel (`MgpuConfig(warpgroups=2)`) on the device against ragged_dot over the exactly
@@ -1346,8 +1253,7 @@ def _device_ffn_case(F: int, seed: int):
 def test_gpu_three_compute_warpgroups_match_reference():
     """W = 3 compute warpgroups (192-column items, 152 registers each): one matmul (whole items, and a ragged last
     item), and the tile-layout FFN with gate, up and SiTU fused at W = 3 (F = 384: two items) and down on a W = 2
-    or W = 3 (ragged) config of its own, gate / up in either column order, against the references; x in 8-row
-    aligned groups gives the same bits."""
+    or W = 3 (ragged) config of its own, gate / up in either column order, against the references."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes, ws, x, gs = _device_ffn_case(F=384, seed=33)
@@ -1369,40 +1275,31 @@ def test_gpu_three_compute_warpgroups_match_reference():
             got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *prepared)
             assert _rel(got, want) < 1e-2, (kh, down.warpgroups, prepared[0].out_order)
             assert not np.asarray(got[sum(sizes):]).any()
-            aligned = dataclasses.replace(cfg, x_rows="aligned")  # x in 8-row-aligned groups: the same bits
-            got_aligned = jax.jit(lambda a, g, *w, cfg=aligned: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(
-                x, gs, *prepared)
-            np.testing.assert_array_equal(np.asarray(got_aligned), np.asarray(got))
 
 
 @pytest.mark.gpu
 def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
-    """The tile-layout FFN on the device (three Mosaic kernels on padded rows; or gate, up and SiTU fused into one)
-    against the reference FFN over the exactly dequantised weights, and against the same FFN with each matmul
-    padded and unpadded on its own; skewed groups (one empty, one of 70 rows) and uncovered tail rows."""
+    """The tile-layout FFN on the device (three Mosaic kernels on padded rows; or gate, up and SiTU fused into one
+    warp-specialised kernel) against the reference FFN over the exactly dequantised weights, and against the same
+    FFN with each matmul padded and unpadded on its own; skewed groups (one empty, one of 70 rows) and uncovered
+    tail rows."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sizes, ws, x, gs = _device_ffn_case(F=256, seed=31)
     want = ops.expert_ffn_sorted(x, gs, *ws, situ, backend="reference")
     prepared = [mm.prepare_weight(q) for q in ws]
-    fused = dataclasses.replace(mm.tiled_config(8), gate_up="fused", kh=128)  # gate, up and SiTU in one kernel
     rows48 = dataclasses.replace(mm.tiled_config(32, (192,)), rows=48)  # one warpgroup per CTA
     # tiled_config(32 / 64): the warp-specialised kernel (two compute warpgroups), gate, up and SiTU fused; beside
     # them its three separate matmuls, and 40- and 80-row tiles on one warpgroup per CTA
     ws_separate = dataclasses.replace(mm.tiled_config(64), gate_up="separate")
     rows40, rows80 = mm.tiled_config(32, (192,)), mm.tiled_config(64, (192,))  # widths that take one warpgroup
     # tiles that are not powers of two: 40 rows, 48, 80
-    # down storing its rows in place (one warpgroup per CTA; warp-specialised after the fused gate / up)
-    in_place = [dataclasses.replace(mm.tiled_config(r), down_rows="in_place") for r in (8, 64)]
-    # each 64-byte piece's MMAs issued as soon as it is decoded (one and two warpgroups per CTA)
-    step_wait = [dataclasses.replace(mm.tiled_config(r), decode_pieces=True) for r in (8, 32)]
     # down on four compute warpgroups of its own after the fused two-warpgroup gate / up
     down_w4 = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
-    for cfg, gate_up_dtype in ((fused, None), (mm.tiled_config(32), None), (rows48, None), (mm.tiled_config(64), None),
-                               (ws_separate, None), (rows40, None), (rows80, None), (in_place[0], None),
-                               (in_place[1], None), (step_wait[0], None), (step_wait[1], None), (down_w4, None),
-                               (None, jnp.bfloat16), (None, None)):
+    for cfg, gate_up_dtype in ((mm.tiled_config(8), None), (mm.tiled_config(32), None), (rows48, None),
+                               (mm.tiled_config(64), None), (ws_separate, None), (rows40, None), (rows80, None),
+                               (down_w4, None), (None, jnp.bfloat16), (None, None)):
         kw = {} if gate_up_dtype is None else dict(gate_up_dtype=gate_up_dtype)  # default: fp32 gate / up
         got = jax.jit(lambda a, g, *w, cfg=cfg, kw=kw: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg, **kw))(
             x, gs, *prepared)
@@ -1413,20 +1310,13 @@ def test_gpu_tiled_expert_ffn_matches_reference_and_the_per_matmul_path():
     np.testing.assert_allclose(np.asarray(got), np.asarray(mm.grouped_matmul(h, prepared[2], gs)), rtol=2e-2,
                                atol=2e-2 * float(jnp.abs(want).max()))
     # gate / up in the down matmul's plane order (what a model on a GPU prepares): h handed over as planes, written
-    # so by the fused kernels (two warpgroups and one) or moved in 64-column blocks after separate ones
+    # so by the fused kernel or moved in 64-column blocks after separate ones
     ffn_prepared = mm.prepare_ffn_weights(*ws)
     assert [q.out_order for q in ffn_prepared] == ["planes", "planes", "natural"]
-    for cfg in (fused, mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, in_place[1], None):
+    for cfg in (mm.tiled_config(8), mm.tiled_config(32), rows48, mm.tiled_config(64), ws_separate, rows40, None):
         got = jax.jit(lambda a, g, *w, cfg=cfg: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(x, gs, *ffn_prepared)
         assert _rel(got, want) < 1e-2, cfg
         assert not np.asarray(got[sum(sizes):]).any()
-        # x in groups aligned to 8 rows, each tile read from its first row there (its rows past the group's are
-        # the next group's): each real row's products are the same, bit for bit
-        aligned = dataclasses.replace(cfg or mm.tiled_config(x.shape[0] / 4, (256, 512)),
-                                      x_rows="aligned")
-        got_aligned = jax.jit(lambda a, g, *w, cfg=aligned: mm.expert_ffn_tiled(a, g, *w, situ, config=cfg))(
-            x, gs, *ffn_prepared)
-        np.testing.assert_array_equal(np.asarray(got_aligned), np.asarray(got), err_msg=str(cfg))
     # one matmul with a plane-order weight gives its natural columns back, bit for bit
     np.testing.assert_array_equal(np.asarray(mm.grouped_matmul(x, ffn_prepared[0], gs)), np.asarray(per_matmul[0]))
     # and `ops` takes this path for three prepared weights on the GPU

@@ -257,8 +257,6 @@ def test_supports_only_fp8_rows_at_kernel_widths():
 # four warpgroups of one stage, each waiting for its wgmmas chunk by chunk (128 registers a thread at 512 threads)
 WG4_CHUNK_WAIT = dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, mma_wait="chunk")
 TWO_LAUNCHES = dict(prep="xla", merge="kernel")  # q prepared in XLA, the splits merged by a second kernel
-# a producer warpgroup gathers every block, with 16-byte cp.async chunks or one bulk copy per row
-PRODUCER_LSU, PRODUCER_TMA = dict(producer=True, gather="lsu"), dict(producer=True, gather="tma")
 
 
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG),
@@ -278,10 +276,7 @@ PRODUCER_LSU, PRODUCER_TMA = dict(producer=True, gather="lsu"), dict(producer=Tr
                                  sm.MgpuSparseConfig(mma_wait="chunk"),
                                  sm.MgpuSparseConfig(**WG4_CHUNK_WAIT),
                                  sm.MgpuSparseConfig(value_mma="fp8", logits_mma="fp8", mma_wait="chunk",
-                                                     **TWO_LAUNCHES),
-                                 sm.MgpuSparseConfig(**PRODUCER_LSU), sm.MgpuSparseConfig(**PRODUCER_TMA),
-                                 sm.MgpuSparseConfig(**ONE_WG, **PRODUCER_LSU),
-                                 sm.MgpuSparseConfig(**PRODUCER_LSU, **TWO_LAUNCHES)])
+                                                     **TWO_LAUNCHES)])
 def test_kernel_lowers_for_cuda_at_k31_shapes(cfg):
     fmt = Q.LatentFormat("fp8", R, ROPE)
     q_dtype = jnp.bfloat16 if cfg.warpgroups == 4 and cfg.prep == "kernel" else jnp.float32  # raw bf16 q too
@@ -334,9 +329,7 @@ def test_gpu_mgpu_sparse_mla_matches_reference(H, k, splits, warpgroups, merge, 
                                  TWO_LAUNCHES, {}, dict(gather="lsu"), dict(ONE_WG, gather="lsu"),
                                  dict(splits=4, stages=1, warpgroups=4, logits_chunk=64, value_keys=16, gather="lsu"),
                                  dict(mma_wait="chunk"), WG4_CHUNK_WAIT,
-                                 dict(WG4_CHUNK_WAIT, logits_chunk=192, value_keys=32),
-                                 PRODUCER_LSU, PRODUCER_TMA, dict(ONE_WG, **PRODUCER_LSU),
-                                 dict(PRODUCER_LSU, **TWO_LAUNCHES)])
+                                 dict(WG4_CHUNK_WAIT, logits_chunk=192, value_keys=32)])
 def test_gpu_mgpu_sparse_mla_configs(cfg):
     parts, bt, idx, q, kw = case(seed=4, H=12, k=2048)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
@@ -345,16 +338,14 @@ def test_gpu_mgpu_sparse_mla_configs(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(gather="lsu"), PRODUCER_LSU])
-def test_gpu_lsu_gather_with_empty_slots_matches_reference(cfg):
-    """gather="lsu" (16-byte cp.async chunks), by the warpgroups or by a producer: a short selection (k = 300,
-    padded with empty slots), a sequence cut at 100 keys and one with no key at all, as the TMA gather is checked
-    above."""
+def test_gpu_lsu_gather_with_empty_slots_matches_reference():
+    """gather="lsu" (16-byte cp.async chunks): a short selection (k = 300, padded with empty slots), a sequence cut
+    at 100 keys and one with no key at all, as the TMA gather is checked above."""
     parts, bt, idx, q, kw = case(seed=5, H=12, k=300)
     idx[1, 100:] = -1
     idx[2] = -1
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(**cfg), **kw)
+    o, lse = sm.decode(q, parts, bt, idx, config=sm.MgpuSparseConfig(gather="lsu"), **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
     assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3 and rel_rms(lse[:2], np.asarray(lse_r)[:2]) <= 5e-3
@@ -381,13 +372,6 @@ def test_gpu_timeline_leaves_the_result_and_stamps_in_order():
 def test_gather_must_be_tma_or_lsu():
     with pytest.raises(ValueError, match="gather"):
         sm.MgpuSparseConfig(gather="dma")
-
-
-def test_producer_takes_at_most_two_compute_warpgroups():
-    """One producer beside four compute warpgroups would leave each of them ~100 registers (the register file is
-    the CTA's pool), far below the 220 the compute holds without spills."""
-    with pytest.raises(ValueError, match="producer"):
-        sm.MgpuSparseConfig(producer=True, warpgroups=4)
 
 
 @pytest.mark.parametrize("cfg", [sm.MgpuSparseConfig(), sm.MgpuSparseConfig(**ONE_WG, **TWO_LAUNCHES)])

@@ -91,7 +91,7 @@ def prepare_rows_fp8(x, group_sizes, num_experts: int, rows: int = 16):
 
 
 def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig):
-    """The fp8 path's kernel: `prepare_rows_fp8`' planes and the weight -> outᵀ `[N, m_pad]` fp32, still to be
+    """The fp8 path's kernel: `prepare_rows_fp8`' planes and the weight -> out `[m_pad, N]` fp32, still to be
     multiplied by each row's `inv`. Per step and 32-element group g: acc_g = W_g(e4m3, 2^-6·e2m1) · (x_hi + x_lo)_g
     on fresh accumulators, then out += acc_g · 2^(S_g − 127 + 6) per output column (the scale is per weight row)."""
     import jax.experimental.pallas as pl
@@ -151,7 +151,7 @@ def kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w: PreparedWeight, config
                 max_concurrent_steps=cfg.steps,
                 init_carry=zeros,
             )(codes_ref.at[g], scales_ref.at[g], xh_ref, xl_ref)
-            _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
+            _store_tile(acc, o_smem, out_ref, nb, t, "rows")
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -295,7 +295,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
         # rows come back in (token, slot) order, with no sorted rows in between (`mgpu_mxfp4.slot_tile_plan`)
         cfg = c_up if isinstance(c_up, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
             N * k / E, (w_gate.out_features, w_down.out_features))
-        if N * k and cfg.x_rows == "padded" and cfg.down_rows == "gather":
+        if N * k:
             plan = _mgpu_mx.slot_tile_plan(expert_idx_nk, E, cfg.rows)
             y = _mgpu_mx.expert_ffn_tiled(x_nd, None, w_gate, w_up, w_down, resolve_activation(activation),
                                           h_dtype=x_nd.dtype, config=cfg, plan=plan,

@@ -15,15 +15,15 @@ One module per job: config (`MgpuSparseConfig`, operand orders), prep (q and slo
 """
 
 from .config import (  # noqa: F401
-    CHUNK, CONSUMERS_BARRIER, HEADS, KAPPA, KEYS, LN2, LOG2E, MgpuSparseConfig, PRODUCER_REGISTERS, P_SCALE,
-    pv_key_of, q_column_of, row_stride, supports, value_dim_of_row, _q_lane_part
+    CHUNK, HEADS, KAPPA, KEYS, LN2, LOG2E, MgpuSparseConfig, P_SCALE, pv_key_of, q_column_of, row_stride, supports,
+    value_dim_of_row, _q_lane_part
 )
 from .prep import (  # noqa: F401
     fp8_q_permutation, prepare_q, prepare_q_fp8, prepare_slots, _q_fp8_transforms, _q_transforms
 )
 from .gather import (  # noqa: F401
-    issue_fn, _arrive_once, _asm, _consumers_barrier, _copy_types, _init_barriers_fn, _issue_fn, _issue_lsu_fn,
-    _kappa, _key_of, _mlir, _release_fn, _scalar, _stamp_fn, _thread_in_cta, _thread_in_wg, _translate_fn, _wait_fn
+    issue_fn, _arrive_once, _asm, _copy_types, _init_barriers_fn, _issue_fn, _issue_lsu_fn, _kappa, _key_of, _mlir,
+    _scalar, _stamp_fn, _thread_in_cta, _thread_in_wg, _translate_fn, _wait_fn
 )
 from .operands import (  # noqa: F401
     _PAIR_CVT, _SPLIT_E4M3, _TRANSPOSE4, _first_dim, _logits_operand_fn, _logits_operand_fp8_fn, _logits_words,

@@ -66,21 +66,12 @@ class MgpuSparseConfig:
     # so every chunk's A operand stays live until then (255 registers and spills); "chunk" — after each logits
     # chunk and each PV call, so one chunk's A is live at a time (220 registers, no spills; faster)
     mma_wait: str = "chunk"
-    # who gathers the rows: False — each warpgroup issues its own blocks (its first `stages` up front, each refill
-    # when it is done with a stage); True — one more warpgroup, the producer, issues every block's gather (with
-    # `gather`'s copies) into the warpgroups' stages as soon as a stage is released, at 40 registers
-    # (`setmaxnreg`), while the consumers, at `moe.mgpu_mxfp4.ws_compute_registers`, only compute (at most 2 of
-    # them). It removes the refill waits but ties the default as an op (slower with LSU copies); not a default
-    producer: bool = False
 
     def __post_init__(self):
         if self.gather not in ("tma", "lsu"):
             raise ValueError(f"gather must be 'tma' or 'lsu', not {self.gather!r}")
         if self.mma_wait not in ("block", "chunk"):
             raise ValueError(f"mma_wait must be 'block' or 'chunk', not {self.mma_wait!r}")
-        if self.producer and self.warpgroups > 2:
-            raise ValueError(f"a producer warpgroup leaves {self.warpgroups} compute warpgroups too few registers "
-                             "(at most 2)")
 
 
 def supports(fmt, config: MgpuSparseConfig | None = None) -> bool:
@@ -127,7 +118,3 @@ def pv_key_of(p):
     """fp8 PV: contraction position p (0..63) -> key: inside each 16, (4a + b) -> 4b + a (an involution). Thread q
     of a quad then loads keys 4e + q for its 4 positions 4q + e: the 8 lanes of a load phase hit 8 bank groups."""
     return (p // 16) * 16 + 4 * (p % 4) + (p % 16) // 4
-
-
-PRODUCER_REGISTERS = 40  # registers per thread of the producer warpgroup (it only issues copies)
-CONSUMERS_BARRIER = 15  # the named barrier the consumer warpgroups meet at (0: the CTA's; 1-4: each warpgroup's)

@@ -1,11 +1,11 @@
 """The gather side of the Mosaic GPU sparse MLA kernel: inline bodies that translate top-k slots to pool rows
 through the block table, issue each block's row copies into a shared-memory stage (bulk copies or LSU `cp.async`),
-and wait for / release stages on their mbarriers; plus the optional per-phase timer stamps (`trace=True`).
+and wait for stages on their mbarriers; plus the optional per-phase timer stamps (`trace=True`).
 """
 
 from __future__ import annotations
 
-from .config import CONSUMERS_BARRIER, KEYS
+from .config import KEYS
 
 
 def _mlir():
@@ -204,28 +204,6 @@ def _wait_fn():
         mgu.BarrierRef(mgu.memref_ptr(bar_ref), mgu.c(0, i32), None, 1).wait_parity(bit)
 
     return fn
-
-
-def _release_fn():
-    """A consumer warpgroup is done with a stage: a warpgroup barrier (every thread's reads of it are done), then
-    thread 0 arrives on the stage's `empty` mbarrier (one expected arrival), which the producer waits on before it
-    gathers the next block into the stage."""
-    def fn(ctx, bar_ref):
-        del ctx
-        *_, mgu = _mlir()
-        _arrive_once(mgu.memref_ptr(bar_ref))
-
-    return fn
-
-
-def _consumers_barrier(nw: int, producer: bool):
-    """A barrier of the CTA's nw compute warpgroups: the CTA barrier, or with a producer warpgroup (which never
-    meets them) the named barrier CONSUMERS_BARRIER over their 128·nw threads."""
-    if not producer:
-        from jax._src.lib.mlir.dialects import gpu
-        gpu.barrier()
-    else:
-        _asm(_copy_types()[4], [], f"bar.sync {CONSUMERS_BARRIER}, {128 * nw};", "")
 
 
 def _stamp_fn():

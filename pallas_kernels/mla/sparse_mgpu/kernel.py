@@ -17,10 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.mgpu_mxfp4 import ws_compute_registers
 from pallas_kernels.mla.sparse_gpu import _merge_pallas
-from .config import CHUNK, HEADS, KEYS, MgpuSparseConfig, PRODUCER_REGISTERS, P_SCALE, row_stride, supports
-from .gather import _init_barriers_fn, _release_fn, _stamp_fn, _translate_fn, _wait_fn, issue_fn
+from .config import CHUNK, HEADS, KEYS, MgpuSparseConfig, P_SCALE, row_stride, supports
+from .gather import _init_barriers_fn, _stamp_fn, _translate_fn, _wait_fn, issue_fn
 from .operands import (_logits_operand_fn, _logits_operand_fp8_fn, _store_p_fp8_fn, _value_operand_fn,
                        _value_operand_fp8_fn)
 from .prep import _q_fp8_transforms, _q_transforms, prepare_q, prepare_q_fp8, prepare_slots
@@ -46,7 +45,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     max_blocks = block_tables.shape[1]
     nblocks = pool_u8.shape[0] // page
     cfg = config
-    S, LC, VK, NW, PR = cfg.stages, cfg.logits_chunk, cfg.value_keys, cfg.warpgroups, cfg.producer
+    S, LC, VK, NW = cfg.stages, cfg.logits_chunk, cfg.value_keys, cfg.warpgroups
     NA = max(1, min(cfg.logits_accs, c // LC))
     if c % LC or LC % CHUNK or KEYS % VK or VK % 16 or R % 128 or R > c:
         raise ValueError(f"mgpu sparse MLA: row width {c} must be a multiple of logits_chunk {LC} (a multiple of "
@@ -82,7 +81,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     f32_acc = plgpu.ShapeDtypeStruct((KEYS, HEADS), jnp.float32, layout=wg_ty)
     init_barriers = plgpu.inline_mgpu(arg_types=(ref,))(_init_barriers_fn(S))
     q_ref_ty = plgpu.RefType(transforms=_q_transforms())
-    prep_q = plgpu.inline_mgpu(arg_types=(ref, q_ref_ty, ref, ref) + (splat,) * (NW > 1))(_prep_q_fn(c, H, NW, PR))
+    prep_q = plgpu.inline_mgpu(arg_types=(ref, q_ref_ty, ref, ref) + (splat,) * (NW > 1))(_prep_q_fn(c, H, NW))
     translate = plgpu.inline_mgpu(arg_types=(ref, ref) + ((splat,) if NW > 1 else ()))(
         _translate_fn(nb_w, NW, page, nblocks, max_blocks))
     issue = plgpu.inline_mgpu(arg_types=(ref,) * 4)(issue_fn(config.gather)(c, stride))
@@ -113,13 +112,11 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
     finish = plgpu.inline_mgpu(arg_types=(wg_ty, wg_ty, ref, ref, ref))(
         _finish_fn(R, to_smem=NW > 1, out_scale=1 / P_SCALE if v8 else 1.0))
     combine = plgpu.inline_mgpu(arg_types=(ref, ref, ref, ref, splat))(_combine_fn(R, NW, wg_bytes))
-    last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H, PR))
+    last_merge = plgpu.inline_mgpu(arg_types=(ref,) * 7 + (splat,) * (NW > 1))(_last_merge_fn(R, NS, NW, H))
     stamp_at = plgpu.inline_mgpu(arg_types=(ref, splat))(_stamp_fn())
-    release = plgpu.inline_mgpu(arg_types=(ref,))(_release_fn())
 
     def sparse_mla_mgpu(*refs, q_smem, idx_smem, c2_smem, rows_smem, p_smem, red_smem, bar_smem, q_bar, idx_bar,
-                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None,
-                        empty_smem=None, ready_bar=None):
+                        lse_parts=None, done_bar=None, flag_smem=None, qraw_smem=None, q_lo_smem=None):
         refs = list(refs)
         trace_ref = refs.pop() if trace else None
         slots_ref, bt_ref, q_ref = refs[:3]
@@ -133,16 +130,11 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         o_ref, lse_ref, o_fin, lse_fin = refs[4:] if last else (*refs[4:], None, None)
         sp = jax.lax.axis_index("s")
         b = jax.lax.axis_index("b")
-        wg = jax.lax.axis_index("wg") if NW > 1 or PR else 0
+        wg = jax.lax.axis_index("wg") if NW > 1 else 0
         wg_arg = (wg.astype(jnp.int32),) if NW > 1 else ()
-        def of(r, w):  # warpgroup w's part of a scratch (one warpgroup: the scratch has no warpgroup axis — a
-            return r.at[w] if NW > 1 else r  # literal index 0 does not lower inside run_state)
 
-        def mine(r):  # this warpgroup's part
-            return of(r, wg)
-
-        def bar_of(r, slot):  # a stage's mbarrier (8 bytes in an int32 scratch)
-            return r.at[pl.ds(2 * slot, 2)]
+        def mine(r):  # this warpgroup's part of a scratch (one warpgroup: the scratch has no warpgroup axis — a
+            return r.at[wg] if NW > 1 else r  # literal index 0 does not lower inside run_state)
 
         rows_wg, p_wg, red_wg, bar_wg = mine(rows_smem), mine(p_smem), mine(red_smem), mine(bar_smem)
 
@@ -150,139 +142,107 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
             if trace:
                 stamp_at(trace_ref.at[sp, b, wg], jnp.asarray(pos, jnp.int32))
 
-        # with a producer, the register file's split (one compute warpgroup: both keep the launch's 255)
-        consumer_registers = ws_compute_registers(NW, PRODUCER_REGISTERS) if PR and NW > 1 else None
+        stamp(0)
+        init_barriers(bar_wg)
 
-        def produce():  # the producer warpgroup (PR): every block of every compute warpgroup, stage by stage
-            if consumer_registers:
-                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            plgpu.barrier_wait(ready_bar)  # the consumers' barriers initialised, their slots translated
-            for i in range(nb_w):
-                for w in range(NW):
-                    slot = i % S
-                    if i >= S:  # warpgroup w released this stage's previous block (use i // S − 1 of it)
-                        wait(bar_of(of(empty_smem, w), slot), jnp.asarray((i // S - 1) % 2, jnp.int32))
-                    issue(pool_ref, of(rows_smem, w).at[slot], idx_smem.at[w + NW * i], bar_of(of(bar_smem, w), slot))
-            for i in range(max(0, nb_w - S), nb_w):  # no exit with copies in flight: the last blocks released
-                for w in range(NW):
-                    wait(bar_of(of(empty_smem, w), i % S), jnp.asarray(i // S % 2, jnp.int32))
+        def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
+            # the slots first, on their own barrier: the gathers start without waiting for q (27 KB raw at K3)
+            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, idx_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
+            if f8:
+                plgpu.copy_gmem_to_smem(q_lo_ref.at[b], q_lo_smem, q_bar)
+            if not qk:
+                plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
 
-        def consume():  # a compute warpgroup
-            if consumer_registers:
-                plgpu.set_max_registers(consumer_registers, action="increase")
-            stamp(0)
-            init_barriers(bar_wg)
-            if PR:
-                init_barriers(mine(empty_smem))
+        if NW > 1:
+            pl.when(wg == 0)(load)
+        else:
+            load()
 
-            def load():  # by warpgroup 0; every warpgroup waits on idx_bar, then q_bar
-                # the slots first, on their own barrier: the gathers start without waiting for q (27 KB raw at K3)
-                plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], idx_smem, idx_bar)
-                plgpu.copy_gmem_to_smem(q_ref.at[b], qraw_smem if qk else q_smem, q_bar)  # raw q: [H·c/128, 128]
-                if f8:
-                    plgpu.copy_gmem_to_smem(q_lo_ref.at[b], q_lo_smem, q_bar)
-                if not qk:
-                    plgpu.copy_gmem_to_smem(c2_ref.at[b], c2_smem, q_bar)
+        plgpu.barrier_wait(idx_bar)
+        translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
+        stamp(1)
 
-            if NW > 1:
-                pl.when(wg == 0)(load)
+        def bar(slot):  # a stage's mbarrier (8 bytes in an int32 scratch)
+            return bar_wg.at[pl.ds(2 * slot, 2)]
+
+        def block(i):  # the CTA's block row of this warpgroup's i-th block
+            return wg + NW * i
+
+        for s in range(min(S, nb_w)):
+            issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
+        plgpu.barrier_wait(q_bar)
+        if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
+            prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
+        stamp(2)
+
+        def step(i, carry):
+            stats, out = carry
+            slot = i % S
+            wait(bar(slot), (i // S).astype(jnp.int32))
+            stamp(3 + 2 * i)
+            stage = rows_wg.at[slot]
+
+            def logits(*accs):
+                for jj, fn in enumerate(logits_a):
+                    acc = accs[jj % len(accs)]
+                    if not f8:
+                        plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
+                    else:
+                        for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
+                            cols = pl.ds(jj * LC + 32 * g, 32)
+                            plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
+                            plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
+                    if chunk_wait:  # this chunk's A registers are free after it
+                        plgpu.wgmma_wait(0)
+                return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
+
+            s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
+            p, stats, out = softmax(s_t, stats, out, idx_smem.at[block(i)], red_wg.at[i % 2], c2_smem)
+            if v8:  # P · 2^8 as e4m3 hi / lo planes, [heads, positions]
+                store_p(p, p_wg.at[0], p_wg.at[1])
             else:
-                load()
+                p_wg[...] = p
+            plgpu.commit_smem()
 
-            plgpu.barrier_wait(idx_bar)
-            translate(idx_smem, bt_ref.at[b], *wg_arg)  # this warpgroup's positions -> pool rows
-            if PR:  # the producer may start
-                plgpu.barrier_arrive(ready_bar)
-            stamp(1)
-
-            def bar(slot):
-                return bar_of(bar_wg, slot)
-
-            def block(i):  # the CTA's block row of this warpgroup's i-th block
-                return wg + NW * i
-
-            for s in range(0 if PR else min(S, nb_w)):
-                issue(pool_ref, rows_wg.at[s], idx_smem.at[block(s)], bar(s))
-            plgpu.barrier_wait(q_bar)
-            if qk:  # while the first gathers are in flight (q is first read by the first block's logits)
-                prep_q(qraw_smem, q_smem, c2_smem, sc_ref.at[pl.ds(0, 1)], *wg_arg)
-            stamp(2)
-
-            def step(i, carry):
-                stats, out = carry
-                slot = i % S
-                wait(bar(slot), (i // S).astype(jnp.int32))
-                stamp(3 + 2 * i)
-                stage = rows_wg.at[slot]
-
-                def logits(*accs):
-                    for jj, fn in enumerate(logits_a):
-                        acc = accs[jj % len(accs)]
-                        if not f8:
-                            plgpu.wgmma(acc, fn(stage), q_smem.at[:, pl.ds(jj * LC, LC)].T)
-                        else:
-                            for g, a in enumerate(fn(stage)):  # the stored bytes times q's hi and lo planes
-                                cols = pl.ds(jj * LC + 32 * g, 32)
-                                plgpu.wgmma(acc, a, plgpu.transpose_ref(q_smem.at[:, cols], (1, 0)))
-                                plgpu.wgmma(acc, a, plgpu.transpose_ref(q_lo_smem.at[:, cols], (1, 0)))
-                        if chunk_wait:  # this chunk's A registers are free after it
-                            plgpu.wgmma_wait(0)
-                    return functools.reduce(lambda x, y: x + y, [a[...] for a in accs])
-
-                s_t = pl.run_scoped(logits, *[plgpu.ACC((KEYS, HEADS), jnp.float32) for _ in range(NA)])
-                p, stats, out = softmax(s_t, stats, out, idx_smem.at[block(i)], red_wg.at[i % 2], c2_smem)
-                if v8:  # P · 2^8 as e4m3 hi / lo planes, [heads, positions]
-                    store_p(p, p_wg.at[0], p_wg.at[1])
-                else:
-                    p_wg[...] = p
-                plgpu.commit_smem()
-
-                def pv(acc):
-                    if v8:
-                        for g, fn in enumerate(value_a):
-                            a, cols = fn(stage), pl.ds(32 * g, 32)
-                            plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[0, :, cols], (1, 0)))
-                            plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[1, :, cols], (1, 0)))
-                            if chunk_wait:
-                                plgpu.wgmma_wait(0)
-                        return
-                    for kk, fn in enumerate(value_a):
-                        plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
+            def pv(acc):
+                if v8:
+                    for g, fn in enumerate(value_a):
+                        a, cols = fn(stage), pl.ds(32 * g, 32)
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[0, :, cols], (1, 0)))
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(p_wg.at[1, :, cols], (1, 0)))
                         if chunk_wait:
                             plgpu.wgmma_wait(0)
+                    return
+                for kk, fn in enumerate(value_a):
+                    plgpu.wgmma(acc, fn(stage), p_wg.at[pl.ds(kk * VK, VK)])
+                    if chunk_wait:
+                        plgpu.wgmma_wait(0)
 
-                out = pl.run_state(pv)(plgpu.ACC.init(out))
-                stamp(4 + 2 * i)
+            out = pl.run_state(pv)(plgpu.ACC.init(out))
+            stamp(4 + 2 * i)
 
-                if PR:  # the producer refills it
-                    release(bar_of(mine(empty_smem), slot))
-                else:
-                    @pl.when(i + S < nb_w)
-                    def _refill():
-                        issue(pool_ref, stage, idx_smem.at[block(i + S)], bar(slot))
+            @pl.when(i + S < nb_w)
+            def _refill():
+                issue(pool_ref, stage, idx_smem.at[block(i + S)], bar(slot))
 
-                return stats, out
+            return stats, out
 
-            zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
-            stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
-            if NW == 1:
-                finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
-            else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
-                finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
-                plgpu.barrier_arrive(done_bar)
-                plgpu.barrier_wait(done_bar)
-                combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
-            stamp(3 + 2 * nb_w)
-            if last:  # the sequence's last split to get here merges them all
-                last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
-                           lse_fin.at[b], sc_ref.at[pl.ds(1, 1)], *wg_arg)
-            stamp(4 + 2 * nb_w)
+        zeros = plgpu.layout_cast(jnp.zeros((R, HEADS), jnp.float32), wg_ty)
+        stats, out = jax.lax.fori_loop(0, nb_w, step, (init_stats(), zeros))
+        if NW == 1:
+            finish(stats, out, red_wg.at[nb_w % 2], o_ref.at[sp, b], lse_ref.at[sp, b])
+        else:  # each warpgroup's partial into its own stages, then an exact merge of the NW partials
+            finish(stats, out, red_wg.at[nb_w % 2], rows_wg, lse_parts.at[wg])
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            combine(rows_smem, lse_parts, o_ref.at[sp, b], lse_ref.at[sp, b], *wg_arg)
+        stamp(3 + 2 * nb_w)
+        if last:  # the sequence's last split to get here merges them all
+            last_merge(o_ref.at[:, b], lse_ref.at[:, b], cnt_ref.at[pl.ds(b, 1)], flag_smem, o_fin.at[b],
+                       lse_fin.at[b], sc_ref.at[pl.ds(1, 1)], *wg_arg)
+        stamp(4 + 2 * nb_w)
 
-        if PR:
-            pl.when(wg == NW)(produce)
-            pl.when(wg < NW)(consume)
-        else:
-            consume()
 
     out_type = (jax.ShapeDtypeStruct((NS, B, HEADS, R), jnp.float32), jax.ShapeDtypeStruct((NS, B, HEADS), jnp.float32))
     if last:  # + the merged result
@@ -301,8 +261,6 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
                 plgpu.SMEM(lead + (KEYS, HEADS), jnp.float16)),
         red_smem=plgpu.SMEM(lead + (2, 4, HEADS), jnp.float32),
         bar_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32),
-        **(dict(empty_smem=plgpu.SMEM(lead + (2 * S,), jnp.int32), ready_bar=plgpu.Barrier(num_arrivals=NW))
-           if PR else {}),
         q_bar=plgpu.Barrier(num_arrivals=1 if qk else 3 if f8 else 2),
         idx_bar=plgpu.Barrier(num_arrivals=1),
         **(dict(lse_parts=plgpu.SMEM((NW, HEADS), jnp.float32), done_bar=plgpu.Barrier(num_arrivals=NW))
@@ -310,7 +268,7 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
         **(dict(flag_smem=plgpu.SMEM((1,), jnp.int32)) if last else {}),
         **(dict(qraw_smem=plgpu.SMEM((H * c // 128, 128), q.dtype)) if qk else {}),
     )
-    thread_kw = dict(num_threads=NW + PR, thread_name="wg") if NW > 1 or PR else {}
+    thread_kw = dict(num_threads=NW, thread_name="wg") if NW > 1 else {}
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     if qk:  # rows of 128: TMA boxes are at most 256 wide
         if (H * c) % 128:

@@ -37,8 +37,7 @@ def _operand_types():
 def _row_load(vty, rows_ref, at):
     """A vector load of a thread's bytes from a gathered row in shared memory, aligned to its own size (rows start
     on 16 bytes, `row_stride`; a thread's bytes on their size). Said explicitly: LLVM otherwise infers the alignment
-    from the address arithmetic, and where it cannot (the consumer warpgroups' branch of `producer=True`) it splits
-    the load into single bytes."""
+    from the address arithmetic, and where it cannot it splits the load into single bytes."""
     ir, _, _, _, vector, _, mgu = _mlir()
     vt = ir.VectorType(vty)
     return vector.load(vty, rows_ref, at, alignment=vt.shape[0] * mgu.bitwidth(vt.element_type) // 8)

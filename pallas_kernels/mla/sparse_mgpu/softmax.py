@@ -12,7 +12,7 @@ import numpy as np
 
 from pallas_kernels.moe.mgpu_mxfp4 import _fragment_slots
 from .config import HEADS, KEYS, LN2, LOG2E
-from .gather import _asm, _consumers_barrier, _key_of, _mlir, _scalar, _thread_in_cta, _thread_in_wg
+from .gather import _asm, _key_of, _mlir, _scalar, _thread_in_cta, _thread_in_wg
 from .operands import _first_dim
 
 
@@ -227,7 +227,7 @@ def _combine_fn(R: int, nw: int, wg_bytes: int):
     return fn
 
 
-def _prep_q_fn(c: int, H: int, nw: int, producer: bool = False):
+def _prep_q_fn(c: int, H: int, nw: int):
     """`prepare_q` inside the kernel: raw q smem (f32 or bf16, this sequence's `[H, c]` row-major in any 2-D shape:
     TMA boxes are ≤ 256 wide) and the logit scale (gmem `[1]` f32: scale · layer scale) -> q smem `[16, c]` f16 in
     the contraction order (in `_q_transforms`' tiled, swizzled layout) and c2 smem `[16]` f32; heads ≥ H are zeros
@@ -240,7 +240,7 @@ def _prep_q_fn(c: int, H: int, nw: int, producer: bool = False):
 
     def fn(ctx, qraw_ref, q_ref, c2_ref, qs_ref, *wg):
         del ctx
-        from jax._src.lib.mlir.dialects import math as mlir_math
+        from jax._src.lib.mlir.dialects import gpu, math as mlir_math
         ir, arith, llvm, memref, _, _, mgu = _mlir()
         f32, f16, i32 = ir.F32Type.get(), ir.F16Type.get(), ir.IntegerType.get_signless(32)
         el_ty = ir.MemRefType(qraw_ref.type).element_type
@@ -288,12 +288,12 @@ def _prep_q_fn(c: int, H: int, nw: int, producer: bool = False):
                 with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, lane, ci(0))):
                     memref.store(arith.mulf(p2, mgu.c(LOG2E, f32)), c2_ref, [head])
         _asm(void, [], "fence.proxy.async.shared::cta;", "")  # generic-proxy writes, read by wgmma
-        _consumers_barrier(nw, producer)
+        gpu.barrier()
 
     return fn
 
 
-def _last_merge_fn(R: int, ns: int, nw: int, H: int, producer: bool = False):
+def _last_merge_fn(R: int, ns: int, nw: int, H: int):
     """After this CTA's partial is in gmem (o_part `[ns, 16, R]`, lse_part `[ns, 16]` f32, this sequence's
     rows): every thread fences its writes (gpu scope), thread 0 counts this split done on the sequence's counter
     (gmem `[1]` u32, zero before the kernel; acq_rel atomic add) and tells the CTA through flag smem `[1]` i32;
@@ -307,18 +307,19 @@ def _last_merge_fn(R: int, ns: int, nw: int, H: int, producer: bool = False):
 
     def fn(ctx, o_part_ref, lse_part_ref, cnt_ref, flag_ref, o_ref, lse_ref, ls_ref, *wg):
         del ctx
+        from jax._src.lib.mlir.dialects import gpu
         ir, arith, _, memref, vector, _, mgu = _mlir()
         f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         index = ir.IndexType.get()
         void = ir.Type.parse("!llvm.void")
         tid = _thread_in_cta(wg)
         _asm(void, [], "fence.acq_rel.gpu;", "")  # this thread's partial writes, before the count
-        _consumers_barrier(nw, producer)
+        gpu.barrier()
         with mgu.when(arith.cmpi(arith.CmpIPredicate.eq, tid, mgu.c(0, index))):
             old = _asm(i32, [mgu.memref_ptr(cnt_ref), mgu.c(1, i32)], "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
                        "=r,l,r")
             memref.store(old, flag_ref, [mgu.c(0, index)])
-        _consumers_barrier(nw, producer)
+        gpu.barrier()
         last = arith.cmpi(arith.CmpIPredicate.eq, memref.load(flag_ref, [mgu.c(0, index)]), mgu.c(ns - 1, i32))
         with mgu.when(last):
             _asm(void, [], "fence.acq_rel.gpu;", "")  # every other split's partial, after its count

@@ -22,20 +22,19 @@ from .layout import (  # noqa: F401
     _fragment_slots, _planes_in_contraction_order
 )
 from .rows import (  # noqa: F401
-    TilePlan, aligned_rows, gather_x, group_bounds, prepare_rows, slot_tile_plan, tile_plan, tile_rows,
-    unpad_output, _group_of, _pad_plan, _pad_rows, _tiles
+    TilePlan, gather_x, group_bounds, prepare_rows, slot_tile_plan, tile_plan, unpad_output, _group_of, _pad_plan,
+    _pad_rows, _tiles
 )
 from .decode import (  # noqa: F401
-    _bf16_decode, _bf16_decodes, _decode_fn
+    _bf16_decode, _decode_fn
 )
 from .kernels import (  # noqa: F401
-    kernel_call, kernel_call_gated, kernel_call_gated_ws, kernel_call_ws, _check_kernel_shapes, _check_same_form,
-    _cta_grid, _decode_and_mma, _for_each_item, _launch, _mma_over_k, _placement_inputs, _row0_inputs, _split_row0,
-    _store_placed, _store_rows_in_place, _store_tile, _store_transposed_fn, _ws_call
+    kernel_call, kernel_call_gated_ws, kernel_call_ws, _check_kernel_shapes, _check_same_form,
+    _cta_grid, _decode_and_mma, _for_each_item, _launch, _mma_over_k, _store_tile, _store_transposed_fn, _ws_call
 )
 from .grouped import (  # noqa: F401
     grouped_matmul, kernel_call_grouped, prepare_grouped, _store_direct_fn
 )
 from .ffn import (  # noqa: F401
-    expert_ffn_tiled, tiled_gated_matmul, tiled_matmul, tiled_matmul_in_place, _tile_layout_operands
+    expert_ffn_tiled, tiled_gated_matmul, tiled_matmul, _tile_layout_operands
 )

@@ -68,70 +68,46 @@ class MgpuConfig:
     # instructions per 8 weights instead of ~20), one wgmma pair (x as two e4m3 planes) per 32-element group into
     # that group's accumulator, scaled and summed after the step (`kernel_call_fp8`)
     mma: str = "bf16"
-    # the kernel's output: "rows" = `[padded rows, N]` (each thread writes its accumulator transposed into the
-    # staging tile, `_store_transposed_fn`), gathered back as whole rows; "cols" = outᵀ `[N, padded rows]` (the
-    # staging tile as the accumulator holds it), gathered back column by column (slower; not a default)
-    store: str = "rows"
     # where the group plan lives (bf16 path): "xla" = rows padded per expert to whole tiles in XLA (`prepare_rows`,
     # `kernel_call`, `unpad_output`; the fp8 path's only plan); "kernel" = each work item is (expert, 64-column
     # block), the kernel reads the expert's row bounds, fetches its x rows by offset and stores each output row in
     # place (`kernel_call_grouped`: no padding, no gathers; `default_config` at <= 8 rows per expert)
     plan: str = "xla"
     # the tile-layout FFN's gate and up (`expert_ffn_tiled`): "separate" — two kernels, the activation in XLA;
-    # "fused" — one kernel computing both products of each x tile and the activation in its epilogue
-    # (`kernel_call_gated`: each x tile fetched once, no fp32 gate / up outputs written and read back)
+    # "fused" — one warp-specialised kernel (warpgroups ≥ 2) computing both products of each x tile and the
+    # activation in its epilogue (`kernel_call_gated_ws`: each x tile fetched once, no fp32 gate / up outputs
+    # written and read back)
     gate_up: str = "separate"
     # compute warpgroups per CTA: 1 — one warpgroup per CTA, `ctas_per_sm` CTAs per SM, each issuing its own TMA
-    # copies and waiting for its MMAs every step (`kernel_call`); W = 2 or 4 (`WS_WARPGROUPS`) — warp-specialised
-    # (`kernel_call_ws`, the padded plan with store="rows" and the bf16 decode only): per SM one CTA of W compute
-    # warpgroups, each decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one
-    # warpgroup's decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of
-    # 64. The CTA's register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4);
-    # with gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
+    # copies and waiting for its MMAs every step (`kernel_call`); W = 2, 3 or 4 (`WS_WARPGROUPS`) — warp-specialised
+    # (`kernel_call_ws`, the padded plan and the bf16 decode only): per SM one CTA of W compute warpgroups, each
+    # decoding 64 of a work item's 64·W columns, and a memory warpgroup issuing the copies, so one warpgroup's
+    # decode runs while another's MMAs do and each x tile read from L2 serves 64·W columns instead of 64. The CTA's
+    # register pool is shared: `ws_compute_registers` per compute thread (232 at W = 2, 104 at W = 4); with
+    # gate_up="fused" each compute warpgroup holds gate's and up's accumulators and runs the activation
     warpgroups: int = 1
-    # the tile-layout FFN's down matmul (`expert_ffn_tiled`): "gather" — it writes every padded row and one XLA
-    # gather brings the rows back (with the placed layout's expert scale); "in_place" — the kernel scales each tile
-    # by its expert's factor and stores its valid rows straight into their rows of the `[M, D]` result (a TMA copy
-    # per set bit of the row count), so the padded result is never written nor read back; the rows past Σ sizes
-    # are zeroed by an XLA scatter that touches only them
-    down_rows: str = "gather"
-    # True: each weight's step decoded in 64-byte pieces (`BLOCK`), each piece's MMAs issued as soon as it is
-    # decoded (measured 1-2% slower as a whole FFN; not a default)
-    decode_pieces: bool = False
     # the tile-layout FFN's down matmul on a kernel config of its own (same `rows`: one tile plan); None: this one.
     # It reads h [m_pad, F] and writes [m_pad, D] with one weight, so it can take W = 4 compute warpgroups where the
     # fused gate / up kernel (two weights' accumulators) cannot fit their 104 registers
     down_config: "MgpuConfig | None" = None
-    # the tile-layout FFN's x for gate / up (`expert_ffn_tiled`): "padded" — gathered into the padded rows (every
-    # tile's rows written, dead tiles' zeros too); "aligned" — each group's rows padded only to a multiple of 8
-    # (`ROW_ALIGN`), plus `rows` zero rows, each tile's copy starting at its first row there (no gain measured)
-    x_rows: str = "padded"
 
     def __post_init__(self):
-        if self.store not in ("cols", "rows"):
-            raise ValueError(f"MgpuConfig.store must be 'cols' or 'rows', got {self.store!r}")
         if self.plan not in ("kernel", "xla"):
             raise ValueError(f"MgpuConfig.plan must be 'kernel' or 'xla', got {self.plan!r}")
         if self.gate_up not in ("separate", "fused"):
             raise ValueError(f"MgpuConfig.gate_up must be 'separate' or 'fused', got {self.gate_up!r}")
-        if self.x_rows not in ("padded", "aligned"):
-            raise ValueError(f"MgpuConfig.x_rows must be 'padded' or 'aligned', got {self.x_rows!r}")
-        if self.x_rows == "aligned" and self.rows % ROW_ALIGN:
-            raise ValueError(f"MgpuConfig: x_rows='aligned' starts tiles on {ROW_ALIGN}-row boundaries, so rows must "
-                             f"be a multiple of {ROW_ALIGN}, got {self.rows}")
-        if self.down_rows not in ("gather", "in_place"):
-            raise ValueError(f"MgpuConfig.down_rows must be 'gather' or 'in_place', got {self.down_rows!r}")
-        if self.mma == "bf16" and self.plan != "xla" and self.store != "rows":
-            raise ValueError("MgpuConfig: the in-kernel group plan stores rows; store='cols' needs plan='xla'")
         if self.down_config is not None and (self.down_config.rows != self.rows
                                              or self.down_config.down_config is not None):
             raise ValueError(f"MgpuConfig.down_config must tile rows as this config does (rows={self.rows}) and "
                              f"have no down_config of its own, got {self.down_config!r}")
         if self.warpgroups not in (1, *WS_WARPGROUPS):
             raise ValueError(f"MgpuConfig.warpgroups must be 1 or one of {WS_WARPGROUPS}, got {self.warpgroups!r}")
-        if self.warpgroups > 1 and (self.mma, self.plan, self.store) != ("bf16", "xla", "rows"):
-            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups > 1) takes mma='bf16', plan='xla', "
-                             f"store='rows'; got {self.mma!r}, {self.plan!r}, {self.store!r}")
+        if self.gate_up == "fused" and self.warpgroups == 1:
+            raise ValueError(f"MgpuConfig: gate_up='fused' runs on the warp-specialised kernel; it takes warpgroups "
+                             f"in {WS_WARPGROUPS}, got warpgroups=1")
+        if self.warpgroups > 1 and (self.mma, self.plan) != ("bf16", "xla"):
+            raise ValueError("MgpuConfig: the warp-specialised kernel (warpgroups > 1) takes mma='bf16' and "
+                             f"plan='xla'; got {self.mma!r}, {self.plan!r}")
 
 
 def default_config(rows_per_group: float) -> MgpuConfig:

@@ -79,8 +79,3 @@ def _bf16_decode(kh: int, code_layout: str):
         return_type=(plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
                      plgpu.ShapeDtypeStruct((COLS, kh), jnp.bfloat16, layout=plgpu.Layout.WGMMA)),
     )(_decode_fn(kh, code_layout))
-
-
-def _bf16_decodes(kh: int, code_layout: str):
-    """(decode of a whole kh-byte step, decode of one `BLOCK`-byte piece): `_decode_and_mma`'s two forms."""
-    return _bf16_decode(kh, code_layout), _bf16_decode(BLOCK, code_layout)

@@ -14,58 +14,45 @@ import jax
 import jax.numpy as jnp
 
 from .config import MgpuConfig, fit_config, tiled_config
-from .kernels import kernel_call, kernel_call_gated
+from .kernels import kernel_call, kernel_call_gated_ws
 from .layout import PreparedWeight, _planes_in_contraction_order, columns_as_planes, expert_scale
-from .rows import TilePlan, aligned_rows, gather_x, tile_plan, tile_rows
+from .rows import TilePlan, gather_x, tile_plan
 
 
 def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
-    """x planes of padded rows and the kernel's config for weight `w` (rows stored in place, step width fitted).
+    """x planes of padded rows and the kernel's config for weight `w` (the padded plan, step width fitted).
     `x_pad`: `[m_pad, K]` rows, or already the planes `[2, m_pad, K/2]` (what a fused gate / up kernel with
     out_order="planes" writes), taken as they are."""
-    cfg = fit_config(dataclasses.replace(config, store="rows", plan="xla"), w.in_features)
+    cfg = fit_config(dataclasses.replace(config, plan="xla"), w.in_features)
     if x_pad.ndim == 3:
         return x_pad.astype(jnp.bfloat16), cfg
     return _planes_in_contraction_order(x_pad.astype(jnp.bfloat16)), cfg
 
 
-def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                 x_row0=None):
+def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
     """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them; or their planes
     `[2, m_pad, K/2]`) -> `[m_pad, N]` (columns in `w`'s output order), each live tile's rows times its expert's
     weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and written by the kernel in
     `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back). The x plane transpose
     here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation).
-    `x_row0 [t_max]` (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): x is any number of rows and tile t
-    reads rows x_row0[t] … x_row0[t] + rows − 1 of it (padded row t·rows + r holds x row x_row0[t] + r).
     The placed layout's expert factor is applied by the kernel to its fp32 accumulators."""
     xs, cfg = _tile_layout_operands(x_pad, w, config)
-    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, x_row0=x_row0, scale=expert_scale(w))
-
-
-def tiled_matmul_in_place(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, num_rows: int):
-    """One grouped matmul from the tile layout back to sorted rows: `x_pad [m_pad, K]` (rows as `plan` pads them)
-    -> `[num_rows, N]` fp32, each live tile's valid rows (its expert's rows, times the expert's scale) stored by the
-    kernel straight into their sorted rows. Rows past Σ group_sizes are left unwritten (`expert_ffn_tiled` zeroes
-    them)."""
-    xs, cfg = _tile_layout_operands(x_pad, w, config)
-    first_row, valid_rows = tile_rows(plan, cfg.rows, num_rows)
-    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, place=(first_row, valid_rows, num_rows))
+    return kernel_call(xs, plan.tile_group, plan.num_tiles, w, cfg, out_dtype, scale=expert_scale(w))
 
 
 def tiled_gated_matmul(x_pad, plan: TilePlan, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                       config: MgpuConfig, out_dtype=jnp.float32, *, x_row0=None):
-    """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated`): `x_pad [m_pad, K]` ->
+                       config: MgpuConfig, out_dtype=jnp.float32):
+    """Gate, up and the activation in the tile layout, one kernel (`kernel_call_gated_ws`): `x_pad [m_pad, K]` ->
     h `[m_pad, F]` in `out_dtype` (fp32 or bf16; rows of dead tiles unwritten) — for weights with
-    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`. `x_row0`: as in `tiled_matmul`."""
+    out_order="planes", h as the down matmul's x planes `[2, m_pad, F/2]`."""
     xs, cfg = _tile_layout_operands(x_pad, w_gate, config)
-    return kernel_call_gated(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg, expert_scale(w_gate),
-                             expert_scale(w_up), out_dtype, x_row0=x_row0)
+    return kernel_call_gated_ws(xs, plan.tile_group, plan.num_tiles, w_gate, w_up, activation, cfg,
+                                expert_scale(w_gate), expert_scale(w_up), out_dtype)
 
 
 def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: PreparedWeight, w_down: PreparedWeight,
                      activation, *, h_dtype=jnp.bfloat16, config: MgpuConfig | None = None, matmul=None,
-                     gated_matmul=None, gate_up_dtype=jnp.float32, down_matmul=None, token_of_row=None,
+                     gated_matmul=None, gate_up_dtype=jnp.float32, token_of_row=None,
                      out_rows=None, plan: TilePlan | None = None):
     """The expert FFN on rows sorted by expert, `down(act(gate x, up x))` -> `[M, D]` fp32, with all three matmuls
     in one tile layout: x is gathered into padded rows once (`tile_plan`), gate and up write `[m_pad, F]`, the
@@ -80,11 +67,9 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     padded rows in one step (`ops.expert_ffn` asks for (token, slot) order, so its combine gathers nothing).
 
     `config`: the kernel's tile shape and the FFN's plumbing (default `tiled_config(M / E, (F, D))`;
-    `gate_up="fused"` runs gate, up and the activation as one kernel; `down_rows="in_place"` has down store its
-    rows where they belong instead of a gather back; `x_rows="aligned"` gathers x into groups padded to 8 rows
-    instead of the padded tile rows); `matmul` / `gated_matmul` / `down_matmul`: the tile-layout
-    matmul, fused gate / up and in-place down (default `tiled_matmul` / `tiled_gated_matmul` /
-    `tiled_matmul_in_place`, the Mosaic GPU kernels; tests pass reference ones to check the plumbing on CPU).
+    `gate_up="fused"` runs gate, up and the activation as one kernel); `matmul` / `gated_matmul`: the tile-layout
+    matmul and fused gate / up (default `tiled_matmul` / `tiled_gated_matmul`, the Mosaic GPU kernels; tests pass
+    reference ones to check the plumbing on CPU).
     `plan`: a tile plan made elsewhere (`slot_tile_plan`: the rows are routed pairs in (token, slot) order, each
     row's token in `token_of_row`); `group_sizes` is then unused and `config.rows` must be the plan's tile rows.
     `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32 accumulation
@@ -103,30 +88,18 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     elif plan.tile_group.shape[0] * cfg.rows != plan.src.shape[0] or plan.pad_row.shape[0] != M:
         raise ValueError(f"expert_ffn_tiled: a plan of {plan.tile_group.shape[0]} tiles, {plan.src.shape[0]} padded "
                          f"rows for {plan.pad_row.shape[0]} rows does not fit {cfg.rows}-row tiles over {M} rows")
-    elif cfg.x_rows == "aligned" or cfg.down_rows == "in_place":
-        raise ValueError("expert_ffn_tiled: a plan given from outside runs padded x rows and down gathered back "
-                         "(x_rows='padded', down_rows='gather'); both others need rows sorted by expert")
-    src, x_row0 = aligned_rows(group_sizes, plan, cfg.rows, M) if cfg.x_rows == "aligned" else (plan.src, None)
-    x_in = gather_x(x_rows, src, token_of_row)
+    x_in = gather_x(x_rows, plan.src, token_of_row)
     if cfg.gate_up == "fused":
         # the kernel rounds h to h_dtype itself (as XLA's convert would: to nearest even), so h is written and
         # read back at half the bytes of fp32; with out_order="planes" it writes down's x planes
         written = h_dtype if jnp.dtype(h_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else jnp.float32
-        h = gated_matmul(x_in, plan, w_gate, w_up, activation, cfg, out_dtype=written, x_row0=x_row0).astype(h_dtype)
+        h = gated_matmul(x_in, plan, w_gate, w_up, activation, cfg, out_dtype=written).astype(h_dtype)
     else:
-        gate, up = (matmul(x_in, plan, w, cfg, gate_up_dtype, x_row0=x_row0).astype(jnp.float32)
-                    for w in (w_gate, w_up))
+        gate, up = (matmul(x_in, plan, w, cfg, gate_up_dtype).astype(jnp.float32) for w in (w_gate, w_up))
         h = activation(gate, up).astype(h_dtype)
         if w_gate.out_order == "planes":  # columns in plane order: the planes are whole 64-column blocks of h
             h = columns_as_planes(h)
-    down_cfg = cfg.down_config or cfg
-    if cfg.down_rows == "in_place":  # down stores each row where it belongs; `down_matmul`: tests' stand-in
-        y = (down_matmul or tiled_matmul_in_place)(h, plan, w_down, down_cfg, M)
-        # rows past Σ group_sizes are in no tile: zeroed by a scatter that writes those rows only (the live rows'
-        # indices are out of bounds and dropped)
-        y = y.at[jnp.where(plan.live, M, jnp.arange(M))].set(0.0, mode="drop")
-        return y if out_rows is None else y[out_rows]
-    y_pad = matmul(h, plan, w_down, down_cfg)
+    y_pad = matmul(h, plan, w_down, cfg.down_config or cfg)
     pad_row, live = plan.pad_row, plan.live
     if given_plan and out_rows is None:
         # materialised for the reason given below: the gather back (fused into the combine) reads each row's index

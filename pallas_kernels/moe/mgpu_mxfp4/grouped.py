@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import BLOCK, COLS, MgpuConfig, ROW_ALIGN
-from .decode import _bf16_decodes
+from .decode import _bf16_decode
 from .kernels import _cta_grid, _mma_over_k, kernel_call
 from .layout import PreparedWeight, _planes_in_contraction_order, config_for, expert_scale, planes_column_order
 import pallas_kernels.experimental.mxfp4_fp8_mma as fp8_mma
@@ -99,7 +99,7 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={kh} (a multiple of "
                          f"{BLOCK}), N={N} of {COLS}; bounds {bounds.shape} must be [E + 2 = {E + 2}]")
     n_blocks = N // COLS
-    decode = _bf16_decodes(kh, w.layout)
+    decode = _bf16_decode(kh, w.layout)
     store = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 5 + (plgpu.RefType(),))(_store_direct_fn())
     scaled = row_scale is not None
 
@@ -121,8 +121,8 @@ def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_s
             @pl.when(g < E)
             def _matmul():
                 def acc_scope(acc_ref):
-                    _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb,
-                                pl.Element(RX), x_row, cfg)
+                    _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, pl.Element(RX), x_row,
+                                cfg)
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, RX), jnp.float32))
@@ -172,16 +172,16 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
     if config.mma == "fp8":
         x_hi, x_lo, inv, tile_group, num_tiles, pad_row, live = fp8_mma.prepare_rows_fp8(x, group_sizes, w.num_experts,
                                                                                  config.rows)
-        out_t = fp8_mma.kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
-        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=inv, store=config.store)
+        out = fp8_mma.kernel_call_fp8(x_hi, x_lo, tile_group, num_tiles, w, config)
+        return unpad_output(out, pad_row, live, out_dtype, row_scale=inv)
     elif config.mma == "bf16" and config.plan == "kernel":
         xs, bounds = prepare_grouped(x, group_sizes, config)
         return kernel_call_grouped(xs, bounds, w, config, expert_scale(w), out_rows=x.shape[0]).astype(out_dtype)
     elif config.mma == "bf16":
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
-        out_t = kernel_call(xs, tile_group, num_tiles, w, config)
+        out = kernel_call(xs, tile_group, num_tiles, w, config)
         row_scale = None
         if w.layout == "placed":  # each padded row's expert's 2^exp_offset (1 for real checkpoints)
             row_scale = jnp.repeat(expert_scale(w)[tile_group], config.rows)
-        return unpad_output(out_t, pad_row, live, out_dtype, row_scale=row_scale, store=config.store)
+        return unpad_output(out, pad_row, live, out_dtype, row_scale=row_scale)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")

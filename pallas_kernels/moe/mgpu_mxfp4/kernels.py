@@ -3,9 +3,9 @@
 `kernel_call`: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over work items (row tile, 64-column
 block); the weights stream through a TMA pipeline, the decode writes the wgmma A operand in registers (weights
 as the M side, 64 columns per warpgroup) and a tile of x rows is the N side. x planes `[2, m_pad, K/2]` bf16 and a
-`PreparedWeight` -> out `[m_pad, N]` (store="rows", fp32 or bf16) or outᵀ `[N, m_pad]` fp32 (store="cols").
+`PreparedWeight` -> out `[m_pad, N]` (fp32 or bf16).
 `kernel_call_ws` / `kernel_call_gated_ws`: warp-specialised (W compute warpgroups of 64 columns each and one
-memory warpgroup per CTA); `kernel_call_gated[_ws]` computes gate and up of each x tile and the activation in the
+memory warpgroup per CTA); `kernel_call_gated_ws` computes gate and up of each x tile and the activation in the
 epilogue, writing h only. fp32 accumulation everywhere.
 """
 
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import BLOCK, COLS, MgpuConfig, ROW_ALIGN, WS_MEMORY_REGISTERS, _PoolRegisterSplit, ws_stages
-from .decode import _bf16_decodes
-from .layout import PreparedWeight, expert_scale
+from .config import BLOCK, COLS, MgpuConfig, WS_MEMORY_REGISTERS, WS_WARPGROUPS, _PoolRegisterSplit, ws_stages
+from .decode import _bf16_decode
+from .layout import PreparedWeight
 
 
 def _store_transposed_fn():
@@ -47,35 +47,10 @@ def _store_transposed_fn():
 
 
 def _store_tile(acc, o_smem, out_ref, nb, t, store: str):
-    """A work item's `[64, rows]` fp32 result -> outᵀ[64·nb …, rows·t …] ("cols") or out[rows·t …, 64·nb …] ("rows")
-    through shared memory and a TMA copy, once the previous item's copy has read the staging buffer. "planes": out
-    is the next matmul's x planes `[2, m_pad, N/2]` and block nb of the (`planes_column_order`) columns goes to
-    plane nb mod 2, columns 64·(nb // 2) … (the rows' tile as for "rows")."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if store in ("rows", "planes"):
-        R = o_smem.shape[0]
-        plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
-        plgpu.commit_smem()
-        if store == "rows":
-            dst = out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)]
-        else:
-            dst = out_ref.at[nb % 2, pl.ds(t * R, R), pl.ds(nb // 2 * COLS, COLS)]
-        plgpu.copy_smem_to_gmem(o_smem, dst)
-    else:
-        R = o_smem.shape[1]
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(nb * COLS, COLS), pl.ds(t * R, R)])
-
-
-def _store_rows_in_place(acc, o_smem, out_ref, nb, row0, n):
-    """A work item's `[64, R]` fp32 result -> its first `n` rows (0 ≤ n ≤ R, dynamic) stored at out[row0 …
-    row0 + n, 64·nb …]: the tile goes through the `[R, 64]` staging buffer as in `_store_tile`, then one TMA copy
-    per set bit b of n moves rows [n & ~(2b − 1), +b) — copies need static sizes, and a row of 64 fp32 or bf16 is
-    a multiple of the 128 bytes a copy's shared-memory start must align to."""
+    """A work item's `[64, rows]` fp32 result -> out[rows·t …, 64·nb …] (`store="rows"`) through the `[rows, 64]`
+    staging buffer (written transposed, `_store_transposed_fn`) and a TMA copy, once the previous item's copy has
+    read the buffer. "planes": out is the next matmul's x planes `[2, m_pad, N/2]` and block nb of the
+    (`planes_column_order`) columns goes to plane nb mod 2, columns 64·(nb // 2) … (the rows' tile as for "rows")."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -83,14 +58,11 @@ def _store_rows_in_place(acc, o_smem, out_ref, nb, row0, n):
     R = o_smem.shape[0]
     plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_transposed_fn())(acc, o_smem)
     plgpu.commit_smem()
-    b = 1 << (R.bit_length() - 1)  # the largest power of two ≤ R
-    while b:
-        @pl.when((n & b) != 0)
-        def _copy(b=b):
-            off = n & ~(2 * b - 1)
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, b)],
-                                    out_ref.at[pl.ds(row0 + off, b), pl.ds(nb * COLS, COLS)])
-        b //= 2
+    if store == "rows":
+        dst = out_ref.at[pl.ds(t * R, R), pl.ds(nb * COLS, COLS)]
+    else:
+        dst = out_ref.at[nb % 2, pl.ds(t * R, R), pl.ds(nb // 2 * COLS, COLS)]
+    plgpu.copy_smem_to_gmem(o_smem, dst)
 
 
 def _for_each_item(t_max: int, n_blocks: int, tile_group_ref, num_ref, item):
@@ -115,193 +87,115 @@ def _cta_grid(cfg: MgpuConfig) -> tuple[int]:
     return (num_sms * cfg.ctas_per_sm,)
 
 
-def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32, planes: bool = False):
+def _launch(body, N: int, m_pad: int, cfg: MgpuConfig, out_dtype=jnp.float32):
     """`body` as a Mosaic GPU kernel: one warpgroup per CTA, `ctas_per_sm` CTAs per SM looping over the work items
-    (`nd_loop` over the "sm" axis), outᵀ `[N, m_pad]` fp32 and a `[64, rows]` staging buffer (`store="rows"`: out
-    `[m_pad, N]` in `out_dtype` (fp32 or bf16), staging `[rows, 64]`; `planes`: out is the next matmul's x planes
-    `[2, m_pad, N/2]`, stored as for "rows" by `_store_tile(store="planes")`)."""
+    (`nd_loop` over the "sm" axis), out `[m_pad, N]` in `out_dtype` (fp32 or bf16) and a `[rows, 64]` staging
+    buffer."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    rows_major = cfg.store == "rows" or planes
-    if not rows_major and jnp.dtype(out_dtype) != jnp.float32:
-        raise ValueError(f"mgpu MXFP4: store='cols' writes fp32 only, got out_dtype={jnp.dtype(out_dtype)}")
-    out_shape = (2, m_pad, N // 2) if planes else (m_pad, N) if rows_major else (N, m_pad)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct((m_pad, N), out_dtype),
         grid=_cta_grid(cfg),
         grid_names=("sm",),
-        scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS) if rows_major else (COLS, cfg.rows), out_dtype)),
+        scratch_types=dict(o_smem=plgpu.SMEM((cfg.rows, COLS), out_dtype)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
 
-def _decode_and_mma(decode_fns, acc_refs, w_bufs, xs_s, kh: int, pieces: bool):
+def _decode_and_mma(decode, acc_refs, w_bufs, xs_s):
     """One pipeline step: for each (accumulator `[64, rows]`, codes `[64, kh]` and scales `[kh/16, 64]` in shared
-    memory), the codes decoded and multiplied with the x planes' tile `xs_s [2, rows, kh]` (bf16), then a wait for
-    those MMAs: the next decode reuses the A registers, and the step's buffers are released only after it (leaving
-    one group in flight — wgmma_wait(1), x released a step late — gave wrong results and NaNs on the H200).
-    `decode_fns`: (decode of kh bytes, decode of one `BLOCK`); `pieces` (`MgpuConfig.decode_pieces`): each weight
-    decoded one BLOCK at a time, each piece's MMAs issued as soon as it is decoded."""
-    import jax.experimental.pallas as pl
+    memory), the codes decoded (`decode`, `_bf16_decode`) and multiplied with the x planes' tile `xs_s [2, rows, kh]`
+    (bf16), then a wait for those MMAs: the next decode reuses the A registers, and the step's buffers are released
+    only after it (leaving one group in flight — wgmma_wait(1), x released a step late — gave wrong results and NaNs
+    on the H200)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    whole, piece = decode_fns
     for i, acc_ref in enumerate(acc_refs):
-        codes, scales = w_bufs[2 * i], w_bufs[2 * i + 1]
-        if not pieces:
-            lo, hi = whole(codes, scales)
-            plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
-            plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
-        else:
-            for p in range(kh // BLOCK):
-                k_bytes = pl.ds(p * BLOCK, BLOCK)
-                lo, hi = piece(codes.at[:, k_bytes], scales.at[pl.ds(p * BLOCK // 16, BLOCK // 16)])
-                plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0, :, k_bytes], (1, 0)))
-                plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1, :, k_bytes], (1, 0)))
+        lo, hi = decode(w_bufs[2 * i], w_bufs[2 * i + 1])
+        plgpu.wgmma(acc_ref, lo, plgpu.transpose_ref(xs_s.at[0], (1, 0)))
+        plgpu.wgmma(acc_ref, hi, plgpu.transpose_ref(xs_s.at[1], (1, 0)))
         plgpu.wgmma_wait(0)
 
 
-def _mma_over_k(decode, acc_refs, weight_refs, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
-    """One tile's loop over K: per step, for each (accumulator `[64, rows]`, (codes `[N, K/2]`, scales `[K/32, N]`)
-    of one expert's weight), the 64-column block nb's codes and scales decoded and multiplied with the x planes'
-    tile (`BlockSpec` row dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA
-    pipeline of `cfg.steps` stages. One weight: a grouped matmul; two (gate, up): both products of the same x tile,
-    one weight after the other (each waits for its MMAs before the next decode reuses the registers)."""
+def _mma_over_k(decode, acc_ref, codes_ref, scales_ref, xs_ref, nb, x_rows, x_index, cfg: MgpuConfig):
+    """One tile's loop over K into the accumulator `acc_ref [64, rows]`: per step, the 64-column block nb of one
+    expert's codes `[N, K/2]` and scales `[K/32, N]` decoded and multiplied with the x planes' tile (`BlockSpec` row
+    dimension `x_rows` — a block size or `pl.Element` — at index `x_index`), through a TMA pipeline of `cfg.steps`
+    stages."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     kh = cfg.kh
 
-    def step(_, *bufs):
-        *w_bufs, xs_s = bufs
-        _decode_and_mma(decode, acc_refs, w_bufs, xs_s, kh, cfg.decode_pieces)
+    def step(_, codes_s, scales_s, xs_s):
+        _decode_and_mma(decode, (acc_ref,), (codes_s, scales_s), xs_s)
 
-    weight_specs = [plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
-                    plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb))]
     plgpu.emit_pipeline(
         step,
         grid=(xs_ref.shape[-1] // kh,),
-        in_specs=weight_specs * len(acc_refs) + [plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk))],
+        in_specs=[plgpu.BlockSpec((COLS, kh), lambda kk: (nb, kk)),
+                  plgpu.BlockSpec((kh // 16, COLS), lambda kk: (kk, nb)),
+                  plgpu.BlockSpec((2, x_rows, kh), lambda kk: (0, x_index, kk))],
         max_concurrent_steps=cfg.steps,
-    )(*[r for pair in weight_refs for r in pair], xs_ref)
+    )(codes_ref, scales_ref, xs_ref)
 
 
 def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig = MgpuConfig(),
-                out_dtype=jnp.float32, *, place=None, x_row0=None, scale=None):
-    """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> outᵀ `[N, m_pad]` fp32 (`store="rows"`:
-    out `[m_pad, N]` in `out_dtype`, fp32 or bf16 — fp32 accumulation either way).
+                out_dtype=jnp.float32, *, scale=None):
+    """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> out `[m_pad, N]` in `out_dtype`, fp32 or
+    bf16 (fp32 accumulation either way; rows of dead tiles unwritten); warpgroups > 1: `kernel_call_ws`.
 
-    `place` (store="rows"): (first output row `[t_max]`, valid rows `[t_max]` int32 of each tile, M) — each live
-    tile's first valid-rows rows go straight to their rows of out `[M, N]`, times the expert's scale for the placed
-    layout (`_store_rows_in_place`); rows no tile covers are left unwritten.
-    `x_row0` `[t_max]` int32 (`MgpuConfig.x_rows="aligned"`, multiples of `ROW_ALIGN`): tile t reads x rows
-    x_row0[t] … x_row0[t] + rows − 1 of planes `[2, any rows, K/2]` instead of its own padded rows; m_pad =
-    t_max · rows either way.
-    `scale` `[E]` fp32 (not with `place`, which brings its own): each expert's output factor (the placed layout's
-    2^exp_offset, `expert_scale`), applied to the fp32 accumulator before the store, so no XLA pass over the
-    output is needed for it."""
+    `scale` `[E]` fp32: each expert's output factor (the placed layout's 2^exp_offset, `expert_scale`), applied to
+    the fp32 accumulator before the store, so no XLA pass over the output is needed for it."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if place is not None and scale is not None:
-        raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
     if config.warpgroups > 1:
-        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, place=place, x_row0=x_row0,
-                              scale=scale)
+        return kernel_call_ws(xs, tile_group, num_tiles, w, config, out_dtype, scale=scale)
     cfg = config
     R, kh = cfg.rows, cfg.kh
     t_max = tile_group.shape[0]
     m_pad = t_max * R
-    _check_kernel_shapes(xs, w, cfg, tile_group, x_row0)
+    _check_kernel_shapes(xs, w, cfg, tile_group)
     n_blocks = w.out_features // COLS
-    decode = _bf16_decodes(kh, w.layout)
-    inputs = _placement_inputs(place, w, cfg) + _row0_inputs(x_row0)
+    decode = _bf16_decode(kh, w.layout)
     extra = () if scale is None else (scale,)
 
     def body(tile_group_ref, num_ref, *refs, o_smem):
-        place_refs, refs = refs[:len(inputs)], refs[len(inputs):]
         extra_refs, (xs_ref, codes_ref, scales_ref, out_ref) = refs[:len(extra)], refs[len(extra):]
-        place_refs, x_rows, x_index = _split_row0(place_refs, x_row0, R)
 
         def item(t, nb, g):
             def acc_scope(acc_ref):
-                _mma_over_k(decode, (acc_ref,), ((codes_ref.at[g], scales_ref.at[g]),), xs_ref, nb, x_rows,
-                            x_index(t), cfg)
+                _mma_over_k(decode, acc_ref, codes_ref.at[g], scales_ref.at[g], xs_ref, nb, R, t, cfg)
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((COLS, R), jnp.float32))
             if extra_refs:
                 acc = acc * extra_refs[0][g]
-            if place_refs:
-                _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs)
-            else:
-                _store_tile(acc, o_smem, out_ref, nb, t, cfg.store)
+            _store_tile(acc, o_smem, out_ref, nb, t, "rows")
 
         _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_rows = m_pad if place is None else place[2]
-    return _launch(body, w.out_features, out_rows, cfg, out_dtype)(tile_group, num_tiles, *inputs, *extra, xs,
-                                                                  w.codes, w.scales_t)
+    return _launch(body, w.out_features, m_pad, cfg, out_dtype)(tile_group, num_tiles, *extra, xs, w.codes,
+                                                               w.scales_t)
 
 
-def _placement_inputs(place, w: PreparedWeight, cfg: MgpuConfig) -> tuple:
-    """The kernel inputs of `place`: first row and valid rows per tile, then the expert scales for the placed
-    layout (none for the natural layout)."""
-    if place is None:
-        return ()
-    if cfg.store != "rows":
-        raise ValueError("mgpu MXFP4: rows stored in place need store='rows'")
-    scale = expert_scale(w)
-    return (place[0], place[1]) + (() if scale is None else (scale,))
-
-
-def _store_placed(acc, o_smem, out_ref, nb, t, g, place_refs):
-    """`_store_rows_in_place` of tile t (expert g) at column block nb, times the expert's factor where `place_refs`
-    (`_placement_inputs`) carry the scales."""
-    row0_ref, n_ref, *scale_ref = place_refs
-    if scale_ref:
-        acc = acc * scale_ref[0][g]
-    _store_rows_in_place(acc, o_smem, out_ref, nb, row0_ref[t], n_ref[t])
-
-
-def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group, x_row0=None):
-    """x planes `[2, m_pad, K/2]` (with `x_row0`: `[2, any rows ≥ rows, K/2]`) and weight `[E, N, K/2]` as the
-    padded-plan kernels take them, m_pad = t_max · rows for `tile_group [t_max]`."""
+def _check_kernel_shapes(xs, w: PreparedWeight, cfg: MgpuConfig, tile_group):
+    """x planes `[2, m_pad, K/2]` and weight `[E, N, K/2]` as the padded-plan kernels take them, m_pad = t_max · rows
+    for `tile_group [t_max]`."""
     _, x_rows, KH = xs.shape
     KH2, N = w.codes.shape[2], w.out_features
     m_pad = tile_group.shape[0] * cfg.rows
-    bad_rows = x_rows < cfg.rows if x_row0 is not None else x_rows != m_pad
-    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % COLS or bad_rows:
+    if KH2 != KH or KH % cfg.kh or cfg.kh % BLOCK or N % COLS or x_rows != m_pad:
         raise ValueError(f"mgpu MXFP4: packed K/2={KH2} (x: {KH}) must be a multiple of kh={cfg.kh} (a multiple of "
-                         f"{BLOCK}), N={N} of {COLS}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}"
-                         + (" (at least one tile's)" if x_row0 is not None else ""))
-    if x_row0 is not None and x_row0.shape != tile_group.shape:
-        raise ValueError(f"mgpu MXFP4: x_row0 {x_row0.shape} needs one row per tile, {tile_group.shape}")
-
-
-def _row0_inputs(x_row0) -> tuple:
-    """The kernel input of `x_row0` (each tile's first x row, `MgpuConfig.x_rows="aligned"`), if any."""
-    return () if x_row0 is None else (x_row0,)
-
-
-def _split_row0(refs, x_row0, R: int):
-    """The refs after the placement inputs -> (placement refs, the x tile's `BlockSpec` row dimension, tile t -> its
-    index there): rows from x_row0[t] (`pl.Element`) with `x_row0`, else padded tile t (block R). The offset is
-    rounded down to `ROW_ALIGN` where the lowering can see it (the copy's tiled source needs that); `x_row0`'s
-    values are multiples of it already."""
-    import jax.experimental.pallas as pl
-
-    if x_row0 is None:
-        return refs, R, lambda t: t
-    *refs, row0_ref = refs
-    return tuple(refs), pl.Element(R), lambda t: jax.lax.div(row0_ref[t], ROW_ALIGN) * ROW_ALIGN
+                         f"{BLOCK}), N={N} of {COLS}; x rows {x_rows} for {tile_group.shape[0]} tiles of {cfg.rows}")
 
 
 def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32, *,
-                   place=None, x_row0=None, scale=None):
+                   scale=None):
     """The padded-plan kernel, warp-specialised (`MgpuConfig(warpgroups=2)`): the same operands and result as
-    `kernel_call` with store="rows" (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
+    `kernel_call` (out `[m_pad, N]` in `out_dtype`, rows of dead tiles unwritten).
 
     One CTA per SM (W + 1 warpgroups take the register file: W compute warpgroups at (512 − 40) / W registers, the
     memory warpgroup at 40). A work item is (row tile t, block of C = 64·W columns); its K loop is one
@@ -310,25 +204,25 @@ def kernel_call_ws(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuCon
     its wgmma A registers and multiplies them with the shared x tile, waiting for its own MMAs before the next
     decode (the registers are reused). The CTA's items form one chain of pipelines (`pipeline_state` START /
     STEADY / STOP), so the memory warpgroup fetches the next item's first steps while the last ones compute; the
-    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `place`, `x_row0`,
-    `scale`: as in `kernel_call`."""
-    if place is not None and scale is not None:
-        raise ValueError("mgpu MXFP4: rows stored in place carry the expert scales already; pass scale=None")
+    chain needs the K loop's steps to be a whole number of rounds of the stages (`ws_stages`). `scale`: as in
+    `kernel_call`."""
 
     def epilogue(accs, g, *scale_ref):
         return accs[0] * scale_ref[0][g] if scale_ref else accs[0]
 
-    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, epilogue, () if scale is None else (scale,),
-                    place=place, x_row0=x_row0)
+    return _ws_call(xs, tile_group, num_tiles, (w,), config, out_dtype, epilogue, () if scale is None else (scale,))
 
 
 def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32, x_row0=None):
-    """`kernel_call_gated` warp-specialised (`MgpuConfig(warpgroups=2, gate_up="fused")`): h `[m_pad, F]`
-    `out_dtype` = activation(x·Wgᵀ·sg, x·Wuᵀ·su) (weights with out_order="planes": the down matmul's x planes
-    `[2, m_pad, F/2]`). As `kernel_call_ws`, with each step's stage holding both weights' blocks beside the one x
-    tile, and each compute warpgroup two accumulators (gate, up) for its 64 columns; the activation runs on them in
-    the epilogue, so gate and up are never written to memory."""
+                         config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32):
+    """Gate and up in one warp-specialised kernel (`MgpuConfig(gate_up="fused")`, warpgroups ≥ 2): `prepare_rows`'
+    x planes, two weights of one shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded
+    to nearest even) = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile (weights with
+    out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`), with `gate_scale` / `up_scale` `[E]` each
+    expert's fp32 output factor (the placed layout's 2^exp_offset) or None. As `kernel_call_ws`, with each step's
+    stage holding both weights' blocks beside the one x tile and each compute warpgroup two accumulators (gate, up)
+    for its 64 columns; `activation(g, u)` runs on them in the epilogue (it must lower in Mosaic GPU: elementwise
+    arithmetic, tanh, logistic, exp), so gate and up are never written to memory."""
     def epilogue(accs, g, *scale_refs):
         gate, up = accs
         if scale_refs:
@@ -336,27 +230,26 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
         return activation(gate, up)
 
     scales = () if gate_scale is None else (gate_scale, up_scale)
-    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales, x_row0=x_row0)
+    return _ws_call(xs, tile_group, num_tiles, (w_gate, w_up), config, out_dtype, epilogue, scales)
 
 
-def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra, place=None,
-             x_row0=None):
+def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_dtype, epilogue, extra):
     """The warp-specialised kernel over one weight or a (gate, up) pair of one shape and layout: each work item's
     accumulators `[64, R]` fp32 (one per weight) -> `epilogue(accs, g, *extra_refs)` (g the item's expert, `extra`
-    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block (or, with `place`,
-    its valid rows in place: `kernel_call`). `x_row0`: each tile's first x row (`kernel_call`)."""
+    kernel inputs such as per-expert scales) -> out rows `[R, 64]` of its tile and column block."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
     from jax._src.pallas.mosaic_gpu.pipeline import PipelinePipeline
 
-    if config.store != "rows" or config.mma != "bf16":
-        raise ValueError("mgpu MXFP4: the warp-specialised kernel stores rows and decodes to bf16")
+    if config.mma != "bf16" or config.warpgroups not in WS_WARPGROUPS:
+        raise ValueError(f"mgpu MXFP4: the warp-specialised kernel decodes to bf16 on one of {WS_WARPGROUPS} compute "
+                         f"warpgroups; got mma={config.mma!r}, warpgroups={config.warpgroups}")
     w = weights[0]
     _check_same_form(weights)
     # a fused gate / up pair whose columns are in the down matmul's plane order writes those planes
     planes = len(weights) == 2 and w.out_order == "planes"
-    _check_kernel_shapes(xs, w, config, tile_group, x_row0)
+    _check_kernel_shapes(xs, w, config, tile_group)
     KH = xs.shape[2]
     R, kh, N = config.rows, config.kh, w.out_features
     m_pad = tile_group.shape[0] * R
@@ -370,17 +263,10 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     out_bytes = wgs * R * COLS * jnp.dtype(out_dtype).itemsize  # the compute warpgroups' staging tiles
     stages = ws_stages(steps, config.steps, stage_bytes=n_w * (cols * kh + kh // 16 * cols) + 2 * R * kh * 2,
                        fixed_bytes=out_bytes + 1024)  # + barriers
-    decode = _bf16_decodes(kh, w.layout)
+    decode = _bf16_decode(kh, w.layout)
     num_sms = _cta_grid(dataclasses.replace(config, ctas_per_sm=1))[0]
-    if place is not None and n_w != 1:
-        raise ValueError("mgpu MXFP4: rows stored in place take one weight")
-    place_inputs = _placement_inputs(place, w, config) + _row0_inputs(x_row0)
 
     def kernel(tile_group_ref, num_ref, *refs, o_smem):
-        n_place = len(place_inputs)
-        place_refs, refs = refs[:n_place], refs[n_place:]
-        place_refs, _, x_index = _split_row0(place_refs, x_row0, R)
-        x_start = x_index if x_row0 is not None else (lambda t: t * R)  # element offsets into x's rows
         extra_refs, (xs_ref, *w_refs, out_ref) = refs[:len(extra)], refs[len(extra):]
         wg = lax.axis_index("wg")
         my_cols = pl.ds(wg * COLS, COLS)
@@ -388,7 +274,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
         def mma_step(_, *bufs):
             *w_bufs, xs_s, acc_refs = bufs
             mine = [b.at[my_cols] if j % 2 == 0 else b.at[:, my_cols] for j, b in enumerate(w_bufs)]
-            _decode_and_mma(decode, acc_refs, mine, xs_s, kh, config.decode_pieces)
+            _decode_and_mma(decode, acc_refs, mine, xs_s)
             return acc_refs
 
         def pipeline(body, compute_context, state):
@@ -404,7 +290,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
             g = tile_group_ref[t]
             per_weight = [(codes.at[g, pl.ds(nb * cols, cols)], scales.at[g, :, pl.ds(nb * cols, cols)])
                           for codes, scales in zip(w_refs[0::2], w_refs[1::2])]
-            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(x_start(t), R)])
+            return (*[r for pair in per_weight for r in pair], xs_ref.at[:, pl.ds(t * R, R)])
 
         ignore = lambda *_, **__: None  # noqa: E731 — the allocations depend on the specs and shapes only
 
@@ -427,10 +313,7 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
                     block = nb * wgs + wg  # this warpgroup's 64-column block of the output
 
                     def store():
-                        if place_refs:
-                            _store_placed(out, o_smem.at[wg], out_ref, block, t, g, place_refs)
-                        else:
-                            _store_tile(out, o_smem.at[wg], out_ref, block, t, "planes" if planes else "rows")
+                        _store_tile(out, o_smem.at[wg], out_ref, block, t, "planes" if planes else "rows")
 
                     if ragged:
                         pl.when(block < N // COLS)(store)
@@ -455,15 +338,14 @@ def _ws_call(xs, tile_group, num_tiles, weights: tuple, config: MgpuConfig, out_
     with _PoolRegisterSplit():  # the pipeline's setmaxnreg is emitted while the kernel is traced, here
         return plgpu.kernel(
             kernel,
-            out_type=jax.ShapeDtypeStruct((2, m_pad, N // 2) if planes else (m_pad if place is None else place[2], N),
-                                          out_dtype),
+            out_type=jax.ShapeDtypeStruct((2, m_pad, N // 2) if planes else (m_pad, N), out_dtype),
             grid=(num_sms,),
             grid_names=("sm",),
             num_threads=wgs + 1,
             thread_name="wg",
             scratch_types=dict(o_smem=plgpu.SMEM((wgs, R, COLS), out_dtype)),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        )(tile_group, num_tiles, *place_inputs, *extra, xs, *w_operands)
+        )(tile_group, num_tiles, *extra, xs, *w_operands)
 
 
 def _check_same_form(weights) -> None:
@@ -472,60 +354,3 @@ def _check_same_form(weights) -> None:
     forms = [(v.codes.shape, v.layout, v.out_order) for v in weights]
     if any(f != forms[0] for f in forms):
         raise ValueError(f"mgpu MXFP4: fused gate / up need one shape, layout and output order, got {forms}")
-
-
-def kernel_call_gated(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up: PreparedWeight, activation,
-                      config: MgpuConfig, gate_scale=None, up_scale=None, out_dtype=jnp.float32, x_row0=None):
-    """Gate and up in one kernel (`MgpuConfig.gate_up="fused"`): `prepare_rows`' x planes, two weights of one
-    shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded to nearest even from the
-    fp32 epilogue; out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`) = activation(x·Wgᵀ·sg,
-    x·Wuᵀ·su) per padded row of a live tile, with
-    `gate_scale` / `up_scale` `[E]` each expert's fp32 output factor (the placed layout's 2^exp_offset) or None.
-    `activation(g, u)` runs in the epilogue on the fp32 accumulators (it must lower in Mosaic GPU: elementwise
-    arithmetic, tanh, logistic, exp). Each work item (row tile, 64-column block) streams both weights' blocks and
-    the x tile once; the two products run one after the other in each pipeline step (`_mma_over_k`). `x_row0`:
-    each tile's first x row (`kernel_call`)."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if config.warpgroups > 1:
-        return kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate, w_up, activation, config, gate_scale, up_scale,
-                                    out_dtype, x_row0)
-    cfg = dataclasses.replace(config, store="rows")
-    R, kh = cfg.rows, cfg.kh
-    t_max = tile_group.shape[0]
-    m_pad = t_max * R
-    N = w_gate.out_features
-    _check_same_form((w_gate, w_up))
-    _check_kernel_shapes(xs, w_gate, cfg, tile_group, x_row0)
-    planes = w_gate.out_order == "planes"
-    n_blocks = N // COLS
-    decode = _bf16_decodes(kh, w_gate.layout)
-    scaled = gate_scale is not None
-
-    def body(tile_group_ref, num_ref, *refs, o_smem):
-        row0_refs, refs = refs[:len(_row0_inputs(x_row0))], refs[len(_row0_inputs(x_row0)):]
-        _, x_rows, x_index = _split_row0(row0_refs, x_row0, R)
-        if scaled:
-            sg_ref, su_ref, xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
-        else:
-            xs_ref, cg_ref, scg_ref, cu_ref, scu_ref, out_ref = refs
-
-        def item(t, nb, g):
-            def acc_scope(acc_g, acc_u):
-                _mma_over_k(decode, (acc_g, acc_u), ((cg_ref.at[g], scg_ref.at[g]), (cu_ref.at[g], scu_ref.at[g])),
-                            xs_ref, nb, x_rows, x_index(t), cfg)
-                return acc_g[...], acc_u[...]
-
-            acc = plgpu.ACC((COLS, R), jnp.float32)
-            gate, up = pl.run_scoped(acc_scope, acc, acc)
-            if scaled:
-                gate, up = gate * sg_ref[g], up * su_ref[g]
-            _store_tile(activation(gate, up), o_smem, out_ref, nb, t, "planes" if planes else "rows")
-
-        _for_each_item(t_max, n_blocks, tile_group_ref, num_ref, item)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    scales = (gate_scale, up_scale) if scaled else ()
-    return _launch(body, N, m_pad, cfg, out_dtype, planes)(tile_group, num_tiles, *_row0_inputs(x_row0), *scales, xs,
-                                                           w_gate.codes, w_gate.scales_t, w_up.codes, w_up.scales_t)

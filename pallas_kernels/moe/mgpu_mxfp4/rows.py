@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.moe.schedule as schedule
-from .config import ROW_ALIGN
 from .layout import _planes_in_contraction_order
 
 
@@ -114,22 +113,6 @@ def slot_tile_plan(expert_idx_nk, num_experts: int, rows: int) -> TilePlan:
     return TilePlan(src, tile_group, num_tiles, pad_row, jnp.ones((pairs,), bool))
 
 
-def aligned_rows(group_sizes, plan: TilePlan, rows: int, M: int):
-    """`MgpuConfig.x_rows="aligned"` for `M` sorted rows -> (the sorted row each aligned row holds `[m8 + rows]`
-    int32 (M: none, a zero row) — each group's rows padded to a multiple of `ROW_ALIGN`, then `rows` zero rows;
-    the aligned row where each tile of `plan` starts `[t_max]` int32, a multiple of `ROW_ALIGN`). A group's last
-    tile reads up to rows − 1 rows past the group: the next group's, or the zero rows; dead tiles start at the
-    zero rows."""
-    plan8 = tile_plan(group_sizes, M, group_sizes.shape[0], ROW_ALIGN)  # the same plan, in 8-row tiles
-    m8 = plan8.src.shape[0]
-    src = jnp.concatenate([plan8.src, jnp.full((rows,), M, jnp.int32)])
-    # tile t of `plan` starts at sorted row first[t], a multiple of rows into its group; dead tiles (first = M)
-    # at the zero rows
-    first, _ = tile_rows(plan, rows, M)
-    x_row0 = jnp.concatenate([plan8.pad_row, jnp.full((1,), m8, jnp.int32)])[first]
-    return src, x_row0
-
-
 def gather_x(x, src, token_of_row=None):
     """x's rows in a tile layout: `x [M, K]` sorted rows -> `x[src]` `[len(src), K]` bf16 (src = M: a zero row), whose
     planes the kernel's wrapper makes (`_tile_layout_operands`: a transpose XLA fuses into this gather). With
@@ -142,19 +125,11 @@ def gather_x(x, src, token_of_row=None):
     return _planes_in_contraction_order(x.astype(jnp.bfloat16)).at[:, tok].get(mode="fill", fill_value=0)
 
 
-def tile_rows(plan: TilePlan, rows: int, num_rows: int):
-    """Where each tile's rows go back in sorted order: (first sorted row `[t_max]`, valid rows `[t_max]` int32) —
-    a tile's padded rows hold consecutive sorted rows of one expert, then padding, so its valid rows are a prefix
-    (padded row t·rows + r holds sorted row first + r for r < valid)."""
-    src_tiles = plan.src.reshape(-1, rows)
-    return src_tiles[:, 0], jnp.sum(src_tiles < num_rows, axis=1, dtype=jnp.int32)
-
-
-def unpad_output(out_t, pad_row, live, out_dtype, row_scale=None, *, store: str):
-    """The kernel's outᵀ `[N, m_pad]` fp32 (`store="rows"`: out `[m_pad, N]`) -> `[M, N]` `out_dtype`: each input
-    row's padded row (`pad_row [M]`), times `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed
-    layout's 2^exp_offset), zeros where `live [M]` is false."""
-    out = out_t[pad_row] if store == "rows" else out_t[:, pad_row].T
+def unpad_output(out_pad, pad_row, live, out_dtype, row_scale=None):
+    """The kernel's out `[m_pad, N]` -> `[M, N]` `out_dtype`: each input row's padded row (`pad_row [M]`), times
+    `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed layout's 2^exp_offset), zeros where
+    `live [M]` is false."""
+    out = out_pad[pad_row]
     if row_scale is not None:
         out = out * row_scale[pad_row][:, None]
     return jnp.where(live[:, None], out, 0).astype(out_dtype)
