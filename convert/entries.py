@@ -19,7 +19,7 @@ Quantised sources (detected from the tensors present, not from `quantization_con
 * `mxfp4`: `X.weight_packed` + `X.weight_scale` instead of `X.weight`. Kind experts.
 When kept quantised they are stored in the HF layout (`[out, in]`, stacked to `[E, out, in]` for experts) as
 `<qbase>_fp8` + `<qbase>_scale_inv` or `<qbase>_packed` + `<qbase>_scale`; `qbase` is the parameter path
-(e.g. `layers.3.block_sparse_moe.w1`), or `layers.L.self_attn.kv_b_proj` for the fused kv_b.
+(e.g. `layers.3.block_sparse_moe.experts.gate`), or `layers.L.self_attn.kv_b_proj` for the fused kv_b.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout, allocate
 from .config import ConfigError, ModelConfig, load_config
 from .model import abstract_params
 
-EXPERT_KEYS = ("block_sparse_moe.w1", "block_sparse_moe.w2", "block_sparse_moe.w3")
+EXPERT_KEYS = ("block_sparse_moe.experts.gate", "block_sparse_moe.experts.up", "block_sparse_moe.experts.down")
 FP32_KEYS = ("A_log", "dt_bias", "conv1d", "o_norm", "block_sparse_moe.gate", "e_score_correction_bias")
 WEIGHT_DTYPES = ("release", "bf16", "fp8", "mxfp4")
 ONE_M = 1 << 20
