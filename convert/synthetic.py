@@ -18,8 +18,8 @@ from typing import Optional
 import numpy as np
 
 from kimi_jax.config import ModelConfig, vision_from_hf
+from pallas_kernels.codec import MXFP4_GROUP
 
-from .quant import MXFP4_GROUP
 from .safetensors_io import DTYPES, INDEX_NAME, StreamingWriter
 
 MXFP4_CONFIG = {

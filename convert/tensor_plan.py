@@ -20,7 +20,9 @@ import numpy as np
 
 from kimi_jax.config import ModelConfig
 
-from . import archs, quant
+from pallas_kernels import codec
+
+from . import archs
 from .entries import Entry, resolve
 from .errors import ConvertError, listing
 from .safetensors_io import SourceSet
@@ -134,7 +136,7 @@ def fp8_block_of(hf: dict, where: str = "config.json") -> tuple:
                 raise ConvertError(f"{where}: quantization_config.weight_block_size must be two positive integers "
                                    f"such as [128, 128], found {b!r}")
             return (b[0], b[1])
-    return quant.FP8_BLOCK
+    return codec.FP8_BLOCK
 
 
 def open_source(src: str, architecture: str = "auto") -> Source:
