@@ -1,7 +1,7 @@
 """Synthetic Kimi K3 / K3.1 Hugging Face checkpoints (no public K3 weights exist to test against).
 
 `k3_hf_config(cfg)` writes a `config.json` (model_type kimi_k3 with a `text_config`) that `from_hf_config` parses
-back into `cfg`; `k3_tensor_specs(cfg)` lists the tensors of the release layout of SPEC §8 (`language_model.`
+back into `cfg`; `k3_tensor_specs(cfg)` lists the tensors of the release layout of docs/model.md §8 (`language_model.`
 prefix, A_log zero-padded, MXFP4 experts as `weight_packed` + `weight_scale`, a few vision-tower tensors);
 `write_k3_checkpoint` fills them with seeded random values and streams them into size-limited shards with a
 `model.safetensors.index.json`, one tensor at a time (used by the tests and by bench/convert.py for multi-GiB

@@ -1,4 +1,4 @@
-"""The public Python interface: `load_model`, `Model.logits`, `Model.generate` (DESIGN.md)."""
+"""The public Python interface: `load_model`, `Model.logits`, `Model.generate` (README.md "Quickstart")."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ class Model:
 
     def new_paged_cache(self, batch: int, max_len: int, *, num_blocks: Optional[int] = None, kv_dtype: str = "bf16",
                         index_dtype: Optional[str] = None, latent_scales=None) -> PagedModelCache:
-        """Paged cache (SPEC §10): MLA rows in pages of 64 tokens, stored as `kv_dtype` (bf16 | fp8 | nvfp4; index
-        keys as `index_dtype`, bf16 | fp8 | mxfp4, default bf16 with a bf16 latent else fp8), KDA state per row.
+        """Paged cache (docs/model.md §10): MLA rows in pages of 64 tokens, stored as `kv_dtype` (bf16 | fp8 | nvfp4;
+        index keys as `index_dtype`, bf16 | fp8 | mxfp4, default bf16 with a bf16 latent else fp8), KDA state per row.
 
         Each sequence holds up to `max_len` tokens (`ceil(max_len / 64)` table entries). With `num_blocks=None`
         the pool has one page per table entry of every row and row b owns pages `1 + b·max_blocks …` (tables
@@ -134,9 +134,9 @@ class Model:
 
     def image_inputs(self, input_ids, images):
         """(features `[B, T, D]`, mask bool `[B, T]`) that put each image's features at its `<|media_pad|>` tokens,
-        or None without images. The ids must already hold one pad token per image token (SPEC §9: the prompt's single
-        `<|media_pad|>` expanded with `modules.vision.expand_image_pads`), images in order of their pads, row by row;
-        an image's tokens may not span two rows."""
+        or None without images. The ids must already hold one pad token per image token (docs/model.md §9: the prompt's
+        single `<|media_pad|>` expanded with `modules.vision.expand_image_pads`), images in order of their pads, row by
+        row; an image's tokens may not span two rows."""
         if images is None or len(images) == 0:
             return None
         ids = np.asarray(input_ids)

@@ -1,4 +1,4 @@
-"""The partitioned entry point of the routed-expert FFN (SPEC §7): where each expert lives, never under GSPMD.
+"""The partitioned entry point of the routed-expert FFN (docs/model.md §7): where each expert lives, never under GSPMD.
 
 * A mesh whose expert axes (`AxisRoles.expert`: "model", or ("context", "model") on the overlay meshes) split the
   routed experts — E divides by their size, as `sharding.rules` requires to split them at all — runs the FFN

@@ -1,4 +1,4 @@
-"""FFNs (SPEC §7): the dense gated MLP, the sigmoid router with a selection-only bias, and the (latent) MoE."""
+"""FFNs (docs/model.md §7): the dense gated MLP, the sigmoid router with a selection-only bias, and the (latent) MoE."""
 
 from __future__ import annotations
 

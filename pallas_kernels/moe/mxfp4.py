@@ -1,4 +1,4 @@
-"""MXFP4 expert weights (SPEC §7) as the kernels take them, and their exact jnp decoding.
+"""MXFP4 expert weights (docs/model.md §7) as the kernels take them, and their exact jnp decoding.
 
 Layout (torch `[out, in]` orientation, as stored in the checkpoint): `packed` uint8 `[E, N, K/2]`, two e2m1 codes per
 byte, the LOW nibble holding the even input element; `scale` uint8 E8M0 `[E, N, K/32]`, value = e2m1 · 2^(s − 127).
