@@ -252,6 +252,26 @@ def test_hf_dir_loads_without_temp_files(kl_dir, work, tmp_path, monkeypatch):
     assert str(leaves["layers.1.block_sparse_moe.gate"]) == "float32"
 
 
+def test_a_load_builds_the_model_once(kl_dir, work, monkeypatch):
+    """The loader asks the model for its shapes and fills that same abstract model: one `KimiForCausalLM` per load,
+    from a Hugging Face directory and from a converted checkpoint (convert itself never builds one)."""
+    from kimi_jax.modules.decoder import KimiForCausalLM
+
+    dst = work / "kl_built_once_jax"
+    convert(str(kl_dir), str(dst), dtype="keep", progress=False)
+    built, init = [], KimiForCausalLM.__init__
+
+    def counted(self, *a, **kw):
+        built.append(1)
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(KimiForCausalLM, "__init__", counted)
+    for path in (kl_dir, dst):
+        built.clear()
+        kimi_jax.load_model(str(path))
+        assert len(built) == 1, path
+
+
 def _named(model) -> dict:
     import jax
 
