@@ -8,11 +8,10 @@ fly in memory (no temporary files). The loader sits above the model and the conv
    in float32 whatever `dtype` says) and placed on its devices once, as it arrives;
 4. the routed experts are laid out once for the platform's MoE kernels (`modules.moe.prepare_experts`).
 
-Quantised weights: MXFP4-packed routed experts stay packed (a dequantised copy would be four times their bytes): a
-MoE layer whose three
-expert weights the checkpoint holds as MXFP4 holds `MXFP4Experts` (`pallas_kernels.moe.experts`; packed uint8
-`[E, N, K/2]` + E8M0 scale uint8 `[E, N, K/32]`, the checkpoint's own layout), placed as they are; the MoE kernels
-decode them tile by tile. `mxfp4_experts="dequantize"` loads them as plain `dtype` arrays instead (tests,
+Quantised weights: MXFP4-packed routed experts stay packed (a bf16 copy would take about 3.8 times their bytes): a
+MoE layer whose three expert weights the checkpoint holds as MXFP4 holds `MXFP4Experts` (`pallas_kernels.moe.experts`;
+packed uint8 `[E, N, K/2]` + E8M0 scale uint8 `[E, N, K/32]`, the checkpoint's own layout), placed as they are; the
+MoE kernels decode them tile by tile. `mxfp4_experts="dequantize"` loads them as plain `dtype` arrays instead (tests,
 comparisons). FP8 block weights kept by `--dtype keep` are dequantised here into the plain arrays.
 
 With `mesh`, each parameter is placed as it is filled, with the partition spec of `sharding.mesh_partition_spec`

@@ -102,8 +102,9 @@ def moe_layers(module):
 def prepare_experts(module, kernels: KernelConfig, platform: Optional[str] = None) -> int:
     """Lay every MoE layer's routed experts out for the MoE kernels that `kernels` run on `platform` (None: this
     host's), once, when the weights are loaded (`pallas_kernels.moe.experts.prepare`: MXFP4 experts become the
-    Mosaic GPU kernel's layout for the GPU backend). Interpreted kernels keep the checkpoint's layout. Each layer's
-    old arrays are freed as its new ones are made. Returns how many layers changed format."""
+    Mosaic GPU kernel's layout for the GPU backend). Interpreted kernels keep the checkpoint's layout. A layer's
+    old arrays are freed once its new ones are set, so the extra memory is one layer's experts at most. Returns how
+    many layers changed format."""
     if kernels.moe_interpret:
         return 0
     changed = 0
