@@ -82,7 +82,7 @@ def section(name):
 
 
 def np_recurrence(q, k, v, g, beta, s0=None, scale=None):
-    """float64 ground truth of SPEC §4 (uniform batch). Returns (o [B,T,H,dv], S [B,H,dk,dv])."""
+    """float64 ground truth of docs/model.md §4 (uniform batch). Returns (o [B,T,H,dv], S [B,H,dk,dv])."""
     q, k, v, g, beta = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, g, beta))
     B, T, H, dk = q.shape
     dv = v.shape[-1]

@@ -62,7 +62,7 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def situ(g, u):  # SPEC §7 (K3)
+def situ(g, u):  # docs/model.md §7 (K3)
     return 4.0 * jnp.tanh(g / 4.0) * jax.nn.sigmoid(g) * (25.0 * jnp.tanh(u / 25.0))
 
 

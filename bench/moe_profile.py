@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsa_profile import _cudart  # noqa: E402
-from moe import situ  # noqa: E402  (SPEC §7's K3 activation, as the MoE bench uses it)
+from moe import situ  # noqa: E402  (docs/model.md §7's K3 activation, as the MoE bench uses it)
 from pallas_kernels.moe import mgpu_mxfp4 as mm  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 

@@ -233,8 +233,7 @@ def step_bytes(cfg, dtype, batch: int, context: float, kv_itemsize: int | None =
 
     params = abstract_params(cfg, jnp.dtype(dtype))
     nb = lambda a: int(np.prod(a.shape)) * a.dtype.itemsize
-    experts = {k: v for k, v in params.items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
-               and ".block_sparse_moe." in k}
+    experts = {k: v for k, v in params.items() if ".block_sparse_moe.experts." in k}
     E, k = cfg.moe.num_experts, cfg.moe.top_k
     touched = E * (1.0 - (1.0 - k / E) ** batch)  # expected distinct experts per MoE layer, uniform routing
     expert_bytes = sum(nb(v) for v in experts.values()) * touched / E

@@ -1,5 +1,5 @@
-"""Speculative decoding (SPEC §12): output tokens/s of the engine with prompt-lookup drafts against the same engine
-decoding one token per step, in one process, on one model.
+"""Speculative decoding (docs/model.md §12): output tokens/s of the engine with prompt-lookup drafts against the same
+engine decoding one token per step, in one process, on one model.
 
     python bench/spec_decode.py                 # CPU: the tiny model (fp32), 4 slots
     python bench/spec_decode.py --gpu           # one GPU: kimi-k3.1-reduced in bf16 (K3.1 at full width, 4 layers)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Vision tower bench: the K3 MoonViT3d tower + projector (SPEC §9, `kimi_jax.modules.vision`) on one image, bf16.
+"""Vision tower bench: the K3 MoonViT3d tower + projector (docs/model.md §9, `kimi_jax.modules.vision`) on one image,
+bf16.
 
     python3 bench/vision.py [--sides 448,896,1792] [--smoke]
 

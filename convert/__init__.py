@@ -3,8 +3,10 @@
     python -m convert SRC DST [--dtype bf16|fp8|keep] [--architecture auto|kimi_k3|kimi_k31|kimi_linear|deepseek_v32]
     python -m convert --export DST OUT
 
-Python: `convert(src, dst, ...)`, `export(dst, out, ...)`; errors are `ConvertError` with a message naming the
-file / tensor at fault. See `store.py` for the checkpoint layout and `entries.py` for the layout changes.
+Python: `convert(src, dst, targets_for, ...)` (the target shapes come from the layer above, the model; the command
+passes `kimi_jax.checkpoint.model_targets`), `export(dst, out, ...)`; errors are `ConvertError` with a message naming
+the file / tensor at fault. See `tensor_plan.py` for the checks, `store.py` for the checkpoint layout and `entries.py`
+for the layout changes.
 """
 
 from .errors import ConvertError

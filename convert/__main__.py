@@ -106,15 +106,18 @@ def _main(argv) -> int:
         logging.getLogger("asyncio").addFilter(_UnretrievedReadFailures())
     for noisy in ("absl", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from . import ConvertError, convert, export
+    from . import ConvertError, export
+    # the command composes the layers: the target shapes come from the model, through its loader (convert itself
+    # never imports the model)
+    from kimi_jax.checkpoint import convert_checkpoint
 
     try:
         if args.export:
             export(args.paths[0], args.paths[1], overwrite=args.overwrite, shard_bytes=args.shard_size,
                    progress=not args.quiet)
         else:
-            convert(args.paths[0], args.paths[1], dtype=args.dtype, architecture=args.architecture,
-                    overwrite=args.overwrite, progress=not args.quiet, part_bytes=args.part_size)
+            convert_checkpoint(args.paths[0], args.paths[1], dtype=args.dtype, architecture=args.architecture,
+                               overwrite=args.overwrite, progress=not args.quiet, part_bytes=args.part_size)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ Quantised sources (detected from the tensors present, not from `quantization_con
 * `mxfp4`: `X.weight_packed` + `X.weight_scale` instead of `X.weight`. Kind experts.
 When kept quantised they are stored in the HF layout (`[out, in]`, stacked to `[E, out, in]` for experts) as
 `<qbase>_fp8` + `<qbase>_scale_inv` or `<qbase>_packed` + `<qbase>_scale`; `qbase` is the parameter path
-(e.g. `layers.3.block_sparse_moe.w1`), or `layers.L.self_attn.kv_b_proj` for the fused kv_b.
+(e.g. `layers.3.block_sparse_moe.experts.gate`), or `layers.L.self_attn.kv_b_proj` for the fused kv_b.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Optional
 
 import numpy as np
 
-from . import quant
+from pallas_kernels import codec
+
 from .errors import ConvertError
 from .safetensors_io import DTYPES, SourceSet, dtype_name, read_array, row_blocks
 
@@ -112,7 +113,7 @@ def _check(name, info, dtypes, shapes):
         raise ConvertError(f"shape mismatch for {name}: expected {exp}, found {_fmt(info.shape)}")
 
 
-def resolve(entry: Entry, sources: SourceSet, tshapes: list, fp8_block=quant.FP8_BLOCK) -> list[str]:
+def resolve(entry: Entry, sources: SourceSet, tshapes: list, fp8_block=codec.FP8_BLOCK) -> list[str]:
     """Detect the entry's form and check every source tensor's shape and dtype. Returns the missing names."""
     if entry.kind == "extra":
         info = sources.info(entry.src)
@@ -145,14 +146,14 @@ def resolve(entry: Entry, sources: SourceSet, tshapes: list, fp8_block=quant.FP8
         elif entry.form == "fp8":
             _check(name, sources.info(name), FP8_DTYPES, shapes)
             _check(name + "_scale_inv", sources.info(name + "_scale_inv"), SCALE_INV_DTYPES,
-                   [quant.fp8_scale_shape(shapes[0], fp8_block)])
+                   [codec.fp8_block_scale_shape(shapes[0], fp8_block)])
         else:
             out, inn = shapes[0]
-            if inn % quant.MXFP4_GROUP:
+            if inn % codec.MXFP4_GROUP:
                 raise ConvertError(f"{name}: input dim {inn} is not a multiple of the MXFP4 group "
-                                   f"{quant.MXFP4_GROUP}")
+                                   f"{codec.MXFP4_GROUP}")
             _check(name + "_packed", sources.info(name + "_packed"), ("U8",), [(out, inn // 2)])
-            _check(name + "_scale", sources.info(name + "_scale"), E8M0_DTYPES, [(out, inn // quant.MXFP4_GROUP)])
+            _check(name + "_scale", sources.info(name + "_scale"), E8M0_DTYPES, [(out, inn // codec.MXFP4_GROUP)])
     if entry.kind == "experts":  # stacked into one array each: a different dtype would be cast by value
         for s in QUANT_SUFFIXES.get(entry.form, ("",)):
             want = sources.info(entry.src_name(0) + s).dtype
@@ -244,11 +245,11 @@ def inverse(entry: Entry, arrays: list[np.ndarray]) -> np.ndarray:
 def _read_plain(sources: SourceSet, name: str, dtype, form: str, fp8_block) -> np.ndarray:
     """One HF tensor as plain values (dequantised when quantised), in `dtype` (None: keep / float32 if quantised)."""
     if form == "fp8":
-        return quant.fp8_dequant(read_array(sources.info(name)), read_array(sources.info(name + "_scale_inv")),
-                                 fp8_block, dtype or np.float32, name)
+        return _fp8_dequant(read_array(sources.info(name)), read_array(sources.info(name + "_scale_inv")),
+                            fp8_block, dtype or np.float32, name)
     if form == "mxfp4":
-        return quant.mxfp4_dequant(read_array(sources.info(name + "_packed")),
-                                   read_array(sources.info(name + "_scale")), dtype or np.float32, name)
+        return _mxfp4_dequant(read_array(sources.info(name + "_packed")), read_array(sources.info(name + "_scale")),
+                              dtype or np.float32, name)
     info = sources.info(name)
     out = np.empty(info.shape, dtype or info.np_dtype)
     if not info.shape:
@@ -260,7 +261,7 @@ def _read_plain(sources: SourceSet, name: str, dtype, form: str, fp8_block) -> n
 
 
 def build(entry: Entry, sources: SourceSet, tshapes: list, *, dtypes: list, keep_quant: bool,
-          requant: bool = False, fp8_block=quant.FP8_BLOCK) -> tuple[dict[str, np.ndarray], str]:
+          requant: bool = False, fp8_block=codec.FP8_BLOCK) -> tuple[dict[str, np.ndarray], str]:
     """The stored arrays of one entry and their form ("plain", "fp8" or "mxfp4").
 
     dtypes: per target, the numpy dtype of the plain result (None = the source dtype).
@@ -277,7 +278,8 @@ def build(entry: Entry, sources: SourceSet, tshapes: list, *, dtypes: list, keep
         elif quantised:
             parts = [np.ascontiguousarray(read_array(sources.info(entry.src + s))) for s in QUANT_SUFFIXES[form]]
         else:
-            parts = quant.fp8_quant(_read_plain(sources, entry.src, np.float32, "plain", fp8_block), fp8_block)
+            plain = _read_plain(sources, entry.src, np.float32, "plain", fp8_block)
+            parts = codec.fp8_block_quantize_np(plain, fp8_block)
         names = tuple(entry.qbase + s for s in STORED_SUFFIXES[form])
         return dict(zip(names, parts)), form
     if entry.kind == "experts":
@@ -311,8 +313,8 @@ def _quant_stack(entry, sources, form, quantised, fp8_block) -> list[np.ndarray]
         if quantised:
             pair = [read_array(sources.info(entry.src_name(e) + s)) for s in QUANT_SUFFIXES[form]]
         else:
-            pair = quant.fp8_quant(_read_plain(sources, entry.src_name(e), np.float32, "plain", fp8_block),
-                                   fp8_block)
+            plain = _read_plain(sources, entry.src_name(e), np.float32, "plain", fp8_block)
+            pair = codec.fp8_block_quantize_np(plain, fp8_block)
         if outs is None:
             outs = [np.empty((entry.num,) + tuple(p.shape), p.dtype) for p in pair]
         outs[0][e], outs[1][e] = pair
@@ -323,7 +325,7 @@ def _quant_stack(entry, sources, form, quantised, fp8_block) -> list[np.ndarray]
 # Stored arrays -> plain parameters (loading) and -> HF tensors (export)
 # ---------------------------------------------------------------------------------------------------------------
 
-def to_params(entry: Entry, stored: dict, tshapes: list, dtypes: list, fp8_block=quant.FP8_BLOCK) -> dict:
+def to_params(entry: Entry, stored: dict, tshapes: list, dtypes: list, fp8_block=codec.FP8_BLOCK) -> dict:
     """Stored arrays of an entry -> {parameter path: array in dtype}, dequantising fp8 / mxfp4 (HF layout)."""
     if entry.form == "plain":
         return {t: np.asarray(stored[t]).astype(d, copy=False) for t, d in zip(entry.targets, dtypes)}
@@ -340,8 +342,32 @@ def to_params(entry: Entry, stored: dict, tshapes: list, dtypes: list, fp8_block
 
 def _dequant(form, a, s, fp8_block, name):
     if form == "fp8":
-        return quant.fp8_dequant(a, s, fp8_block, np.float32, name)
-    return quant.mxfp4_dequant(a, s, np.float32, name)
+        return _fp8_dequant(a, s, fp8_block, np.float32, name)
+    return _mxfp4_dequant(a, s, np.float32, name)
+
+
+def _fp8_dequant(weight, scale_inv, block, out_dtype, name: str) -> np.ndarray:
+    """`codec.fp8_block_dequantize_np`, refusing a scale grid that does not fit the weight (checkpoint data)."""
+    if tuple(scale_inv.shape) != codec.fp8_block_scale_shape(weight.shape, block):
+        raise ConvertError(f"shape mismatch for {name or 'weight'}_scale_inv: expected "
+                           f"{list(codec.fp8_block_scale_shape(weight.shape, block))} for a {list(weight.shape)} "
+                           f"weight with {block[0]}x{block[1]} blocks, found {list(scale_inv.shape)}")
+    return codec.fp8_block_dequantize_np(weight, scale_inv, block, out_dtype)
+
+
+def _mxfp4_dequant(packed, scale, out_dtype, name: str) -> np.ndarray:
+    """`codec.mxfp4_dequantize_np` of `[..., out, in/2]` codes and `[..., out, in/32]` E8M0 scales (uint8, or
+    float8_e8m0fnu whose bits are kept), refusing arrays that do not fit together (checkpoint data)."""
+    packed, scale = np.asarray(packed), np.asarray(scale)
+    if scale.dtype != np.uint8:
+        scale = scale.view(np.uint8)
+    cols = packed.shape[-1] * 2
+    group = codec.MXFP4_GROUP
+    if packed.dtype != np.uint8 or scale.shape != packed.shape[:-1] + (cols // group,) or cols % group:
+        raise ConvertError(f"MXFP4 tensors of {name or 'weight'} do not fit: packed {packed.dtype} "
+                           f"{list(packed.shape)}, scale {list(scale.shape)} (expected [..., in/2] uint8 and "
+                           f"[..., in/{group}])")
+    return codec.mxfp4_dequantize_np(packed, scale).astype(out_dtype, copy=False)
 
 
 def _plain_export_dtype(entry: Entry, stored_dtype: str) -> str:

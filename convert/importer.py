@@ -6,23 +6,31 @@ import json
 import logging
 import os
 import time
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
 
+from kimi_jax.config import ModelConfig
+
 from . import interrupt, store
 from .entries import build, to_json
 from .errors import ConvertError
-from .plan import Plan, make_plan, param_dtypes
+from .tensor_plan import Targets, TensorPlan, make_tensor_plan, open_source
 from .safetensors_io import DTYPES, dtype_name
 
 DTYPE_POLICIES = ("bf16", "fp8", "keep")
 log = logging.getLogger("convert")
 
 
-def convert(src: str, dst: str, *, dtype: str = "keep", architecture: str = "auto", overwrite: bool = False,
-            progress: bool = True, part_bytes: int = store.DEFAULT_PART_BYTES) -> dict:
+def convert(src: str, dst: str, targets_for: Callable[[ModelConfig, Any], Targets], *, dtype: str = "keep",
+            architecture: str = "auto", overwrite: bool = False, progress: bool = True,
+            part_bytes: int = store.DEFAULT_PART_BYTES) -> dict:
     """Convert the Hugging Face checkpoint directory `src` into a kimi_jax checkpoint at `dst`.
+
+    targets_for(cfg, dtype): the `Targets` every tensor is checked against — the parameter shapes and dtypes of the
+    model of `cfg` in `dtype` (bfloat16 is asked for) — from the layer above: `kimi_jax.checkpoint.model_targets`,
+    which `python -m convert` and `kimi_jax.checkpoint.convert_checkpoint` pass.
 
     dtype: "keep" (default) keeps every tensor's dtype and FP8 weights quantised (lossless: `export` writes the
     same safetensors back); "bf16" casts floating weights to the dtypes of a bfloat16 model (parameters the model
@@ -35,7 +43,8 @@ def convert(src: str, dst: str, *, dtype: str = "keep", architecture: str = "aut
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     store.check_destination(dst, overwrite, sources=[src])
     t0 = time.time()
-    plan = make_plan(src, architecture)
+    source = open_source(src, architecture)
+    plan = make_tensor_plan(source, targets_for(source.cfg, jnp.bfloat16))
     log.info("%s: %s, %d tensors in %d file(s), %.2f GiB", src, plan.architecture, len(plan.sources.tensors),
              len(plan.sources.files), plan.sources.total_bytes / 2**30)
     with store.atomic_directory(dst, overwrite) as tmp:
@@ -46,10 +55,10 @@ def convert(src: str, dst: str, *, dtype: str = "keep", architecture: str = "aut
     return summary
 
 
-def _write(plan: Plan, tmp: str, policy: str, progress: bool, part_bytes: int) -> dict:
+def _write(plan: TensorPlan, tmp: str, policy: str, progress: bool, part_bytes: int) -> dict:
     from tqdm import tqdm
 
-    dtypes = param_dtypes(plan.cfg, jnp.bfloat16) if policy != "keep" else {}
+    dtypes = {t: plan.targets.dtype(t) for t in plan.targets.params} if policy != "keep" else {}
     writer = store.PartWriter(tmp, part_bytes)
     records = []
     total = sum(plan.entry_bytes(e) for e in plan.entries)
@@ -106,16 +115,16 @@ def _write(plan: Plan, tmp: str, policy: str, progress: bool, part_bytes: int) -
             "arrays": arrays_count, "parts": len(parts)}
 
 
-def _estimate(plan: Plan, entry, dtypes, quantised: bool) -> int:
+def _estimate(plan: TensorPlan, entry, dtypes, quantised: bool) -> int:
     """Bytes the entry's stored arrays will take (before building them)."""
     if quantised or entry.kind == "extra":
         return plan.entry_bytes(entry)
     itemsize = plan.sources.info(entry.all_src_names()[0]).np_dtype.itemsize if entry.form == "plain" else 4
-    return sum(int(np.prod(plan.shapes[t])) * (dtypes[t].itemsize if t in dtypes else itemsize)
+    return sum(int(np.prod(plan.targets.shape(t))) * (dtypes[t].itemsize if t in dtypes else itemsize)
                for t in entry.targets)
 
 
-def _src_bytes(plan: Plan, entry, form) -> int:
+def _src_bytes(plan: TensorPlan, entry, form) -> int:
     return sum(plan.sources.info(n).nbytes for n in entry.all_src_names(form))
 
 

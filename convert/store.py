@@ -37,7 +37,7 @@ META_NAME = "kimi_jax_checkpoint.json"
 CONFIG_NAME = "kimi_jax_config.json"
 PARAMS_DIR = "params"
 FORMAT = "kimi_jax_checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: routed experts are `block_sparse_moe.experts.{gate,up,down}` (1: w1 / w3 / w2)
 DEFAULT_PART_BYTES = 1 << 30
 RESERVED = {META_NAME, CONFIG_NAME, PARAMS_DIR}
 
@@ -178,7 +178,8 @@ def read_meta(path: str) -> dict:
         raise ConvertError(f"{meta_path} must hold a JSON object, found {type(meta).__name__}")
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise ConvertError(f"{meta_path}: unsupported checkpoint format {meta.get('format')!r} "
-                           f"version {meta.get('version')!r} (expected {FORMAT} {FORMAT_VERSION})")
+                           f"version {meta.get('version')!r} (expected {FORMAT} {FORMAT_VERSION}); convert the "
+                           "source again")
     for key in ("parts", "entries"):
         if not isinstance(meta.get(key), list):
             raise ConvertError(f"{meta_path} is damaged: its {key!r} list is missing")

@@ -1,7 +1,7 @@
 """Synthetic Kimi K3 / K3.1 Hugging Face checkpoints (no public K3 weights exist to test against).
 
 `k3_hf_config(cfg)` writes a `config.json` (model_type kimi_k3 with a `text_config`) that `from_hf_config` parses
-back into `cfg`; `k3_tensor_specs(cfg)` lists the tensors of the release layout of SPEC §8 (`language_model.`
+back into `cfg`; `k3_tensor_specs(cfg)` lists the tensors of the release layout of docs/model.md §8 (`language_model.`
 prefix, A_log zero-padded, MXFP4 experts as `weight_packed` + `weight_scale`, a few vision-tower tensors);
 `write_k3_checkpoint` fills them with seeded random values and streams them into size-limited shards with a
 `model.safetensors.index.json`, one tensor at a time (used by the tests and by bench/convert.py for multi-GiB
@@ -18,8 +18,8 @@ from typing import Optional
 import numpy as np
 
 from kimi_jax.config import ModelConfig, vision_from_hf
+from pallas_kernels.codec import MXFP4_GROUP
 
-from .quant import MXFP4_GROUP
 from .safetensors_io import DTYPES, INDEX_NAME, StreamingWriter
 
 MXFP4_CONFIG = {
@@ -176,11 +176,26 @@ def k3_tensor_specs(cfg: ModelConfig, *, mxfp4: bool = True, dtype: str = "BF16"
         out += [(pre + "output_attn_res_norm.weight", W, (D,)), (pre + "output_attn_res_proj.weight", W, (1, D))]
     out.append(("language_model.lm_head.weight", W, (V, D)))
     if vision:
-        from kimi_jax.modules.vision import checkpoint_layout  # convert sits below the model (DESIGN.md): see plan.py
-
-        vcfg = vision_from_hf(SYNTHETIC_VISION_CONFIG, {}, cfg.hidden_size)
-        out += [(name, "BF16", shape) for name, (_, shape, _) in checkpoint_layout(vcfg).items()]
+        out += [(name, "BF16", shape) for name, shape in _vision_tensor_specs(cfg.hidden_size)]
     return out
+
+
+def _vision_tensor_specs(text_hidden: int) -> list[tuple[str, tuple]]:
+    """(name, shape) of the toy tower of `SYNTHETIC_VISION_CONFIG` in the release naming (K3's MoonViT: RMS norms,
+    no biases, the projector's norm after it), transcribed from the release layout on its own, not from the
+    model's `checkpoint_layout`, which the loader then checks these against."""
+    v = vision_from_hf(SYNTHETIC_VISION_CONFIG, {}, text_hidden)
+    if (v.norm, v.bias, v.projector_norm) != ("rms", False, "post"):
+        raise ValueError("SYNTHETIC_VISION_CONFIG changed its norms / biases: update _vision_tensor_specs")
+    D, Q, I, p, S, W = v.hidden_size, v.qkv_width, v.intermediate_size, v.patch_size, v.pos_table, v.merged_width
+    out = [("vision_tower.patch_embed.proj.weight", (D, 3, p, p)),
+           ("vision_tower.patch_embed.pos_emb.weight", (S, S, D))]
+    for i in range(v.num_layers):
+        b = f"vision_tower.encoder.blocks.{i}."
+        out += [(b + "norm0.weight", (D,)), (b + "wqkv.weight", (3 * Q, D)), (b + "wo.weight", (D, Q)),
+                (b + "norm1.weight", (D,)), (b + "mlp.fc0.weight", (I, D)), (b + "mlp.fc1.weight", (D, I))]
+    return out + [("vision_tower.encoder.final_layernorm.weight", (D,)), ("mm_projector.proj.0.weight", (W, W)),
+                  ("mm_projector.proj.2.weight", (text_hidden, W)), ("mm_projector.post_norm.weight", (text_hidden,))]
 
 
 class _Values:

@@ -1,5 +1,5 @@
-"""Cache layout and byte accounting (SPEC §10): what one token costs in every MLA layer and what one sequence costs
-in every KDA layer, for each storage format. The planner and the engine's allocator both read these figures, so
+"""Cache layout and byte accounting (docs/model.md §10): what one token costs in every MLA layer and what one sequence
+costs in every KDA layer, for each storage format. The planner and the engine's allocator both read these figures, so
 there is exactly one formula.
 
 Per token per MLA layer (latent R = 512, rope 64 at full size):

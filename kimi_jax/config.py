@@ -1,4 +1,4 @@
-"""Model configuration as data: frozen dataclasses for the whole Kimi family (SPEC §1–7).
+"""Model configuration as data: frozen dataclasses for the whole Kimi family (docs/model.md §1–7).
 
 One `ModelConfig` describes Kimi K3.1 Pro, Kimi K3, Kimi-Linear and DeepSeek-V3.2; every architectural
 difference is a field here, never a flag checked somewhere in the modules. `from_hf_config` parses a Hugging Face
@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KDAConfig:
-    """Kimi Delta Attention (SPEC §4)."""
+    """Kimi Delta Attention (docs/model.md §4)."""
 
     num_heads: int
     head_dim: int
@@ -65,7 +65,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head latent attention (SPEC §5). `rope is None` means NoPE (K3, Kimi-Linear)."""
+    """Multi-head latent attention (docs/model.md §5). `rope is None` means NoPE (K3, Kimi-Linear)."""
 
     num_heads: int
     q_lora_rank: Optional[int]
@@ -101,7 +101,7 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """DSA lightning indexer (SPEC §6)."""
+    """DSA lightning indexer (docs/model.md §6)."""
 
     num_heads: int
     head_dim: int
@@ -113,7 +113,7 @@ class IndexerConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts with shared experts (SPEC §7)."""
+    """Routed experts with shared experts (docs/model.md §7)."""
 
     num_experts: int
     top_k: int
@@ -139,18 +139,18 @@ ProjectorNorm = Literal["post", "pre"]
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """MoonViT3d vision tower + multimodal projector (SPEC §9); `kimi_jax/modules/vision.py` runs it.
+    """MoonViT3d vision tower + multimodal projector (docs/model.md §9); `kimi_jax/modules/vision.py` runs it.
 
-    Defaults are K3 / K3.1 as SPEC §9 reads: width 1024, 27 pre-norm blocks, 12 heads of 128 (so the fused qkv is
-    3·1536 wide, not 3·width), gelu-tanh MLP 4096, RMSNorm, no biases, the learned 64×64 position table resized
+    Defaults are K3 / K3.1 as docs/model.md §9 reads: width 1024, 27 pre-norm blocks, 12 heads of 128 (so the fused qkv
+    is 3·1536 wide, not 3·width), gelu-tanh MLP 4096, RMSNorm, no biases, the learned 64×64 position table resized
     bilinearly, 2-D RoPE, 2×2 merge to 4096, projector Linear 4096→4096, exact GELU, Linear 4096→7168, RMSNorm on the
     output. `kimi_k25()` is the variant transformers 5.23 ships as Kimi-K2.5 (LayerNorm with bias, biased linears,
     width 1152, 16 heads of 72, MLP 4304, bicubic table resize, an additive time sinusoid for video, projector
     LayerNorm before the merge-and-project).
 
-    Not in SPEC, chosen here and worth checking against a real K3 config: `norm_eps` (1e-5; one third-party K3 port
-    builds its vision RMSNorms with torch's default eps, finfo(dtype).eps) and `pos_time` (0 = no time term; the
-    same port adds K2.5's time sinusoid and resizes bicubically).
+    Not in the published material (docs/model.md §9), chosen here and worth checking against a real K3 config:
+    `norm_eps` (1e-5; one third-party K3 port builds its vision RMSNorms with torch's default eps, finfo(dtype).eps) and
+    `pos_time` (0 = no time term; the same port adds K2.5's time sinusoid and resizes bicubically).
     """
 
     patch_size: int = 14
@@ -176,7 +176,7 @@ class VisionConfig:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     max_patches: int = 16384  # the processor's budget of patches per image (it downscales beyond it)
     max_patches_per_side: int = 512
-    # the `<|media_pad|>` id (SPEC §11: 163605): a prompt carries one per image token, replaced by the features
+    # the `<|media_pad|>` id (docs/model.md §11: 163605): a prompt carries one per image token, replaced by the features
     image_token_id: int = 163605
 
     def __post_init__(self):
@@ -609,7 +609,7 @@ def _kimi_from_hf(hf: dict, top: dict) -> ModelConfig:
         situ_linear_beta=float(hf.get("activation_situ_linear_beta", 25.0)),
         rms_norm_eps=eps,
         # never tied, whatever tie_word_embeddings says: transformers' KimiLinearForCausalLM declares no tied weights
-        # (it saves and uses its own lm_head.weight), and K3's lm_head is untied (SPEC)
+        # (it saves and uses its own lm_head.weight), and K3's lm_head is untied (docs/model.md §2)
         tie_embeddings=False,
         max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("model_max_length", 1 << 20))),
         bos_token_id=hf.get("bos_token_id"),
@@ -708,7 +708,7 @@ def from_hf_config(hf_top: dict) -> ModelConfig:
         raise ConfigError(f"{hf_top.get('model_type')} config.json lacks the required key {e.args[0]!r}") from None
 
 
-# the routers this package implements (SPEC §7: sigmoid scores, a selection-only bias, group-limited top-k); a
+# the routers this package implements (docs/model.md §7: sigmoid scores, a selection-only bias, group-limited top-k); a
 # config that names another is refused rather than run with the wrong router
 _ROUTER_KEYS = {"moe_router_activation_func": ("sigmoid",), "scoring_func": ("sigmoid",),
                 "topk_method": ("noaux_tc", "greedy", "group_limited_greedy")}
@@ -741,7 +741,7 @@ def _from_hf_config(hf_top: dict) -> ModelConfig:
 
 
 # HF vision_config keys -> VisionConfig fields; both spellings seen in Moonshot configs (`vt_*` in the remote-code
-# MoonViT configs, plain names in transformers'); a key absent keeps SPEC §9's value
+# MoonViT configs, plain names in transformers'); a key absent keeps docs/model.md §9's value
 _VISION_KEYS = {
     "hidden_size": ("vt_hidden_size", "hidden_size"),
     "num_layers": ("vt_num_hidden_layers", "num_hidden_layers"),
@@ -756,8 +756,8 @@ _VISION_KEYS = {
 
 
 def vision_from_hf(vc: dict, top: dict, text_hidden: int) -> VisionConfig:
-    """The `vision_config` block of a K3 config.json -> VisionConfig. Sizes it does not give keep SPEC §9's values
-    (head_dim too: 128, so K3's 12 heads make a 1536-wide qkv on a 1024-wide tower, not width / heads)."""
+    """The `vision_config` block of a K3 config.json -> VisionConfig. Sizes it does not give keep docs/model.md §9's
+    values (head_dim too: 128, so K3's 12 heads make a 1536-wide qkv on a 1024-wide tower, not width / heads)."""
     if not isinstance(vc, dict):
         raise ConfigError("vision_config must be an object")
     fields = {}

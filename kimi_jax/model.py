@@ -1,4 +1,4 @@
-"""The public Python interface: `load_model`, `Model.logits`, `Model.generate` (DESIGN.md)."""
+"""The public Python interface: `load_model`, `Model.logits`, `Model.generate` (README.md "Quickstart")."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from flax import nnx
 
 from sharding.context import ForwardContext, KernelConfig, context_for_mesh
 from sharding.mesh import make_mesh
-from sharding.rules import shard_params
+from sharding.rules import path_name, shard_params
 
 from .cache import PAGE_TOKENS
 from .config import ModelConfig
 from .modules.decoder import DecoderLayer, KimiForCausalLM, ModelCache, PagedModelCache
-from .modules.moe import use_mosaic_experts
 from .modules.vision import VisionTower, preprocess_image
 from .modules.vision_buckets import images_features
 from .paged_cache import PagedCacheSpec
@@ -39,12 +38,9 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
 
 
 def _flat(state) -> dict:
-    flat = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        parts = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", "")))) for p in path)
-        name = ".".join(x for x in parts if x and x != "value")
-        flat[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    return flat
+    """{parameter path: `jax.ShapeDtypeStruct`} of an NNX state."""
+    return {path_name(path): jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -65,7 +61,12 @@ class Model:
                  kernels: KernelConfig = KernelConfig(), platform: Optional[str] = None):
         """`module` may be abstract (`nnx.eval_shape`): its parameters are then `ShapeDtypeStruct`s, placed on
         `mesh` by the partition rules without materialising anything (`abstract_model`; the programs can be
-        lowered and exported, not run). `platform`: what "auto" kernels resolve against (None: this host's)."""
+        lowered and exported, not run). `platform`: what "auto" kernels resolve against (None: this host's).
+
+        Parameters are taken in the format they come in: laying routed experts out for a platform's kernels is the
+        loader's job, once (`modules.moe.prepare_experts`). With `mesh`, a parameter not yet placed as the
+        partition rules say (a freshly built module) is placed; the loader's, placed shard by shard as they were
+        read, already are and stay where they are."""
         self.config: ModelConfig = module.cfg
         self.dtype = dtype
         self.mesh = mesh
@@ -75,8 +76,6 @@ class Model:
         # the MoonViT tower + projector (`modules.vision.VisionTower`), or None for a text-only model / checkpoint;
         # kept outside the text module: its ~0.4B parameters stay replicated and whole-image attention runs apart
         self.vision = vision
-        if jax.default_backend() in ("gpu", "cuda"):  # MXFP4 experts laid out once for the Mosaic GPU kernel
-            use_mosaic_experts(module, kernels)
         self.graphdef, self.params = nnx.split(module)
         if mesh is not None:
             self.params = shard_params(self.params, mesh)
@@ -99,8 +98,8 @@ class Model:
 
     def new_paged_cache(self, batch: int, max_len: int, *, num_blocks: Optional[int] = None, kv_dtype: str = "bf16",
                         index_dtype: Optional[str] = None, latent_scales=None) -> PagedModelCache:
-        """Paged cache (SPEC §10): MLA rows in pages of 64 tokens, stored as `kv_dtype` (bf16 | fp8 | nvfp4; index
-        keys as `index_dtype`, bf16 | fp8 | mxfp4, default bf16 with a bf16 latent else fp8), KDA state per row.
+        """Paged cache (docs/model.md §10): MLA rows in pages of 64 tokens, stored as `kv_dtype` (bf16 | fp8 | nvfp4;
+        index keys as `index_dtype`, bf16 | fp8 | mxfp4, default bf16 with a bf16 latent else fp8), KDA state per row.
 
         Each sequence holds up to `max_len` tokens (`ceil(max_len / 64)` table entries). With `num_blocks=None`
         the pool has one page per table entry of every row and row b owns pages `1 + b·max_blocks …` (tables
@@ -135,9 +134,9 @@ class Model:
 
     def image_inputs(self, input_ids, images):
         """(features `[B, T, D]`, mask bool `[B, T]`) that put each image's features at its `<|media_pad|>` tokens,
-        or None without images. The ids must already hold one pad token per image token (SPEC §9: the prompt's single
-        `<|media_pad|>` expanded with `modules.vision.expand_image_pads`), images in order of their pads, row by row;
-        an image's tokens may not span two rows."""
+        or None without images. The ids must already hold one pad token per image token (docs/model.md §9: the prompt's
+        single `<|media_pad|>` expanded with `modules.vision.expand_image_pads`), images in order of their pads, row by
+        row; an image's tokens may not span two rows."""
         if images is None or len(images) == 0:
             return None
         ids = np.asarray(input_ids)

@@ -1,4 +1,5 @@
-"""Paged MLA cache (SPEC §10): pages of PAGE_TOKENS (64) tokens, one pool per MLA layer, block tables per sequence.
+"""Paged MLA cache (docs/model.md §10): pages of PAGE_TOKENS (64) tokens, one pool per MLA layer, block tables per
+sequence.
 
 Pieces
 - `PagedCacheSpec` — the allocation plan: formats, pool size, and every byte figure, all read from

@@ -48,7 +48,7 @@ from sharding import context_parallel as cp
 from sharding.context import DEFAULT_MAX_CHUNK_BYTES, LAYOUTS, ForwardContext, context_for_mesh
 from sharding.context_parallel import CONTEXT
 from sharding.mesh import expert_axes
-from sharding.rules import _path_name, mesh_partition_spec
+from sharding.rules import mesh_partition_spec, path_name
 
 from .cache import index_key_bytes_per_token, latent_bytes_per_token
 from .modules.decoder import ModelCache, PagedModelCache
@@ -106,7 +106,7 @@ def _placed_params(model, mesh: Mesh):
     key = ("params", mesh)
     store = _store(model)
     if key not in store:
-        place = lambda path, a: jax.device_put(a, NamedSharding(mesh, mesh_partition_spec(_path_name(path),
+        place = lambda path, a: jax.device_put(a, NamedSharding(mesh, mesh_partition_spec(path_name(path),
                                                                                          a.shape, mesh)))
         store[key] = jax.tree_util.tree_map_with_path(place, model.params)
     return store[key]
@@ -138,7 +138,7 @@ def _param_in_specs(model, mesh: Mesh, axis: str, expert_axes: tuple):
         return None if not names else names[0] if len(names) == 1 else names
 
     def spec(path, a):
-        return P(*(keep_manual(e) for e in mesh_partition_spec(_path_name(path), a.shape, mesh)))
+        return P(*(keep_manual(e) for e in mesh_partition_spec(path_name(path), a.shape, mesh)))
 
     return jax.tree_util.tree_map_with_path(spec, model.params)
 
@@ -232,7 +232,7 @@ def _prefill_program(model, shape, mesh: Mesh, mode: str, max_len, axis: str, la
     def abstract(m, cspec, ids_shape, ids_spec):
         sds = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec))
         params = jax.tree_util.tree_map_with_path(
-            lambda path, a: sds(a, mesh_partition_spec(_path_name(path), a.shape, m)), model.params)
+            lambda path, a: sds(a, mesh_partition_spec(path_name(path), a.shape, m)), model.params)
         cache = jax.eval_shape(lambda: ModelCache.zeros(cfg, B, max_len, dtype))
         cache = jax.tree.map(lambda spec, a: sds(a, spec), cspec, cache, is_leaf=lambda x: isinstance(x, P))
         return params, jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=NamedSharding(m, ids_spec)), cache

@@ -22,7 +22,7 @@ from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout, allocate
 from .config import ConfigError, ModelConfig, load_config
 from .model import abstract_params
 
-EXPERT_KEYS = ("block_sparse_moe.w1", "block_sparse_moe.w2", "block_sparse_moe.w3")
+EXPERT_KEYS = ("block_sparse_moe.experts.gate", "block_sparse_moe.experts.up", "block_sparse_moe.experts.down")
 FP32_KEYS = ("A_log", "dt_bias", "conv1d", "o_norm", "block_sparse_moe.gate", "e_score_correction_bias")
 WEIGHT_DTYPES = ("release", "bf16", "fp8", "mxfp4")
 ONE_M = 1 << 20
@@ -44,7 +44,7 @@ def count_params(cfg: ModelConfig) -> dict:
 
 
 # the format each family's weights are published in (`--weights-dtype release`): K3 / K3.1 routed experts MXFP4
-# and the rest bf16 (SPEC); DeepSeek-V3.2 block-scaled FP8; Kimi-Linear bf16
+# and the rest bf16 (docs/model.md §2); DeepSeek-V3.2 block-scaled FP8; Kimi-Linear bf16
 RELEASE_FORMAT = {"kimi_k3": "release", "kimi_k31": "release", "deepseek_v32": "fp8", "kimi_linear": "bf16"}
 
 
@@ -96,9 +96,9 @@ def plan(cfg: ModelConfig, *, kv_dtype="fp8", index_dtype="fp8", mesh=(1, 1), dc
     wbytes = weight_bytes(cfg, counts["sizes"], weights_dtype)
     usable = hbm_gb * 1e9 * gpu_memory_utilization - wbytes / tp  # per device
     kv_token_dev = layout.kv_bytes_per_token / dcp  # TP: every device keeps every token's latent; DCP: 1/dcp of them
-    # the KDA state counted whole on every device, as the published capacities count it (SPEC §10: 3 sequences under
-    # TP8 + FP8 and ≈ 36 under DCP8 + NVFP4 / MXFP4 on 8 × 288 GB come out only this way; a 1/tp share gives 46).
-    # kimi_jax shards the state by heads, so this is conservative by < 0.45 GB per sequence and device.
+    # the KDA state counted whole on every device, as the published capacities count it (docs/model.md §10: 3
+    # sequences under TP8 + FP8 and ≈ 36 under DCP8 + NVFP4 / MXFP4 on 8 × 288 GB come out only this way; a 1/tp
+    # share gives 46). kimi_jax shards the state by heads, so this is conservative by < 0.45 GB per sequence and device.
     state_seq_dev = layout.state_bytes_per_sequence
     fits = usable > 0
     max_tokens = int(usable // kv_token_dev) * dp if fits and kv_token_dev else 0

@@ -4,7 +4,7 @@ Kimi checkpoints ship their vocabulary as ``tiktoken.model``: one line per token
 ranks are the ordinary token ids ``0 .. n-1`` (163,584 of them for Kimi K2 / Kimi-Linear / K3).  The 256 ids after
 them are reserved for control ("special") tokens; ``tokenizer_config.json``'s ``added_tokens_decoder`` names them.
 
-Rules kept here (SPEC section 11):
+Rules kept here (docs/model.md §11):
 
 * ``encode(text)`` never yields a control-token id: text that spells ``<|open|>`` is tokenised as ordinary bytes.
   Control tokens only enter a prompt as ids, placed by the chat encoder (``kimi_jax.serve.chat``).

@@ -1,4 +1,4 @@
-"""Mesh construction and logical-axis partition rules (DESIGN.md: sharding by names); expert and context
+"""Mesh construction and logical-axis partition rules (docs/architecture.md: sharding by names); expert and context
 parallelism (`sharding.expert_parallel`, `sharding.context_parallel`)."""
 
 from .mesh import MeshError, expert_axes, make_mesh, parse_mesh_spec

@@ -2,7 +2,8 @@
 
 Token-split prefill (each device holds a contiguous slice of the prompt, shard i = tokens [i·Tl, (i+1)·Tl)):
 
-* KDA (SPEC §4). Per head the delta rule is affine in the state: with D_t = diag(exp g_t) and A_t = I − β_t k_t k_tᵀ,
+* KDA (docs/model.md §4). Per head the delta rule is affine in the state: with D_t = diag(exp g_t) and
+  A_t = I − β_t k_t k_tᵀ,
       S_t = A_t D_t S_{t−1} + β_t k_t v_tᵀ,           o_t = S_tᵀ (scale·q_t).
   So a slice maps its incoming state S_in to  S_out = M S_in + S_loc  with  M = A_T D_T ⋯ A_1 D_1  ([dk, dk]) and
   S_loc the slice's state from zero; inside the slice  S_t = M_t S_in + S_t^loc  (M_t the partial product), so
@@ -15,8 +16,8 @@ Token-split prefill (each device holds a contiguous slice of the prompt, shard i
   S_in^0 = S0, S_in^{n+1} = M_n S_in^n + S_loc_n (N small matmuls), takes its own S_in and adds q̃ S_in to its
   outputs. Every device ends with the exact final state S_in^N. The short conv needs the previous shard's last
   K−1 inputs: one `ppermute` halo (`conv_token_split_shard`).
-* MLA / DSA indexer (SPEC §5–6): queries stay local, the latent rows (and index keys) are all-gathered over the axis
-  and each shard attends causally with GLOBAL positions. Cost note: a contiguous split is causally unbalanced
+* MLA / DSA indexer (docs/model.md §5–6): queries stay local, the latent rows (and index keys) are all-gathered over
+  the axis and each shard attends causally with GLOBAL positions. Cost note: a contiguous split is causally unbalanced
   (the last shard's queries see the most keys); with static shapes every shard scores all T keys and masks.
 
 Head-split prefill (heads over the axis) is here too, for comparison: KDA heads are independent; MLA query heads
@@ -353,7 +354,7 @@ def _canon_zero(s):
 
 
 def index_scores(qi_bthd, ki_bsd, w_bth, allowed_bts):
-    """score[b,t,s] = Σ_h w[b,t,h]·relu(qi[b,t,h]·ki[b,s]), −inf where not allowed; float32 (SPEC §6)."""
+    """score[b,t,s] = Σ_h w[b,t,h]·relu(qi[b,t,h]·ki[b,s]), −inf where not allowed; float32 (docs/model.md §6)."""
     dots = jnp.einsum("bthd,bsd->bths", qi_bthd, ki_bsd, preferred_element_type=jnp.float32,
                       precision=_prec(qi_bthd.dtype))
     s = jnp.einsum("bth,bths->bts", w_bth.astype(jnp.float32), jax.nn.relu(dots), precision=_HI)

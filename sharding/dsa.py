@@ -1,5 +1,5 @@
-"""The partitioned entry points of the paged MLA path (SPEC §5–6): the DSA indexer's top-k and absorbed attention
-over the paged latent cache, each inside a `shard_map` (`sharding.partition.shard_call`) with its own specs.
+"""The partitioned entry points of the paged MLA path (docs/model.md §5–6): the DSA indexer's top-k and absorbed
+attention over the paged latent cache, each inside a `shard_map` (`sharding.partition.shard_call`) with its own specs.
 
 * `topk_indices`: the indexer's score is a weighted sum over its heads, so every device computes the whole
   selection for its batch rows (queries, weights and tables over data; the key pool whole on every device).

@@ -268,7 +268,8 @@ def ep_expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activati
 
 def ep_moe(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, mesh, method: str = "auto",
            backend: str = "auto", interpret: bool = False, emulate_a2a: bool = False, expert_axes=None):
-    """Route (SPEC §7, `pallas_kernels.moe.routing.route`, per token — the same on any split) then `ep_expert_ffn`."""
+    """Route (docs/model.md §7, `pallas_kernels.moe.routing.route`, per token — the same on any split) then
+    `ep_expert_ffn`."""
     tok_spec, _ = _token_spec(mesh, x_nd.shape[0], expert_group_axis(mesh, expert_axes))
     routed = jax.jit(_shard_map(lambda x, r, b: route(x, r, b, cfg), mesh, in_specs=(tok_spec, P(), P()),
                                 out_specs=(tok_spec, tok_spec)))

@@ -1,4 +1,4 @@
-"""The partitioned entry point of the routed-expert FFN (SPEC §7): where each expert lives, never under GSPMD.
+"""The partitioned entry point of the routed-expert FFN (docs/model.md §7): where each expert lives, never under GSPMD.
 
 * A mesh whose expert axes (`AxisRoles.expert`: "model", or ("context", "model") on the overlay meshes) split the
   routed experts — E divides by their size, as `sharding.rules` requires to split them at all — runs the FFN
@@ -9,8 +9,9 @@
 * Otherwise the experts are whole on every device, and so is the FFN: the kernel runs under a `shard_map` with
   every argument replicated.
 
-Shapes: x `[N, D]`, expert ids `[N, k]` int32, weights `[N, k]` float32, expert weights as
-`pallas_kernels.moe.ops.expert_ffn` takes them. Returns `[N, D]` float32.
+Shapes: x `[N, D]`, expert ids `[N, k]` int32, weights `[N, k]` float32, the routed experts' weights in one of the
+MoE kernels' formats (`pallas_kernels.moe.experts`: `DenseExperts`, `MXFP4Experts`, `MosaicMXFP4Experts`; the
+kernels take each weight in its own layout). Returns `[N, D]` float32.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 
 from pallas_kernels.moe import ops as moe_ops
+from pallas_kernels.moe.experts import ExpertWeights
 
 from .context import ForwardContext
 from . import expert_parallel
@@ -30,14 +32,14 @@ def expert_ways(ctx: ForwardContext, num_experts: int) -> int:
     return ways if ways > 1 and num_experts % ways == 0 else 1
 
 
-def routed_experts(ctx: ForwardContext, x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, *,
+def routed_experts(ctx: ForwardContext, x_nd, expert_idx_nk, weight_nk, experts: ExpertWeights, activation, *,
                    num_experts: int):
     """Σ_k weight[n,k] · FFN_e(x[n]) over the routed (token, expert) pairs, on this context's mesh."""
     backend = ctx.kernels.moe
     if ctx.platform is not None:  # "auto" for the target platform, not this host's
-        backend = moe_ops.resolve_backend(backend, quantized=not hasattr(w_gate, "ndim"), platform=ctx.platform)
+        backend = moe_ops.resolve_backend(backend, quantized=experts.quantized, platform=ctx.platform)
     kw = dict(backend=backend, interpret=ctx.kernels.moe_interpret)
-    args = (x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down)
+    args = (x_nd, expert_idx_nk, weight_nk, *experts.weights())
     if ctx.mesh is None:
         return moe_ops.expert_ffn(*args, activation, **kw)
     manual = len(free_axes(ctx)) < len(ctx.mesh.axis_names)

@@ -36,7 +36,8 @@ RULES: tuple = (
     (r"self_attn\.(k_up_proj|v_up_proj)$", 1),
     (r"self_attn\.o_proj\.kernel$", 0),
     # packed MXFP4 experts split by expert too, in the checkpoint's layout and in the Mosaic GPU kernel's
-    (r"block_sparse_moe\.(w1|w2|w3)(_packed|_scale|_codes|_scales_t|_exp_offset)?$", (0, EXPERT)),
+    # every array of every format (`pallas_kernels.moe.experts`) leads with the expert dimension
+    (r"block_sparse_moe\.experts\.", (0, EXPERT)),
     (r"(mlp|shared_experts)\.(gate_proj|up_proj)\.kernel$", 1),
     (r"(mlp|shared_experts)\.down_proj\.kernel$", 0),
 )
@@ -76,7 +77,8 @@ def mesh_partition_spec(path: str, shape, mesh) -> P:
                                 expert_axes=tuple((a, int(mesh.shape[a])) for a in expert_axes(mesh)))
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
+    """A parameter's dotted name ("layers.3.self_attn.q_b_proj.kernel") from its key path in an NNX state."""
     parts = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", "")))) for p in path)
     return ".".join(x for x in parts if x and x != "value")
 
@@ -85,7 +87,7 @@ def shard_params(state, mesh):
     """Place every leaf of an NNX parameter State on `mesh` by the rules. Returns the placed State. Abstract
     leaves (`jax.ShapeDtypeStruct`) come back abstract, with their sharding."""
     def place(path, leaf):
-        sharding = NamedSharding(mesh, mesh_partition_spec(_path_name(path), leaf.shape, mesh))
+        sharding = NamedSharding(mesh, mesh_partition_spec(path_name(path), leaf.shape, mesh))
         if isinstance(leaf, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
         return jax.device_put(leaf, sharding)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.quant import fp8_quant
+from pallas_kernels.codec import fp8_block_quantize_np
 from convert.safetensors_io import SourceSet, read_array, write_file
 
 
@@ -51,7 +51,7 @@ def fp8_quantize_dir(src, dst, block=(16, 16)):
         out = {}
         for n, a in t.items():
             if fp8_quantizable(n, a):
-                q, s = fp8_quant(a, block)
+                q, s = fp8_block_quantize_np(a, block)
                 out[n], out[n + "_scale_inv"] = q, s
             else:
                 out[n] = a

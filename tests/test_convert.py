@@ -21,9 +21,10 @@ import pytest
 
 import kimi_jax
 from ckpt_helpers import assert_same_tensors, fp8_quantize_dir, leftovers, read_all, rewrite_dir
-from convert import ConvertError, convert, export
+from convert import ConvertError, export
 from convert.__main__ import main as cli_main
 from convert.synthetic import write_k3_checkpoint
+from kimi_jax.checkpoint import convert_checkpoint as convert
 from kimi_jax.config import get_preset
 
 H = pytest.importorskip("hf_fixtures")
@@ -92,7 +93,8 @@ def test_roundtrip_bit_identical(which, request, work):
     assert leftovers(work) == []
     if which.startswith("k3"):
         w1 = next(e for e in meta["entries"] if e["kind"] == "experts")
-        assert set(w1["extra"]["arrays"]) == {"layers.1.block_sparse_moe.w1_packed", "layers.1.block_sparse_moe.w1_scale"}
+        assert set(w1["extra"]["arrays"]) == {"layers.1.block_sparse_moe.experts.gate_packed",
+                                              "layers.1.block_sparse_moe.experts.gate_scale"}
         assert any(e["src"].startswith("vision_tower.") for e in meta["entries"] if e["kind"] == "extra")
         assert (dst / "tokenizer_config.json").exists() and (out / "tokenizer_config.json").exists()
     if which == "ds_fp8_kept":
@@ -208,8 +210,9 @@ def _expected_k3(hf: dict, cfg) -> dict:
         elif ".experts." in t:  # MXFP4 experts load packed, stacked in the HF [E, out, in/2] / [E, out, in/32] layout
             pre, rest = t.split(".experts.")
             e, which, kind = rest.split(".")
-            suffix = {"weight_packed": "_packed", "weight_scale": "_scale"}[kind]
-            want.setdefault(pre + "." + which + suffix, {})[int(e)] = w
+            field = {"w1": "gate", "w3": "up", "w2": "down"}[which] + {"weight_packed": ".packed",
+                                                                     "weight_scale": ".scale"}[kind]
+            want.setdefault(pre + ".experts." + field, {})[int(e)] = w
         elif t.endswith("block_sparse_moe.gate.weight"):
             want[t[: -len(".weight")]] = w.T
         elif t.endswith("e_score_correction_bias"):
@@ -247,6 +250,26 @@ def test_hf_dir_loads_without_temp_files(kl_dir, work, tmp_path, monkeypatch):
     assert str(leaves["layers.0.self_attn.q_proj.kernel"]) == "bfloat16"
     assert str(leaves["layers.0.self_attn.A_log"]) == "float32"
     assert str(leaves["layers.1.block_sparse_moe.gate"]) == "float32"
+
+
+def test_a_load_builds_the_model_once(kl_dir, work, monkeypatch):
+    """The loader asks the model for its shapes and fills that same abstract model: one `KimiForCausalLM` per load,
+    from a Hugging Face directory and from a converted checkpoint (convert itself never builds one)."""
+    from kimi_jax.modules.decoder import KimiForCausalLM
+
+    dst = work / "kl_built_once_jax"
+    convert(str(kl_dir), str(dst), dtype="keep", progress=False)
+    built, init = [], KimiForCausalLM.__init__
+
+    def counted(self, *a, **kw):
+        built.append(1)
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(KimiForCausalLM, "__init__", counted)
+    for path in (kl_dir, dst):
+        built.clear()
+        kimi_jax.load_model(str(path))
+        assert len(built) == 1, path
 
 
 def _named(model) -> dict:
@@ -291,10 +314,11 @@ def test_dtype_fp8_requantises(kl_dir, work):
     meta = json.load(open(dst / "kimi_jax_checkpoint.json"))
     arrays = {n for e in meta["entries"] for n in e["extra"]["arrays"]}
     assert {"layers.0.self_attn.q_proj.kernel_fp8", "layers.0.self_attn.q_proj.kernel_scale_inv",
-            "layers.1.block_sparse_moe.w1_fp8", "layers.2.self_attn.kv_b_proj_fp8"} <= arrays
+            "layers.1.block_sparse_moe.experts.gate_fp8", "layers.2.self_attn.kv_b_proj_fp8"} <= arrays
     assert "embed_tokens" in arrays and "lm_head.kernel" in arrays  # not quantised
     orig, got = _flat_params(kimi_jax.load_model(str(kl_dir))), _flat_params(kimi_jax.load_model(str(dst)))
-    for k in ("layers.0.self_attn.q_proj.kernel", "layers.1.block_sparse_moe.w2", "layers.2.self_attn.k_up_proj"):
+    for k in ("layers.0.self_attn.q_proj.kernel", "layers.1.block_sparse_moe.experts.down",
+              "layers.2.self_attn.k_up_proj"):
         rel = np.linalg.norm(got[k] - orig[k]) / np.linalg.norm(orig[k])
         assert 0 < rel < 0.05, (k, rel)
     export(str(dst), str(out), progress=False)
@@ -305,7 +329,8 @@ def test_dtype_fp8_requantises(kl_dir, work):
 
 
 def test_mxfp4_decoder_matches_definition():
-    from convert.quant import mxfp4_dequant, mxfp4_quant
+    """The codec's host MXFP4 forms (what convert reads and writes checkpoints with) against the definition."""
+    from pallas_kernels.codec import mxfp4_dequantize_np as mxfp4_dequant, mxfp4_quantize_np as mxfp4_quant
 
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (3, 16), dtype=np.uint8)

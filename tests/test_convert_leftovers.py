@@ -16,8 +16,9 @@ import sys
 import pytest
 
 from ckpt_helpers import leftovers
-from convert import convert, store
+from convert import store
 from convert.__main__ import main as cli_main
+from kimi_jax.checkpoint import convert_checkpoint as convert
 
 H = pytest.importorskip("hf_fixtures")
 pytest.importorskip("transformers")

@@ -86,7 +86,7 @@ MODEL_SCRIPT = textwrap.dedent(r"""
     import sharding.expert_parallel as ep
     from sharding import make_mesh
     from kimi_jax import parallel as mc
-    from sharding.rules import _path_name
+    from sharding.rules import path_name
     from kimi_jax.modules.moe import moe_layers
     spec, layout = sys.argv[1:3]
     assert len(jax.devices()) == 8
@@ -139,7 +139,7 @@ MODEL_SCRIPT = textwrap.dedent(r"""
 
     # the compiled programs take 1/8 of the experts per device (the SPMD program's entry parameters are per-device
     # shapes: without expert parallelism each would be the whole [E, K, N]) and never all-gather them
-    expert_leaf = lambda path: re.search(r"block_sparse_moe\.(w1|w2|w3)$", _path_name(path)) is not None
+    expert_leaf = lambda path: re.search(r"block_sparse_moe\.experts\.(gate|up|down)$", path_name(path)) is not None
     experts = [a.shape for path, a in jax.tree_util.tree_flatten_with_path(ref.params)[0] if expert_leaf(path)]
     assert len(experts) == 3 * len(moes)
     hlo_shape = lambda s: "f32[" + ",".join(map(str, s)) + "]"

@@ -224,7 +224,7 @@ def test_split_hi_lo_is_exact_and_has_no_foldable_round_trip(cdt, bound):
 
 def test_e2m1_arithmetic_decode_equals_the_table():
     codes = jnp.arange(16, dtype=jnp.int32)
-    np.testing.assert_array_equal(np.asarray(codec.e2m1_value(codes)), Q.E2M1_VALUES)
+    np.testing.assert_array_equal(np.asarray(codec.e2m1_value(codes)), codec.E2M1_VALUES)
 
 
 # ------------------------------------------------------------------------------------------------ backend choice

@@ -117,7 +117,7 @@ MODEL_SCRIPT = textwrap.dedent("""
         m = kimi_jax.load_model("tiny", mesh=spec)
         moes = [x for _, x in moe_layers(m.module)]
         assert moes and m.ctx.mesh == m.mesh and m.ctx.axes.expert == ("context", "model"), spec
-        w1 = moes[0].w1[...]
+        w1 = moes[0].experts.gate[...]
         assert len(w1.sharding.device_set) == 8 and w1.sharding.shard_shape(w1.shape)[0] == 1, w1.sharding
         traced.clear()
         l = m.logits(ids)

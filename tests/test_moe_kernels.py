@@ -88,9 +88,9 @@ def test_mxfp4_decoders_are_exact():
     np.testing.assert_array_equal(np.asarray(mx.scale_f32(jnp.asarray(s))), np.ldexp(1.0, s.astype(int) - 127))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in ldexp")  # convert.quant on the NaN scale (255)
+@pytest.mark.filterwarnings("ignore:overflow encountered in ldexp")  # the host decode on the NaN scale (255)
 def test_dequantize_matches_the_checkpoint_decoder():
-    from convert.quant import mxfp4_dequant
+    from pallas_kernels.codec import mxfp4_dequantize_np as mxfp4_dequant
 
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (3, 8, 32), dtype=np.uint8)
@@ -541,7 +541,7 @@ def test_mxfp4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
     what is held, and the logits equal those of the model loaded with the experts dequantised at load time — on
     the reference backend (dequantise per call inside the jitted forward) and through the GPU kernel (interpreted).
     Loading the Hugging Face directory directly keeps them packed as well."""
-    from convert import convert
+    from kimi_jax.checkpoint import convert_checkpoint as convert
     from convert.synthetic import write_k3_checkpoint
     from kimi_jax import checkpoint
     from kimi_jax.config import get_preset
@@ -562,25 +562,25 @@ def test_mxfp4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
     assert moe_layers
     E, F, L = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.moe.latent_size
     for i in moe_layers:
-        pre = f"layers.{i}.block_sparse_moe."
-        assert not any(k in flat_q for k in (pre + "w1", pre + "w2", pre + "w3"))
-        for w, (n, k) in (("w1", (F, L)), ("w3", (F, L)), ("w2", (L, F))):
-            assert flat_q[pre + w + "_packed"].dtype == jnp.uint8 and flat_q[pre + w + "_packed"].shape == (E, n, k // 2)
-            assert flat_q[pre + w + "_scale"].dtype == jnp.uint8 and flat_q[pre + w + "_scale"].shape == (E, n, k // 32)
+        pre = f"layers.{i}.block_sparse_moe.experts."
+        assert not any(k in flat_q for k in (pre + "gate", pre + "up", pre + "down"))
+        for w, (n, k) in (("gate", (F, L)), ("up", (F, L)), ("down", (L, F))):
+            assert flat_q[pre + w + ".packed"].dtype == jnp.uint8 and flat_q[pre + w + ".packed"].shape == (E, n, k // 2)
+            assert flat_q[pre + w + ".scale"].dtype == jnp.uint8 and flat_q[pre + w + ".scale"].shape == (E, n, k // 32)
             assert flat_p[pre + w].dtype == jnp.float32
     # abstract_params / param_count describe the logical (plain) model; the plan's "release" bytes for the routed
     # experts are exactly the packed + scale bytes the loaded model holds
     assert set(abstract_params(cfg)) == set(flat_p)
     counts = count_params(cfg)
-    routed = {k: n for k, n in counts["sizes"].items() if k.rsplit(".", 1)[-1] in ("w1", "w2", "w3")}
-    held = sum(v.size for k, v in flat_q.items() if k.endswith(("_packed", "_scale")))
+    routed = {k: n for k, n in counts["sizes"].items() if ".block_sparse_moe.experts." in k}
+    held = sum(v.size for k, v in flat_q.items() if k.endswith((".packed", ".scale")))
     assert weight_bytes(cfg, routed, "release") == held
 
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
     want = plain.logits(ids)
     np.testing.assert_array_equal(packed.logits(ids), want)  # same values, same ragged_dot: same bits
     direct = checkpoint.load(str(hf), kernels=ref)
-    assert _flat(direct.params)[f"layers.{moe_layers[0]}.block_sparse_moe.w1_packed"].dtype == jnp.uint8
+    assert _flat(direct.params)[f"layers.{moe_layers[0]}.block_sparse_moe.experts.gate.packed"].dtype == jnp.uint8
     np.testing.assert_array_equal(direct.logits(ids), want)
     kern = checkpoint.load(str(conv), kernels=KernelConfig(moe="gpu", moe_interpret=True))
     np.testing.assert_allclose(kern.logits(ids), want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
@@ -1341,11 +1341,11 @@ def test_gpu_model_runs_its_mxfp4_experts_on_the_mosaic_kernel(tmp_path):
     write_k3_checkpoint(str(tmp_path), cfg, seed=1, dtype="F32", shard_bytes=400_000)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
     ref = checkpoint.load(str(tmp_path), kernels=KernelConfig.reference())  # the Hugging Face directory itself
-    assert not any(k.endswith("_codes") for k in _flat(ref.params))
+    assert not any(k.endswith(".codes") for k in _flat(ref.params))
     want = ref.logits(ids)
     model = checkpoint.load(str(tmp_path), kernels=KernelConfig(moe="gpu"))
     flat = _flat(model.params)
-    assert any(k.endswith("w1_codes") for k in flat) and not any(k.endswith("_packed") for k in flat)
+    assert any(k.endswith("experts.gate.codes") for k in flat) and not any(k.endswith(".packed") for k in flat)
     np.testing.assert_allclose(model.logits(ids), want, rtol=0, atol=2e-2 * float(np.abs(want).max()))
 
 
@@ -1381,40 +1381,47 @@ def test_gpu_mgpu_mxfp4_placed_with_large_and_zero_scales():
 
 
 def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():
-    """`MoE.use_mosaic_experts` (what `Model` does on a GPU host): the MXFP4 expert parameters become the Mosaic
-    kernel's layout (placed codes, transposed scales, exponent offsets), split by expert like the checkpoint's;
-    the layer's output is bit-for-bit the same (off the GPU the ops turn the layout back exactly). Only layers whose
-    kernel backend is the GPU one are re-laid; shapes the kernel does not take stay as they are."""
+    """`prepare_experts` (what the loader does once, for a GPU platform): a layer's `MXFP4Experts` become the Mosaic
+    kernel's layout (`MosaicMXFP4Experts`: placed codes, transposed scales, exponent offsets), split by expert like
+    the checkpoint's; the layer's output is bit-for-bit the same (off the GPU the ops turn the layout back exactly).
+    Only layers whose kernel backend is the GPU one are re-laid; shapes the kernel does not take stay as they are."""
     from flax import nnx
 
     from kimi_jax.config import MoEConfig
     from kimi_jax.kernels import KernelConfig
-    from kimi_jax.modules.moe import MoE, use_mosaic_experts
+    from kimi_jax.model import _flat
+    from kimi_jax.modules.moe import MoE, prepare_experts
+    from pallas_kernels.moe.experts import MosaicMXFP4Experts, MXFP4Experts
     from sharding.rules import param_partition_spec
 
     def layer(latent=128, F=128):
         cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=F, latent_size=latent)
         m = MoE(96, cfg, situ, 1e-6, rngs=nnx.Rngs(0))
-        m.use_mxfp4_experts()
         keys = iter(jax.random.split(jax.random.key(5), 3))
-        for name, (k, n) in (("w1", (latent, F)), ("w3", (latent, F)), ("w2", (F, latent))):
-            q = mx.random_weight(next(keys), 4, k, n)
-            getattr(m, name + "_packed")[...] = q.packed
-            getattr(m, name + "_scale")[...] = q.scale
+        m.set_experts(MXFP4Experts(*(mx.random_weight(next(keys), 4, k, n)
+                                     for k, n in ((latent, F), (latent, F), (F, latent)))))
         return m
 
     x = jax.random.normal(jax.random.key(6), (2, 5, 96), jnp.float32)
     m = layer()
     want = np.asarray(m(x))
-    # its kernels are not the GPU ones: nothing is re-laid
-    assert use_mosaic_experts(m, KernelConfig(moe="reference")) == 0 and m.expert_format == "mxfp4"
-    assert m.use_mosaic_experts() and m.expert_format == "mxfp4_mosaic"
-    assert not m.use_mosaic_experts()  # once
-    assert not hasattr(m, "w1_packed")
-    assert m.w1_codes.shape == (4, 128, 64) and m.w1_scales_t.shape == (4, 4, 128) and m.w1_exp_offset.shape == (4,)
+    checkpoint_arrays = m.expert_weights()
+    # its kernels are not the GPU ones, or the platform has none: nothing is re-laid
+    assert prepare_experts(m, KernelConfig(moe="reference"), "gpu") == 0
+    assert prepare_experts(m, KernelConfig(moe="auto"), "cpu") == 0
+    assert prepare_experts(m, KernelConfig(moe="gpu", moe_interpret=True), "gpu") == 0
+    assert isinstance(m.expert_weights(), MXFP4Experts)
+    assert prepare_experts(m, KernelConfig(moe="auto"), "gpu") == 1
+    assert isinstance(m.expert_weights(), MosaicMXFP4Experts)
+    for got, orig in zip(jax.tree.leaves(m.expert_weights().to_mxfp4()), jax.tree.leaves(checkpoint_arrays)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(orig))  # the same values, exactly
+    assert prepare_experts(m, KernelConfig(moe="auto"), "gpu") == 0  # once
+    flat = _flat(nnx.state(m, nnx.Param))
+    assert not any(k.endswith(".packed") for k in flat)
+    assert (flat["experts.gate.codes"].shape, flat["experts.gate.scales_t"].shape,
+            flat["experts.gate.exp_offset"].shape) == ((4, 128, 64), (4, 4, 128), (4,))
     np.testing.assert_array_equal(np.asarray(m(x)), want)
-    for name in ("w1_codes", "w2_scales_t", "w3_exp_offset"):
-        shape = getattr(m, name).shape
-        assert param_partition_spec(f"layers.3.block_sparse_moe.{name}", shape, 2)[0] == "model"
-    assert use_mosaic_experts(layer(), KernelConfig(moe="gpu")) == 1
-    assert use_mosaic_experts(layer(latent=64), KernelConfig(moe="gpu")) == 0  # K = 64: not a multiple of the kernel's 128
+    for name in ("gate.codes", "down.scales_t", "up.exp_offset"):
+        shape = flat["experts." + name].shape
+        assert param_partition_spec(f"layers.3.block_sparse_moe.experts.{name}", shape, 2)[0] == "model"
+    assert prepare_experts(layer(latent=64), KernelConfig(moe="gpu"), "gpu") == 0  # K = 64: not a multiple of 128

@@ -54,8 +54,8 @@ def test_k3_without_indexer_has_no_index_pool():
 def test_layer_pool_parts_and_summary():
     spec = PagedCacheSpec.create(get_preset("kimi-k3.1-pro"), num_blocks=10, kv_dtype="nvfp4", index_dtype="mxfp4")
     pool = jax.eval_shape(spec.init_layer)
-    assert [(a.shape, a.dtype) for a in pool.latent] == [((10, 64, 256), jnp.uint8), ((10, 64, 32), Q.E4M3),
-                                                         ((10, 64, 64), Q.E4M3)]
+    assert [(a.shape, a.dtype) for a in pool.latent] == [((10, 64, 256), jnp.uint8), ((10, 64, 32), jnp.float8_e4m3fn),
+                                                         ((10, 64, 64), jnp.float8_e4m3fn)]
     assert [(a.shape, a.dtype) for a in pool.index] == [((10, 64, 64), jnp.uint8), ((10, 64, 4), jnp.uint8)]
     s = spec.summary(tokens_per_sequence=1000)
     assert s["latent_bytes_per_token_layer"] == 352 and s["index_bytes_per_token_layer"] == 68

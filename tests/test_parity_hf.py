@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import kimi_jax
-from convert import convert
+from kimi_jax.checkpoint import convert_checkpoint as convert
 
 H = pytest.importorskip("hf_fixtures")
 torch = pytest.importorskip("torch")

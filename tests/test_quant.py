@@ -1,4 +1,5 @@
-"""Cache quantisation formats (kimi_jax.quant): hand-worked bit patterns, rounding, scales, byte sizes, error bounds."""
+"""The codec (pallas_kernels.codec) and the cache formats on it (kimi_jax.quant): hand-worked bit patterns,
+rounding, scales, byte sizes, error bounds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from kimi_jax import quant as Q
+from pallas_kernels import codec as C
 from kimi_jax.cache import index_key_bytes_per_token, latent_bytes_per_token
 
 
@@ -32,15 +34,15 @@ E4M3_GOLDEN = [  # value -> byte (sign | 4-bit exponent, bias 7 | 3-bit mantissa
 def test_e4m3_golden_bit_patterns():
     x = np.array([v for v, _ in E4M3_GOLDEN], np.float32)
     want = np.array([b for _, b in E4M3_GOLDEN], np.uint8)
-    np.testing.assert_array_equal(bits(Q.to_e4m3(x)), want)
-    np.testing.assert_array_equal(bits(jax.jit(Q.to_e4m3)(x)), want)
-    assert np.isnan(np.asarray(Q.to_e4m3(np.float32(np.nan)).astype(jnp.float32)))
+    np.testing.assert_array_equal(bits(C.to_e4m3(x)), want)
+    np.testing.assert_array_equal(bits(jax.jit(C.to_e4m3)(x)), want)
+    assert np.isnan(np.asarray(C.to_e4m3(np.float32(np.nan)).astype(jnp.float32)))
 
 
 def test_e4m3_matches_ml_dtypes_on_random_data():
     x = (np.random.default_rng(0).standard_normal(4096) * np.exp2(np.random.default_rng(1).integers(-12, 9, 4096)))
     x = np.clip(x.astype(np.float32), -448, 448)
-    np.testing.assert_array_equal(bits(Q.to_e4m3(x)), x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    np.testing.assert_array_equal(bits(C.to_e4m3(x)), x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
 # ------------------------------------------------------------------------------------------------ e2m1
@@ -57,17 +59,17 @@ E2M1_GOLDEN = [  # value -> 4-bit code (sign | 2-bit exponent | 1-bit mantissa) 
 def test_e2m1_golden_codes_and_values():
     x = np.array([v for v, _ in E2M1_GOLDEN], np.float32)
     want = np.array([c for _, c in E2M1_GOLDEN], np.uint8)
-    codes = np.asarray(Q.e2m1_encode(x))
+    codes = np.asarray(C.e2m1_encode(x))
     np.testing.assert_array_equal(codes, want)
-    vals = np.asarray(Q.e2m1_decode(codes))
-    np.testing.assert_array_equal(vals, Q.E2M1_VALUES[want])
+    vals = np.asarray(C.e2m1_decode(codes))
+    np.testing.assert_array_equal(vals, C.E2M1_VALUES[want])
     assert np.signbit(vals[24]) and np.signbit(vals[23])  # −0.2 and −0.0 decode to −0
 
 
 def test_e2m1_matches_ml_dtypes_on_random_data():
     x = (np.random.default_rng(2).standard_normal(4096) * 3).astype(np.float32)
     x[:64] = np.repeat(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0], np.float32), 8)
-    got = np.asarray(Q.e2m1_decode(Q.e2m1_encode(x)))
+    got = np.asarray(C.e2m1_decode(C.e2m1_encode(x)))
     ref = x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
     np.testing.assert_array_equal(got, ref)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
@@ -75,14 +77,14 @@ def test_e2m1_matches_ml_dtypes_on_random_data():
 
 def test_nibble_order_low_nibble_is_even_element():
     codes = np.array([[0x1, 0x2, 0x3, 0x4, 0xF, 0x8]], np.uint8)
-    packed = np.asarray(Q.pack_nibbles(codes))
+    packed = np.asarray(C.pack_nibbles(codes))
     np.testing.assert_array_equal(packed, [[0x21, 0x43, 0x8F]])
-    np.testing.assert_array_equal(np.asarray(Q.unpack_nibbles(packed)), codes)
+    np.testing.assert_array_equal(np.asarray(C.unpack_nibbles(packed)), codes)
 
 
 def test_pow2_ceil_is_exact():
     x = np.array([1.0, 1.0000001, 0.5, 0.3, 3.0, 448.0 / 448, 449.0 / 448, 2.0 ** -22], np.float32)
-    np.testing.assert_array_equal(np.asarray(Q.pow2_ceil(x)), [1, 2, 0.5, 0.5, 4, 1, 2, 2.0 ** -22])
+    np.testing.assert_array_equal(np.asarray(C.pow2_ceil(x)), [1, 2, 0.5, 0.5, 4, 1, 2, 2.0 ** -22])
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4 keys
@@ -93,27 +95,32 @@ def test_mxfp4_golden_group():
     x[0, 32:36] = [7, -3.5, 1.5, 0.2]  # amax 7 -> 7/6 -> 2^1, byte 128: 3.5 (tie) -> 4, -1.75 (tie) -> -2
     # group 2 all zero -> byte 0; group 3: amax 6 exactly -> scale 1 (byte 127)
     x[0, 96:98] = [6.0, -2.9]
-    packed, scale = Q.mxfp4_quantize(x)
+    packed, scale = C.mxfp4_quantize(x)
     np.testing.assert_array_equal(np.asarray(scale), [[129, 128, 0, 127]])
     p = np.asarray(packed)[0]
     np.testing.assert_array_equal(p[:4], [0x57, 0x1B, 0x20, 0x68])
     np.testing.assert_array_equal(p[4:16], 0)
     np.testing.assert_array_equal(p[16:18], [0xC6, 0x02])
     np.testing.assert_array_equal(p[48], 0xD7)  # 6 -> 0x7 (low), -2.9 -> -3 = 0xD (high)
-    deq = np.asarray(Q.mxfp4_dequantize(packed, scale))[0]
+    deq = np.asarray(C.mxfp4_dequantize(packed, scale))[0]
     np.testing.assert_array_equal(deq[:8], 4 * np.array([6, 3, -1.5, 0.5, 0, 1, -0.0, 4], np.float32))
     np.testing.assert_array_equal(deq[32:36], [8, -4, 2, 0])
     np.testing.assert_array_equal(deq[64:96], 0)
 
 
-def test_mxfp4_layout_decodes_with_convert_quant():
-    from convert.quant import mxfp4_dequant  # a colleague's independent NumPy decoder of the same layout
-
+def test_mxfp4_host_forms_equal_the_jnp_ones():
+    """convert's NumPy MXFP4 (checkpoints) and the jnp one (caches, kernels' reference) are one format: same bits
+    both ways, golden ties and group edges included."""
     mag = np.float32([[0.01], [1], [30], [1], [5], [0.2]])
     x = np.random.default_rng(3).standard_normal((6, 128)).astype(np.float32) * mag
-    packed, scale = Q.mxfp4_quantize(x)
-    np.testing.assert_array_equal(mxfp4_dequant(np.asarray(packed), np.asarray(scale)),
-                                  np.asarray(Q.mxfp4_dequantize(packed, scale)))
+    x[0, :8] = 0.01 * np.array([6, 3, -1.5, 0.5, 0.25, 0.75, -0.0, 5])  # ties and a −0
+    x[5, 32:64] = 0.0  # an all-zero group
+    packed, scale = C.mxfp4_quantize(x)
+    packed_np, scale_np = C.mxfp4_quantize_np(x)
+    np.testing.assert_array_equal(packed_np, np.asarray(packed))
+    np.testing.assert_array_equal(scale_np, np.asarray(scale))
+    np.testing.assert_array_equal(C.mxfp4_dequantize_np(packed_np, scale_np),
+                                  np.asarray(C.mxfp4_dequantize(packed, scale)))
 
 
 # ------------------------------------------------------------------------------------------------ FP8 keys
@@ -124,12 +131,12 @@ def test_index_fp8_golden_scales_and_codes():
     x[0, 128] = 448.0  # amax 448 -> scale exactly 1
     x[1, 0] = 449.0  # -> scale 2
     # row 2: zeros -> max(0, 1e-4) / 448 = 2.23e-7 -> 2^-22
-    codes, sc = Q.index_fp8_quantize(x)
+    codes, sc = C.index_fp8_quantize(x)
     np.testing.assert_array_equal(np.asarray(sc), [[2.0 ** -8, 1.0], [2.0, 2.0 ** -22], [2.0 ** -22, 2.0 ** -22]])
     b = bits(codes)
     np.testing.assert_array_equal(b[0, :3], [0x78, 0xF0, 0x6A])
     assert b[0, 128] == 0x7E and b[1, 0] == 0x76  # 449 / 2 = 224.5 -> 224 = 1.75·2^7: 0|1110|110
-    deq = np.asarray(Q.index_fp8_dequantize(codes, sc))
+    deq = np.asarray(C.index_fp8_dequantize(codes, sc))
     np.testing.assert_array_equal(deq[0, :3], [1.0, -0.5, 0.3125])
     assert deq[1, 0] == 448.0 and not deq[2].any()
 
@@ -167,7 +174,7 @@ def test_nvfp4_golden_blocks():
     blocks[2, 0] = 6.375  # amax/6 = 1.0625: e4m3 tie -> 1.0, then 6.375 saturates to 6
     # blocks[3]: zeros -> scale 0
     blocks[4, 0] = 1e-5  # scale 1.7e-6 underflows e4m3 -> stored as zeros
-    packed, s16 = Q.nvfp4_quantize(blocks.reshape(1, 80))
+    packed, s16 = C.nvfp4_quantize(blocks.reshape(1, 80))
     np.testing.assert_array_equal(bits(s16)[0], [0x38, 0x40, 0x38, 0x00, 0x00])
     p = np.asarray(packed).reshape(5, 8)
     want = [0xD7, 0x22, 0x80, 0x46, 0, 0, 0, 0]
@@ -175,7 +182,7 @@ def test_nvfp4_golden_blocks():
     np.testing.assert_array_equal(p[1], want)
     np.testing.assert_array_equal(p[2], want)
     np.testing.assert_array_equal(p[3:], 0)
-    deq = np.asarray(Q.nvfp4_dequantize(packed, s16)).reshape(5, 16)
+    deq = np.asarray(C.nvfp4_dequantize(packed, s16)).reshape(5, 16)
     rounded = np.array([6, -3, 1, 1, 0, -0.0, 4, 2], np.float32)
     np.testing.assert_array_equal(deq[0, :8], rounded)
     np.testing.assert_array_equal(deq[1, :8], 2 * rounded)
@@ -265,13 +272,13 @@ def test_round_trip_error_bounds_nvfp4_latent():
 
 def test_round_trip_error_bounds_index_keys():
     x = _data((64, 128), 9)
-    codes, sc = Q.index_fp8_quantize(x)
-    y = np.asarray(Q.index_fp8_dequantize(codes, sc))
+    codes, sc = C.index_fp8_quantize(x)
+    y = np.asarray(C.index_fp8_dequantize(codes, sc))
     assert np.all(np.abs(x) / np.asarray(sc) <= 448)
     assert np.all(np.abs(y - x) <= 2.0 ** -4 * np.abs(x) + np.asarray(sc) * 2.0 ** -10)
     assert rel_rms(y, x) < 0.035
-    packed, e8 = Q.mxfp4_quantize(x)
-    y = np.asarray(Q.mxfp4_dequantize(packed, e8))
+    packed, e8 = C.mxfp4_quantize(x)
+    y = np.asarray(C.mxfp4_dequantize(packed, e8))
     scale = np.repeat(np.exp2(np.asarray(e8, np.float32) - 127), 32, axis=-1)
     assert np.all(np.abs(y - x) <= scale)  # no saturation: ≤ half the widest gap × scale
     assert np.all(np.max(np.abs(x.reshape(64, 4, 32)), -1) <= 6 * scale[:, ::32])

@@ -49,7 +49,7 @@ def test_rules_split_heads_experts_and_vocab():
     assert param_partition_spec("layers.1.self_attn.q_proj.kernel", (64, 96 * 128), 8) == P(None, "model")
     assert param_partition_spec("layers.1.self_attn.o_proj.kernel", (96 * 128, 64), 8) == P("model", None)
     assert param_partition_spec("layers.3.self_attn.k_up_proj", (512, 96, 128), 8) == P(None, "model", None)
-    assert param_partition_spec("layers.3.block_sparse_moe.w1", (896, 3584, 3072), 8) == P("model", None, None)
+    assert param_partition_spec("layers.3.block_sparse_moe.experts.gate", (896, 3584, 3072), 8) == P("model", None, None)
     assert param_partition_spec("embed_tokens", (163840, 7168), 8) == P("model", None)
     assert param_partition_spec("layers.3.self_attn.indexer.wq_b.kernel", (1536, 4096), 8) == P()
     assert param_partition_spec("layers.3.self_attn.kv_a_proj_with_mqa.kernel", (7168, 576), 8) == P()
@@ -68,15 +68,15 @@ def test_rules_split_heads_experts_and_vocab():
 def test_rules_experts_over_the_expert_axes():
     """`expert=8,tensor=1,context=8`: experts split 8-way over (context, model) while heads stay whole."""
     ax = (("context", 8), ("model", 1))
-    assert param_partition_spec("layers.3.block_sparse_moe.w2", (896, 3072, 3584), 1, expert_axes=ax) == \
+    assert param_partition_spec("layers.3.block_sparse_moe.experts.down", (896, 3072, 3584), 1, expert_axes=ax) == \
         P("context", None, None)
     ax = (("context", 4), ("model", 2))
-    assert param_partition_spec("layers.3.block_sparse_moe.w1", (896, 3584, 3072), 2, expert_axes=ax) == \
+    assert param_partition_spec("layers.3.block_sparse_moe.experts.gate", (896, 3584, 3072), 2, expert_axes=ax) == \
         P(("context", "model"), None, None)
     assert param_partition_spec("layers.3.self_attn.q_b_proj.kernel", (1536, 96 * 192), 2, expert_axes=ax) == \
         P(None, "model")
     # 6 experts do not split 8 ways: replicated
-    assert param_partition_spec("layers.3.block_sparse_moe.w1", (6, 8, 8), 2, expert_axes=ax) == P()
+    assert param_partition_spec("layers.3.block_sparse_moe.experts.gate", (6, 8, 8), 2, expert_axes=ax) == P()
 
 
 SCRIPT = textwrap.dedent("""
@@ -143,7 +143,7 @@ CKPT_EXPERT_SCRIPT = textwrap.dedent("""
     for text, axes in (("expert=8,tensor=1,context=8", "context"), ("expert=8,tensor=2,context=4", ("context", "model")),
                        ("8x1", "model")):
         mesh = make_mesh(text)
-        for name in ("layers.3.block_sparse_moe.w1", "layers.3.block_sparse_moe.w2_packed"):
+        for name in ("layers.3.block_sparse_moe.experts.gate", "layers.3.block_sparse_moe.experts.down.packed"):
             assert _sharding(name, (16, 32, 32), mesh).spec == P(axes, None, None), (text, name)
         assert _sharding("lm_head.kernel", (64, 1024), mesh).spec == (P() if "tensor=1" in text else P(None, "model"))
     print("ok")

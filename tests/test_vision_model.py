@@ -126,7 +126,7 @@ def _tensors(directory) -> dict:
 def test_checkpoints_bring_their_vision_tower(k3_dir, tmp_path):
     """The HF directory (converted on the fly) and its converted copy both load the tower whose features equal the
     tower built straight from the safetensors' own tensors."""
-    from convert import convert
+    from kimi_jax.checkpoint import convert_checkpoint as convert
 
     hf = kimi_jax.load_model(str(k3_dir))
     assert hf.vision is not None and hf.config.vision.hidden_size == 8
@@ -174,7 +174,8 @@ def test_vision_config_from_a_k3_config_json():
 def test_convert_checks_the_vision_tower_before_converting(k3_dir, tmp_path):
     """A damaged tower fails at `python -m convert`'s plan (from the headers), not after the conversion at load."""
     from ckpt_helpers import leftovers, rewrite_dir
-    from convert import ConvertError, convert
+    from convert import ConvertError
+    from kimi_jax.checkpoint import convert_checkpoint as convert
 
     name = "vision_tower.encoder.blocks.0.mlp.fc0.weight"
     bad = tmp_path / "bad"

@@ -8,8 +8,8 @@ Layout conversions (ours -> checkpoint / torch, which is what np_reference.py ex
   checkpoints store it padded; the reference slices it back to H), else ``[H]``.
 * MLA ``k_up_proj`` ``[R, H, n]`` + ``v_up_proj`` ``[R, H, v]``  ->  ``kv_b_proj`` ``[H*(n+v), R]`` (torch's
   ``[H, n+v, R]`` view, per head rows ``[k_nope | v]``).
-* MoE router ``gate`` ``[D, E]``   ->  ``[E, D]``; experts ``w1``/``w3`` ``[E, width, F]`` -> ``[E, F, width]``,
-  ``w2`` ``[E, F, width]`` -> ``[E, width, F]`` (stacked dict form accepted by ``np_reference.moe``).
+* MoE router ``gate`` ``[D, E]``   ->  ``[E, D]``; experts ``gate``/``up`` ``[E, width, F]`` -> ``w1``/``w3`` ``[E, F, width]``,
+  ``down`` ``[E, F, width]`` -> ``w2`` ``[E, width, F]`` (stacked dict form accepted by ``np_reference.moe``).
 * AttnResMix ``proj_weight`` ``[D]`` -> ``[1, D]`` (the ``Linear(D, 1)`` weight), ``norm_weight`` ``[D]``.
 * Indexer LayerNorm -> ``k_norm_weight`` / ``k_norm_bias`` (the names ``np_reference.indexer_scores`` uses).
 
@@ -158,9 +158,9 @@ def moe_weights(moe) -> dict:
         "gate": _a(moe.gate).T.copy(),
         "e_score_correction_bias": _a(moe.e_score_correction_bias),
         "experts": {
-            "w1": _a(moe.w1).transpose(0, 2, 1).copy(),  # [E, F, width]
-            "w3": _a(moe.w3).transpose(0, 2, 1).copy(),
-            "w2": _a(moe.w2).transpose(0, 2, 1).copy(),  # [E, width, F]
+            "w1": _a(moe.experts.gate).transpose(0, 2, 1).copy(),  # [E, F, width]
+            "w3": _a(moe.experts.up).transpose(0, 2, 1).copy(),
+            "w2": _a(moe.experts.down).transpose(0, 2, 1).copy(),  # [E, width, F]
         },
     }
     if moe.cfg.latent_size:
@@ -273,12 +273,12 @@ def numpy_forward(weights: dict, ids_t, ref) -> np.ndarray:
 
 def _init_value(name: str, parent: str, shape, r: np.random.Generator) -> np.ndarray:
     n = lambda: r.standard_normal(shape)  # noqa: E731
+    if parent == "experts":                                 # routed experts' gate / up / down
+        return n() * shape[1] ** -0.5                       # [E, in, out]
     if name == "kernel" or name in ("gate", "k_up_proj", "v_up_proj"):
         return n() * shape[0] ** -0.5                       # [in, ...]
     if name.endswith("_conv1d"):
         return n() * shape[0] ** -0.5                       # [K, P]
-    if name in ("w1", "w3", "w2"):
-        return n() * shape[1] ** -0.5                       # [E, in, out]
     if name == "A_log":
         return np.log(r.uniform(1.0, 16.0, shape))
     if name == "dt_bias":

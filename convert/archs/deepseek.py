@@ -8,7 +8,7 @@
   model.layers.L.self_attn.indexer.{wq_b,wk,weights_proj}.weight, indexer.k_norm.{weight,bias}
   model.layers.L.mlp.{gate,up,down}_proj.weight (dense layers) -> layers.L.mlp.….kernel
   model.layers.L.mlp.gate.weight, mlp.gate.e_score_correction_bias -> layers.L.block_sparse_moe.{gate,e_score_correction_bias}
-  model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight -> layers.L.block_sparse_moe.{w1,w3,w2} (stacked)
+  model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight -> layers.L.block_sparse_moe.experts.{gate,up,down} (stacked)
   model.layers.L.mlp.shared_experts.{gate,up,down}_proj.weight -> layers.L.block_sparse_moe.shared_experts.…
   model.layers.N.* with N >= num_hidden_layers (the MTP layer of the release) -> extra (untouched)
 """
@@ -39,9 +39,8 @@ def entries(cfg: ModelConfig, names) -> list[Entry]:
             if cfg.moe.num_shared_experts:
                 out += [lin(b + f"shared_experts.{n}", tb + f"shared_experts.{n}")
                         for n in ("gate_proj", "up_proj", "down_proj")]
-            out += [Entry("experts", b + "experts.{e}." + hf + ".weight", (tb + w,), num=cfg.moe.num_experts,
-                          quantizable=True)
-                    for hf, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))]
+            out += [Entry("experts", b + "experts.{e}." + w + "_proj.weight", (tb + "experts." + w,),
+                          num=cfg.moe.num_experts, quantizable=True) for w in ("gate", "up", "down")]
         else:
             out += [lin(p + "mlp." + n, t + "mlp." + n) for n in ("gate_proj", "up_proj", "down_proj")]
     out.append(cp("model.norm.weight", "norm.weight"))

@@ -16,7 +16,7 @@ HF name (below the text prefix `language_model.model.` or `model.`)       -> kim
        block_sparse_moe.{gate,up,down}_proj for Kimi-Linear: both accepted, the name found is kept for export)
        layers.L.block_sparse_moe.gate.weight [E,D] -> block_sparse_moe.gate [D,E]; gate.e_score_correction_bias;
        routed_expert_{down,up}_proj, routed_expert_norm (K3 latent MoE); shared_experts.{gate,up,down}_proj;
-       experts.E.w{1,3,2}.weight (or .weight_packed + .weight_scale, MXFP4) -> w1 / w3 / w2 stacked
+       experts.E.w{1,3,2}.weight (or .weight_packed + .weight_scale, MXFP4) -> experts.{gate,up,down} stacked
   lm_head.weight (language_model.lm_head.weight for K3) -> lm_head.kernel
   vision_tower.*, mm_projector.*                        -> extra (untouched)
 """
@@ -89,8 +89,9 @@ def entries(cfg: ModelConfig, names) -> list[Entry]:
             if cfg.moe.num_shared_experts:
                 out += [lin(b + f"shared_experts.{n}", tb + f"shared_experts.{n}")
                         for n in ("gate_proj", "up_proj", "down_proj")]
-            out += [Entry("experts", b + "experts.{e}." + w + ".weight", (tb + w,), num=cfg.moe.num_experts,
-                          quantizable=True) for w in ("w1", "w3", "w2")]
+            out += [Entry("experts", b + "experts.{e}." + hf + ".weight", (tb + "experts." + w,),
+                          num=cfg.moe.num_experts, quantizable=True)
+                    for hf, w in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]
         else:
             mlp = "mlp."
             if not _present(names, p + "mlp.gate_proj.weight") and _present(names, p + "block_sparse_moe.gate_proj.weight"):

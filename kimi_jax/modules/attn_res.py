@@ -1,4 +1,5 @@
-"""Block Attention Residuals (AttnRes, SPEC §3): the residual stream as a learned softmax mix over block sums."""
+"""Block Attention Residuals (AttnRes, docs/model.md §3): the residual stream as a learned softmax mix over block
+sums."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The decoder stack: embeddings, decoder layers (KDA or MLA + dense FFN or MoE), AttnRes residuals, final mix,
-norm and lm_head. One definition serves full forwards, prefill and decode (SPEC §3)."""
+norm and lm_head. One definition serves full forwards, prefill and decode (docs/model.md §3)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class ModelCache(NamedTuple):
 @partial(jax.tree_util.register_dataclass, data_fields=["length", "block_tables", "layers"], meta_fields=["spec"])
 @dataclasses.dataclass(frozen=True)
 class PagedModelCache:
-    """Inference state of a batch on the paged MLA cache (SPEC §10).
+    """Inference state of a batch on the paged MLA cache (docs/model.md §10).
 
     length `[B]` int32: tokens each sequence has cached; block_tables `[B, max_blocks]` int32: the pages of each
     sequence in order (position p in page `block_tables[b, p // 64]`, slot `p % 64`; unused entries = null block

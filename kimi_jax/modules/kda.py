@@ -1,11 +1,11 @@
-"""KDA layer (SPEC §4): projections, short causal convs, per-channel gated delta rule, gated per-head norm.
+"""KDA layer (docs/model.md §4): projections, short causal convs, per-channel gated delta rule, gated per-head norm.
 
 Cache per sequence (`KDACache`): recurrent state `[B, H, dk, dv]` float32 and the conv tails of q, k, v
 (`[B, K−1, P]` each). Prefill (T > 1) runs the chunked op, decode (T == 1) the recurrent op; both are the ops of
 `pallas_kernels.kda`, so swapping in a kernel changes nothing here.
 
-Speculative verification (`defer=True`, SPEC §12): the layer runs T tokens (the last accepted token + drafts) with
-the recurrent op but does not commit a state; it returns a `KDAPending` (the old cache and the T tokens' inputs to
+Speculative verification (`defer=True`, docs/model.md §12): the layer runs T tokens (the last accepted token + drafts)
+with the recurrent op but does not commit a state; it returns a `KDAPending` (the old cache and the T tokens' inputs to
 the recurrence and the convs). Once the engine knows how many of the T tokens each sequence keeps, `commit` replays
 the recurrence over just those (the rest made inert: no decay, no write) and cuts the conv tails there. This costs
 one more pass over the state instead of keeping T states per layer alive until acceptance.

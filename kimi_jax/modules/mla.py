@@ -1,4 +1,4 @@
-"""Gated NoPE MLA (K3) and RoPE MLA (DeepSeek), with the DSA lightning indexer (SPEC §5–6).
+"""Gated NoPE MLA (K3) and RoPE MLA (DeepSeek), with the DSA lightning indexer (docs/model.md §5–6).
 
 The cache holds, per token, the latent row `[lat (R) | k_rope]` (576 values at full size) and, with an indexer,
 the index key. `kv_b_proj` is kept split as `k_up_proj` `[R, H, nope]` and `v_up_proj` `[R, H, v]` (split once
@@ -116,7 +116,7 @@ class Indexer(nnx.Module):
         if cfg.rope_dims and cos_sin is not None:
             r = cfg.rope_dims
             q = jnp.concatenate([apply_rope(q[..., :r], *cos_sin, interleaved=False), q[..., r:]], axis=-1)
-        if cfg.hadamard_rotate:  # SPEC §6: rotate both q and k or neither (keys in `keys`)
+        if cfg.hadamard_rotate:  # docs/model.md §6: rotate both q and k or neither (keys in `keys`)
             q = hadamard(q)
         w = self.weights_proj(x_btd, out_dtype=jnp.float32) * (cfg.num_heads ** -0.5 * cfg.head_dim ** -0.5)
         return q, w

@@ -1,4 +1,4 @@
-"""MoonViT3d vision tower and multimodal projector (SPEC §9), with the image preprocessing that feeds it.
+"""MoonViT3d vision tower and multimodal projector (docs/model.md §9), with the image preprocessing that feeds it.
 
 Data flow for one call over several images / video clips, `grid_thw = ((t, h, w), ...)` in patches:
 
@@ -54,8 +54,8 @@ class VisionWeightsError(ValueError):
 
 def expand_image_pads(ids: Sequence[int], counts: Sequence[int], pad_id: int) -> list[int]:
     """A prompt with one `<|media_pad|>` (`pad_id`) per image -> the same prompt with image i's pad repeated
-    `counts[i]` times (its `image_token_count`), which is what the model reads (SPEC §9). The number of pads must
-    equal the number of images."""
+    `counts[i]` times (its `image_token_count`), which is what the model reads (docs/model.md §9). The number of pads
+    must equal the number of images."""
     ids = [int(t) for t in ids]
     where = [i for i, t in enumerate(ids) if t == pad_id]
     if len(where) != len(counts):
@@ -517,7 +517,7 @@ def preprocess_image(image_hw3: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarr
 
     1. Size: `navit_size` (the K2.5 processor's rule). Images within the patch budget keep their size exactly;
        larger ones are downscaled by `resize_image` (approximate, see there).
-    2. Pad with black (0) at the bottom and right to multiples of merge·patch = 28 pixels (SPEC §9).
+    2. Pad with black (0) at the bottom and right to multiples of merge·patch = 28 pixels (docs/model.md §9).
     3. Normalise: (x / 255 - mean) / std per channel (K3 / K2.5: mean = std = 0.5, so pads become -1).
     4. Patches in row-major patch order, each laid out [channel, row, col]: the processor's `pixel_values`.
     """

@@ -1,4 +1,5 @@
-"""DSA indexer over a paged key cache (SPEC §6): scores over all of a sequence's cached keys, top-k positions out.
+"""DSA indexer over a paged key cache (docs/model.md §6): scores over all of a sequence's cached keys, top-k positions
+out.
 
 score[b,t,s] = Σ_h w[b,t,h] · relu(q[b,t,h]·k[b,s])   for s ≤ pos[b,t]   (the caller folds Hi^-0.5·d^-0.5 into w)
 

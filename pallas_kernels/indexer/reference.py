@@ -1,4 +1,4 @@
-"""DSA lightning-indexer reference ops in plain jnp (SPEC §6).
+"""DSA lightning-indexer reference ops in plain jnp (docs/model.md §6).
 
 score[b,t,s] = Σ_h w[b,t,h] · relu(q[b,t,h]·k[b,s])   (the caller folds Hi^-0.5 · d^-0.5 into w)
 Top-k keeps, per query, the k highest-scoring allowed keys; all allowed keys when there are at most k.

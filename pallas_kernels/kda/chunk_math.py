@@ -3,8 +3,8 @@
 The intra-chunk math (`intra_chunk`) works on Python lists of 16-row sub-blocks held as values, so the same code runs
 inside a Mosaic TPU kernel, a Pallas Triton kernel and plain jnp (which is how it is unit-tested). It never slices a
 value: sub-blocks come from the caller's loads, rows are picked with masked reductions, and every exponent it takes is
-≤ 0 (SPEC §4): off-diagonal sub-blocks use the cumulative decay at the end of the previous sub-block as the reference
-row, diagonal sub-blocks use exact pairwise exponents masked to c ≤ r *before* the exp.
+≤ 0 (docs/model.md §4): off-diagonal sub-blocks use the cumulative decay at the end of the previous sub-block as the
+reference row, diagonal sub-blocks use exact pairwise exponents masked to c ≤ r *before* the exp.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""KDA (Kimi Delta Attention) reference ops in plain jnp: the definition every kernel is tested against (SPEC §4).
+"""KDA (Kimi Delta Attention, docs/model.md §4) reference ops in plain jnp: the definition every kernel is tested
+against.
 
 Layout: q, k `[B, T, H, dk]`, v `[B, T, H, dv]`, g `[B, T, H, dk]` (log-decay, ≤ 0), beta `[B, T, H]`,
 state `[B, H, dk, dv]` float32. q and k arrive L2-normalised; `scale` (default dk^-0.5) multiplies q here.
@@ -128,7 +129,7 @@ def chunk(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv=None, sca
 
 
 def gate(f_bthk, A_log_h, dt_bias_hk, form: str, lower_bound: float = -5.0):
-    """Per-channel log-decay g `[B, T, H, dk]` float32 from the raw forget projection f (SPEC §4).
+    """Per-channel log-decay g `[B, T, H, dk]` float32 from the raw forget projection f (docs/model.md §4).
 
     lower_bound: g = lb · sigmoid(exp(A_log[h]) · (f + dt_bias))   (K3, GLM; g ∈ (lb, 0))
     plain:       g = −exp(A_log[h]) · softplus(f + dt_bias)        (Kimi-Linear; softplus threshold 20)

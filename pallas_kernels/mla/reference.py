@@ -1,4 +1,4 @@
-"""MLA attention reference ops in plain jnp (SPEC §5): the naive per-head form and the absorbed latent form.
+"""MLA attention reference ops in plain jnp (docs/model.md §5): the naive per-head form and the absorbed latent form.
 
 Masks are boolean `[B, T, S]` (True = attend). Softmax is float32; a row with no allowed key returns zeros.
 """

@@ -1,4 +1,5 @@
-"""Sparse MLA (DSA) over the paged latent cache: absorbed attention over each query's top-k latent rows (SPEC §5–6).
+"""Sparse MLA (DSA, docs/model.md §5–6) over the paged latent cache: absorbed attention over each query's top-k latent
+rows.
 
 For every query (b, t), keys are the gathered rows `kv[idx[b,t,j]]` = `[lat (R) | k_rope]` (c = R + rope = 576 at full
 size, shared by all heads: MQA) and values their first R = `value_dim` columns:

@@ -1,7 +1,8 @@
 """MoE expert computation: grouped matmuls over expert-sorted rows (bf16 or MXFP4 weights) and the routed expert FFN
 (`ops`: entry points and backend choice; `reference`: jnp; `gpu` / `tpu`: Pallas kernels; `mgpu_mxfp4`: the Mosaic
 GPU MXFP4 kernel, which `ops` runs for weights prepared with `mgpu_mxfp4.prepare_weight`; `mxfp4`: the weight
-format and its decoders; `schedule`: row tiles per expert)."""
+format and its decoders; `experts`: the routed experts' weight formats as one pytree per layer; `schedule`: row
+tiles per expert)."""
 
 from .ops import (combine, dispatch_plan, expert_ffn, expert_ffn_sorted, gated_grouped_matmul, grouped_matmul,  # noqa: F401
                   resolve_backend, routed_experts, sort_tokens)

@@ -1,5 +1,5 @@
-"""Gated expert activations `act(g, u)` on float32 (SPEC §7): the definitions the kernels fuse into their epilogue
-and the model (`kimi_jax.modules.layers`) uses."""
+"""Gated expert activations `act(g, u)` on float32 (docs/model.md §7): the definitions the kernels fuse into their
+epilogue and the model (`kimi_jax.modules.layers`) uses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MXFP4 expert weights (SPEC §7) as the kernels take them, and their exact jnp decoding.
+"""MXFP4 expert weights (docs/model.md §7) as the kernels take them, and their exact jnp decoding.
 
 Layout (torch `[out, in]` orientation, as stored in the checkpoint): `packed` uint8 `[E, N, K/2]`, two e2m1 codes per
 byte, the LOW nibble holding the even input element; `scale` uint8 E8M0 `[E, N, K/32]`, value = e2m1 · 2^(s − 127).
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..codec import E2M1_VALUES, e2m1_value, mxfp4_encode
+import pallas_kernels.codec as codec
+from ..codec import E2M1_VALUES, e2m1_value
 from ..codec import MXFP4_GROUP as GROUP  # elements per E8M0 scale
 from ..triton_prims import inline_asm_primitive
 
@@ -75,19 +76,14 @@ def as_mxfp4(w, w_scale=None):
 
 @functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(w: MXFP4Weight, dtype=jnp.float32):
-    """Exact decoding to `[E, K, N]` (the orientation of dense expert weights). Whole tensor: reference only."""
-    p = w.packed
-    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)  # [E, N, K]
-    vals = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
-    e = w.scale.astype(jnp.int32) - 127
-    mult = jnp.where(w.scale == 255, jnp.nan, jnp.ldexp(jnp.float32(1.0), e))
-    vals = vals.reshape(*w.scale.shape, GROUP) * mult[..., None]
-    return jnp.swapaxes(vals.reshape(codes.shape), -1, -2).astype(dtype)
+    """Exact decoding (`codec.mxfp4_dequantize`) to `[E, K, N]` (the orientation of dense expert weights). Whole
+    tensor: reference only."""
+    return jnp.swapaxes(codec.mxfp4_dequantize(w.packed, w.scale), -1, -2).astype(dtype)
 
 
 def quantize(w_ekn) -> MXFP4Weight:
-    """Quantise dense `[E, K, N]` weights to MXFP4 (NumPy, `codec.mxfp4_encode`; tests and benches)."""
-    packed, scale = mxfp4_encode(np.swapaxes(np.asarray(w_ekn, np.float32), -1, -2))
+    """Quantise dense `[E, K, N]` weights to MXFP4 (NumPy, `codec.mxfp4_quantize_np`; tests and benches)."""
+    packed, scale = codec.mxfp4_quantize_np(np.swapaxes(np.asarray(w_ekn, np.float32), -1, -2))
     return MXFP4Weight(jnp.asarray(packed), jnp.asarray(scale))
 
 

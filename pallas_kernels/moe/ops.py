@@ -181,7 +181,7 @@ def gated_grouped_matmul(x, w_gate, w_up, group_sizes, activation, *, backend: s
 
 
 def resolve_activation(activation):
-    """A callable `act(g, u)` on fp32, or one of the names "situ", "swiglu", "clamped_swiglu" (SPEC §7)."""
+    """A callable `act(g, u)` on fp32, or one of the names "situ", "swiglu", "clamped_swiglu" (docs/model.md §7)."""
     if callable(activation):
         return activation
     if activation not in ACTIVATIONS:
@@ -311,7 +311,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
 
 def routed_experts(x_nd, router_de, bias_e, cfg, w_gate, w_up, w_down, activation, *, backend: str = "auto",
                    interpret: bool = False, platform: Optional[str] = None):
-    """Route (`routing.route`, SPEC §7; `cfg` has the `MoEConfig` router fields) then `expert_ffn`.
+    """Route (`routing.route`, docs/model.md §7; `cfg` has the `MoEConfig` router fields) then `expert_ffn`.
     Returns `[N, D]` float32."""
     weight, idx = route(x_nd, router_de, bias_e, cfg)
     return expert_ffn(x_nd, idx, weight, w_gate, w_up, w_down, activation, backend=backend, interpret=interpret,

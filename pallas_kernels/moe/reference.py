@@ -1,4 +1,5 @@
-"""MoE reference ops in plain jnp (SPEC §7): dropless expert FFN by sorting token-expert pairs into ragged groups.
+"""MoE reference ops in plain jnp (docs/model.md §7): dropless expert FFN by sorting token-expert pairs into ragged
+groups.
 
 Memory is O(N·k·width): tokens are gathered into expert order and run through `jax.lax.ragged_dot`; no dense
 all-experts einsum is ever formed, so 896 experts cost nothing extra.

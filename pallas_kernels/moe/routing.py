@@ -1,4 +1,4 @@
-"""The MoE router (SPEC §7), defined beside the expert kernels so `ops.routed_experts` needs no model code."""
+"""The MoE router (docs/model.md §7), defined beside the expert kernels so `ops.routed_experts` needs no model code."""
 
 from __future__ import annotations
 
