@@ -2,10 +2,11 @@
 against one single-device server (docs/serving.md, "Several processes").
 
 The same command runs on both processes; process 0 listens and schedules, process 1 replays its device calls
-(`kimi_jax.engine.multihost`). Both serve `--mesh 8x1 --dcp 8`: the tensor axis and the MLA pages span the two
-processes. The two-process server must give the same greedy tokens as one device, with log-probs within float32
-noise — for concurrent requests, prompts of several prefill chunks, prompt log-probs (lm-evaluation-harness's
-echo), and with so few pages that sequences are preempted and recomputed. A process killed mid-stream ends the
+(`kimi_jax.engine.multihost`). The mesh `context=4,tensor=2` with `--dcp 4` spans both: the MLA pages split over
+the context axis, heads over tensor, and prefill chunks run token-split over the context axis. The two-process server
+must give the same greedy tokens as one device, with log-probs within float32 noise — for concurrent requests,
+prompts of several token-split chunks, prompt log-probs (lm-evaluation-harness's echo), and with so few pages that
+sequences are preempted and recomputed. A process killed mid-stream ends the
 stream and the server (a non-zero exit within the heartbeat timeout), never a hang.
 """
 
@@ -74,8 +75,10 @@ def servers(tmp_path_factory):
     """(two-process server, one-device server), started together (their programs compile at the same time)."""
     tmp = tmp_path_factory.mktemp("multiprocess")
     cache = ["--compilation-cache", str(tmp / "jax_cache")]
-    # 4 pages of 512 positions (64 per DCP rank): 3 usable for 4 slots of up to 1024 tokens -> preemptions
-    multi = Launch(tmp, ["--mesh", "8x1", "--dcp", "8", "--fake-cpu-devices", "--num-blocks", "4", *COMMON, *cache])
+    # the pages split 4 ways over a context axis (and heads 2 ways over tensor), chunks of 64 prefilled token-split
+    # over it; 5 pages of 256 positions (64 per DCP rank): 4 usable for 4 slots of up to 1024 tokens -> preemptions
+    multi = Launch(tmp, ["--mesh", "context=4,tensor=2", "--dcp", "4", "--token-split-min-tokens", "64",
+                         "--fake-cpu-devices", "--num-blocks", "5", *COMMON, *cache])
     single = ServerProcess(tmp / "single.log", [*COMMON, *cache])
     try:
         deadline = time.monotonic() + 900
@@ -106,17 +109,18 @@ def _prompts(lengths) -> list:
     return [list(map(int, rng.randint(5, 900, n))) for n in lengths]
 
 
-def test_two_processes_give_one_devices_tokens_with_preemption(servers):
+def test_two_processes_give_one_devices_tokens_with_token_split_and_preemption(servers):
     multi, single = servers
     stats = httpx.get(multi.url + "/stats").json()
-    assert stats["processes"] == 2 and stats["dcp"] == 8
-    # prompts of 1 to 8 prefill chunks; two grow past their first page when the 3 usable ones are taken: preempted
-    prompts = _prompts([5, 70, 480, 500])
+    assert stats["processes"] == 2 and stats["dcp"] == 4 and stats["token_split_chunk_sizes"] == [64]
+    # prompts of 0 to 3 token-split chunks, a page each; two grow past it when all 4 usable pages are taken
+    prompts = _prompts([5, 70, 230, 240])
     got, want = _together(multi.url, prompts, 40), _together(single.url, prompts, 40)
     for g, w in zip(got, want):
         assert g["text"] == w["text"]
         np.testing.assert_allclose(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], atol=2e-4)
-    assert httpx.get(multi.url + "/stats").json()["num_preemptions"] > 0
+    stats = httpx.get(multi.url + "/stats").json()
+    assert stats["num_preemptions"] > 0 and stats["token_split_prefill_tokens"] >= 64 * 7
 
 
 def test_prompt_logprobs_across_processes(servers):

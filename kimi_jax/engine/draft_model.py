@@ -1,8 +1,9 @@
-"""A draft model for speculative decoding (SPEC §12): a second, smaller kimi_jax ``Model`` over the same vocabulary
-proposes the next tokens of each sequence, and the target verifies them in its one verify step (``spec_decode``).
+"""A draft model for speculative decoding (docs/model.md §12): a second, smaller kimi_jax ``Model`` over the same
+vocabulary proposes the next tokens of each sequence, and the target verifies them in its one verify step
+(``spec_decode``).
 
 Two ways to draft (``draft_sample_method``, ``DRAFT_SAMPLE_METHODS``):
-- ``greedy`` (default): the draft model's argmax. Its distribution q is one-hot, and SPEC §12's acceptance
+- ``greedy`` (default): the draft model's argmax. Its distribution q is one-hot, and docs/model.md §12's acceptance
   min(1, p/q) becomes the engine's rule for deterministic proposers: keep draft d with probability p(d), and at the
   first rejection draw from p without d.
 - ``probabilistic``: for a row that samples (temperature T > 0) each draft is drawn from q = softmax(draft logits / T)
@@ -47,7 +48,7 @@ from flax import nnx
 # prefill chunks too). A prompt goes in 64-token chunks; what a sequence gains per step (≤ k + 1 tokens) token by token
 FEED_CHUNKS = (64, 1)
 
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # SPEC §12's draft_sample_method
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # docs/model.md §12's draft_sample_method
 _WARMUP = object()  # the dummy sequence id warmup() proposes for
 DRAFT_STREAM = 0xD4A  # folded into a row's key for its drafts (the verify step draws with the key and COIN_STREAM)
 

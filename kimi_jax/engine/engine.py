@@ -55,8 +55,8 @@ Seams for what comes next:
 
 * **Prefix caching** -- ``_admit`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot (KDA state + its
   own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
-* **Speculative decoding** (``speculative_tokens = k > 0``, SPEC §12, ``spec_decode.py``) -- ``_decode`` is the
-  only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup, or
+* **Speculative decoding** (``speculative_tokens = k > 0``, docs/model.md §12, ``spec_decode.py``) -- ``_decode``
+  is the only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup, or
   ``draft_model.DraftModelProposer``, a draft model's greedy or sampled continuation) drafts
   for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
@@ -147,12 +147,12 @@ class EngineConfig:
     # tower programs are compiled, up to this many images in one `Model.encode_images` call (their runs overlap;
     # 1: each request's images alone)
     vision_batch_images: int = 16
-    # speculative decoding (SPEC §12): drafts per verify step (0: off), who drafts them ("ngram": prompt lookup;
-    # "draft": a draft model, `Engine(draft_model=...)`) and the prompt-lookup n-gram sizes
+    # speculative decoding (docs/model.md §12): drafts per verify step (0: off), who drafts them ("ngram": prompt
+    # lookup; "draft": a draft model, `Engine(draft_model=...)`) and the prompt-lookup n-gram sizes
     speculative_tokens: int = 0
     speculative_method: str = "ngram"
-    # how a draft model drafts (SPEC §12's draft_sample_method, `draft_model.DRAFT_SAMPLE_METHODS`): "greedy" (its
-    # argmax) or "probabilistic" (sampled rows draw their drafts from the draft's q, verified with min(1, p/q))
+    # how a draft model drafts (docs/model.md §12's draft_sample_method, `draft_model.DRAFT_SAMPLE_METHODS`): "greedy"
+    # (its argmax) or "probabilistic" (sampled rows draw their drafts from the draft's q, verified with min(1, p/q))
     draft_sample_method: str = "greedy"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

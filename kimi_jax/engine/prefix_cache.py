@@ -6,12 +6,12 @@ The seam (``Engine._start_prefill`` / ``Engine._finish_prefill``):
     ... prefill the remaining prefill_ids[n_tokens:] in chunks from that state ...
     prefix_cache.store(prefill_ids, cache1)     # a snapshot after the chunked part of the prompt
 
-Why snapshots, not pages alone: KDA layers carry a recurrent state (SPEC §4), so the state after token t cannot be
-assembled from per-token pages -- a reusable prefix needs the whole state at exactly that token.  An entry is the
-sequence's KDA snapshot plus private copies of its MLA pages (the engine allocates them under the entry's own
-allocator id and copies the pages in; a hit copies them out into the new sequence's pages).  Entries hold pool
-blocks, so the engine evicts them (``evict_lru``; ``on_evict`` frees the blocks) before it preempts a running
-sequence.  Off by default (``prefix_cache_entries=0``); ``n > 1`` already shares one prefill without it.
+Why snapshots, not pages alone: KDA layers carry a recurrent state (docs/model.md §4), so the state after token t
+cannot be assembled from per-token pages -- a reusable prefix needs the whole state at exactly that token.  An entry
+is the sequence's KDA snapshot plus private copies of its MLA pages (the engine allocates them under the entry's own
+allocator id and copies the pages in; a hit copies them out into the new sequence's pages).  Entries hold pool blocks,
+so the engine evicts them (``evict_lru``; ``on_evict`` frees the blocks) before it preempts a running sequence.  Off
+by default (``prefix_cache_entries=0``); ``n > 1`` already shares one prefill without it.
 
 ``lookup`` returns the longest stored key that is a prefix of the query; the caller gets a private copy (the engine
 donates prefill caches, and stored snapshots must survive that).  Keys are the prompt ids, except that the engine

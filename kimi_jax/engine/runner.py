@@ -32,7 +32,7 @@ growing sequences never change a shape.
   and the cache keeps ``1 + accepted`` tokens per active row (KDA layers replay their recurrence over just those).
   The block tables must cover positions ``length … length + n_draft`` of every active row.  With ``draft_q``
   (a draft model that samples its drafts) it also takes the drafts' distributions ``q [B, k, V]`` float32 and
-  ``has_q [B, k]`` bool, for SPEC §12's min(1, p/q) acceptance.
+  ``has_q [B, k]`` bool, for docs/model.md §12's min(1, p/q) acceptance.
 * ``copy_blocks(state, src [max_blocks], dst [max_blocks]) -> state``: page copies in every MLA pool (a request's
   ``n`` sequences share one prefill; prefix-cache snapshots own private pages).  Null-padded (0 -> 0 is a no-op).
 * small helpers: zero state, zero batch-1 cache, copy of a batch-1 cache (prefix-cache snapshots).
@@ -98,7 +98,7 @@ def resolve_kv_dtype(name: Optional[str], model_dtype=None) -> Optional[str]:
 
 
 def default_index_dtype(kv_dtype: str) -> str:
-    """Index keys next to a latent format: unquantised beside fp32 / bf16 rows, else fp8 (SPEC §6)."""
+    """Index keys next to a latent format: unquantised beside fp32 / bf16 rows, else fp8 (docs/model.md §6)."""
     return kv_dtype if kv_dtype in ("fp32", "bf16") else "fp8"
 
 
@@ -312,8 +312,8 @@ class ModelRunner:
     def state_shardings(self, abstract):
         """`NamedSharding` per leaf of a `DeviceState` or batch-1 cache (abstract or concrete), or None without a
         mesh. KDA states `[B, H, dk, dv]` and conv tails `[B, K−1, H·d]` split their heads over the tensor axis and
-        rows over data (where they divide: as `sharding.kda` takes them; few heads split their value columns); MLA pool parts `[N·num_blocks, 64, w]`
-        split dim 0 over the DCP axis; everything else is whole on every device."""
+        rows over data (where they divide: as `sharding.kda` takes them; few heads split their value columns); MLA
+        pool parts `[N·num_blocks, 64, w]` split dim 0 over the DCP axis; everything else is whole on every device."""
         if self.mesh is None:
             return None
         ctx, mesh = self.ctx, self.mesh

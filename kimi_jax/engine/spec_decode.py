@@ -1,6 +1,6 @@
-"""Speculative decoding (SPEC §12): a proposer drafts up to k tokens per running sequence, the target model verifies
-all of them in one forward pass of shape ``[B, k+1]``, and an acceptance rule keeps the output distribution exactly
-the target's.
+"""Speculative decoding (docs/model.md §12): a proposer drafts up to k tokens per running sequence, the target model
+verifies all of them in one forward pass of shape ``[B, k+1]``, and an acceptance rule keeps the output distribution
+exactly the target's.
 
 How the engine runs it (``Engine._decode`` with ``EngineConfig.speculative_tokens = k``):
 
@@ -23,7 +23,7 @@ acceptance coins come from a fold of the same key, so a seeded request's output 
 
 A draft model that samples its drafts (``draft_sample_method`` probabilistic) hands its distributions q to the
 verify program as well; those rows are kept with probability min(1, p/q) and resampled from norm(max(0, p − q)),
-SPEC §12's rule (``verify_sample``'s ``q_bkv``).
+docs/model.md §12's rule (``verify_sample``'s ``q_bkv``).
 
 Every row that emits a token this step may draft.  Penalties are applied per position with the counts the drafts
 before it would have made; a guided row's constraint per position is its guide's state after the drafts before it
