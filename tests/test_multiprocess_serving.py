@@ -109,18 +109,29 @@ def _prompts(lengths) -> list:
     return [list(map(int, rng.randint(5, 900, n))) for n in lengths]
 
 
-def test_two_processes_give_one_devices_tokens_with_token_split_and_preemption(servers):
-    multi, single = servers
-    stats = httpx.get(multi.url + "/stats").json()
-    assert stats["processes"] == 2 and stats["dcp"] == 4 and stats["token_split_chunk_sizes"] == [64]
-    # prompts of 0 to 3 token-split chunks, a page each; two grow past it when all 4 usable pages are taken
-    prompts = _prompts([5, 70, 230, 240])
-    got, want = _together(multi.url, prompts, 40), _together(single.url, prompts, 40)
+def _same(got: list, want: list) -> None:
     for g, w in zip(got, want):
         assert g["text"] == w["text"]
         np.testing.assert_allclose(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], atol=2e-4)
+
+
+def test_two_processes_give_one_devices_tokens_with_token_split_prefill(servers):
+    multi, single = servers
     stats = httpx.get(multi.url + "/stats").json()
-    assert stats["num_preemptions"] > 0 and stats["token_split_prefill_tokens"] >= 64 * 7
+    assert stats["processes"] == 2 and stats["dcp"] == 4 and stats["token_split_chunk_sizes"] == [64]
+    prompts = _prompts([5, 70, 230, 240])  # 0 to 3 token-split chunks each, the rest through the decode step
+    _same(_together(multi.url, prompts, 40), _together(single.url, prompts, 40))
+    assert httpx.get(multi.url + "/stats").json()["token_split_prefill_tokens"] >= 64 * 7
+
+
+def test_two_processes_preempt_and_recompute_as_one_device_does(servers):
+    """Two sequences each grow to 3 pages of 256 positions; 4 are usable, so one is preempted and recomputed
+    (its prompt and what it generated, prefilled token-split again)."""
+    multi, single = servers
+    before = httpx.get(multi.url + "/stats").json()["num_preemptions"]
+    prompts = _prompts([5, 10])
+    _same(_together(multi.url, prompts, 600), _together(single.url, prompts, 600))
+    assert httpx.get(multi.url + "/stats").json()["num_preemptions"] > before
 
 
 def test_prompt_logprobs_across_processes(servers):

@@ -138,10 +138,12 @@ class Mirror:
     def register(self, name: str, fn: Callable) -> Callable:
         """Make ``fn`` a mirrored call under ``name`` (the same name and function on every process); returns what
         the caller should call instead of ``fn``."""
+        if self.channel is None:  # one process: nothing to replay, so nothing to keep (a name may come again)
+            return fn
         if name in self._fns:
             raise ValueError(f"device call {name!r} is registered twice")
         self._fns[name] = fn
-        if self.channel is None or not self.leader:
+        if not self.leader:
             return fn
         return functools.partial(self.call, name)
 
