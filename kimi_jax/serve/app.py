@@ -65,8 +65,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
 from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
 from .structured import StructuredGuideBuilder, request_grammar
-from .routes_tokenizer import (PromptReport, add_tokenizer_routes, encode_prompt_text, merge_logprobs,
-                               parse_prompt_logprobs)
+from .prompt_report import PromptReport, merge_logprobs, parse_prompt_logprobs
+from .routes_tokenizer import add_tokenizer_routes, encode_prompt_text
 from ..engine.prompt_logprobs import PromptScorer
 from .tool_guide import K3ToolCallGuideBuilder
 from .. import __version__
@@ -184,7 +184,7 @@ class _CompletionPlan:
     c: Any
     echo_texts: list[str]
     skip_special: bool
-    reports: list = None  # a routes_tokenizer.PromptReport per prompt when echo / prompt_logprobs ask for one
+    reports: list = None  # a prompt_report.PromptReport per prompt when echo / prompt_logprobs ask for one
     echo_logprobs: bool = False  # the choices' logprobs start with the prompt's tokens
     prompt_k: Optional[int] = None  # vLLM's prompt_logprobs
     generate: bool = True  # False for max_tokens 0: the prompt is reported, nothing is generated
