@@ -36,77 +36,40 @@ request (its slots are freed on the next engine iteration); non-streaming reques
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import (EngineDeadError, EngineError, EngineUnavailableError, ParamError, RequestDone,
-                      RequestFailedError)
+from ..engine import EngineError, RequestDone
+from ..engine.prompt_logprobs import PromptScorer
 from ..engine.request import SequenceOutput, apply_event
-from .errors import INTERNAL_ERROR, APIError, bad_request, error_body
 from .chat import ChatImage
+from .engine_errors import engine_api_error
+from .errors import INTERNAL_ERROR, APIError, bad_request, error_body
 from .formats import ChatFormat, chat_format_for
 from .images import ImageError, ImageFetchConfig, chat_image, find_image_urls, load_images
-from .lifecycle import Drain, ShuttingDownError
-from .limits import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, RETRY_AFTER_S, BodySizeLimit,
-                     QueueLimit)
+from .lifecycle import Drain
+from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, QueueLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .parsers import merge_deltas
-from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
-from .structured import StructuredGuideBuilder, request_grammar
 from .prompt_report import PromptReport, merge_logprobs, parse_prompt_logprobs
+from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
+from .responses import SSEResponse, sse, sse_error, usage
 from .routes_tokenizer import add_tokenizer_routes, encode_prompt_text
-from ..engine.prompt_logprobs import PromptScorer
+from .state import ServerState, require_key
+from .structured import StructuredGuideBuilder, request_grammar
 from .tool_guide import K3ToolCallGuideBuilder
 from .. import __version__
 
 log = logging.getLogger("kimi_jax.serve")
-
-
-@dataclass
-class ServerState:
-    engine: Any
-    tokenizer: Any
-    model_name: str
-    chat_format: Optional[ChatFormat]
-    api_key: Optional[str]
-    metrics: ServerMetrics
-    created: int
-    image_fetch: ImageFetchConfig = ImageFetchConfig()
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always listens for the client's disconnect and cancels the body iterator then
-    (whatever ASGI spec version the server speaks), so the iterator's ``finally`` runs at once."""
-
-    async def __call__(self, scope, receive, send):
-        async with anyio.create_task_group() as tg:
-            async def run():
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass
-                finally:
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(run)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 def _with_alias(delta: dict) -> dict:
@@ -121,30 +84,6 @@ def _feed(parser, pieces) -> list[dict]:
     for p in pieces:
         out += parser.feed_text(p) if isinstance(p, str) else parser.feed_control(p)
     return out
-
-
-_RETRY = {"Retry-After": str(RETRY_AFTER_S)}
-
-
-def engine_api_error(e: EngineError) -> APIError:
-    """The answer to a request the engine could not finish: always a 503 with a fixed text per cause (the
-    exception's own text, which may carry internals, goes to the log only)."""
-    if isinstance(e, ShuttingDownError):
-        return APIError(503, "the server is shutting down; the request was stopped before it finished",
-                        code="server_shutting_down")
-    if isinstance(e, RequestFailedError):
-        return APIError(503, "the engine failed while running this request; it is recovering, retry shortly",
-                        code="engine_error", headers=_RETRY)
-    if isinstance(e, EngineUnavailableError):
-        return APIError(503, "the engine is recovering from a failure; retry shortly", code="engine_unavailable",
-                        headers=_RETRY)
-    return APIError(503, "the engine is not running", code="engine_dead")
-
-
-def _sse_error(e: EngineError) -> str:
-    """A stream's last words when the engine cannot finish it: an OpenAI error chunk, then ``[DONE]``."""
-    err = engine_api_error(e)
-    return _sse(err.body()) + "data: [DONE]\n\n"
 
 
 def _docs_routes(app: FastAPI, dependencies: list) -> None:
@@ -204,10 +143,14 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     the engine beyond which new ones get a 429 (None: no limit).  ``drain``: the shutdown state the server's signal
     handler drives (``lifecycle.DrainingServer``); default a fresh one that never drains."""
     fmt = chat_format if chat_format is not None else chat_format_for(engine.model.config.architecture, tokenizer)
-    st = ServerState(engine, tokenizer, model_name, fmt, api_key or None, ServerMetrics(engine, model_name),
-                     int(time.time()), image_fetch or ImageFetchConfig())
+    metrics = ServerMetrics(engine, model_name)
     drain = drain if drain is not None else Drain()
-    queue_limit = QueueLimit(engine, max_queued_requests)
+    # prompt log-probs (a program per length bucket; on every process of a multi-process server)
+    scorer = PromptScorer(engine.model, engine.max_model_len, engine.mirror)
+    st = ServerState(engine=engine, tokenizer=tokenizer, model_name=model_name, chat_format=fmt,
+                     api_key=api_key or None, metrics=metrics, created=int(time.time()),
+                     image_fetch=image_fetch or ImageFetchConfig(), guided_string_max_tokens=guided_string_max_tokens,
+                     drain=drain, queue_limit=QueueLimit(engine, max_queued_requests), scorer=scorer)
     docs_open = st.api_key is None  # with a key, the schema and its pages are behind it too (`_docs_routes`)
     app = FastAPI(title="kimi_jax", description="OpenAI-compatible server for kimi_jax models", version="0.1.0",
                   docs_url="/docs" if docs_open else None, redoc_url="/redoc" if docs_open else None,
@@ -239,113 +182,25 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         log.error("%s %s -> 500: internal error", req.method, req.url.path, exc_info=e)
         return JSONResponse(error_body(INTERNAL_ERROR, "server_error", None, None), status_code=500)
 
-    async def require_key(request: Request):
-        if st.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
-
     v1 = APIRouter(dependencies=[Depends(require_key)])
     add_tokenizer_routes(v1, tokenizer, engine.max_model_len)
-    # prompt log-probs (a program per length bucket; on every process of a multi-process server)
-    scorer = PromptScorer(engine.model, engine.max_model_len, engine.mirror)
     if not docs_open:
         _docs_routes(app, [Depends(require_key)])
 
     # -------------------------------------------------------------------------------------------- helpers
-    def check_model(body: dict) -> None:
-        m = body.get("model")
-        if m is not None and not isinstance(m, str):
-            raise bad_request(f"'model' must be a string, got {json.dumps(m)[:80]}", "model", "invalid_type")
-        if m is not None and m != st.model_name:
-            raise APIError(404, f"The model `{m}` does not exist. This server serves `{st.model_name}`.",
-                           param="model", code="model_not_found")
-
-    def check_ready() -> None:
-        """Refuse a generation request the engine cannot take now: shutting down, dead, recovering, queue full."""
-        if drain.draining:
-            raise APIError(503, "the server is shutting down", code="server_shutting_down")
-        if not engine.alive:
-            raise engine_api_error(EngineDeadError())
-        if not engine.healthy:
-            raise engine_api_error(EngineUnavailableError())
-        queue_limit.check()
-
-    def fit_max_tokens(c, prompt_len: int, explicit: bool, what: str):
-        L = engine.max_model_len
-        if prompt_len >= L:
-            raise bad_request(f"This model's maximum context length is {L} tokens. However, your {what} resulted in "
-                              f"{prompt_len} tokens. Please reduce the length of the {what}.", what,
-                              "context_length_exceeded")
-        room = L - prompt_len
-        mt = c.max_tokens if (explicit and c.max_tokens is not None) else None
-        if mt is not None and mt > room:
-            raise bad_request(f"This model's maximum context length is {L} tokens. However, you requested "
-                              f"{prompt_len + mt} tokens ({prompt_len} in the {what}, {mt} in the completion). "
-                              f"Please reduce the length of the {what} or completion.", c.max_tokens_param,
-                              "context_length_exceeded")
-        if mt is None:
-            mt = min(c.max_tokens, room) if c.max_tokens is not None else room
-        if c.params.min_tokens > mt:
-            raise bad_request(f"min_tokens ({c.params.min_tokens}) exceeds max_tokens ({mt})", "min_tokens")
-        return c.params.replace(max_tokens=mt)
-
-    def submit(ids, params, n, rid, guide_factory=None, images=None):
-        """``engine.submit`` on the event loop, after ``check_ready`` (nothing awaits between the two, so the queue
-        limit holds against a burst)."""
-        check_ready()
-        try:
-            return engine.submit(ids, params, n=n, request_id=rid, guide_factory=guide_factory,
-                                 loop=asyncio.get_running_loop(), images=images)
-        except ParamError as e:
-            raise bad_request(str(e), e.param) from None
-        except EngineError as e:
-            raise engine_api_error(e) from None
-
-    async def watch_disconnect(request: Request, rids: list[str], label: str):
-        try:
-            while True:
-                await asyncio.sleep(0.25)
-                if await request.is_disconnected():
-                    log.info("%s: client disconnected; request aborted", label)
-                    for rid in rids:
-                        engine.abort(rid)
-                    return
-        except asyncio.CancelledError:
-            pass
-
-    def token_str(tid: int) -> str:
-        name = tokenizer.special_name(tid)
-        return name if name is not None else tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
-
-    def token_bytes(tid: int) -> list[int]:
-        return list(tokenizer.token_bytes(tid))
-
     def chat_logprobs(lps) -> list[dict]:
-        return [{"token": token_str(x.token_id), "logprob": x.logprob, "bytes": token_bytes(x.token_id),
-                 "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": token_bytes(t)} for t, lp in x.top]}
+        return [{"token": st.token_str(x.token_id), "logprob": x.logprob, "bytes": st.token_bytes(x.token_id),
+                 "top_logprobs": [{"token": st.token_str(t), "logprob": lp, "bytes": st.token_bytes(t)}
+                                  for t, lp in x.top]}
                 for x in lps]
-
-    def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -------------------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health():
         """200 while the engine takes requests; 503 once it died, while it rebuilds its state after a failed step,
         and while the server shuts down."""
-        if drain.draining:
-            err = APIError(503, "the server is shutting down", code="server_shutting_down")
-        elif not engine.alive:
-            err = engine_api_error(EngineDeadError())
-        elif not engine.healthy:
-            err = engine_api_error(EngineUnavailableError())
-        else:
+        err = st.unready_error()
+        if err is None:
             return Response(status_code=200)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
@@ -382,7 +237,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
     def tokenize_body(raw: bytes) -> dict:
         body = parse_json_body(raw)
-        check_model(body)
+        st.check_model(body)
         if "messages" in body:
             if st.chat_format is None:
                 raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
@@ -399,7 +254,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             ids = encode_prompt_text(tokenizer, prompt)
         out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if opt_bool(body, "return_token_strs", False):
-            out["token_strs"] = [token_str(t) for t in ids]
+            out["token_strs"] = [st.token_str(t) for t in ids]
         return out
 
     @v1.post("/detokenize")
@@ -408,7 +263,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
     def detokenize_body(raw: bytes) -> dict:
         body = parse_json_body(raw)
-        check_model(body)
+        st.check_model(body)
         ids = body.get("tokens")
         if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
@@ -456,12 +311,12 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- chat
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_ready()  # refused before the body is read and prepared
+        st.check_ready()  # refused before the body is read and prepared
         plan = await run_in_threadpool(prepare_chat, await request.body())
         rid = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
-        stream = submit(plan.ids, plan.params, plan.c.n, rid, plan.guide_factory, plan.images or None)
-        drain.track(rid, [stream], [rid])
+        stream = st.submit(plan.ids, plan.params, plan.c.n, rid, plan.guide_factory, plan.images or None)
+        st.drain.track(rid, [stream], [rid])
         if plan.c.stream:
             return SSEResponse(chat_stream(stream, rid, created, plan.c, plan.opts, len(plan.ids)),
                                media_type="text/event-stream",
@@ -472,7 +327,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         """A chat request body -> what to submit: parsed, checked, images loaded, templated and tokenized
         (blocking: runs in a worker thread).  Raises ``APIError``."""
         body = parse_json_body(raw)
-        check_model(body)
+        st.check_model(body)
         fmt = st.chat_format
         if fmt is None:
             raise bad_request(f"{engine.model.config.architecture} has no chat format here; use /v1/completions",
@@ -485,7 +340,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         images, chat_images = message_images(body.get("messages"))
         ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
         # ids hold every image's <|media_pad|> tokens: the context check counts them
-        params = fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
+        params = st.fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
         guide_factory = None
         if tool_choice == "required" or isinstance(tool_choice, dict):
             if fmt.name != "k3":
@@ -493,7 +348,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                                   "chat format; use 'auto'", "tool_choice", "unsupported")
             builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
                                              escape_attributes=opts.escape_attributes,
-                                             max_string_tokens=guided_string_max_tokens,
+                                             max_string_tokens=st.guided_string_max_tokens,
                                              max_tokens=params.max_tokens, vocab_size=engine.vocab_size)
             name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
             try:  # built once here, so a schema the guide cannot follow is a 400, not a failure mid-decode
@@ -519,7 +374,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
 
         def chunk(i, delta, logprobs=None, finish_reason=None, **more):
             ch = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **more}
-            return _sse({**base, "choices": [ch], **extra})
+            return sse({**base, "choices": [ch], **extra})
 
         try:
             for i in range(n):
@@ -541,13 +396,13 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                     reason = "abort" if ev.finish_reason == "abort" else p.result().finish_reason
                     yield chunk(i, {}, None, reason, stop_reason=ev.stop_reason)
             if done is not None and c.include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(done.num_prompt_tokens, done.num_generated_total,
+                yield sse({**base, "choices": [], "usage": usage(done.num_prompt_tokens, done.num_generated_total,
                                                                   done.num_cached_tokens)})
             yield "data: [DONE]\n\n"
         except EngineError as e:
-            yield _sse_error(e)
+            yield sse_error(e)
         finally:
-            drain.untrack(rid)
+            st.drain.untrack(rid)
             if done is None and engine.alive:
                 log.info("%s: client disconnected mid-stream; request aborted", rid)
                 engine.abort(rid)
@@ -557,7 +412,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
         outs = [SequenceOutput(i) for i in range(n)]
         done = None
-        watcher = asyncio.create_task(watch_disconnect(request, [rid], rid))
+        watcher = asyncio.create_task(st.watch_disconnect(request, [rid], rid))
         try:
             async for ev in stream:
                 if isinstance(ev, RequestDone):
@@ -570,7 +425,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         except EngineError as e:
             raise engine_api_error(e) from None
         finally:
-            drain.untrack(rid)
+            st.drain.untrack(rid)
             watcher.cancel()
             if done is None:
                 engine.abort(rid)
@@ -591,7 +446,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     # -------------------------------------------------------------------------------------------- completions
     @v1.post("/v1/completions")
     async def completions(request: Request):
-        check_ready()  # refused before the body is read and prepared
+        st.check_ready()  # refused before the body is read and prepared
         plan = await run_in_threadpool(prepare_completion, await request.body())
         c = plan.c
         rid = "cmpl-" + uuid.uuid4().hex
@@ -605,12 +460,12 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         streams = []
         try:
             for (ids, params), sub_id in zip(plan.prompts, rids):
-                streams.append(submit(ids, params, c.n, sub_id, plan.guide_factory))
+                streams.append(st.submit(ids, params, c.n, sub_id, plan.guide_factory))
         except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
             for sub_id in rids[:len(streams)]:
                 engine.abort(sub_id)
             raise
-        drain.track(rid, streams, rids)
+        st.drain.track(rid, streams, rids)
         if c.stream:
             return SSEResponse(completion_stream(streams, rids, rid, created, c, plan),
                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -620,7 +475,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         """A completions request body -> its prompts (token ids, sampling params each), checked (blocking: runs
         in a worker thread).  Raises ``APIError``."""
         body = parse_json_body(raw)
-        check_model(body)
+        st.check_model(body)
         mt = body.get("max_tokens")
         generate = not (isinstance(mt, (int, float)) and not isinstance(mt, bool) and mt == 0)
         if not generate:  # checked as 1 below; nothing is generated
@@ -639,13 +494,13 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
             raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
         skip_special = opt_bool(body, "skip_special_tokens", True)
         explicit = body.get("max_tokens") is not None
-        plans = [(ids, fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
+        plans = [(ids, st.fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
         echo_logprobs = echo and c.params.logprobs
         reports = None
         if echo or prompt_k is not None:
             scored = echo_logprobs or prompt_k is not None
-            reports = [PromptReport(tokenizer, token_str, ids, skip_special, scorer.score(ids) if scored else None)
-                       for ids, _ in plans]
+            reports = [PromptReport(tokenizer, st.token_str, ids, skip_special,
+                                    st.scorer.score(ids) if scored else None) for ids, _ in plans]
         echo_texts = [r.text for r in reports] if echo else ["" for _ in plans]
         guide_factory = None
         if grammar is not None:
@@ -680,9 +535,9 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
         extra = {"usage": None} if plan.c.include_usage else {}
         for ch in prompt_only_choices(plan):
-            yield _sse({**base, "choices": [ch], **extra})
+            yield sse({**base, "choices": [ch], **extra})
         if plan.c.include_usage:
-            yield _sse({**base, "choices": [], "usage": usage(sum(len(ids) for ids, _ in plan.prompts), 0, 0)})
+            yield sse({**base, "choices": [], "usage": usage(sum(len(ids) for ids, _ in plan.prompts), 0, 0)})
         yield "data: [DONE]\n\n"
 
     def parse_prompts(prompt) -> list[list[int]]:
@@ -714,8 +569,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         for t in texts:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": [token_str(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{token_str(t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
+        return {"tokens": [st.token_str(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{st.token_str(t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
 
     async def merged(streams):
         q: asyncio.Queue = asyncio.Queue()
@@ -754,7 +609,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                     lp, more = prompt_fields(plan, k)
                     for i in range(n):
                         text_len[k * n + i] = len(t)
-                        yield _sse({**base, "choices": [{"index": k * n + i, "text": t, "logprobs": lp,
+                        yield sse({**base, "choices": [{"index": k * n + i, "text": t, "logprobs": lp,
                                                          "finish_reason": None, **more}], **extra})
             async for k, ev in merged(streams):
                 if isinstance(ev, RequestDone):
@@ -767,21 +622,21 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                     lp = legacy_logprobs(ev.logprobs, text_len.get(idx, 0), [text] + [""] * (len(ev.logprobs) - 1))
                 text_len[idx] = text_len.get(idx, 0) + len(text)
                 if text or lp or ev.finish_reason is None:
-                    yield _sse({**base, "choices": [{"index": idx, "text": text, "logprobs": lp,
+                    yield sse({**base, "choices": [{"index": idx, "text": text, "logprobs": lp,
                                                      "finish_reason": None}], **extra})
                 if ev.finish_reason is not None:
-                    yield _sse({**base, "choices": [{"index": idx, "text": "", "logprobs": None,
+                    yield sse({**base, "choices": [{"index": idx, "text": "", "logprobs": None,
                                                      "finish_reason": ev.finish_reason,
                                                      "stop_reason": ev.stop_reason}], **extra})
             if c.include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(
+                yield sse({**base, "choices": [], "usage": usage(
                     sum(d.num_prompt_tokens for d in dones.values()), sum(d.num_generated_total for d in dones.values()),
                     sum(d.num_cached_tokens for d in dones.values()))})
             yield "data: [DONE]\n\n"
         except EngineError as e:
-            yield _sse_error(e)
+            yield sse_error(e)
         finally:
-            drain.untrack(rid)
+            st.drain.untrack(rid)
             if len(dones) < len(rids) and engine.alive:
                 log.info("%s: client disconnected mid-stream; request aborted", rid)
             for k, r in enumerate(rids):
@@ -795,7 +650,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         texts: dict[int, list[str]] = {idx: [] for idx in outs}  # text of each generated token
         extra_text: dict[int, str] = {idx: "" for idx in outs}  # text flushed by a final event without a token
         dones: dict[int, RequestDone] = {}
-        watcher = asyncio.create_task(watch_disconnect(request, rids, rid))
+        watcher = asyncio.create_task(st.watch_disconnect(request, rids, rid))
         try:
             async for k, ev in merged(streams):
                 if isinstance(ev, RequestDone):
@@ -810,7 +665,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         except EngineError as e:
             raise engine_api_error(e) from None
         finally:
-            drain.untrack(rid)
+            st.drain.untrack(rid)
             watcher.cancel()
             for k, r in enumerate(rids):
                 if k not in dones:
