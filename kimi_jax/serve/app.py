@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,16 +58,16 @@ from .formats import ChatFormat, chat_format_for
 from .images import ImageError, ImageFetchConfig, chat_image, find_image_urls, load_images
 from .lifecycle import Drain
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, QueueLimit
-from .metrics import CONTENT_TYPE, ServerMetrics
+from .metrics import ServerMetrics
 from .parsers import merge_deltas
 from .prompt_report import PromptReport, merge_logprobs, parse_prompt_logprobs
 from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
 from .responses import SSEResponse, sse, sse_error, usage
+from . import routes_health
 from .routes_tokenizer import add_tokenizer_routes, encode_prompt_text
 from .state import ServerState, require_key
 from .structured import StructuredGuideBuilder, request_grammar
 from .tool_guide import K3ToolCallGuideBuilder
-from .. import __version__
 
 log = logging.getLogger("kimi_jax.serve")
 
@@ -186,6 +186,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     add_tokenizer_routes(v1, tokenizer, engine.max_model_len)
     if not docs_open:
         _docs_routes(app, [Depends(require_key)])
+    app.include_router(routes_health.router)
+    app.include_router(routes_health.models_router)
 
     # -------------------------------------------------------------------------------------------- helpers
     def chat_logprobs(lps) -> list[dict]:
@@ -195,41 +197,6 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                 for x in lps]
 
     # -------------------------------------------------------------------------------------------- plain routes
-    @app.get("/health")
-    async def health():
-        """200 while the engine takes requests; 503 once it died, while it rebuilds its state after a failed step,
-        and while the server shuts down."""
-        err = st.unready_error()
-        if err is None:
-            return Response(status_code=200)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/stats")
-    async def stats():
-        return engine.stats()
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @v1.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @v1.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != st.model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return model_card()
-
-    def model_card():
-        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kimi_jax",
-                "root": st.model_name, "parent": None, "max_model_len": engine.max_model_len}
-
     # -------------------------------------------------------------------------------------------- tokenize
     @v1.post("/tokenize")
     async def tokenize(request: Request):
