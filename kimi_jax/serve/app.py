@@ -51,11 +51,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineError, RequestDone
 from ..engine.prompt_logprobs import PromptScorer
 from ..engine.request import SequenceOutput, apply_event
-from .chat import ChatImage
 from .engine_errors import engine_api_error
 from .errors import INTERNAL_ERROR, APIError, bad_request, error_body
 from .formats import ChatFormat, chat_format_for
-from .images import ImageError, ImageFetchConfig, chat_image, find_image_urls, load_images
+from .images import ImageFetchConfig
 from .lifecycle import Drain
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, QueueLimit
 from .metrics import ServerMetrics
@@ -63,8 +62,8 @@ from .parsers import merge_deltas
 from .prompt_report import PromptReport, merge_logprobs, parse_prompt_logprobs
 from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
 from .responses import SSEResponse, sse, sse_error, usage
-from . import routes_health
-from .routes_tokenizer import add_tokenizer_routes, encode_prompt_text
+from . import routes_health, routes_tokenizer
+from .chat_prompt import encode_messages, message_images
 from .state import ServerState, require_key
 from .structured import StructuredGuideBuilder, request_grammar
 from .tool_guide import K3ToolCallGuideBuilder
@@ -183,11 +182,11 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         return JSONResponse(error_body(INTERNAL_ERROR, "server_error", None, None), status_code=500)
 
     v1 = APIRouter(dependencies=[Depends(require_key)])
-    add_tokenizer_routes(v1, tokenizer, engine.max_model_len)
     if not docs_open:
         _docs_routes(app, [Depends(require_key)])
     app.include_router(routes_health.router)
     app.include_router(routes_health.models_router)
+    app.include_router(routes_tokenizer.router)
 
     # -------------------------------------------------------------------------------------------- helpers
     def chat_logprobs(lps) -> list[dict]:
@@ -197,84 +196,6 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
                 for x in lps]
 
     # -------------------------------------------------------------------------------------------- plain routes
-    # -------------------------------------------------------------------------------------------- tokenize
-    @v1.post("/tokenize")
-    async def tokenize(request: Request):
-        return await run_in_threadpool(tokenize_body, await request.body())
-
-    def tokenize_body(raw: bytes) -> dict:
-        body = parse_json_body(raw)
-        st.check_model(body)
-        if "messages" in body:
-            if st.chat_format is None:
-                raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
-            tools, tool_choice = parse_tools(body)
-            opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-            _, chat_images = message_images(body.get("messages"))
-            # as chat completions encodes them: tool_choice "none" leaves the tools out of the prompt
-            ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts,
-                                  opt_bool(body, "add_generation_prompt", True), chat_images)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad_request("'prompt' must be a string (or send 'messages')", "prompt", "invalid_type")
-            ids = encode_prompt_text(tokenizer, prompt)
-        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if opt_bool(body, "return_token_strs", False):
-            out["token_strs"] = [st.token_str(t) for t in ids]
-        return out
-
-    @v1.post("/detokenize")
-    async def detokenize(request: Request):
-        return await run_in_threadpool(detokenize_body, await request.body())
-
-    def detokenize_body(raw: bytes) -> dict:
-        body = parse_json_body(raw)
-        st.check_model(body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
-        if ids and (min(ids) < 0 or max(ids) >= engine.vocab_size):
-            raise bad_request(f"token ids must lie in [0, {engine.vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(ids)}
-
-    def encode_messages(messages, tools, opts, add_generation_prompt=True, images=()) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
-        try:
-            return st.chat_format.encode(messages, tools, opts, add_generation_prompt=add_generation_prompt,
-                                         images=images)
-        except ValueError as e:  # the chat encoder's own words about the messages
-            raise bad_request(f"messages: {e}", "messages") from None
-        except (KeyError, TypeError):  # a shape the encoder did not expect: its text would be Python's, not ours
-            log.info("messages the chat encoder could not read", exc_info=True)
-            raise bad_request("messages: a message has an unexpected shape (each needs a 'role' and a 'content' "
-                              "string or list of parts)", "messages") from None
-
-    def message_images(messages) -> tuple[list, list[ChatImage]]:
-        """The user messages' images, decoded (uint8 RGB arrays) and as the prompt sees them; ([], []) without
-        any.  Refused with a 400 where this model or chat format cannot take images, or an image is unusable.
-        Blocking (URLs are fetched): called from the request's worker thread."""
-        try:
-            urls = find_image_urls(messages)
-        except ImageError as e:
-            raise bad_request(f"messages: {e}", "messages") from None
-        if not urls:
-            return [], []
-        if getattr(engine.model, "vision", None) is None:
-            raise bad_request(f"the model `{st.model_name}` has no vision tower: image parts are not supported "
-                              f"({urls[0][0]})", "messages", "unsupported")
-        if st.chat_format is None or st.chat_format.name != "k3":
-            name = st.chat_format.name if st.chat_format is not None else "none"
-            raise bad_request(f"the {name} chat format has no image form; images need the K3 chat format "
-                              f"({urls[0][0]})", "messages", "unsupported")
-        try:
-            arrays = load_images(urls, st.image_fetch)
-        except ImageError as e:
-            raise bad_request(f"messages: {e}", "messages", "invalid_image") from None
-        vision_cfg = engine.model.config.vision
-        return arrays, [chat_image(a, vision_cfg) for a in arrays]
-
     # -------------------------------------------------------------------------------------------- chat
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -304,8 +225,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         tools, tool_choice = parse_tools(body)
         opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
         opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
-        images, chat_images = message_images(body.get("messages"))
-        ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
+        images, chat_images = message_images(st, body.get("messages"))
+        ids = encode_messages(st, body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
         # ids hold every image's <|media_pad|> tokens: the context check counts them
         params = st.fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
         guide_factory = None
