@@ -58,31 +58,14 @@ from .images import ImageFetchConfig
 from .lifecycle import Drain
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, QueueLimit
 from .metrics import ServerMetrics
-from .parsers import merge_deltas
 from .prompt_report import PromptReport, merge_logprobs, parse_prompt_logprobs
-from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
+from .protocol import opt_bool, parse_common, parse_json_body
 from .responses import SSEResponse, sse, sse_error, usage
-from . import routes_health, routes_tokenizer
-from .chat_prompt import encode_messages, message_images
+from . import routes_chat, routes_health, routes_tokenizer
 from .state import ServerState, require_key
 from .structured import StructuredGuideBuilder, request_grammar
-from .tool_guide import K3ToolCallGuideBuilder
 
 log = logging.getLogger("kimi_jax.serve")
-
-
-def _with_alias(delta: dict) -> dict:
-    if "reasoning_content" in delta:
-        delta = dict(delta)
-        delta["reasoning"] = delta["reasoning_content"]
-    return delta
-
-
-def _feed(parser, pieces) -> list[dict]:
-    out = []
-    for p in pieces:
-        out += parser.feed_text(p) if isinstance(p, str) else parser.feed_control(p)
-    return out
 
 
 def _docs_routes(app: FastAPI, dependencies: list) -> None:
@@ -100,18 +83,6 @@ def _docs_routes(app: FastAPI, dependencies: list) -> None:
     @app.get("/redoc", include_in_schema=False, dependencies=dependencies)
     async def redoc():
         return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
-
-
-@dataclass
-class _ChatPlan:
-    """A prepared chat request (``prepare_chat``)."""
-
-    ids: list[int]
-    params: Any  # SamplingParams
-    c: Any  # protocol.Common
-    opts: Any  # the chat format's options
-    guide_factory: Any
-    images: list
 
 
 @dataclass
@@ -187,149 +158,7 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     app.include_router(routes_health.router)
     app.include_router(routes_health.models_router)
     app.include_router(routes_tokenizer.router)
-
-    # -------------------------------------------------------------------------------------------- helpers
-    def chat_logprobs(lps) -> list[dict]:
-        return [{"token": st.token_str(x.token_id), "logprob": x.logprob, "bytes": st.token_bytes(x.token_id),
-                 "top_logprobs": [{"token": st.token_str(t), "logprob": lp, "bytes": st.token_bytes(t)}
-                                  for t, lp in x.top]}
-                for x in lps]
-
-    # -------------------------------------------------------------------------------------------- plain routes
-    # -------------------------------------------------------------------------------------------- chat
-    @v1.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        st.check_ready()  # refused before the body is read and prepared
-        plan = await run_in_threadpool(prepare_chat, await request.body())
-        rid = "chatcmpl-" + uuid.uuid4().hex
-        created = int(time.time())
-        stream = st.submit(plan.ids, plan.params, plan.c.n, rid, plan.guide_factory, plan.images or None)
-        st.drain.track(rid, [stream], [rid])
-        if plan.c.stream:
-            return SSEResponse(chat_stream(stream, rid, created, plan.c, plan.opts, len(plan.ids)),
-                               media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await chat_full(request, stream, rid, created, plan.c, plan.opts)
-
-    def prepare_chat(raw: bytes) -> "_ChatPlan":
-        """A chat request body -> what to submit: parsed, checked, images loaded, templated and tokenized
-        (blocking: runs in a worker thread).  Raises ``APIError``."""
-        body = parse_json_body(raw)
-        st.check_model(body)
-        fmt = st.chat_format
-        if fmt is None:
-            raise bad_request(f"{engine.model.config.architecture} has no chat format here; use /v1/completions",
-                              "messages", "unsupported")
-        c = parse_common(body, vocab_size=engine.vocab_size, chat=True, max_n=engine.B)
-        grammar = request_grammar(body)
-        tools, tool_choice = parse_tools(body)
-        opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-        opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
-        images, chat_images = message_images(st, body.get("messages"))
-        ids = encode_messages(st, body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
-        # ids hold every image's <|media_pad|> tokens: the context check counts them
-        params = st.fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
-        guide_factory = None
-        if tool_choice == "required" or isinstance(tool_choice, dict):
-            if fmt.name != "k3":
-                raise bad_request(f"tool_choice {tool_choice!r} (guided tool calls) is only supported for the K3 "
-                                  "chat format; use 'auto'", "tool_choice", "unsupported")
-            builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
-                                             escape_attributes=opts.escape_attributes,
-                                             max_string_tokens=st.guided_string_max_tokens,
-                                             max_tokens=params.max_tokens, vocab_size=engine.vocab_size)
-            name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-            try:  # built once here, so a schema the guide cannot follow is a 400, not a failure mid-decode
-                builder.build(name)
-            except ValueError as e:
-                raise bad_request(f"cannot guide a call of these tools: {e}", "tools", "unsupported") from None
-            guide_factory = lambda: builder.build(name)  # noqa: E731
-            if grammar is not None:
-                raise bad_request(f"{grammar.param} cannot be combined with tool_choice {tool_choice!r}: that turn is "
-                                  "already guided to a tool call", grammar.param, "unsupported")
-        elif grammar is not None:
-            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=fmt.name,
-                                                   thinking=opts.thinking, tools=opts.tool_calls,
-                                                   max_tokens=params.max_tokens).build
-        return _ChatPlan(ids, params, c, opts, guide_factory, images)
-
-    async def chat_stream(stream, rid, created, c, opts, prompt_len):
-        n = c.n
-        parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
-        done: Optional[RequestDone] = None
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name}
-        extra = {"usage": None} if c.include_usage else {}
-
-        def chunk(i, delta, logprobs=None, finish_reason=None, **more):
-            ch = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **more}
-            return sse({**base, "choices": [ch], **extra})
-
-        try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for ev in stream:
-                if isinstance(ev, RequestDone):
-                    done = ev
-                    break
-                i, p = ev.index, parsers[ev.index]
-                deltas = _feed(p, ev.pieces)
-                if ev.finish_reason is not None:
-                    deltas = merge_deltas(deltas + p.finish("length" if ev.finish_reason == "length" else "stop"))
-                lp = {"content": chat_logprobs(ev.logprobs)} if ev.logprobs else None
-                for j, d in enumerate(deltas):
-                    yield chunk(i, _with_alias(d), lp if j == 0 else None)
-                if not deltas and lp is not None:
-                    yield chunk(i, {}, lp)
-                if ev.finish_reason is not None:
-                    reason = "abort" if ev.finish_reason == "abort" else p.result().finish_reason
-                    yield chunk(i, {}, None, reason, stop_reason=ev.stop_reason)
-            if done is not None and c.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(done.num_prompt_tokens, done.num_generated_total,
-                                                                  done.num_cached_tokens)})
-            yield "data: [DONE]\n\n"
-        except EngineError as e:
-            yield sse_error(e)
-        finally:
-            st.drain.untrack(rid)
-            if done is None and engine.alive:
-                log.info("%s: client disconnected mid-stream; request aborted", rid)
-                engine.abort(rid)
-
-    async def chat_full(request, stream, rid, created, c, opts):
-        n = c.n
-        parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
-        outs = [SequenceOutput(i) for i in range(n)]
-        done = None
-        watcher = asyncio.create_task(st.watch_disconnect(request, [rid], rid))
-        try:
-            async for ev in stream:
-                if isinstance(ev, RequestDone):
-                    done = ev
-                    break
-                apply_event(outs[ev.index], ev)
-                _feed(parsers[ev.index], ev.pieces)
-                if ev.finish_reason is not None:
-                    parsers[ev.index].finish("length" if ev.finish_reason == "length" else "stop")
-        except EngineError as e:
-            raise engine_api_error(e) from None
-        finally:
-            st.drain.untrack(rid)
-            watcher.cancel()
-            if done is None:
-                engine.abort(rid)
-        choices = []
-        for i in range(n):
-            res = parsers[i].result()
-            msg = res.to_openai()
-            msg.setdefault("reasoning_content", None)
-            msg["reasoning"] = msg["reasoning_content"]
-            reason = "abort" if outs[i].finish_reason == "abort" else res.finish_reason
-            choices.append({"index": i, "message": msg,
-                            "logprobs": {"content": chat_logprobs(outs[i].logprobs)} if c.params.logprobs else None,
-                            "finish_reason": reason, "stop_reason": outs[i].stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": choices,
-                "usage": usage(done.num_prompt_tokens, done.num_generated_total, done.num_cached_tokens)}
+    app.include_router(routes_chat.router)
 
     # -------------------------------------------------------------------------------------------- completions
     @v1.post("/v1/completions")
