@@ -1,18 +1,23 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over an ``Engine``.
+"""The OpenAI-compatible HTTP API (FastAPI) over an ``Engine``: ``build_app`` puts the app's ``ServerState``
+(``state.py``) on ``app.state.kimi`` and includes the module-level routers, which reach it through
+``Depends(get_state)``.
 
-Endpoints
-  POST /v1/chat/completions   chat (stream or not); reasoning as ``reasoning_content`` (alias ``reasoning``); tool calls
-                              parsed into ``tool_calls`` (streamed as deltas); ``tool_choice`` none / auto / required /
-                              a named function (the last two guided, K3 format; with no tools or "none" a call the
-                              model writes anyway is content, never ``tool_calls``); n, logprobs, top_logprobs, seed,
-                              stop, logit_bias, penalties; ``stream_options.include_usage``
-  POST /v1/completions        text completion: prompt as a string, a list of strings, token ids or lists of ids
-  GET  /v1/models             the served model
-  POST /tokenize, /detokenize vLLM-style helpers (a prompt string or chat messages -> ids; ids -> text)
-  GET  /tokenizer_info        vLLM's shape, for lm-eval's remote tokenizer (``routes_tokenizer.py``)
-  GET  /health                200 while the engine runs, 503 once it died
-  GET  /metrics               Prometheus text (``metrics.py``)
-  GET  /stats                 the engine's counters as JSON (free slots, compilations, ...)
+Endpoints (router module in brackets)
+  POST /v1/chat/completions   [routes_chat] chat (stream or not); reasoning as ``reasoning_content`` (alias
+                              ``reasoning``); tool calls parsed into ``tool_calls`` (streamed as deltas);
+                              ``tool_choice`` none / auto / required / a named function (the last two guided, K3
+                              format; with no tools or "none" a call the model writes anyway is content, never
+                              ``tool_calls``); n, logprobs, top_logprobs, seed, stop, logit_bias, penalties;
+                              ``stream_options.include_usage``
+  POST /v1/completions        [routes_completions] text completion: prompt as a string, a list of strings, token
+                              ids or lists of ids; echo, prompt_logprobs
+  GET  /v1/models             [routes_health] the served model
+  POST /tokenize, /detokenize [routes_tokenizer] vLLM-style helpers (a prompt string or chat messages -> ids;
+                              ids -> text)
+  GET  /tokenizer_info        [routes_tokenizer] vLLM's shape, for lm-eval's remote tokenizer
+  GET  /health                [routes_health] 200 while the engine runs, 503 once it died
+  GET  /metrics, /stats       [routes_health] Prometheus text (``metrics.py``); the engine's counters as JSON
+  GET  /version               [routes_health] the package version
 
 Images: user messages may hold ``{"type": "image_url", "image_url": {"url": ...}}`` parts (data URLs, or http(s)
 fetched off the event loop; ``images.py``) when the model has a vision tower and speaks the K3 chat format; each
@@ -35,160 +40,26 @@ request (its slots are freed on the next engine iteration); non-streaming reques
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import (EngineDeadError, EngineError, EngineUnavailableError, ParamError, RequestDone,
-                      RequestFailedError)
-from ..engine.request import SequenceOutput, apply_event
-from .errors import INTERNAL_ERROR, APIError, bad_request, error_body
-from .chat import ChatImage
-from .formats import ChatFormat, chat_format_for
-from .images import ImageError, ImageFetchConfig, chat_image, find_image_urls, load_images
-from .lifecycle import Drain, ShuttingDownError
-from .limits import (DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, RETRY_AFTER_S, BodySizeLimit,
-                     QueueLimit)
-from .metrics import CONTENT_TYPE, ServerMetrics
-from .parsers import merge_deltas
-from .protocol import opt_bool, parse_common, parse_json_body, parse_tools
-from .structured import StructuredGuideBuilder, request_grammar
-from .routes_tokenizer import (PromptReport, add_tokenizer_routes, encode_prompt_text, merge_logprobs,
-                               parse_prompt_logprobs)
 from ..engine.prompt_logprobs import PromptScorer
-from .tool_guide import K3ToolCallGuideBuilder
-from .. import __version__
+from . import routes_chat, routes_completions, routes_health, routes_tokenizer
+from .errors import INTERNAL_ERROR, APIError, error_body
+from .formats import ChatFormat, chat_format_for
+from .images import ImageFetchConfig
+from .lifecycle import Drain
+from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, QueueLimit
+from .metrics import ServerMetrics
+from .state import ServerState, require_key
 
 log = logging.getLogger("kimi_jax.serve")
-
-
-@dataclass
-class ServerState:
-    engine: Any
-    tokenizer: Any
-    model_name: str
-    chat_format: Optional[ChatFormat]
-    api_key: Optional[str]
-    metrics: ServerMetrics
-    created: int
-    image_fetch: ImageFetchConfig = ImageFetchConfig()
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always listens for the client's disconnect and cancels the body iterator then
-    (whatever ASGI spec version the server speaks), so the iterator's ``finally`` runs at once."""
-
-    async def __call__(self, scope, receive, send):
-        async with anyio.create_task_group() as tg:
-            async def run():
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass
-                finally:
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(run)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-def _with_alias(delta: dict) -> dict:
-    if "reasoning_content" in delta:
-        delta = dict(delta)
-        delta["reasoning"] = delta["reasoning_content"]
-    return delta
-
-
-def _feed(parser, pieces) -> list[dict]:
-    out = []
-    for p in pieces:
-        out += parser.feed_text(p) if isinstance(p, str) else parser.feed_control(p)
-    return out
-
-
-_RETRY = {"Retry-After": str(RETRY_AFTER_S)}
-
-
-def engine_api_error(e: EngineError) -> APIError:
-    """The answer to a request the engine could not finish: always a 503 with a fixed text per cause (the
-    exception's own text, which may carry internals, goes to the log only)."""
-    if isinstance(e, ShuttingDownError):
-        return APIError(503, "the server is shutting down; the request was stopped before it finished",
-                        code="server_shutting_down")
-    if isinstance(e, RequestFailedError):
-        return APIError(503, "the engine failed while running this request; it is recovering, retry shortly",
-                        code="engine_error", headers=_RETRY)
-    if isinstance(e, EngineUnavailableError):
-        return APIError(503, "the engine is recovering from a failure; retry shortly", code="engine_unavailable",
-                        headers=_RETRY)
-    return APIError(503, "the engine is not running", code="engine_dead")
-
-
-def _sse_error(e: EngineError) -> str:
-    """A stream's last words when the engine cannot finish it: an OpenAI error chunk, then ``[DONE]``."""
-    err = engine_api_error(e)
-    return _sse(err.body()) + "data: [DONE]\n\n"
-
-
-def _docs_routes(app: FastAPI, dependencies: list) -> None:
-    """/openapi.json, /docs and /redoc behind ``dependencies`` (the API key check).  The browser pages fetch the
-    schema without the key; send it yourself (e.g. curl /openapi.json with the header) where a key is set."""
-
-    @app.get("/openapi.json", include_in_schema=False, dependencies=dependencies)
-    async def openapi():
-        return JSONResponse(app.openapi())
-
-    @app.get("/docs", include_in_schema=False, dependencies=dependencies)
-    async def docs():
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
-
-    @app.get("/redoc", include_in_schema=False, dependencies=dependencies)
-    async def redoc():
-        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
-
-
-@dataclass
-class _ChatPlan:
-    """A prepared chat request (``prepare_chat``)."""
-
-    ids: list[int]
-    params: Any  # SamplingParams
-    c: Any  # protocol.Common
-    opts: Any  # the chat format's options
-    guide_factory: Any
-    images: list
-
-
-@dataclass
-class _CompletionPlan:
-    """A prepared completions request (``prepare_completion``): (ids, SamplingParams) per prompt."""
-
-    prompts: list
-    c: Any
-    echo_texts: list[str]
-    skip_special: bool
-    reports: list = None  # a routes_tokenizer.PromptReport per prompt when echo / prompt_logprobs ask for one
-    echo_logprobs: bool = False  # the choices' logprobs start with the prompt's tokens
-    prompt_k: Optional[int] = None  # vLLM's prompt_logprobs
-    generate: bool = True  # False for max_tokens 0: the prompt is reported, nothing is generated
-    guide_factory: Any = None  # structured output (``structured.py``)
 
 
 def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = None,
@@ -204,11 +75,14 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     the engine beyond which new ones get a 429 (None: no limit).  ``drain``: the shutdown state the server's signal
     handler drives (``lifecycle.DrainingServer``); default a fresh one that never drains."""
     fmt = chat_format if chat_format is not None else chat_format_for(engine.model.config.architecture, tokenizer)
-    st = ServerState(engine, tokenizer, model_name, fmt, api_key or None, ServerMetrics(engine, model_name),
-                     int(time.time()), image_fetch or ImageFetchConfig())
     drain = drain if drain is not None else Drain()
-    queue_limit = QueueLimit(engine, max_queued_requests)
-    docs_open = st.api_key is None  # with a key, the schema and its pages are behind it too (`_docs_routes`)
+    st = ServerState(engine=engine, tokenizer=tokenizer, model_name=model_name, chat_format=fmt,
+                     api_key=api_key or None, metrics=ServerMetrics(engine, model_name), created=int(time.time()),
+                     image_fetch=image_fetch or ImageFetchConfig(), guided_string_max_tokens=guided_string_max_tokens,
+                     drain=drain, queue_limit=QueueLimit(engine, max_queued_requests),
+                     # prompt log-probs (a program per length bucket; on every process of a multi-process server)
+                     scorer=PromptScorer(engine.model, engine.max_model_len, engine.mirror))
+    docs_open = st.api_key is None  # with a key, the schema and its pages are behind it too (`_docs`)
     app = FastAPI(title="kimi_jax", description="OpenAI-compatible server for kimi_jax models", version="0.1.0",
                   docs_url="/docs" if docs_open else None, redoc_url="/redoc" if docs_open else None,
                   openapi_url="/openapi.json" if docs_open else None)
@@ -216,621 +90,58 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
         app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     app.state.kimi = st
     app.state.drain = drain
-
-    # -------------------------------------------------------------------------------------------- errors
-    @app.exception_handler(APIError)
-    async def _api_error(req: Request, e: APIError):
-        # the access log shows only the status; say why (a client's 4xx at info, a 5xx as a warning)
-        log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s -> %d %s: %s", req.method,
-                req.url.path, e.status, e.code or e.type, e.message)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(req: Request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        msg = str(e.detail)
-        if e.status_code == 405 and e.headers and e.headers.get("Allow"):
-            msg = f"{req.method} is not allowed on {req.url.path}; use {e.headers['Allow']}"
-        return JSONResponse(error_body(msg, "invalid_request_error", None, code), status_code=e.status_code,
-                            headers=e.headers)  # a 405 keeps its Allow header
-
-    @app.exception_handler(Exception)
-    async def _internal(req: Request, e: Exception):
-        log.error("%s %s -> 500: internal error", req.method, req.url.path, exc_info=e)
-        return JSONResponse(error_body(INTERNAL_ERROR, "server_error", None, None), status_code=500)
-
-    async def require_key(request: Request):
-        if st.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
-
-    v1 = APIRouter(dependencies=[Depends(require_key)])
-    add_tokenizer_routes(v1, tokenizer, engine.max_model_len)
-    # prompt log-probs (a program per length bucket; on every process of a multi-process server)
-    scorer = PromptScorer(engine.model, engine.max_model_len, engine.mirror)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     if not docs_open:
-        _docs_routes(app, [Depends(require_key)])
-
-    # -------------------------------------------------------------------------------------------- helpers
-    def check_model(body: dict) -> None:
-        m = body.get("model")
-        if m is not None and not isinstance(m, str):
-            raise bad_request(f"'model' must be a string, got {json.dumps(m)[:80]}", "model", "invalid_type")
-        if m is not None and m != st.model_name:
-            raise APIError(404, f"The model `{m}` does not exist. This server serves `{st.model_name}`.",
-                           param="model", code="model_not_found")
-
-    def check_ready() -> None:
-        """Refuse a generation request the engine cannot take now: shutting down, dead, recovering, queue full."""
-        if drain.draining:
-            raise APIError(503, "the server is shutting down", code="server_shutting_down")
-        if not engine.alive:
-            raise engine_api_error(EngineDeadError())
-        if not engine.healthy:
-            raise engine_api_error(EngineUnavailableError())
-        queue_limit.check()
-
-    def fit_max_tokens(c, prompt_len: int, explicit: bool, what: str):
-        L = engine.max_model_len
-        if prompt_len >= L:
-            raise bad_request(f"This model's maximum context length is {L} tokens. However, your {what} resulted in "
-                              f"{prompt_len} tokens. Please reduce the length of the {what}.", what,
-                              "context_length_exceeded")
-        room = L - prompt_len
-        mt = c.max_tokens if (explicit and c.max_tokens is not None) else None
-        if mt is not None and mt > room:
-            raise bad_request(f"This model's maximum context length is {L} tokens. However, you requested "
-                              f"{prompt_len + mt} tokens ({prompt_len} in the {what}, {mt} in the completion). "
-                              f"Please reduce the length of the {what} or completion.", c.max_tokens_param,
-                              "context_length_exceeded")
-        if mt is None:
-            mt = min(c.max_tokens, room) if c.max_tokens is not None else room
-        if c.params.min_tokens > mt:
-            raise bad_request(f"min_tokens ({c.params.min_tokens}) exceeds max_tokens ({mt})", "min_tokens")
-        return c.params.replace(max_tokens=mt)
-
-    def submit(ids, params, n, rid, guide_factory=None, images=None):
-        """``engine.submit`` on the event loop, after ``check_ready`` (nothing awaits between the two, so the queue
-        limit holds against a burst)."""
-        check_ready()
-        try:
-            return engine.submit(ids, params, n=n, request_id=rid, guide_factory=guide_factory,
-                                 loop=asyncio.get_running_loop(), images=images)
-        except ParamError as e:
-            raise bad_request(str(e), e.param) from None
-        except EngineError as e:
-            raise engine_api_error(e) from None
-
-    async def watch_disconnect(request: Request, rids: list[str], label: str):
-        try:
-            while True:
-                await asyncio.sleep(0.25)
-                if await request.is_disconnected():
-                    log.info("%s: client disconnected; request aborted", label)
-                    for rid in rids:
-                        engine.abort(rid)
-                    return
-        except asyncio.CancelledError:
-            pass
-
-    def token_str(tid: int) -> str:
-        name = tokenizer.special_name(tid)
-        return name if name is not None else tokenizer.token_bytes(tid).decode("utf-8", errors="replace")
-
-    def token_bytes(tid: int) -> list[int]:
-        return list(tokenizer.token_bytes(tid))
-
-    def chat_logprobs(lps) -> list[dict]:
-        return [{"token": token_str(x.token_id), "logprob": x.logprob, "bytes": token_bytes(x.token_id),
-                 "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": token_bytes(t)} for t, lp in x.top]}
-                for x in lps]
-
-    def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    # -------------------------------------------------------------------------------------------- plain routes
-    @app.get("/health")
-    async def health():
-        """200 while the engine takes requests; 503 once it died, while it rebuilds its state after a failed step,
-        and while the server shuts down."""
-        if drain.draining:
-            err = APIError(503, "the server is shutting down", code="server_shutting_down")
-        elif not engine.alive:
-            err = engine_api_error(EngineDeadError())
-        elif not engine.healthy:
-            err = engine_api_error(EngineUnavailableError())
-        else:
-            return Response(status_code=200)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/stats")
-    async def stats():
-        return engine.stats()
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @v1.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @v1.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != st.model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return model_card()
-
-    def model_card():
-        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kimi_jax",
-                "root": st.model_name, "parent": None, "max_model_len": engine.max_model_len}
-
-    # -------------------------------------------------------------------------------------------- tokenize
-    @v1.post("/tokenize")
-    async def tokenize(request: Request):
-        return await run_in_threadpool(tokenize_body, await request.body())
-
-    def tokenize_body(raw: bytes) -> dict:
-        body = parse_json_body(raw)
-        check_model(body)
-        if "messages" in body:
-            if st.chat_format is None:
-                raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
-            tools, tool_choice = parse_tools(body)
-            opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-            _, chat_images = message_images(body.get("messages"))
-            # as chat completions encodes them: tool_choice "none" leaves the tools out of the prompt
-            ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts,
-                                  opt_bool(body, "add_generation_prompt", True), chat_images)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad_request("'prompt' must be a string (or send 'messages')", "prompt", "invalid_type")
-            ids = encode_prompt_text(tokenizer, prompt)
-        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if opt_bool(body, "return_token_strs", False):
-            out["token_strs"] = [token_str(t) for t in ids]
-        return out
-
-    @v1.post("/detokenize")
-    async def detokenize(request: Request):
-        return await run_in_threadpool(detokenize_body, await request.body())
-
-    def detokenize_body(raw: bytes) -> dict:
-        body = parse_json_body(raw)
-        check_model(body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
-        if ids and (min(ids) < 0 or max(ids) >= engine.vocab_size):
-            raise bad_request(f"token ids must lie in [0, {engine.vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(ids)}
-
-    def encode_messages(messages, tools, opts, add_generation_prompt=True, images=()) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
-        try:
-            return st.chat_format.encode(messages, tools, opts, add_generation_prompt=add_generation_prompt,
-                                         images=images)
-        except ValueError as e:  # the chat encoder's own words about the messages
-            raise bad_request(f"messages: {e}", "messages") from None
-        except (KeyError, TypeError):  # a shape the encoder did not expect: its text would be Python's, not ours
-            log.info("messages the chat encoder could not read", exc_info=True)
-            raise bad_request("messages: a message has an unexpected shape (each needs a 'role' and a 'content' "
-                              "string or list of parts)", "messages") from None
-
-    def message_images(messages) -> tuple[list, list[ChatImage]]:
-        """The user messages' images, decoded (uint8 RGB arrays) and as the prompt sees them; ([], []) without
-        any.  Refused with a 400 where this model or chat format cannot take images, or an image is unusable.
-        Blocking (URLs are fetched): called from the request's worker thread."""
-        try:
-            urls = find_image_urls(messages)
-        except ImageError as e:
-            raise bad_request(f"messages: {e}", "messages") from None
-        if not urls:
-            return [], []
-        if getattr(engine.model, "vision", None) is None:
-            raise bad_request(f"the model `{st.model_name}` has no vision tower: image parts are not supported "
-                              f"({urls[0][0]})", "messages", "unsupported")
-        if st.chat_format is None or st.chat_format.name != "k3":
-            name = st.chat_format.name if st.chat_format is not None else "none"
-            raise bad_request(f"the {name} chat format has no image form; images need the K3 chat format "
-                              f"({urls[0][0]})", "messages", "unsupported")
-        try:
-            arrays = load_images(urls, st.image_fetch)
-        except ImageError as e:
-            raise bad_request(f"messages: {e}", "messages", "invalid_image") from None
-        vision_cfg = engine.model.config.vision
-        return arrays, [chat_image(a, vision_cfg) for a in arrays]
-
-    # -------------------------------------------------------------------------------------------- chat
-    @v1.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        check_ready()  # refused before the body is read and prepared
-        plan = await run_in_threadpool(prepare_chat, await request.body())
-        rid = "chatcmpl-" + uuid.uuid4().hex
-        created = int(time.time())
-        stream = submit(plan.ids, plan.params, plan.c.n, rid, plan.guide_factory, plan.images or None)
-        drain.track(rid, [stream], [rid])
-        if plan.c.stream:
-            return SSEResponse(chat_stream(stream, rid, created, plan.c, plan.opts, len(plan.ids)),
-                               media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await chat_full(request, stream, rid, created, plan.c, plan.opts)
-
-    def prepare_chat(raw: bytes) -> "_ChatPlan":
-        """A chat request body -> what to submit: parsed, checked, images loaded, templated and tokenized
-        (blocking: runs in a worker thread).  Raises ``APIError``."""
-        body = parse_json_body(raw)
-        check_model(body)
-        fmt = st.chat_format
-        if fmt is None:
-            raise bad_request(f"{engine.model.config.architecture} has no chat format here; use /v1/completions",
-                              "messages", "unsupported")
-        c = parse_common(body, vocab_size=engine.vocab_size, chat=True, max_n=engine.B)
-        grammar = request_grammar(body)
-        tools, tool_choice = parse_tools(body)
-        opts = fmt.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-        opts = opts.with_tools(tools, tool_choice)  # no tools or tool_choice "none": calls come back as content
-        images, chat_images = message_images(body.get("messages"))
-        ids = encode_messages(body.get("messages"), tools if tool_choice != "none" else [], opts, True, chat_images)
-        # ids hold every image's <|media_pad|> tokens: the context check counts them
-        params = fit_max_tokens(c, len(ids), c.max_tokens is not None, "messages")
-        guide_factory = None
-        if tool_choice == "required" or isinstance(tool_choice, dict):
-            if fmt.name != "k3":
-                raise bad_request(f"tool_choice {tool_choice!r} (guided tool calls) is only supported for the K3 "
-                                  "chat format; use 'auto'", "tool_choice", "unsupported")
-            builder = K3ToolCallGuideBuilder(tokenizer, tools, thinking=opts.thinking,
-                                             escape_attributes=opts.escape_attributes,
-                                             max_string_tokens=guided_string_max_tokens,
-                                             max_tokens=params.max_tokens, vocab_size=engine.vocab_size)
-            name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-            try:  # built once here, so a schema the guide cannot follow is a 400, not a failure mid-decode
-                builder.build(name)
-            except ValueError as e:
-                raise bad_request(f"cannot guide a call of these tools: {e}", "tools", "unsupported") from None
-            guide_factory = lambda: builder.build(name)  # noqa: E731
-            if grammar is not None:
-                raise bad_request(f"{grammar.param} cannot be combined with tool_choice {tool_choice!r}: that turn is "
-                                  "already guided to a tool call", grammar.param, "unsupported")
-        elif grammar is not None:
-            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=fmt.name,
-                                                   thinking=opts.thinking, tools=opts.tool_calls,
-                                                   max_tokens=params.max_tokens).build
-        return _ChatPlan(ids, params, c, opts, guide_factory, images)
-
-    async def chat_stream(stream, rid, created, c, opts, prompt_len):
-        n = c.n
-        parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
-        done: Optional[RequestDone] = None
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name}
-        extra = {"usage": None} if c.include_usage else {}
-
-        def chunk(i, delta, logprobs=None, finish_reason=None, **more):
-            ch = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **more}
-            return _sse({**base, "choices": [ch], **extra})
-
-        try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for ev in stream:
-                if isinstance(ev, RequestDone):
-                    done = ev
-                    break
-                i, p = ev.index, parsers[ev.index]
-                deltas = _feed(p, ev.pieces)
-                if ev.finish_reason is not None:
-                    deltas = merge_deltas(deltas + p.finish("length" if ev.finish_reason == "length" else "stop"))
-                lp = {"content": chat_logprobs(ev.logprobs)} if ev.logprobs else None
-                for j, d in enumerate(deltas):
-                    yield chunk(i, _with_alias(d), lp if j == 0 else None)
-                if not deltas and lp is not None:
-                    yield chunk(i, {}, lp)
-                if ev.finish_reason is not None:
-                    reason = "abort" if ev.finish_reason == "abort" else p.result().finish_reason
-                    yield chunk(i, {}, None, reason, stop_reason=ev.stop_reason)
-            if done is not None and c.include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(done.num_prompt_tokens, done.num_generated_total,
-                                                                  done.num_cached_tokens)})
-            yield "data: [DONE]\n\n"
-        except EngineError as e:
-            yield _sse_error(e)
-        finally:
-            drain.untrack(rid)
-            if done is None and engine.alive:
-                log.info("%s: client disconnected mid-stream; request aborted", rid)
-                engine.abort(rid)
-
-    async def chat_full(request, stream, rid, created, c, opts):
-        n = c.n
-        parsers = [st.chat_format.new_parser(opts) for _ in range(n)]
-        outs = [SequenceOutput(i) for i in range(n)]
-        done = None
-        watcher = asyncio.create_task(watch_disconnect(request, [rid], rid))
-        try:
-            async for ev in stream:
-                if isinstance(ev, RequestDone):
-                    done = ev
-                    break
-                apply_event(outs[ev.index], ev)
-                _feed(parsers[ev.index], ev.pieces)
-                if ev.finish_reason is not None:
-                    parsers[ev.index].finish("length" if ev.finish_reason == "length" else "stop")
-        except EngineError as e:
-            raise engine_api_error(e) from None
-        finally:
-            drain.untrack(rid)
-            watcher.cancel()
-            if done is None:
-                engine.abort(rid)
-        choices = []
-        for i in range(n):
-            res = parsers[i].result()
-            msg = res.to_openai()
-            msg.setdefault("reasoning_content", None)
-            msg["reasoning"] = msg["reasoning_content"]
-            reason = "abort" if outs[i].finish_reason == "abort" else res.finish_reason
-            choices.append({"index": i, "message": msg,
-                            "logprobs": {"content": chat_logprobs(outs[i].logprobs)} if c.params.logprobs else None,
-                            "finish_reason": reason, "stop_reason": outs[i].stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": choices,
-                "usage": usage(done.num_prompt_tokens, done.num_generated_total, done.num_cached_tokens)}
-
-    # -------------------------------------------------------------------------------------------- completions
-    @v1.post("/v1/completions")
-    async def completions(request: Request):
-        check_ready()  # refused before the body is read and prepared
-        plan = await run_in_threadpool(prepare_completion, await request.body())
-        c = plan.c
-        rid = "cmpl-" + uuid.uuid4().hex
-        created = int(time.time())
-        if not plan.generate:  # max_tokens 0: the prompt only
-            if c.stream:
-                return SSEResponse(prompt_only_stream(plan, rid, created), media_type="text/event-stream",
-                                   headers={"Cache-Control": "no-cache"})
-            return prompt_only_response(plan, rid, created)
-        rids = [f"{rid}-{k}" for k in range(len(plan.prompts))]
-        streams = []
-        try:
-            for (ids, params), sub_id in zip(plan.prompts, rids):
-                streams.append(submit(ids, params, c.n, sub_id, plan.guide_factory))
-        except Exception:  # a later prompt refused: the ones already submitted must not run on unseen
-            for sub_id in rids[:len(streams)]:
-                engine.abort(sub_id)
-            raise
-        drain.track(rid, streams, rids)
-        if c.stream:
-            return SSEResponse(completion_stream(streams, rids, rid, created, c, plan),
-                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await completion_full(request, streams, rids, rid, created, c, plan)
-
-    def prepare_completion(raw: bytes) -> "_CompletionPlan":
-        """A completions request body -> its prompts (token ids, sampling params each), checked (blocking: runs
-        in a worker thread).  Raises ``APIError``."""
-        body = parse_json_body(raw)
-        check_model(body)
-        mt = body.get("max_tokens")
-        generate = not (isinstance(mt, (int, float)) and not isinstance(mt, bool) and mt == 0)
-        if not generate:  # checked as 1 below; nothing is generated
-            body = dict(body, max_tokens=1)
-        c = parse_common(body, vocab_size=engine.vocab_size, chat=False, max_n=engine.B)
-        prompts = parse_prompts(body.get("prompt"))
-        echo = opt_bool(body, "echo", False)
-        prompt_k = parse_prompt_logprobs(body)
-        grammar = request_grammar(body)
-        if not generate and not echo and prompt_k is None:
-            raise bad_request("max_tokens 0 generates nothing: it needs echo (or prompt_logprobs)", "max_tokens")
-        if body.get("suffix") is not None:
-            raise bad_request("suffix is not supported", "suffix", "unsupported")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != c.n:
-            raise bad_request("best_of other than n is not supported", "best_of", "unsupported")
-        skip_special = opt_bool(body, "skip_special_tokens", True)
-        explicit = body.get("max_tokens") is not None
-        plans = [(ids, fit_max_tokens(c, len(ids), explicit, "prompt")) for ids in prompts]
-        echo_logprobs = echo and c.params.logprobs
-        reports = None
-        if echo or prompt_k is not None:
-            scored = echo_logprobs or prompt_k is not None
-            reports = [PromptReport(tokenizer, token_str, ids, skip_special, scorer.score(ids) if scored else None)
-                       for ids, _ in plans]
-        echo_texts = [r.text for r in reports] if echo else ["" for _ in plans]
-        guide_factory = None
-        if grammar is not None:
-            guide_factory = StructuredGuideBuilder(grammar, tokenizer, engine.vocab_size, fmt=None).build
-        return _CompletionPlan(plans, c, echo_texts, skip_special, reports, echo_logprobs, prompt_k, generate,
-                               guide_factory)
-
-    def prompt_fields(plan: "_CompletionPlan", k: int) -> tuple[Optional[dict], dict]:
-        """(the prompt's legacy logprobs or None, extra choice fields) for prompt ``k``."""
-        if plan.reports is None:
-            return None, {}
-        rep = plan.reports[k]
-        lp = rep.legacy_logprobs(plan.c.params.top_logprobs) if plan.echo_logprobs else None
-        more = {"prompt_logprobs": rep.prompt_logprobs(plan.prompt_k)} if plan.prompt_k is not None else {}
-        return lp, more
-
-    def prompt_only_choices(plan: "_CompletionPlan") -> list[dict]:
-        n, choices = plan.c.n, []
-        for k in range(len(plan.prompts)):
-            lp, more = prompt_fields(plan, k)
-            for i in range(n):
-                choices.append({"index": k * n + i, "text": plan.echo_texts[k], "logprobs": lp,
-                                "finish_reason": "length", "stop_reason": None, **more})
-        return choices
-
-    def prompt_only_response(plan: "_CompletionPlan", rid: str, created: int) -> dict:
-        n_prompt = sum(len(ids) for ids, _ in plan.prompts)
-        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": prompt_only_choices(plan), "usage": usage(n_prompt, 0, 0)}
-
-    async def prompt_only_stream(plan: "_CompletionPlan", rid: str, created: int):
-        base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
-        extra = {"usage": None} if plan.c.include_usage else {}
-        for ch in prompt_only_choices(plan):
-            yield _sse({**base, "choices": [ch], **extra})
-        if plan.c.include_usage:
-            yield _sse({**base, "choices": [], "usage": usage(sum(len(ids) for ids, _ in plan.prompts), 0, 0)})
-        yield "data: [DONE]\n\n"
-
-    def parse_prompts(prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [tokenizer.encode(prompt)]
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(p, str) for p in prompt):
-                return [tokenizer.encode(p) for p in prompt]
-            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-                return [check_ids(prompt)]
-            if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                   for p in prompt):
-                return [check_ids(p) for p in prompt]
-        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists "
-                          "(non-empty)", "prompt", "invalid_type")
-
-    def check_ids(ids):
-        if min(ids) < 0 or max(ids) >= engine.vocab_size:
-            raise bad_request(f"prompt token ids must lie in [0, {engine.vocab_size})", "prompt")
-        return list(ids)
-
-    def piece_text(pieces, skip_special):
-        if skip_special:
-            return "".join(p for p in pieces if isinstance(p, str))
-        return "".join(p if isinstance(p, str) else (tokenizer.special_name(p) or "") for p in pieces)
-
-    def legacy_logprobs(lps, offset0: int, texts: list[str]):
-        offsets, pos = [], offset0
-        for t in texts:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": [token_str(x.token_id) for x in lps], "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{token_str(t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
-
-    async def merged(streams):
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k, s):
-            try:
-                async for ev in s:
-                    await q.put((k, ev))
-            except BaseException as e:  # noqa: BLE001 -- handed to the consumer
-                await q.put((k, e))
-
-        tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
-        left = len(streams)
-        try:
-            while left:
-                k, ev = await q.get()
-                if isinstance(ev, BaseException):
-                    raise ev
-                if isinstance(ev, RequestDone):
-                    left -= 1
-                yield k, ev
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def completion_stream(streams, rids, rid, created, c, plan):
-        echo_texts, skip_special = plan.echo_texts, plan.skip_special
-        n = c.n
-        dones: dict[int, RequestDone] = {}
-        base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
-        extra = {"usage": None} if c.include_usage else {}
-        text_len: dict[int, int] = {}
-        try:
-            if plan.reports is not None:
-                for k, t in enumerate(echo_texts):
-                    lp, more = prompt_fields(plan, k)
-                    for i in range(n):
-                        text_len[k * n + i] = len(t)
-                        yield _sse({**base, "choices": [{"index": k * n + i, "text": t, "logprobs": lp,
-                                                         "finish_reason": None, **more}], **extra})
-            async for k, ev in merged(streams):
-                if isinstance(ev, RequestDone):
-                    dones[k] = ev
-                    continue
-                idx = k * n + ev.index
-                text = piece_text(ev.pieces, skip_special)
-                lp = None
-                if ev.logprobs:
-                    lp = legacy_logprobs(ev.logprobs, text_len.get(idx, 0), [text] + [""] * (len(ev.logprobs) - 1))
-                text_len[idx] = text_len.get(idx, 0) + len(text)
-                if text or lp or ev.finish_reason is None:
-                    yield _sse({**base, "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                                     "finish_reason": None}], **extra})
-                if ev.finish_reason is not None:
-                    yield _sse({**base, "choices": [{"index": idx, "text": "", "logprobs": None,
-                                                     "finish_reason": ev.finish_reason,
-                                                     "stop_reason": ev.stop_reason}], **extra})
-            if c.include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(
-                    sum(d.num_prompt_tokens for d in dones.values()), sum(d.num_generated_total for d in dones.values()),
-                    sum(d.num_cached_tokens for d in dones.values()))})
-            yield "data: [DONE]\n\n"
-        except EngineError as e:
-            yield _sse_error(e)
-        finally:
-            drain.untrack(rid)
-            if len(dones) < len(rids) and engine.alive:
-                log.info("%s: client disconnected mid-stream; request aborted", rid)
-            for k, r in enumerate(rids):
-                if k not in dones:
-                    engine.abort(r)
-
-    async def completion_full(request, streams, rids, rid, created, c, plan):
-        echo_texts, skip_special = plan.echo_texts, plan.skip_special
-        n = c.n
-        outs = {k * n + i: SequenceOutput(i) for k in range(len(streams)) for i in range(n)}
-        texts: dict[int, list[str]] = {idx: [] for idx in outs}  # text of each generated token
-        extra_text: dict[int, str] = {idx: "" for idx in outs}  # text flushed by a final event without a token
-        dones: dict[int, RequestDone] = {}
-        watcher = asyncio.create_task(watch_disconnect(request, rids, rid))
-        try:
-            async for k, ev in merged(streams):
-                if isinstance(ev, RequestDone):
-                    dones[k] = ev
-                    continue
-                idx = k * n + ev.index
-                apply_event(outs[idx], ev)
-                if ev.token_ids:
-                    texts[idx].append(piece_text(ev.pieces, skip_special))
-                else:
-                    extra_text[idx] += piece_text(ev.pieces, skip_special)
-        except EngineError as e:
-            raise engine_api_error(e) from None
-        finally:
-            drain.untrack(rid)
-            watcher.cancel()
-            for k, r in enumerate(rids):
-                if k not in dones:
-                    engine.abort(r)
-        choices = []
-        for idx in sorted(outs):
-            k = idx // n
-            o = outs[idx]
-            lp = None
-            if c.params.logprobs:
-                lp = legacy_logprobs(o.logprobs, len(echo_texts[k]), texts[idx])
-            prompt_lp, more = prompt_fields(plan, k)
-            choices.append({"index": idx, "text": echo_texts[k] + "".join(texts[idx]) + extra_text[idx],
-                            "logprobs": merge_logprobs(prompt_lp, lp),
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, **more})
-        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": choices,
-                "usage": usage(sum(d.num_prompt_tokens for d in dones.values()),
-                               sum(d.num_generated_total for d in dones.values()),
-                               sum(d.num_cached_tokens for d in dones.values()))}
-
-    app.include_router(v1)
+        app.include_router(_docs)
+    for router in (routes_health.router, routes_health.models_router, routes_tokenizer.router, routes_chat.router,
+                   routes_completions.router):
+        app.include_router(router)
     return app
+
+
+# ------------------------------------------------------------------------------------------------ errors
+async def _api_error(req: Request, e: APIError):
+    """An ``APIError`` as its JSON body, status and headers."""
+    # the access log shows only the status; say why (a client's 4xx at info, a 5xx as a warning)
+    log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s -> %d %s: %s", req.method,
+            req.url.path, e.status, e.code or e.type, e.message)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _http_error(req: Request, e: StarletteHTTPException):
+    """Starlette's own HTTP errors (unknown route, wrong method, ...) in the OpenAI error shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    msg = str(e.detail)
+    if e.status_code == 405 and e.headers and e.headers.get("Allow"):
+        msg = f"{req.method} is not allowed on {req.url.path}; use {e.headers['Allow']}"
+    return JSONResponse(error_body(msg, "invalid_request_error", None, code), status_code=e.status_code,
+                        headers=e.headers)  # a 405 keeps its Allow header
+
+
+async def _internal_error(req: Request, e: Exception):
+    """Anything else: a 500 that says only "internal server error"; the exception goes to the log."""
+    log.error("%s %s -> 500: internal error", req.method, req.url.path, exc_info=e)
+    return JSONResponse(error_body(INTERNAL_ERROR, "server_error", None, None), status_code=500)
+
+
+# ------------------------------------------------------------------------------------------------ docs
+# /openapi.json, /docs and /redoc behind the API key, where the app has one (an open app has FastAPI's own).  The
+# browser pages fetch the schema without the key; send it yourself (e.g. curl /openapi.json with the header).
+_docs = APIRouter(dependencies=[Depends(require_key)])
+
+
+@_docs.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request):
+    return JSONResponse(request.app.openapi())
+
+
+@_docs.get("/docs", include_in_schema=False)
+async def docs(request: Request):
+    return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{request.app.title} - docs")
+
+
+@_docs.get("/redoc", include_in_schema=False)
+async def redoc(request: Request):
+    return get_redoc_html(openapi_url="/openapi.json", title=f"{request.app.title} - ReDoc")

@@ -1,4 +1,5 @@
-"""Tokenizer endpoints and prompt log-probs in the shapes evaluation clients read.
+"""The tokenizer endpoints (behind the API key), in the shapes evaluation clients read: /tokenizer_info, /tokenize
+(a prompt string or chat messages -> ids) and /detokenize (ids -> text).
 
 ``GET /tokenizer_info`` answers as vLLM's does (``tokenizer_class``, the special tokens as strings, the
 control-token table as ``added_tokens_decoder``, ``model_max_length``, ``chat_template``): lm-evaluation-harness's
@@ -10,22 +11,21 @@ then asks ``/tokenize`` for their ids.  ``chat_template`` is null: prompts are b
 Text never yields control tokens (``Tokenizer.encode``), with one exception here: a ``/tokenize`` prompt that is
 exactly one control token's name is that token -- how a remote tokenizer learns the id of the ``eos_token`` string
 it was given.  A control-token name inside longer text stays text.
-
-``/v1/completions`` with ``echo`` and ``logprobs`` reports the prompt's tokens first (the first one's log-prob null,
-as OpenAI does), scored by ``engine.prompt_logprobs.PromptScorer``; ``prompt_logprobs`` (vLLM) adds per prompt
-position ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt token and the k most likely ones.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
-from ..engine.prompt_logprobs import PromptScores
-from ..engine.sampling_params import MAX_TOP_LOGPROBS
+from .chat_prompt import encode_messages, message_images
 from .errors import bad_request
-from .protocol import opt_int
+from .protocol import opt_bool, parse_json_body, parse_tools
+from .state import ServerState, get_state, require_key
+
+router = APIRouter(dependencies=[Depends(require_key)])
 
 
 def encode_prompt_text(tokenizer, text: str) -> list[int]:
@@ -54,73 +54,52 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     }
 
 
-def add_tokenizer_routes(router: APIRouter, tokenizer, max_model_len: int) -> None:
-    info = tokenizer_info(tokenizer, max_model_len)
-
-    @router.get("/tokenizer_info")
-    async def get_tokenizer_info():
-        return info
+@router.get("/tokenizer_info")
+async def get_tokenizer_info(st: ServerState = Depends(get_state)):
+    return tokenizer_info(st.tokenizer, st.engine.max_model_len)
 
 
-# ---------------------------------------------------------------------------------------------- completions echo
-def parse_prompt_logprobs(body: dict) -> Optional[int]:
-    """vLLM's ``prompt_logprobs`` extra: None, or how many most likely tokens to add per prompt position."""
-    k = opt_int(body, "prompt_logprobs")
-    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", "prompt_logprobs")
-    return k
+@router.post("/tokenize")
+async def tokenize(request: Request, st: ServerState = Depends(get_state)):
+    return await run_in_threadpool(tokenize_body, st, await request.body())
 
 
-class PromptReport:
-    """What a completions choice reports about one prompt: the echoed text with each token's offset in it, and
-    (when scored) the legacy ``logprobs`` lists and vLLM's ``prompt_logprobs``."""
-
-    def __init__(self, tokenizer, token_str, ids: Sequence[int], skip_special: bool,
-                 scores: Optional[PromptScores]):
-        self.ids = list(ids)
-        self.scores = scores
-        self._token_str = token_str
-        self._tokenizer = tokenizer
-        dec = tokenizer.stream_decoder(skip_special=skip_special)
-        offsets, text = [], ""
-        for t in self.ids:
-            offsets.append(len(text))
-            text += dec.push(t)
-        text += dec.flush()
-        self.text = text
-        self.offsets = offsets
-
-    def legacy_logprobs(self, k: int) -> dict:
-        """OpenAI's ``logprobs`` object for the prompt tokens: first log-prob null, then the scored ones."""
-        s = self.scores
-        tok = self._token_str
-        token_lps: list = [None] + [float(x) for x in s.logprobs]
-        tops: list = [None] + [{tok(int(s.top_ids[t, j])): float(s.top_logprobs[t, j]) for j in range(k)}
-                               for t in range(len(s.logprobs))]
-        return {"tokens": [tok(t) for t in self.ids], "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": list(self.offsets)}
-
-    def prompt_logprobs(self, k: int) -> list:
-        """vLLM's ``prompt_logprobs``: None, then per position the prompt token and the k most likely tokens."""
-        s = self.scores
-        dec = lambda t: self._tokenizer.decode([t])  # noqa: E731
-        out: list = [None]
-        for t in range(len(s.logprobs)):
-            tid = self.ids[t + 1]
-            entry = {str(tid): {"logprob": float(s.logprobs[t]), "rank": int(s.ranks[t]), "decoded_token": dec(tid)}}
-            for j in range(k):
-                other = int(s.top_ids[t, j])
-                if str(other) not in entry:
-                    entry[str(other)] = {"logprob": float(s.top_logprobs[t, j]), "rank": j + 1,
-                                         "decoded_token": dec(other)}
-            out.append(entry)
-        return out
+def tokenize_body(st: ServerState, raw: bytes) -> dict:
+    """A /tokenize body -> its answer (blocking: runs in a worker thread).  Raises ``APIError``."""
+    body = parse_json_body(raw)
+    st.check_model(body)
+    if "messages" in body:
+        if st.chat_format is None:
+            raise bad_request("this model has no chat format; tokenize a prompt instead", "messages")
+        tools, tool_choice = parse_tools(body)
+        opts = st.chat_format.options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+        _, chat_images = message_images(st, body.get("messages"))
+        # as chat completions encodes them: tool_choice "none" leaves the tools out of the prompt
+        ids = encode_messages(st, body.get("messages"), tools if tool_choice != "none" else [], opts,
+                              opt_bool(body, "add_generation_prompt", True), chat_images)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' must be a string (or send 'messages')", "prompt", "invalid_type")
+        ids = encode_prompt_text(st.tokenizer, prompt)
+    out = {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids}
+    if opt_bool(body, "return_token_strs", False):
+        out["token_strs"] = [st.token_str(t) for t in ids]
+    return out
 
 
-def merge_logprobs(prompt: Optional[dict], generated: Optional[dict]) -> Optional[dict]:
-    """The prompt's legacy logprobs followed by the generated tokens' (either may be None)."""
-    if prompt is None:
-        return generated
-    if generated is None:
-        return prompt
-    return {key: prompt[key] + generated[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+@router.post("/detokenize")
+async def detokenize(request: Request, st: ServerState = Depends(get_state)):
+    return await run_in_threadpool(detokenize_body, st, await request.body())
+
+
+def detokenize_body(st: ServerState, raw: bytes) -> dict:
+    """A /detokenize body -> its answer (blocking: runs in a worker thread).  Raises ``APIError``."""
+    body = parse_json_body(raw)
+    st.check_model(body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
+    if ids and (min(ids) < 0 or max(ids) >= st.engine.vocab_size):
+        raise bad_request(f"token ids must lie in [0, {st.engine.vocab_size})", "tokens")
+    return {"prompt": st.tokenizer.decode(ids)}
