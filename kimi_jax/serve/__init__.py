@@ -1,2 +1,2 @@
-"""Serving: chat prompt encoding (SPEC section 11), incremental output parsers, the OpenAI-compatible HTTP API
+"""Serving: chat prompt encoding (docs/model.md §11), incremental output parsers, the OpenAI-compatible HTTP API
 (``app.py``) and its command line (``python -m kimi_jax.serve``)."""

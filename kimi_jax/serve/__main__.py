@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--speculative-tokens K.  The output distribution stays the served model's own "
                         "(--draft-sample-method)")
     p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy",
-                   help="how --speculative-model drafts (SPEC §12): greedy (default) drafts its argmax, verified as "
-                        "prompt-lookup drafts are (kept with probability p(draft)); probabilistic samples a sampled "
+                   help="how --speculative-model drafts (docs/model.md §12): greedy (default) drafts its argmax, "
+                        "verified as prompt-lookup drafts are (kept with probability p(draft)); probabilistic samples "
+                        "a sampled "
                         "request's drafts from the draft model's distribution q at the request's temperature and "
                         "keeps each with probability min(1, p/q), which keeps more drafts when the two models agree; "
                         "greedy requests draft greedily either way")

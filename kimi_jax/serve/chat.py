@@ -1,4 +1,4 @@
-"""Chat prompts as token-id segments (SPEC section 11).  There is no Jinja template: a prompt is a list of segments,
+"""Chat prompts as token-id segments (docs/model.md §11).  There is no Jinja template: a prompt is a list of segments,
 each either text (tokenised with ``Tokenizer.encode``, which never yields control ids) or a control-token id.
 
 K3 family (Kimi K3 / K3.1 Pro)::
@@ -17,7 +17,7 @@ K3 family (Kimi K3 / K3.1 Pro)::
              <|open|>argument key="K" type="string"<|sep|>VALUE<|close|>argument<|sep|> ... <|close|>call<|sep|> ...
            <|close|>tools<|sep|>
 
-Choices made here for the points SPEC marks (unverified) or leaves open -- each is an argument:
+Choices made here for the points docs/model.md §11 leaves open -- each is an argument:
 
 * ``escape_attributes=True``: attribute values (tool names, argument keys) escape ``&`` ``"`` ``<`` ``>`` as
   ``&amp;`` ``&quot;`` ``&lt;`` ``&gt;``; ``False`` writes them raw.  Message text is never escaped.
@@ -37,8 +37,8 @@ Choices made here for the points SPEC marks (unverified) or leaves open -- each 
 * Order: tool-declare, thinking-effort, then the conversation (its own system messages included, in place).
 * Message ``content`` may be a string, ``None`` or a list of ``{"type": "text", "text": ...}`` parts (joined without
   separator).  A *user* message may also hold ``{"type": "image_url", ...}`` parts: each is written, in part order,
-  as ``<|media_begin|>image {W}x{H}<|media_content|>`` + ``<|media_pad|>`` × n + ``<|media_end|>`` (SPEC §9; all
-  control ids), from the ``ChatImage`` (original pixel width W, height H, n = the vision tower's token count) the
+  as ``<|media_begin|>image {W}x{H}<|media_content|>`` + ``<|media_pad|>`` × n + ``<|media_end|>`` (docs/model.md
+  §9; all control ids), from the ``ChatImage`` (original pixel width W, height H, n = the vision tower's token count) the
   caller passes for it in ``images`` -- the caller has fetched and decoded them, in the order of their parts.
   Image parts in other roles, and any other part type (audio, video), are rejected with ``ValueError``.  Role ``developer`` is written as
   ``system``.  A tool message's ``name`` comes from the message or, failing that, from the assistant tool call with

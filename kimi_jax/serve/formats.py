@@ -11,7 +11,7 @@
 * Anything else: no chat format; /v1/completions still works.
 
 ``chat_template_kwargs`` also takes ``keep_past_reasoning`` (bool) and, for K3, ``escape_attributes`` (bool) --
-the two choices SPEC §11 leaves open (see ``chat.py``).
+the two choices docs/model.md §11 leaves open (see ``chat.py``).
 """
 
 from __future__ import annotations
