@@ -24,7 +24,7 @@ import pytest
 from server_process import ROOT, ServerProcess, free_port, server_env
 
 HEARTBEAT_S = 5
-COMMON = ["--max-num-seqs", "4", "--max-model-len", "1024", "--prefill-chunk-sizes", "64,1", "--log-level", "info"]
+COMMON = ["--max-num-seqs", "4", "--max-model-len", "768", "--prefill-chunk-sizes", "64,1", "--log-level", "info"]
 
 
 class Launch:
@@ -76,9 +76,9 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multiprocess")
     cache = ["--compilation-cache", str(tmp / "jax_cache")]
     # the pages split 4 ways over a context axis (and heads 2 ways over tensor), chunks of 64 prefilled token-split
-    # over it; 5 pages of 256 positions (64 per DCP rank): 4 usable for 4 slots of up to 1024 tokens -> preemptions
+    # over it; 4 pages of 256 positions (64 per DCP rank): 3 usable for 4 slots of up to 768 tokens -> preemptions
     multi = Launch(tmp, ["--mesh", "context=4,tensor=2", "--dcp", "4", "--token-split-min-tokens", "64",
-                         "--fake-cpu-devices", "--num-blocks", "5", *COMMON, *cache])
+                         "--fake-cpu-devices", "--num-blocks", "4", *COMMON, *cache])
     single = ServerProcess(tmp / "single.log", [*COMMON, *cache])
     try:
         deadline = time.monotonic() + 900
@@ -125,12 +125,12 @@ def test_two_processes_give_one_devices_tokens_with_token_split_prefill(servers)
 
 
 def test_two_processes_preempt_and_recompute_as_one_device_does(servers):
-    """Two sequences each grow to 3 pages of 256 positions; 4 are usable, so one is preempted and recomputed
+    """Two sequences each grow to 2 pages of 256 positions; 3 are usable, so one is preempted and recomputed
     (its prompt and what it generated, prefilled token-split again)."""
     multi, single = servers
     before = httpx.get(multi.url + "/stats").json()["num_preemptions"]
     prompts = _prompts([5, 10])
-    _same(_together(multi.url, prompts, 600), _together(single.url, prompts, 600))
+    _same(_together(multi.url, prompts, 300), _together(single.url, prompts, 300))
     assert httpx.get(multi.url + "/stats").json()["num_preemptions"] > before
 
 
