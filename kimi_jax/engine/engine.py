@@ -80,7 +80,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -90,6 +89,8 @@ import numpy as np
 # not `from . import compile_watch`: the package's __init__ imports this module
 import kimi_jax.engine.compile_watch as compile_watch
 
+from .config import (  # noqa: F401 -- re-exported: `from kimi_jax.engine.engine import EngineConfig, ...`
+    DEFAULT_TOKEN_SPLIT_MIN_TOKENS, SPECULATIVE_METHODS, EngineConfig, default_decode_buckets)
 from .detok import OutputText
 from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
 from .guide import ALL, ONLY_IDS, Constraint, Guide, MAX_ALLOWED_IDS, class_table_rows, vocab_class_masks
@@ -106,158 +107,9 @@ from .multihost import Mirror, mirror_runner
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls, seed32
 from .sampling_params import ParamError, SamplingParams
+from .sequences import _Context, _Prefill, _Request, _Seq, _request_of
 
 log = logging.getLogger("kimi_jax.engine")
-
-
-SPECULATIVE_METHODS = ("ngram", "draft")  # who drafts: prompt lookup (`ngram.py`), a draft model (`draft_model.py`)
-
-# The default threshold of the token-split prefill (`EngineConfig.token_split_min_tokens`): chunks of 1024 tokens
-# and more (the accelerator default chunk sizes are 1024, 256, 64, 1) split over the context axis, the shorter ones
-# run whole on every device of it.  At 1024 tokens each of 8 devices gets 128, two blocks of the KDA chunked op (it
-# pads every call to whole 64-token blocks); the split's fixed costs -- the all-gather of every KDA layer's
-# [H, dk, dk + dv] state transition, the N-step combine, the gathers of the chunk's latent rows and queries --
-# weigh on a few tokens per device and are small beside a long chunk's work, which it divides N ways.  A reasoned
-# choice, not a measured crossover.
-DEFAULT_TOKEN_SPLIT_MIN_TOKENS = 1024
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    prefill_chunk_sizes: tuple[int, ...] = (64, 1)  # see the note on chunk sizes above
-    prefill_token_budget: int = 256
-    kv_dtype: Optional[str] = None  # paged latent format: None / "auto" (the model's dtype), fp32, bf16, fp8, nvfp4
-    index_dtype: Optional[str] = None  # index keys: None (fp32 / bf16 beside those latents, else fp8), fp8, mxfp4
-    num_blocks: Optional[int] = None  # pages per MLA pool incl. the null page; None: every slot at max_model_len
-    prefix_cache_entries: int = 0
-    # decode context parallelism: the paged cache's tokens split over this many ranks (the mesh's tensor or context
-    # axis of that size); 1: the pools whole on every device
-    dcp: int = 1
-    # with dcp > 1 over a context axis: prefill chunk sizes of at least this many tokens run split by tokens over it
-    # (`runner.py`, ``prefill_split``); 0: never. See DEFAULT_TOKEN_SPLIT_MIN_TOKENS for the default
-    token_split_min_tokens: int = DEFAULT_TOKEN_SPLIT_MIN_TOKENS
-    parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
-    images: Optional[bool] = None  # compile the image prefill programs; None: when the model has a vision tower
-    # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
-    # once; an image request waits only for its own bucket, smallest first): what a server on an accelerator wants
-    vision_warmup: bool = False
-    # the vision tower runs the queue head's images together with those of the requests waiting behind it whose
-    # tower programs are compiled, up to this many images in one `Model.encode_images` call (their runs overlap;
-    # 1: each request's images alone)
-    vision_batch_images: int = 16
-    # speculative decoding (docs/model.md §12): drafts per verify step (0: off), who drafts them ("ngram": prompt
-    # lookup; "draft": a draft model, `Engine(draft_model=...)`) and the prompt-lookup n-gram sizes
-    speculative_tokens: int = 0
-    speculative_method: str = "ngram"
-    # how a draft model drafts (docs/model.md §12's draft_sample_method, `draft_model.DRAFT_SAMPLE_METHODS`): "greedy"
-    # (its argmax) or "probabilistic" (sampled rows draw their drafts from the draft's q, verified with min(1, p/q))
-    draft_sample_method: str = "greedy"
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    # verify only when drafts are expected to pay for the wider step (spec_policy.py); False: whenever a row drafts
-    speculative_adaptive: bool = True
-    speculative_cost: Optional[float] = None  # verify step time / one-token step time; None: measured as it runs
-    # bit-exact batch invariance under speculative decoding: every step is a verify step and every row drafts what
-    # its own proposer gives (no adaptive policy). Without it a row's token comes from the verify program when some
-    # other row drafts and from the one-token step otherwise -- equal up to float rounding, not bit for bit
-    speculative_batch_invariant: bool = False
-    # row counts below max_num_seqs with decode (and verify) programs of their own: a step runs the smallest bucket
-    # that holds the running sequences, over just their slots (`ModelRunner.bucket_for`); () = always all slots
-    decode_buckets: tuple[int, ...] = ()
-
-
-def default_decode_buckets(max_num_seqs: int, data_ways: int = 1) -> tuple[int, ...]:
-    """Powers of two below ``max_num_seqs`` (vLLM's graph sizes 1, 2, 4, 8, …), multiples of the mesh's data
-    axis so that every bucket splits over it."""
-    buckets, b = [], max(1, int(data_ways))
-    while b < max_num_seqs:
-        buckets.append(b)
-        b *= 2
-    return tuple(buckets)
-
-
-@dataclass(eq=False)  # identity: sequences sit in deques / dicts
-class _Seq:
-    req: "_Request"
-    index: int
-    slot: Optional[int]  # None while preempted
-    pending: deque  # tokens still to feed; emission starts once only one is left
-    text: OutputText
-    guide: Optional[Guide]
-    output_ids: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    fed: int = 0  # tokens in the cache (the next decode step writes position `fed`)
-    order: int = 0  # admission order: the largest is the youngest (first to be preempted)
-    preemptions: int = 0
-
-    @property
-    def key(self):
-        """Its id in the block allocator."""
-        return (self.req.request_id, self.index)
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_ids: list
-    params: SamplingParams
-    n: int
-    stream: RequestStream
-    guide_factory: Optional[Callable[[], Guide]]
-    seed: int
-    arrival: float
-    seqs: list = field(default_factory=list)
-    cached_tokens: int = 0
-    images: Optional[PromptImages] = None
-    waited_for_vision: bool = False  # logged once that it waits for a tower compile
-    first_token_time: Optional[float] = None
-    aborted: bool = False
-    done: bool = False
-
-
-@dataclass(eq=False)
-class _Prefill:
-    """A prefill in progress: a new request (its ``n`` sequences share it) or a preempted sequence's recompute."""
-
-    req: _Request
-    ids: list  # every token the sequence(s) will have fed: the prompt (+ the generated tokens on a resume)
-    seq: Optional[_Seq]  # the resumed sequence; None for a new request
-    keys: list  # allocator ids of the sequences; keys[0]'s pages receive the prefill
-    slots: list
-    order: int
-    chunks: list  # prefill chunk sizes still to run
-    key: list = field(default_factory=list)  # ids as the prefix cache sees them (image tokens by pixel digest)
-    pos: int = 0  # tokens already in cache1 / keys[0]'s pages
-    prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
-    cache1: object = None
-
-
-class _Context:
-    """A sequence's tokens, prompt then output, as one read-only sequence without copying either list."""
-
-    def __init__(self, prompt: list, output: list):
-        self.prompt, self.output = prompt, output
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def __getitem__(self, i):
-        P = len(self.prompt)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("a step is not supported")
-            return self.prompt[start:min(stop, P)] + self.output[max(start - P, 0):max(stop - P, 0)]
-        if i < 0:
-            i += len(self)
-        return self.prompt[i] if i < P else self.output[i - P]
-
-
-def _request_of(item) -> _Request:
-    """The request of a waiting queue entry: a new request, or a preempted sequence's."""
-    return item.req if isinstance(item, _Seq) else item
 
 
 class Engine:
