@@ -1,4 +1,5 @@
-"""The engine's records of work in flight, owned and mutated by the engine thread only.
+"""The engine's records of work in flight: a ``_Request`` is built by ``Engine.submit``, everything else on the
+engine thread, and only the engine thread changes them (other threads read a request's ``seqs`` / ``done``).
 
 ``_Request``: one submitted request (its ``n`` sequences share a prompt, a stream and one prefill).  ``_Seq``: one
 sequence of it, in a cache slot while running (``slot`` None while preempted).  ``_Prefill``: a prefill in progress
