@@ -1,5 +1,11 @@
 """The serving engine: a request queue, continuous batching over a fixed set of cache slots, one background thread.
 
+``Engine`` is the one public class; its parts live by job: ``scheduler.py`` (admission, chunked prefill, the prefix
+cache, pages and preemption), ``speculation.py`` (drafting and the verify step's inputs), ``output.py`` (emission,
+stops, finishing requests), each a mixin whose module says which engine attributes it reads and writes.  This file
+holds construction, the lifecycle, the public API, the loop and the decode step; ``config.py`` the
+``EngineConfig``, ``sequences.py`` the records of requests, sequences and prefills.
+
 Life of a request (``submit`` -> ``RequestStream``):
 
 1. **Queue.**  ``submit`` validates and puts the request on an inbox; the engine thread moves it to ``waiting``
@@ -53,16 +59,17 @@ image's pixel digest, so equal token ids with different images never share a sna
 
 Seams for what comes next:
 
-* **Prefix caching** -- ``_admit`` asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot (KDA state + its
-  own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
+* **Prefix caching** -- ``_admit`` (``scheduler.py``) asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot
+  (KDA state + its own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
 * **Speculative decoding** (``speculative_tokens = k > 0``, docs/model.md §12, ``spec_decode.py``) -- ``_decode``
   is the only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup, or
   ``draft_model.DraftModelProposer``, a draft model's greedy or sampled continuation) drafts
   for some row, the iteration runs the runner's ``verify`` program instead of ``step``: ``[B, k+1]`` tokens, the
   acceptance rule and the cache roll-back in one program; each row then emits ``accepted + 1`` tokens through
-  ``_emit`` (stop logic, streams and metrics unchanged).  A guided row's drafts come from walking a copy of its
-  guide (forced tokens outright, lookup tokens where allowed), with the guide's constraint per position.  Drafts
-  never preempt anything: a row drafts only as far as the pages it holds and the free ones reach.
+  ``_emit`` (``output.py``; stop logic, streams and metrics unchanged).  A guided row's drafts come from walking a
+  copy of its guide (``speculation.py``: forced tokens outright, lookup tokens where allowed), with the guide's
+  constraint per position.  Drafts never preempt anything: a row drafts only as far as the pages it holds and the
+  free ones reach.
   ``spec_policy.SpecPolicy`` decides per step whether the drafts are expected to pay for the wider step (each
   sequence's acceptance so far, the measured verify / step time ratio; a draft model's time counts in the
   step it drafts for).
@@ -72,7 +79,6 @@ Seams for what comes next:
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import random
@@ -80,187 +86,42 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 # not `from . import compile_watch`: the package's __init__ imports this module
 import kimi_jax.engine.compile_watch as compile_watch
 
-from .detok import OutputText
-from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer, DraftRequest
-from .guide import ALL, ONLY_IDS, Constraint, Guide, MAX_ALLOWED_IDS, class_table_rows, vocab_class_masks
-from .images import PromptImages, encode_many
-from .ngram import NgramProposer
-from .spec_policy import SpecPolicy
-from .prefix_cache import PrefixCache
-from .request import (EngineDeadError, EngineUnavailableError, RequestDone, RequestFailedError, RequestStream, SeqEvent,
-                      SequenceOutput, TokenLogprob)
 from ..cache import CacheLayout, allocate
 from ..modules.vision_buckets import patch_buckets, programs_for
 from ..paged_cache import BlockAllocator
+from .config import (  # noqa: F401 -- re-exported: `from kimi_jax.engine.engine import EngineConfig, ...`
+    DEFAULT_TOKEN_SPLIT_MIN_TOKENS, SPECULATIVE_METHODS, EngineConfig, default_decode_buckets)
+from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer
+from .guide import Guide, MAX_ALLOWED_IDS, class_table_rows, vocab_class_masks
+from .images import PromptImages
 from .multihost import Mirror, mirror_runner
+from .ngram import NgramProposer
+from .output import OutputMixin
+from .prefix_cache import PrefixCache
+from .request import EngineDeadError, EngineUnavailableError, RequestFailedError, RequestStream, SequenceOutput
 from .runner import ModelRunner, resolve_kv_dtype
-from .sampler import Controls, RowParams, empty_controls, seed32
+from .sampler import Controls, RowParams, empty_controls
 from .sampling_params import ParamError, SamplingParams
+from .scheduler import SchedulerMixin
+from .sequences import _Prefill, _Request, _Seq
+from .spec_policy import SpecPolicy
+from .speculation import SpeculationMixin
 
 log = logging.getLogger("kimi_jax.engine")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft")  # who drafts: prompt lookup (`ngram.py`), a draft model (`draft_model.py`)
+class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
+    """The serving engine (the module docstring); the jobs of its bases live in scheduler.py, speculation.py and
+    output.py, its state is created here."""
 
-# The default threshold of the token-split prefill (`EngineConfig.token_split_min_tokens`): chunks of 1024 tokens
-# and more (the accelerator default chunk sizes are 1024, 256, 64, 1) split over the context axis, the shorter ones
-# run whole on every device of it.  At 1024 tokens each of 8 devices gets 128, two blocks of the KDA chunked op (it
-# pads every call to whole 64-token blocks); the split's fixed costs -- the all-gather of every KDA layer's
-# [H, dk, dk + dv] state transition, the N-step combine, the gathers of the chunk's latent rows and queries --
-# weigh on a few tokens per device and are small beside a long chunk's work, which it divides N ways.  A reasoned
-# choice, not a measured crossover.
-DEFAULT_TOKEN_SPLIT_MIN_TOKENS = 1024
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    prefill_chunk_sizes: tuple[int, ...] = (64, 1)  # see the note on chunk sizes above
-    prefill_token_budget: int = 256
-    kv_dtype: Optional[str] = None  # paged latent format: None / "auto" (the model's dtype), fp32, bf16, fp8, nvfp4
-    index_dtype: Optional[str] = None  # index keys: None (fp32 / bf16 beside those latents, else fp8), fp8, mxfp4
-    num_blocks: Optional[int] = None  # pages per MLA pool incl. the null page; None: every slot at max_model_len
-    prefix_cache_entries: int = 0
-    # decode context parallelism: the paged cache's tokens split over this many ranks (the mesh's tensor or context
-    # axis of that size); 1: the pools whole on every device
-    dcp: int = 1
-    # with dcp > 1 over a context axis: prefill chunk sizes of at least this many tokens run split by tokens over it
-    # (`runner.py`, ``prefill_split``); 0: never. See DEFAULT_TOKEN_SPLIT_MIN_TOKENS for the default
-    token_split_min_tokens: int = DEFAULT_TOKEN_SPLIT_MIN_TOKENS
-    parallel_compile: bool = False  # serial measured faster on a 2-core CPU (XLA already uses threads)
-    images: Optional[bool] = None  # compile the image prefill programs; None: when the model has a vision tower
-    # compile the vision tower for every image patch bucket at start, in a background thread (serving starts at
-    # once; an image request waits only for its own bucket, smallest first): what a server on an accelerator wants
-    vision_warmup: bool = False
-    # the vision tower runs the queue head's images together with those of the requests waiting behind it whose
-    # tower programs are compiled, up to this many images in one `Model.encode_images` call (their runs overlap;
-    # 1: each request's images alone)
-    vision_batch_images: int = 16
-    # speculative decoding (docs/model.md §12): drafts per verify step (0: off), who drafts them ("ngram": prompt
-    # lookup; "draft": a draft model, `Engine(draft_model=...)`) and the prompt-lookup n-gram sizes
-    speculative_tokens: int = 0
-    speculative_method: str = "ngram"
-    # how a draft model drafts (docs/model.md §12's draft_sample_method, `draft_model.DRAFT_SAMPLE_METHODS`): "greedy"
-    # (its argmax) or "probabilistic" (sampled rows draw their drafts from the draft's q, verified with min(1, p/q))
-    draft_sample_method: str = "greedy"
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    # verify only when drafts are expected to pay for the wider step (spec_policy.py); False: whenever a row drafts
-    speculative_adaptive: bool = True
-    speculative_cost: Optional[float] = None  # verify step time / one-token step time; None: measured as it runs
-    # bit-exact batch invariance under speculative decoding: every step is a verify step and every row drafts what
-    # its own proposer gives (no adaptive policy). Without it a row's token comes from the verify program when some
-    # other row drafts and from the one-token step otherwise -- equal up to float rounding, not bit for bit
-    speculative_batch_invariant: bool = False
-    # row counts below max_num_seqs with decode (and verify) programs of their own: a step runs the smallest bucket
-    # that holds the running sequences, over just their slots (`ModelRunner.bucket_for`); () = always all slots
-    decode_buckets: tuple[int, ...] = ()
-
-
-def default_decode_buckets(max_num_seqs: int, data_ways: int = 1) -> tuple[int, ...]:
-    """Powers of two below ``max_num_seqs`` (vLLM's graph sizes 1, 2, 4, 8, …), multiples of the mesh's data
-    axis so that every bucket splits over it."""
-    buckets, b = [], max(1, int(data_ways))
-    while b < max_num_seqs:
-        buckets.append(b)
-        b *= 2
-    return tuple(buckets)
-
-
-@dataclass(eq=False)  # identity: sequences sit in deques / dicts
-class _Seq:
-    req: "_Request"
-    index: int
-    slot: Optional[int]  # None while preempted
-    pending: deque  # tokens still to feed; emission starts once only one is left
-    text: OutputText
-    guide: Optional[Guide]
-    output_ids: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    fed: int = 0  # tokens in the cache (the next decode step writes position `fed`)
-    order: int = 0  # admission order: the largest is the youngest (first to be preempted)
-    preemptions: int = 0
-
-    @property
-    def key(self):
-        """Its id in the block allocator."""
-        return (self.req.request_id, self.index)
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_ids: list
-    params: SamplingParams
-    n: int
-    stream: RequestStream
-    guide_factory: Optional[Callable[[], Guide]]
-    seed: int
-    arrival: float
-    seqs: list = field(default_factory=list)
-    cached_tokens: int = 0
-    images: Optional[PromptImages] = None
-    waited_for_vision: bool = False  # logged once that it waits for a tower compile
-    first_token_time: Optional[float] = None
-    aborted: bool = False
-    done: bool = False
-
-
-@dataclass(eq=False)
-class _Prefill:
-    """A prefill in progress: a new request (its ``n`` sequences share it) or a preempted sequence's recompute."""
-
-    req: _Request
-    ids: list  # every token the sequence(s) will have fed: the prompt (+ the generated tokens on a resume)
-    seq: Optional[_Seq]  # the resumed sequence; None for a new request
-    keys: list  # allocator ids of the sequences; keys[0]'s pages receive the prefill
-    slots: list
-    order: int
-    chunks: list  # prefill chunk sizes still to run
-    key: list = field(default_factory=list)  # ids as the prefix cache sees them (image tokens by pixel digest)
-    pos: int = 0  # tokens already in cache1 / keys[0]'s pages
-    prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
-    cache1: object = None
-
-
-class _Context:
-    """A sequence's tokens, prompt then output, as one read-only sequence without copying either list."""
-
-    def __init__(self, prompt: list, output: list):
-        self.prompt, self.output = prompt, output
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def __getitem__(self, i):
-        P = len(self.prompt)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("a step is not supported")
-            return self.prompt[start:min(stop, P)] + self.output[max(start - P, 0):max(stop - P, 0)]
-        if i < 0:
-            i += len(self)
-        return self.prompt[i] if i < P else self.output[i - P]
-
-
-def _request_of(item) -> _Request:
-    """The request of a waiting queue entry: a new request, or a preempted sequence's."""
-    return item.req if isinstance(item, _Seq) else item
-
-
-class Engine:
     def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None, *,
                  runner: Optional[ModelRunner] = None, draft_model=None, mirror: Optional[Mirror] = None,
                  **overrides):
@@ -735,267 +596,6 @@ class Engine:
                     self._end_seq(seq, "abort", None, [])
         # else: still in the inbox; dropped when it is taken out
 
-    # ------------------------------------------------------------------------------------------------ prefill
-    def _prefill_some(self) -> None:
-        """Prefill waiting requests (and preempted sequences, which wait at the front).  Once any sequence is decoding,
-        stop after ``prefill_token_budget`` prompt tokens (at least one chunk) so that the decode step runs again; the
-        rest continues next iteration."""
-        budget = self.config.prefill_token_budget
-        spent = 0
-        self._vision_pending = False
-        while True:
-            job = self._prefilling
-            if job is None:
-                if not self._waiting or (self._running and spent >= budget):
-                    return
-                ready = self._images_ready(self._waiting[0])
-                if ready is None:
-                    continue  # that request failed and is gone
-                if not ready:
-                    self._vision_pending = True  # compiling in the background; the others keep decoding
-                    return
-                if not self._encode_images(self._waiting[0]):
-                    continue  # that request failed and is gone
-                job = self._admit(self._waiting[0])
-                if job is None:
-                    return  # not enough free slots or pages yet
-                self._waiting.popleft()
-            while job.chunks:
-                size = job.chunks[0]
-                if self._running and spent > 0 and spent + size > budget:
-                    return  # resume next iteration, after a decode step
-                if job.req.request_id in self._abort_posted:
-                    return  # the next intake takes the abort and cancels this prefill
-                ids = np.asarray(job.ids[job.pos: job.pos + size], np.int32)
-                table = self.alloc.block_table([job.keys[0]], self.runner.max_blocks)
-                pi = job.req.images
-                mm = pi.chunk_inputs(job.pos, size) if pi is not None else None
-                job.cache1, self._state = self.runner.prefill(job.cache1, ids, self._state, table, mm=mm)
-                job.chunks.pop(0)
-                job.pos += size
-                spent += size
-                self.num_prefill_chunks += 1
-                if self.runner.splits_tokens(size, images=mm is not None):
-                    self.token_split_prefill_tokens += size
-            self._finish_prefill(job)
-
-    def _images_ready(self, item) -> Optional[bool]:
-        """Whether a waiting request's images can be encoded now (their tower programs compiled; compiles start in
-        the background otherwise, and the first wait is logged).  A failed compile ends the request like a failed
-        encode: None then."""
-        req = _request_of(item)
-        if req.images is None:
-            return True
-        try:
-            ready = req.images.ready(self.model)
-        except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
-            log.exception("vision tower failed to compile for the images of request %s; aborting it", req.request_id)
-            self._drop_waiting(item)
-            return None
-        if not ready and not req.waited_for_vision:
-            req.waited_for_vision = True
-            log.info("%s waits for the vision tower to compile for its image size (patch buckets %s); running "
-                     "sequences keep decoding", req.request_id, req.images.buckets(self.model.config.vision))
-        return ready
-
-    def _drop_waiting(self, item) -> None:
-        """Take a waiting request (or preempted sequence) whose images failed off the queue and end it."""
-        self._waiting.popleft()
-        if isinstance(item, _Seq):
-            self._end_seq(item, "abort", None, [])
-        else:
-            self._finish_request(item)
-
-    def _encode_images(self, item) -> bool:
-        """Run the vision tower for a waiting request's images (once: a resumed sequence has them).  A failure
-        ends that request (aborted, logged) and takes it off the queue; returns False then."""
-        req = _request_of(item)
-        if req.images is None or req.images.features is not None:
-            return True
-        ahead = self._images_ahead(len(req.images.counts))
-        if ahead:
-            try:  # the head's images and those of the requests behind it, in one tower call
-                encode_many([req.images] + ahead, self.model)
-                self.images_encoded += len(req.images.counts) + sum(len(p.counts) for p in ahead)
-                return True
-            except Exception:  # noqa: BLE001 -- find whose images fail: the head's alone now, the others' later
-                log.warning("vision tower failed on a batch of %d requests' images; encoding request %s alone",
-                            1 + len(ahead), req.request_id)
-        try:
-            req.images.encode(self.model)
-        except Exception:  # noqa: BLE001 -- one request's images must not take the engine down
-            log.exception("vision tower failed on the images of request %s; aborting it", req.request_id)
-            self._drop_waiting(item)
-            return False
-        self.images_encoded += len(req.images.counts)
-        return True
-
-    def _images_ahead(self, head_images: int) -> list:
-        """The not yet encoded images (`PromptImages`) of the requests waiting behind the queue's head whose tower
-        programs are compiled, in queue order, while the images stay within `vision_batch_images` with the head's
-        ``head_images``; an image-less request does not end the walk, one whose images do not fit does."""
-        room = self.config.vision_batch_images - head_images
-        ahead = []
-        for item in list(self._waiting)[1:]:
-            if room <= 0:
-                break
-            pi = _request_of(item).images
-            if pi is None or pi.features is not None:
-                continue
-            if len(pi.counts) > room:
-                break
-            try:
-                if not pi.ready(self.model):
-                    continue  # its programs are compiling (started now, if not before)
-            except Exception:  # noqa: BLE001 -- its own turn at the head reports and ends it
-                continue
-            ahead.append(pi)
-            room -= len(pi.counts)
-        return ahead
-
-    def _admit(self, item) -> Optional[_Prefill]:
-        """Start the prefill of a waiting request or preempted sequence, if slots and pages allow."""
-        if isinstance(item, _Seq):
-            req, n = item.req, 1
-            ids, keys = req.prompt_ids + item.output_ids, [item.key]
-        else:
-            req, n = item, item.n
-            ids, keys = req.prompt_ids, [(req.request_id, i) for i in range(n)]
-        if len(self._free) < n:
-            return None
-        prefill_ids = ids[:-1]
-        key = req.images.cache_key(ids) if req.images is not None else ids
-        chunks, _ = self.runner.plan_chunks(len(prefill_ids))
-        prefill_len = sum(chunks)
-        # the prefill's pages up front, plus one page of headroom per running sequence (so that admitting it does
-        # not immediately force a preemption)
-        need = n * self.alloc.blocks_for_tokens(prefill_len) + len(self._running)
-        while self.alloc.free_blocks < need and self.prefix_cache.evict_lru():
-            pass
-        if self.alloc.free_blocks < need:
-            return None
-        self._orders += 1
-        job = _Prefill(req, ids, item if isinstance(item, _Seq) else None, keys,
-                       [self._free.pop() for _ in range(n)], self._orders, chunks, key, prefill_len=prefill_len)
-        for k in keys:
-            self.alloc.allocate(k, prefill_len)
-        hit = self.prefix_cache.lookup(key[:prefill_len])
-        if hit is not None and req.images is not None:
-            # chunk sizes that do not divide one another can leave a hit's remainder short of the last image
-            # token; that token would then ride a decode step without its features -- prefill from scratch instead
-            rest, _ = self.runner.plan_chunks(prefill_len - hit[0])
-            if hit[0] + sum(rest) < req.images.end:
-                hit = None
-        if hit is not None:
-            job.pos, (job.cache1, owner) = hit
-            used = self.alloc.blocks_for_tokens(job.pos)
-            self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(owner)[:used],
-                                                  self.alloc.blocks(keys[0])[:used])
-            if job.seq is None:
-                req.cached_tokens = job.pos
-            job.chunks, _ = self.runner.plan_chunks(prefill_len - job.pos)
-            # the chunks may not cover the rest exactly (sizes that do not divide one another, e.g. 64 and 48): the
-            # prefill then ends, and its snapshot is taken, at pos + sum(chunks); the remainder rides the decode steps
-            job.prefill_len = job.pos + sum(job.chunks)
-        else:
-            job.cache1 = self.runner.new_cache1()
-        self._prefilling = job
-        return job
-
-    def _cancel_prefill(self) -> Optional[_Prefill]:
-        """Drop the prefill in progress: its pages and slots go back; returns it."""
-        job = self._prefilling
-        if job is not None:
-            self._prefilling = None
-            for k in job.keys:
-                self.alloc.free(k, missing_ok=True)
-            self._free.extend(job.slots)
-            job.slots, job.cache1 = [], None
-        return job
-
-    def _finish_prefill(self, job: _Prefill) -> None:
-        self._prefilling = None
-        req = job.req
-        if job.prefill_len:
-            self._store_prefix(job)
-            src = self.alloc.blocks(job.keys[0])
-            for k in job.keys[1:]:  # the other sequences start from copies of the first one's pages
-                self._state = self.runner.copy_blocks(self._state, src, self.alloc.blocks(k))
-        mask_row = np.zeros(self.vocab_size, bool)
-        mask_row[req.prompt_ids] = True
-        tail = job.ids[job.pos:]
-        if job.seq is None:
-            self.prompt_tokens_total += len(req.prompt_ids)
-            for i, slot in enumerate(job.slots):
-                guide = req.guide_factory() if req.guide_factory is not None else None
-                text = OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
-                req.seqs.append(_Seq(req, i, slot, deque(), text, guide))
-        for slot, seq in zip(job.slots, [job.seq] if job.seq is not None else req.seqs):
-            counts = np.bincount(seq.output_ids, minlength=self.vocab_size).astype(np.int32)
-            self._state = self.runner.insert(self._state, job.cache1, slot, mask_row, counts)
-            self.rows.set(slot, req.params, req.seed, seq.index)
-            seq.slot, seq.pending, seq.fed, seq.order = slot, deque(tail), job.pos, job.order
-            self._running[slot] = seq
-        job.cache1 = None
-
-    def _store_prefix(self, job: _Prefill) -> None:
-        """Snapshot the prefilled prefix: KDA state + private copies of its pages (skipped when pages are short)."""
-        if self.prefix_cache.capacity <= 0:
-            return
-        need = self.alloc.blocks_for_tokens(job.prefill_len)
-        if self.alloc.free_blocks < need:
-            return
-        self._orders += 1
-        owner = ("prefix", self._orders)
-        self.alloc.allocate(owner, job.prefill_len)
-        self._prefix_blocks += need
-        self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(job.keys[0])[:need],
-                                              self.alloc.blocks(owner))
-        self.prefix_cache.store(job.key[: job.prefill_len], (job.cache1, owner))
-
-    def _drop_prefix(self, entry) -> None:
-        self._prefix_blocks -= self.alloc.free(entry[1])
-
-    # ------------------------------------------------------------------------------------------------ pages
-    def _grow(self) -> None:
-        """Give every running sequence the page its next token lands in, oldest first; preempt when out of pages."""
-        for seq in sorted(self._running.values(), key=lambda s: s.order):
-            if self._running.get(seq.slot) is not seq:
-                continue  # preempted below for an older sequence
-            while not self.alloc.can_allocate(seq.key, seq.fed + 1):
-                if self.prefix_cache.evict_lru():
-                    continue
-                victim = self._youngest()
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.alloc.allocate(seq.key, seq.fed + 1)
-
-    def _youngest(self):
-        cands = list(self._running.values()) + ([self._prefilling] if self._prefilling is not None else [])
-        return max(cands, key=lambda x: x.order)
-
-    def _preempt(self, victim) -> None:
-        """Free a running sequence (or the prefill in progress) and queue it, first, for recompute."""
-        self.num_preemptions += 1
-        if isinstance(victim, _Prefill):
-            job = self._cancel_prefill()
-            self._waiting.appendleft(job.seq if job.seq is not None else job.req)
-            if job.seq is None:
-                job.req.cached_tokens = 0
-            log.info("preempted the prefill of request %s (out of cache pages)", job.req.request_id)
-            return
-        seq = victim
-        del self._running[seq.slot]
-        self._free.append(seq.slot)
-        self.alloc.free(seq.key, missing_ok=True)
-        seq.slot, seq.pending, seq.fed = None, deque(), 0
-        seq.preemptions += 1
-        self._waiting.appendleft(seq)
-        log.info("preempted sequence %s of request %s after %d tokens (out of cache pages)", seq.index,
-                 seq.req.request_id, len(seq.req.prompt_ids) + len(seq.output_ids))
-
     # ------------------------------------------------------------------------------------------------ decode
     def _decode(self) -> None:
         B, V = self.B, self.vocab_size
@@ -1055,23 +655,7 @@ class Engine:
         self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
         pick = (lambda a: a) if slots is None else (lambda a: a[slots])  # the bucket's rows of a [B, ...] input
         if verified:
-            K = self.runner.spec_tokens
-            ids = np.zeros((B, K + 1), np.int32)
-            ids[:, 0] = tokens
-            n_draft = np.zeros(B, np.int32)
-            for slot, (d, _) in drafts.items():
-                ids[slot, 1: 1 + len(d)] = d
-                n_draft[slot] = len(d)
-            # constraints per position: position 0's for every row, then a guided row's after each of its drafts
-            allow_class = np.repeat(c["allow_class"][:, None], K + 1, axis=1)
-            allow_ids = np.repeat(c["allow_ids"][:, None], K + 1, axis=1)
-            for slot, cons in later.items():
-                for i, con in enumerate(cons, start=1):
-                    allow_class[slot, i] = ALL if con is None else self._constraint_class(con, slot, i)
-                    allow_ids[slot, i] = V
-                    if con is not None:
-                        allow_ids[slot, i, : len(con.ids)] = con.ids
-            vctl = ctl._replace(allow_class=allow_class, allow_ids=allow_ids)
+            ids, n_draft, vctl = self._verify_inputs(tokens, ctl, drafts, later)
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             rows = self.rows.device(self.runner.put_rows)
@@ -1080,12 +664,7 @@ class Engine:
                                                   Controls(*map(pick, vctl)), pick(tables), **q,
                                                   sampling_tables=self._tables, slots=slots)
             out = self._by_slot({k: np.asarray(v) for k, v in out._asdict().items()}, slots)
-            self.spec_steps += 1
-            self.spec_drafted += int(n_draft.sum())
-            for slot, (d, sure) in drafts.items():
-                kept = int(out["n"][slot]) - 1
-                self.spec_accepted += kept
-                policy.observe(self._running[slot].key, len(d) - sure, max(kept - sure, 0))
+            self._count_verify(policy, drafts, n_draft, out["n"])
         else:
             self._upload_dynamic_masks()
             rows = self.rows.device(self.runner.put_rows)
@@ -1136,212 +715,3 @@ class Engine:
             full[k] = np.zeros((self.B,) + v.shape[1:], v.dtype)
             full[k][slots] = v
         return full
-
-    def _draft(self, proposer, policy: SpecPolicy, emit: np.ndarray, active_rows: int, constraints: dict):
-        """This step's drafts: ({slot: (tokens, leading forced ones)}, {slot: constraints at positions 1..v} for
-        guided rows); both empty when the policy finds a verify step not worth it.  A row drafts when it emits and
-        has room left under max_tokens / max_model_len, and only as far as the pages it holds and the free ones
-        reach (drafts never preempt).  A guided row drafts what its guide forces and the prompt-lookup tokens its
-        guide allows (``_guided_drafts``)."""
-        proposals, later, rooms = {}, {}, {}
-        for slot, seq in self._running.items():
-            if not emit[slot]:
-                continue
-            p = seq.req.params
-            produced = len(seq.req.prompt_ids) + len(seq.output_ids)
-            room = min(p.max_tokens - len(seq.output_ids) - 1, self.max_model_len - produced - 1,
-                       self.runner.spec_tokens)
-            if room >= 1:
-                rooms[slot] = room
-        # the most any proposal could bring (every row drafting its room, a guided row's all certain): when even that
-        # would not pay for a verify step, nothing is proposed -- a draft model's forward passes are not wasted
-        keys = {slot: self._running[slot].key for slot in rooms}
-        if not policy.worth_verifying({keys[s]: r for s, r in rooms.items()}, active_rows,
-                                      {keys[s]: r for s, r in rooms.items() if self._running[s].guide is not None}):
-            return {}, {}
-        samples, batched = getattr(proposer, "samples", False), getattr(proposer, "rows", 0) >= self.B
-        if samples and not (batched and self.runner.draft_q):
-            # sampled drafts verified as one-hot, or their q lost between rows, would bias the output
-            raise RuntimeError("a proposer that samples its drafts must batch every slot (rows >= max_num_seqs) "
-                               "and needs a runner built with draft_q=True")
-        requests = {}
-        for slot, room in rooms.items():
-            seq = self._running[slot]
-            ctx = _Context(seq.req.prompt_ids, seq.output_ids)
-            if samples:
-                # a guided row drafts greedily: its drafts' number depends on their values (the guide's walk),
-                # which for sampled drafts would bias the output; deterministic drafts can be cut anywhere
-                hot = seq.guide is None and seq.req.params.temperature > 0
-                requests[slot] = DraftRequest(seq.key, ctx, room, seq.req.params.temperature if hot else 0.0,
-                                              seed32(seq.req.seed), seq.index, len(seq.output_ids))
-            else:
-                requests[slot] = DraftRequest(seq.key, ctx, room)
-        if batched:  # a draft model: every row's drafts in one batch (row = slot)
-            batch = proposer.propose_batch([requests.get(s) for s in range(self.B)])
-            drafted = {slot: batch[slot] for slot in requests}
-        else:
-            drafted = {s: proposer.propose(r.seq_id, r.tokens, r.max_tokens) for s, r in requests.items()}
-        for slot, room in rooms.items():
-            seq, d = self._running[slot], drafted[slot]
-            sure = 0
-            if seq.guide is not None:
-                d, sure, later[slot] = self._guided_drafts(seq.guide, constraints.get(slot), d, room)
-            if d:
-                proposals[slot] = (d, sure)
-        if not policy.worth_verifying({self._running[s].key: len(d) for s, (d, _) in proposals.items()}, active_rows,
-                                      {self._running[s].key: sure for s, (_, sure) in proposals.items()}):
-            return {}, {}
-        drafts = {}
-        for slot, (d, sure) in proposals.items():
-            seq = self._running[slot]
-            v = len(d)
-            while v and not self.alloc.can_allocate(seq.key, seq.fed + 1 + v):
-                v -= 1
-            if v:
-                self.alloc.allocate(seq.key, seq.fed + 1 + v)
-                drafts[slot] = (d[:v], min(sure, v))
-                if slot in later:
-                    later[slot] = later[slot][:v]
-        return drafts, {s: cons for s, cons in later.items() if s in drafts}
-
-    def _constraint_class(self, con: Constraint, slot: int, pos: int) -> int:
-        """The class-table row a constraint selects: its vocabulary class, or -- for a bitmask constraint -- the
-        slot's dynamic row for verify position ``pos``, filled with its bits for this step."""
-        if con.bits is None:
-            return con.vocab_class
-        row = slot * self._dyn_per_slot + pos
-        self._dyn_bits[row] = con.bits
-        self._dyn_dirty = True
-        return self._dyn_base + row
-
-    def _upload_dynamic_masks(self) -> None:
-        """Put this step's bitmask rows into the runner's class table (one packed upload, unpacked on device)."""
-        if not self._dyn_dirty:
-            return
-        self._dyn_dirty = False
-        self._tables = self.runner.update_class_masks(self._tables, self._dyn_bits, self._dyn_base)
-
-    def _draft_q(self, proposer, drafts: dict) -> dict:
-        """The verify program's ``q`` ``[B, k, V]`` (device) and ``has_q`` ``[B, k]`` for this step's drafts: the
-        batched proposer's q, by slot (rows that did not sample hold values the program ignores)."""
-        B, K = self.B, self.runner.spec_tokens
-        has_q = np.zeros((B, K), bool)
-        if not getattr(proposer, "samples", False):  # a deterministic proposer swapped in: every draft one-hot
-            if self._q_zeros is None:
-                self._q_zeros = jnp.zeros((B, K, self.vocab_size), jnp.float32)
-            return {"q": self._q_zeros, "has_q": has_q}
-        for slot, (d, _) in drafts.items():
-            has_q[slot, :len(d)] = proposer.sampled(self._running[slot].key)
-        q = proposer.batch_q()
-        return {"q": q if q.shape[0] == B else q[:B], "has_q": has_q}
-
-    def _guided_drafts(self, guide: Guide, con, proposal: list, limit: int):
-        """Drafts for a guided row, walked on a copy of its guide: each token the guide forces (a constraint of one
-        id), else the next prompt-lookup token while the drafts still follow that proposal and the guide allows it.
-        Returns (drafts, how many lead the list forced -- certain to be kept --, the constraint at positions
-        1..len(drafts): the guide's state after each draft, None = free).  Any failure of the copy: no drafts."""
-        drafts, cons, sure = [], [], 0
-        try:
-            g = copy.deepcopy(guide)
-            for i in range(limit):
-                if con is not None and con.vocab_class == ONLY_IDS and len(con.ids) == 1:
-                    t = con.ids[0]
-                    sure += sure == i
-                elif (i < len(proposal) and drafts == proposal[:i]
-                      and (con is None or con.allows(proposal[i], self.class_masks))):
-                    t = proposal[i]
-                else:
-                    break
-                g.advance(t)
-                drafts.append(t)
-                if g.finished:  # the sequence ends on this token: nothing after it is used
-                    cons.append(None)
-                    break
-                con = g.constraint()
-                if con is not None and len(con.ids) > MAX_ALLOWED_IDS:  # not expressible: stop before this draft
-                    drafts.pop()
-                    sure = min(sure, len(drafts))
-                    break
-                cons.append(con)
-        except Exception:  # noqa: BLE001 -- a guide that cannot be copied or walked simply does not draft
-            return [], 0, []
-        return drafts, sure, cons[: len(drafts)]
-
-    def _emit(self, seq: _Seq, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
-        req, p = seq.req, seq.req.params
-        seq.output_ids.append(tok)
-        self.generation_tokens_total += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        guide_failed = False
-        if seq.guide is not None:
-            try:
-                seq.guide.advance(tok)
-            except Exception:  # noqa: BLE001 -- one request's guide must not take the engine down
-                log.exception("guide of request %s failed; aborting that sequence", req.request_id)
-                guide_failed = True
-        logprobs = None
-        if p.logprobs:
-            k = min(p.top_logprobs, len(top_ids))
-            logprobs = [TokenLogprob(tok, lp, [(int(top_ids[j]), float(top_lps[j])) for j in range(k)])]
-        finish, stop_reason, pieces = None, None, []
-        is_stop_tok = tok in p.stop_token_ids or (tok in self.stop_ids and not p.ignore_eos)
-        if is_stop_tok:
-            pieces = seq.text.finish()
-            if self.tokenizer.is_special(tok):
-                pieces.append(tok)
-            finish = "stop"
-            stop_reason = None if tok in self.stop_ids else tok
-        else:
-            pieces, hit = seq.text.push(tok)
-            if hit is not None:
-                finish, stop_reason = "stop", hit
-            elif guide_failed:
-                finish = "abort"
-            elif seq.guide is not None and seq.guide.finished:
-                finish = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
-                finish = "length"
-            if finish is not None and hit is None:
-                pieces += seq.text.finish()
-        if finish is None:
-            seq.pending.append(tok)
-            req.stream.put(SeqEvent(seq.index, [tok], pieces, logprobs))
-        else:
-            self._end_seq(seq, finish, stop_reason, pieces, [tok], logprobs)
-
-    def _end_seq(self, seq: _Seq, reason: str, stop_reason, pieces, token_ids=(), logprobs=None) -> None:
-        seq.finish_reason = reason
-        proposer = self.proposer
-        if proposer is not None:
-            proposer.forget(seq.key)
-        self.spec_policy.forget(seq.key)
-        req = seq.req
-        req.stream.put(SeqEvent(seq.index, list(token_ids), pieces, logprobs, reason, stop_reason))
-        if seq.slot is not None and self._running.get(seq.slot) is seq:
-            del self._running[seq.slot]
-            self._free.append(seq.slot)
-        elif seq in self._waiting:  # preempted, waiting for its recompute
-            self._waiting.remove(seq)
-        elif self._prefilling is not None and self._prefilling.seq is seq:  # its recompute is running
-            self._cancel_prefill()
-        self.alloc.free(seq.key, missing_ok=True)
-        if all(s.finish_reason is not None for s in req.seqs):
-            self._finish_request(req)
-
-    def _finish_request(self, req: _Request) -> None:
-        if req.done:
-            return
-        req.done = True
-        self._requests.pop(req.request_id, None)
-        self.requests_finished += 1
-        reasons = [s.finish_reason or "abort" for s in req.seqs] or ["abort"] * req.n
-        done = RequestDone(req.request_id, len(req.prompt_ids), req.cached_tokens,
-                           [len(s.output_ids) for s in req.seqs] or [0] * req.n, reasons, req.arrival,
-                           req.first_token_time, time.monotonic())
-        for lst in self.listeners:
-            try:
-                lst.on_request_done(done)
-            except Exception:  # noqa: BLE001 -- metrics must not kill the engine
-                log.exception("request listener failed")
-        req.stream.put(done)

@@ -1,6 +1,6 @@
 """Prefix caching: reuse the inference state of a prompt prefix that was prefilled before.
 
-The seam (``Engine._start_prefill`` / ``Engine._finish_prefill``):
+The seam (``Engine._admit`` / ``Engine._finish_prefill``, ``scheduler.py``):
 
     hit = prefix_cache.lookup(prefill_ids)      # -> (n_tokens, batch-1 cache of exactly those tokens) or None
     ... prefill the remaining prefill_ids[n_tokens:] in chunks from that state ...

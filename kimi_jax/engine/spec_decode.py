@@ -2,14 +2,16 @@
 verifies all of them in one forward pass of shape ``[B, k+1]``, and an acceptance rule keeps the output distribution
 exactly the target's.
 
-How the engine runs it (``Engine._decode`` with ``EngineConfig.speculative_tokens = k``):
+How the engine runs it (``Engine._decode`` with ``EngineConfig.speculative_tokens = k``; the host side of
+drafting in ``speculation.py``):
 
 1. the proposer (``ngram.NgramProposer``: prompt lookup, no second model) drafts ``d_1..d_v`` (v ≤ k) for each
    eligible row from that row's own tokens; rows it cannot help, and rows that are not eligible, get v = 0;
 2. ``ModelRunner.verify``: one forward over ``[last, d_1..d_k]`` per row (KDA layers deferred,
    ``modules.kda.KDAPending``), then ``verify_sample`` below, then ``commit_verify`` keeps each row's
    ``1 + accepted`` tokens in the cache (KDA replays its recurrence over them; MLA rows need only the length);
-3. the host emits ``accepted + 1`` tokens per row through ``Engine._emit`` (stop strings, max_tokens, streams).
+3. the host emits ``accepted + 1`` tokens per row through ``Engine._emit`` (``output.py``; stop strings, max_tokens,
+   streams).
 
 Acceptance for a deterministic proposer (its draft distribution q is one-hot): draft ``d_{i+1}`` is kept with
 probability ``p_i(d_{i+1})``, where ``p_i`` is the target's processed distribution at position i (the same
