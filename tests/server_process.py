@@ -31,6 +31,23 @@ def server_env(**overrides) -> dict:
     return env
 
 
+def wait_healthy(url: str, procs: list, logs: list, deadline: float) -> None:
+    """Until `url`/health answers 200; an AssertionError with its log when one of the server's processes exits, or
+    with every log when `deadline` (time.monotonic) passes."""
+    tail = lambda path, n=4000: Path(path).read_text(errors="replace")[-n:]
+    while time.monotonic() < deadline:
+        for i, (proc, log) in enumerate(zip(procs, logs)):
+            if proc.poll() is not None:
+                raise AssertionError(f"server process {i} exited with {proc.returncode}:\n{tail(log)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("server not ready in time:\n" + "\n---\n".join(tail(log) for log in logs))
+
+
 class ServerProcess:
     """One server process. `args`: the serve flags besides --port; `url` is its base address."""
 
@@ -48,16 +65,7 @@ class ServerProcess:
     def wait_ready(self, deadline: float) -> None:
         """Until /health answers 200, the process exits (an AssertionError with its log), or `deadline`
         (time.monotonic) passes."""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"server not ready in time:\n{self.log()[-4000:]}")
+        wait_healthy(self.url, [self.proc], [self.log_path], deadline)
 
     def stop(self, graceful: bool = True) -> None:
         """SIGTERM and a bounded wait (then SIGKILL), or SIGKILL at once."""

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_process import ROOT, ServerProcess, free_port, server_env
+from server_process import ROOT, ServerProcess, free_port, server_env, wait_healthy
 
 HEARTBEAT_S = 5
 COMMON = ["--max-num-seqs", "4", "--max-model-len", "768", "--prefill-chunk-sizes", "64,1", "--log-level", "info"]
@@ -38,25 +38,13 @@ class Launch:
             cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(self.port), *args,
                    "--coordinator-address", f"127.0.0.1:{coordinator}", "--num-processes", str(processes),
                    "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S)]
-            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=open(self.logs[i], "w"),
-                                               stderr=subprocess.STDOUT))
+            with open(self.logs[i], "w") as log:  # the child keeps its own descriptor
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=log,
+                                                   stderr=subprocess.STDOUT))
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def log(self, i: int) -> str:
-        return self.logs[i].read_text(errors="replace")
-
     def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            for i, p in enumerate(self.procs):
-                if p.poll() is not None:
-                    raise AssertionError(f"process {i} exited with {p.returncode}:\n{self.log(i)[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"not ready in time:\n{self.log(0)[-3000:]}\n---\n{self.log(1)[-3000:]}")
+        wait_healthy(self.url, self.procs, self.logs, deadline)
 
     def stop(self) -> None:
         for p in self.procs:

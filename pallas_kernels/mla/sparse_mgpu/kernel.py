@@ -1,13 +1,5 @@
-"""Sparse MLA decode on Hopper in Pallas Mosaic GPU: fp8 latent rows, wgmma, one gathered load feeding both dots.
-
-`decode(q, pool, slots, ...)`: q `[B, H, R + rope]`, a paged fp8 latent pool of c-byte rows, top-k slots `[B, k]`
--> o `[B, H, R]` (f32) and, unmerged, per-split lse. One CTA (`warpgroups` warpgroups) takes one sequence and one of
-`splits` slices of its slots: it translates them to pool rows once, then per block of 64 keys gathers the rows
-into a shared-memory stage (`stages` in flight), computes Sᵀ = rows · qᵀ on wgmma (keys as the M side), a softmax
-over the block in fp32, and outᵀ += Vᵀ · Pᵀ (latent dims as the M side) from the same shared-memory bytes.
-Partial (o, lse) per split are merged exactly in the kernel (`merge="last"`) or by `sparse_gpu`'s merge.
-Precision is the storage formats' (`precision="storage"`): q and P in f16, fp32 accumulation and softmax.
-Reached through `sparse.sparse_mla(..., backend="gpu")`; GPU only (the body lowers on CPU in the tests).
+"""The sparse MLA Mosaic GPU kernel itself (`kernel_call`), its entry `decode` and the split merge `merge`; what
+the kernel computes and how its jobs divide into modules: the package docstring (`sparse_mgpu/__init__.py`).
 """
 
 from __future__ import annotations
