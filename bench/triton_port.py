@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Issue #48: each GPU kernel family's native Triton kernel (jax-triton) beside the Pallas Triton kernel it replaces
+and the family's peer or ceiling, in one run on one GPU.
+
+    source bench/device_env.sh && python3 bench/triton_port.py            # H100 / H200, < 6 minutes
+    python3 bench/triton_port.py --smoke    # CPU: tiny shapes, both kernels interpreted (runs the code, no bars)
+
+Per family, on the same inputs: (a) the new kernel against the family's reference at its stated error bar, (b) the
+old (Pallas Triton) kernel, the new one and the peer / ceiling timed back to back (`_timing.device_seconds`: short
+ops as chains of distinct inputs in one program). The bars are the issue's "hold or beat today's ratios":
+  indexer  fp8 keys, K3.1 heads (32 × 128), B = 32, 32K / 128K / 1M tokens, `precision="storage"` presets: key
+           bytes/s ≥ 0.85 of the copy bandwidth at 1M (the others: new ≥ old), scores within 5e-3 relative RMS of
+           the float32 reference on sequence 0.
+Writes the table `family, name, shape, old, new, peer, new/peer, bar, pass/fail` and $OUT/triton_port.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted, no bars")
+ap.add_argument("--families", default="indexer", help="comma-separated: indexer")
+ap.add_argument("--budget", type=float, default=330.0, help="seconds; families past it are skipped")
+ARGS = ap.parse_args()
+if ARGS.smoke:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (pallas_kernels.triton_call)
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")  # room for torch's copy-bandwidth buffers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from _timing import device_seconds, pipelined_seconds, torch_copy_bandwidth  # noqa: E402
+from kimi_jax import quant as Q  # noqa: E402
+from pallas_kernels.indexer import gpu as igpu  # noqa: E402
+from pallas_kernels.indexer import paged as ipaged  # noqa: E402
+
+T0 = time.time()
+ROWS: list[dict] = []
+INFO: dict = {}
+STORAGE_BAR = 5e-3
+PAGE = 64
+CHAIN = 16
+OLD, NEW = ("gpu_interpret", "triton_interpret") if ARGS.smoke else ("gpu", "triton")
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def row(family, name, shape, old, new, peer, bar, ok):
+    """new/peer is the ratio the bar judges (peer: the family's peer, ceiling or copy bandwidth)."""
+    ratio = new / peer if new and peer else float("nan")
+    if ARGS.smoke and ok is not None:
+        bar, ok = f"{bar} (smoke: not judged)", None
+    ROWS.append(dict(family=family, name=name, shape=shape, old=old, new=new, peer=peer, ratio=ratio, bar=bar,
+                     result=("pass" if ok else "FAIL") if ok is not None else "info"))
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))) if np.all(np.isfinite(a)) else float("nan")
+
+
+def seconds(fn, *args, stacked=()):
+    if ARGS.smoke:
+        jax.block_until_ready(fn(*args))
+        return pipelined_seconds(fn, *args, reps=1, rounds=1)
+    return device_seconds(fn, *args, stacked=stacked)[0]
+
+
+def copy_bandwidth() -> float:
+    if ARGS.smoke:
+        return 1e9
+    try:
+        return torch_copy_bandwidth(1 << 31)
+    except Exception as e:  # noqa: BLE001  (no CUDA torch: an XLA read + write pass)
+        INFO["copy_torch_error"] = repr(e)
+        x = jax.random.bits(jax.random.PRNGKey(0), (1 << 29,), jnp.uint32)
+        return 2 * x.nbytes / seconds(jax.jit(lambda v: v ^ jnp.uint32(1)), x)
+
+
+def random_fp8(key, shape):
+    """e4m3 codes with random sign, exponent ≤ 7, mantissa: |x| ≤ 1.875, never NaN (bit 6 cleared)."""
+    return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8) & jnp.uint8(0xBF), jnp.float8_e4m3fn)
+
+
+# ------------------------------------------------------------------------------------------------ indexer
+
+def bench_indexer(bw):
+    hi, d = (4, 64) if ARGS.smoke else (32, 128)
+    contexts, B = ((1024,), 2) if ARGS.smoke else ((32768, 131072, 1 << 20), 32)
+    fmt = Q.IndexKeyFormat("fp8", d)
+    for ctx in contexts:
+        key = jax.random.PRNGKey(ctx)
+        key_bytes = B * ctx * fmt.bytes_per_token
+        copies = 1 if key_bytes >= 2e9 or ARGS.smoke else CHAIN  # distinct key sets per timing chain (see _timing)
+        nb = copies * B * (ctx // PAGE) + 1
+        bt_all = jax.random.permutation(key, jnp.arange(1, nb, dtype=jnp.int32)).reshape(copies, B, ctx // PAGE)
+        bt = bt_all[0]
+        parts = (random_fp8(jax.random.fold_in(key, 1), (nb, PAGE, d)),
+                 jnp.exp2(jax.random.randint(jax.random.fold_in(key, 2), (nb, PAGE, 1), -6, -1).astype(jnp.float32)))
+        r = np.random.default_rng(ctx)
+        q = jnp.asarray(r.standard_normal((B, hi, d)), jnp.float32)
+        w = jnp.asarray(r.standard_normal((B, hi)) * (hi * d) ** -0.5, jnp.float32)
+        pos = jnp.full((B,), ctx - 1, jnp.int32)
+        preset = igpu.storage_preset(ctx)
+        kw = dict(igpu.FAST[preset], **(dict(tokens_per_program=256) if ARGS.smoke else {}))
+        fns = {b: jax.jit(lambda q, w, parts, bt, pos, b=b: ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt,
+                                                                                  backend=b, **kw))
+               for b in (OLD, NEW)}
+        keys0 = fmt.dequantize(tuple(p[bt[0]].reshape(ctx, p.shape[-1]) for p in parts))
+        hp = jax.lax.Precision.HIGHEST
+        s_ref = np.asarray(jnp.einsum("h,hs->s", w[0], jax.nn.relu(jnp.einsum("hd,sd->hs", q[0], keys0, precision=hp)),
+                                      precision=hp))
+        del keys0
+        shape = f"ctx={ctx} B={B} Hi={hi} d={d} fp8 keys [storage: {preset}]"
+        errs, times = {}, {}
+        stacked = () if copies == 1 else (3,)
+        for b, f in fns.items():
+            errs[b] = rel_rms(np.asarray(f(q, w, parts, bt, pos)[0]), s_ref)
+            times[b] = seconds(f, q, w, parts, bt_all if copies > 1 else bt, pos, stacked=stacked)
+        ok = errs[NEW] <= STORAGE_BAR
+        old_bw, new_bw = key_bytes / times[OLD], key_bytes / times[NEW]
+        bar = ">= 0.85 of copy" if ctx == 1 << 20 else "new >= 0.97 old"
+        judged = new_bw / bw >= 0.85 if ctx == 1 << 20 else new_bw >= 0.97 * old_bw
+        row("indexer", "score kernel key bytes/s vs copy (TB/s)", shape + f" err {errs[NEW]:.1e}",
+            old_bw / 1e12, new_bw / 1e12, bw / 1e12, bar, ok and judged)
+        INFO[f"indexer_ctx{ctx}"] = dict(us_old=times[OLD] * 1e6, us_new=times[NEW] * 1e6, err_old=errs[OLD],
+                                         err_new=errs[NEW])
+        log(f"indexer {shape}: old {times[OLD] * 1e6:.1f} us, new {times[NEW] * 1e6:.1f} us "
+            f"({new_bw / bw:.3f} of copy), err old {errs[OLD]:.1e} new {errs[NEW]:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+FAMILIES = {"indexer": bench_indexer}
+
+
+def print_table():
+    head = ("family", "name", "shape", "old", "new", "peer", "new/peer", "bar", "result")
+    print("\n" + " | ".join(head))
+    for r in ROWS:
+        f = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)  # noqa: E731
+        print(" | ".join(f(r[k]) for k in ("family", "name", "shape", "old", "new", "peer", "ratio", "bar",
+                                           "result")))
+
+
+def versions() -> dict:
+    out = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
+    for mod in ("jaxlib", "triton", "jax_triton", "torch"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            out[mod] = f"unavailable: {type(e).__name__}"
+    return out
+
+
+def main():
+    INFO["versions"] = versions()
+    log(INFO["versions"])
+    bw = copy_bandwidth()
+    INFO["copy_TBps"] = bw / 1e12
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    for fam in ARGS.families.split(","):
+        if time.time() - T0 > ARGS.budget:
+            row(fam, "skipped: past --budget", "", None, None, None, "", False)
+            continue
+        try:
+            FAMILIES[fam](bw)
+        except Exception as e:  # noqa: BLE001  (one family's failure leaves the others' rows)
+            traceback.print_exc()
+            row(fam, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "", None, None,
+                None, "", False)
+    print_table()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "triton_port.json"), "w") as fh:
+            json.dump(dict(rows=ROWS, info=INFO, seconds=time.time() - T0), fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
