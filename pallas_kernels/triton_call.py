@@ -73,13 +73,51 @@ def call(*args, kernel, out_shape, grid, interpret: bool = False, num_warps: int
     if interpret:
         res = _interpret(args, kernel, outs, grid, aliases, constexprs)
     else:
-        jt = _jax_triton()
-        if jt is None:
-            raise RuntimeError("native Triton kernels need jax-triton on a GPU (pip install 'kimi_jax[gpu]'); "
-                               "on CPU run them with interpret=True under TRITON_INTERPRET=1")
-        res = jt.triton_call(*args, kernel=kernel, out_shape=outs, grid=grid, num_warps=num_warps,
-                             num_stages=num_stages, input_output_aliases=aliases, name=name, **constexprs)
+        res = _gpu_launch(args, kernel=kernel, out_shape=outs, grid=tuple(grid), num_warps=num_warps,
+                          num_stages=num_stages, input_output_aliases=aliases, name=name, constexprs=constexprs)
     return list(res) if many else res[0]
+
+
+def _gpu_launch(args, *, kernel, out_shape, grid, num_warps, num_stages, input_output_aliases, name, constexprs):
+    """The jax-triton custom call (tests/test_triton_compile.py replaces this to collect launches and compile them
+    for a GPU target on a host without one)."""
+    jt = _jax_triton()
+    if jt is None:
+        raise RuntimeError("native Triton kernels need jax-triton on a GPU (pip install 'kimi_jax[gpu]'); "
+                           "on CPU run them with interpret=True under TRITON_INTERPRET=1")
+    return jt.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                          num_stages=num_stages, input_output_aliases=input_output_aliases, name=name, **constexprs)
+
+
+# Triton's pointer type names for JAX dtypes (as jax-triton spells them), for compiling a launch ahead of time.
+_TRITON_PTR = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float8_e4m3fn": "fp8e4nv",
+               "int32": "i32", "int64": "i64", "uint8": "u8", "int8": "i8", "bool": "i1"}
+
+
+def compile_launch(target, args, *, kernel, out_shape, num_warps, num_stages, constexprs, **_):
+    """Compile one launch (the arguments `_gpu_launch` receives; arrays may be `jax.ShapeDtypeStruct`s) for a
+    `triton.backends.compiler.GPUTarget` — e.g. ("cuda", 90, 32) or ("hip", "gfx942", 64) — without a device, as
+    jax-triton would: pointers 16-byte aligned, Python ints as i32 scalars (1 as a constant). Returns Triton's
+    compiled kernel (its `.asm` holds ttir / ttgir / llir / ptx or amdgcn, and its `.metadata` the shared memory)."""
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature, consts, attrs = {}, dict(constexprs), {}
+    flat = list(args) + list(out_shape)
+    for i, a in enumerate(flat):
+        if isinstance(a, bool) or (isinstance(a, int) and a == 1):
+            consts[names[i]] = a
+        elif isinstance(a, int):
+            signature[names[i]] = "i32"
+        elif isinstance(a, float):
+            signature[names[i]] = "fp32"
+        else:
+            signature[names[i]] = "*" + _TRITON_PTR[jnp.dtype(a.dtype).name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for k in consts:
+        signature[k] = "constexpr"
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 # ------------------------------------------------------------------------------------------------ interpreter
