@@ -45,12 +45,16 @@ def gather_pages(parts, block_tables):
 # Implementations of the paged DSA ops (pallas_kernels.indexer.paged, pallas_kernels.mla.sparse):
 #   "reference"                 plain jnp (every platform, every shape)
 #   "gpu" / "tpu"               the Pallas kernel for that platform (Triton lowering / Mosaic TPU)
+#   "triton"                    the native Triton GPU kernel, launched through jax-triton (issue #48: it replaces
+#                               "gpu"'s Pallas Triton lowering once measured beside it)
 #   "gpu_interpret" / "tpu_interpret"   that kernel in Pallas interpret mode (CPU tests)
+#   "triton_interpret"          the native Triton kernel in Triton's interpreter (CPU tests, TRITON_INTERPRET=1)
 #   "auto"                      the platform's kernel when it supports the call (decode, a format it reads), else
 #                               the reference; the platform is the ops' `platform=` argument ("cpu" | "tpu" |
 #                               "gpu" / "cuda"; None = jax.default_backend() at trace time)
 # "pallas_tpu" and "interpret" are the older names of "tpu" and "tpu_interpret".
-DSA_BACKENDS = ("auto", "reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret", "pallas_tpu", "interpret")
+DSA_BACKENDS = ("auto", "reference", "gpu", "tpu", "triton", "gpu_interpret", "tpu_interpret", "triton_interpret",
+                "pallas_tpu", "interpret")
 _ALIASES = {"pallas_tpu": "tpu", "interpret": "tpu_interpret"}
 _PLATFORM_KERNEL = {"gpu": "gpu", "tpu": "tpu"}
 
@@ -67,7 +71,7 @@ def check_precision(precision: str) -> None:
 
 def resolve_dsa_backend(backend: str, *, op: str, supported, platform: Optional[str] = None) -> str:
     """The one place the DSA ops pick an implementation. `supported(kind) -> bool` says whether the kernel of kind
-    "gpu" / "tpu" handles this call; "auto" takes the kernel of `platform` (None: the default backend's platform)
+    "gpu" / "tpu" / "triton" handles this call; "auto" takes the kernel of `platform` (None: the default backend's platform)
     and falls back to "reference" when it does not (or on CPU). Explicit kernel names are returned as asked (the
     caller raises if the call does not fit)."""
     if backend not in DSA_BACKENDS:

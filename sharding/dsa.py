@@ -68,7 +68,7 @@ def _dense_local(ctx: ForwardContext, backend: str, q_bthc, kv_parts, block_tabl
     paged kernel (TPU) or reference, or on a GPU (which has no dense kernel) its sparse kernel with all those
     positions selected."""
     on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
-    if backend.startswith("gpu") or (backend == "auto" and on_gpu):
+    if backend.startswith(("gpu", "triton")) or (backend == "auto" and on_gpu):
         s = jnp.arange(block_tables.shape[1] * kv_parts[0].shape[1], dtype=jnp.int32)
         idx_bts = jnp.where(s[None, None, :] <= query_pos_bt[:, :, None], s[None, None, :], -1)
         return sparse_mla.sparse_mla(q_bthc, kv_parts, block_tables, idx_bts, fmt=fmt, scale=scale,

@@ -3,6 +3,7 @@
 * ``tests/`` goes on ``sys.path`` so tests can ``import np_reference as ref`` and ``import weights_np``.
 * JAX runs on CPU unless ``JAX_PLATFORMS`` is already set in the environment (set it, e.g. to ``cuda``, to run
   device tests); this must happen before anything imports jax.
+* With JAX on CPU, ``TRITON_INTERPRET=1`` (native Triton kernels in Triton's interpreter), also before any import.
 * Compiled programs are cached on disk (``JAX_COMPILATION_CACHE_DIR``), which roughly halves a repeated run.
 * Session-scoped fixtures: ``tiny_model`` (``kimi_jax.load_model("tiny")``, built once: ~25 s), ``served`` / ``client``
   (the shared engine + live server over it, and an ``openai`` client for it) and
@@ -20,6 +21,10 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX on CPU: the native Triton kernels run in Triton's interpreter, which must be on before triton is imported
+# (pallas_kernels.triton_call).
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Persistent XLA compilation cache, shared with the subprocess tests through the environment: a second run (or a
 # subprocess compiling the same program) loads executables instead of recompiling them.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/kimi_jax/jax_cache_tests"))

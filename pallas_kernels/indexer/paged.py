@@ -19,9 +19,10 @@ Tc = max(1, max_score_bytes // (B·Hi·S·4)) rows, one chunk at a time, so the 
 
 `topk_indices` is the one public entry point; `backend` picks the implementation in one place
 (`pallas_kernels.paged.resolve_dsa_backend`): "reference" (the jnp path above), "gpu" (`gpu.py`, Pallas Triton
-lowering), "tpu" (`tpu.py`, Mosaic TPU), "gpu_interpret" / "tpu_interpret" (those kernels in Pallas interpret mode,
-CPU tests), "auto" (the platform's kernel for decode, T = 1, else the reference). The kernels write the decode score
-row `[B, S]` (keys dequantised in-kernel); top-k then runs in XLA over that row (`select_topk`: `lax.top_k`, in two
+lowering), "triton" (`gpu_triton.py`, native Triton through jax-triton), "tpu" (`tpu.py`, Mosaic TPU),
+"gpu_interpret" / "tpu_interpret" (those kernels in Pallas interpret mode, CPU tests), "triton_interpret" (the native
+Triton kernel in Triton's interpreter), "auto" (the platform's kernel for decode, T = 1, else the reference). The
+kernels write the decode score row `[B, S]` (keys dequantised in-kernel); top-k then runs in XLA over that row (`select_topk`: `lax.top_k`, in two
 exact stages when the row is long). Prefill (T > 1) always takes the reference path.
 """
 
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
 # __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
 import pallas_kernels.indexer.gpu as gpu
+import pallas_kernels.indexer.gpu_triton as gpu_triton
 import pallas_kernels.indexer.reference as reference
 import pallas_kernels.indexer.tpu as tpu
 
@@ -113,11 +115,16 @@ def _kernel_supports(kind: str, fmt, q_shape, key_parts=()) -> bool:
         return False
     if kind == "gpu":
         return gpu.available() and gpu.fits(fmt, Hi, d) and gpu.supports_pool(key_parts)
+    if kind == "triton":
+        return gpu_triton.available() and gpu_triton.fits(fmt, Hi, d)
     return tpu.supports(fmt)
 
 
 def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: str, **kernel_kw):
-    """The decode score row `[B, max_blocks·page]` from a kernel backend ("gpu", "tpu", "*_interpret")."""
+    """The decode score row `[B, max_blocks·page]` from a kernel backend ("gpu", "triton", "tpu", "*_interpret")."""
+    if backend.startswith("triton"):
+        return gpu_triton.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
+                                 interpret=backend == "triton_interpret", **kernel_kw)
     if backend.startswith("gpu"):
         return gpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
                           interpret=backend == "gpu_interpret", **kernel_kw)
@@ -149,7 +156,7 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
     """Top-k cached positions per query: q `[B, T, Hi, d]`, w `[B, T, Hi]` (scales folded in), pos `[B, T]` int
     (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`.
     Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n).
-    `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernel's single-pass
+    `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernels' single-pass
     preset `gpu.FAST[gpu.storage_preset(tokens)]` for the tables' span: selections equal but for near-ties within 2×
     the score error; explicit
     kernel_kw still win; other backends unchanged). `platform` ("cpu" | "tpu" | "gpu" / "cuda"; None = the default
@@ -164,7 +171,7 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
         if T != 1:
             raise ValueError(f"the {which} indexer kernel is decode-only (T = 1), got T = {T}")
         kernel_kw = dict(kernel_kw or {})
-        if precision == "storage" and which.startswith("gpu"):
+        if precision == "storage" and which.startswith(("gpu", "triton")):
             tokens = jnp.shape(block_tables)[1] * key_parts[0].shape[1]
             kernel_kw = dict(gpu.FAST[gpu.storage_preset(tokens)], **kernel_kw)
         s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which,

@@ -93,7 +93,7 @@ def dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, *, fmt, scale:
     which = resolve_dsa_backend(backend, op="dense paged MLA",
                                 supported=lambda kind: _kernel_supports(kind, fmt, T, tuple(kv_parts)),
                                 platform=platform)
-    if which.startswith("gpu"):
+    if which.startswith(("gpu", "triton")):
         raise ValueError("dense paged MLA has no GPU kernel; use backend='auto' or 'reference' (or sparse_mla)")
     pos = jnp.asarray(query_pos_bt, jnp.int32)
     if which != "reference":

@@ -97,10 +97,15 @@ def _reference_paged(q_bthc, kv_parts, block_tables, idx_btk, layer_scale, *, fm
     return _chunked(q_bthc, idx_btk, q_chunk, fn)
 
 
+# The DSA backends "triton" / "triton_interpret" (native Triton kernels, issue #48) run sparse MLA on its Pallas
+# Triton kernel until sparse MLA has a native one, so one `KernelConfig.dsa` serves the indexer and attention.
+TRITON_TWIN = {"triton": "gpu", "triton_interpret": "gpu_interpret"}
+
+
 def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     if T != 1:
         return False
-    if kind == "gpu":
+    if kind in ("gpu", "triton"):
         return sparse_gpu.available() and sparse_gpu.fits(fmt) and sparse_gpu.supports_pool(kv_parts)
     return sparse_tpu.supports(fmt)
 
@@ -148,6 +153,7 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
     if idx_btk.shape[-1] == 0:  # an empty selection is one empty slot: o = 0, lse = −inf on every backend
         idx_btk = jnp.full(tuple(idx_btk.shape[:-1]) + (1,), -1, jnp.int32)
     which = _pick_backend(backend, fmt, T, tuple(kv_parts), platform)
+    which = TRITON_TWIN.get(which, which)
     kernel_kw = dict(kernel_kw or {})
     if which != "reference":
         if T != 1:

@@ -14,7 +14,8 @@ three FFN weights prepared, `expert_ffn_sorted` runs the FFN in one tile layout 
 of copy for the whole FFN at 8 rows per expert; a model on a GPU prepares its MXFP4 experts at load).
 
 Backends: "reference" (jax.lax.ragged_dot, fp32 accumulation; MXFP4 is dequantised whole — a definition, not a
-fast path), "gpu" (Pallas → Triton, `gpu.py`), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
+fast path), "gpu" (Pallas → Triton, `gpu.py`), "triton" (the native Triton kernel through jax-triton,
+`gpu_triton.py`; issue #48: it replaces "gpu"'s Pallas Triton lowering once measured beside it), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
 (Pallas Mosaic TPU, `tpu.py`). "auto" picks by the platform through `GPU_CHOICE` / TPU / else reference; the
 platform is the ops' `platform=` argument ("cpu" | "tpu" | "gpu" / "cuda"), None meaning `jax.default_backend()`
 at trace time (pass it when exporting for another platform). `interpret=True` runs the Pallas kernels through their interpreters (GPU: the generic Pallas
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
 # __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
 import pallas_kernels.moe.gpu as _gpu
+import pallas_kernels.moe.gpu_triton as _gpu_triton
 import pallas_kernels.moe.mgpu_mxfp4 as _mgpu_mx
 import pallas_kernels.moe.mxfp4 as mx
 import pallas_kernels.moe.reference as reference
@@ -44,7 +46,7 @@ from ..platform import resolve_platform
 from .activations import ACTIVATIONS
 from .routing import route
 
-BACKENDS = ("reference", "gpu", "mgpu", "tpu")
+BACKENDS = ("reference", "gpu", "triton", "mgpu", "tpu")
 
 # The GPU kernel used by backend="auto", per weight kind; chosen by measurement (bench/moe.py, docs/performance.md):
 # at K3 shapes on an H200 the Pallas→Triton kernel ran 389 TFLOP/s, JAX's ragged_dot_mgpu 270 (best of 4 configs).
@@ -53,7 +55,7 @@ GPU_CHOICE = {"bf16": "gpu", "mxfp4": "gpu"}
 # Whether expert_ffn runs gate and up as one kernel with the activation in its epilogue, per backend. GPU: measured
 # 2.20 ms fused vs 2.02 ms for two 128x256-tile matmuls + XLA activation (H200, K3 shapes) -> off. TPU: unmeasured;
 # on paper the fused kernel saves writing and re-reading two fp32 [rows, F] tensors and keeps one x DMA per step.
-FUSE_GATE_UP = {"gpu": False, "tpu": True, "mgpu": False, "reference": False}
+FUSE_GATE_UP = {"gpu": False, "triton": False, "tpu": True, "mgpu": False, "reference": False}
 
 
 def resolve_backend(backend: str = "auto", *, quantized: bool = False, platform: Optional[str] = None) -> str:
@@ -123,6 +125,9 @@ def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.flo
     if b == "gpu":
         return _gpu.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
                                    config=config, interpret=interpret, fill_uncovered=fill_uncovered)
+    if b == "triton":
+        return _gpu_triton.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
+                                          config=config, interpret=interpret, fill_uncovered=fill_uncovered)
     if b == "tpu":
         return _tpu.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
                                    config=config, interpret=interpret)
