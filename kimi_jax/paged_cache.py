@@ -238,9 +238,11 @@ def _scatter(parts, values, slots):
 class BlockAllocator:
     """Host-side page allocator shared by every MLA layer (a sequence gets the same block ids in each layer's pool).
 
-    `allocate(seq_id, total_tokens)` grows a sequence's block list to cover `total_tokens` tokens and returns the new
-    block ids; `free(seq_id)` returns its pages; `block_table(seq_ids, max_blocks)` builds the padded int32 table.
-    Block 0 (the null block) is never handed out. Allocation is all-or-nothing.
+    `allocate(owner, total_tokens)` grows an owner's block list to cover `total_tokens` tokens and returns the new
+    block ids; `share(owner, blocks)` appends pages another owner already holds (a cached prefix: the page is then
+    read by both and written by neither); `free(owner)` drops the owner's hold on each of its pages, and a page goes
+    back to the pool when no owner holds it any more (reference counts); `block_table(owners, max_blocks)` builds
+    the padded int32 table. Block 0 (the null block) is never handed out. Allocation is all-or-nothing.
     """
 
     def __init__(self, num_blocks: int, block_tokens: int = PAGE_TOKENS):
@@ -251,6 +253,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_tokens = int(block_tokens)
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks  # owners holding each page
         self._blocks: dict = {}
         self._tokens: dict = {}
 
@@ -267,6 +270,10 @@ class BlockAllocator:
 
     def tokens(self, seq_id) -> int:
         return self._tokens.get(seq_id, 0)
+
+    def ref_count(self, block: int) -> int:
+        """How many owners hold page `block` (0: it is free)."""
+        return self._refs[block]
 
     def can_allocate(self, seq_id, total_tokens: int) -> bool:
         return self._needed(seq_id, total_tokens) <= len(self._free)
@@ -290,24 +297,43 @@ class BlockAllocator:
                 f"to hold {total_tokens} tokens (it has {have}), but only {len(self._free)} of "
                 f"{self.num_blocks - 1} are free; free finished sequences or allocate a larger pool")
         new = [self._free.pop() for _ in range(need)]
+        for b in new:
+            self._refs[b] = 1
         self._blocks.setdefault(seq_id, []).extend(new)
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), total_tokens)
         return new
+
+    def share(self, seq_id, blocks) -> None:
+        """Append `blocks`, pages some owner holds already, to `seq_id`'s list (their holders go up by one)."""
+        blocks = [int(b) for b in blocks]
+        for b in blocks:
+            if b == NULL_BLOCK or self._refs[b] == 0:
+                raise ValueError(f"block {b} is not held by any owner: only held pages can be shared")
+        for b in blocks:
+            self._refs[b] += 1
+        have = self._blocks.setdefault(seq_id, [])
+        have.extend(blocks)
+        self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), len(have) * self.block_tokens)
 
     def holds(self, seq_id) -> bool:
         return seq_id in self._blocks
 
     def free(self, seq_id, missing_ok: bool = False) -> int:
-        """Release every page of `seq_id`; returns how many. Unknown ids raise KeyError (or free 0 with
-        `missing_ok`)."""
+        """Drop `seq_id`'s hold on every page it has; returns how many pages went back to the pool (those no other
+        owner holds). Unknown ids raise KeyError (or free 0 with `missing_ok`)."""
         if seq_id not in self._blocks:
             if missing_ok:
                 return 0
             raise KeyError(f"sequence {seq_id!r} holds no cache blocks")
         blocks = self._blocks.pop(seq_id)
         self._tokens.pop(seq_id, None)
-        self._free.extend(reversed(blocks))
-        return len(blocks)
+        freed = 0
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+                freed += 1
+        return freed
 
     def block_table(self, seq_ids, max_blocks: Optional[int] = None) -> np.ndarray:
         """int32 `[len(seq_ids), max_blocks]`, padded with the null block."""
@@ -321,7 +347,7 @@ class BlockAllocator:
         return table
 
     def stats(self) -> dict:
-        used = sum(len(b) for b in self._blocks.values())
+        used = self.num_blocks - 1 - len(self._free)
         return {"total_blocks": self.num_blocks - 1, "used_blocks": used, "free_blocks": len(self._free),
                 "sequences": len(self._blocks), "cached_tokens": sum(self._tokens.values()),
                 "capacity_tokens": used * self.block_tokens, "page_tokens": self.block_tokens}
