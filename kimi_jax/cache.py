@@ -141,7 +141,7 @@ def _split(n: int, ways: int) -> int:
 
 
 def allocate(layout: CacheLayout, *, max_num_seqs: int, max_model_len: int, num_blocks: int | None = None,
-             prefix_cache_entries: int = 0, tensor: int = 1, data: int = 1, dcp: int = 1) -> EngineAllocation:
+             tensor: int = 1, data: int = 1, dcp: int = 1) -> EngineAllocation:
     """The engine's cache for `max_num_seqs` slots of `max_model_len` tokens on a mesh of `tensor` × `data` devices
     (any context axis adds nothing here but the DCP split), with decode context parallelism over `dcp` ranks.
 
@@ -153,7 +153,7 @@ def allocate(layout: CacheLayout, *, max_num_seqs: int, max_model_len: int, num_
     block_tokens = PAGE_TOKENS * int(dcp)
     max_blocks = -(-int(max_model_len) // block_tokens)
     if num_blocks is None:
-        num_blocks = 1 + (B + max(0, int(prefix_cache_entries))) * max_blocks
+        num_blocks = 1 + B * max_blocks
     rows = _split(B, data)
     total = 4 * B + 4 * B * max_blocks  # lengths, block tables
     k = cfg.kda

@@ -164,8 +164,7 @@ def main(argv=None) -> int:
                         "pages per pool, cache_bytes_per_device, max_cached_tokens), the figures its /stats reports")
     p.add_argument("--max-model-len", type=int, default=None, metavar="L", help="tokens per engine slot")
     p.add_argument("--num-blocks", type=int, default=None, help="pages per MLA pool per DCP rank (engine default: "
-                   "every slot at --max-model-len plus --prefix-cache-entries)")
-    p.add_argument("--prefix-cache-entries", type=int, default=0, help="the engine's prefix-cache snapshots")
+                   "every slot at --max-model-len)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="activation dtype (KDA conv tails)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
@@ -182,7 +181,7 @@ def main(argv=None) -> int:
                                  activation_bytes=2 if a.dtype == "bf16" else 4)
             result["engine"] = dataclasses.asdict(allocate(
                 layout, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, num_blocks=a.num_blocks,
-                prefix_cache_entries=a.prefix_cache_entries, tensor=tp, data=dp, dcp=a.dcp))
+                tensor=tp, data=dp, dcp=a.dcp))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

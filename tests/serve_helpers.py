@@ -30,7 +30,7 @@ def shared(tiny_model) -> SimpleNamespace:
 
     tok = Tokenizer.tiny()
     engine = Engine(tiny_model, tok, EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                                                  prefill_chunk_sizes=PREFILL_CHUNKS, prefix_cache_entries=4))
+                                                  prefill_chunk_sizes=PREFILL_CHUNKS))
     engine.start()
     # the random model never closes a string argument of a forced tool call by itself: cap them short
     # the image tests fetch from HTTP servers on loopback, which a default server refuses (SSRF): allowed here

@@ -25,6 +25,7 @@ import pytest
 from PIL import Image
 
 from kimi_jax.engine import Engine, ParamError, SamplingParams
+from kimi_jax.engine.prefix_cache import PrefixCache
 from kimi_jax.paged_cache import BlockAllocator
 from kimi_jax.serve.app import build_app
 from kimi_jax.serve.chat import ChatImage, encode_chat
@@ -309,8 +310,7 @@ def test_waiting_requests_images_share_one_tower_call(served, tiny_model, monkey
         held.clear()
         gate.clear()
         calls.clear()
-        eng = Engine(tiny_model, tok, config, runner=served.engine.runner)
-        eng.prefix_cache.capacity = 0
+        eng = Engine(tiny_model, tok, dataclasses.replace(config, prefix_caching=False), runner=served.engine.runner)
         eng.start()
         try:
             first = eng.submit(_prompt_with_image(tok, 8, 16, 20, seed=19), GREEDY, images=[_image(54)])
@@ -356,9 +356,10 @@ def test_preemption_recomputes_with_the_same_image_features(served, tiny_model):
     sequence): a text request and an image request of 5 pages each cannot both finish, the image request (the
     youngest) is preempted and recomputed -- with its features, so its output equals the one it gets alone."""
     tok = served.tokenizer
-    eng = Engine(tiny_model, tok, served.engine.config, runner=served.engine.runner)
+    eng = Engine(tiny_model, tok, dataclasses.replace(served.engine.config, prefix_caching=False),
+                 runner=served.engine.runner)
     eng.alloc = BlockAllocator(9)  # pages 1..8 of the runner's larger pool
-    eng.prefix_cache.capacity = 0
+    eng.prefix_cache = PrefixCache(eng.alloc, enabled=False)
     eng.start()
     try:
         img = _image(30)

@@ -48,8 +48,7 @@ SCRIPT = textwrap.dedent(r"""
     def run(model, dcp, threshold, num_blocks=None):
         ecfg = EngineConfig(max_num_seqs=case["slots"], max_model_len=case["max_len"],
                             prefill_chunk_sizes=tuple(case["chunks"]), dcp=dcp, num_blocks=num_blocks,
-                            token_split_min_tokens=threshold, images=False,
-                            prefix_cache_entries=case.get("prefix_cache_entries", 0))
+                            token_split_min_tokens=threshold, images=False)
         eng = Engine(model, tok, ecfg).start()
         streams = [eng.submit(p, params) for p in prompts]
         outs = [s.collect(1)[0][0] for s in streams]
@@ -96,13 +95,13 @@ def test_token_split_prefill_over_8_context_devices_equals_one_device():
     chunk starts and ends inside a page, and the 600-token prompt's sixth 96-token chunk (positions 480…575)
     crosses into its second page; its chunks 2…6 start at positions > 0 and continue the KDA state and conv tails
     of the ones before. The 70-token prompt takes two 24-token chunks, the 7-token one none. The fourth prompt is
-    the 70-token one and 130 more tokens: it resumes from that prompt's prefix-cache snapshot (69 tokens: two
+    the 70-token one and 130 more tokens: it resumes from that prompt's prefix-cache checkpoint (69 tokens: two
     24-token chunks and 21 one-token chunks) and prefills the rest in a 96- and a 24-token chunk starting at
     positions 69 and 165: not multiples of 8, so each chunk's first token lives on rank 5 (position p on rank
     p mod 8), not on the device holding it."""
     lengths, chunks = (600, 70, 7), (96, 24, 1)
     r = _run(mesh="expert=8,tensor=1,context=8", dcp=8, chunks=chunks, threshold=24, lengths=lengths, gen=10,
-             slots=4, max_len=1024, num_blocks=None, indexer=True, extend=[[1, 130]], prefix_cache_entries=4)
+             slots=4, max_len=1024, num_blocks=None, indexer=True, extend=[[1, 130]])
     assert r["tokens_equal"], r
     assert r["max_dlogprob"] < 1e-4, r
     split = r["split"]

@@ -30,7 +30,13 @@ class EngineConfig:
     kv_dtype: Optional[str] = None  # paged latent format: None / "auto" (the model's dtype), fp32, bf16, fp8, nvfp4
     index_dtype: Optional[str] = None  # index keys: None (fp32 / bf16 beside those latents, else fp8), fp8, mxfp4
     num_blocks: Optional[int] = None  # pages per MLA pool incl. the null page; None: every slot at max_model_len
-    prefix_cache_entries: int = 0
+    # prefix caching (prefix_cache.py): pages shared between sequences whose ids start alike, and KDA checkpoints to
+    # resume from; on by default
+    prefix_caching: bool = True
+    # KDA checkpoints the prefix cache holds at most (each is one sequence's KDA state); None: max_num_seqs, at least 8
+    prefix_checkpoints: Optional[int] = None
+    # a checkpoint every this many pages of a prefill; None: by memory cost (`prefix_cache.checkpoint_interval`)
+    prefix_checkpoint_blocks: Optional[int] = None
     # decode context parallelism: the paged cache's tokens split over this many ranks (the mesh's tensor or context
     # axis of that size); 1: the pools whole on every device
     dcp: int = 1

@@ -33,10 +33,11 @@ Life of a request (``submit`` -> ``RequestStream``):
    ``SeqEvent`` pieces.
 
 Pages (``runner.py``, ``kimi_jax.paged_cache``): every MLA layer keeps one pool of 64-token pages (``kv_dtype`` fp32 /
-bf16 / fp8 / nvfp4; default pool ``1 + max_num_seqs · ceil(max_model_len / 64)`` pages plus the prefix-cache
-entries', or ``num_blocks``).  A sequence holds ``ceil(tokens / 64)`` pages; before each decode step every running
-sequence gets the page its next token lands in.  **Preemption by recompute:** when the pool is empty, prefix-cache
-entries are dropped first, then the youngest running sequence (latest admitted; a prefill in progress counts as
+bf16 / fp8 / nvfp4; default pool ``1 + max_num_seqs · ceil(max_model_len / 64)`` pages, or ``num_blocks``).  A
+sequence holds ``ceil(tokens / 64)`` pages, the first of them possibly shared with the prefix cache (reference
+counted: a full page is never written again); before each decode step every running sequence gets the page its next
+token lands in.  **Preemption by recompute:** when the pool is empty, pages only the prefix cache holds are evicted
+first (least recently used), then the youngest running sequence (latest admitted; a prefill in progress counts as
 youngest) is evicted -- its pages and slot freed -- and re-queued at the front; when it is admitted again its
 prompt + generated tokens are prefilled again (exactly as a new prompt would be) and it continues where it stopped,
 with its penalty counts restored, so greedy output is unchanged.  A lone sequence always fits (the pool holds at
@@ -55,12 +56,14 @@ decoding.  The vision tower runs once, on the engine thread, when the request is
 with the request (a recompute after preemption reuses them).  Prefill
 chunks that hold image tokens run the runner's ``prefill_img`` program (features + mask spliced into the embeddings;
 a chunk may start or end inside an image), the others the text program.  The prefix cache keys image tokens by the
-image's pixel digest, so equal token ids with different images never share a snapshot.
+image's pixel digest, so equal token ids with different images never share pages or a checkpoint.
 
 Seams for what comes next:
 
-* **Prefix caching** -- ``_admit`` (``scheduler.py``) asks ``self.prefix_cache.lookup(prefill_ids)`` for a snapshot
-  (KDA state + its own copies of the MLA pages) and ``_finish_prefill`` stores one (``prefix_cache.py``).
+* **Prefix caching** (on by default, ``prefix_cache.py``) -- ``_admit`` (``scheduler.py``) asks
+  ``self.prefix_cache.lookup`` for the deepest KDA checkpoint on the prompt's ids, shares the pages before it and
+  prefills the rest; checkpoints are left during prefill, at its end, and when a sequence finishes or is preempted
+  (``_checkpoint_prefill`` / ``_checkpoint_sequence``).
 * **Speculative decoding** (``speculative_tokens = k > 0``, docs/model.md §12, ``spec_decode.py``) -- ``_decode``
   is the only place that advances running sequences.  When the proposer (``ngram.NgramProposer``, prompt lookup, or
   ``draft_model.DraftModelProposer``, a draft model's greedy or sampled continuation) drafts
@@ -105,7 +108,7 @@ from .images import PromptImages
 from .multihost import Mirror, mirror_runner
 from .ngram import NgramProposer
 from .output import OutputMixin
-from .prefix_cache import PrefixCache
+from .prefix_cache import MIN_DEFAULT_CHECKPOINTS, PrefixCache, checkpoint_interval
 from .request import EngineDeadError, EngineUnavailableError, RequestFailedError, RequestStream, SequenceOutput
 from .runner import ModelRunner, resolve_kv_dtype
 from .sampler import Controls, RowParams, empty_controls
@@ -170,11 +173,17 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         if cfg.token_split_min_tokens < 0:
             raise ValueError(f"token_split_min_tokens must be >= 0 (0: no token-split prefill), got "
                              f"{cfg.token_split_min_tokens}")
-        # default pool: every slot at max_model_len, and room for the prefix-cache snapshots (the planner's formula)
+        # default pool: every slot at max_model_len (the planner's formula); cached prefixes live in the pages the
+        # running sequences leave free and are evicted as they need them
         num_blocks = cfg.num_blocks
         if num_blocks is None:
             num_blocks = allocate(CacheLayout(model.config), max_num_seqs=self.B, max_model_len=self.max_model_len,
-                                  prefix_cache_entries=cfg.prefix_cache_entries, dcp=cfg.dcp).num_blocks
+                                  dcp=cfg.dcp).num_blocks
+        if cfg.prefix_checkpoints is not None and cfg.prefix_checkpoints < 1:
+            raise ValueError(f"prefix_checkpoints must be >= 1 (turn prefix caching off with prefix_caching=False), "
+                             f"got {cfg.prefix_checkpoints}")
+        if cfg.prefix_checkpoint_blocks is not None and cfg.prefix_checkpoint_blocks < 1:
+            raise ValueError(f"prefix_checkpoint_blocks must be >= 1, got {cfg.prefix_checkpoint_blocks}")
         if cfg.vision_batch_images < 1:
             raise ValueError(f"vision_batch_images must be >= 1, got {cfg.vision_batch_images}")
         self.proposer = None
@@ -226,12 +235,17 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
                              "sampled drafts), dcp, token-split threshold and decode buckets")
         self.runner = mirror_runner(runner, self.mirror) if self.mirror.multiprocess else runner
         self._cache_bytes_per_device = runner.cache_bytes_per_device()
+        self._checkpoint_bytes_per_device = runner.cache1_bytes_per_device()
         # this engine's class table (its dynamic rows are its own), passed to every step: engines may share a runner
         self._tables = runner.tables
-        self.alloc = BlockAllocator(runner.spec.num_blocks, runner.block_tokens)
-        self._prefix_blocks = 0  # pages held by prefix-cache snapshots
-        self.prefix_cache = PrefixCache(cfg.prefix_cache_entries,
-                                        lambda v: (self.runner.copy_cache1(v[0]), v[1]), self._drop_prefix)
+        layout = runner.spec.layout
+        self.checkpoint_blocks = cfg.prefix_checkpoint_blocks or checkpoint_interval(
+            layout.state_bytes_per_sequence, layout.page_bytes * runner.dcp)
+        self.max_checkpoints = cfg.prefix_checkpoints or max(self.B, MIN_DEFAULT_CHECKPOINTS)
+        self.alloc, self.prefix_cache = self._new_pages()
+        self.prefix_query_tokens = 0  # prompt tokens of new requests looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, served from it
+        self.prefix_hits = 0  # new requests that resumed from a checkpoint
         self.rows = RowParams(self.B, self.vocab_size)
         self.listeners: list = []  # objects with on_request_done(RequestDone) (metrics), called on the engine thread
 
@@ -421,6 +435,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         pre = self._prefilling
         total = self.alloc.num_blocks - 1
         free = self.alloc.free_blocks
+        cached = self.prefix_cache.stats()
         return {
             "alive": self.alive,
             "healthy": self.healthy,
@@ -431,7 +446,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             "total_blocks": total,  # cache pages (per DCP rank), the null page aside
             "free_blocks": free,
             "used_blocks": total - free,
-            "prefix_cache_blocks": self._prefix_blocks,  # of used_blocks: held by prefix-cache snapshots
+            # of used_blocks: pages only the prefix cache holds (evicted before anything waits for pages)
+            "prefix_cache_blocks": cached["reclaimable_pages"],
             "block_tokens": self.alloc.block_tokens,  # sequence positions one page id covers (64 · dcp)
             "dcp": self.runner.dcp,
             "processes": self.mirror.channel.size if self.mirror.multiprocess else 1,
@@ -456,8 +472,15 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             "compilations": compile_watch.compile_count(),
             "compilations_at_start": self.compilations_at_start,
             "compile_seconds": round(self.compile_seconds, 2),
-            "prefix_cache_entries": len(self.prefix_cache),
-            "prefix_cache_hits": self.prefix_cache.hits,
+            "prefix_caching": self.prefix_cache.enabled,
+            "prefix_cache_pages": cached["pages"],  # pages in the cache, read by running sequences or not
+            "prefix_cache_checkpoints": cached["checkpoints"],
+            "prefix_cache_max_checkpoints": self.max_checkpoints,
+            "prefix_checkpoint_blocks": self.checkpoint_blocks,
+            "prefix_checkpoint_bytes_per_device": self._checkpoint_bytes_per_device,
+            "prefix_cache_hits": self.prefix_hits,  # new requests that resumed from the cache
+            "prefix_cache_query_tokens": self.prefix_query_tokens,  # prompt tokens of new requests
+            "prefix_cache_hit_tokens": self.prefix_hit_tokens,  # of those, served from the cache
             "prefill_chunk_sizes": list(self.runner.chunk_sizes),
             "speculative_tokens": self.runner.spec_tokens,
             "spec_verify_steps": self.spec_steps,
@@ -497,7 +520,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
 
     def _recover(self, error: Exception) -> None:
         """A step (prefill, decode, vision, a cache copy) raised: the batch state may be half-updated, so every
-        request in the engine ends with ``RequestFailedError``, every slot, page and prefix snapshot is released,
+        request in the engine ends with ``RequestFailedError``, every slot, page and prefix-cache checkpoint is released,
         and the state is rebuilt.  ``healthy`` is False (``submit`` refuses) until a probe step -- the compiled
         decode step over empty rows -- runs on the new state; while it keeps failing it is retried with a growing
         wait, and the engine never hangs a caller (every stream gets its error at once)."""
@@ -530,17 +553,20 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             log.info("engine state rebuilt after a failed step; taking requests again")
 
     def _reset_batch(self) -> None:
-        """Forget every sequence: all slots and pages free, no prefill, no prefix snapshots, default row params."""
+        """Forget every sequence: all slots and pages free, no prefill, an empty prefix cache, default row params."""
         self._waiting.clear()
         self._running.clear()
         self._prefilling = None
         self._vision_pending = False
         self._free = list(range(self.B - 1, -1, -1))
-        self.prefix_cache = PrefixCache(self.config.prefix_cache_entries,
-                                        lambda v: (self.runner.copy_cache1(v[0]), v[1]), self._drop_prefix)
-        self.alloc = BlockAllocator(self.runner.spec.num_blocks, self.runner.block_tokens)
-        self._prefix_blocks = 0
+        self.alloc, self.prefix_cache = self._new_pages()
         self.rows = RowParams(self.B, self.vocab_size)
+
+    def _new_pages(self) -> tuple[BlockAllocator, PrefixCache]:
+        """An empty page pool and prefix cache over it."""
+        alloc = BlockAllocator(self.runner.spec.num_blocks, self.runner.block_tokens)
+        return alloc, PrefixCache(alloc, enabled=self.config.prefix_caching, max_checkpoints=self.max_checkpoints,
+                                  checkpoint_blocks=self.checkpoint_blocks)
 
     def _probe_step(self) -> None:
         """Run the compiled decode step once with every row free (they write only the null page) and wait for it."""

@@ -17,7 +17,7 @@ A prompt with images carries, for image i, ``counts[i]`` ``<|media_pad|>`` token
   inside an image;
 * keys the prefix cache by ``cache_key(ids)``: the token ids with every image token replaced by
   ``(pixel digest, token index within the image)``, so two prompts whose ids agree but whose images differ part ways
-  at the first image token and never share a snapshot past it, while identical images do share.
+  at the first image token and never share pages or a checkpoint past it, while identical images do share.
 
 Image tokens must all be prefilled (the decode step reads token embeddings only): ``Engine.submit`` refuses a
 prompt whose image tokens would ride the decode steps (possible only when 1 is not among the prefill chunk sizes).

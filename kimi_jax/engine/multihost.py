@@ -227,8 +227,8 @@ class Mirror:
 
 
 # the runner's methods that launch device work: a multi-process server mirrors exactly these
-RUNNER_CALLS = ("new_state", "new_cache1", "copy_cache1", "prefill", "insert", "step", "verify", "copy_blocks",
-                "put_rows", "update_class_masks")
+RUNNER_CALLS = ("new_state", "new_cache1", "copy_cache1", "take_cache1", "prefill", "insert", "step", "verify",
+                "copy_blocks", "put_rows", "update_class_masks")
 
 
 class MirroredRunner:

@@ -6,7 +6,8 @@ end, ``RequestDone`` to its stream and to the listeners (``_finish_request``).
 ``OutputMixin`` is a base of ``Engine`` and runs on the engine thread only.
 Reads: ``tokenizer``, ``stop_ids``, ``max_model_len``, ``proposer``, ``spec_policy``, ``listeners``, ``_prefilling``.
 Writes: ``_running``, ``_free``, ``_waiting``, ``_requests``, ``alloc``; the counters ``generation_tokens_total``,
-``requests_finished``.  Stops a running recompute through ``SchedulerMixin._cancel_prefill``.
+``requests_finished``.  Stops a running recompute through ``SchedulerMixin._cancel_prefill``; leaves a finished
+sequence's checkpoint and pages to the prefix cache through ``SchedulerMixin._checkpoint_sequence``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class OutputMixin:
         req = seq.req
         req.stream.put(SeqEvent(seq.index, list(token_ids), pieces, logprobs, reason, stop_reason))
         if seq.slot is not None and self._running.get(seq.slot) is seq:
+            self._checkpoint_sequence(seq)  # its prompt and answer stay cached for a next turn
             del self._running[seq.slot]
             self._free.append(seq.slot)
         elif seq in self._waiting:  # preempted, waiting for its recompute

@@ -34,12 +34,15 @@ growing sequences never change a shape.
   (a draft model that samples its drafts) it also takes the drafts' distributions ``q [B, k, V]`` float32 and
   ``has_q [B, k]`` bool, for docs/model.md §12's min(1, p/q) acceptance.
 * ``copy_blocks(state, src [max_blocks], dst [max_blocks]) -> state``: page copies in every MLA pool (a request's
-  ``n`` sequences share one prefill; prefix-cache snapshots own private pages).  Null-padded (0 -> 0 is a no-op).
-* small helpers: zero state, zero batch-1 cache, copy of a batch-1 cache (prefix-cache snapshots).
+  ``n`` sequences share one prefill; a prefix-cache checkpoint part-way into a page keeps a copy of it).  Null-padded
+  (0 -> 0 is a no-op).
+* ``take_cache1(state, slot) -> cache1``: a copy of one slot's per-sequence state (length + KDA layers), the
+  inverse of ``insert``: the prefix cache's checkpoint of a sequence that finishes or is preempted.
+* small helpers: zero state, zero batch-1 cache, copy of a batch-1 cache (prefix-cache checkpoints).
 
 All of them are lowered and compiled once in ``compile()`` (in parallel threads; XLA compilation releases the GIL) and
 then called as ``Compiled`` executables: a call with any other shape is an error, not a silent recompile.  So the set
-of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 6`` (+ 1 with speculation; a
+of XLA programs is exactly ``len(prefill_chunk_sizes) · (2 with images, else 1) + 7`` (+ 1 with speculation; a
 token-split chunk size has its ``prefill_split`` program in place of its ``prefill``),
 independent of traffic (the vision tower itself, run by ``Model.encode_images`` at admission, compiles once per
 patch-count bucket the images fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per
@@ -222,6 +225,14 @@ class ModelRunner:
             mask = jax.lax.dynamic_update_index_in_dim(state.prompt_mask, prompt_mask_row, slot, 0)
             return DeviceState(cache, counts, mask)
 
+        def take_cache1(state, slot):
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=True)
+            c = state.cache
+            one = zeros_cache1()
+            layers = tuple(None if o is None else jax.tree.map(lambda a, z: take(a).astype(z.dtype), p, o)
+                           for p, o in zip(c.layers, one.layers))
+            return one.replace(length=take(c.length).astype(one.length.dtype), layers=layers)
+
         def step(params, state, tokens, active, rows, ctl, tables, block_tables):
             m = nnx.merge(graphdef, params)
             logits, cache = m(tokens[:, None], state.cache.replace(block_tables=block_tables), ctx=ctx)
@@ -295,6 +306,7 @@ class ModelRunner:
             "prefill_img": jax.jit(prefill_img, donate_argnums=(4, 5), **out((c1, st))),
             "prefill_split": jax.jit(prefill_split, donate_argnums=(2, 3), **out((c1, st))),
             "insert": jax.jit(insert, donate_argnums=(0,), **out(st)),
+            "take_cache1": jax.jit(take_cache1, **out(c1)),
             "step": jax.jit(step, donate_argnums=(1,), **out((st, replicated))),
             "verify": jax.jit(verify, donate_argnums=(1,), **out((st, replicated))),
             "copy_blocks": jax.jit(copy_blocks, donate_argnums=(0,), **out(st)),
@@ -341,9 +353,18 @@ class ModelRunner:
     def cache_bytes_per_device(self) -> int:
         """Bytes of every cache and state buffer of the model (KDA states and conv tails, MLA pools and their
         scales, lengths, block tables) on the most loaded device; the sampler's penalty rows aside."""
-        leaves = jax.tree.leaves(self._abstract_state.cache)
-        shardings = (jax.tree.leaves(self.state_shardings(self._abstract_state).cache) if self.mesh is not None
-                     else None)
+        return self._bytes_per_device(self._abstract_state.cache,
+                                      None if self.mesh is None else self.state_shardings(self._abstract_state).cache)
+
+    def cache1_bytes_per_device(self) -> int:
+        """Bytes of one batch-1 per-sequence cache (a prefix-cache checkpoint: length, KDA states, conv tails) on the
+        most loaded device."""
+        return self._bytes_per_device(self._abstract_cache1, self.state_shardings(self._abstract_cache1))
+
+    @staticmethod
+    def _bytes_per_device(abstract, shardings) -> int:
+        leaves = jax.tree.leaves(abstract)
+        shardings = None if shardings is None else jax.tree.leaves(shardings)
         total = 0
         for i, a in enumerate(leaves):
             shape = a.shape if shardings is None else shardings[i].shard_shape(a.shape)
@@ -358,7 +379,7 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ compile
     @property
     def program_names(self) -> list[str]:
-        return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "step", "copy_blocks"]
+        return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "take_cache1", "step", "copy_blocks"]
                 + [self._prefill_name(c) for c in self.chunk_sizes]
                 + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
                 + (["verify"] if self.spec_tokens else [])
@@ -398,6 +419,7 @@ class ModelRunner:
             "copy_cache1": (f["copy_cache1"], (cache1,)),
             "insert": (f["insert"], (state, cache1, sds((), jnp.int32), sds((self.V,), bool),
                                      sds((self.V,), jnp.int32))),
+            "take_cache1": (f["take_cache1"], (state, sds((), jnp.int32))),
             "step": (f["step"], (params, state, sds((B,), jnp.int32), sds((B,), bool), rows, ctl, tables,
                                  sds((B, NB), jnp.int32))),
             "copy_blocks": (f["copy_blocks"], (state, sds((NB,), jnp.int32), sds((NB,), jnp.int32))),
@@ -476,6 +498,10 @@ class ModelRunner:
 
     def new_cache1(self) -> PagedModelCache:
         return self._call("zeros_cache1")
+
+    def take_cache1(self, state: DeviceState, slot: int) -> PagedModelCache:
+        """A copy of slot ``slot``'s length and KDA state as a batch-1 cache (``state`` is not donated)."""
+        return self._call("take_cache1", state, np.int32(slot))
 
     def copy_cache1(self, cache1: PagedModelCache) -> PagedModelCache:
         return self._call("copy_cache1", cache1)

@@ -1,13 +1,22 @@
 """Scheduling for ``Engine``: admission of waiting requests and preempted sequences (slots, pages, the vision
 tower's run for image prompts), chunked prefill within ``prefill_token_budget``, the prefix cache's lookups and
-snapshots, and before each decode step page growth with preemption by recompute (the policy: engine.py's module
+checkpoints, and before each decode step page growth with preemption by recompute (the policy: engine.py's module
 docstring, items 1-2 and "Pages").
 
 ``SchedulerMixin`` is a base of ``Engine`` and runs on the engine thread only.
 Reads: ``config``, ``model``, ``tokenizer``, ``runner``, ``vocab_size``, ``_abort_posted``.
 Reads and writes: ``_waiting``, ``_prefilling``, ``_vision_pending``, ``_running``, ``_free``, ``_orders``,
-``_state``, ``alloc``, ``prefix_cache``, ``_prefix_blocks``, ``rows``; the counters ``num_prefill_chunks``,
-``token_split_prefill_tokens``, ``prompt_tokens_total``, ``num_preemptions``, ``images_encoded``.
+``_state``, ``alloc``, ``prefix_cache``, ``rows``; the counters ``num_prefill_chunks``,
+``token_split_prefill_tokens``, ``prompt_tokens_total``, ``num_preemptions``, ``images_encoded``,
+``prefix_query_tokens``, ``prefix_hit_tokens``, ``prefix_hits``.
+
+The prefix cache (``prefix_cache.py``) gets a checkpoint, with the pages before it, at these points:
+* during a prefill, where a chunk ends on a multiple of ``checkpoint_blocks`` pages, and where the prompt leaves the
+  cached pages (the page boundary up to which it matched full pages beyond its own hit: two prompts share that much,
+  so a third is likely to) -- the chunk plan is cut so that a chunk ends there;
+* at the end of every prefill (a prompt asked again, or the ``n`` of another request);
+* when a running sequence finishes or is preempted, after its last fed token (a conversation's next turn carries
+  this turn's prompt and answer; a preempted sequence's recompute resumes right there).
 Ends a request whose images fail through ``OutputMixin._end_seq`` / ``_finish_request``.
 """
 
@@ -21,9 +30,12 @@ import numpy as np
 
 from .detok import OutputText
 from .images import encode_many
+from .prefix_cache import Match
 from .sequences import _Prefill, _Seq, _request_of
 
 log = logging.getLogger("kimi_jax.engine")
+
+_TAIL_PIN = ("prefix-cache", "tail")  # allocator owner of a partial page while it is copied into or out of the cache
 
 
 class SchedulerMixin:
@@ -71,6 +83,8 @@ class SchedulerMixin:
                 self.num_prefill_chunks += 1
                 if self.runner.splits_tokens(size, images=mm is not None):
                     self.token_split_prefill_tokens += size
+                if job.pos in job.checkpoints:
+                    self._checkpoint_prefill(job)
             self._finish_prefill(job)
 
     def _images_ready(self, item) -> Optional[bool]:
@@ -148,7 +162,8 @@ class SchedulerMixin:
         return ahead
 
     def _admit(self, item) -> Optional[_Prefill]:
-        """Start the prefill of a waiting request or preempted sequence, if slots and pages allow."""
+        """Start the prefill of a waiting request or preempted sequence, if slots and pages allow: resume from the
+        deepest prefix-cache checkpoint on its ids (sharing the pages before it) and plan chunks for the rest."""
         if isinstance(item, _Seq):
             req, n = item.req, 1
             ids, keys = req.prompt_ids + item.output_ids, [item.key]
@@ -159,42 +174,74 @@ class SchedulerMixin:
             return None
         prefill_ids = ids[:-1]
         key = req.images.cache_key(ids) if req.images is not None else ids
-        chunks, _ = self.runner.plan_chunks(len(prefill_ids))
-        prefill_len = sum(chunks)
-        # the prefill's pages up front, plus one page of headroom per running sequence (so that admitting it does
+        match = self.prefix_cache.lookup(key, len(prefill_ids))
+        chunks, checkpoints = self._plan(match.tokens, match.matched, len(prefill_ids))
+        if match.tokens and req.images is not None and match.tokens + sum(chunks) < req.images.end:
+            # chunk sizes that do not divide one another can leave a hit's remainder short of the last image
+            # token; that token would then ride a decode step without its features -- prefill from scratch instead
+            match = Match(matched=match.matched)
+            chunks, checkpoints = self._plan(0, match.matched, len(prefill_ids))
+        pos = match.tokens
+        prefill_len = pos + sum(chunks)  # the rest (< the smallest chunk) rides the decode steps
+        bt = self.alloc.block_tokens
+        # hold the hit's pages before making room, so that eviction cannot take them: the first sequence shares
+        # the full ones; the partial one is pinned until it is copied
+        self.alloc.share(keys[0], match.blocks)
+        if match.tail_block is not None:
+            self.alloc.share(_TAIL_PIN, [match.tail_block])
+        # the prefill's own pages up front, plus one page of headroom per running sequence (so that admitting it does
         # not immediately force a preemption)
-        need = n * self.alloc.blocks_for_tokens(prefill_len) + len(self._running)
+        need = (self.alloc.blocks_for_tokens(max(prefill_len, pos)) - len(match.blocks)
+                + (n - 1) * self.alloc.blocks_for_tokens(prefill_len) + len(self._running))
         while self.alloc.free_blocks < need and self.prefix_cache.evict_lru():
             pass
         if self.alloc.free_blocks < need:
+            self.alloc.free(keys[0], missing_ok=True)
+            self.alloc.free(_TAIL_PIN, missing_ok=True)
             return None
         self._orders += 1
         job = _Prefill(req, ids, item if isinstance(item, _Seq) else None, keys,
-                       [self._free.pop() for _ in range(n)], self._orders, chunks, key, prefill_len=prefill_len)
-        for k in keys:
+                       [self._free.pop() for _ in range(n)], self._orders, chunks, key, pos=pos,
+                       prefill_len=prefill_len, checkpoints=checkpoints)
+        self.alloc.allocate(keys[0], max(prefill_len, pos))
+        for k in keys[1:]:
             self.alloc.allocate(k, prefill_len)
-        hit = self.prefix_cache.lookup(key[:prefill_len])
-        if hit is not None and req.images is not None:
-            # chunk sizes that do not divide one another can leave a hit's remainder short of the last image
-            # token; that token would then ride a decode step without its features -- prefill from scratch instead
-            rest, _ = self.runner.plan_chunks(prefill_len - hit[0])
-            if hit[0] + sum(rest) < req.images.end:
-                hit = None
-        if hit is not None:
-            job.pos, (job.cache1, owner) = hit
-            used = self.alloc.blocks_for_tokens(job.pos)
-            self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(owner)[:used],
-                                                  self.alloc.blocks(keys[0])[:used])
-            if job.seq is None:
-                req.cached_tokens = job.pos
-            job.chunks, _ = self.runner.plan_chunks(prefill_len - job.pos)
-            # the chunks may not cover the rest exactly (sizes that do not divide one another, e.g. 64 and 48): the
-            # prefill then ends, and its snapshot is taken, at pos + sum(chunks); the remainder rides the decode steps
-            job.prefill_len = job.pos + sum(job.chunks)
-        else:
-            job.cache1 = self.runner.new_cache1()
+        if match.tail_block is not None:  # the partial page: this sequence writes on into a copy of its own
+            self._state = self.runner.copy_blocks(self._state, [match.tail_block],
+                                                  [self.alloc.blocks(keys[0])[pos // bt]])
+            self.alloc.free(_TAIL_PIN)
+        job.cache1 = self.runner.copy_cache1(match.checkpoint) if pos else self.runner.new_cache1()
+        if job.seq is None:
+            req.cached_tokens = pos
+            self.prefix_query_tokens += len(req.prompt_ids)
+            self.prefix_hit_tokens += pos
+            self.prefix_hits += pos > 0
         self._prefilling = job
         return job
+
+    def _plan(self, start: int, matched: int, limit: int) -> tuple[list, set]:
+        """Chunk sizes for prompt positions ``start`` … ``limit`` (largest first, cut so that a chunk ends at each
+        checkpoint position: every ``checkpoint_blocks`` pages and ``matched``, where the prompt leaves the cached
+        pages), and the positions at which to take a checkpoint.  A position that only one-token chunks (or none)
+        would reach exactly is skipped rather than slow the prefill down; what is left after the last chunk rides
+        the decode steps."""
+        if not self.prefix_cache.enabled:
+            chunks, _ = self.runner.plan_chunks(limit - start)
+            return chunks, set()
+        every = self.prefix_cache.checkpoint_tokens
+        points = set(range((start // every + 1) * every, limit, every))
+        if start < matched < limit:
+            points.add(matched)
+        chunks, pos, taken = [], start, set()
+        for p in sorted(points):
+            seg, left = self.runner.plan_chunks(p - pos)
+            if left or (1 in seg and min(self.runner.chunk_sizes) < max(self.runner.chunk_sizes)):
+                continue
+            chunks += seg
+            pos = p
+            taken.add(p)
+        seg, _ = self.runner.plan_chunks(limit - pos)
+        return chunks + seg, taken
 
     def _cancel_prefill(self) -> Optional[_Prefill]:
         """Drop the prefill in progress: its pages and slots go back; returns it."""
@@ -211,7 +258,7 @@ class SchedulerMixin:
         self._prefilling = None
         req = job.req
         if job.prefill_len:
-            self._store_prefix(job)
+            self._checkpoint_prefill(job)
             src = self.alloc.blocks(job.keys[0])
             for k in job.keys[1:]:  # the other sequences start from copies of the first one's pages
                 self._state = self.runner.copy_blocks(self._state, src, self.alloc.blocks(k))
@@ -232,23 +279,39 @@ class SchedulerMixin:
             self._running[slot] = seq
         job.cache1 = None
 
-    def _store_prefix(self, job: _Prefill) -> None:
-        """Snapshot the prefilled prefix: KDA state + private copies of its pages (skipped when pages are short)."""
-        if self.prefix_cache.capacity <= 0:
+    def _checkpoint_prefill(self, job: _Prefill) -> None:
+        """A prefix-cache checkpoint of the prefill in progress at ``job.pos`` (its pages before that; part-way into a
+        page, a copy of that page, which the sequence keeps writing -- skipped when no page is free)."""
+        t, cache = job.pos, self.prefix_cache
+        if t <= 0 or cache.has_checkpoint(job.key, t):
             return
-        need = self.alloc.blocks_for_tokens(job.prefill_len)
-        if self.alloc.free_blocks < need:
-            return
-        self._orders += 1
-        owner = ("prefix", self._orders)
-        self.alloc.allocate(owner, job.prefill_len)
-        self._prefix_blocks += need
-        self._state = self.runner.copy_blocks(self._state, self.alloc.blocks(job.keys[0])[:need],
-                                              self.alloc.blocks(owner))
-        self.prefix_cache.store(job.key[: job.prefill_len], (job.cache1, owner))
+        blocks = self.alloc.blocks(job.keys[0])
+        tail = None
+        if t % self.alloc.block_tokens:
+            if self.alloc.free_blocks == 0:
+                return
+            tail = self.alloc.allocate(_TAIL_PIN, 1)[0]
+            self._state = self.runner.copy_blocks(self._state, [blocks[t // self.alloc.block_tokens]], [tail])
+        cache.store(job.key, t, blocks, self.runner.copy_cache1(job.cache1), tail)
+        self.alloc.free(_TAIL_PIN, missing_ok=True)
 
-    def _drop_prefix(self, entry) -> None:
-        self._prefix_blocks -= self.alloc.free(entry[1])
+    def _checkpoint_sequence(self, seq: _Seq) -> None:
+        """A prefix-cache checkpoint of a running sequence after its last fed token, with its pages (its partial last
+        page as it is: call this only when the sequence is about to let its pages go)."""
+        t, cache = seq.fed, self.prefix_cache
+        if not cache.enabled or t <= 0 or seq.slot is None or self._running.get(seq.slot) is not seq:
+            return
+        req = seq.req
+        ids = req.prompt_ids + seq.output_ids
+        if t > len(ids):
+            return  # a stop inside a verify step's accepted drafts: the cache holds drafts past the last output
+        key = req.images.cache_key(ids) if req.images is not None else ids
+        if cache.has_checkpoint(key, t):
+            return
+        blocks = self.alloc.blocks(seq.key)
+        bt = self.alloc.block_tokens
+        cache.store(key, t, blocks, self.runner.take_cache1(self._state, seq.slot),
+                    blocks[t // bt] if t % bt else None)
 
     # ------------------------------------------------------------------------------------------------ pages
     def _grow(self) -> None:
@@ -281,6 +344,7 @@ class SchedulerMixin:
             log.info("preempted the prefill of request %s (out of cache pages)", job.req.request_id)
             return
         seq = victim
+        self._checkpoint_sequence(seq)  # its pages stay cached: the recompute resumes here unless they are evicted
         del self._running[seq.slot]
         self._free.append(seq.slot)
         self.alloc.free(seq.key, missing_ok=True)

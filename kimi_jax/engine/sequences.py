@@ -72,7 +72,8 @@ class _Prefill:
     chunks: list  # prefill chunk sizes still to run
     key: list = field(default_factory=list)  # ids as the prefix cache sees them (image tokens by pixel digest)
     pos: int = 0  # tokens already in cache1 / keys[0]'s pages
-    prefill_len: int = 0  # tokens that go through prefill chunks (the rest ride the decode steps)
+    prefill_len: int = 0  # tokens in cache1 / keys[0]'s pages once the chunks have run (the rest ride the decode steps)
+    checkpoints: set = field(default_factory=set)  # positions at which a chunk ends and a prefix checkpoint is taken
     cache1: object = None
 
 

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--dcp.  /stats counts token_split_prefill_tokens")
     p.add_argument("--num-blocks", type=int, default=None, metavar="N",
                    help="pages of 64 tokens per MLA cache pool, the null page included (default: enough for every "
-                        "slot at --max-model-len plus the prefix cache). Fewer pages than that overcommit: when they "
-                        "run out, the youngest sequence is preempted and recomputed later")
+                        "slot at --max-model-len; the prefix cache keeps what the running sequences leave free). "
+                        "Fewer pages than that overcommit: when they run out, cached prefixes are evicted first, then "
+                        "the youngest sequence is preempted and recomputed later")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter / activation dtype (default: float32 for presets, the checkpoint's otherwise)")
     p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",
@@ -132,9 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "arithmetic for a row whatever the load: docs/serving.md, Batch invariance); or a list")
     p.add_argument("--prefill-token-budget", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps while sequences are running (default 256)")
-    p.add_argument("--prefix-cache-entries", type=int, default=0, metavar="N",
-                   help="keep N prefill snapshots for prompts that share a prefix (default 0 = off; each costs one "
-                        "sequence's cache)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cache of earlier requests whose ids start the same (on by default; "
+                        "--no-enable-prefix-caching turns it off): their pages are shared, and a prompt resumes from "
+                        "the deepest KDA checkpoint on its ids -- system prompts, tool definitions, documents, the "
+                        "conversation so far (a finished answer is cached too).  usage.prompt_tokens_details."
+                        "cached_tokens says how many prompt tokens came from it (docs/serving.md, Prefix caching)")
+    p.add_argument("--prefix-cache-checkpoints", type=int, default=None, metavar="N",
+                   help="KDA state checkpoints the prefix cache holds at most, least recently used dropped first; "
+                        "each costs one sequence's KDA state (/stats prefix_checkpoint_bytes_per_device; default: "
+                        "--max-num-seqs, at least 8)")
+    p.add_argument("--prefix-checkpoint-pages", type=int, default=None, metavar="N",
+                   help="take a checkpoint every N pages of a prefill (besides where a prompt leaves the cached "
+                        "pages and where it ends); default: by memory cost, the fewest pages (a power of two) that "
+                        "cost as much as one checkpoint")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding (default 0 = off): draft up to K tokens per sequence by prompt lookup "
                         "(the latest earlier occurrence of its last n tokens) and verify them in one step; the output "
@@ -422,7 +434,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             num_blocks=args.num_blocks, dcp=args.dcp, token_split_min_tokens=args.token_split_min_tokens,
             decode_buckets=(default_decode_buckets(args.max_num_seqs, mesh.shape["data"] if mesh is not None else 1)
                             if buckets == "auto" and platform != "cpu" else () if buckets == "auto" else buckets),
-            prefix_cache_entries=args.prefix_cache_entries, vision_warmup=args.vision_warmup,
+            prefix_caching=args.enable_prefix_caching, prefix_checkpoints=args.prefix_cache_checkpoints,
+            prefix_checkpoint_blocks=args.prefix_checkpoint_pages, vision_warmup=args.vision_warmup,
             vision_batch_images=args.vision_batch_images,
             speculative_tokens=args.speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=args.speculative_policy == "adaptive",

@@ -1,8 +1,9 @@
 """Prometheus metrics for /metrics, with vLLM's names where one exists.
 
 From the engine at scrape time (``EngineCollector``):
-  vllm:num_requests_running, vllm:num_requests_waiting (gauges), vllm:kv_cache_usage_perc (gauge: busy slots /
-  slots), vllm:prompt_tokens_total, vllm:generation_tokens_total (counters), kimi_jax:free_slots,
+  vllm:num_requests_running, vllm:num_requests_waiting (gauges), vllm:kv_cache_usage_perc (gauge: pages held by
+  sequences / pages), vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:prefix_cache_queries_total,
+  vllm:prefix_cache_hits_total (counters, in tokens: their ratio is the hit rate), kimi_jax:free_slots,
   kimi_jax:max_num_seqs, kimi_jax:engine_alive (gauges), kimi_jax:xla_compilations_total, kimi_jax:engine_steps_total
   (counters); with speculative decoding vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
   vllm:spec_decode_num_accepted_tokens_total (counters).
@@ -48,12 +49,18 @@ class EngineCollector:
         busy = s["max_num_seqs"] - s["free_slots"]
         yield gauge("vllm:num_requests_running", "Requests with sequences in decode slots.", s["num_requests_running"])
         yield gauge("vllm:num_requests_waiting", "Requests queued or being prefilled.", s["num_requests_waiting"])
-        total = s.get("total_blocks", 0) - s.get("prefix_cache_blocks", 0)
+        total = s.get("total_blocks", 0)
         usage = s["used_blocks"] - s.get("prefix_cache_blocks", 0) if "used_blocks" in s else busy
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the paged KV cache held by running sequences (1 = full).",
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the paged KV cache held by sequences (1 = full; pages "
+                    "only the prefix cache holds count as free, as they are evicted on demand).",
                     usage / total if total > 0 else busy / s["max_num_seqs"])
         yield counter("vllm:prompt_tokens", "Prefilled prompt tokens.", s["prompt_tokens_total"])
         yield counter("vllm:generation_tokens", "Generated tokens.", s["generation_tokens_total"])
+        if "prefix_cache_query_tokens" in s:  # hit rate = hits / queries
+            yield counter("vllm:prefix_cache_queries", "Prompt tokens of new requests looked up in the prefix cache.",
+                          s["prefix_cache_query_tokens"])
+            yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                          s["prefix_cache_hit_tokens"])
         yield gauge("kimi_jax:free_slots", "Free cache slots.", s["free_slots"])
         if "free_blocks" in s:
             yield gauge("kimi_jax:free_blocks", "Free pages of the paged MLA cache.", s["free_blocks"])
