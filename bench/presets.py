@@ -53,6 +53,10 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "serve-buckets": ("decode batch buckets vs every step over all slots, kimi-k3.1-reduced bf16, 1 and 4 clients",
                       "1 GPU", ["bench/serve.py --gpu --clients 1,4 --max-tokens 128 --server-arg=--decode-buckets=1,2,4",
                                 "bench/serve.py --gpu --clients 1,4 --max-tokens 128 --server-arg=--decode-buckets=none"]),
+    "serve-multiturn": ("prefix caching on vs off: conversations of 4 turns over a shared 2,000-token system prompt, "
+                        "kimi-k3.1-reduced bf16, 1 and 8 clients", "1 GPU",
+                        ["bench/serve.py --gpu --scenario multi-turn",
+                         "bench/serve.py --gpu --scenario multi-turn --server-arg=--no-enable-prefix-caching"]),
     "serve-cpu": ("the real server, tiny float32, 1 / 8 / 32 clients", "CPU", ["bench/serve.py"]),
     "spec-decode": ("speculative decoding, adaptive policy vs always, repetitive and rejected drafts", "1 GPU",
                     ["bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject"]),

@@ -26,6 +26,17 @@ expert width 3072, latent 3584, top-16 -- 4 layers KDA, KDA, KDA, MLA all MoE, 1
 1024) in bf16 with 32 slots, from the real server process (``python -m kimi_jax.serve``), within ~7 minutes on one
 H200 including compilation.
 
+Multi-turn (``--scenario multi-turn``): each of N clients holds a conversation of ``--turns`` turns through
+/v1/chat/completions (thinking off, ``--max-tokens`` per answer, ``ignore_eos``): one system prompt of about
+``--system-tokens`` tokens shared by every conversation, a user message of about ``--user-tokens`` tokens per turn,
+each turn resending the history with the previous answers as the server streamed them (the chat template encodes
+them again, as a real client's history is).  Per level: TTFT of the first turns and of the later ones, output
+tokens/s, the prompt tokens the prefix cache served (``usage.prompt_tokens_details.cached_tokens``).  Run it once as
+is and once with ``--server-arg=--no-enable-prefix-caching`` for the comparison (bench/presets.py, ``serve-multiturn``).
+
+    python bench/serve.py --scenario multi-turn                     # CPU, tiny model in-process
+    python bench/serve.py --gpu --scenario multi-turn [--server-arg=--no-enable-prefix-caching]
+
 Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail`` last; writes the JSON document to ``$OUT``
 (serve.json, plus the server log) when set and to ``--json FILE``. Current figures live in docs/performance.md.
 """
@@ -61,6 +72,16 @@ GPU_DEFAULTS = {  # --gpu: sized to run in one go in < 7 minutes on one H200, co
     "prefill_chunk_sizes": "128", "prompt_tokens": 129, "max_tokens": 256, "clients": "1,32",
     "requests_per_client": 1, "startup_timeout": 360,
 }
+
+
+MULTI_TURN_DEFAULTS = {  # --scenario multi-turn, before the --gpu / CPU defaults (explicit options still win)
+    "gpu": {"max_num_seqs": 8, "max_model_len": 8192, "prefill_chunk_sizes": "1024,256,64,1", "clients": "1,8",
+            "max_tokens": 64, "turns": 4, "system_tokens": 2000, "user_tokens": 100},
+    "cpu": {"max_num_seqs": 4, "max_model_len": 2048, "prefill_chunk_sizes": "64,1", "clients": "1,4",
+            "max_tokens": 16, "turns": 3, "system_tokens": 600, "user_tokens": 40},
+}
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "government company number group problem fact river stone light paper window garden music market").split()
 
 
 # ================================================================================================== load
@@ -186,6 +207,71 @@ async def run_level(base_url, model, clients, requests_per_client, prompt_tokens
     if poller:
         row["_samples"] = poller.samples
     return row
+
+
+def _words_for(base_url: str, model: str, tokens: int, rng) -> str:
+    """Random words that the server's tokenizer (POST /tokenize) encodes into about ``tokens`` tokens."""
+    def count(text):
+        req = urllib.request.Request(base_url + "/tokenize", data=json.dumps({"model": model, "prompt": text})
+                                     .encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())["count"]
+
+    n = max(1, tokens // 3)
+    text = " ".join(rng.choice(WORDS, n))
+    n = max(1, round(n * tokens / max(1, count(text))))
+    return " ".join(rng.choice(WORDS, n))
+
+
+async def run_conversations(base_url, model, clients, turns, system_tokens, user_tokens, max_tokens):
+    """``clients`` conversations at once, ``turns`` turns each (see the module docstring); one row of figures."""
+    import openai
+
+    rng = np.random.default_rng(1234)  # every level and run sends the same system prompt and user messages
+    system = _words_for(base_url, model, system_tokens, rng)
+    users = [[_words_for(base_url, model, user_tokens, rng) for _ in range(turns)] for _ in range(clients)]
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+
+    async def conversation(w):
+        messages, out = [{"role": "system", "content": system}], []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": users[w][turn]})
+            t0 = time.perf_counter()
+            first, text, usage = None, [], None
+            stream = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, temperature=0.8, seed=w * 100 + turn,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() if first is None else first
+                    text.append(chunk.choices[0].delta.content)
+            messages.append({"role": "assistant", "content": "".join(text)})
+            details = getattr(usage, "prompt_tokens_details", None)
+            out.append({"turn": turn, "ttft": (first or time.perf_counter()) - t0, "tokens": usage.completion_tokens,
+                        "prompt_tokens": usage.prompt_tokens,
+                        "cached": (getattr(details, "cached_tokens", 0) or 0) if details is not None else 0})
+        return out
+
+    t0 = time.perf_counter()
+    try:
+        per = await asyncio.gather(*(conversation(w) for w in range(clients)))
+    finally:
+        wall = time.perf_counter() - t0
+        await client.close()
+    reqs = [r for p in per for r in p]
+    p50 = lambda xs: 1e3 * float(np.percentile(xs, 50)) if xs else float("nan")
+    prompt = sum(r["prompt_tokens"] for r in reqs)
+    cached = sum(r["cached"] for r in reqs)
+    return {"clients": clients, "turns": turns, "requests": len(reqs), "wall_s": wall,
+            "output_tok_s": sum(r["tokens"] for r in reqs) / wall,
+            "ttft_first_turn_p50_ms": p50([r["ttft"] for r in reqs if r["turn"] == 0]),
+            "ttft_later_turns_p50_ms": p50([r["ttft"] for r in reqs if r["turn"] > 0]),
+            "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / max(prompt, 1),
+            "prompt_tokens_last_turn_mean": float(np.mean([r["prompt_tokens"] for r in reqs
+                                                           if r["turn"] == turns - 1]))}
 
 
 # ================================================================================================== roofline
@@ -372,12 +458,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                                         "(default 900; --gpu 360)")
     p.add_argument("--prompt-vocab", type=int, default=1000,
                    help="prompts are random ids below this (default 1000: the built-in tokenizer's text ids)")
+    p.add_argument("--scenario", choices=["load", "multi-turn"], default="load",
+                   help="load (default): independent random prompts; multi-turn: conversations over a shared system "
+                        "prompt (the prefix cache's case; module docstring)")
+    p.add_argument("--turns", type=int, default=None, help="multi-turn: turns per conversation (default 3; --gpu 4)")
+    p.add_argument("--system-tokens", type=int, default=None,
+                   help="multi-turn: tokens of the shared system prompt, about (default 600; --gpu 2000)")
+    p.add_argument("--user-tokens", type=int, default=None,
+                   help="multi-turn: tokens of each user message, about (default 40; --gpu 100)")
     p.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
     return p
 
 
 def _resolve(args):
     """Fill unset options: --gpu's defaults, then the CPU defaults."""
+    if args.scenario == "multi-turn":
+        for k, v in MULTI_TURN_DEFAULTS["gpu" if args.gpu else "cpu"].items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
     if args.gpu:
         for k, v in GPU_DEFAULTS.items():
             if getattr(args, k) in (None, False):
@@ -446,6 +544,7 @@ def main(argv=None) -> int:
         kw = {}
         if args.prefill_chunk_sizes:
             kw["prefill_chunk_sizes"] = tuple(int(x) for x in args.prefill_chunk_sizes.split(","))
+        kw["prefix_caching"] = "--no-enable-prefix-caching" not in args.server_arg
         engine = Engine(model, tok, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                                  **kw))
         engine.start()
@@ -457,6 +556,16 @@ def main(argv=None) -> int:
                  "max_model_len": args.max_model_len, "prefill_chunk_sizes": list(engine.runner.chunk_sizes)}
         print(f"in-process server {url}: load {t_load:.1f}s, compile {engine.compile_seconds:.1f}s", flush=True)
 
+    if args.scenario == "multi-turn":
+        try:
+            return _multi_turn(args, url, levels, setup, out_dir, t_start)
+        finally:
+            if server is not None:
+                server.stop()
+            if engine is not None:
+                engine.shutdown()
+            if launched is not None:
+                launched.stop()
     try:
         asyncio.run(run_level(url, args.model, 1, 1, args.prompt_tokens, 4, args.prompt_vocab))  # warm-up
         rows = []
@@ -536,6 +645,49 @@ def main(argv=None) -> int:
     print(table)
     print()
     print(bars)
+    return 0
+
+
+def _multi_turn(args, url, levels, setup, out_dir, t_start) -> int:
+    """The multi-turn scenario against a ready server: a warm-up conversation on other words, then each level."""
+    import jax
+
+    caching = "--no-enable-prefix-caching" not in args.server_arg
+    asyncio.run(run_conversations(url, args.model, 1, 1, 64, 16, 4))  # warm-up (compiles nothing new: a check)
+    rows = []
+    for n in levels:
+        row = run = asyncio.run(run_conversations(url, args.model, n, args.turns, args.system_tokens,
+                                                  args.user_tokens, args.max_tokens))
+        rows.append(row)
+        print(f"clients={n:3d}: {run['output_tok_s']:8.1f} tok/s  TTFT turn 1 p50 {run['ttft_first_turn_p50_ms']:7.0f} "
+              f"ms, later turns {run['ttft_later_turns_p50_ms']:7.0f} ms, cached {100 * run['cached_share']:.0f}% of "
+              f"{run['prompt_tokens']} prompt tokens", flush=True)
+    stats = get_json(url + "/stats")
+    doc = {"bench": "serve", "scenario": "multi-turn", "prefix_caching": caching,
+           "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": _git_rev(),
+           "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
+           "versions": f"python {platform.python_version()}, jax {jax.__version__}", "model": args.model,
+           "turns": args.turns, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
+           "max_tokens": args.max_tokens, "setup": setup, "levels": rows,
+           "compilations_during_run": stats["compilations"] - stats["compilations_at_start"],
+           "prefix_cache": {k: v for k, v in stats.items() if k.startswith("prefix_")},
+           "total_s": round(time.perf_counter() - t_start, 1)}
+    text = json.dumps(doc, indent=1, default=float)
+    print()
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text, encoding="utf-8")
+    if out_dir:
+        name = "serve_multiturn.json" if caching else "serve_multiturn_nocache.json"
+        (out_dir / name).write_text(text, encoding="utf-8")
+    print()
+    label = "prefix caching on" if caching else "prefix caching off"
+    print(_bar_table([
+        (f"TTFT turn 1 / later turns p50 (ms), {label}", f"{r['clients']} clients, {args.turns} turns",
+         f"{r['ttft_first_turn_p50_ms']:.0f} / {r['ttft_later_turns_p50_ms']:.0f}", "", "", "", "info")
+        for r in rows] + [
+        (f"output tok/s, {label}", f"{r['clients']} clients, cached {100 * r['cached_share']:.0f}%",
+         f"{r['output_tok_s']:.1f}", "", "", "", "info") for r in rows]))
     return 0
 
 
