@@ -108,6 +108,19 @@ def test_the_checkpoint_cap_drops_the_oldest_and_the_pages_only_it_needed():
     assert alloc.free_blocks == 15 - 4
 
 
+def test_passing_through_a_page_does_not_refresh_its_checkpoint():
+    """Checkpoints age by their own use: storing a deeper one (a prompt's end, a finished turn) passes through the
+    pages of shallower ones without making them recent, so the cap drops those first."""
+    alloc, cache = _cache(max_checkpoints=2)
+    key = list(range(20))
+    blocks = _run(alloc, "s", key, 20)
+    cache.store(key, 4, blocks, "state@4")
+    cache.store(key, 10, blocks, "state@10", tail_block=blocks[2])
+    cache.store(key, 16, blocks, "state@16")  # the cap: state@4 goes, not state@10
+    assert cache.lookup(key, limit=11).checkpoint == "state@10"
+    assert cache.lookup(key, limit=9).tokens == 0  # nothing at or before 9 but the dropped state@4
+
+
 def test_checkpoints_cost_no_more_than_the_pages_they_skip():
     assert checkpoint_interval(state_bytes=100, block_bytes=200) == 1
     assert checkpoint_interval(state_bytes=1000, block_bytes=100) == 16
@@ -223,3 +236,40 @@ def test_usage_and_metrics_report_the_cached_tokens(served):
               if line.startswith("vllm:prefix_cache_")}
     assert values["vllm:prefix_cache_hits_total"] >= 128
     assert values["vllm:prefix_cache_queries_total"] >= values["vllm:prefix_cache_hits_total"] + 140
+
+
+def test_a_chat_conversation_reuses_each_turn_and_answers_as_without_the_cache(served, engines):
+    """Over /v1/chat/completions, the history re-encoded by the chat template: each turn resumes at least where the
+    previous turn's prefill ended (its prompt; the answer too where its text re-encodes to the same ids), and every
+    answer equals the one a server without the prefix cache gives."""
+    import httpx
+
+    from kimi_jax.serve.app import build_app
+    from kimi_jax.serve.server import ServerThread
+
+    _, off = engines
+    plain = ServerThread(build_app(off, served.tokenizer, model_name="tiny")).start()
+    words = "time person year way day thing man world life hand part child eye woman place work week".split()
+    rng = np.random.default_rng(570)
+    try:
+        histories = {served.url: [{"role": "system", "content": " ".join(rng.choice(words, 60))}]}
+        histories[plain.url] = list(histories[served.url])
+        previous = None
+        for turn in range(3):
+            user = {"role": "user", "content": " ".join(rng.choice(words, 8))}
+            answers = {}
+            for url, messages in histories.items():
+                messages.append(user)
+                r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                    "model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                    "chat_template_kwargs": {"thinking": False}}).json()
+                assert "choices" in r, r
+                answers[url] = (r["choices"][0]["message"]["content"], r["usage"])
+                messages.append({"role": "assistant", "content": answers[url][0]})
+            (text, usage), (plain_text, _) = answers[served.url], answers[plain.url]
+            assert text == plain_text
+            if previous is not None:  # chunks of 64 and 16: the previous prefill ended on a multiple of 16
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= (previous - 1) // 16 * 16
+            previous = usage["prompt_tokens"]
+    finally:
+        plain.stop()

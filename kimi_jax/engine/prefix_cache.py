@@ -163,7 +163,7 @@ class PrefixCache:
         tokens, depth, item = best
         for n in path[:depth]:
             self._touch(n)
-        self._touch(item)
+        self._touch(item, checkpoint=True)
         tail = item if isinstance(item, _Tail) else None
         return Match(tokens, tuple(n.block for n in path[:depth]), None if tail is None else tail.block,
                      item.checkpoint, t)
@@ -212,7 +212,7 @@ class PrefixCache:
             if node.checkpoint is None:
                 node.checkpoint = checkpoint
                 self._checkpoints[node] = None
-            self._touch(node)
+            self._touch(node, checkpoint=True)
         else:
             if tail_block is None:
                 raise ValueError(f"{tokens} tokens end part-way into a page: store needs the page (tail_block)")
@@ -224,7 +224,7 @@ class PrefixCache:
                 node.tails[k] = tail
                 self._checkpoints[tail] = None
                 self._items += 1
-            self._touch(tail)
+            self._touch(tail, checkpoint=True)
         while len(self._checkpoints) > self.max_checkpoints:
             self._drop_checkpoint(next(iter(self._checkpoints)))
 
@@ -265,10 +265,12 @@ class PrefixCache:
         return {"pages": pages, "reclaimable_pages": reclaimable, "checkpoints": len(self._checkpoints)}
 
     # ------------------------------------------------------------------------------------------------ internals
-    def _touch(self, item) -> None:
+    def _touch(self, item, checkpoint: bool = False) -> None:
+        """Mark a page (or tail) used now; ``checkpoint``: its checkpoint too (it was stored or resumed from -- the
+        checkpoints of pages a prompt merely passes through keep their age)."""
         self._clock += 1
         item.used = self._clock
-        if item in self._checkpoints:
+        if checkpoint and item in self._checkpoints:
             self._checkpoints.move_to_end(item)
         if isinstance(item, _Tail) or item.leaf:
             self._push(item)
