@@ -133,6 +133,9 @@ class EngineAllocation:
     block_tokens: int  # sequence positions one table entry covers (PAGE_TOKENS · dcp)
     cache_bytes_per_device: int  # KDA states + conv tails + MLA pools + lengths + tables on the most loaded device
     max_cached_tokens: int  # positions the pools hold across the DCP ranks, the null pages aside
+    # one prefix-cache checkpoint (a batch-1 copy of a sequence's length, table, KDA states and conv tails) on the
+    # most loaded device; the engine holds up to --prefix-cache-checkpoints of them besides the cache above
+    checkpoint_bytes_per_device: int = 0
 
 
 def _split(n: int, ways: int) -> int:
@@ -154,15 +157,19 @@ def allocate(layout: CacheLayout, *, max_num_seqs: int, max_model_len: int, num_
     max_blocks = -(-int(max_model_len) // block_tokens)
     if num_blocks is None:
         num_blocks = 1 + B * max_blocks
-    rows = _split(B, data)
-    total = 4 * B + 4 * B * max_blocks  # lengths, block tables
-    k = cfg.kda
-    if k is not None:
-        H, d, P = k.num_heads, k.head_dim, k.proj_dim
-        state = rows * H * d * d * 4
-        state //= tensor if tensor > 1 and (H % tensor == 0 or d % tensor == 0) else 1
-        tails = 3 * rows * (k.conv_kernel - 1) * _split(P, tensor) * layout.activation_bytes
-        total += len(cfg.kda_layers) * (state + tails)
-    total += len(cfg.mla_layers) * (int(num_blocks) * layout.layer_page_bytes + 4)  # + the latent scale
+
+    def per_sequence(batch: int) -> int:  # lengths, block tables, KDA states and conv tails of `batch` rows
+        rows = _split(batch, data)
+        total = 4 * batch + 4 * batch * max_blocks
+        k = cfg.kda
+        if k is not None:
+            H, d, P = k.num_heads, k.head_dim, k.proj_dim
+            state = rows * H * d * d * 4
+            state //= tensor if tensor > 1 and (H % tensor == 0 or d % tensor == 0) else 1
+            tails = 3 * rows * (k.conv_kernel - 1) * _split(P, tensor) * layout.activation_bytes
+            total += len(cfg.kda_layers) * (state + tails)
+        return total
+
+    total = per_sequence(B) + len(cfg.mla_layers) * (int(num_blocks) * layout.layer_page_bytes + 4)  # + latent scale
     return EngineAllocation(int(num_blocks), max_blocks, block_tokens, total,
-                            (int(num_blocks) - 1) * block_tokens)
+                            (int(num_blocks) - 1) * block_tokens, per_sequence(1))

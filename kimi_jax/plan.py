@@ -214,7 +214,8 @@ def main(argv=None) -> int:
         e = r["engine"]
         print(f"  engine            {a.max_num_seqs} slots x {a.max_model_len} tokens: {e['num_blocks']} pages per "
               f"pool{' per DCP rank' if a.dcp > 1 else ''}, {e['cache_bytes_per_device'] / 2**20:,.1f} MiB of cache "
-              f"per device, {e['max_cached_tokens']:,} cached tokens")
+              f"per device, {e['max_cached_tokens']:,} cached tokens; a prefix-cache checkpoint "
+              f"{e['checkpoint_bytes_per_device'] / 2**20:,.1f} MiB per device")
     return 0
 
 

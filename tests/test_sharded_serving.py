@@ -128,7 +128,8 @@ PLAN_SCRIPT = textwrap.dedent(r"""
                              class_masks=np.zeros((NUM_VOCAB_CLASSES, cfg.vocab_size), bool),
                              stop_mask=np.zeros(cfg.vocab_size, bool), dcp=dcp)
         got = {"num_blocks": runner.spec.num_blocks, "cache_bytes_per_device": runner.cache_bytes_per_device(),
-               "max_cached_tokens": runner.max_cached_tokens, "block_tokens": runner.block_tokens}
+               "max_cached_tokens": runner.max_cached_tokens, "block_tokens": runner.block_tokens,
+               "checkpoint_bytes_per_device": runner.cache1_bytes_per_device()}
         assert all(predicted[k] == v for k, v in got.items()), (preset, mesh, dcp, predicted, got)
         print(preset, mesh, dcp, "ok", got["cache_bytes_per_device"])
 """)
