@@ -446,7 +446,8 @@ def _kimi_k31_reduced() -> ModelConfig:
     (KDA, KDA, KDA, MLA), all MoE (no dense first layer); 128 routed experts instead of 896 (≈ 8.4 GB per layer in
     bf16 instead of 59 GB); attention-residual blocks of 2 layers (so a 4-layer model still closes blocks); and the
     tiny tokenizer's 1024-id vocabulary, so the built-in tokenizer serves it and the vocabulary projections stay
-    as small a share of a decode step as in the 93-layer model. 19.2B parameters (35.8 GiB in bf16).
+    as small a share of a decode step as in the 93-layer model. 19.2B parameters (35.8 GiB in bf16). K3.1's 1M
+    positions (its MLA is NoPE, so positions cost no table), for the long-context benchmarks.
     """
     full = _kimi_k3(True)
     return full.replace(
@@ -455,7 +456,6 @@ def _kimi_k31_reduced() -> ModelConfig:
         dense_layers=(),
         moe=dataclasses.replace(full.moe, num_experts=128),
         attn_res_block_size=2,
-        max_position_embeddings=8192,
         vision=None,
         bos_token_id=1000,
         eos_token_id=1002,

@@ -28,6 +28,11 @@ log = logging.getLogger("kimi_jax")
 # Presets that are meant to be materialised with random weights on one host; the rest are abstract-only.
 MAX_RANDOM_PARAMS = 2_000_000_000
 
+# Prompts longer than this run in chunks of this many tokens (`prefill_chunks`): attention then holds chunk × context
+# scores at a time, never T × T (at 8K tokens K3.1's 96 heads of float32 scores alone are 24 GiB), and a long prompt
+# is prefilled as the serving engine prefills it. `Model.prefill_chunk_tokens` overrides it per model.
+PREFILL_CHUNK_TOKENS = 2048
+
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     """Every parameter's `jax.ShapeDtypeStruct`, keyed by its path ("layers.3.self_attn.q_b_proj.kernel").
@@ -46,6 +51,24 @@ def _flat(state) -> dict:
 def param_count(cfg: ModelConfig) -> int:
     """Total parameters (elements) from abstract shapes; nothing is materialised."""
     return sum(int(np.prod(x.shape)) for x in abstract_params(cfg).values())
+
+
+def prefill_chunks(total: int, chunk: int) -> list[int]:
+    """Chunk sizes for a prompt of `total` tokens: `[total]` when it fits one chunk, else whole chunks of `chunk`
+    and then the rest as powers of two, largest first -- at most log2(chunk) + 1 distinct sizes, so long prompts of
+    any length compile a bounded set of programs (no padding: it would enter the KDA state)."""
+    if chunk < 1:
+        raise ValueError(f"the prefill chunk must be >= 1 token, got {chunk}")
+    if total <= chunk:
+        return [total]
+    sizes = [chunk] * (total // chunk)
+    rest, piece = total % chunk, 1 << (chunk.bit_length() - 1)
+    while rest:
+        if piece <= rest:
+            sizes.append(piece)
+            rest -= piece
+        piece >>= 1
+    return sizes
 
 
 def _sample(logits_bv, temperature, key):
@@ -87,6 +110,7 @@ class Model:
 
         self._forward = jax.jit(forward, static_argnames=("mla_form",))
         self._step = jax.jit(forward, donate_argnums=(2,))
+        self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
 
     @property
     def module(self) -> KimiForCausalLM:
@@ -161,28 +185,57 @@ class Model:
 
     def logits(self, input_ids, *, images=None, mla_form: str = "absorbed") -> np.ndarray:
         """Full causal forward. input_ids int `[B, T]` -> float32 numpy `[B, T, vocab]`. `images`: RGB uint8
-        `[H, W, 3]` arrays for the prompt's expanded `<|media_pad|>` tokens (see `image_inputs`)."""
+        `[H, W, 3]` arrays for the prompt's expanded `<|media_pad|>` tokens (see `image_inputs`). Longer than
+        `prefill_chunk_tokens` (with the default absorbed MLA form), it runs in chunks through a paged cache."""
         ids = _as_ids(input_ids, self.config)
-        if ids.shape[1] > self.config.max_position_embeddings:  # as generate and the engine refuse them
-            raise ValueError(f"{ids.shape[1]} tokens exceed max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        out, _ = self._forward(self.params, ids, None, mla_form=mla_form, mm=self.image_inputs(ids, images))
-        return np.asarray(out, np.float32)
+        B, T = ids.shape
+        if T > self.config.max_position_embeddings:  # as generate and the engine refuse them
+            raise ValueError(f"{T} tokens exceed max_position_embeddings {self.config.max_position_embeddings}")
+        mm = self.image_inputs(ids, images)
+        if T <= self.prefill_chunk_tokens or mla_form != "absorbed":
+            out, _ = self._forward(self.params, ids, None, mla_form=mla_form, mm=mm)
+            return np.asarray(out, np.float32)
+        out, _ = self._prefill_chunked(ids, self._long_cache(B, T), mm, keep="host")
+        return out
 
-    def prefill(self, input_ids, max_len: Optional[int] = None, *, cache=None, images=None):
+    def prefill(self, input_ids, max_len: Optional[int] = None, *, cache=None, images=None, logits: str = "all"):
         """Run the prompt into a fresh contiguous cache of `max_len` tokens, or — with `cache` (a `ModelCache` or a
         `PagedModelCache`, which is donated) — append it to that cache at each row's current length (a paged
-        cache's tables must already cover the new positions). Returns (logits `[B, T, V]`, cache). `images` as in
-        `logits`."""
+        cache's tables must already cover the new positions). Returns (logits, cache): logits `[B, T, V]`, or with
+        `logits="last"` only the last position's `[B, 1, V]` (a long prompt's full logits may not fit a device).
+        `images` as in `logits`. Prompts longer than `prefill_chunk_tokens` run in chunks (`prefill_chunks`); for
+        very long contexts pass a paged cache (`new_paged_cache`), whose attention reads pages as it goes."""
         ids = _as_ids(input_ids, self.config)
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         mm = self.image_inputs(ids, images)
-        if cache is not None:
-            return self._step(self.params, ids, cache, mm=mm)
-        if max_len is None:
-            raise ValueError("prefill needs max_len (a fresh contiguous cache) or cache=")
-        if ids.shape[1] > max_len:
-            raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit a cache of {max_len}")
-        return self._forward(self.params, ids, self.new_cache(ids.shape[0], max_len), mm=mm)
+        if cache is None:
+            if max_len is None:
+                raise ValueError("prefill needs max_len (a fresh contiguous cache) or cache=")
+            if ids.shape[1] > max_len:
+                raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit a cache of {max_len}")
+            cache = self.new_cache(ids.shape[0], max_len)
+        return self._prefill_chunked(ids, cache, mm, keep=logits)
+
+    def _prefill_chunked(self, ids, cache, mm, *, keep: str):
+        """`ids` `[B, T]` into `cache` (donated) in chunks; returns (logits, cache): `keep` "all" `[B, T, V]` on the
+        device, "last" `[B, 1, V]`, "host" `[B, T, V]` float32 numpy (each chunk's fetched as it ends)."""
+        parts, start = [], 0
+        for size in prefill_chunks(ids.shape[1], self.prefill_chunk_tokens):
+            here = slice(start, start + size)
+            out, cache = self._step(self.params, ids[:, here], cache,
+                                    mm=None if mm is None else (mm[0][:, here], mm[1][:, here]))
+            parts.append(np.asarray(out, np.float32) if keep == "host" else out[:, -1:] if keep == "last" else out)
+            start += size
+        if keep == "last" or len(parts) == 1:
+            return parts[-1], cache
+        return (np.concatenate(parts, axis=1) if keep == "host" else jnp.concatenate(parts, axis=1)), cache
+
+    def _long_cache(self, batch: int, max_len: int) -> PagedModelCache:
+        """The cache a long `logits` / `generate` runs in: paged (the attention reads pages as it goes; a contiguous
+        cache's scores would span every position), stored in the activation dtype."""
+        name = "fp32" if jnp.dtype(self.dtype) == jnp.float32 else "bf16"
+        return self.new_paged_cache(batch, max_len, kv_dtype=name, index_dtype=name)
 
     def decode_step(self, cache, token_ids_b):
         """One token per sequence (`ModelCache` or `PagedModelCache`). Returns (logits `[B, V]`, cache). The cache
@@ -193,7 +246,7 @@ class Model:
     def generate(self, input_ids, max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
                  images=None) -> np.ndarray:
         """Greedy (temperature 0) or seeded sampling. input_ids int `[B, T]` -> numpy int `[B, T + n]`. `images` as
-        in `logits`."""
+        in `logits`. Beyond `prefill_chunk_tokens` tokens in all it runs in a paged cache, the prompt in chunks."""
         if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)):
             raise ValueError(f"max_new_tokens must be an int ≥ 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
@@ -212,7 +265,9 @@ class Model:
             raise ValueError(f"{T} + {max_new_tokens} tokens exceed max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         key = jax.random.PRNGKey(seed)
-        logits, cache = self.prefill(ids, T + max_new_tokens, images=images)
+        L = T + max_new_tokens
+        cache = self.new_cache(B, L) if L <= self.prefill_chunk_tokens else self._long_cache(B, L)
+        logits, cache = self._prefill_chunked(ids, cache, self.image_inputs(ids, images), keep="last")
         out = []
         tok = _sample(logits[:, -1], temperature, jax.random.fold_in(key, 0))
         out.append(tok)

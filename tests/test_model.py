@@ -107,6 +107,34 @@ def test_prefill_then_decode_equals_full_forward(tiny_model, ids_1x70, logits_1x
     np.testing.assert_array_equal(got.argmax(-1), logits_1x70.argmax(-1))
 
 
+def test_prefill_chunks_bound_the_programs_a_long_prompt_compiles():
+    from kimi_jax.model import prefill_chunks
+
+    assert prefill_chunks(70, 2048) == [70]  # one chunk: the prompt as it is
+    assert prefill_chunks(70, 32) == [32, 32, 4, 2]
+    sizes = {s for n in range(1, 5000) for s in prefill_chunks(n, 1024) if n > 1024}
+    assert all(sum(prefill_chunks(n, 1024)) == n for n in range(1, 5000))
+    assert sizes == {1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1}
+
+
+def test_long_prompts_run_in_chunks_and_give_the_same_logits(tiny_model, ids_1x70, logits_1x70):
+    """With chunks of 32 tokens the 70-token prompt runs as 32 + 32 + 4 + 2: `logits` through a paged cache,
+    `prefill` into its contiguous cache, `generate` in a paged cache -- the same logits and greedy tokens as the
+    one-shot forward (float32)."""
+    import copy
+
+    chunked = copy.copy(tiny_model)  # the same parameters and programs, another chunk size
+    chunked.prefill_chunk_tokens = 32
+    scale = np.abs(logits_1x70).max()
+    np.testing.assert_allclose(chunked.logits(ids_1x70), logits_1x70, atol=1e-4 * scale)
+    all_logits, cache = chunked.prefill(ids_1x70, 72)
+    np.testing.assert_allclose(np.asarray(all_logits), logits_1x70, atol=1e-4 * scale)
+    last, _ = chunked.prefill(ids_1x70, 72, logits="last")
+    np.testing.assert_allclose(np.asarray(last)[:, 0], logits_1x70[:, -1], atol=1e-4 * scale)
+    prompt = ids_1x70[:, :66]
+    np.testing.assert_array_equal(chunked.generate(prompt, 4), tiny_model.generate(prompt, 4))
+
+
 def test_prefill_rejects_overlong_prompt(tiny_model, ids_1x70):
     with pytest.raises(ValueError):
         tiny_model.prefill(ids_1x70, 10)
