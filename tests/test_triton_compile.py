@@ -25,11 +25,12 @@ HOPPER_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 SCRIPT = textwrap.dedent("""
     import json, sys
     from unittest import mock
-    import jax, jax.numpy as jnp
+    import jax, jax.numpy as jnp, numpy as np
     from triton.backends.compiler import GPUTarget
     import pallas_kernels.triton_call as tc
     from kimi_jax import quant as Q
     from pallas_kernels.indexer import gpu as igpu, gpu_triton as ix
+    from pallas_kernels.kda import gpu_triton as kda
     from pallas_kernels.moe import gpu_triton as moe, mxfp4 as mx
 
     launches = []
@@ -56,6 +57,17 @@ SCRIPT = textwrap.dedent("""
             for rows in (8, 32, 146):
                 jax.eval_shape(lambda x, w, g: moe.grouped_matmul(x, (w,), g, out_dtype=jnp.bfloat16),
                                S((E * rows, K), jnp.bfloat16), w, S((E,), jnp.int32))
+        H, d, T, cu = 96, 128, 1024, np.array([0, 300, 1024])  # K3's KDA heads, its lower-bound gate fused
+        gate = (S((H,), jnp.float32), S((H * d,), jnp.float32))
+        for dt in (jnp.bfloat16, jnp.float32):  # prefill: A1, A2, B
+            jax.eval_shape(lambda q, k, v, f, b, s0, a, dtb: kda.chunk(q, k, v, f, b, cu, s0, A_log=a, dt_bias=dtb,
+                                                                       gate_form="lower_bound"),
+                           *[S((1, T, H, d), dt)] * 3, S((1, T, H, d), jnp.float32), S((1, T, H), jnp.float32),
+                           S((2, H, d, d), jnp.float32), *gate)
+        jax.eval_shape(lambda q, k, v, f, b, pool, slots, a, dtb: kda.recurrent(
+            q, k, v, f, b, pool, slots, A_log=a, dt_bias=dtb, gate_form="lower_bound"),
+                       *[S((64, 1, H, d), jnp.bfloat16)] * 3, S((64, 1, H, d), jnp.float32),
+                       S((64, 1, H), jnp.float32), S((80, H, d, d), jnp.float32), S((64,), jnp.int32), *gate)
     backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, warp)
     out = []
@@ -79,8 +91,9 @@ def _compile(backend: str, arch: str, warp: int) -> list[dict]:
 
 def test_native_kernels_compile_for_hopper():
     res = _compile("cuda", "90", 32)
-    assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton"}
-    assert len(res) == 18
+    assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
+                                        "kda_intra_wu", "kda_state", "kda_decode"}
+    assert len(res) == 25
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -93,4 +106,4 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 18
+    assert len(res) == 25
