@@ -22,6 +22,11 @@ ops as chains of distinct inputs in one program). The bars are the issue's "hold
            and new ≥ 0.97 old. o and final states within 5e-3 relative RMS of the fp32 reference at 8K. Decode
            B = 64 / 256, T = 1, fp32 state pool donated: state bytes read + written per second ≥ 0.85 of copy,
            within 5e-3 of the reference.
+  mla      sparse MLA decode, fp8 latent (512 + 64), B = 32, H = 12 (one TP8 shard of K3.1's 96), 32K context,
+           top-2048 (16 distinct selections per timing chain: rows from HBM): gathered row bytes/s vs copy, the
+           Triton kernel only (`impl="triton"`; the Mosaic kernel is not ported), exact settings and the storage
+           preset: new ≥ 0.97 old, within 1e-4 (exact) / 5e-3 (storage) of the reference. The read-only gather
+           ceiling (bench/gather_ceiling.py --triton) measured 0.51–0.59 of copy for these rows.
 Writes the table `family, name, shape, old, new, peer, new/peer, bar, pass/fail` and $OUT/triton_port.json.
 """
 
@@ -36,7 +41,7 @@ import traceback
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted, no bars")
-ap.add_argument("--families", default="indexer,moe,kda", help="comma-separated: indexer, moe, kda")
+ap.add_argument("--families", default="indexer,moe,kda,mla", help="comma-separated: indexer, moe, kda, mla")
 ap.add_argument("--budget", type=float, default=330.0, help="seconds; families past it are skipped")
 ARGS = ap.parse_args()
 if ARGS.smoke:
@@ -56,6 +61,7 @@ from pallas_kernels.indexer import gpu as igpu  # noqa: E402
 from pallas_kernels.indexer import paged as ipaged  # noqa: E402
 from pallas_kernels.kda import ops as kda_ops  # noqa: E402
 from pallas_kernels.kda import reference as kda_ref  # noqa: E402
+from pallas_kernels.mla import sparse as mla_sparse  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops as moe_ops  # noqa: E402
 
@@ -324,9 +330,50 @@ def bench_kda(bw):
             f"({new_bw / bw:.3f} of copy); err old {errs[OLD]:.1e} new {errs[NEW]:.1e}")
 
 
+# ------------------------------------------------------------------------------------------------ mla
+
+def bench_mla(bw):
+    B, H, ctx, k, R, rope = (2, 4, 1024, 64, 64, 16) if ARGS.smoke else (32, 12, 32768, 2048, 512, 64)
+    fmt = Q.LatentFormat("fp8", R, rope)
+    copies = 1 if ARGS.smoke else CHAIN
+    key = jax.random.PRNGKey(7)
+    nb = B * (ctx // PAGE) + 1
+    bt = jax.random.permutation(key, jnp.arange(1, nb, dtype=jnp.int32)).reshape(B, ctx // PAGE)
+    parts = (random_fp8(jax.random.fold_in(key, 1), (nb, PAGE, R + rope)),)
+    r = np.random.default_rng(0)
+    idx_all = jnp.asarray(np.stack([np.stack([np.sort(r.permutation(ctx)[:k]) for _ in range(B)])
+                                    for _ in range(copies)]).astype(np.int32))
+    q = jnp.asarray(r.standard_normal((B, H, R + rope)), jnp.float32)
+    kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=R)
+    o_r, lse_r = mla_sparse.decode(q, parts, bt, idx_all[0], backend="reference", **kw)
+    nbytes = B * k * fmt.bytes_per_token
+    for precision, bar in (("exact", 1e-4), ("storage", STORAGE_BAR)):
+        times, errs = {}, {}
+        for b in (OLD, NEW):
+            f = jax.jit(lambda q, parts, bt, idx, b=b: mla_sparse.sparse_mla(
+                q[:, None], parts, bt, idx[:, None], backend=b, precision=precision, kernel_kw=dict(impl="triton"),
+                **kw))
+
+            def run(f=f):
+                o, lse = f(q, parts, bt, idx_all[0])
+                err = max(rel_rms(o[:, 0], o_r), rel_rms(lse[:, 0], lse_r))
+                if copies == 1:
+                    return err, seconds(f, q, parts, bt, idx_all[0])
+                return err, seconds(f, q, parts, bt, idx_all, stacked=(3,))
+            errs[b], times[b] = attempt(f"mla {precision} {b}", run) or (float("nan"), float("nan"))
+        old_bw, new_bw = nbytes / times[OLD], nbytes / times[NEW]
+        row("mla", f"sparse decode ({precision}) row bytes/s vs copy (TB/s)",
+            f"B={B} H={H} ctx={ctx} top-{k} fp8 err {errs[NEW]:.1e}", old_bw / 1e12, new_bw / 1e12, bw / 1e12,
+            "new >= 0.97 old", bool(errs[NEW] <= bar and new_bw >= 0.97 * old_bw))
+        INFO[f"mla_{precision}"] = dict(us_old=times[OLD] * 1e6, us_new=times[NEW] * 1e6, err_old=errs[OLD],
+                                        err_new=errs[NEW])
+        log(f"mla {precision}: old {times[OLD] * 1e6:.1f} us, new {times[NEW] * 1e6:.1f} us ({new_bw / bw:.3f} of "
+            f"copy); err old {errs[OLD]:.1e} new {errs[NEW]:.1e}")
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
-FAMILIES = {"indexer": bench_indexer, "moe": bench_moe, "kda": bench_kda}
+FAMILIES = {"indexer": bench_indexer, "moe": bench_moe, "kda": bench_kda, "mla": bench_mla}
 
 
 def print_table():

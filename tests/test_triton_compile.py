@@ -4,7 +4,8 @@ Triton's pip wheel compiles to a cubin (CUDA, sm_90) or an hsaco (ROCm, gfx942) 
 TRITON_INTERPRET (conftest turns it on for this process) traces the kernels' JAX wrappers at K3.1-like shapes with
 the jax-triton launch replaced by a recorder (`triton_call._gpu_launch`), then compiles every recorded launch as
 jax-triton would (`triton_call.compile_launch`). Hopper launches must fit its 227 KB of shared memory per block;
-on gfx942 (64 KB of LDS per CU) the Hopper-tuned presets are only compiled, not held to a budget (docs/gpu.md, AMD).
+on gfx942 (64 KB of LDS per CU) the Hopper-tuned presets are only compiled, not held to a budget (docs/gpu.md, AMD),
+except sparse MLA's all-heads preset (128-head blocks), whose gfx942 compile takes minutes on this CPU.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ SCRIPT = textwrap.dedent("""
     from kimi_jax import quant as Q
     from pallas_kernels.indexer import gpu as igpu, gpu_triton as ix
     from pallas_kernels.kda import gpu_triton as kda
+    from pallas_kernels.mla import sparse_gpu, sparse_gpu_triton as mla
     from pallas_kernels.moe import gpu_triton as moe, mxfp4 as mx
 
+    backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     launches = []
 
     def record(args, *, out_shape, **kw):
@@ -68,7 +71,15 @@ SCRIPT = textwrap.dedent("""
             q, k, v, f, b, pool, slots, A_log=a, dt_bias=dtb, gate_form="lower_bound"),
                        *[S((64, 1, H, d), jnp.bfloat16)] * 3, S((64, 1, H, d), jnp.float32),
                        S((64, 1, H), jnp.float32), S((80, H, d, d), jnp.float32), S((64,), jnp.int32), *gate)
-    backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        B, k = 32, 2048  # sparse MLA at K3.1's latent (512 + 64), top-2048: exact default and the storage presets
+        for dt in ("bf16", "fp8", "nvfp4"):
+            fmt = Q.LatentFormat(dt, 512, 64)
+            parts = tuple(S((4096, 64, p.width), p.dtype) for p in fmt.parts)
+            wide = [(96, sparse_gpu.storage_preset(B, 96))] if backend == "cuda" else []  # minutes on gfx942
+            for H, kw in [(16, {}), (16, sparse_gpu.storage_preset(B, 16))] + wide:
+                jax.eval_shape(lambda q, p, bt, idx: mla.decode(q, p, bt, idx, fmt=fmt, scale=0.07, value_dim=512,
+                                                                **kw),
+                               S((B, H, 576), jnp.float32), parts, S((B, 512), jnp.int32), S((B, k), jnp.int32))
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, warp)
     out = []
     for args, kw in launches:
@@ -92,8 +103,9 @@ def _compile(backend: str, arch: str, warp: int) -> list[dict]:
 def test_native_kernels_compile_for_hopper():
     res = _compile("cuda", "90", 32)
     assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
-                                        "kda_intra_wu", "kda_state", "kda_decode"}
-    assert len(res) == 25
+                                        "kda_intra_wu", "kda_state", "kda_decode", "sparse_mla_decode_triton",
+                                        "sparse_mla_merge_triton"}
+    assert len(res) == 40
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -106,4 +118,4 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 25
+    assert len(res) == 34
