@@ -17,6 +17,16 @@ ops as chains of distinct inputs in one program). The bars are the issue's "hold
            kernel's MXFP4 path; the Mosaic GPU tile-layout FFN is not part of this port and keeps its figures) at
            8 / 32 rows per expert: weight bytes/s vs copy, new ≥ 0.97 old. Errors vs ragged_dot on the dequantised
            weights ≤ 2e-2 (bf16 output).
+  kda      prefill B = 1, H = 96, d = 128, bf16, T = 8K / 32K (bench/kda.py's inputs): tokens/s vs fla
+           `chunk_kda` (bar: new ≥ 1.2× fla) where fla-core imports; without it, vs the XLA reference at 8K (info)
+           and new ≥ 0.97 old. o and final states within 5e-3 relative RMS of the fp32 reference at 8K. Decode
+           B = 64 / 256, T = 1, fp32 state pool donated: state bytes read + written per second ≥ 0.85 of copy,
+           within 5e-3 of the reference.
+  mla      sparse MLA decode, fp8 latent (512 + 64), B = 32, H = 12 (one TP8 shard of K3.1's 96), 32K context,
+           top-2048 (16 distinct selections per timing chain: rows from HBM): gathered row bytes/s vs copy, the
+           Triton kernel only (`impl="triton"`; the Mosaic kernel is not ported), exact settings and the storage
+           preset: new ≥ 0.97 old, within 1e-4 (exact) / 5e-3 (storage) of the reference. The read-only gather
+           ceiling (bench/gather_ceiling.py --triton) measured 0.51–0.59 of copy for these rows.
 Writes the table `family, name, shape, old, new, peer, new/peer, bar, pass/fail` and $OUT/triton_port.json.
 """
 
@@ -31,7 +41,7 @@ import traceback
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted, no bars")
-ap.add_argument("--families", default="indexer,moe", help="comma-separated: indexer, moe")
+ap.add_argument("--families", default="indexer,moe,kda,mla", help="comma-separated: indexer, moe, kda, mla")
 ap.add_argument("--budget", type=float, default=330.0, help="seconds; families past it are skipped")
 ARGS = ap.parse_args()
 if ARGS.smoke:
@@ -49,6 +59,9 @@ from _timing import device_seconds, pipelined_seconds, torch_copy_bandwidth  # n
 from kimi_jax import quant as Q  # noqa: E402
 from pallas_kernels.indexer import gpu as igpu  # noqa: E402
 from pallas_kernels.indexer import paged as ipaged  # noqa: E402
+from pallas_kernels.kda import ops as kda_ops  # noqa: E402
+from pallas_kernels.kda import reference as kda_ref  # noqa: E402
+from pallas_kernels.mla import sparse as mla_sparse  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops as moe_ops  # noqa: E402
 
@@ -218,9 +231,149 @@ def bench_moe(bw):
             f"({new / bw:.3f} of copy); err {err:.1e}")
 
 
+# ------------------------------------------------------------------------------------------------ kda
+
+def kda_inputs(key, B, T, H, d):
+    """bench/kda.py's inputs: l2-normalised bf16 q, k; bf16 v; g in the K3 gate's range (−5, 0); β in (0, 1)."""
+    kq, kk, kv, kg, kb = jax.random.split(key, 5)
+    q = kda_ref.l2norm(jax.random.normal(kq, (B, T, H, d), jnp.float32)).astype(jnp.bfloat16)
+    k = kda_ref.l2norm(jax.random.normal(kk, (B, T, H, d), jnp.float32)).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (B, T, H, d), jnp.bfloat16)
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(kg, (B, T, H, d), jnp.float32) * 2.0 - 1.0)
+    beta = jax.nn.sigmoid(jax.random.normal(kb, (B, T, H), jnp.float32))
+    return q, k, v, g, beta
+
+
+def fla_prefill_seconds(q, k, v, g, beta):
+    """fla-core's `chunk_kda` on the same inputs (torch CUDA events), or None where fla does not import."""
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001
+        INFO.setdefault("fla_missing", f"{type(e).__name__}: {e}")
+        return None
+    from _timing import torch_event_seconds
+
+    tq, tk, tv, tg, tb = (torch.from_dlpack(x) for x in (q, k, v, g, beta))
+    return torch_event_seconds(lambda i: chunk_kda(tq, tk, tv, tg, tb, scale=q.shape[-1] ** -0.5,
+                                                   output_final_state=True))
+
+
+def bench_kda(bw):
+    H, d = (2, 32) if ARGS.smoke else (96, 128)
+    for T in ((128,) if ARGS.smoke else (8192, 32768)):
+        q, k, v, g, beta = kda_inputs(jax.random.PRNGKey(T), 1, T, H, d)
+        fns = {b: jax.jit(lambda *a, b=b: kda_ops.chunk(*a, backend=b)) for b in (OLD, NEW)}
+        times, errs = {}, {}
+        ref = None
+        if T <= 8192:
+            ref = jax.jit(lambda *a: kda_ops.chunk(*a, backend="reference"))
+            o_r, s_r = ref(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g, beta)
+        for b, f in fns.items():
+            def run(f=f):
+                o, s = f(q, k, v, g, beta)
+                err = max(rel_rms(o.astype(jnp.float32), o_r), rel_rms(s, s_r)) if ref is not None else float("nan")
+                return err, seconds(f, q, k, v, g, beta)
+            errs[b], times[b] = attempt(f"kda prefill T={T} {b}", run) or (float("nan"), float("nan"))
+        if ref is not None:
+            del o_r, s_r
+        t_fla = None if ARGS.smoke else attempt(f"kda fla T={T}", lambda: fla_prefill_seconds(q, k, v, g, beta))
+        shape = f"B=1 T={T} H={H} d={d} bf16" + (f" err {errs[NEW]:.1e}" if ref is not None else "")
+        ok_err = not (ref is not None and not errs[NEW] <= 5e-3)
+        tok = {b: T / times[b] for b in times}
+        if t_fla:
+            row("kda", "prefill tokens/s vs fla chunk_kda (Mtok/s)", shape, tok[OLD] / 1e6, tok[NEW] / 1e6,
+                T / t_fla / 1e6, "new >= 1.2x fla", bool(ok_err and tok[NEW] >= 1.2 * T / t_fla))
+        else:
+            t_ref = attempt(f"kda xla T={T}", lambda: seconds(ref, q, k, v, g, beta)) if ref is not None else None
+            row("kda", "prefill tokens/s vs the XLA reference (Mtok/s; fla not installed)", shape, tok[OLD] / 1e6,
+                tok[NEW] / 1e6, T / t_ref / 1e6 if t_ref else None, "new >= 0.97 old",
+                bool(ok_err and tok[NEW] >= 0.97 * tok[OLD]))
+        INFO[f"kda_prefill_T{T}"] = dict(ms_old=times[OLD] * 1e3, ms_new=times[NEW] * 1e3, err_old=errs[OLD],
+                                         err_new=errs[NEW], ms_fla=t_fla * 1e3 if t_fla else None)
+        log(f"kda prefill T={T}: old {times[OLD] * 1e3:.2f} ms, new {times[NEW] * 1e3:.2f} ms, "
+            f"fla {t_fla * 1e3 if t_fla else float('nan'):.2f} ms; err old {errs[OLD]:.1e} new {errs[NEW]:.1e}")
+        del q, k, v, g, beta
+
+    for B in ((2,) if ARGS.smoke else (64, 256)):
+        q, k, v, g, beta = kda_inputs(jax.random.PRNGKey(B), B, 1, H, d)
+        S = B + 3
+        pool = jax.random.normal(jax.random.PRNGKey(B + 1), (S, H, d, d), jnp.float32) * 0.1
+        slots = jnp.asarray(np.random.default_rng(B).permutation(S)[:B], jnp.int32)
+        o_r, pool_r = kda_ref.recurrent_slots(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g,
+                                              beta, pool, slots)
+        want = np.asarray(pool_r[slots])
+        del pool_r
+        times, errs = {}, {}
+        for b in (OLD, NEW):
+            step = jax.jit(lambda q, k, v, g, beta, pool, slots, b=b: kda_ops.recurrent(
+                q, k, v, g, beta, pool, slot_ids=slots, backend=b), donate_argnums=5)
+
+            def run(step=step):
+                o, p = step(q, k, v, g, beta, jnp.array(pool), slots)
+                err = max(rel_rms(o.astype(jnp.float32), o_r), rel_rms(p[slots], want))
+                state = {"p": p}
+
+                def one():  # the pool is donated and threaded through, as in a decode loop
+                    o, state["p"] = step(q, k, v, g, beta, state["p"], slots)
+                    return o
+                one()
+                return err, pipelined_seconds(one, reps=1 if ARGS.smoke else 50, rounds=1 if ARGS.smoke else 3)
+            errs[b], times[b] = attempt(f"kda decode B={B} {b}", run) or (float("nan"), float("nan"))
+        nbytes = 2 * B * H * d * d * 4
+        old_bw, new_bw = nbytes / times[OLD], nbytes / times[NEW]
+        row("kda", "decode state bytes/s vs copy (TB/s)", f"B={B} H={H} d={d} fp32 state err {errs[NEW]:.1e}",
+            old_bw / 1e12, new_bw / 1e12, bw / 1e12, ">= 0.85 of copy", bool(errs[NEW] <= 5e-3 and new_bw >= 0.85 * bw))
+        INFO[f"kda_decode_B{B}"] = dict(us_old=times[OLD] * 1e6, us_new=times[NEW] * 1e6, err_old=errs[OLD],
+                                        err_new=errs[NEW])
+        log(f"kda decode B={B}: old {times[OLD] * 1e6:.1f} us, new {times[NEW] * 1e6:.1f} us "
+            f"({new_bw / bw:.3f} of copy); err old {errs[OLD]:.1e} new {errs[NEW]:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------ mla
+
+def bench_mla(bw):
+    B, H, ctx, k, R, rope = (2, 4, 1024, 64, 64, 16) if ARGS.smoke else (32, 12, 32768, 2048, 512, 64)
+    fmt = Q.LatentFormat("fp8", R, rope)
+    copies = 1 if ARGS.smoke else CHAIN
+    key = jax.random.PRNGKey(7)
+    nb = B * (ctx // PAGE) + 1
+    bt = jax.random.permutation(key, jnp.arange(1, nb, dtype=jnp.int32)).reshape(B, ctx // PAGE)
+    parts = (random_fp8(jax.random.fold_in(key, 1), (nb, PAGE, R + rope)),)
+    r = np.random.default_rng(0)
+    idx_all = jnp.asarray(np.stack([np.stack([np.sort(r.permutation(ctx)[:k]) for _ in range(B)])
+                                    for _ in range(copies)]).astype(np.int32))
+    q = jnp.asarray(r.standard_normal((B, H, R + rope)), jnp.float32)
+    kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=R)
+    o_r, lse_r = mla_sparse.decode(q, parts, bt, idx_all[0], backend="reference", **kw)
+    nbytes = B * k * fmt.bytes_per_token
+    for precision, bar in (("exact", 1e-4), ("storage", STORAGE_BAR)):
+        times, errs = {}, {}
+        for b in (OLD, NEW):
+            f = jax.jit(lambda q, parts, bt, idx, b=b: mla_sparse.sparse_mla(
+                q[:, None], parts, bt, idx[:, None], backend=b, precision=precision, kernel_kw=dict(impl="triton"),
+                **kw))
+
+            def run(f=f):
+                o, lse = f(q, parts, bt, idx_all[0])
+                err = max(rel_rms(o[:, 0], o_r), rel_rms(lse[:, 0], lse_r))
+                if copies == 1:
+                    return err, seconds(f, q, parts, bt, idx_all[0])
+                return err, seconds(f, q, parts, bt, idx_all, stacked=(3,))
+            errs[b], times[b] = attempt(f"mla {precision} {b}", run) or (float("nan"), float("nan"))
+        old_bw, new_bw = nbytes / times[OLD], nbytes / times[NEW]
+        row("mla", f"sparse decode ({precision}) row bytes/s vs copy (TB/s)",
+            f"B={B} H={H} ctx={ctx} top-{k} fp8 err {errs[NEW]:.1e}", old_bw / 1e12, new_bw / 1e12, bw / 1e12,
+            "new >= 0.97 old", bool(errs[NEW] <= bar and new_bw >= 0.97 * old_bw))
+        INFO[f"mla_{precision}"] = dict(us_old=times[OLD] * 1e6, us_new=times[NEW] * 1e6, err_old=errs[OLD],
+                                        err_new=errs[NEW])
+        log(f"mla {precision}: old {times[OLD] * 1e6:.1f} us, new {times[NEW] * 1e6:.1f} us ({new_bw / bw:.3f} of "
+            f"copy); err old {errs[OLD]:.1e} new {errs[NEW]:.1e}")
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
-FAMILIES = {"indexer": bench_indexer, "moe": bench_moe}
+FAMILIES = {"indexer": bench_indexer, "moe": bench_moe, "kda": bench_kda, "mla": bench_mla}
 
 
 def print_table():

@@ -45,7 +45,7 @@ class KernelConfig:
     on GPU, the plain-jnp reference elsewhere (CPU). "reference" forces the jnp definition everywhere; the
     "*_interpret" variants run a kernel's code in the Pallas interpreter (CPU tests). "triton" names the native
     Triton GPU kernels (jax-triton, issue #48) where a family has one ("triton_interpret": Triton's interpreter).
-    * kda: auto | reference | gpu | tpu | gpu_interpret | tpu_interpret
+    * kda: auto | reference | gpu | triton | tpu | gpu_interpret | triton_interpret | tpu_interpret
     * moe: auto | reference | gpu | triton | mgpu | tpu  (`moe_interpret` runs the chosen MoE kernel interpreted)
     * dsa: the paged MLA path (indexer top-k, sparse and dense paged attention): auto | reference | gpu | triton |
       tpu | gpu_interpret | triton_interpret | tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an

@@ -4,7 +4,8 @@ Triton's pip wheel compiles to a cubin (CUDA, sm_90) or an hsaco (ROCm, gfx942) 
 TRITON_INTERPRET (conftest turns it on for this process) traces the kernels' JAX wrappers at K3.1-like shapes with
 the jax-triton launch replaced by a recorder (`triton_call._gpu_launch`), then compiles every recorded launch as
 jax-triton would (`triton_call.compile_launch`). Hopper launches must fit its 227 KB of shared memory per block;
-on gfx942 (64 KB of LDS per CU) the Hopper-tuned presets are only compiled, not held to a budget (docs/gpu.md, AMD).
+on gfx942 (64 KB of LDS per CU) the Hopper-tuned presets are only compiled, not held to a budget (docs/gpu.md, AMD),
+except sparse MLA's all-heads preset (128-head blocks), whose gfx942 compile takes minutes on this CPU.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ HOPPER_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 SCRIPT = textwrap.dedent("""
     import json, sys
     from unittest import mock
-    import jax, jax.numpy as jnp
+    import jax, jax.numpy as jnp, numpy as np
     from triton.backends.compiler import GPUTarget
     import pallas_kernels.triton_call as tc
     from kimi_jax import quant as Q
     from pallas_kernels.indexer import gpu as igpu, gpu_triton as ix
+    from pallas_kernels.kda import gpu_triton as kda
+    from pallas_kernels.mla import sparse_gpu, sparse_gpu_triton as mla
     from pallas_kernels.moe import gpu_triton as moe, mxfp4 as mx
 
+    backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     launches = []
 
     def record(args, *, out_shape, **kw):
@@ -56,7 +60,26 @@ SCRIPT = textwrap.dedent("""
             for rows in (8, 32, 146):
                 jax.eval_shape(lambda x, w, g: moe.grouped_matmul(x, (w,), g, out_dtype=jnp.bfloat16),
                                S((E * rows, K), jnp.bfloat16), w, S((E,), jnp.int32))
-    backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        H, d, T, cu = 96, 128, 1024, np.array([0, 300, 1024])  # K3's KDA heads, its lower-bound gate fused
+        gate = (S((H,), jnp.float32), S((H * d,), jnp.float32))
+        for dt in (jnp.bfloat16, jnp.float32):  # prefill: A1, A2, B
+            jax.eval_shape(lambda q, k, v, f, b, s0, a, dtb: kda.chunk(q, k, v, f, b, cu, s0, A_log=a, dt_bias=dtb,
+                                                                       gate_form="lower_bound"),
+                           *[S((1, T, H, d), dt)] * 3, S((1, T, H, d), jnp.float32), S((1, T, H), jnp.float32),
+                           S((2, H, d, d), jnp.float32), *gate)
+        jax.eval_shape(lambda q, k, v, f, b, pool, slots, a, dtb: kda.recurrent(
+            q, k, v, f, b, pool, slots, A_log=a, dt_bias=dtb, gate_form="lower_bound"),
+                       *[S((64, 1, H, d), jnp.bfloat16)] * 3, S((64, 1, H, d), jnp.float32),
+                       S((64, 1, H), jnp.float32), S((80, H, d, d), jnp.float32), S((64,), jnp.int32), *gate)
+        B, k = 32, 2048  # sparse MLA at K3.1's latent (512 + 64), top-2048: exact default and the storage presets
+        for dt in ("bf16", "fp8", "nvfp4"):
+            fmt = Q.LatentFormat(dt, 512, 64)
+            parts = tuple(S((4096, 64, p.width), p.dtype) for p in fmt.parts)
+            wide = [(96, sparse_gpu.storage_preset(B, 96))] if backend == "cuda" else []  # minutes on gfx942
+            for H, kw in [(16, {}), (16, sparse_gpu.storage_preset(B, 16))] + wide:
+                jax.eval_shape(lambda q, p, bt, idx: mla.decode(q, p, bt, idx, fmt=fmt, scale=0.07, value_dim=512,
+                                                                **kw),
+                               S((B, H, 576), jnp.float32), parts, S((B, 512), jnp.int32), S((B, k), jnp.int32))
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, warp)
     out = []
     for args, kw in launches:
@@ -79,8 +102,10 @@ def _compile(backend: str, arch: str, warp: int) -> list[dict]:
 
 def test_native_kernels_compile_for_hopper():
     res = _compile("cuda", "90", 32)
-    assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton"}
-    assert len(res) == 18
+    assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
+                                        "kda_intra_wu", "kda_state", "kda_decode", "sparse_mla_decode_triton",
+                                        "sparse_mla_merge_triton"}
+    assert len(res) == 40
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -93,4 +118,4 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 18
+    assert len(res) == 34

@@ -3,8 +3,8 @@
 CPU: Triton's interpreter (backend "triton_interpret"; tests/conftest.py sets TRITON_INTERPRET=1) on the small
 geometry of tests/test_dsa_kernels.py, at the same bars: exact mode 1e-5 relative RMS of the scores vs a float64
 transcription on the dequantised keys, the top-k equal to the reference's; single-pass settings at the storage
-formats' 5e-3 bar (the interpreter rounds f32 -> bf16 / fp8 by truncation, so those q planes are coarser here than
-on a GPU). `gpu`-marked tests run the kernel through jax-triton on a device:
+formats' 5e-3 bar (the interpreter rounds f32 -> fp8 by truncation, so those q planes are coarser here than on a
+GPU). `gpu`-marked tests run the kernel through jax-triton on a device:
 `JAX_PLATFORMS=cuda python -m pytest tests/test_triton_indexer.py -m gpu`.
 """
 

@@ -18,7 +18,9 @@ under `max_block_bytes`).
 uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` picks the implementation, in one place
 (`pallas_kernels.paged.resolve_dsa_backend`): "reference" (this jnp code), "tpu" (the Mosaic TPU decode kernel,
 `sparse_tpu.py`; bf16 / fp8 rows), "gpu" (the Pallas-Triton decode kernel, `sparse_gpu.py`; bf16 / fp8 / nvfp4 rows),
-"tpu_interpret" / "gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "auto" (the platform's
+"triton" (its native Triton twin through jax-triton, `sparse_gpu_triton.py`, issue #48), "tpu_interpret" /
+"gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "triton_interpret" (the native kernel in
+Triton's interpreter), "auto" (the platform's
 kernel for decode (T = 1) when it reads the format, else the reference). "pallas_tpu" / "interpret" are kept as the
 older names of "tpu" / "tpu_interpret". Kernel-only keyword arguments go through `kernel_kw` (e.g. the GPU kernel's
 `block_h`, `splits`, `exact`). On the GPU, fp8 rows at `precision="storage"` with ≤ 16 heads and ≥ 16 sequences
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, check_precision, gather_parts, resolve_dsa_backend
-from . import sparse_gpu, sparse_mgpu, sparse_tpu
+from . import sparse_gpu, sparse_gpu_triton, sparse_mgpu, sparse_tpu
 from .reference import PRECISION, online_softmax_finish, online_softmax_init, online_softmax_step
 
 BACKENDS = DSA_BACKENDS
@@ -97,16 +99,13 @@ def _reference_paged(q_bthc, kv_parts, block_tables, idx_btk, layer_scale, *, fm
     return _chunked(q_bthc, idx_btk, q_chunk, fn)
 
 
-# The DSA backends "triton" / "triton_interpret" (native Triton kernels, issue #48) run sparse MLA on its Pallas
-# Triton kernel until sparse MLA has a native one, so one `KernelConfig.dsa` serves the indexer and attention.
-TRITON_TWIN = {"triton": "gpu", "triton_interpret": "gpu_interpret"}
-
-
 def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     if T != 1:
         return False
-    if kind in ("gpu", "triton"):
+    if kind == "gpu":
         return sparse_gpu.available() and sparse_gpu.fits(fmt) and sparse_gpu.supports_pool(kv_parts)
+    if kind == "triton":  # int64 row addressing: any pool size
+        return sparse_gpu_triton.available() and sparse_gpu_triton.fits(fmt)
     return sparse_tpu.supports(fmt)
 
 
@@ -124,7 +123,7 @@ def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, 
         return kernel_kw["impl"]
     if kernel_kw:  # settings without an impl are the Triton kernel's (block_h, splits, ...), as before mgpu
         return "triton"
-    if which != "gpu" or precision != "storage" or B < MGPU_MIN_BATCH or H > 16 or len(kv_parts) != 1:
+    if which not in ("gpu", "triton") or precision != "storage" or B < MGPU_MIN_BATCH or H > 16 or len(kv_parts) != 1:
         return "triton"
     return "mgpu" if sparse_mgpu.supports(fmt, sparse_mgpu.MgpuSparseConfig()) else "triton"
 
@@ -153,7 +152,6 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
     if idx_btk.shape[-1] == 0:  # an empty selection is one empty slot: o = 0, lse = −inf on every backend
         idx_btk = jnp.full(tuple(idx_btk.shape[:-1]) + (1,), -1, jnp.int32)
     which = _pick_backend(backend, fmt, T, tuple(kv_parts), platform)
-    which = TRITON_TWIN.get(which, which)
     kernel_kw = dict(kernel_kw or {})
     if which != "reference":
         if T != 1:
@@ -164,17 +162,18 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
                                        interpret=which == "tpu_interpret", **common, **kernel_kw)
         elif _gpu_impl(which, kernel_kw, precision, fmt, B, H, kv_parts) == "mgpu":
             # the Mosaic GPU kernel (fp8 rows, storage precision; GPU only)
-            if which == "gpu_interpret":
+            if which.endswith("_interpret"):
                 raise ValueError("the mgpu sparse MLA kernel has no interpret mode; use impl='triton' on CPU")
             cfg = sparse_mgpu.MgpuSparseConfig(**{k: v for k, v in kernel_kw.items() if k != "impl"})
             o, lse = sparse_mgpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], config=cfg,
                                         **common)
         else:
-            kernel_kw.pop("impl", None)  # "triton": the default GPU kernel
+            kernel_kw.pop("impl", None)  # "triton": the Triton kernel (native for the "triton" backends)
             if precision == "storage":
                 kernel_kw = dict(sparse_gpu.storage_preset(B, H), **kernel_kw)
-            o, lse = sparse_gpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],
-                                       interpret=which == "gpu_interpret", **common, **kernel_kw)
+            kernel = sparse_gpu_triton if which.startswith("triton") else sparse_gpu
+            o, lse = kernel.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],
+                                   interpret=which.endswith("_interpret"), **common, **kernel_kw)
         return o[:, None], lse[:, None]
     if q_chunk is None:
         q_chunk = default_q_chunk(B, H, c, min(block_k, idx_btk.shape[-1]), T)
