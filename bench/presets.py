@@ -57,6 +57,9 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                         "kimi-k3.1-reduced bf16, 1 and 8 clients", "1 GPU",
                         ["bench/serve.py --gpu --scenario multi-turn",
                          "bench/serve.py --gpu --scenario multi-turn --server-arg=--no-enable-prefix-caching"]),
+    "serve-long": ("long context: TTFT against the prefill FLOP roofline and decode TPOT against the bytes roofline for "
+                   "prompts of 8K to 1.04M tokens, kimi-k3.1-reduced bf16, fp8 latents and index keys", "1 GPU",
+                   ["bench/serve.py --gpu --scenario long"]),
     "serve-cpu": ("the real server, tiny float32, 1 / 8 / 32 clients", "CPU", ["bench/serve.py"]),
     "spec-decode": ("speculative decoding, adaptive policy vs always, repetitive and rejected drafts", "1 GPU",
                     ["bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject"]),

@@ -37,6 +37,15 @@ is and once with ``--server-arg=--no-enable-prefix-caching`` for the comparison 
     python bench/serve.py --scenario multi-turn                     # CPU, tiny model in-process
     python bench/serve.py --gpu --scenario multi-turn [--server-arg=--no-enable-prefix-caching]
 
+Long context (``--scenario long``): one request at a time with a prompt of each of ``--long-lengths`` random ids (each
+k · 4096 + 1 on the GPU: whole 4096-token prefill chunks, the last token through the decode step), ``--max-tokens``
+out.  Per length: TTFT, the prefill rate (prompt tokens / TTFT) against its roofline -- the prefill's matmul FLOPs
+(2 · active parameters per token, the DSA indexer's L²/2 query-key products and the sparse MLA's top-k attention)
+at the bf16 matmul rate measured in the same run -- and the decode TPOT against the bytes-per-step roofline at that
+context.  ``--gpu`` serves ``kimi-k3.1-reduced`` with 2 slots, fp8 latents and index keys, positions up to 1.04M.
+
+    python bench/serve.py --gpu --scenario long
+
 Prints the table ``name, shape, ours, peer, ratio, bar, pass/fail`` last; writes the JSON document to ``$OUT``
 (serve.json, plus the server log) when set and to ``--json FILE``. Current figures live in docs/performance.md.
 """
@@ -79,6 +88,13 @@ MULTI_TURN_DEFAULTS = {  # --scenario multi-turn, before the --gpu / CPU default
             "max_tokens": 64, "turns": 4, "system_tokens": 2000, "user_tokens": 100},
     "cpu": {"max_num_seqs": 4, "max_model_len": 2048, "prefill_chunk_sizes": "64,1", "clients": "1,4",
             "max_tokens": 16, "turns": 3, "system_tokens": 600, "user_tokens": 40},
+}
+LONG_DEFAULTS = {  # --scenario long (explicit options still win)
+    "gpu": {"max_num_seqs": 2, "prefill_chunk_sizes": "4096", "max_tokens": 32, "clients": "1",
+            "long_lengths": "8193,32769,131073,262145,524289,1040385",
+            "server_arg": ["--kv-dtype=fp8", "--index-dtype=fp8", "--no-enable-prefix-caching"]},
+    "cpu": {"max_num_seqs": 2, "prefill_chunk_sizes": "256", "max_tokens": 8, "clients": "1",
+            "long_lengths": "257,1025,2049", "server_arg": ["--no-enable-prefix-caching"]},
 }
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river stone light paper window garden music market").split()
@@ -281,6 +297,16 @@ n = (1 << 30) if jax.devices()[0].platform != "cpu" else (1 << 26)   # bf16 elem
 x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(jnp.bfloat16)
 progs = {"copy": jax.jit(lambda a: jnp.copy(a)), "elementwise": jax.jit(lambda a: a * 2 + 1)}
 out = {"device": str(jax.devices()[0]), "bytes": 2 * x.nbytes}
+m = 8192 if jax.devices()[0].platform != "cpu" else 1024   # the bf16 matmul rate: the prefill roofline's FLOP rate
+a = jax.random.normal(jax.random.PRNGKey(1), (m, m), jnp.float32).astype(jnp.bfloat16)
+mm = jax.jit(lambda a: a @ a)
+mm(a).block_until_ready()
+ts = []
+for _ in range(10):
+    t = time.perf_counter(); mm(a).block_until_ready(); ts.append(time.perf_counter() - t)
+ts.sort()
+out["matmul_tflop_s"] = 2 * m ** 3 / ts[len(ts) // 2] / 1e12
+del a
 for name, f in progs.items():
     y = f(x); y.block_until_ready()
     assert bool(jnp.all(y[:8] == (x[:8] if name == "copy" else x[:8] * 2 + 1)))
@@ -304,6 +330,36 @@ def measure_copy_bandwidth(env: dict) -> dict:
     out = json.loads(line[len("COPY_JSON "):])
     out["gb_s"] = max(out["copy_gb_s"], out["elementwise_gb_s"])
     return out
+
+
+def prefill_flops(cfg, tokens: int) -> dict:
+    """Matmul FLOPs of prefilling one prompt of `tokens` tokens: every active weight once per token (2 · active
+    parameters, the embedding table aside: it is a lookup), the DSA indexer's query-key scores over every earlier
+    position (quadratic), the sparse MLA attention over min(position, topk) keys, and the KDA chunked op (per token
+    and head ≈ 8·d² for the state and 4·64·d inside its 64-token chunks)."""
+    from kimi_jax.plan import count_params
+
+    counts = count_params(cfg)
+    embed = counts["sizes"].get("embed_tokens", 0)
+    L = float(tokens)
+    linear = 2.0 * (counts["params_active"] - embed) * L
+    indexer = attention = kda = 0.0
+    for kind in cfg.layer_kinds:
+        if kind == "kda":
+            H, d = cfg.kda.num_heads, cfg.kda.head_dim
+            kda += L * H * (8 * d * d + 4 * 64 * d)
+        else:
+            m = cfg.mla
+            per_key = m.num_heads * (2 * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank)
+            if cfg.indexer is not None:
+                ix = cfg.indexer
+                indexer += 2.0 * ix.num_heads * ix.head_dim * L * (L + 1) / 2
+                k = min(ix.topk, L)
+                attention += per_key * (k * (k + 1) / 2 + k * (L - k))
+            else:
+                attention += per_key * L * (L + 1) / 2
+    total = linear + indexer + attention + kda
+    return {"linear": linear, "indexer": indexer, "attention": attention, "kda": kda, "total": total}
 
 
 def step_bytes(cfg, dtype, batch: int, context: float, kv_itemsize: int | None = None) -> dict:
@@ -458,9 +514,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                                         "(default 900; --gpu 360)")
     p.add_argument("--prompt-vocab", type=int, default=1000,
                    help="prompts are random ids below this (default 1000: the built-in tokenizer's text ids)")
-    p.add_argument("--scenario", choices=["load", "multi-turn"], default="load",
+    p.add_argument("--scenario", choices=["load", "multi-turn", "long"], default="load",
                    help="load (default): independent random prompts; multi-turn: conversations over a shared system "
-                        "prompt (the prefix cache's case; module docstring)")
+                        "prompt (the prefix cache's case); long: one prompt at a time of each --long-lengths, TTFT "
+                        "and decode TPOT against their rooflines (module docstring)")
+    p.add_argument("--long-lengths", default=None,
+                   help="long: comma-separated prompt lengths (default 257,1025,2049; --gpu 8K … 1.04M, each "
+                        "k·4096 + 1)")
     p.add_argument("--turns", type=int, default=None, help="multi-turn: turns per conversation (default 3; --gpu 4)")
     p.add_argument("--system-tokens", type=int, default=None,
                    help="multi-turn: tokens of the shared system prompt, about (default 600; --gpu 2000)")
@@ -476,6 +536,17 @@ def _resolve(args):
         for k, v in MULTI_TURN_DEFAULTS["gpu" if args.gpu else "cpu"].items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
+    if args.scenario == "long":
+        for k, v in LONG_DEFAULTS["gpu" if args.gpu else "cpu"].items():
+            if k == "server_arg":
+                named = {a.split("=")[0] for a in args.server_arg}
+                args.server_arg = args.server_arg + [a for a in v if a.split("=")[0] not in named]
+            elif getattr(args, k) is None:
+                setattr(args, k, v)
+        if args.max_model_len is None:
+            args.max_model_len = max(int(x) for x in args.long_lengths.split(",")) + args.max_tokens + 64
+        if args.gpu:
+            args.startup_timeout = args.startup_timeout or 600
     if args.gpu:
         for k, v in GPU_DEFAULTS.items():
             if getattr(args, k) in (None, False):
@@ -556,8 +627,10 @@ def main(argv=None) -> int:
                  "max_model_len": args.max_model_len, "prefill_chunk_sizes": list(engine.runner.chunk_sizes)}
         print(f"in-process server {url}: load {t_load:.1f}s, compile {engine.compile_seconds:.1f}s", flush=True)
 
-    if args.scenario == "multi-turn":
+    if args.scenario in ("multi-turn", "long"):
         try:
+            if args.scenario == "long":
+                return _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start)
             return _multi_turn(args, url, levels, setup, out_dir, t_start)
         finally:
             if server is not None:
@@ -646,6 +719,72 @@ def main(argv=None) -> int:
     print()
     print(bars)
     return 0
+
+
+def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
+    """The long-context scenario against a ready server: one request per prompt length, shortest first."""
+    import jax
+
+    lengths = [int(x) for x in args.long_lengths.split(",") if x.strip()]
+    kv = 1 if any(a.startswith("--kv-dtype=fp8") for a in args.server_arg) else None
+    rng = np.random.default_rng(7)
+    asyncio.run(run_level(url, args.model, 1, 1, 65, 4, args.prompt_vocab))  # warm-up
+    rows = []
+    for n in lengths:
+        ids = rng.integers(0, args.prompt_vocab, n).tolist()
+        r = asyncio.run(_long_request(url, args.model, ids, args.max_tokens))
+        flops = prefill_flops(cfg, n - 1) if cfg is not None else None
+        row = {"prompt_tokens": n, "ttft_s": r["ttft"], "prefill_tok_s": (n - 1) / r["ttft"],
+               "tpot_ms": 1e3 * r["tpot"], "tokens": r["tokens"]}
+        if flops is not None and copy_bw is not None:
+            rate = copy_bw["matmul_tflop_s"] * 1e12
+            row.update(prefill_tflop=flops["total"] / 1e12, prefill_flops=flops,
+                       prefill_roofline_s=flops["total"] / rate, prefill_ratio=flops["total"] / rate / r["ttft"])
+            nbytes = step_bytes(cfg, args.dtype or "float32", 1, n + args.max_tokens / 2, kv_itemsize=kv)
+            row.update(decode_roofline_ms=1e3 * nbytes["total"] / (copy_bw["gb_s"] * 1e9),
+                       decode_ratio=nbytes["total"] / (copy_bw["gb_s"] * 1e9) / r["tpot"])
+        rows.append(row)
+        print(f"{n:8d} tokens: TTFT {r['ttft']:7.2f} s ({row['prefill_tok_s']:8.0f} tok/s"
+              + (f", {100 * row['prefill_ratio']:.0f}% of the FLOP roofline" if "prefill_ratio" in row else "")
+              + f"), TPOT {row['tpot_ms']:.2f} ms"
+              + (f" ({100 * row['decode_ratio']:.0f}% of the bytes roofline)" if "decode_ratio" in row else ""),
+              flush=True)
+    stats = get_json(url + "/stats")
+    doc = {"bench": "serve", "scenario": "long", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "commit": _git_rev(), "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
+           "versions": f"python {platform.python_version()}, jax {jax.__version__}", "model": args.model,
+           "max_tokens": args.max_tokens, "setup": setup, "copy_bandwidth": copy_bw, "lengths": rows,
+           "compilations_during_run": stats["compilations"] - stats["compilations_at_start"],
+           "total_s": round(time.perf_counter() - t_start, 1)}
+    text = json.dumps(doc, indent=1, default=float)
+    print()
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text, encoding="utf-8")
+    if out_dir:
+        (out_dir / "serve_long.json").write_text(text, encoding="utf-8")
+    print()
+    bar_rows = []
+    for r in rows:
+        shape = f"{args.model}, prompt {r['prompt_tokens']:,}"
+        bar_rows.append(("TTFT (s) vs prefill FLOP roofline", shape, f"{r['ttft_s']:.2f}",
+                         f"{r.get('prefill_roofline_s', float('nan')):.2f}", f"{r.get('prefill_ratio', float('nan')):.2f}",
+                         "", "info"))
+        bar_rows.append(("decode TPOT (ms) vs bytes roofline", shape, f"{r['tpot_ms']:.2f}",
+                         f"{r.get('decode_roofline_ms', float('nan')):.2f}", f"{r.get('decode_ratio', float('nan')):.2f}",
+                         "", "info"))
+    print(_bar_table(bar_rows))
+    return 0
+
+
+async def _long_request(url, model, ids, max_tokens) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    try:
+        return await _one_request(client, model, ids, max_tokens, seed=0)
+    finally:
+        await client.close()
 
 
 def _multi_turn(args, url, levels, setup, out_dir, t_start) -> int:
