@@ -220,6 +220,29 @@ def test_cached_pages_are_evicted_before_a_running_sequence_is_preempted(served,
         off.shutdown()
 
 
+def test_the_n_sequences_of_a_request_share_their_prompt_pages(served):
+    """n = 3 over a 201-token prompt: one prefill of 192 tokens (three full pages), which the three sequences read
+    in place; each holds only the page its own tokens go to (32 out: 233 positions, four pages each) -- 6 pages in
+    use, not 12 -- and their answers are those of n = 1."""
+    from kimi_jax.engine import SamplingParams
+
+    engine = served.engine
+    ids = _prompt(580, 201)
+    p = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    stream = engine.submit(ids, p, n=3)
+    held = None
+    for ev in stream:
+        if held is None and getattr(ev, "token_ids", None):
+            st = engine.stats()
+            held = st["used_blocks"] - st["prefix_cache_blocks"]
+    outs = stream.done
+    assert held == 6
+    alone = engine.generate(ids, p)[0].token_ids
+    assert outs.num_generated == [32, 32, 32]
+    again = engine.generate(ids, p, n=3)
+    assert [o.token_ids for o in again] == [alone] * 3
+
+
 def test_usage_and_metrics_report_the_cached_tokens(served):
     """OpenAI's usage.prompt_tokens_details.cached_tokens and vLLM's prefix-cache counters, over HTTP."""
     import httpx

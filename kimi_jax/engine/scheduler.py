@@ -189,10 +189,12 @@ class SchedulerMixin:
         self.alloc.share(keys[0], match.blocks)
         if match.tail_block is not None:
             self.alloc.share(_TAIL_PIN, [match.tail_block])
-        # the prefill's own pages up front, plus one page of headroom per running sequence (so that admitting it does
-        # not immediately force a preemption)
-        need = (self.alloc.blocks_for_tokens(max(prefill_len, pos)) - len(match.blocks)
-                + (n - 1) * self.alloc.blocks_for_tokens(prefill_len) + len(self._running))
+        # the prefill's own pages up front (the other n - 1 sequences share its full pages and get a copy of the last
+        # partial one), plus one page of headroom per running sequence (so that admitting it does not immediately
+        # force a preemption)
+        full, partial = divmod(prefill_len, bt)
+        need = (self.alloc.blocks_for_tokens(max(prefill_len, pos)) - len(match.blocks) + (n - 1) * (partial > 0)
+                + len(self._running))
         while self.alloc.free_blocks < need and self.prefix_cache.evict_lru():
             pass
         if self.alloc.free_blocks < need:
@@ -205,6 +207,7 @@ class SchedulerMixin:
                        prefill_len=prefill_len, checkpoints=checkpoints)
         self.alloc.allocate(keys[0], max(prefill_len, pos))
         for k in keys[1:]:
+            self.alloc.share(k, self.alloc.blocks(keys[0])[:full])
             self.alloc.allocate(k, prefill_len)
         if match.tail_block is not None:  # the partial page: this sequence writes on into a copy of its own
             self._state = self.runner.copy_blocks(self._state, [match.tail_block],
@@ -259,9 +262,11 @@ class SchedulerMixin:
         req = job.req
         if job.prefill_len:
             self._checkpoint_prefill(job)
+            full, partial = divmod(job.prefill_len, self.alloc.block_tokens)
             src = self.alloc.blocks(job.keys[0])
-            for k in job.keys[1:]:  # the other sequences start from copies of the first one's pages
-                self._state = self.runner.copy_blocks(self._state, src, self.alloc.blocks(k))
+            for k in job.keys[1:]:  # the others share the full pages; the partial one each writes on into a copy
+                if partial:
+                    self._state = self.runner.copy_blocks(self._state, [src[full]], [self.alloc.blocks(k)[full]])
         mask_row = np.zeros(self.vocab_size, bool)
         mask_row[req.prompt_ids] = True
         tail = job.ids[job.pos:]
