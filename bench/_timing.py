@@ -79,6 +79,7 @@ def torch_copy_bandwidth(nbytes: int = 1 << 31, reps: int = 20) -> float:
         e.synchronize()
         ts.append(s.elapsed_time(e) / 1e3)
     del a, b
+    torch.cuda.empty_cache()  # torch's allocator would keep the 2 x nbytes buffers from the JAX benches after it
     return 2 * nbytes / statistics.median(ts)
 
 
@@ -101,3 +102,22 @@ def torch_event_seconds(fn, *, calls: int = 10, rounds: int = 5) -> float:
         end.synchronize()
         ts.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(ts)
+
+
+def torch_kernel_seconds(fn, *args, reps: int = 10) -> dict:
+    """{GPU kernel name: device seconds per call} for the kernels `fn(*args)` launches, XLA's included: torch's
+    profiler (CUPTI) records every kernel of the process. Beside a wall-clock time it tells a kernel's own time from
+    the launch overhead around it (e.g. a custom call that breaks XLA's command buffers). Needs torch with CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    jax.block_until_ready(fn(*args))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            jax.block_until_ready(fn(*args))
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        us = ev.cuda_time_total if us is None else us
+        if us:
+            out[ev.key] = us / reps / 1e6
+    return out

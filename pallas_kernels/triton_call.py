@@ -11,6 +11,9 @@ The kernel modules import `triton` / `tl` from here, so the package imports wher
 `jit` then returns the plain function and `available()` is False. jax-triton imports only with a GPU jaxlib (it
 reads the compute capability at import), so it is imported at the first GPU launch, never at module import.
 Versions (pyproject's [gpu] extra, docs/gpu.md): jax-triton 0.3.1 with triton 3.6; 0.4.x needs triton 3.7.
+
+Vendor-specific code paths (inline PTX) are picked at compile time by a constexpr whose value is `ON_NVIDIA`: the
+launcher resolves it per compile target (True for CUDA; False for ROCm and the interpreter, which cannot run PTX).
 """
 
 from __future__ import annotations
@@ -54,6 +57,30 @@ def available() -> bool:
     return triton is not None and _jax_triton() is not None
 
 
+class _OnNvidia:
+    """The value of a constexpr that `call` resolves per compile target: True where the kernel is compiled for an
+    NVIDIA GPU (inline PTX allowed), False for ROCm and Triton's interpreter. A kernel never sees this object."""
+
+    def __repr__(self) -> str:
+        return "ON_NVIDIA"
+
+
+ON_NVIDIA = _OnNvidia()
+
+
+def _for_target(constexprs: dict, nvidia: bool) -> dict:
+    return {k: (nvidia if v is ON_NVIDIA else v) for k, v in constexprs.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_is_nvidia() -> bool:
+    """Whether the GPU jax-triton compiles for is NVIDIA's (Triton's active driver: CUDA or HIP)."""
+    try:
+        return triton.runtime.driver.active.get_current_target().backend == "cuda"
+    except Exception:  # noqa: BLE001  (no driver: the portable path, which runs everywhere)
+        return False
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -66,12 +93,13 @@ def call(*args, kernel, out_shape, grid, interpret: bool = False, num_warps: int
     int equal to 1 into a constant). out_shape: `jax.ShapeDtypeStruct`s; their buffers follow the inputs.
     input_output_aliases {input index: output index}: the output starts as that input's buffer (updated in place).
     interpret: Triton's interpreter on the host (needs `interpreting()`); outputs not aliased start as NaN (floats)
-    or their largest value (integers), so an element the kernel fails to write shows in a comparison."""
+    or their largest value (integers), so an element the kernel fails to write shows in a comparison.
+    A constexpr given as `ON_NVIDIA` becomes True or False for the target the kernel is compiled for."""
     many = isinstance(out_shape, (list, tuple))
     outs = list(out_shape) if many else [out_shape]
     aliases = dict(input_output_aliases or {})
     if interpret:
-        res = _interpret(args, kernel, outs, grid, aliases, constexprs)
+        res = _interpret(args, kernel, outs, grid, aliases, _for_target(constexprs, nvidia=False))
     else:
         res = _gpu_launch(args, kernel=kernel, out_shape=outs, grid=tuple(grid), num_warps=num_warps,
                           num_stages=num_stages, input_output_aliases=aliases, name=name, constexprs=constexprs)
@@ -86,7 +114,8 @@ def _gpu_launch(args, *, kernel, out_shape, grid, num_warps, num_stages, input_o
         raise RuntimeError("native Triton kernels need jax-triton on a GPU (pip install 'kimi_jax[gpu]'); "
                            "on CPU run them with interpret=True under TRITON_INTERPRET=1")
     return jt.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
-                          num_stages=num_stages, input_output_aliases=input_output_aliases, name=name, **constexprs)
+                          num_stages=num_stages, input_output_aliases=input_output_aliases, name=name,
+                          **_for_target(constexprs, _device_is_nvidia()))
 
 
 # Triton's pointer type names for JAX dtypes (as jax-triton spells them), for compiling a launch ahead of time.
@@ -102,7 +131,7 @@ def compile_launch(target, args, *, kernel, out_shape, num_warps, num_stages, co
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    signature, consts, attrs = {}, dict(constexprs), {}
+    signature, consts, attrs = {}, _for_target(constexprs, target.backend == "cuda"), {}
     flat = list(args) + list(out_shape)
     for i, a in enumerate(flat):
         if isinstance(a, bool) or (isinstance(a, int) and a == 1):

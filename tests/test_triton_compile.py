@@ -5,7 +5,8 @@ TRITON_INTERPRET (conftest turns it on for this process) traces the kernels' JAX
 the jax-triton launch replaced by a recorder (`triton_call._gpu_launch`), then compiles every recorded launch as
 jax-triton would (`triton_call.compile_launch`). Hopper launches must fit its 227 KB of shared memory per block;
 on gfx942 (64 KB of LDS per CU) the Hopper-tuned presets are only compiled, not held to a budget (docs/gpu.md, AMD),
-except sparse MLA's all-heads preset (128-head blocks), whose gfx942 compile takes minutes on this CPU.
+except sparse MLA's all-heads preset (128-head blocks), whose gfx942 compile takes minutes on this CPU. Inline PTX
+(`triton_call.ON_NVIDIA`) must reach the sm_90 binaries (the MoE MXFP4 decode) and stay out of the gfx942 ones.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ SCRIPT = textwrap.dedent("""
         c = tc.compile_launch(target, args, **kw)
         binary = "ptx" if backend == "cuda" else "amdgcn"
         out.append(dict(name=kw["name"], shared=c.metadata.shared, wgmma="wgmma" in c.asm.get(binary, ""),
-                        fp8_dot=kw["constexprs"].get("CDT") == 2))
+                        fp8_dot=kw["constexprs"].get("CDT") == 2, mxfp4=kw["constexprs"].get("QUANT") is True,
+                        prmt="prmt.b32" in c.asm.get(binary, "")))
     print("RESULT" + json.dumps(out))
 """)
 
@@ -109,6 +111,8 @@ def test_native_kernels_compile_for_hopper():
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
+    mxfp4 = [r for r in res if r["mxfp4"]]
+    assert mxfp4 and all(r["prmt"] for r in mxfp4)  # the MXFP4 decode is the PTX byte-permute sequence on NVIDIA
 
 
 def test_native_kernels_compile_for_cdna3():
@@ -119,3 +123,4 @@ def test_native_kernels_compile_for_cdna3():
             pytest.skip("this triton has no AMD backend")
         raise
     assert len(res) == 34
+    assert any(r["mxfp4"] for r in res)  # compiled on the arithmetic decode (no PTX on AMD)
