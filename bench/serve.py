@@ -698,27 +698,37 @@ def main(argv=None) -> int:
 
     import jax
 
-    doc = {"bench": "serve", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "commit": _git_rev(), "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-           "versions": f"python {platform.python_version()}, jax {jax.__version__}",
+    doc = {"bench": "serve", **_provenance(jax),
            "url": args.url or ("launched" if args.launch else "in-process"), "model": args.model,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
            "requests_per_client": args.requests_per_client, "setup": setup, "compilations_during_run": compiles,
            "levels": rows, "roofline": roof, "total_s": round(time.perf_counter() - t_start, 1)}
     table = _table(rows)
     bars = _bar_table(bar_rows)
+    _write_doc(doc, args, out_dir, "serve.json")
+    print()
+    print(table)
+    print()
+    print(bars)
+    return 0
+
+
+def _provenance(jax) -> dict:
+    """When, where and with what a figure was measured."""
+    return {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": _git_rev(),
+            "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
+            "versions": f"python {platform.python_version()}, jax {jax.__version__}"}
+
+
+def _write_doc(doc: dict, args, out_dir, name: str) -> None:
+    """Print the JSON document and write it to --json and to $OUT/name."""
     text = json.dumps(doc, indent=1, default=float)
     print()
     print(text)
     if args.json:
         Path(args.json).write_text(text, encoding="utf-8")
     if out_dir:
-        (out_dir / "serve.json").write_text(text, encoding="utf-8")
-    print()
-    print(table)
-    print()
-    print(bars)
-    return 0
+        (out_dir / name).write_text(text, encoding="utf-8")
 
 
 def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
@@ -750,19 +760,11 @@ def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
               + (f" ({100 * row['decode_ratio']:.0f}% of the bytes roofline)" if "decode_ratio" in row else ""),
               flush=True)
     stats = get_json(url + "/stats")
-    doc = {"bench": "serve", "scenario": "long", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "commit": _git_rev(), "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-           "versions": f"python {platform.python_version()}, jax {jax.__version__}", "model": args.model,
+    doc = {"bench": "serve", "scenario": "long", **_provenance(jax), "model": args.model,
            "max_tokens": args.max_tokens, "setup": setup, "copy_bandwidth": copy_bw, "lengths": rows,
            "compilations_during_run": stats["compilations"] - stats["compilations_at_start"],
            "total_s": round(time.perf_counter() - t_start, 1)}
-    text = json.dumps(doc, indent=1, default=float)
-    print()
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text, encoding="utf-8")
-    if out_dir:
-        (out_dir / "serve_long.json").write_text(text, encoding="utf-8")
+    _write_doc(doc, args, out_dir, "serve_long.json")
     print()
     bar_rows = []
     for r in rows:
@@ -802,23 +804,14 @@ def _multi_turn(args, url, levels, setup, out_dir, t_start) -> int:
               f"ms, later turns {run['ttft_later_turns_p50_ms']:7.0f} ms, cached {100 * run['cached_share']:.0f}% of "
               f"{run['prompt_tokens']} prompt tokens", flush=True)
     stats = get_json(url + "/stats")
-    doc = {"bench": "serve", "scenario": "multi-turn", "prefix_caching": caching,
-           "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": _git_rev(),
-           "host": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-           "versions": f"python {platform.python_version()}, jax {jax.__version__}", "model": args.model,
+    doc = {"bench": "serve", "scenario": "multi-turn", "prefix_caching": caching, **_provenance(jax),
+           "model": args.model,
            "turns": args.turns, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
            "max_tokens": args.max_tokens, "setup": setup, "levels": rows,
            "compilations_during_run": stats["compilations"] - stats["compilations_at_start"],
            "prefix_cache": {k: v for k, v in stats.items() if k.startswith("prefix_")},
            "total_s": round(time.perf_counter() - t_start, 1)}
-    text = json.dumps(doc, indent=1, default=float)
-    print()
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text, encoding="utf-8")
-    if out_dir:
-        name = "serve_multiturn.json" if caching else "serve_multiturn_nocache.json"
-        (out_dir / name).write_text(text, encoding="utf-8")
+    _write_doc(doc, args, out_dir, "serve_multiturn.json" if caching else "serve_multiturn_nocache.json")
     print()
     label = "prefix caching on" if caching else "prefix caching off"
     print(_bar_table([
