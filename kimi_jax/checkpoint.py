@@ -22,6 +22,7 @@ replicates), so no host ever holds a second copy.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Iterator, Optional
 
@@ -43,6 +44,7 @@ from sharding.rules import mesh_partition_spec, path_name
 
 from .config import PRESETS, ConfigError, ModelConfig, get_preset, load_config
 from .model import Model, _flat, _mesh, _parse_dtype, abstract_module, random_model
+from .modules.decoder import DecoderLayer, KimiForCausalLM
 from .modules.moe import moe_layers, prepare_experts
 from .modules.vision import VISION_PREFIXES, checkpoint_layout, load_vision_tower
 
@@ -225,3 +227,61 @@ def _sharding(name, shape, mesh) -> Optional[jax.sharding.Sharding]:
     # the mesh's own expert axes too: with experts over ("context", "model") (`expert=8,tensor=1,context=8`) a
     # "model"-only spec would first put every expert on every device
     return NamedSharding(mesh, mesh_partition_spec(name, shape, mesh))
+
+
+def random_mxfp4_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.bfloat16, mesh=None,
+                       kernels: Optional[KernelConfig] = None, platform: Optional[str] = None) -> Model:
+    """Random weights for a model too large to draw whole, with its routed experts as MXFP4 -- what a real-size
+    benchmark on one GPU needs (Kimi-Linear-48B-A3B: ≈ 98 GB in bf16, ≈ 29 GB with MXFP4 experts).
+
+    Every other parameter is drawn by its module's own initialiser, one jitted program per top level / per layer
+    signature that returns only those parameters, so XLA drops the dense experts' draws and no device ever holds
+    them. The routed experts are random e2m1 codes (all 16, uniform) under one E8M0 scale per matrix chosen so that
+    their standard deviation is about 1 / sqrt(input width), as a dense initialiser's. Peak memory: the finished
+    parameters plus one layer's. Then the experts are laid out for the platform's kernels, as a checkpoint's are."""
+    dtype = jnp.dtype(_parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+    kernels = kernels or KernelConfig()
+    module = abstract_module(cfg, dtype)
+    for _, moe in moe_layers(module):
+        moe.set_experts(MXFP4Experts.like(moe.expert_weights()))
+    _, params, _ = nnx.split(module, nnx.Param, ...)
+    leaves = _flat(params)
+    root = jax.random.key(seed)
+
+    def drawn(build):
+        """A jitted key -> {name: array} of the module `build(rngs)` makes, its routed experts left out."""
+        def run(key):
+            flat = {path_name(p): v for p, v in
+                    jax.tree_util.tree_flatten_with_path(nnx.state(build(nnx.Rngs(key)), nnx.Param))[0]}
+            return {n: v for n, v in flat.items() if ".block_sparse_moe.experts." not in "." + n}
+        return jax.jit(run)
+
+    filled = {}
+    top = drawn(lambda rngs: KimiForCausalLM(cfg.replace(layer_kinds=(), dense_layers=()), rngs=rngs, dtype=dtype))
+    filled.update(top(jax.random.fold_in(root, 0)))
+    by_signature = {}
+    for i in range(cfg.num_layers):
+        sig = (cfg.layer_kinds[i], cfg.is_moe_layer(i))
+        if sig not in by_signature:
+            by_signature[sig] = drawn(lambda rngs, i=i: DecoderLayer(cfg, i, rngs=rngs, dtype=dtype))
+        for name, value in by_signature[sig](jax.random.fold_in(root, 1 + i)).items():
+            filled[f"layers.{i}.{name}"] = value
+    bits = jax.jit(lambda key, shape: jax.random.bits(key, shape, jnp.uint8), static_argnums=1)
+    for n, (name, want) in enumerate(sorted(leaves.items())):
+        if name in filled:
+            continue
+        if name.endswith(".packed"):  # random e2m1 codes, two a byte
+            filled[name] = bits(jax.random.fold_in(root, 10_000 + n), tuple(want.shape))
+        elif name.endswith(".scale"):  # E8M0: 2^e ≈ 1 / (2.93 · sqrt(K)), 2.93 = the e2m1 codes' RMS
+            k = 2 * leaves[name[: -len("scale")] + "packed"].shape[-1]
+            exponent = round(math.log2(1.0 / (2.93 * math.sqrt(k))))
+            filled[name] = jnp.full(want.shape, 127 + exponent, jnp.uint8)
+    missing = sorted(set(leaves) - set(filled))
+    if missing:
+        raise ConfigError(f"internal: random weights left {listing(missing)} undrawn")
+    for name, want in leaves.items():
+        value = filled[name].astype(want.dtype)
+        filled[name] = value if mesh is None else jax.device_put(value, _sharding(name, value.shape, _mesh(mesh)))
+    nnx.update(module, jax.tree_util.tree_map_with_path(lambda p, _: filled.pop(path_name(p)), params))
+    prepare_experts(module, kernels, platform)
+    return Model(module, dtype, mesh=_mesh(mesh), kernels=kernels, platform=platform)

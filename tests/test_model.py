@@ -214,3 +214,24 @@ def test_load_model_dtype_names():
     for bad in ("int8", "banana", "float64"):  # float64 without jax_enable_x64 would silently stay float32
         with pytest.raises(ValueError, match="bf16"):
             kimi_jax.load_model("tiny", dtype=bad)
+
+
+def test_random_weights_with_mxfp4_experts_draw_no_dense_expert(tiny_model):
+    """`checkpoint.random_mxfp4_model`: the routed experts are MXFP4 from the start (random e2m1 codes under one
+    E8M0 scale per matrix); every other parameter comes from its module's initialiser, drawn by programs that
+    return only those -- so no dense expert weight is ever allocated. The logits are finite and of the size a
+    dense random model gives."""
+    import jax.numpy as jnp
+
+    from kimi_jax.checkpoint import random_mxfp4_model
+    from kimi_jax.modules.moe import moe_layers
+    from pallas_kernels.moe.experts import MXFP4Experts
+
+    model = random_mxfp4_model(tiny_model.config, seed=0, dtype=jnp.float32)
+    layers = moe_layers(model.module)
+    assert layers and all(isinstance(m.expert_weights(), MXFP4Experts) for _, m in layers)
+    scale = layers[0][1].expert_weights().gate.scale
+    assert np.unique(np.asarray(scale)).size == 1  # one scale per matrix
+    ids = np.random.default_rng(102).integers(0, VOCAB, (1, 20))
+    got, want = model.logits(ids), tiny_model.logits(ids)
+    assert np.isfinite(got).all() and 0.5 < got.std() / want.std() < 2.0
