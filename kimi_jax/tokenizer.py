@@ -382,17 +382,25 @@ class Tokenizer:
         return cls(ranks, specials, pat_str=pat_str)
 
     @classmethod
-    def tiny(cls, family: str = "k3") -> "Tokenizer":
+    def tiny(cls, family: str = "k3", vocab_size: int = TINY_NUM_RANKS + TINY_NUM_RESERVED) -> "Tokenizer":
         """The built-in tokenizer of the ``tiny`` preset: 1000 BPE ranks + 24 control ids (1024 in all).
 
         K3 layout: [BOS] 1000, [EOS] 1001, <|end_of_msg|> 1002, <|open|> 1003, <|close|> 1004, <|sep|> 1005,
         <|media_begin|> 1006, <|media_content|> 1007, <|media_end|> 1008, <|media_pad|> 1009, [PAD] 1023.
         ``family="k2"`` packs the <|im_*|> control tokens into the same block instead (for Kimi-Linear-format tests).
+        A larger ``vocab_size`` (a random-weight preset at full size: 163840) keeps the 1000 ranks and makes every
+        id above them a control token, the named ones first (checkpoint layout relative to the ranks), the rest
+        ``<|reserved_token_ID|>``: text encodes into the first 1000 ids and every id decodes.
         """
         ranks = load_tiktoken_ranks(TINY_TIKTOKEN_PATH)
         if len(ranks) != TINY_NUM_RANKS:
             raise ValueError(f"{TINY_TIKTOKEN_PATH}: expected {TINY_NUM_RANKS} ranks, found {len(ranks)}")
-        return cls(ranks, special_token_map(family, TINY_NUM_RANKS, TINY_NUM_RESERVED), name=f"kimi_tiny_{family}")
+        if vocab_size < TINY_NUM_RANKS + TINY_NUM_RESERVED:
+            raise ValueError(f"the built-in tokenizer needs at least {TINY_NUM_RANKS + TINY_NUM_RESERVED} ids, "
+                             f"got {vocab_size}")
+        wide = vocab_size != TINY_NUM_RANKS + TINY_NUM_RESERVED
+        return cls(ranks, special_token_map(family, TINY_NUM_RANKS, vocab_size - TINY_NUM_RANKS),
+                   name=f"kimi_tiny_{family}" + (f"_{vocab_size}" if wide else ""))
 
     # ---------------------------------------------------------------- properties
     @property

@@ -235,3 +235,14 @@ def test_random_weights_with_mxfp4_experts_draw_no_dense_expert(tiny_model):
     ids = np.random.default_rng(102).integers(0, VOCAB, (1, 20))
     got, want = model.logits(ids), tiny_model.logits(ids)
     assert np.isfinite(got).all() and 0.5 < got.std() / want.std() < 2.0
+
+
+def test_the_server_draws_a_presets_experts_as_mxfp4_when_asked():
+    """`python -m kimi_jax.serve --random-experts mxfp4`: the preset's routed experts come as MXFP4."""
+    from kimi_jax.modules.moe import moe_layers
+    from kimi_jax.serve.server import load_for_serving
+    from pallas_kernels.moe.experts import MXFP4Experts
+
+    model, tok, name = load_for_serving(None, "tiny", random_experts="mxfp4")
+    assert name == "tiny" and tok.vocab_size == model.config.vocab_size
+    assert all(isinstance(m.expert_weights(), MXFP4Experts) for _, m in moe_layers(model.module))

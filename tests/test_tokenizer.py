@@ -260,3 +260,16 @@ def test_load_errors(tmp_path):
         Tokenizer(ranks, {"<|open|>": 5})
     with pytest.raises(ValueError, match="single-byte"):
         Tokenizer({b"a": 0}, {})
+
+
+def test_the_built_in_tokenizer_widens_to_a_full_size_vocabulary():
+    """A random-weight preset at full size (163840 ids) is served by the 1000 tiny ranks with every other id a
+    control token: text encodes as before, the named control tokens sit where the checkpoint layout puts them
+    relative to the ranks, [PAD] at the top, and every id decodes."""
+    from kimi_jax.tokenizer import Tokenizer
+
+    tiny, wide = Tokenizer.tiny("k2"), Tokenizer.tiny("k2", vocab_size=163840)
+    assert wide.vocab_size == 163840 and wide.num_ranks == tiny.num_ranks == 1000
+    assert wide.encode("hello world") == tiny.encode("hello world")
+    assert wide.special_tokens["[PAD]"] == 163839 and wide.eos_id == wide.special_tokens["<|im_end|>"] < 1256
+    assert wide.decode([150000]) == "<|reserved_token_150000|>"

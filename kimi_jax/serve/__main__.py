@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="model id in the API (default: the preset name or the checkpoint path)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset (default 0)")
+    p.add_argument("--random-experts", choices=["dense", "mxfp4"], default="dense",
+                   help="a preset's random routed experts: dense in --dtype (default), or drawn directly as MXFP4 "
+                        "(4.25 bits a weight, the MXFP4 kernels; no dense copy is ever made), which is what puts a "
+                        "real-size model such as kimi-linear-48b on one 80 GB GPU")
     p.add_argument("--prefill-chunk-sizes", default="64,1", metavar="C1,C2,...",
                    help="prefill chunk sizes, one compiled program each (default 64,1); a prompt is run in the "
                         "largest chunks that fit, a remainder smaller than every size rides the decode steps.  KDA "
@@ -400,12 +404,15 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     from .app import build_app
     from .server import load_for_serving
 
+    if args.checkpoint and args.random_experts != "dense":
+        return _fail("--random-experts is for a preset's random weights; a --checkpoint's experts are its own")
     what = args.checkpoint or f"preset {args.model or 'tiny'} (random weights, seed {args.seed})"
     log.info("loading %s ...", what)
     t0 = time.perf_counter()
     try:
         model, tokenizer, name = load_for_serving(args.checkpoint, args.model, dtype=args.dtype, seed=args.seed,
-                                                  mesh=mesh, max_model_len=args.max_model_len)
+                                                  mesh=mesh, max_model_len=args.max_model_len,
+                                                  random_experts=args.random_experts)
     except (ValueError, FileNotFoundError, OSError, ImportError) as e:
         return _fail(f"cannot load {what}: {e}")
     cfg = model.config

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Optional
 
-from ..checkpoint import load_model, preflight
+from ..checkpoint import load_model, preflight, random_mxfp4_model
 from ..config import get_preset
 from ..kernels import KernelConfig
 from ..model import MAX_RANDOM_PARAMS, Model, abstract_params
@@ -20,10 +20,13 @@ log = logging.getLogger("kimi_jax.serve")
 
 
 def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = None, *, dtype=None, seed: int = 0,
-                     mesh=None, max_model_len: Optional[int] = None):
+                     mesh=None, max_model_len: Optional[int] = None, random_experts: str = "dense"):
     """(model, tokenizer, default served name).  No checkpoint: the ``preset`` (default ``tiny``) with random
-    weights; a preset whose vocabulary is the tiny one gets ``Tokenizer.tiny()``.  ``mesh``: a
-    ``jax.sharding.Mesh`` the parameters are placed on (``sharding.rules``), or None for one device.
+    weights and the built-in tokenizer (``Tokenizer.tiny``; for a full-size vocabulary its 1000 ranks with every
+    other id a reserved control token, which a benchmark's id prompts do not mind), the routed experts drawn as
+    ``random_experts`` ("dense", or "mxfp4": `checkpoint.random_mxfp4_model`, what fits a real-size model on one
+    GPU).  ``mesh``: a ``jax.sharding.Mesh`` the parameters are placed on (``sharding.rules``), or None for one
+    device.
 
     A checkpoint is checked before its weights are read (``checkpoint.preflight``: config, parts / weight files),
     its tokenizer loaded first (a missing ``tiktoken.model`` fails in seconds, not after the weights), and
@@ -43,9 +46,11 @@ def load_for_serving(checkpoint: Optional[str] = None, preset: Optional[str] = N
     cfg = get_preset(name)
     tiny = Tokenizer.tiny(tokenizer_family(cfg.architecture))
     if cfg.vocab_size != tiny.vocab_size:
-        raise ValueError(f"preset {name!r} has a {cfg.vocab_size}-token vocabulary and no tokenizer ships with "
-                         "it; serve a checkpoint directory (with tiktoken.model) instead")
-    model = _random_preset(name, cfg, dtype=dtype, seed=seed, mesh=mesh)
+        tiny = Tokenizer.tiny(tokenizer_family(cfg.architecture), vocab_size=cfg.vocab_size)
+        log.info("preset %s has a %d-id vocabulary: the built-in tokenizer's %d BPE ranks serve it, every other id "
+                 "is a reserved control token (random weights: for benchmarks)", name, cfg.vocab_size,
+                 tiny.num_ranks)
+    model = _random_preset(name, cfg, dtype=dtype, seed=seed, mesh=mesh, experts=random_experts)
     return model, tiny, name
 
 
@@ -59,7 +64,7 @@ def load_draft_model(checkpoint_or_preset: str, *, dtype=None, seed: int = 0):
     return _random_preset(checkpoint_or_preset, get_preset(checkpoint_or_preset), dtype=dtype, seed=seed, mesh=None)
 
 
-def _random_preset(name: str, cfg, *, dtype, seed: int, mesh):
+def _random_preset(name: str, cfg, *, dtype, seed: int, mesh, experts: str = "dense"):
     """``load_model(preset)``, and beyond its cap on random-weight models when the weights fit the accelerator.
 
     ``load_model`` refuses presets above ``MAX_RANDOM_PARAMS`` so that nobody materialises a 2.8T-parameter model
@@ -75,20 +80,27 @@ def _random_preset(name: str, cfg, *, dtype, seed: int, mesh):
     from flax import nnx
 
     dt = jnp.dtype(dtype) if dtype is not None else jnp.dtype(jnp.float32)
+    if experts not in ("dense", "mxfp4"):
+        raise ValueError(f"random experts must be 'dense' or 'mxfp4', got {experts!r}")
     shapes = abstract_params(cfg, dt)
     count = sum(int(np.prod(a.shape)) for a in shapes.values())
-    if count <= MAX_RANDOM_PARAMS:
+    if count <= MAX_RANDOM_PARAMS and experts == "dense":
         return load_model(name, dtype=dt, seed=seed, mesh=mesh)
-    nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in shapes.values())
+    routed = lambda n: ".block_sparse_moe.experts." in "." + n
+    # MXFP4: 4.25 bits a weight (a 4-bit code, an 8-bit scale per 32)
+    nbytes = sum(int(np.prod(a.shape)) * (4.25 / 8 if experts == "mxfp4" and routed(n) else a.dtype.itemsize)
+                 for n, a in shapes.items())
     stats = (jax.devices()[0].memory_stats() or {}) if jax.devices()[0].platform != "cpu" else {}
     limit = stats.get("bytes_limit", 0)
-    if nbytes * 1.25 > limit:
+    if nbytes * 1.25 > limit and (limit or count > MAX_RANDOM_PARAMS):  # a small model on a CPU host: no check
         where = f"{limit / 2**30:.0f} GiB of {jax.devices()[0]}" if limit else "a CPU host (no random models "\
                 f"above {MAX_RANDOM_PARAMS / 1e9:.0f}B parameters there)"
         raise ValueError(f"preset {name!r} has {count / 1e9:.1f}B parameters ({nbytes / 2**30:.1f} GiB as {dt.name}): "
                          f"too large for random weights on {where}; serve a checkpoint instead")
-    log.info("preset %s: %.1fB parameters (%.1f GiB as %s), above load_model's random-weight cap; drawing them on %s",
-             name, count / 1e9, nbytes / 2**30, dt.name, jax.devices()[0])
+    log.info("preset %s: %.1fB parameters (%.1f GiB as %s%s), drawing them on %s", name, count / 1e9, nbytes / 2**30,
+             dt.name, ", routed experts MXFP4" if experts == "mxfp4" else "", jax.devices()[0])
+    if experts == "mxfp4":
+        return random_mxfp4_model(cfg, seed=seed, dtype=dt, mesh=mesh)
     module = KimiForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dt)
     return Model(module, dt, mesh=mesh, kernels=KernelConfig())
 
