@@ -60,6 +60,14 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "serve-long": ("long context: TTFT against the prefill FLOP roofline and decode TPOT against the bytes roofline for "
                    "prompts of 8K to 1.04M tokens, kimi-k3.1-reduced bf16, fp8 latents and index keys", "1 GPU",
                    ["bench/serve.py --gpu --scenario long"]),
+    "serve-48b": ("a real-size model on one GPU: Kimi-Linear-48B-A3B at full depth, random weights with MXFP4 routed "
+                  "experts (29 GB), bf16 elsewhere: TTFT at 8K and 32K tokens, decode at 1 and 32 streams against "
+                  "the roofline", "1 GPU",
+                  ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
+                   "--scenario long --long-lengths 8193,32769 --prefill-chunk-sizes 4096 --max-tokens 32 --startup-timeout 900",
+                   "bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
+                   "--max-num-seqs 32 --max-model-len 512 --prefill-chunk-sizes 128 --prompt-tokens 129 "
+                   "--max-tokens 256 --clients 1,32 --requests-per-client 1 --startup-timeout 900"]),
     "serve-cpu": ("the real server, tiny float32, 1 / 8 / 32 clients", "CPU", ["bench/serve.py"]),
     "spec-decode": ("speculative decoding, adaptive policy vs always, repetitive and rejected drafts", "1 GPU",
                     ["bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject"]),

@@ -362,8 +362,10 @@ def prefill_flops(cfg, tokens: int) -> dict:
     return {"linear": linear, "indexer": indexer, "attention": attention, "kda": kda, "total": total}
 
 
-def step_bytes(cfg, dtype, batch: int, context: float, kv_itemsize: int | None = None) -> dict:
-    """Bytes one decode step of `batch` sequences with `context` cached tokens each must move (see the module doc).
+def step_bytes(cfg, dtype, batch: int, context: float, kv_itemsize: int | None = None,
+               expert_bits: float | None = None) -> dict:
+    """Bytes one decode step of `batch` sequences with `context` cached tokens each must move (see the module doc);
+    `expert_bits`: bits per routed-expert weight when they are not `dtype` (4.25 for MXFP4).
 
     From the abstract parameter shapes (nothing is materialised) and the cache layout of the engine: KDA state in
     float32 [B, H, d, d] read and written; q/k/v conv tails [B, K-1, H·d] read and written; MLA latent rows
@@ -379,6 +381,8 @@ def step_bytes(cfg, dtype, batch: int, context: float, kv_itemsize: int | None =
     E, k = cfg.moe.num_experts, cfg.moe.top_k
     touched = E * (1.0 - (1.0 - k / E) ** batch)  # expected distinct experts per MoE layer, uniform routing
     expert_bytes = sum(nb(v) for v in experts.values()) * touched / E
+    if expert_bits is not None:
+        expert_bytes *= expert_bits / (8 * jnp.dtype(dtype).itemsize)
     embed = params["embed_tokens"]
     dense_bytes = sum(nb(v) for n, v in params.items() if n not in experts and n != "embed_tokens")
     dense_bytes += batch * embed.shape[1] * embed.dtype.itemsize  # only the looked-up rows of the embedding
@@ -414,7 +418,9 @@ class LaunchedServer:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "kimi_jax.serve", "--model", args.launch, "--port", str(self.port),
                "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-               "--prefill-chunk-sizes", args.prefill_chunk_sizes, "--mesh", args.mesh]
+               "--mesh", args.mesh]
+        if args.prefill_chunk_sizes:
+            cmd += ["--prefill-chunk-sizes", args.prefill_chunk_sizes]
         if args.dtype:
             cmd += ["--dtype", args.dtype]
         cmd += args.server_arg
@@ -676,7 +682,8 @@ def main(argv=None) -> int:
         else:  # no clean window (or counters missing): every slot emits one token per TPOT
             context = args.prompt_tokens + args.max_tokens / 2
             ours, how = slots / (poll_row["tpot_p50_ms"] / 1e3), "slots / TPOT p50"
-        nbytes = step_bytes(cfg, args.dtype or "float32", slots, context)
+        nbytes = step_bytes(cfg, args.dtype or "float32", slots, context, kv_itemsize=_kv_itemsize(args),
+                            expert_bits=_expert_bits(args))
         bw = copy_bw["gb_s"] * 1e9
         peer = slots / (nbytes["total"] / bw)
         roof = {"decode_tok_s": ours, "measured_by": how, "window": win, "context_mean": context,
@@ -713,6 +720,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def _kv_itemsize(args):
+    """Bytes per cached latent value when the server stores them as fp8 (--server-arg=--kv-dtype=fp8), else None."""
+    return 1 if any(a.startswith("--kv-dtype=fp8") for a in args.server_arg) else None
+
+
+def _expert_bits(args):
+    """Bits per routed-expert weight when the launched preset draws them as MXFP4, else None (its dtype)."""
+    return 4.25 if any(a.startswith("--random-experts=mxfp4") for a in args.server_arg) else None
+
+
 def _provenance(jax) -> dict:
     """When, where and with what a figure was measured."""
     return {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": _git_rev(),
@@ -736,7 +753,7 @@ def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
     import jax
 
     lengths = [int(x) for x in args.long_lengths.split(",") if x.strip()]
-    kv = 1 if any(a.startswith("--kv-dtype=fp8") for a in args.server_arg) else None
+    kv = _kv_itemsize(args)
     rng = np.random.default_rng(7)
     asyncio.run(run_level(url, args.model, 1, 1, 65, 4, args.prompt_vocab))  # warm-up
     rows = []
@@ -750,7 +767,8 @@ def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
             rate = copy_bw["matmul_tflop_s"] * 1e12
             row.update(prefill_tflop=flops["total"] / 1e12, prefill_flops=flops,
                        prefill_roofline_s=flops["total"] / rate, prefill_ratio=flops["total"] / rate / r["ttft"])
-            nbytes = step_bytes(cfg, args.dtype or "float32", 1, n + args.max_tokens / 2, kv_itemsize=kv)
+            nbytes = step_bytes(cfg, args.dtype or "float32", 1, n + args.max_tokens / 2, kv_itemsize=kv,
+                                expert_bits=_expert_bits(args))
             row.update(decode_roofline_ms=1e3 * nbytes["total"] / (copy_bw["gb_s"] * 1e9),
                        decode_ratio=nbytes["total"] / (copy_bw["gb_s"] * 1e9) / r["tpot"])
         rows.append(row)
