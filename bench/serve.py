@@ -633,18 +633,21 @@ def main(argv=None) -> int:
                  "max_model_len": args.max_model_len, "prefill_chunk_sizes": list(engine.runner.chunk_sizes)}
         print(f"in-process server {url}: load {t_load:.1f}s, compile {engine.compile_seconds:.1f}s", flush=True)
 
+    def stop_servers():
+        if server is not None:
+            server.stop()
+        if engine is not None:
+            engine.shutdown()
+        if launched is not None:
+            launched.stop()
+
     if args.scenario in ("multi-turn", "long"):
         try:
             if args.scenario == "long":
                 return _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start)
             return _multi_turn(args, url, levels, setup, out_dir, t_start)
         finally:
-            if server is not None:
-                server.stop()
-            if engine is not None:
-                engine.shutdown()
-            if launched is not None:
-                launched.stop()
+            stop_servers()
     try:
         asyncio.run(run_level(url, args.model, 1, 1, args.prompt_tokens, 4, args.prompt_vocab))  # warm-up
         rows = []
@@ -658,12 +661,7 @@ def main(argv=None) -> int:
         stats1 = get_json(url + "/stats") if cfg is not None else None
         compiles = (stats1["compilations"] - stats1["compilations_at_start"]) if stats1 else None
     finally:
-        if server is not None:
-            server.stop()
-        if engine is not None:
-            engine.shutdown()
-        if launched is not None:
-            launched.stop()
+        stop_servers()
 
     # ---------------------------------------------------------------------------------------- decode roofline
     roof = None
