@@ -246,11 +246,6 @@ class PrefixCache:
             heapq.heappush(self._heap, entry)
         return freed
 
-    def clear(self) -> None:
-        """Drop everything (the pages the cache alone held go back to the pool)."""
-        for child in list(self._root.children.values()) + list(self._root.tails.values()):
-            self._remove_subtree(child)
-
     def stats(self) -> dict:
         """pages: held by the cache; reclaimable: of those, read by no sequence (what eviction can free)."""
         pages = reclaimable = 0
@@ -308,10 +303,3 @@ class PrefixCache:
             self._remove(parent)
         else:
             self._push(parent)  # a leaf now: a candidate for eviction at its own last use
-
-    def _remove_subtree(self, item) -> None:
-        if isinstance(item, _Node):
-            for child in list(item.children.values()) + list(item.tails.values()):
-                self._remove_subtree(child)
-        if item.alive:
-            self._remove(item)

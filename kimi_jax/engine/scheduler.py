@@ -182,7 +182,7 @@ class SchedulerMixin:
             match = Match(matched=match.matched)
             chunks, checkpoints = self._plan(0, match.matched, len(prefill_ids))
         pos = match.tokens
-        prefill_len = pos + sum(chunks)  # the rest (< the smallest chunk) rides the decode steps
+        prefill_len = pos + sum(chunks)  # >= pos; the rest (< the smallest chunk) rides the decode steps
         bt = self.alloc.block_tokens
         # hold the hit's pages before making room, so that eviction cannot take them: the first sequence shares
         # the full ones; the partial one is pinned until it is copied
@@ -193,7 +193,7 @@ class SchedulerMixin:
         # partial one), plus one page of headroom per running sequence (so that admitting it does not immediately
         # force a preemption)
         full, partial = divmod(prefill_len, bt)
-        need = (self.alloc.blocks_for_tokens(max(prefill_len, pos)) - len(match.blocks) + (n - 1) * (partial > 0)
+        need = (self.alloc.blocks_for_tokens(prefill_len) - len(match.blocks) + (n - 1) * (partial > 0)
                 + len(self._running))
         while self.alloc.free_blocks < need and self.prefix_cache.evict_lru():
             pass
@@ -205,7 +205,7 @@ class SchedulerMixin:
         job = _Prefill(req, ids, item if isinstance(item, _Seq) else None, keys,
                        [self._free.pop() for _ in range(n)], self._orders, chunks, key, pos=pos,
                        prefill_len=prefill_len, checkpoints=checkpoints)
-        self.alloc.allocate(keys[0], max(prefill_len, pos))
+        self.alloc.allocate(keys[0], prefill_len)
         for k in keys[1:]:
             self.alloc.share(k, self.alloc.blocks(keys[0])[:full])
             self.alloc.allocate(k, prefill_len)
