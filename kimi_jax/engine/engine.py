@@ -296,9 +296,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             t += time.perf_counter() - t0
         self.compile_seconds = t
         self._state = self.runner.new_state()
-        for _ in range(2):  # compile the bitmask upload now (zero rows) for the runner's table and its own output
-            self._dyn_dirty = True  # (a committed array: another jit signature): serving compiles nothing
-            self._upload_dynamic_masks()
+        self._dyn_dirty = True  # compile the bitmask upload now (zero rows): serving compiles nothing
+        self._upload_dynamic_masks()
         self.compilations_at_start = compile_watch.compile_count()
         if self.config.vision_warmup and self.model.vision is not None and self.runner.images:
             buckets = patch_buckets(self.model.config.vision)

@@ -598,8 +598,13 @@ class ModelRunner:
     def update_class_masks(self, tables: Tables, words: np.ndarray, base: int) -> Tables:
         """``tables`` with class-table rows ``base … base + R`` replaced by bitmask ``words`` int32 ``[R, ⌈V/32⌉]``
         (bit j of word w: token 32·w + j allowed), unpacked on device: one small upload per step for the guided rows
-        whose grammar gives a bitmask. The table passed in is not donated (another engine may hold it)."""
-        upload = self._mask_uploads.get(int(base))
+        whose grammar gives a bitmask. The table passed in is not donated (another engine may hold it).
+
+        The unpacking program is compiled ahead of time at the first call for a (base, R) -- an engine makes that
+        call at start -- and the runner keeps it, so no engine serving on this runner compiles it again."""
+        words = np.asarray(words, np.int32)
+        key = (int(base), words.shape)
+        upload = self._mask_uploads.get(key)
         if upload is None:
             V = self.V
 
@@ -609,8 +614,10 @@ class ModelRunner:
                 rows = bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
                 return jax.lax.dynamic_update_slice_in_dim(table, rows, base, axis=0)
 
-            upload = self._mask_uploads[int(base)] = jax.jit(unpack, out_shardings=tables.class_masks.sharding)
-        return tables._replace(class_masks=upload(tables.class_masks, np.asarray(words, np.int32)))
+            where = tables.class_masks.sharding  # the words go where the table is (one device, or replicated)
+            upload = jax.jit(unpack, in_shardings=(where, where), out_shardings=where)
+            upload = self._mask_uploads[key] = upload.lower(tables.class_masks, words).compile()
+        return tables._replace(class_masks=upload(tables.class_masks, words))
 
     def copy_blocks(self, state: DeviceState, src: Sequence[int], dst: Sequence[int]) -> DeviceState:
         """Copy pages src[i] -> dst[i] in every MLA pool (at most max_blocks pairs)."""
