@@ -37,6 +37,25 @@ if TESTS_DIR not in sys.path:
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test file, drop JAX's caches of compiled programs.
+
+    Each loaded XLA:CPU executable maps its code into memory, and JAX's caches keep every program a worker ever ran:
+    after ~60 files one worker holds ~65,000 mappings, the kernel's default ``vm.max_map_count``, and the next
+    executable it loads crashes the process (SIGSEGV inside ``deserialize_executable``). Programs a session fixture
+    holds (its engine's compiled runner) stay loaded; a later file that runs a dropped program again loads it from
+    the persistent cache.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     import kimi_jax
