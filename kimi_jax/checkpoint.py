@@ -43,7 +43,7 @@ from sharding.context import KernelConfig
 from sharding.rules import mesh_partition_spec, path_name
 
 from .config import PRESETS, ConfigError, ModelConfig, get_preset, load_config
-from .model import Model, _flat, _mesh, _parse_dtype, abstract_module, random_model
+from .model import Model, _flat, _mesh, _parse_dtype, abstract_module, is_routed_expert, random_model
 from .modules.decoder import DecoderLayer, KimiForCausalLM
 from .modules.moe import moe_layers, prepare_experts
 from .modules.vision import VISION_PREFIXES, checkpoint_layout, load_vision_tower
@@ -253,7 +253,7 @@ def random_mxfp4_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.bfloat16, m
         def run(key):
             flat = {path_name(p): v for p, v in
                     jax.tree_util.tree_flatten_with_path(nnx.state(build(nnx.Rngs(key)), nnx.Param))[0]}
-            return {n: v for n, v in flat.items() if ".block_sparse_moe.experts." not in "." + n}
+            return {n: v for n, v in flat.items() if not is_routed_expert(n)}
         return jax.jit(run)
 
     filled = {}

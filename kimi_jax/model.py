@@ -42,6 +42,12 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     return _flat(nnx.state(abstract_module(cfg, dtype), nnx.Param))
 
 
+def is_routed_expert(name: str) -> bool:
+    """Whether the parameter at path `name` belongs to the routed experts ("layers.3.block_sparse_moe.experts.gate",
+    and an MXFP4 matrix's ".packed" / ".scale"); the shared experts' weights do not."""
+    return ".block_sparse_moe.experts." in "." + name
+
+
 def _flat(state) -> dict:
     """{parameter path: `jax.ShapeDtypeStruct`} of an NNX state."""
     return {path_name(path): jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)

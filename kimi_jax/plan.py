@@ -20,23 +20,18 @@ import numpy as np
 
 from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout, allocate
 from .config import ConfigError, ModelConfig, load_config
-from .model import abstract_params
+from .model import abstract_params, is_routed_expert
 
-EXPERT_KEYS = ("block_sparse_moe.experts.gate", "block_sparse_moe.experts.up", "block_sparse_moe.experts.down")
 FP32_KEYS = ("A_log", "dt_bias", "conv1d", "o_norm", "block_sparse_moe.gate", "e_score_correction_bias")
 WEIGHT_DTYPES = ("release", "bf16", "fp8", "mxfp4")
 ONE_M = 1 << 20
-
-
-def _is_routed_expert(name: str) -> bool:
-    return any(name.endswith(k) for k in EXPERT_KEYS)
 
 
 def count_params(cfg: ModelConfig) -> dict:
     shapes = abstract_params(cfg)
     sizes = {k: int(np.prod(v.shape)) for k, v in shapes.items()}
     total = sum(sizes.values())
-    routed = sum(n for k, n in sizes.items() if _is_routed_expert(k))
+    routed = sum(n for k, n in sizes.items() if is_routed_expert(k))
     moe_layers = sum(1 for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
     per_expert = routed // max(1, moe_layers * cfg.moe.num_experts)
     inactive = (cfg.moe.num_experts - cfg.moe.top_k) * per_expert * moe_layers
@@ -60,7 +55,7 @@ def weight_bytes(cfg: ModelConfig, sizes: dict, weights_dtype: str) -> int:
     for k, n in sizes.items():
         if any(s in k for s in FP32_KEYS):
             total += 4 * n
-        elif _is_routed_expert(k) and weights_dtype in ("release", "mxfp4"):
+        elif is_routed_expert(k) and weights_dtype in ("release", "mxfp4"):
             total += mxfp4(n)
         elif weights_dtype == "fp8":
             total += n

@@ -11,7 +11,7 @@ from typing import Optional
 from ..checkpoint import load_model, preflight, random_mxfp4_model
 from ..config import get_preset
 from ..kernels import KernelConfig
-from ..model import MAX_RANDOM_PARAMS, Model, abstract_params
+from ..model import MAX_RANDOM_PARAMS, Model, abstract_params, is_routed_expert
 from ..modules.decoder import KimiForCausalLM
 from ..tokenizer import Tokenizer
 from .formats import tokenizer_family
@@ -86,9 +86,8 @@ def _random_preset(name: str, cfg, *, dtype, seed: int, mesh, experts: str = "de
     count = sum(int(np.prod(a.shape)) for a in shapes.values())
     if count <= MAX_RANDOM_PARAMS and experts == "dense":
         return load_model(name, dtype=dt, seed=seed, mesh=mesh)
-    routed = lambda n: ".block_sparse_moe.experts." in "." + n
     # MXFP4: 4.25 bits a weight (a 4-bit code, an 8-bit scale per 32)
-    nbytes = sum(int(np.prod(a.shape)) * (4.25 / 8 if experts == "mxfp4" and routed(n) else a.dtype.itemsize)
+    nbytes = sum(int(np.prod(a.shape)) * (4.25 / 8 if experts == "mxfp4" and is_routed_expert(n) else a.dtype.itemsize)
                  for n, a in shapes.items())
     stats = (jax.devices()[0].memory_stats() or {}) if jax.devices()[0].platform != "cpu" else {}
     limit = stats.get("bytes_limit", 0)
