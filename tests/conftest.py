@@ -37,6 +37,13 @@ if TESTS_DIR not in sys.path:
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, a crashed worker ends the run with that test failed (``--max-worker-restart`` 0 unless
+    given): a worker restarted under ``--dist loadfile`` is never handed work, and the run would wait forever."""
+    if getattr(config.option, "maxworkerrestart", "absent") is None:
+        config.option.maxworkerrestart = 0
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """After each test file, drop JAX's caches of compiled programs.
