@@ -12,7 +12,7 @@ import pytest
 from kimi_jax import quant as Q
 from kimi_jax.cache import PAGE_TOKENS, CacheLayout
 from kimi_jax.config import get_preset
-from kimi_jax.paged_cache import NULL_BLOCK, BlockAllocator, OutOfBlocksError, PagedCacheSpec
+from kimi_jax.paged_cache import NULL_BLOCK, BlockAllocator, BlockTable, OutOfBlocksError, PagedCacheSpec
 
 
 def small_config():
@@ -119,6 +119,44 @@ def test_allocator_is_all_or_nothing_and_never_hands_out_the_null_block():
 
 def _rows(rng, n, c):
     return (rng.standard_normal((n, c)) * 2).astype(np.float32)
+
+
+def test_the_kept_block_table_equals_one_built_fresh_every_step():
+    """Slots are filled, grown a page at a time, handed pages another owner holds, preempted and readmitted with
+    new pages, emptied and reused by another sequence: after every step the table updated in place equals the table
+    built from scratch (free slots are null rows)."""
+    rng = np.random.default_rng(0)
+    slots, max_blocks = 4, 12
+    alloc = BlockAllocator(200, block_tokens=4)
+    table = BlockTable(slots, max_blocks)
+    alloc.allocate("donor", 16)
+    running = {}  # slot -> owner
+    for step in range(300):
+        slot = int(rng.integers(slots))
+        op = rng.integers(4)
+        owner = running.get(slot)
+        if owner is None:  # a new sequence takes the slot, sometimes behind a cached prefix
+            owner = running[slot] = f"seq{step}"
+            if rng.integers(2):
+                alloc.share(owner, alloc.blocks("donor")[: int(rng.integers(1, 4))])
+            alloc.allocate(owner, alloc.tokens(owner) + int(rng.integers(1, 9)))
+        elif op == 0:  # finished: the slot is free
+            alloc.free(running.pop(slot))
+        elif op == 1:  # preempted and readmitted into the same slot: same owner, other pages
+            alloc.free(owner)
+            alloc.allocate(owner, int(rng.integers(1, 20)))
+        elif alloc.blocks_for_tokens(alloc.tokens(owner) + 4) <= max_blocks:  # decoding into its next page
+            alloc.allocate(owner, alloc.tokens(owner) + 4)
+        got = table.update({s: alloc.held(o) for s, o in running.items()})
+        want = alloc.block_table([running.get(s, "free") for s in range(slots)], max_blocks)
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+
+
+def test_a_kept_block_table_refuses_a_row_longer_than_its_width():
+    alloc = BlockAllocator(20, block_tokens=4)
+    alloc.allocate("a", 4 * 5)
+    with pytest.raises(ValueError, match="more than max_blocks=4"):
+        BlockTable(2, 4).update({0: alloc.held("a")})
 
 
 @pytest.mark.parametrize("kv,ix", FORMATS)

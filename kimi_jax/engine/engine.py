@@ -99,7 +99,7 @@ import kimi_jax.engine.compile_watch as compile_watch
 
 from ..cache import CacheLayout, allocate
 from ..modules.vision_buckets import patch_buckets, programs_for
-from ..paged_cache import BlockAllocator
+from ..paged_cache import BlockAllocator, BlockTable
 from .config import (  # noqa: F401 -- re-exported: `from kimi_jax.engine.engine import EngineConfig, ...`
     DEFAULT_TOKEN_SPLIT_MIN_TOKENS, SPECULATIVE_METHODS, EngineConfig, default_decode_buckets)
 from .draft_model import DRAFT_SAMPLE_METHODS, DraftModelProposer
@@ -243,6 +243,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             layout.state_bytes_per_sequence, layout.page_bytes * runner.dcp)
         self.max_checkpoints = cfg.prefix_checkpoints or max(self.B, MIN_DEFAULT_CHECKPOINTS)
         self.alloc, self.prefix_cache = self._new_pages()
+        self._block_table = BlockTable(self.B, runner.max_blocks)  # the decode step's, kept across steps
         self.prefix_query_tokens = 0  # prompt tokens of new requests looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, served from it
         self.prefix_hits = 0  # new requests that resumed from a checkpoint
@@ -559,6 +560,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self._vision_pending = False
         self._free = list(range(self.B - 1, -1, -1))
         self.alloc, self.prefix_cache = self._new_pages()
+        self._block_table = BlockTable(self.B, self.runner.max_blocks)
         self.rows = RowParams(self.B, self.vocab_size)
 
     def _new_pages(self) -> tuple[BlockAllocator, PrefixCache]:
@@ -662,10 +664,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
                                                                          constraints)
         # what drafting cost (a draft model's forward passes) is part of what a verify step costs the policy
         t_draft = time.perf_counter() - t_draft if drafts else 0.0
-        tables = np.zeros((B, self.runner.max_blocks), np.int32)  # null rows for free slots: they write nothing
-        for slot, seq in self._running.items():
-            blocks = self.alloc.blocks(seq.key)
-            tables[slot, : len(blocks)] = blocks
+        # null rows for free slots (they write nothing); updated in place: this step's outputs are read below
+        tables = self._block_table.update({slot: self.alloc.held(seq.key) for slot, seq in self._running.items()})
         if proposer is not None and policy.measures:
             # the policy times each step from its inputs to its tokens handed out: first wait for what is still
             # queued in front of it (prefill chunks and slot inserts dispatched this iteration are never read back),
