@@ -75,8 +75,8 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                    ["bench/spec_decode.py --gpu --max-tokens 96 --max-num-seqs 4 --scenarios draft,draft-sampled "
                     "--temperature 1"]),
     "draft-batch": ("the batched draft proposal against one sequence per call", "CPU", ["bench/draft_batch.py"]),
-    "block-table": ("the decode step's block table kept across steps against built fresh each step", "CPU",
-                    ["bench/block_table.py --contexts 8192,131072,1040000 --steps 100"]),
+    "host-step": ("host work between decode steps: the kept block table vs built fresh, parameters passed as a "
+                  "flat list vs an nnx.State", "CPU", ["bench/host_step.py --contexts 8192,131072,1040000 --steps 100"]),
     "vision": ("the vision tower: exact, bucketed and batched paths, cuDNN attention", "1 GPU",
                ["bench/vision.py --path all --attention fused --sides 448,1000,1792 --reps 3"]),
     "convert": ("checkpoint conversion: peak RSS and throughput on a synthetic K3.1 checkpoint", "CPU",
