@@ -21,12 +21,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# XLA:CPU ends a process when a collective has waited 40 s for one device's thread. With the suite on two workers
+# beside multi-device subprocesses on 2 cores, a faked device's thread can be that late with nothing wrong; a real
+# deadlock still ends the process, well inside pytest's timeout.
+PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
+
+
+def cpu_devices_env(devices: int, **overrides) -> dict:
+    """This environment with JAX on `devices` faked CPU devices (XLA_FLAGS) whose collectives wait patiently."""
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {PATIENT_COLLECTIVES}", **overrides)
+
+
 def server_env(**overrides) -> dict:
     """The environment of a server subprocess: CPU JAX, unbuffered output, this checkout first on the path, no
-    XLA_FLAGS (a server fakes its CPU devices itself with --fake-cpu-devices)."""
+    device count in XLA_FLAGS (a server fakes its CPU devices itself with --fake-cpu-devices), patient collectives."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **overrides)
     if "XLA_FLAGS" not in overrides:
-        env.pop("XLA_FLAGS", None)
+        env["XLA_FLAGS"] = PATIENT_COLLECTIVES
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 

@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels.kda import reference as kda_ref
 from sharding import context_parallel as cp
+from server_process import cpu_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,7 +133,7 @@ def _run_on_8_fake_devices(script: str, timeout: int):
     """Run a test script in a fresh process with 8 fake CPU devices (the device count is fixed at JAX start-up);
     it must end by printing ALL DONE. tests/ is on its path for `cp_helpers`."""
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    env = cpu_devices_env(8, PYTHONPATH=path)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=ROOT)
     assert out.returncode == 0 and "ALL DONE" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from server_process import cpu_devices_env
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -21,7 +22,7 @@ OVERLAYS = ("expert=8,tensor=1,context=8", "expert=8,tensor=2,context=4")
 
 
 def _run(script: str, *args: str, timeout: int) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = cpu_devices_env(8,
                PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))  # ep_cases
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                          timeout=timeout, cwd=ROOT)

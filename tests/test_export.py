@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from server_process import cpu_devices_env
+
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("1x1", "2x1", "2x4", "expert=8,tensor=1,context=8")
 
@@ -69,7 +71,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def _run_export_script(presets, meshes, tmp_path, timeout):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(presets), ";".join(meshes), str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import gpu, mxfp4 as mx, ops, reference, schedule, tpu
+from server_process import cpu_devices_env
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -525,7 +526,7 @@ EP_SCRIPT = textwrap.dedent("""
 
 
 def test_expert_parallel_on_8_devices_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = cpu_devices_env(8,
                PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))  # ep_cases
     out = subprocess.run([sys.executable, "-c", EP_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                          cwd=ROOT)

@@ -12,13 +12,13 @@ Subprocesses, because the CPU device count is fixed once per process when JAX st
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from server_process import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def _run(mesh: str, dcp: int, lengths=(7, 70, 200, 600), gen: int = 10, tight=None, indexer: bool = True) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     args = [mesh, str(dcp), json.dumps(list(lengths)), str(gen), json.dumps(tight),
             "indexer" if indexer else "no-indexer"]
     out = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -139,7 +139,7 @@ def test_planner_predicts_what_the_engine_allocates_on_every_mesh():
     """`python -m kimi_jax.plan --max-num-seqs B --max-model-len L` (with --mesh, --dcp and the dtypes) gives the
     pages, per-device cache bytes and capacity that the engine's runner places (from abstract shapes: nothing is
     compiled), at tiny and full size."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

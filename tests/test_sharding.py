@@ -3,7 +3,6 @@ TP+EP, EP over context x tensor) gives the logits and greedy tokens of one devic
 subprocess so the flag does not leak into other tests). Token-split prefill and DCP decode:
 tests/test_context_parallel.py."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sharding import MeshError, make_mesh, param_partition_spec, parse_mesh_spec
+from server_process import cpu_devices_env
 
 
 def test_mesh_spec_forms():
@@ -104,7 +104,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sharded_layouts_match_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2x4 ok" in out.stdout and "8x1 ok" in out.stdout and "context=8 ok" in out.stdout
@@ -129,7 +129,7 @@ def test_kimi_linear_on_eight_data_parallel_cpu_devices(tmp_path):
     # 4 KDA heads: B·H = 8 solves per call, enough for jaxlib to spread them over the pool (2 heads never hung)
     H.make_kimi_linear(str(tmp_path / "kl"), seed=0, num_attention_heads=4, num_key_value_heads=4,
                        linear_attn_config={"num_heads": 4})
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", KIMI_LINEAR_DP_SCRIPT, str(tmp_path / "kl")], env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -155,7 +155,7 @@ def test_checkpoint_places_experts_over_the_expert_axes_directly():
     over ("context", "model") (`expert=8,tensor=1,context=8`) the loader used the "model"-only rule, so every
     device first received every expert (a full replica of the expert weights per device) before `Model` re-split
     them."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", CKPT_EXPERT_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
@@ -175,7 +175,7 @@ IMAGES_ON_A_MESH_SCRIPT = textwrap.dedent("""
 def test_image_features_on_a_mesh_equal_one_device():
     """`serve --mesh 8x1` with images: the vision tower's bucketed program runs on the model's mesh (parameters
     placed there, host-made taps, angles and merge indices alongside) and gives one device's features."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", IMAGES_ON_A_MESH_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

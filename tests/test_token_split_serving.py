@@ -16,13 +16,13 @@ Subprocesses, because the CPU device count is fixed once per process when JAX st
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from server_process import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def _run(**case) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(case)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=1500)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -186,7 +186,7 @@ def test_which_chunk_sizes_split_and_which_are_refused():
     when DCP runs over a context axis; none over the tensor axis (a plain chunk already splits by heads there) or
     with the threshold 0; a size that does not split over the devices, or leaves one fewer tokens than the conv halo,
     is a clear error at construction (from abstract shapes: nothing compiles)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SIZES_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -223,7 +223,7 @@ def test_the_token_split_program_exports_for_tpu_with_its_mosaic_kernels(tmp_pat
     on the expert / context overlay and on a context x tensor mesh: every kernel inside the shard_map over the
     context axis is reached through a nested shard_map over the remaining axes (GSPMD refuses Mosaic custom calls,
     even over an axis of size 1), and the chunked KDA kernel and the MoE grouped matmul are in it."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
