@@ -15,7 +15,6 @@ import dataclasses
 import json
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 
 from .cache import INDEX_DTYPES, KV_DTYPES, CacheLayout, allocate
