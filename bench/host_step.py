@@ -105,16 +105,16 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per parameter case")
     ap.add_argument("--only", choices=("table", "parameters"))
     args = ap.parse_args()
-    rows = []
+    results = []
     if args.only in (None, "table"):
         for context in (int(c) for c in args.contexts.split(",")):
             if context + args.steps > args.max_model_len:
                 raise SystemExit(f"--contexts {context} + {args.steps} steps exceeds --max-model-len "
                                  f"{args.max_model_len}")
-            rows.append(block_table_case(args.rows, context, args.max_model_len, args.steps))
+            results.append(block_table_case(args.rows, context, args.max_model_len, args.steps))
     if args.only in (None, "parameters"):
-        rows += [param_call(p, args.calls) for p in args.presets.split(",")]
-    for row in rows:
+        results += [param_call(p, args.calls) for p in args.presets.split(",")]
+    for row in results:
         row.update(cpu=cpu_name(), numpy=np.__version__, date=time.strftime("%Y-%m-%d"))
         print(json.dumps(row), flush=True)
     return 0

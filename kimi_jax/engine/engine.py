@@ -242,8 +242,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self.checkpoint_blocks = cfg.prefix_checkpoint_blocks or checkpoint_interval(
             layout.state_bytes_per_sequence, layout.page_bytes * runner.dcp)
         self.max_checkpoints = cfg.prefix_checkpoints or max(self.B, MIN_DEFAULT_CHECKPOINTS)
-        self.alloc, self.prefix_cache = self._new_pages()
-        self._block_table = BlockTable(self.B, runner.max_blocks)  # the decode step's, kept across steps
+        self.alloc, self.prefix_cache, self._block_table = self._new_pages()
         self.prefix_query_tokens = 0  # prompt tokens of new requests looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, served from it
         self.prefix_hits = 0  # new requests that resumed from a checkpoint
@@ -559,15 +558,15 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self._prefilling = None
         self._vision_pending = False
         self._free = list(range(self.B - 1, -1, -1))
-        self.alloc, self.prefix_cache = self._new_pages()
-        self._block_table = BlockTable(self.B, self.runner.max_blocks)
+        self.alloc, self.prefix_cache, self._block_table = self._new_pages()
         self.rows = RowParams(self.B, self.vocab_size)
 
-    def _new_pages(self) -> tuple[BlockAllocator, PrefixCache]:
-        """An empty page pool and prefix cache over it."""
+    def _new_pages(self) -> tuple[BlockAllocator, PrefixCache, BlockTable]:
+        """An empty page pool, the prefix cache over it and the decode step's block table (kept across steps)."""
         alloc = BlockAllocator(self.runner.spec.num_blocks, self.runner.block_tokens)
-        return alloc, PrefixCache(alloc, enabled=self.config.prefix_caching, max_checkpoints=self.max_checkpoints,
-                                  checkpoint_blocks=self.checkpoint_blocks)
+        prefix = PrefixCache(alloc, enabled=self.config.prefix_caching, max_checkpoints=self.max_checkpoints,
+                             checkpoint_blocks=self.checkpoint_blocks)
+        return alloc, prefix, BlockTable(self.B, self.runner.max_blocks)
 
     def _probe_step(self) -> None:
         """Run the compiled decode step once with every row free (they write only the null page) and wait for it."""

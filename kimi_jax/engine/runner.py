@@ -48,7 +48,8 @@ independent of traffic (the vision tower itself, run by ``Model.encode_images`` 
 patch-count bucket the images fall in -- ``modules.vision_buckets``, at most 18 at K3's image sizes -- not once per
 image size).
 
-The batch state is donated to every program that updates it (updated in place).
+``params`` is the model's parameters as a flat list of arrays (``jax.tree.leaves(model.params)``), rebuilt into its
+``nnx.State`` inside each program. The batch state is donated to every program that updates it (updated in place).
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ class ModelRunner:
         out = (lambda sh: {}) if replicated is None else (lambda sh: {"out_shardings": sh})
         # the programs take the parameters as a flat list of arrays (`_param_leaves`), rebuilt into the model's
         # `nnx.State` when traced: calling a compiled program flattens a list in C++, but an `nnx.State` through
-        # Python one Variable at a time, on every call (tiny: 0.47 vs 0.15 ms a call; it grows with the layers)
+        # Python one Variable at a time, on every call (docs/performance.md, "host work per program call")
         param_tree = jax.tree.structure(model.params)
         self._param_leaves = jax.tree.leaves(model.params)
 
@@ -398,8 +399,8 @@ class ModelRunner:
 
     def program_args(self) -> dict:
         """Every program as (jitted function, abstract arguments): `ShapeDtypeStruct`s with their shardings, the
-        parameters as the model holds them (concrete or abstract). `compile` lowers these; `kimi_jax.export`
-        exports them for another platform."""
+        parameters as the flat list of the model's arrays (concrete or abstract). `compile` lowers these;
+        `kimi_jax.export` exports them for another platform."""
         rep = self._replicated
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         like = lambda a: sds(a.shape, a.dtype)
