@@ -88,7 +88,7 @@ def test_draft_model_proposer_drafts_its_greedy_continuation(tiny_model):
     assert_greedy_chain(prompt, d)
     grown = prompt + d[:2] + [7]  # two drafts kept, then the target's own token
     calls, advance = [], p._advance
-    p._advance = lambda params, ids, cache: calls.append(ids.shape[1]) or advance(params, ids, cache)
+    p._advance = lambda ids, cache: calls.append(ids.shape[1]) or advance(ids, cache)
     d2 = p.propose("a", grown, 3)
     # the kept drafts' cache was explored already: one feed call (the target's token), then two draft steps
     assert calls == [1, 1, 1]

@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .param_leaves import ParamLeaves
+
 # the chunk sizes a sequence's new tokens are fed in, largest first (one compiled program each; the engine's default
 # prefill chunks too). A prompt goes in 64-token chunks; what a sequence gains per step (≤ k + 1 tokens) token by token
 FEED_CHUNKS = (64, 1)
@@ -55,18 +57,20 @@ DRAFT_STREAM = 0xD4A  # folded into a row's key for its drafts (the verify step 
 
 @functools.lru_cache(maxsize=8)
 def _advance_program(model, logits_out: bool = False):
-    """`(params, ids [B, T], cache) -> (after, cache)` for one draft `Model`, jitted once per model and output
-    (proposers over the same model share its compiled programs); `after` is each row's argmax after its last id
+    """`(ids [B, T], cache) -> (after, cache)` for one draft `Model`, jitted once per model and output (proposers
+    over the same model share its compiled programs), its parameters passed as a flat list (`ParamLeaves`); `after` is each row's argmax after its last id
     (int32 `[B]`) or, with `logits_out`, its logits (float32 `[B, V]`). No donation: the kept cache is read again
     by the next proposal."""
     graphdef, ctx = model.graphdef, model.ctx
+    flat_params = ParamLeaves(model.params)
 
     def advance(params, ids_bt, cache):
         logits, cache = nnx.merge(graphdef, params)(ids_bt, cache, ctx=ctx)
         last_bv = logits[:, -1].astype(jnp.float32)
         return (last_bv if logits_out else jnp.argmax(last_bv, axis=-1).astype(jnp.int32)), cache
 
-    return jax.jit(advance)
+    jitted = jax.jit(flat_params.taking(advance))
+    return lambda ids_bt, cache: jitted(flat_params.leaves, ids_bt, cache)
 
 
 def draft_keys(seed, choice, gen_step):
@@ -188,7 +192,7 @@ class DraftModelProposer:
         cache = self._empty()
         for n in FEED_CHUNKS:
             if n <= self.max_len:
-                jax.block_until_ready(self._advance(self.model.params, np.zeros((1, n), np.int32), cache))
+                jax.block_until_ready(self._advance(np.zeros((1, n), np.int32), cache))
         t = 1.0 if self.samples else 0.0
         for n in self.batch_sizes:
             ids = [(_WARMUP, r) for r in range(n)]
@@ -236,7 +240,7 @@ class DraftModelProposer:
         for i, r in enumerate(live):
             rows1[i] = self._cache_before_last(requests[r].seq_id, requests[r].tokens)
             last[i, 0] = int(requests[r].tokens[-1])
-        after, cache = self._advance(self.model.params, last, _stack_rows(tuple(rows1)))
+        after, cache = self._advance(last, _stack_rows(tuple(rows1)))
         if self.samples:
             temperature, seed = np.zeros(B, np.float32), np.zeros(B, np.uint32)
             choice, gen_step = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -254,7 +258,7 @@ class DraftModelProposer:
                 tok = after
             tokens.append(tok)
             if step < steps - 1:
-                after, cache = self._advance(self.model.params, tok.reshape(B, 1), cache)
+                after, cache = self._advance(tok.reshape(B, 1), cache)
                 explored.append(cache)
         if self.samples:
             qs += [jnp.zeros_like(qs[0])] * (self.k - len(qs))
@@ -313,6 +317,6 @@ class DraftModelProposer:
             cache, fed = self._empty(), 0
         while fed < n:
             c = next(c for c in FEED_CHUNKS if c <= n - fed)
-            _, cache = self._advance(self.model.params, np.asarray([tokens[fed:fed + c]], np.int32), cache)
+            _, cache = self._advance(np.asarray([tokens[fed:fed + c]], np.int32), cache)
             fed += c
         return cache

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .param_leaves import ParamLeaves
 from .sampling_params import MAX_TOP_LOGPROBS
 
 MIN_BUCKET = 16
@@ -74,8 +75,9 @@ class PromptScorer:
 
         mesh = getattr(model, "mesh", None)
         whole = {} if mesh is None else {"out_shardings": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())}
-        jitted = jax.jit(score, **whole)  # replicated results: process 0 reads them whole
-        program = lambda padded: jitted(self.model.params, padded)
+        flat_params = ParamLeaves(model.params)
+        jitted = jax.jit(flat_params.taking(score), **whole)  # replicated results: process 0 reads them whole
+        program = lambda padded: jitted(flat_params.leaves, padded)
         self._score = program if mirror is None else mirror.register("prompt_scores", program)
 
     def score(self, ids: Sequence[int]) -> PromptScores:

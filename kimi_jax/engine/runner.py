@@ -54,7 +54,6 @@ image size).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -73,6 +72,7 @@ from ..modules.decoder import PagedModelCache
 from ..parallel import check_token_split_chunk, token_split_chunk
 from ..paged_cache import LayerPool, PagedCacheSpec
 from .guide import MAX_ALLOWED_IDS
+from .param_leaves import ParamLeaves
 from .sampler import Controls, RowParams, Rows, Tables, sample
 from .spec_decode import verify_sample
 
@@ -303,11 +303,9 @@ class ModelRunner:
         # the programs take the parameters as a flat list of arrays (`_param_leaves`), rebuilt into the model's
         # `nnx.State` when traced: calling a compiled program flattens a list in C++, but an `nnx.State` through
         # Python one Variable at a time, on every call (docs/performance.md, "host work per program call")
-        param_tree = jax.tree.structure(model.params)
-        self._param_leaves = jax.tree.leaves(model.params)
-
-        def leaves_in(fn):
-            return functools.wraps(fn)(lambda leaves, *args: fn(jax.tree.unflatten(param_tree, leaves), *args))
+        flat_params = ParamLeaves(model.params)
+        self._param_leaves = flat_params.leaves
+        leaves_in = flat_params.taking
 
         self._fns = {
             "zeros_state": jax.jit(zeros_state, **out(st)),
