@@ -50,6 +50,8 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
             "bench/cp.py --tokens 131072 --skip decode,capacity --reps 2 --budget 280 --grace 20"]),
     "serve-gpu": ("the real server, kimi-k3.1-reduced bf16, 1 and 32 clients, decode vs bytes roofline", "1 GPU",
                   ["bench/serve.py --gpu"]),
+    "serve-profile": ("a device trace of steady decode at 1 and 32 clients, summarised per step (top kernels)",
+                      "1 GPU", ["bench/serve.py --gpu --clients 1,32 --profile 1"]),
     "serve-buckets": ("decode batch buckets vs every step over all slots, kimi-k3.1-reduced bf16, 1 and 4 clients",
                       "1 GPU", ["bench/serve.py --gpu --clients 1,4 --max-tokens 128 --server-arg=--decode-buckets=1,2,4",
                                 "bench/serve.py --gpu --clients 1,4 --max-tokens 128 --server-arg=--decode-buckets=none"]),

@@ -130,6 +130,35 @@ def get_json(url: str, timeout: float = 30) -> dict:
         return json.loads(r.read())
 
 
+def post_json(url: str, timeout: float = 120) -> dict:
+    """POST with an empty body; the JSON answer (urllib raises HTTPError, an OSError, on 4xx / 5xx)."""
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+async def trace_steady(base_url: str, running: int, seconds: float) -> dict:
+    """Once ``running`` sequences decode and none waits, a device trace of ``seconds`` (the server's
+    ``/start_profile`` / ``/stop_profile``; it must run with ``--profile-dir``). Returns the trace directory, the
+    seconds traced and the decode steps and prefill chunks the engine ran meanwhile (from /stats)."""
+    while True:
+        s0 = await asyncio.to_thread(get_json, base_url + "/stats")
+        if s0["running_seqs"] >= running and s0["num_requests_waiting"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    started = await asyncio.to_thread(post_json, base_url + "/start_profile")
+    cut_short = False
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:  # the level ended first: keep what was traced (never leave a trace running)
+        cut_short = True
+    s1 = get_json(base_url + "/stats")
+    stopped = post_json(base_url + "/stop_profile")
+    return {"trace_dir": started["trace_dir"], "seconds": stopped["seconds"], "cut_short": cut_short,
+            "steps": s1["num_steps"] - s0["num_steps"],
+            "prefill_chunks": s1["num_prefill_chunks"] - s0["num_prefill_chunks"]}
+
+
 class StatsPoller:
     """Samples GET /stats every `period` seconds while a level runs (engine counters for the decode rate)."""
 
@@ -187,7 +216,9 @@ def decode_window(samples: list, slots: int) -> dict | None:
             "gen_start": a["generation_tokens_total"], "gen_end": b["generation_tokens_total"]}
 
 
-async def run_level(base_url, model, clients, requests_per_client, prompt_tokens, max_tokens, vocab, poll=False):
+async def run_level(base_url, model, clients, requests_per_client, prompt_tokens, max_tokens, vocab, poll=False,
+                    profile=None):
+    """One concurrency level. ``profile``: (running sequences, seconds) for a device trace in steady decode."""
     import openai
 
     rng = np.random.default_rng(clients)
@@ -203,6 +234,7 @@ async def run_level(base_url, model, clients, requests_per_client, prompt_tokens
 
     if poller:
         poller.start()
+    tracer = None if profile is None else asyncio.get_running_loop().create_task(trace_steady(base_url, *profile))
     t0 = time.perf_counter()
     try:
         per = await asyncio.gather(*(worker(w) for w in range(clients)))
@@ -210,6 +242,14 @@ async def run_level(base_url, model, clients, requests_per_client, prompt_tokens
         wall = time.perf_counter() - t0
         if poller:
             await poller.stop()
+        trace = None
+        if tracer is not None:
+            if not tracer.done():
+                tracer.cancel()
+            try:
+                trace = await tracer
+            except asyncio.CancelledError:
+                print(f"clients={clients}: the level ended before its slots were all decoding: no trace", flush=True)
         await client.close()
     reqs = [r for p in per for r in p]
     ttft = np.array([r["ttft"] for r in reqs])
@@ -222,6 +262,8 @@ async def run_level(base_url, model, clients, requests_per_client, prompt_tokens
            "e2e_p50_s": pct(np.array([r["e2e"] for r in reqs]), 50)}
     if poller:
         row["_samples"] = poller.samples
+    if trace is not None:
+        row["trace"] = trace
     return row
 
 
@@ -423,6 +465,8 @@ class LaunchedServer:
             cmd += ["--prefill-chunk-sizes", args.prefill_chunk_sizes]
         if args.dtype:
             cmd += ["--dtype", args.dtype]
+        if args.profile:
+            cmd += ["--profile-dir", TRACE_ROOT]
         cmd += args.server_arg
         self.cmd = cmd
         self._log = open(log_path, "w")
@@ -454,6 +498,25 @@ class LaunchedServer:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+TRACE_ROOT = "/tmp/kimi_jax_traces"  # --profile: where the server writes its traces (large; not under $OUT)
+
+
+def _summarise_trace(trace: dict, clients: int, out_dir) -> None:
+    """Print a level's trace summary per decode step and keep it as $OUT/trace_<clients>.md (and .json)."""
+    import trace_summary
+
+    path = trace_summary.find_trace(trace["trace_dir"])
+    steps = max(trace["steps"], 1)
+    rows = trace_summary.summarise(trace_summary.load_events(path), top=30, steps=steps)
+    head = (f"# {clients} clients: {trace['seconds']:.1f} s traced{' (the level ended first)' if trace['cut_short'] else ''}, "
+            f"{trace['steps']} decode steps, {trace['prefill_chunks']} prefill chunks ({path})")
+    text = head + "\n" + trace_summary.render(rows)
+    print(text, flush=True)
+    trace["summary"] = rows
+    if out_dir:
+        (out_dir / f"trace_{clients}.md").write_text(text + "\n")
 
 
 # ================================================================================================== report
@@ -532,6 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-turn: tokens of the shared system prompt, about (default 600; --gpu 2000)")
     p.add_argument("--user-tokens", type=int, default=None,
                    help="multi-turn: tokens of each user message, about (default 40; --gpu 100)")
+    p.add_argument("--profile", type=float, default=None, metavar="S",
+                   help="load, --launch / --gpu: in each level, once every slot it fills decodes, a device trace of "
+                        "S seconds (the server gets --profile-dir); its summary per decode step "
+                        "(bench/trace_summary.py) is printed and written to $OUT/trace_<clients>.md")
     p.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
     return p
 
@@ -653,11 +720,15 @@ def main(argv=None) -> int:
         rows = []
         poll_level = max(levels)
         for n in levels:
+            profile = (min(n, args.max_num_seqs), args.profile) if args.profile else None
             row = asyncio.run(run_level(url, args.model, n, args.requests_per_client, args.prompt_tokens,
-                                        args.max_tokens, args.prompt_vocab, poll=cfg is not None and n == poll_level))
+                                        args.max_tokens, args.prompt_vocab, poll=cfg is not None and n == poll_level,
+                                        profile=profile))
             rows.append(row)
             print(f"clients={n:3d}: {row['output_tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.0f} ms  "
                   f"TPOT p50 {row['tpot_p50_ms']:6.1f} ms", flush=True)
+            if "trace" in row:
+                _summarise_trace(row["trace"], n, out_dir)
         stats1 = get_json(url + "/stats") if cfg is not None else None
         compiles = (stats1["compilations"] - stats1["compilations_at_start"]) if stats1 else None
     finally:

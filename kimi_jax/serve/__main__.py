@@ -227,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JAX persistent compilation cache: restarts load compiled programs instead of compiling "
                         "again (default: $KIMI_JAX_COMPILATION_CACHE, else ~/.cache/kimi_jax/jax_cache; 'none' "
                         "turns it off)")
+    p.add_argument("--profile-dir", metavar="DIR", default=None,
+                   help="enable POST /start_profile and /stop_profile (behind the API key): a jax.profiler trace "
+                        "of everything the server runs in between -- XLA programs, GPU / TPU kernels, host "
+                        "threads -- into a new directory under DIR (TensorBoard profile and Perfetto trace; "
+                        "docs/serving.md). Off by default")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default info)")
     return p
@@ -473,7 +478,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
                                                  allow_remote=not args.no_image_fetch,
                                                  allow_private=args.allow_private_image_urls),
                     max_request_bytes=args.max_request_bytes or None,
-                    max_queued_requests=args.max_queued_requests or None, drain=drain)
+                    max_queued_requests=args.max_queued_requests or None, drain=drain,
+                    profile_dir=args.profile_dir)
     fmt = app.state.kimi.chat_format
     log.info("chat format: %s; api key: %s", fmt.name if fmt else "none (completions only)",
              "required" if args.api_key else "off")

@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.prompt_logprobs import PromptScorer
-from . import routes_chat, routes_completions, routes_health, routes_tokenizer
+from . import profiling, routes_chat, routes_completions, routes_health, routes_tokenizer
 from .errors import INTERNAL_ERROR, APIError, error_body
 from .formats import ChatFormat, chat_format_for
 from .images import ImageFetchConfig
@@ -67,13 +67,14 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
               image_fetch: Optional[ImageFetchConfig] = None,
               max_request_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BYTES,
               max_queued_requests: Optional[int] = DEFAULT_MAX_QUEUED_REQUESTS,
-              drain: Optional[Drain] = None) -> FastAPI:
+              drain: Optional[Drain] = None, profile_dir: Optional[str] = None) -> FastAPI:
     """The FastAPI app for a started engine.  ``guided_string_max_tokens`` caps a string argument of a forced tool
     call (``tool_choice`` required / named) in case the model never closes it.  ``image_fetch``: limits on image
     parts (fetch timeout, sizes, whether http(s) URLs are fetched at all, private destinations).
     ``max_request_bytes``: larger bodies get a 413 (None: no limit).  ``max_queued_requests``: requests waiting for
     the engine beyond which new ones get a 429 (None: no limit).  ``drain``: the shutdown state the server's signal
-    handler drives (``lifecycle.DrainingServer``); default a fresh one that never drains."""
+    handler drives (``lifecycle.DrainingServer``); default a fresh one that never drains.  ``profile_dir``: where
+    ``POST /start_profile`` / ``/stop_profile`` write device traces (``profiling.py``); None: no such endpoints."""
     fmt = chat_format if chat_format is not None else chat_format_for(engine.model.config.architecture, tokenizer)
     drain = drain if drain is not None else Drain()
     st = ServerState(engine=engine, tokenizer=tokenizer, model_name=model_name, chat_format=fmt,
@@ -98,6 +99,8 @@ def build_app(engine, tokenizer, *, model_name: str, api_key: Optional[str] = No
     for router in (routes_health.router, routes_health.models_router, routes_tokenizer.router, routes_chat.router,
                    routes_completions.router):
         app.include_router(router)
+    if profile_dir is not None:
+        app.include_router(profiling.router(profiling.Profiler(profile_dir)))
     return app
 
 
