@@ -240,7 +240,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self._tables = runner.tables
         layout = runner.spec.layout
         self.checkpoint_blocks = cfg.prefix_checkpoint_blocks or checkpoint_interval(
-            layout.state_bytes_per_sequence, layout.page_bytes * runner.dcp)
+            layout.state_bytes_per_sequence, layout.page_bytes * runner.dcp,
+            most=-(-self.max_model_len // runner.block_tokens))
         self.max_checkpoints = cfg.prefix_checkpoints or max(self.B, MIN_DEFAULT_CHECKPOINTS)
         self.alloc, self.prefix_cache, self._block_table = self._new_pages()
         self.prefix_query_tokens = 0  # prompt tokens of new requests looked up in the prefix cache

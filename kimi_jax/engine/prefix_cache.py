@@ -44,14 +44,15 @@ from typing import Optional, Sequence
 MIN_DEFAULT_CHECKPOINTS = 8
 
 
-def checkpoint_interval(state_bytes: int, block_bytes: int) -> int:
+def checkpoint_interval(state_bytes: int, block_bytes: int, most: int) -> int:
     """Pages between a prefill's checkpoints, chosen by memory cost: the smallest power of two N for which a
     checkpoint (one sequence's KDA state, ``state_bytes``) costs no more than the N pages it lets a prompt skip
-    (``block_bytes`` each, every MLA layer and DCP rank together)."""
+    (``block_bytes`` each, every MLA layer and DCP rank together), at most ``most`` (a sequence's pages: a model
+    without MLA layers has pages of no bytes, and then checkpoints only where prompts part and prefills end)."""
     n = 1
-    while n * block_bytes < state_bytes:
+    while n < most and n * block_bytes < state_bytes:
         n *= 2
-    return n
+    return min(n, most)
 
 
 @dataclass(frozen=True)
