@@ -96,10 +96,26 @@ def test_prefill_reference_equals_sparse_mla():
     bt = BT[:2]
     want = oracle(q, parts, bt, pos, fmt, ls)
     for q_chunk in (None, 2):
-        got = paged_dense.reference(q, parts, bt, pos, ls, fmt=fmt, scale=SCALE, value_dim=R, q_chunk=q_chunk)
-        assert_equal_attention(got, want, 1e-5)
+        for pages_per_step in (None, 1, 3):  # 3: the table's 4 pages in a full step and a padded one
+            got = paged_dense.reference(q, parts, bt, pos, ls, fmt=fmt, scale=SCALE, value_dim=R, q_chunk=q_chunk,
+                                        pages_per_step=pages_per_step)
+            assert_equal_attention(got, want, 1e-5)
     got = paged_dense.dense_paged_mla(q, parts, bt, pos, fmt=fmt, scale=SCALE, value_dim=R, layer_scale=ls,
                                       backend="auto", platform="tpu")  # prefill: auto takes the reference
+    assert_equal_attention(got, want, 1e-5)
+
+
+def test_prefill_reference_reads_only_the_pages_before_its_queries():
+    """A chunk early in a long table: what the pages past its furthest query hold (here NaN) cannot reach the
+    result (the reference stops at the furthest query's page: its cost follows the queries, not the table's
+    width)."""
+    fmt, parts, q, ls = case("bf16", seed=7, B=1, T=3)
+    pos = np.array([[16, 17, 18]], np.int32)  # pages 0 and 1 of the table
+    bt = np.array([[3, 1, 7, 5, 2, 9, 13, 11]], np.int32)
+    want = oracle(q, parts, bt[:, :2], pos, fmt, ls)
+    poisoned = tuple(p.at[np.array([7, 5, 2, 9, 13, 11])].set(jnp.nan) if jnp.issubdtype(p.dtype, jnp.floating)
+                     else p for p in parts)
+    got = paged_dense.reference(q, poisoned, bt, pos, ls, fmt=fmt, scale=SCALE, value_dim=R, pages_per_step=2)
     assert_equal_attention(got, want, 1e-5)
 
 

@@ -11,8 +11,8 @@ p < 0 marks a padding query: o = 0, lse = −inf. This is exactly `sparse.sparse
 
 Rows are read from the pool parts `[num_blocks, page, w]` in their stored form and dequantised with
 `fmt.dequantize(parts, layer_scale)` (the `sparse.sparse_mla` contract, e.g. `kimi_jax.quant.LatentFormat`).
-`reference` (below) is the definition: an fp32 online softmax over the block table one page column at a time,
-queries in chunks so that one page's logits stay bounded. The TPU kernel (`paged_dense_tpu.py`) runs decode
+`reference` (below) is the definition: an fp32 online softmax over the block table a few page columns at a time,
+up to the furthest query's page only, queries in chunks so that one step's logits stay bounded. The TPU kernel (`paged_dense_tpu.py`) runs decode
 (T = 1) for single-part row formats; "auto" takes it on TPU when it fits, and the reference everywhere else (the
 GPU serves this family through `sparse.sparse_mla`'s kernels with the full selection, or the reference).
 """
@@ -33,40 +33,55 @@ from .sparse import DEFAULT_MAX_BLOCK_BYTES, _chunked
 BACKENDS = DSA_BACKENDS
 
 
-def _online_softmax_pages(q_bthc, pos_bt, kv_parts, block_tables, layer_scale, *, fmt, scale, value_dim):
-    """fp32 online softmax over the table's pages in order: q `[B, T, H, c]`, pos `[B, T]` -> (o, lse)."""
+PAGES_PER_STEP = 8  # pages one step of the reference's online softmax reads (512 keys at the 64-token page)
+
+
+def _online_softmax_pages(q_bthc, pos_bt, kv_parts, block_tables, layer_scale, *, fmt, scale, value_dim,
+                          pages_per_step: int):
+    """fp32 online softmax over the table's pages in order, ``pages_per_step`` at a time, up to the page of the
+    furthest query (a loop of dynamic length: a prefill chunk early in a long table reads only the pages before it,
+    not the table's whole width): q `[B, T, H, c]`, pos `[B, T]` -> (o, lse)."""
     B, T, H, c = q_bthc.shape
     page = kv_parts[0].shape[1]
+    P = pages_per_step
     bt = jnp.asarray(block_tables, jnp.int32)
+    steps = -(-bt.shape[1] // P)
+    bt = jnp.pad(bt, ((0, 0), (0, steps * P - bt.shape[1])))  # the padding's positions lie past every query
     q = q_bthc.astype(jnp.float32)
+    last_b = jnp.max(pos_bt, axis=1)  # [B] each row's furthest query (−1: padding only)
+    used = jnp.clip((jnp.max(last_b) + P * page) // (P * page), 0, steps)  # steps holding a position ≤ a query
 
-    def step(carry, j):
-        rows = fmt.dequantize(tuple(p[bt[:, j]] for p in kv_parts), layer_scale).astype(jnp.float32)  # [B, page, c]
-        s_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # [page]
-        valid = (s_pos[None, None, :] <= pos_bt[:, :, None])[:, :, None, :]  # [B, T, 1, page]
-        rows = jnp.where((s_pos[None, :] <= jnp.max(pos_bt, axis=1)[:, None])[..., None], rows, 0.0)
+    def step(j, carry):
+        cols = jax.lax.dynamic_slice_in_dim(bt, j * P, P, axis=1)  # [B, P]
+        rows = fmt.dequantize(tuple(p[cols].reshape(B, P * page, p.shape[-1]) for p in kv_parts), layer_scale)
+        rows = rows.astype(jnp.float32)  # [B, P·page, c]
+        s_pos = j * P * page + jnp.arange(P * page, dtype=jnp.int32)  # [P·page]
+        valid = (s_pos[None, None, :] <= pos_bt[:, :, None])[:, :, None, :]  # [B, T, 1, P·page]
+        rows = jnp.where((s_pos[None, :] <= last_b[:, None])[..., None], rows, 0.0)
         s = jnp.einsum("bthc,bjc->bthj", q, rows, precision=PRECISION) * scale
         values = lambda p: jnp.einsum("bthj,bjr->bthr", p, rows[..., :value_dim], precision=PRECISION)
-        return online_softmax_step(carry, s, valid, values), None
+        return online_softmax_step(carry, s, valid, values)
 
-    carry, _ = jax.lax.scan(step, online_softmax_init(B, T, H, value_dim), jnp.arange(bt.shape[1], dtype=jnp.int32))
+    carry = jax.lax.fori_loop(0, used, step, online_softmax_init(B, T, H, value_dim))
     return online_softmax_finish(carry)
 
 
-@partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "q_chunk"))
+@partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "q_chunk", "pages_per_step"))
 def reference(q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale=1.0, *, fmt, scale: float, value_dim: int,
-              q_chunk: Optional[int] = None):
-    """The definition (plain jnp, any format, any T). Shapes as `dense_paged_mla`. Queries run in chunks of
-    `q_chunk` (default: one page's logits and rows `[B, Tq, page, c + H]` float32 within 64 MiB)."""
+              q_chunk: Optional[int] = None, pages_per_step: Optional[int] = None):
+    """The definition (plain jnp, any format, any T). Shapes as `dense_paged_mla`. Keys are read
+    `pages_per_step` pages at a time (default `PAGES_PER_STEP`, at most the table's width), queries in chunks of
+    `q_chunk` (default: one step's logits and rows `[B, Tq, P·page, c + H]` float32 within 64 MiB)."""
     B, T, H, c = q_bthc.shape
     page = kv_parts[0].shape[1]
+    P = max(1, min(pages_per_step or PAGES_PER_STEP, block_tables.shape[1]))
     if q_chunk is None:
-        q_chunk = int(max(1, min(T, DEFAULT_MAX_BLOCK_BYTES // max(1, B * page * (c + H) * 4))))
+        q_chunk = int(max(1, min(T, DEFAULT_MAX_BLOCK_BYTES // max(1, B * P * page * (c + H) * 4))))
     pos = jnp.asarray(query_pos_bt, jnp.int32)
 
     def fn(q, pos_bt1):
         return _online_softmax_pages(q, pos_bt1[..., 0], tuple(kv_parts), block_tables, layer_scale, fmt=fmt,
-                                     scale=scale, value_dim=value_dim)
+                                     scale=scale, value_dim=value_dim, pages_per_step=P)
 
     return _chunked(q_bthc, pos[..., None], q_chunk, fn)  # padded chunk rows get pos −1: padding queries
 
