@@ -76,6 +76,8 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "spec-draft": ("a draft model (the target itself), greedy and sampled drafts, 1 and 4 requests", "1 GPU",
                    ["bench/spec_decode.py --gpu --max-tokens 96 --max-num-seqs 4 --scenarios draft,draft-sampled "
                     "--temperature 1"]),
+    "dense-mla": ("dense paged MLA (no indexer) on a prefill chunk against the width of its block table", "CPU",
+                  ["bench/dense_mla.py"]),
     "draft-batch": ("the batched draft proposal against one sequence per call", "CPU", ["bench/draft_batch.py"]),
     "host-step": ("host work between decode steps: the kept block table vs built fresh, parameters passed as a "
                   "flat list vs an nnx.State", "CPU", ["bench/host_step.py --contexts 8192,131072,1040000 --steps 100"]),
