@@ -504,14 +504,16 @@ TRACE_ROOT = "/tmp/kimi_jax_traces"  # --profile: where the server writes its tr
 
 
 def _summarise_trace(trace: dict, clients: int, out_dir) -> None:
-    """Print a level's trace summary per decode step and keep it as $OUT/trace_<clients>.md (and .json)."""
+    """Print a level's trace summary per decode step, keep it as $OUT/trace_<clients>.md and its rows in the level's
+    JSON row (`trace["summary"]`)."""
     import trace_summary
 
     path = trace_summary.find_trace(trace["trace_dir"])
     steps = max(trace["steps"], 1)
     rows = trace_summary.summarise(trace_summary.load_events(path), top=30, steps=steps)
-    head = (f"# {clients} clients: {trace['seconds']:.1f} s traced{' (the level ended first)' if trace['cut_short'] else ''}, "
-            f"{trace['steps']} decode steps, {trace['prefill_chunks']} prefill chunks ({path})")
+    cut = " (the level ended first)" if trace["cut_short"] else ""
+    head = (f"# {clients} clients: {trace['seconds']:.1f} s traced{cut}, {trace['steps']} decode steps, "
+            f"{trace['prefill_chunks']} prefill chunks ({path})")
     text = head + "\n" + trace_summary.render(rows)
     print(text, flush=True)
     trace["summary"] = rows

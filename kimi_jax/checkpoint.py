@@ -251,7 +251,8 @@ def random_mxfp4_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.bfloat16, m
     signature that returns only those parameters, so XLA drops the dense experts' draws and no device ever holds
     them. The routed experts are random e2m1 codes (all 16, uniform) under one E8M0 scale per matrix chosen so that
     their standard deviation is about 1 / sqrt(input width), as a dense initialiser's. Peak memory: the finished
-    parameters plus one layer's non-expert parameters (the experts' codes are drawn one expert at a time). Then the experts are laid out for the platform's kernels, as a checkpoint's are."""
+    parameters plus one layer's non-expert parameters (the experts' codes are drawn one expert at a time). Then the
+    experts are laid out for the platform's kernels, as a checkpoint's are."""
     dtype = jnp.dtype(_parse_dtype(dtype) if isinstance(dtype, str) else dtype)
     kernels = kernels or KernelConfig()
     module = abstract_module(cfg, dtype)

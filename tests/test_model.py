@@ -237,6 +237,21 @@ def test_random_weights_with_mxfp4_experts_draw_no_dense_expert(tiny_model):
     assert np.isfinite(got).all() and 0.5 < got.std() / want.std() < 2.0
 
 
+def test_random_expert_codes_are_drawn_in_bounded_scratch():
+    """One layer's MXFP4 codes at K3.1's expert shape (64 experts of 3072 x 3584 inputs, two codes a byte): the
+    draw's scratch stays a small fraction of its output (a whole uint8 draw takes about 16x its output)."""
+    import jax
+
+    from kimi_jax.checkpoint import _random_bytes
+
+    shape = (64, 3072, 1792)
+    mem = jax.jit(_random_bytes, static_argnums=1).lower(jax.random.key(0), shape).compile().memory_analysis()
+    assert mem.output_size_in_bytes == np.prod(shape)
+    assert mem.temp_size_in_bytes < mem.output_size_in_bytes / 4
+    odd = np.asarray(jax.jit(_random_bytes, static_argnums=1)(jax.random.key(1), (3, 5, 7)))  # not whole words
+    assert odd.shape == (3, 5, 7) and odd.dtype == np.uint8 and len(np.unique(odd)) > 50
+
+
 def test_the_server_draws_a_presets_experts_as_mxfp4_when_asked():
     """`python -m kimi_jax.serve --random-experts mxfp4`: the preset's routed experts come as MXFP4."""
     from kimi_jax.modules.moe import moe_layers

@@ -58,9 +58,9 @@ DRAFT_STREAM = 0xD4A  # folded into a row's key for its drafts (the verify step 
 @functools.lru_cache(maxsize=8)
 def _advance_program(model, logits_out: bool = False):
     """`(ids [B, T], cache) -> (after, cache)` for one draft `Model`, jitted once per model and output (proposers
-    over the same model share its compiled programs), its parameters passed as a flat list (`ParamLeaves`); `after` is each row's argmax after its last id
-    (int32 `[B]`) or, with `logits_out`, its logits (float32 `[B, V]`). No donation: the kept cache is read again
-    by the next proposal."""
+    over the same model share its compiled programs), its parameters passed as a flat list (`ParamLeaves`); `after`
+    is each row's argmax after its last id (int32 `[B]`) or, with `logits_out`, its logits (float32 `[B, V]`). No
+    donation: the kept cache is read again by the next proposal."""
     graphdef, ctx = model.graphdef, model.ctx
     flat_params = ParamLeaves(model.params)
 

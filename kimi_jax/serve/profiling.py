@@ -34,10 +34,6 @@ class Profiler:
         self._started = 0.0
         self._count = 0
 
-    @property
-    def tracing(self) -> bool:
-        return self._dir is not None
-
     def start(self) -> str:
         """Start tracing; returns the trace's directory. ``RuntimeError`` if a trace is running already."""
         import jax
