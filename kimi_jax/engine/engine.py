@@ -688,7 +688,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             self._state, out = self.runner.verify(self._state, pick(ids), pick(n_draft), pick(active), rows,
                                                   Controls(*map(pick, vctl)), pick(tables), **q,
                                                   sampling_tables=self._tables, slots=slots)
-            out = self._by_slot(jax.device_get(out._asdict()), slots)  # one wait: every output's copy started first
+            out = self._by_slot({k: np.asarray(v) for k, v in out._asdict().items()}, slots)
             self._count_verify(policy, drafts, n_draft, out["n"])
         else:
             self._upload_dynamic_masks()
@@ -696,7 +696,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             self._state, out = self.runner.step(self._state, pick(tokens), pick(active), rows,
                                                 Controls(*map(pick, ctl)), pick(tables),
                                                 sampling_tables=self._tables, slots=slots)
-            out = self._by_slot({k: v[:, None] for k, v in jax.device_get(out._asdict()).items()}, slots)  # one position
+            out = self._by_slot({k: np.asarray(v)[:, None] for k, v in out._asdict().items()}, slots)  # one position
             out["n"] = np.ones(B, np.int32)
         if proposer is not None:
             for slot, seq in self._running.items():
