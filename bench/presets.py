@@ -55,6 +55,10 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "serve-buckets": ("decode batch buckets vs every step over all slots, kimi-k3.1-reduced bf16, 1 and 4 clients",
                       "1 GPU", ["bench/serve.py --gpu --clients 1,4 --max-tokens 128 --server-arg=--decode-buckets=1,2,4",
                                 "bench/serve.py --gpu --clients 1,4 --max-tokens 128 --server-arg=--decode-buckets=none"]),
+    "serve-async": ("overlapped decode steps (async scheduling, the default) vs one step at a time, kimi-k3.1-reduced "
+                    "bf16, 1 and 32 clients", "1 GPU",
+                    ["bench/serve.py --gpu --clients 1,32 --max-tokens 128",
+                     "bench/serve.py --gpu --clients 1,32 --max-tokens 128 --server-arg=--no-async-scheduling"]),
     "serve-multiturn": ("prefix caching on vs off: conversations of 4 turns over a shared 2,000-token system prompt, "
                         "kimi-k3.1-reduced bf16, 1 and 8 clients", "1 GPU",
                         ["bench/serve.py --gpu --scenario multi-turn",

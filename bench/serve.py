@@ -212,7 +212,10 @@ def decode_window(samples: list, slots: int) -> dict | None:
     toks = b["generation_tokens_total"] - a["generation_tokens_total"]
     if dt <= 0 or steps <= 0:
         return None
+    # the share of those steps dispatched before the previous step's tokens were read (async scheduling)
+    overlapped = (b["steps_overlapped"] - a["steps_overlapped"]) / steps if "steps_overlapped" in a else None
     return {"seconds": dt, "steps": steps, "tokens": toks, "tok_s": toks / dt, "step_ms": 1e3 * dt / steps,
+            "overlapped_share": overlapped,
             "gen_start": a["generation_tokens_total"], "gen_end": b["generation_tokens_total"]}
 
 

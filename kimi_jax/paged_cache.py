@@ -369,18 +369,26 @@ class BlockTable:
     list object gets its new tail, a row whose sequence changed is rewritten, a row nobody holds any more goes back
     to the null block. A step at 1M tokens of context otherwise copies 16,384 entries per row.
 
-    The array is updated in place: pass it to a step only if that step's outputs are read before the next `update`
-    (JAX may read a NumPy argument in place, after the call has returned).
+    The array is updated in place unless `update` is told the current one is still lent to a step in flight (JAX
+    may read a NumPy argument in place, after the call has returned): then a change goes to a fresh copy.
     """
 
     def __init__(self, rows: int, max_blocks: int):
         self.array = np.full((rows, max_blocks), NULL_BLOCK, np.int32)
         self._written: dict = {}  # row -> (the page list the row mirrors, entries written)
 
-    def update(self, pages_by_row: dict) -> np.ndarray:
-        """``pages_by_row``: {row: that row's live page list}; rows not in it are null. Returns `array`."""
+    def update(self, pages_by_row: dict, lent: bool = False) -> np.ndarray:
+        """``pages_by_row``: {row: that row's live page list}; rows not in it are null. ``lent``: the current array
+        was passed to a step whose outputs are not read yet, so a change is written to a copy. Returns `array`."""
+        fresh = [lent]  # copy before the first write while the array is lent
+
+        def writable() -> np.ndarray:
+            if fresh[0]:
+                self.array, fresh[0] = self.array.copy(), False
+            return self.array
+
         for row in [r for r in self._written if r not in pages_by_row]:
-            self.array[row, : self._written.pop(row)[1]] = NULL_BLOCK
+            writable()[row, : self._written.pop(row)[1]] = NULL_BLOCK
         width = self.array.shape[1]
         for row, pages in pages_by_row.items():
             mirrored, written = self._written.get(row, (None, 0))
@@ -389,8 +397,8 @@ class BlockTable:
                 raise ValueError(f"row {row} holds {n} blocks, more than max_blocks={width}")
             start = written if mirrored is pages and n >= written else 0
             if start == 0 and written > n:
-                self.array[row, n:written] = NULL_BLOCK
+                writable()[row, n:written] = NULL_BLOCK
             if n > start:
-                self.array[row, start:n] = pages[start:n]
+                writable()[row, start:n] = pages[start:n]
             self._written[row] = (pages, n)
         return self.array

@@ -184,18 +184,29 @@ def test_a_new_question_after_a_shared_system_prompt_resumes_where_the_prompts_p
     assert st["prefix_checkpoint_blocks"] == 4 and st["prefix_cache_hits"] >= 1
 
 
-def test_the_next_turn_of_a_conversation_reuses_the_prompt_and_the_answer(engines):
+@pytest.mark.parametrize("overlap", [True, False], ids=["async-scheduling", "one-step-at-a-time"])
+def test_the_next_turn_of_a_conversation_reuses_the_prompt_and_the_answer(engines, overlap):
     """A finished sequence leaves a checkpoint after its last fed token: the next turn, which carries this turn's
-    prompt and answer, resumes there (prompt + answer − 1 tokens cached), part-way into a page."""
-    cached, off = engines
-    conversation = _prompt(520, 90)
-    for turn in range(3):
-        out, n_cached = _answer(cached, conversation)
-        _same(out, _answer(off, conversation)[0])
-        if turn:
-            assert n_cached == previous
-        previous = len(conversation) + len(out.token_ids) - 1
-        conversation = conversation + out.token_ids + _prompt(530 + turn, 11)
+    prompt and answer, resumes there, part-way into a page. With overlapped steps (async scheduling) the step after
+    the last one was in flight and fed the answer's last token: prompt + answer tokens are cached; one step at a
+    time that token was never fed: prompt + answer − 1."""
+    from kimi_jax.engine import Engine
+
+    every4, off = engines
+    cached = Engine(every4.model, every4.tokenizer, every4.config, runner=every4.runner,
+                    async_scheduling=overlap).start()
+    try:
+        conversation = _prompt(520, 90)
+        for turn in range(3):
+            out, n_cached = _answer(cached, conversation)
+            _same(out, _answer(off, conversation)[0])
+            if turn:
+                assert n_cached == previous
+            previous = len(conversation) + len(out.token_ids) - (0 if overlap else 1)
+            conversation = conversation + out.token_ids + _prompt(530 + turn, 11)
+        assert (cached.stats()["steps_overlapped"] > 0) == overlap
+    finally:
+        cached.shutdown()
 
 
 def test_cached_pages_are_evicted_before_a_running_sequence_is_preempted(served, tiny_model):

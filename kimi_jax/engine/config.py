@@ -71,6 +71,11 @@ class EngineConfig:
     # row counts below max_num_seqs with decode (and verify) programs of their own: a step runs the smallest bucket
     # that holds the running sequences, over just their slots (`ModelRunner.bucket_for`); () = always all slots
     decode_buckets: tuple[int, ...] = ()
+    # overlapped decode steps (vLLM's async scheduling, overlap.py): in plain decoding the next step is dispatched
+    # before this one's tokens are read, so the host work between steps runs while the device computes. None: on
+    # for a single-process engine on an accelerator, off on CPU (whose "device" is the host's own cores); a
+    # multi-process engine steps one at a time
+    async_scheduling: Optional[bool] = None
 
 
 def default_decode_buckets(max_num_seqs: int, data_ways: int = 1) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 ``Engine`` is the one public class; its parts live by job: ``scheduler.py`` (admission, chunked prefill, the prefix
 cache, pages and preemption), ``speculation.py`` (drafting and the verify step's inputs), ``output.py`` (emission,
-stops, finishing requests), each a mixin whose module says which engine attributes it reads and writes.  This file
+stops, finishing requests), ``overlap.py`` (dispatching the next decode step before this one's tokens are read),
+each a mixin whose module says which engine attributes it reads and writes.  This file
 holds construction, the lifecycle, the public API, the loop and the decode step; ``config.py`` the
 ``EngineConfig``, ``sequences.py`` the records of requests, sequences and prefills.
 
@@ -25,8 +26,9 @@ Life of a request (``submit`` -> ``RequestStream``):
    pages before it.  ``stats()["token_split_prefill_tokens"]`` counts the prompt tokens that went that way.
 3. **Decode.**  Every iteration runs ONE compiled step of fixed shape ``[max_num_seqs]`` for all slots: running
    rows feed their next token (a prompt tail token or the last sampled token), free rows a dummy token that is
-   ignored.  Sampling (``sampler.py``) is fused into the step with per-row parameters.  Steady-state serving never
-   compiles anything (``compile_watch`` counts it; ``stats()["compilations"]``).
+   ignored.  Sampling (``sampler.py``) is fused into the step with per-row parameters.  In plain decoding the next
+   step is dispatched before this one's tokens are read, its input tokens taken on the device (``overlap.py``,
+   ``async_scheduling``).  Steady-state serving never compiles anything (``compile_watch`` counts it; ``stats()["compilations"]``).
 4. **Stop.**  A sequence ends on an end-of-turn / ``stop_token_ids`` token (unless ``ignore_eos``), a stop string
    (``detok.OutputText``), its guide finishing (``guide.py``), ``max_tokens``, or the cache end (``max_model_len``);
    or on ``abort`` / client disconnect.  Its slot and pages are freed at once.  Text and control tokens go out as
@@ -108,6 +110,7 @@ from .images import PromptImages
 from .multihost import Mirror, mirror_runner
 from .ngram import NgramProposer
 from .output import OutputMixin
+from .overlap import OverlapMixin
 from .prefix_cache import MIN_DEFAULT_CHECKPOINTS, PrefixCache, checkpoint_interval
 from .request import EngineDeadError, EngineUnavailableError, RequestFailedError, RequestStream, SequenceOutput
 from .runner import ModelRunner, resolve_kv_dtype
@@ -121,9 +124,9 @@ from .speculation import SpeculationMixin
 log = logging.getLogger("kimi_jax.engine")
 
 
-class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
-    """The serving engine (the module docstring); the jobs of its bases live in scheduler.py, speculation.py and
-    output.py, its state is created here."""
+class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
+    """The serving engine (the module docstring); the jobs of its bases live in scheduler.py, speculation.py,
+    output.py and overlap.py, its state is created here."""
 
     def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None, *,
                  runner: Optional[ModelRunner] = None, draft_model=None, mirror: Optional[Mirror] = None,
@@ -166,6 +169,13 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         if self.mirror.multiprocess and draft_model is not None:
             raise ValueError("a draft model (--speculative-model) is not served across processes: it runs on process "
                              "0's first device; use prompt lookup drafts (--speculative-tokens alone)")
+        if cfg.async_scheduling and self.mirror.multiprocess:
+            raise ValueError("async scheduling (overlapped decode steps) runs in one process; a multi-process engine "
+                             "steps one at a time (its followers replay each call)")
+        mesh = getattr(model, "mesh", None)
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else platform != "cpu" and not self.mirror.multiprocess)
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         images = images and not self.mirror.multiprocess  # the vision tower's programs are not mirrored
         if cfg.dcp < 1:
@@ -259,6 +269,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self._requests: dict[str, _Request] = {}
         self._free: list[int] = list(range(self.B - 1, -1, -1))  # pop() gives slot 0 first
         self._running: dict[int, _Seq] = {}  # slot -> sequence
+        self._inflight = None  # overlap._Step: a decode step dispatched, its tokens not read yet
+        self._fed_ahead: dict = {}  # slot -> sequence: whose next token a step in flight feeds (overlap.py)
         self._state = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -269,6 +281,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self.step_failures = 0  # steps that raised and were recovered from
         # counters (written by the engine thread, read anywhere)
         self.num_steps = 0
+        self.steps_overlapped = 0  # decode steps dispatched before the previous step's tokens were read
         self.steps_by_rows: dict[int, int] = {}  # decode / verify steps per program width (a bucket, or max_num_seqs)
         self.num_prefill_chunks = 0
         self.token_split_prefill_tokens = 0  # prompt tokens prefilled by token-split chunks
@@ -461,6 +474,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             "num_requests_running": len(running_reqs),
             "num_requests_waiting": len(self._waiting) + self._inbox.qsize() + (1 if pre is not None else 0),
             "num_steps": self.num_steps,
+            "async_scheduling": self.async_scheduling,
+            "steps_overlapped": self.steps_overlapped,
             "steps_by_rows": {str(k): v for k, v in sorted(self.steps_by_rows.items())},
             "num_prefill_chunks": self.num_prefill_chunks,
             # prompt tokens whose prefill chunk ran split by tokens over the context axis, and the sizes that do
@@ -507,7 +522,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         self._fail_all(EngineDeadError("engine shut down"))
 
     def _iterate(self) -> None:
-        """One engine iteration: take what came in, prefill within the budget, run one decode step."""
+        """One engine iteration: finish the step in flight (its successor dispatched first where it can chain:
+        overlap.py), else take what came in, prefill within the budget, run one decode step."""
+        if self._inflight is not None and self._overlap():
+            return
         idle = not (self._running or self._prefilling) and (not self._waiting or self._vision_pending)
         self._intake(block=idle)
         if self._stop.is_set():
@@ -554,6 +572,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
 
     def _reset_batch(self) -> None:
         """Forget every sequence: all slots and pages free, no prefill, an empty prefix cache, default row params."""
+        self._inflight, self._fed_ahead = None, {}
         self._waiting.clear()
         self._running.clear()
         self._prefilling = None
@@ -664,7 +683,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
                                                                          constraints)
         # what drafting cost (a draft model's forward passes) is part of what a verify step costs the policy
         t_draft = time.perf_counter() - t_draft if drafts else 0.0
-        # null rows for free slots (they write nothing); updated in place: this step's outputs are read below
+        # null rows for free slots (they write nothing); updated in place: no step is in flight here
         tables = self._block_table.update({slot: self.alloc.held(seq.key) for slot, seq in self._running.items()})
         if proposer is not None and policy.measures:
             # the policy times each step from its inputs to its tokens handed out: first wait for what is still
@@ -676,10 +695,19 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
         t0 = time.perf_counter()
         verified = bool(drafts) or (proposer is not None and self.config.speculative_batch_invariant)
         slots = self._bucket_slots()
-        width = self.B if slots is None else len(slots)
-        self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
         pick = (lambda a: a) if slots is None else (lambda a: a[slots])  # the bucket's rows of a [B, ...] input
-        if verified:
+        if not verified:
+            self._upload_dynamic_masks()
+            rows = self.rows.device(self.runner.put_rows)
+            step = self._dispatch(pick(tokens), pick(active), rows, Controls(*map(pick, ctl)), pick(tables), slots,
+                                  dict(self._running), c["emit"])
+            if proposer is None and self.async_scheduling:
+                self._inflight = step  # read by the next iteration, after it dispatches the step after it
+                return
+            self._finish_step(step)
+        else:
+            width = self.B if slots is None else len(slots)
+            self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
             ids, n_draft, vctl = self._verify_inputs(tokens, ctl, drafts, later)
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
@@ -690,25 +718,34 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
                                                   sampling_tables=self._tables, slots=slots)
             out = self._by_slot({k: np.asarray(v) for k, v in out._asdict().items()}, slots)
             self._count_verify(policy, drafts, n_draft, out["n"])
-        else:
-            self._upload_dynamic_masks()
-            rows = self.rows.device(self.runner.put_rows)
-            self._state, out = self.runner.step(self._state, pick(tokens), pick(active), rows,
-                                                Controls(*map(pick, ctl)), pick(tables),
-                                                sampling_tables=self._tables, slots=slots)
-            out = self._by_slot({k: np.asarray(v)[:, None] for k, v in out._asdict().items()}, slots)  # one position
-            out["n"] = np.ones(B, np.int32)
+            self._advance(out, c["emit"], dict(self._running))
         if proposer is not None:
             for slot, seq in self._running.items():
                 if slot not in drafts:
                     policy.idle(seq.key)
+        # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
+        # a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
+        policy.timed(verified, time.perf_counter() - t0 + t_draft, int(active.sum()))
+
+    def _finish_step(self, step) -> None:
+        """Read a decode step's tokens (waiting for it) and hand them out."""
+        out = self._by_slot({k: np.asarray(v)[:, None] for k, v in step.out._asdict().items()}, step.slots)
+        out["n"] = np.ones(self.B, np.int32)  # one position per row
+        self._advance(out, step.emit, step.seqs)
+
+    def _advance(self, out: dict, emit: np.ndarray, seqs: dict) -> None:
+        """Move the sequences a step ran (`seqs`: slot -> sequence) past its outputs (by slot: ``n`` positions fed per
+        row, ``tokens`` / ``logprob`` / ``top_ids`` / ``top_logprobs`` ``[B, n]``); rows that emit hand their tokens
+        out. A sequence that ended since the step was dispatched is skipped."""
         self.num_steps += 1
         now = time.monotonic()
         for slot, seq in list(self._running.items()):
+            if seqs.get(slot) is not seq:
+                continue
             n = int(out["n"][slot])
             seq.pending.popleft()
             seq.fed += n  # the fed token and the n - 1 accepted drafts are in the cache now
-            if not c["emit"][slot]:
+            if not emit[slot]:
                 continue
             for j in range(n):
                 if seq.finish_reason is not None:
@@ -718,9 +755,6 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin):
             if seq.finish_reason is None:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
-        # the whole step, its tokens handed out included (a verify step hands out up to k + 1 per row): on the H200
-        # a verify step of 32 rows took 1.8x a one-token step from dispatch to results, 2.0x this way
-        policy.timed(verified, time.perf_counter() - t0 + t_draft, int(active.sum()))
 
     def _bucket_slots(self) -> Optional[np.ndarray]:
         """The slots this step runs over: None (all B) when no compiled bucket is smaller, else the running slots

@@ -302,8 +302,9 @@ class SchedulerMixin:
 
     def _checkpoint_sequence(self, seq: _Seq) -> None:
         """A prefix-cache checkpoint of a running sequence after its last fed token, with its pages (its partial last
-        page as it is: call this only when the sequence is about to let its pages go)."""
-        t, cache = seq.fed, self.prefix_cache
+        page as it is: call this only when the sequence is about to let its pages go). A step in flight that feeds
+        its next token (`_fed_ahead`, overlap.py) has written that token too: the state read here is after it."""
+        t, cache = seq.fed + (self._fed_ahead.get(seq.slot) is seq), self.prefix_cache
         if not cache.enabled or t <= 0 or seq.slot is None or self._running.get(seq.slot) is not seq:
             return
         req = seq.req

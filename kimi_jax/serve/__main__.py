@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences running computes few rows (vLLM's batch sizes): auto (default) = 1, 2, 4, … below "
                         "--max-num-seqs on an accelerator, none on CPU; none = every step over all slots (the same "
                         "arithmetic for a row whatever the load: docs/serving.md, Batch invariance); or a list")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap decode steps (vLLM's async scheduling): in plain decoding the next step is dispatched "
+                        "before this one's tokens are read, so reading them, detokenizing and building the next "
+                        "inputs run while the device computes; the same tokens as one step at a time (default: on "
+                        "for one process on an accelerator, off on CPU and across processes; speculative decoding "
+                        "and guided rows step one at a time)")
     p.add_argument("--prefill-token-budget", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps while sequences are running (default 256)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -446,6 +452,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             num_blocks=args.num_blocks, dcp=args.dcp, token_split_min_tokens=args.token_split_min_tokens,
             decode_buckets=(default_decode_buckets(args.max_num_seqs, mesh.shape["data"] if mesh is not None else 1)
                             if buckets == "auto" and platform != "cpu" else () if buckets == "auto" else buckets),
+            async_scheduling=args.async_scheduling,
             prefix_caching=args.enable_prefix_caching, prefix_checkpoints=args.prefix_cache_checkpoints,
             prefix_checkpoint_blocks=args.prefix_checkpoint_pages, vision_warmup=args.vision_warmup,
             vision_batch_images=args.vision_batch_images,
