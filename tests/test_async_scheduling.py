@@ -113,3 +113,23 @@ def test_an_abort_while_steps_overlap_ends_that_request_only(engines):
     outs, _ = other.collect(1)
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 40
     assert overlapped.healthy
+
+
+def test_a_full_engine_overlaps_while_requests_wait_for_a_slot(engines):
+    """Every slot taken by a 24-token request and four 3-token requests waiting: the steps of the 24 overlap
+    (nothing can be admitted), and the waiting requests start as slots free, with the tokens of one step at a
+    time. (Overlapping only with nobody waiting would leave at most the last requests' 3 steps.)"""
+    overlapped, one_at_a_time = engines
+    slots = overlapped.B
+    requests = [(_prompt(100 + i, 10), SamplingParams(max_tokens=24 if i < slots else 3, temperature=0.0,
+                                                      ignore_eos=True), 1) for i in range(slots + 4)]
+
+    def serve(engine):
+        before = engine.stats()["steps_overlapped"]
+        streams = [engine.submit(p, sp) for p, sp, _ in requests]
+        return [s.collect(1)[0][0].token_ids for s in streams], engine.stats()["steps_overlapped"] - before
+
+    got, overlapped_steps = serve(overlapped)
+    want, _ = serve(one_at_a_time)
+    assert got == want
+    assert overlapped_steps >= 10, overlapped_steps

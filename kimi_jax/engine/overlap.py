@@ -6,8 +6,8 @@ inputs, the dispatch itself -- then runs while the device computes, instead of b
 
 A step chains from the one in flight only where the next step's inputs are known without its tokens: plain decoding
 (no speculation), no guided row (a grammar's mask depends on the token), every running sequence emitting and the
-same sequences as in flight, nothing to admit (a new request, an abort, a prefill or a shutdown goes through the
-synchronous path, which first reads the step in flight), room for one more position in every sequence and the page
+same sequences as in flight, nothing to admit (a new request, an abort, a prefill, a free slot for a waiting
+request or a shutdown goes through the synchronous path, which first reads the step in flight), room for one more position in every sequence and the page
 it lands in free (prefix-cache pages are evicted for it; nothing is preempted). Everything else the chained step
 takes is the in-flight step's inputs with the generated-token index one further, so its tokens equal the
 synchronous engine's bit for bit.
@@ -71,7 +71,9 @@ class OverlapMixin:
         the pages it needs when it can."""
         if not self.async_scheduling or self.proposer is not None or self._stop.is_set():
             return False
-        if self._waiting or self._prefilling is not None or self._vision_pending or not self._inbox.empty():
+        if self._prefilling is not None or self._vision_pending or not self._inbox.empty():
+            return False
+        if self._waiting and self._free:  # a waiting request may be admitted (with every slot taken, none can)
             return False
         if self._running.keys() != step.seqs.keys():
             return False
