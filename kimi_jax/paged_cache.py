@@ -380,11 +380,10 @@ class BlockTable:
     def update(self, pages_by_row: dict, lent: bool = False) -> np.ndarray:
         """``pages_by_row``: {row: that row's live page list}; rows not in it are null. ``lent``: the current array
         was passed to a step whose outputs are not read yet, so a change is written to a copy. Returns `array`."""
-        fresh = [lent]  # copy before the first write while the array is lent
-
-        def writable() -> np.ndarray:
-            if fresh[0]:
-                self.array, fresh[0] = self.array.copy(), False
+        def writable() -> np.ndarray:  # the array to write: a copy before the first write while it is lent
+            nonlocal lent
+            if lent:
+                self.array, lent = self.array.copy(), False
             return self.array
 
         for row in [r for r in self._written if r not in pages_by_row]:

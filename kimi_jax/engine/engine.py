@@ -3,9 +3,9 @@
 ``Engine`` is the one public class; its parts live by job: ``scheduler.py`` (admission, chunked prefill, the prefix
 cache, pages and preemption), ``speculation.py`` (drafting and the verify step's inputs), ``output.py`` (emission,
 stops, finishing requests), ``overlap.py`` (dispatching the next decode step before this one's tokens are read),
-each a mixin whose module says which engine attributes it reads and writes.  This file
-holds construction, the lifecycle, the public API, the loop and the decode step; ``config.py`` the
-``EngineConfig``, ``sequences.py`` the records of requests, sequences and prefills.
+each a mixin whose module says which engine attributes it reads and writes.  This file holds construction, the
+lifecycle, the public API, the loop and the decode step; ``config.py`` the ``EngineConfig``, ``sequences.py`` the
+records of requests, sequences and prefills.
 
 Life of a request (``submit`` -> ``RequestStream``):
 
@@ -28,7 +28,8 @@ Life of a request (``submit`` -> ``RequestStream``):
    rows feed their next token (a prompt tail token or the last sampled token), free rows a dummy token that is
    ignored.  Sampling (``sampler.py``) is fused into the step with per-row parameters.  In plain decoding the next
    step is dispatched before this one's tokens are read, its input tokens taken on the device (``overlap.py``,
-   ``async_scheduling``).  Steady-state serving never compiles anything (``compile_watch`` counts it; ``stats()["compilations"]``).
+   ``async_scheduling``).  Steady-state serving never compiles anything (``compile_watch`` counts it;
+   ``stats()["compilations"]``).
 4. **Stop.**  A sequence ends on an end-of-turn / ``stop_token_ids`` token (unless ``ignore_eos``), a stop string
    (``detok.OutputText``), its guide finishing (``guide.py``), ``max_tokens``, or the cache end (``max_model_len``);
    or on ``abort`` / client disconnect.  Its slot and pages are freed at once.  Text and control tokens go out as
@@ -706,8 +707,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
                 return
             self._finish_step(step)
         else:
-            width = self.B if slots is None else len(slots)
-            self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
+            self._count_width(slots)
             ids, n_draft, vctl = self._verify_inputs(tokens, ctl, drafts, later)
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
@@ -755,6 +755,11 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
             if seq.finish_reason is None:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
+
+    def _count_width(self, slots: Optional[np.ndarray]) -> None:
+        """Count a decode or verify step under its program width (`steps_by_rows`): its bucket, or all B rows."""
+        width = self.B if slots is None else len(slots)
+        self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
 
     def _bucket_slots(self) -> Optional[np.ndarray]:
         """The slots this step runs over: None (all B) when no compiled bucket is smaller, else the running slots

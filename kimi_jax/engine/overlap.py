@@ -1,14 +1,15 @@
 """Overlapped decode steps (vLLM's async scheduling, ``EngineConfig.async_scheduling``; by default on for one process
-on an accelerator): the next decode step is
-dispatched before this one's tokens are read, its input tokens taken on the device from this step's sampled tokens.
-The host work between two steps -- reading the tokens, detokenizing, stop checks, streaming, building the next
-inputs, the dispatch itself -- then runs while the device computes, instead of between its steps.
+on an accelerator): the next decode step is dispatched before this one's tokens are read, its input tokens taken on
+the device from this step's sampled tokens. The host work between two steps -- reading the tokens, detokenizing,
+stop checks, streaming, building the next inputs, the dispatch itself -- then runs while the device computes,
+instead of between its steps.
 
 A step chains from the one in flight only where the next step's inputs are known without its tokens: plain decoding
 (no speculation), no guided row (a grammar's mask depends on the token), every running sequence emitting and the
 same sequences as in flight, nothing to admit (a new request, an abort, a prefill, a free slot for a waiting
-request or a shutdown goes through the synchronous path, which first reads the step in flight), room for one more position in every sequence and the page
-it lands in free (prefix-cache pages are evicted for it; nothing is preempted). Everything else the chained step
+request or a shutdown goes through the synchronous path, which first reads the step in flight), room for one more
+position in every sequence and the page it lands in free (prefix-cache pages are evicted for it; nothing is
+preempted). Everything else the chained step
 takes is the in-flight step's inputs with the generated-token index one further, so its tokens equal the
 synchronous engine's bit for bit.
 
@@ -47,8 +48,7 @@ class OverlapMixin:
     def _dispatch(self, tokens, active, rows, ctl: Controls, tables, slots, seqs: dict, emit) -> _Step:
         """Run the decode step over `slots` (None: all rows): tokens, active, ctl and tables in program rows
         (tokens may be a device array)."""
-        width = self.B if slots is None else len(slots)
-        self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
+        self._count_width(slots)
         self._state, out = self.runner.step(self._state, tokens, active, rows, ctl, tables,
                                             sampling_tables=self._tables, slots=slots)
         return _Step(out, seqs, emit, slots, active, rows, ctl)

@@ -13,8 +13,9 @@ Rows are read from the pool parts `[num_blocks, page, w]` in their stored form a
 `fmt.dequantize(parts, layer_scale)` (the `sparse.sparse_mla` contract, e.g. `kimi_jax.quant.LatentFormat`).
 `reference` (below) is the definition: an fp32 online softmax over the block table a few page columns at a time,
 up to the furthest query's page only, queries in chunks so that one step's logits stay bounded. The TPU kernel
-(`paged_dense_tpu.py`) runs decode (T = 1) for single-part row formats; "auto" takes it on TPU when it fits, and the reference everywhere else (the
-GPU serves this family through `sparse.sparse_mla`'s kernels with the full selection, or the reference).
+(`paged_dense_tpu.py`) runs decode (T = 1) for single-part row formats; "auto" takes it on TPU when it fits, and
+the reference everywhere else (the GPU serves this family through `sparse.sparse_mla`'s kernels with the full
+selection, or the reference).
 """
 
 from __future__ import annotations
