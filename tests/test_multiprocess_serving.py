@@ -2,12 +2,13 @@
 against one single-device server (docs/serving.md, "Several processes").
 
 The same command runs on both processes; process 0 listens and schedules, process 1 replays its device calls
-(`kimi_jax.engine.multihost`). The mesh `context=4,tensor=2` with `--dcp 4` spans both: the MLA pages split over
-the context axis, heads over tensor, and prefill chunks run token-split over the context axis. The two-process server
-must give the same greedy tokens as one device, with log-probs within float32 noise — for concurrent requests,
-prompts of several token-split chunks, prompt log-probs (lm-evaluation-harness's echo), and with so few pages that
-sequences are preempted and recomputed. A process killed mid-stream ends the
-stream and the server (a non-zero exit within the heartbeat timeout), never a hang.
+(`kimi_jax.engine.multihost`), with overlapped decode steps (`--async-scheduling`: process 0 publishes the next step
+before it reads this one's tokens). The mesh `context=4,tensor=2` with `--dcp 4` spans both: the MLA pages split
+over the context axis, heads over tensor, and prefill chunks run token-split over the context axis. The two-process
+server must give the same greedy tokens as one device, with log-probs within float32 noise — for concurrent
+requests, prompts of several token-split chunks, prompt log-probs (lm-evaluation-harness's echo), and with so few
+pages that sequences are preempted and recomputed. A process killed mid-stream ends the stream and the server (a
+non-zero exit within the heartbeat timeout), never a hang.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def servers(tmp_path_factory):
     # the pages split 4 ways over a context axis (and heads 2 ways over tensor), chunks of 64 prefilled token-split
     # over it; 4 pages of 256 positions (64 per DCP rank): 3 usable for 4 slots of up to 768 tokens -> preemptions
     multi = Launch(tmp, ["--mesh", "context=4,tensor=2", "--dcp", "4", "--token-split-min-tokens", "64",
-                         "--fake-cpu-devices", "--num-blocks", "4", *COMMON, *cache])
+                         "--fake-cpu-devices", "--num-blocks", "4", "--async-scheduling", *COMMON, *cache])
     single = ServerProcess(tmp / "single.log", [*COMMON, *cache])
     try:
         deadline = time.monotonic() + 900
@@ -107,6 +108,7 @@ def test_two_processes_give_one_devices_tokens_with_token_split_prefill(servers)
     multi, single = servers
     stats = httpx.get(multi.url + "/stats").json()
     assert stats["processes"] == 2 and stats["dcp"] == 4 and stats["token_split_chunk_sizes"] == [64]
+    assert stats["async_scheduling"]
     prompts = _prompts([5, 70, 230, 240])  # 0 to 3 token-split chunks each, the rest through the decode step
     _same(_together(multi.url, prompts, 40), _together(single.url, prompts, 40))
     assert httpx.get(multi.url + "/stats").json()["token_split_prefill_tokens"] >= 64 * 7
@@ -116,10 +118,13 @@ def test_two_processes_preempt_and_recompute_as_one_device_does(servers):
     """Two sequences each grow to 2 pages of 256 positions; 3 are usable, so one is preempted and recomputed
     (its prompt and what it generated, prefilled token-split again)."""
     multi, single = servers
-    before = httpx.get(multi.url + "/stats").json()["num_preemptions"]
+    before = httpx.get(multi.url + "/stats").json()
     prompts = _prompts([5, 10])
     _same(_together(multi.url, prompts, 300), _together(single.url, prompts, 300))
-    assert httpx.get(multi.url + "/stats").json()["num_preemptions"] > before
+    after = httpx.get(multi.url + "/stats").json()
+    assert after["num_preemptions"] > before["num_preemptions"]
+    # most of the 600 decode steps ran overlapped: the followers replayed steps chained on the device
+    assert after["steps_overlapped"] - before["steps_overlapped"] >= 200, (before, after)
 
 
 def test_prompt_logprobs_across_processes(servers):

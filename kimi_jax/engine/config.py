@@ -73,8 +73,7 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] = ()
     # overlapped decode steps (vLLM's async scheduling, overlap.py): in plain decoding the next step is dispatched
     # before this one's tokens are read, so the host work between steps runs while the device computes. None: on
-    # for a single-process engine on an accelerator, off on CPU (whose "device" is the host's own cores); a
-    # multi-process engine steps one at a time
+    # on an accelerator (one process or several), off on CPU (whose "device" is the host's own cores)
     async_scheduling: Optional[bool] = None
 
 

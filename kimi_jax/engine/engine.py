@@ -170,13 +170,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         if self.mirror.multiprocess and draft_model is not None:
             raise ValueError("a draft model (--speculative-model) is not served across processes: it runs on process "
                              "0's first device; use prompt lookup drafts (--speculative-tokens alone)")
-        if cfg.async_scheduling and self.mirror.multiprocess:
-            raise ValueError("async scheduling (overlapped decode steps) runs in one process; a multi-process engine "
-                             "steps one at a time (its followers replay each call)")
         mesh = getattr(model, "mesh", None)
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else platform != "cpu" and not self.mirror.multiprocess)
+                                 else platform != "cpu")
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         images = images and not self.mirror.multiprocess  # the vision tower's programs are not mirrored
         if cfg.dcp < 1:

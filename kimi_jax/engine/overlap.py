@@ -1,5 +1,5 @@
-"""Overlapped decode steps (vLLM's async scheduling, ``EngineConfig.async_scheduling``; by default on for one process
-on an accelerator): the next decode step is dispatched before this one's tokens are read, its input tokens taken on
+"""Overlapped decode steps (vLLM's async scheduling, ``EngineConfig.async_scheduling``; on by default on
+an accelerator): the next decode step is dispatched before this one's tokens are read, its input tokens taken on
 the device from this step's sampled tokens. The host work between two steps -- reading the tokens, detokenizing,
 stop checks, streaming, building the next inputs, the dispatch itself -- then runs while the device computes,
 instead of between its steps.
@@ -16,6 +16,10 @@ synchronous engine's bit for bit.
 A sequence that ends on a step whose successor is already in flight has had its last token fed by that successor:
 the successor's row for it is dropped unread, and the prefix-cache checkpoint taken as it ends counts that token
 (`_fed_ahead`): the cache then holds its whole prompt and answer.
+
+Across processes (`multihost.Mirror`) the successor is a mirrored call like any other: process 0 publishes it
+before it reads the step in flight, and its input tokens travel as a reference to the array each process's own
+step produced, so every process runs the same calls in the same order.
 """
 
 from __future__ import annotations

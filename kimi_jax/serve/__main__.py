@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap decode steps (vLLM's async scheduling): in plain decoding the next step is dispatched "
                         "before this one's tokens are read, so reading them, detokenizing and building the next "
                         "inputs run while the device computes; the same tokens as one step at a time (default: on "
-                        "for one process on an accelerator, off on CPU and across processes; speculative decoding "
-                        "and guided rows step one at a time)")
+                        "an accelerator, in one process or several; off on CPU. Speculative decoding and guided rows "
+                        "step one at a time)")
     p.add_argument("--prefill-token-budget", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps while sequences are running (default 256)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
