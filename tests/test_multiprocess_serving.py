@@ -6,14 +6,16 @@ The same command runs on both processes; process 0 listens and schedules, proces
 before it reads this one's tokens). The mesh `context=4,tensor=2` with `--dcp 4` spans both: the MLA pages split
 over the context axis, heads over tensor, and prefill chunks run token-split over the context axis. The two-process
 server must give the same greedy tokens as one device, with log-probs within float32 noise — for concurrent
-requests, prompts of several token-split chunks, prompt log-probs (lm-evaluation-harness's echo), and with so few
-pages that sequences are preempted and recomputed. A process killed mid-stream ends the stream and the server (a
+requests, prompts of several token-split chunks, prompt log-probs (lm-evaluation-harness's echo), an image prompt
+(the vision tower on process 0), and with so few pages that sequences are preempted and recomputed. A process killed mid-stream ends the stream and the server (a
 non-zero exit within the heartbeat timeout), never a hang.
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import io
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from server_process import ROOT, ServerProcess, free_port, server_env, wait_healthy
 
@@ -134,6 +137,27 @@ def test_prompt_logprobs_across_processes(servers):
     want = _complete(single.url, prompt, 0, echo=True)["logprobs"]["token_logprobs"]
     assert got[0] is None and want[0] is None
     np.testing.assert_allclose(got[1:], want[1:], atol=2e-4)
+
+
+def test_an_image_prompt_across_processes(servers):
+    """The vision tower runs on process 0; its features reach process 1 as inputs of the image prefill chunks."""
+    multi, single = servers
+    image = np.random.default_rng(3).integers(0, 256, (100, 90, 3), dtype=np.uint8)  # 16 image tokens
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "what is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 24,
+            "temperature": 0.0, "logprobs": True, "ignore_eos": True, "chat_template_kwargs": {"thinking": False}}
+    before = httpx.get(multi.url + "/stats").json()["images_encoded"]
+    got, want = (httpx.post(url_ + "/v1/chat/completions", json=body, timeout=600) for url_ in (multi.url, single.url))
+    assert got.status_code == 200 and want.status_code == 200, (got.text, want.text)
+    got, want = got.json(), want.json()
+    assert got["usage"] == want["usage"] and got["usage"]["prompt_tokens"] > 16
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    np.testing.assert_allclose([t["logprob"] for t in got["choices"][0]["logprobs"]["content"]],
+                               [t["logprob"] for t in want["choices"][0]["logprobs"]["content"]], atol=2e-4)
+    assert httpx.get(multi.url + "/stats").json()["images_encoded"] == before + 1
 
 
 def test_a_killed_process_ends_the_stream_and_the_server(servers):

@@ -136,7 +136,9 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         after a failure, a second front end) instead of compiling again. ``draft_model``: a smaller ``Model`` over
         the same vocabulary that drafts for speculative decoding (``speculative_method="draft"``). ``mirror``: a
         multi-process server's `multihost.Mirror` (built alike on every process; process 0 runs the engine, the
-        others replay its device calls with `Mirror.follow`); images and a draft model are single-process only."""
+        others replay its device calls with `Mirror.follow`); a draft model is single-process only. The vision tower
+        runs on process 0 alone, on its first local device (where its parameters live): its features travel to the
+        other processes as host inputs of the image prefill chunks."""
         cfg = config or EngineConfig()
         if overrides:
             cfg = EngineConfig(**{**cfg.__dict__, **overrides})
@@ -175,7 +177,6 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else platform != "cpu")
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
-        images = images and not self.mirror.multiprocess  # the vision tower's programs are not mirrored
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
         if cfg.token_split_min_tokens < 0:
@@ -311,7 +312,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         self._dyn_dirty = True  # compile the bitmask upload now (zero rows): serving compiles nothing
         self._upload_dynamic_masks()
         self.compilations_at_start = compile_watch.compile_count()
-        if self.config.vision_warmup and self.model.vision is not None and self.runner.images:
+        if self.config.vision_warmup and self.model.vision is not None and self.runner.images and self.mirror.leader:
             buckets = patch_buckets(self.model.config.vision)
             programs_for(self.model.vision).prepare(buckets)
             log.info("vision tower: compiling %d patch buckets (%d..%d patches) in the background", len(buckets),
@@ -413,9 +414,6 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         vision = getattr(self.model, "vision", None)
         if vision is None:
             raise ParamError("this model has no vision tower: it cannot take images", "images")
-        if self.mirror.multiprocess:
-            raise ParamError("images are not served across several processes (the vision tower runs on one); "
-                             "serve image requests from a single-process server", "images")
         if not self.runner.images:
             raise ParamError("this engine was built without image prefill programs (EngineConfig.images=False)",
                              "images")
