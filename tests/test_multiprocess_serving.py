@@ -7,8 +7,8 @@ before it reads this one's tokens). The mesh `context=4,tensor=2` with `--dcp 4`
 over the context axis, heads over tensor, and prefill chunks run token-split over the context axis. The two-process
 server must give the same greedy tokens as one device, with log-probs within float32 noise — for concurrent
 requests, prompts of several token-split chunks, prompt log-probs (lm-evaluation-harness's echo), an image prompt
-(the vision tower on process 0), and with so few pages that sequences are preempted and recomputed. A process killed mid-stream ends the stream and the server (a
-non-zero exit within the heartbeat timeout), never a hang.
+(the vision tower on process 0), and with so few pages that sequences are preempted and recomputed. A process killed
+mid-stream ends the stream and the server (a non-zero exit within the heartbeat timeout), never a hang.
 """
 
 from __future__ import annotations
