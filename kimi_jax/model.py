@@ -18,6 +18,7 @@ from sharding.rules import path_name, shard_params
 
 from .cache import PAGE_TOKENS
 from .config import ModelConfig
+from .inflight import InflightBound
 from .modules.decoder import DecoderLayer, KimiForCausalLM, ModelCache, PagedModelCache
 from .modules.vision import VisionTower, preprocess_image
 from .modules.vision_buckets import images_features
@@ -117,6 +118,7 @@ class Model:
         self._forward = jax.jit(forward, static_argnames=("mla_form",))
         self._step = jax.jit(forward, donate_argnums=(2,))
         self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
+        self._inflight = InflightBound.for_mesh(mesh)  # CPU: a wait every few programs of a loop (inflight.py)
 
     @property
     def module(self) -> KimiForCausalLM:
@@ -229,8 +231,8 @@ class Model:
         parts, start = [], 0
         for size in prefill_chunks(ids.shape[1], self.prefill_chunk_tokens):
             here = slice(start, start + size)
-            out, cache = self._step(self.params, ids[:, here], cache,
-                                    mm=None if mm is None else (mm[0][:, here], mm[1][:, here]))
+            out, cache = self._inflight(self._step(self.params, ids[:, here], cache,
+                                                   mm=None if mm is None else (mm[0][:, here], mm[1][:, here])))
             parts.append(np.asarray(out, np.float32) if keep == "host" else out[:, -1:] if keep == "last" else out)
             start += size
         if keep == "last" or len(parts) == 1:
@@ -278,8 +280,8 @@ class Model:
         tok = _sample(logits[:, -1], temperature, jax.random.fold_in(key, 0))
         out.append(tok)
         for step in range(1, max_new_tokens):
-            logits_b, cache = self.decode_step(cache, tok)
-            tok = _sample(logits_b, temperature, jax.random.fold_in(key, step))
+            logits_b, cache = self._inflight(self.decode_step(cache, tok))
+            tok = self._inflight(_sample(logits_b, temperature, jax.random.fold_in(key, step)))
             out.append(tok)
         return np.concatenate([np.asarray(ids), np.stack([np.asarray(t) for t in out], axis=1)], axis=1)
 

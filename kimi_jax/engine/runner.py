@@ -68,6 +68,7 @@ from sharding.kda import state_dims as kda_state_dims
 from sharding.partition import placement
 
 from ..cache import PAGE_TOKENS
+from ..inflight import InflightBound
 from ..modules.decoder import PagedModelCache
 from ..parallel import check_token_split_chunk, token_split_chunk
 from ..paged_cache import LayerPool, PagedCacheSpec
@@ -132,6 +133,8 @@ class ModelRunner:
             raise ValueError(f"spec_tokens must be >= 0, got {spec_tokens}")
         self.D = cfg.hidden_size
         self.mesh = getattr(model, "mesh", None)
+        # on CPU, wait for a result every few programs: XLA's CPU client deadlocks with too many in flight
+        self._inflight = InflightBound.for_mesh(self.mesh)
         self.B = int(max_num_seqs)
         self.L = int(max_model_len)
         self.V = cfg.vocab_size
@@ -499,7 +502,7 @@ class ModelRunner:
         exe = self._exe.get(name)
         if exe is None:
             raise RuntimeError("ModelRunner.compile() must run before the engine programs are used")
-        return exe(*args)
+        return self._inflight(exe(*args))
 
     # ------------------------------------------------------------------------------------------------ programs
     def new_state(self) -> DeviceState:
