@@ -6,7 +6,8 @@ With a collective in the program, the partitions already running wait for the on
 once every worker waits, nothing runs again. A loop that dispatches programs faster than the CPU runs them (the
 engine's prefill chunks and decode steps on 8 faked devices on a loaded 2-core host; a chain of ~2,000 small
 programs with an all-gather hung 3 runs of 3) reaches that state. Waiting for one result every `CPU_SYNC_EVERY`
-programs keeps every device below the limit. Accelerators are left alone: their launches do not take pool workers.
+programs keeps every device below the limit. Only the CPU backend is bounded: the deadlock is its client's, and on
+an accelerator a wait would leave the device idle between two programs.
 """
 
 from __future__ import annotations
