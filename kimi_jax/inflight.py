@@ -16,6 +16,8 @@ from typing import Optional
 
 import jax
 
+from sharding.mesh import mesh_platform
+
 CPU_SYNC_EVERY = 16  # programs between two waits; the chain above ran at 8, 16 and 24, hung without
 
 
@@ -31,8 +33,7 @@ class InflightBound:
     @classmethod
     def for_mesh(cls, mesh) -> "InflightBound":
         """The bound for programs over `mesh` (None: the default backend's devices)."""
-        devices = getattr(mesh, "devices", None)  # an abstract mesh (export) has none: nothing runs on it
-        return cls(devices.flat[0].platform if devices is not None else None)
+        return cls(mesh_platform(mesh))
 
     def __call__(self, out):
         if self.every:

@@ -122,6 +122,13 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return {a: int(mesh.shape.get(a, 1)) for a in AXES}
 
 
+def mesh_platform(mesh: Optional[Mesh]) -> str:
+    """The platform programs over `mesh` run on ("cpu" | "gpu" | "tpu"); JAX's default backend for None or for an
+    abstract mesh (no devices: nothing runs on it)."""
+    devices = getattr(mesh, "devices", None)
+    return devices.flat[0].platform if devices is not None else jax.default_backend()
+
+
 FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 

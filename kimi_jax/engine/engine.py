@@ -97,6 +97,8 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
+from sharding.mesh import mesh_platform
+
 # not `from . import compile_watch`: the package's __init__ imports this module
 import kimi_jax.engine.compile_watch as compile_watch
 
@@ -172,10 +174,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         if self.mirror.multiprocess and draft_model is not None:
             raise ValueError("a draft model (--speculative-model) is not served across processes: it runs on process "
                              "0's first device; use prompt lookup drafts (--speculative-tokens alone)")
-        mesh = getattr(model, "mesh", None)
-        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else platform != "cpu")
+                                 else mesh_platform(getattr(model, "mesh", None)) != "cpu")
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
