@@ -264,6 +264,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         self._waiting: deque = deque()
         self._vision_pending = False  # the queue's head waits for its images' tower programs to compile
         self._prefilling: Optional[_Prefill] = None
+        self._blocked_head: Optional[tuple] = None  # scheduler._admission_inputs() when admitting the head last failed
         self._orders = 0
         self._requests: dict[str, _Request] = {}
         self._free: list[int] = list(range(self.B - 1, -1, -1))  # pop() gives slot 0 first
@@ -572,6 +573,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         self._waiting.clear()
         self._running.clear()
         self._prefilling = None
+        self._blocked_head = None
         self._vision_pending = False
         self._free = list(range(self.B - 1, -1, -1))
         self.alloc, self.prefix_cache, self._block_table = self._new_pages()

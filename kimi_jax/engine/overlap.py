@@ -7,7 +7,9 @@ instead of between its steps.
 A step chains from the one in flight only where the next step's inputs are known without its tokens: plain decoding
 (no speculation), no guided row (a grammar's mask depends on the token), every running sequence emitting and the
 same sequences as in flight, nothing to admit (a new request, an abort, a prefill, a free slot for a waiting
-request or a shutdown goes through the synchronous path, which first reads the step in flight), room for one more
+request or a shutdown goes through the synchronous path, which first reads the step in flight; a waiting request
+whose admission failed is tried again only once a slot, a page, a prefix-cache store or a sequence's end could
+change the answer), room for one more
 position in every sequence and the page it lands in free (prefix-cache pages are evicted for it; nothing is
 preempted). Everything else the chained step
 takes is the in-flight step's inputs with the generated-token index one further, so its tokens equal the
@@ -77,8 +79,8 @@ class OverlapMixin:
             return False
         if self._prefilling is not None or self._vision_pending or not self._inbox.empty():
             return False
-        if self._waiting and self._free:  # a waiting request may be admitted (with every slot taken, none can)
-            return False
+        if self._waiting and self._free and not self._head_still_blocked():
+            return False  # a waiting request may be admitted now (with every slot taken, or pages short, none can)
         if self._running.keys() != step.seqs.keys():
             return False
         for slot, seq in self._running.items():

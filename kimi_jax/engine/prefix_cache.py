@@ -128,6 +128,7 @@ class PrefixCache:
         self._ticket = itertools.count()
         self._checkpoints: "OrderedDict[object, None]" = OrderedDict()  # items holding one, least recent first
         self._items = 0  # live nodes and tails
+        self.stores = 0  # calls of `store` that cached something: each may give a prompt a hit or free a page to evict
 
     # ------------------------------------------------------------------------------------------------ queries
     @property
@@ -193,6 +194,7 @@ class PrefixCache:
         holds it too.  A checkpoint already held at that position is kept and ``checkpoint`` dropped."""
         if not self.enabled or tokens <= 0:
             return
+        self.stores += 1
         if len(key) < tokens or len(blocks) < -(-tokens // self.block_tokens) - (tail_block is not None):
             raise ValueError(f"store({tokens} tokens) needs that many ids ({len(key)} given) and their full pages "
                              f"({len(blocks)} given)")

@@ -64,8 +64,10 @@ class SchedulerMixin:
                     continue  # that request failed and is gone
                 job = self._admit(self._waiting[0])
                 if job is None:
+                    self._blocked_head = self._admission_inputs()
                     return  # not enough free slots or pages yet
                 self._waiting.popleft()
+                self._blocked_head = None
             while job.chunks:
                 size = job.chunks[0]
                 if self._running and spent > 0 and spent + size > budget:
@@ -86,6 +88,25 @@ class SchedulerMixin:
                 if job.pos in job.checkpoints:
                     self._checkpoint_prefill(job)
             self._finish_prefill(job)
+
+    def _admission_inputs(self) -> tuple:
+        """What `_admit` of the waiting queue's head depends on: the head, free slots, free pages, the prefix cache's
+        stores (a new hit, pages to evict) and the running sequences (each takes a page of headroom and holds pages
+        eviction cannot free)."""
+        return (self._waiting[0], len(self._free), self.alloc.free_blocks, self.prefix_cache.stores,
+                len(self._running))
+
+    def _head_still_blocked(self) -> bool:
+        """Whether admitting the waiting queue's head failed and nothing has changed since in its favour (same head,
+        no more free slots or pages, nothing stored in the prefix cache, no fewer running sequences): trying again
+        would fail again."""
+        blocked = self._blocked_head
+        if blocked is None or not self._waiting:
+            return False
+        head, slots, pages, stores, running = blocked
+        now_head, now_slots, now_pages, now_stores, now_running = self._admission_inputs()
+        return (now_head is head and now_slots <= slots and now_pages <= pages and now_stores == stores
+                and now_running >= running)
 
     def _images_ready(self, item) -> Optional[bool]:
         """Whether a waiting request's images can be encoded now (their tower programs compiled; compiles start in
