@@ -432,6 +432,10 @@ def versions() -> dict:
 def main():
     INFO["versions"] = versions()
     log(INFO["versions"])
+    if not ARGS.smoke:  # the native kernels' PTX paths (MXFP4 decode) are compiled in only where this is True
+        from pallas_kernels.triton_call import _device_is_nvidia
+        INFO["native_kernels_on_nvidia"] = _device_is_nvidia()
+        log(f"native kernels compiled for NVIDIA (inline PTX): {INFO['native_kernels_on_nvidia']}")
     bw = copy_bandwidth()
     INFO["copy_TBps"] = bw / 1e12
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
