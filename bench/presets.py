@@ -74,6 +74,12 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                    "bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
                    "--max-num-seqs 32 --max-model-len 512 --prefill-chunk-sizes 128 --prompt-tokens 129 "
                    "--max-tokens 256 --clients 1,32 --requests-per-client 1 --startup-timeout 900"]),
+    "serve-48b-profile": ("a device trace of the real-size model's steady decode at 1 and 32 streams, summarised per "
+                          "step (top kernels): where its steps spend the time its bytes do not explain", "1 GPU",
+                          ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 "
+                           "--server-arg=--random-experts=mxfp4 --max-num-seqs 32 --max-model-len 512 "
+                           "--prefill-chunk-sizes 128 --prompt-tokens 129 --max-tokens 256 --clients 1,32 "
+                           "--requests-per-client 1 --startup-timeout 900 --profile 1"]),
     "serve-cpu": ("the real server, tiny float32, 1 / 8 / 32 clients", "CPU", ["bench/serve.py"]),
     "spec-decode": ("speculative decoding, adaptive policy vs always, repetitive and rejected drafts", "1 GPU",
                     ["bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject"]),
