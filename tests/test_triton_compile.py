@@ -124,3 +124,25 @@ def test_native_kernels_compile_for_cdna3():
         raise
     assert len(res) == 34
     assert any(r["mxfp4"] for r in res)  # compiled on the arithmetic decode (no PTX on AMD)
+
+
+def test_a_launch_tells_an_nvidia_gpu_from_jaxs_gpu_client(monkeypatch):
+    """jax-triton launches compile the PTX paths (the MXFP4 decode) in only where `_device_is_nvidia()`: it reads JAX's
+    GPU client -- CUDA or ROCm -- before Triton's driver, whose lookup can fail where JAX's GPU works."""
+    import pallas_kernels.triton_call as tc
+
+    class Client:
+        def __init__(self, platform, version):
+            self.platform, self.platform_version = platform, version
+
+    class Device:
+        def __init__(self, client):
+            self.client = client
+
+    try:
+        for platform, version, nvidia in (("cuda", "cuda 13000", True), ("rocm", "rocm 60400", False)):
+            monkeypatch.setattr(tc.jax, "devices", lambda backend=None, c=Client(platform, version): [Device(c)])
+            tc._device_is_nvidia.cache_clear()
+            assert tc._device_is_nvidia() is nvidia
+    finally:
+        tc._device_is_nvidia.cache_clear()
