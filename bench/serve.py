@@ -14,13 +14,14 @@ token) / (completion tokens - 1).  Per level: output tokens/s (all clients' toke
 TPOT p50 / p99.
 
 Decode roofline (whenever the model is known: in-process, --launch, --gpu), per level.  While a level runs, /stats
-is polled; the longest stretch in which all of its streams decode and no prefill runs gives the steady-state
-decode tokens/s (without one: streams / TPOT p50).  The roofline is the bytes one decode step must move -- every weight it reads (all non-expert
-weights, plus the routed experts the batch touches: E·(1 - (1 - k/E)^B) per MoE layer under uniform routing) plus
-the cache traffic (KDA state read + written, conv tails, MLA latent rows and index keys read for the context,
-the new rows written) -- over the device's best measured copy bandwidth (the max of an XLA copy, an XLA elementwise
-pass and a torch copy where torch has CUDA, in a separate process before the server starts).  Bars (BENCHMARKS.md,
-end to end): >= 0.70 of the roofline at one stream, >= 0.85 at 32; other levels are reported without one.
+is polled; the longest stretch in which all of its streams decode and no prefill runs gives the steady-state decode
+tokens/s (without one: streams / TPOT p50).  The roofline is the bytes one decode step must move -- every weight it
+reads (all non-expert weights, plus the routed experts the batch touches: E·(1 - (1 - k/E)^B) per MoE layer under
+uniform routing) plus the cache traffic (KDA state read + written, conv tails, MLA latent rows and index keys read
+for the context, the new rows written) -- over the device's best measured copy bandwidth (the max of an XLA copy, an
+XLA elementwise pass and a torch copy where torch has CUDA, in a separate process before the server starts).  Bars
+(BENCHMARKS.md, end to end): >= 0.70 of the roofline at one stream, >= 0.85 at 32; other levels are reported without
+one.
 
 ``--gpu`` serves ``kimi-k3.1-reduced`` (kimi_jax/config.py: K3.1 at full width -- hidden 7168, 96 heads of 128,
 expert width 3072, latent 3584, top-16 -- 4 layers KDA, KDA, KDA, MLA all MoE, 128 experts instead of 896, vocab
@@ -390,17 +391,10 @@ for name, f in progs.items():
 try:  # torch's copy_ where it has CUDA: often above XLA's, and the bars take the best of the two
     import torch
     if torch.cuda.is_available():
-        a = torch.empty(out["bytes"] // 2, dtype=torch.uint8, device="cuda").random_()
-        b = torch.empty_like(a)
-        ts = []
-        for i in range(13):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); b.copy_(a); e.record(); e.synchronize()
-            if i >= 3:
-                ts.append(s.elapsed_time(e) / 1e3)
-        ts.sort()
-        out["torch_copy_gb_s"] = 2 * a.numel() / ts[len(ts) // 2] / 1e9
-        del a, b
+        import sys
+        sys.path.insert(0, sys.argv[1])  # bench/, for _timing
+        from _timing import torch_copy_bandwidth
+        out["torch_copy_gb_s"] = torch_copy_bandwidth(out["bytes"] // 2) / 1e9
 except ImportError:
     pass
 print("COPY_JSON " + json.dumps(out))
@@ -411,7 +405,8 @@ def measure_copy_bandwidth(env: dict) -> dict:
     """Device copy bandwidth (read + write bytes / median time), in its own process so that its memory is gone
     before the server starts; returns {'device', 'copy_gb_s', 'elementwise_gb_s', 'torch_copy_gb_s' (where torch has
     CUDA), 'gb_s': the largest}."""
-    r = subprocess.run([sys.executable, "-c", COPY_SNIPPET], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", COPY_SNIPPET, str(HERE)], env=env, capture_output=True, text=True,
+                       timeout=300)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("COPY_JSON ")), None)
     if r.returncode or line is None:
         raise RuntimeError(f"copy-bandwidth probe failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -811,7 +806,8 @@ def main(argv=None) -> int:
            "url": args.url or ("launched" if args.launch else "in-process"), "model": args.model,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
            "requests_per_client": args.requests_per_client, "setup": setup, "compilations_during_run": compiles,
-           "levels": rows, "roofline": rooflines[-1] if rooflines else None, "rooflines": rooflines, "total_s": round(time.perf_counter() - t_start, 1)}
+           "levels": rows, "roofline": rooflines[-1] if rooflines else None, "rooflines": rooflines,
+           "total_s": round(time.perf_counter() - t_start, 1)}
     table = _table(rows)
     bars = _bar_table(bar_rows)
     _write_doc(doc, args, out_dir, "serve.json")
