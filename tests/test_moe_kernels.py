@@ -60,6 +60,31 @@ def test_group_tiles_cover_each_row_once_within_its_group(bm, sizes):
     assert (seen == 1).all()
 
 
+def _most_tiles(m, groups, bm):
+    """The most tiles any routing of m rows over `groups` groups needs: n non-empty groups take at most
+    n + floor((m − n) / bm) (one row each, the rest in one group), the most over n ≤ min(m, groups)."""
+    return max([n + (m - n) // bm for n in range(1, min(m, groups) + 1)], default=0)
+
+
+@pytest.mark.parametrize("bm", [1, 4, 16])
+@pytest.mark.parametrize("E", [1, 3, 8, 256])
+def test_tile_bounds_cover_every_routing_and_scale_with_rows_not_experts(bm, E):
+    """The tile arrays and grids are sized by the rows: ceil(M/bm) + min(M, E) − 1 tiles hold any routing of M rows,
+    so one token routed to 8 of 256 experts plans 8 tiles of 16 rows, not 257."""
+    from pallas_kernels.moe.mgpu_mxfp4.rows import max_tiles
+
+    for m in range(0, 41):
+        assert max_tiles(m, E, bm) >= _most_tiles(m, E, bm)  # rows sorted by expert, no tail group
+        assert schedule.num_group_tiles_bound(m, E, bm) >= _most_tiles(m, E + 1, bm)  # + the uncovered tail
+        assert schedule.num_straddle_tiles_bound(-(-m // bm) * bm, E, bm) >= 1
+    # the worst routing for group_tiles: m − 1 groups of one row, then the uncovered tail
+    m, bm_ = 12, 4
+    sizes = jnp.asarray([1] * min(E, m - 1) + [0] * (E - min(E, m - 1)))
+    tiles = schedule.group_tiles(sizes, m, bm_)
+    assert int(tiles.num_tiles[0]) <= tiles.group.shape[0] == schedule.num_group_tiles_bound(m, E, bm_)
+    assert max_tiles(8, 256, 16) == 8 and schedule.num_group_tiles_bound(8, 256, 16) == 8
+
+
 @pytest.mark.parametrize("sizes", [SIZES, [0, 0, 200, 0, 0], [1, 1, 1, 1, 196]])
 def test_straddle_tiles_visit_blocks_in_order_and_cover_rows_once(sizes):
     bm, m = 32, 224  # rows padded to a multiple of bm

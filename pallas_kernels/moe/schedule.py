@@ -40,9 +40,17 @@ def _with_tail(group_sizes, m_rows: int):
     return sizes_z, starts_z
 
 
+def nonempty_groups_bound(m_rows: int, num_groups: int) -> int:
+    """At most this many of E groups and the tail pseudo-group hold rows: M rows fill at most M groups. With n
+    non-empty groups, Σ_g ceil(s_g / bm) < M/bm + n, so at most ceil(M/bm) + n − 1 tiles (the bounds below: ≥ 1)."""
+    return min(m_rows, num_groups + 1)
+
+
 def num_group_tiles_bound(m_rows: int, num_groups: int, bm: int) -> int:
-    """Σ_{g ≤ E} ceil(s_g / bm) < M/bm + E + 1 for any sizes summing to M, so it is at most ceil(M/bm) + E."""
-    return cdiv(m_rows, bm) + num_groups
+    """Tiles of `group_tiles` for any sizes summing to M: ceil(M/bm) + min(M, E + 1) − 1 (`nonempty_groups_bound`) —
+    at one token routed to k experts, k + 1 tiles instead of E + 1: the grid and the tile arrays scale with the rows,
+    not with the experts."""
+    return max(1, cdiv(m_rows, bm) + nonempty_groups_bound(m_rows, num_groups) - 1)
 
 
 def group_tiles(group_sizes, m_rows: int, bm: int) -> GroupTiles:
@@ -91,8 +99,9 @@ class StraddleTiles(NamedTuple):
 
 
 def num_straddle_tiles_bound(m_rows: int, num_groups: int, bm: int) -> int:
-    """Each of the E boundaries between the E + 1 (pseudo-)groups adds at most one revisit of a block."""
-    return cdiv(m_rows, bm) + num_groups
+    """Each boundary between two non-empty (pseudo-)groups adds at most one revisit of a block: at most
+    min(M, E + 1) − 1 of them (`nonempty_groups_bound`)."""
+    return max(1, cdiv(m_rows, bm) + nonempty_groups_bound(m_rows, num_groups) - 1)
 
 
 def straddle_tiles(group_sizes, m_rows: int, bm: int) -> StraddleTiles:

@@ -1,7 +1,8 @@
 """Row plans of the Mosaic GPU MXFP4 kernels (XLA side): rows sorted by expert padded per expert to whole tiles.
 
 `tile_plan` / `slot_tile_plan` -> `TilePlan` (src `[m_pad]`, tile -> expert `[t_max]`, live tiles `[1]`, padded
-row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + E and m_pad = t_max · rows. `prepare_rows`
+row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + min(M, E) (`max_tiles`) and m_pad = t_max · rows:
+the padded arrays scale with the rows, not with the experts (one token over 256 experts: 9 tiles, not 257). `prepare_rows`
 gives the padded-plan kernels their x planes `[2, m_pad, K/2]` bf16; `gather_x` the tile layout's; `unpad_output`
 brings a padded result back to `[M, N]`.
 """
@@ -23,6 +24,12 @@ def _group_of(ends, idx):
     return jnp.sum(idx[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
+def max_tiles(M: int, num_experts: int, rows: int) -> int:
+    """Tiles enough for any routing of M rows over E experts: at most n = min(M, E) experts hold rows, and
+    Σ_e ceil(s_e / rows) < M / rows + n, so ceil(M / rows) + n − 1 tiles; ≥ 1."""
+    return max(1, -(-M // rows) + min(M, num_experts) - 1)
+
+
 def _tiles(group_sizes, E: int, t_max: int, rows: int):
     """Per-group padding to `rows`: (tile -> group `[t_max]`, live tiles `[1]`, padded row start per group)."""
     sizes = group_sizes.astype(jnp.int32)
@@ -38,7 +45,7 @@ def _pad_plan(group_sizes, M: int, num_experts: int, rows: int):
     `[m_pad]` (M: a zero row), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live
     row mask `[M]`)."""
     E = num_experts
-    t_max = -(-M // rows) + E
+    t_max = max_tiles(M, E, rows)
     m_pad = t_max * rows
     tile_group, num_tiles, pad_start = _tiles(group_sizes, E, t_max, rows)
     sizes = group_sizes.astype(jnp.int32)
@@ -49,7 +56,7 @@ def _pad_plan(group_sizes, M: int, num_experts: int, rows: int):
     g = tile_group[p // rows]
     k = p - pad_start[g]
     src = jnp.where((p // rows < num_tiles[0]) & (k < sizes[g]), starts[g] + k, M)
-    # padded row of each sorted row; rows past Σ sizes go to the last padded row (never a live tile's) and are zeroed
+    # padded row of each sorted row; rows past Σ sizes read the last padded row, and `live` zeroes what they read
     row = jnp.arange(M, dtype=jnp.int32)
     g_of_row = jnp.minimum(_group_of(ends, row), E - 1)
     live = row < ends[-1]
@@ -105,7 +112,7 @@ def slot_tile_plan(expert_idx_nk, num_experts: int, rows: int) -> TilePlan:
     expert = expert_idx_nk.reshape(-1).astype(jnp.int32)
     pairs = expert.shape[0]
     rank, sizes = schedule.expert_ranks(expert, num_experts)
-    t_max = -(-pairs // rows) + num_experts
+    t_max = max_tiles(pairs, num_experts, rows)
     tile_group, num_tiles, pad_start = _tiles(sizes, num_experts, t_max, rows)
     pad_row = pad_start[expert] + rank
     src = jnp.full((t_max * rows,), pairs, jnp.int32).at[pad_row].set(jnp.arange(pairs, dtype=jnp.int32),
