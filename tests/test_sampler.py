@@ -64,6 +64,19 @@ def test_greedy_is_argmax_and_logprobs_are_raw(run):
     np.testing.assert_allclose(out.top_logprobs[0, :5], ref[order[:5]], rtol=1e-5)
 
 
+def test_top_logprobs_are_computed_only_when_a_row_asks(run):
+    """The top-20 is a full sort on an accelerator: a step where no row asks returns zeros; one row asking gives
+    every row its top log-probs (the engine reads them only for rows that asked)."""
+    x = _logits(3)
+    out, _ = run(x, SamplingParams(temperature=0.0, logprobs=True))
+    assert not out.top_ids.any() and not out.top_logprobs.any()
+    assert out.logprob[0] < 0  # the chosen token's log-prob is always there
+    plist = [SamplingParams(temperature=0.0)] * (B - 1) + [SamplingParams(temperature=0.0, logprobs=True,
+                                                                          top_logprobs=2)]
+    out, _ = run(x, plist)
+    np.testing.assert_array_equal(out.top_ids[:, :2], np.broadcast_to(np.argsort(-x)[:2], (B, 2)))
+
+
 def test_logit_bias_forces_and_bans(run):
     x = _logits(2)
     forced = int(np.argmin(x))

@@ -47,6 +47,7 @@ class Rows(NamedTuple):
     choice: jax.Array  # i32, index of the sequence within its request (n > 1)
     bias_ids: jax.Array  # i32 [B, MAX_LOGIT_BIAS], padding = V
     bias_vals: jax.Array  # f32 [B, MAX_LOGIT_BIAS]
+    top_logprobs: jax.Array  # i32: top log-probs the row returns (0: none; no row asking skips the top-k)
 
 
 class Controls(NamedTuple):
@@ -150,10 +151,21 @@ def draw(pr: Processed, keys):
     return jnp.where(pr.hot, sampled, pr.greedy)
 
 
-def top_logprobs(raw_lp_bv):
-    """(ids, log-probs) of the ``MAX_TOP_LOGPROBS`` most likely tokens per row (raw distribution)."""
-    top_lp, top_ids = jax.lax.top_k(raw_lp_bv, min(MAX_TOP_LOGPROBS, raw_lp_bv.shape[-1]))
-    return top_ids.astype(jnp.int32), top_lp
+def top_logprobs(raw_lp_bv, asked_b=None):
+    """(ids ``[B, k]`` int32, log-probs ``[B, k]`` f32) of the k = ``MAX_TOP_LOGPROBS`` most likely tokens per row
+    of ``raw_lp_bv [B, V]`` (raw distribution). With ``asked_b [B]`` (top log-probs each row returns): only when
+    some row asks (``lax.cond``), else zeros -- XLA's top-20 over a 163,840-token vocabulary is a segmented radix
+    sort, 1.1 ms of a 32-row decode step of Kimi-Linear-48B on an H100."""
+    k = min(MAX_TOP_LOGPROBS, raw_lp_bv.shape[-1])
+
+    def top(lp):
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        return top_ids.astype(jnp.int32), top_lp
+
+    if asked_b is None:
+        return top(raw_lp_bv)
+    none = lambda lp: (jnp.zeros(lp.shape[:-1] + (k,), jnp.int32), jnp.zeros(lp.shape[:-1] + (k,), lp.dtype))
+    return jax.lax.cond(jnp.any(asked_b > 0), top, none, raw_lp_bv)
 
 
 def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables):
@@ -162,7 +174,7 @@ def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tabl
     pr = process(logits_bv, rows, ctl, counts_bv, prompt_mask_bv, tables)
     tok = draw(pr, row_keys(rows, ctl.gen_step))
     chosen_lp = jnp.take_along_axis(pr.raw_lp, tok[:, None], axis=-1)[:, 0]
-    top_ids, top_lp = top_logprobs(pr.raw_lp)
+    top_ids, top_lp = top_logprobs(pr.raw_lp, rows.top_logprobs)
     counts = counts_bv.at[jnp.arange(B), tok].add(ctl.emit.astype(counts_bv.dtype))
     return SampleOut(tok, chosen_lp, top_ids, top_lp), counts
 
@@ -184,6 +196,7 @@ class RowParams:
         self.choice = np.zeros(batch, np.int32)
         self.bias_ids = np.full((batch, MAX_LOGIT_BIAS), vocab_size, np.int32)
         self.bias_vals = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
+        self.top_logprobs = np.zeros(batch, np.int32)
         self._device = None
 
     def set(self, slot: int, p: SamplingParams, seed: int, choice: int) -> None:
@@ -197,6 +210,7 @@ class RowParams:
         self.min_tokens[slot] = p.min_tokens
         self.seed[slot] = seed32(seed)
         self.choice[slot] = choice
+        self.top_logprobs[slot] = p.top_logprobs if p.logprobs else 0
         self.bias_ids[slot] = self.V
         self.bias_vals[slot] = 0.0
         for j, (tid, val) in enumerate(sorted(p.logit_bias.items())):
@@ -209,7 +223,8 @@ class RowParams:
 
     def _host(self) -> Rows:
         return Rows(self.temperature, self.top_p, self.top_k, self.min_p, self.presence, self.frequency,
-                    self.repetition, self.min_tokens, self.seed, self.choice, self.bias_ids, self.bias_vals)
+                    self.repetition, self.min_tokens, self.seed, self.choice, self.bias_ids, self.bias_vals,
+                    self.top_logprobs)
 
     def device(self, put=jax.device_put) -> Rows:
         """The device copy, made by ``put`` (host `Rows` -> device `Rows`) after each change."""
