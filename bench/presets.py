@@ -86,6 +86,8 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "spec-draft": ("a draft model (the target itself), greedy and sampled drafts, 1 and 4 requests", "1 GPU",
                    ["bench/spec_decode.py --gpu --max-tokens 96 --max-num-seqs 4 --scenarios draft,draft-sampled "
                     "--temperature 1"]),
+    "gemv": ("decode-size projections (1-32 rows x a weight) against the copy rate in the forms XLA can take and "
+             "cuBLAS: what one-stream decode's dense layers run at", "1 GPU", ["bench/gemv.py"]),
     "dense-mla": ("dense paged MLA (no indexer) on a prefill chunk against the width of its block table", "CPU",
                   ["bench/dense_mla.py"]),
     "draft-batch": ("the batched draft proposal against one sequence per call", "CPU", ["bench/draft_batch.py"]),
