@@ -688,6 +688,12 @@ def main(argv=None) -> int:
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")
     child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in child_env.get("PYTHONPATH", "").split(
         os.pathsep) if x])
+    if args.profile:
+        # traced programs run kernel by kernel: with XLA's command buffers (CUDA graphs) on, the 48B model's step
+        # after /stop_profile failed with CUDA_ERROR_LAUNCH_FAILED on an H100 and left the context unusable (as in
+        # jax-ml/jax#40260); off, the trace also times each kernel instead of one graph launch
+        flags = [child_env.get("XLA_FLAGS"), "--xla_gpu_enable_command_buffer="]
+        child_env["XLA_FLAGS"] = " ".join(filter(None, flags))
     os.environ["JAX_PLATFORMS"] = "cpu"
     t_start = time.perf_counter()
 
