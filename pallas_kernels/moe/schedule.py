@@ -42,7 +42,7 @@ def _with_tail(group_sizes, m_rows: int):
 
 def nonempty_groups_bound(m_rows: int, num_groups: int) -> int:
     """At most this many of E groups and the tail pseudo-group hold rows: M rows fill at most M groups. With n
-    non-empty groups, Σ_g ceil(s_g / bm) < M/bm + n, so at most ceil(M/bm) + n − 1 tiles (the bounds below: ≥ 1)."""
+    non-empty groups, Σ_g ceil(s_g / bm) < M/bm + n, so at most ceil(M/bm) + n − 1 tiles (the bounds: ≥ 1)."""
     return min(m_rows, num_groups + 1)
 
 

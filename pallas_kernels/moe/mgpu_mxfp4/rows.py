@@ -1,10 +1,10 @@
 """Row plans of the Mosaic GPU MXFP4 kernels (XLA side): rows sorted by expert padded per expert to whole tiles.
 
 `tile_plan` / `slot_tile_plan` -> `TilePlan` (src `[m_pad]`, tile -> expert `[t_max]`, live tiles `[1]`, padded
-row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + min(M, E) (`max_tiles`) and m_pad = t_max · rows:
-the padded arrays scale with the rows, not with the experts (one token over 256 experts: 9 tiles, not 257). `prepare_rows`
-gives the padded-plan kernels their x planes `[2, m_pad, K/2]` bf16; `gather_x` the tile layout's; `unpad_output`
-brings a padded result back to `[M, N]`.
+row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + min(M, E) − 1 (`max_tiles`) and
+m_pad = t_max · rows: the padded arrays scale with the rows, not with the experts (one token routed to 8 of 256
+experts: 8 tiles, not 257). `prepare_rows` gives the padded-plan kernels their x planes `[2, m_pad, K/2]` bf16;
+`gather_x` the tile layout's; `unpad_output` brings a padded result back to `[M, N]`.
 """
 
 from __future__ import annotations
