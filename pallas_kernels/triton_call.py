@@ -234,12 +234,30 @@ def _interpreter_bf16_rounding() -> None:
     ti.InterpreterBuilder.cast_impl = cast_impl
 
 
+@functools.lru_cache(maxsize=None)
+def _interpreter_scalar_index() -> None:
+    """Triton's interpreter (3.6) turns a scalar tensor into a Python int (a loop bound computed in the kernel:
+    `range(0, n_live)`) by `int(data)`, and holds some scalars as 1-element arrays of shape (1,), which NumPy ≥ 2.4
+    refuses to convert ("only 0-dimensional arrays can be converted to Python scalars"). Convert through the one
+    element instead, as NumPy did before."""
+    from triton.runtime import interpreter as ti
+
+    orig = ti._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patch_lang_tensor
+
+
 def _interpret(args: Sequence, kernel, outs, grid, aliases, constexprs):
     if not interpreting():
         raise RuntimeError("interpret=True runs Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
                            "imported (tests/conftest.py does on CPU)")
     _interpreter_bf16_dots()
     _interpreter_bf16_rounding()
+    _interpreter_scalar_index()
     arrays = [i for i, a in enumerate(args) if not isinstance(a, (bool, int, float))]
 
     def host(*host_arrays):
