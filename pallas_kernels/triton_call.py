@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from typing import Sequence
 
 import jax
@@ -251,6 +252,12 @@ def _interpreter_scalar_index() -> None:
     ti._patch_lang_tensor = patch_lang_tensor
 
 
+# Triton's interpreter patches `triton.language` for the duration of a launch and restores it afterwards: two launches
+# at once (the host callbacks of a program over several CPU devices, e.g. a shard_map on a fake mesh, run on the
+# devices' threads) undo each other's patches. One interpreted launch at a time.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _interpret(args: Sequence, kernel, outs, grid, aliases, constexprs):
     if not interpreting():
         raise RuntimeError("interpret=True runs Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
@@ -275,7 +282,8 @@ def _interpret(args: Sequence, kernel, outs, grid, aliases, constexprs):
                 kind = jnp.dtype(o.dtype)
                 fill = np.nan if jnp.issubdtype(kind, jnp.floating) else np.iinfo(kind).max
                 bufs.append(_to_torch(np.full(o.shape, fill, kind)))
-        kernel[tuple(grid)](*vals, *bufs, **constexprs)
+        with _INTERPRETER_LOCK:
+            kernel[tuple(grid)](*vals, *bufs, **constexprs)
         return [_from_torch(b, o.dtype) for b, o in zip(bufs, outs)]
 
     shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
