@@ -81,6 +81,7 @@ from pallas_kernels.kda import reference as kda_ref  # noqa: E402
 from pallas_kernels.mla import sparse as mla_sparse  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops as moe_ops  # noqa: E402
+from pallas_kernels import triton_ffi  # noqa: E402
 
 T0 = time.time()
 ROWS: list[dict] = []
@@ -412,8 +413,10 @@ def bench_mla(bw):
     for b_sz in (() if ARGS.smoke else (1, 4, 8, 16, 32)):
         args = (q[:b_sz], parts, bt[:b_sz], idx_all[:, :b_sz])
         times, errs = {}, {}
+        # "triton_legacy": the native kernel launched as jax-triton's legacy custom call (`triton_ffi.USE_FFI`
+        # off while it lowers), the others as the typed-FFI call that command buffers capture
         for name, b, kk in (("old", OLD, {}), ("new", NEW, {}), ("mgpu", NEW, dict(impl="mgpu")),
-                            ("triton", NEW, dict(impl="triton"))):
+                            ("triton", NEW, dict(impl="triton")), ("triton_legacy", NEW, dict(impl="triton"))):
             f = jax.jit(lambda q, parts, bt, idx, b=b, kk=kk: mla_sparse.sparse_mla(
                 q[:, None], parts, bt, idx[:, None], backend=b, precision="storage", kernel_kw=kk, **kw))
 
@@ -421,7 +424,12 @@ def bench_mla(bw):
                 o, lse = f(*args[:3], args[3][0])
                 err = max(rel_rms(o[:, 0], o_r[:b_sz]), rel_rms(lse[:, 0], lse_r[:b_sz]))
                 return err, seconds(f, *args, stacked=(3,))
-            errs[name], times[name] = attempt(f"mla shipped B={b_sz} {name}", run) or (float("nan"), float("nan"))
+            triton_ffi.USE_FFI = name != "triton_legacy"
+            try:
+                errs[name], times[name] = attempt(f"mla shipped B={b_sz} {name}", run) or (float("nan"),
+                                                                                           float("nan"))
+            finally:
+                triton_ffi.USE_FFI = True
         nbytes_b = b_sz * k * fmt.bytes_per_token
         row("mla", "sparse decode (storage, each side's kernel choice) row bytes/s vs copy (TB/s)",
             f"B={b_sz} H={H} ctx={ctx} top-{k} fp8 err {errs['new']:.1e}", nbytes_b / times["old"] / 1e12,
@@ -463,6 +471,8 @@ def main():
         from pallas_kernels.triton_call import _device_is_nvidia
         INFO["native_kernels_on_nvidia"] = _device_is_nvidia()
         log(f"native kernels compiled for NVIDIA (inline PTX): {INFO['native_kernels_on_nvidia']}")
+        INFO["ffi_triton_call"] = triton_ffi.ffi_target_registered()
+        log(f"jaxlib registers {triton_ffi.FFI_TARGET} (native launches capturable): {INFO['ffi_triton_call']}")
     bw = copy_bandwidth()
     INFO["copy_TBps"] = bw / 1e12
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import triton_ffi
+
 log = logging.getLogger("pallas_kernels.triton_call")
 
 try:
@@ -130,6 +132,7 @@ def _gpu_launch(args, *, kernel, out_shape, grid, num_warps, num_stages, input_o
     if jt is None:
         raise RuntimeError("native Triton kernels need jax-triton on a GPU (pip install 'kimi_jax[gpu]'); "
                            "on CPU run them with interpret=True under TRITON_INTERPRET=1")
+    triton_ffi.install(jt)  # CUDA launches as the typed-FFI call that XLA's command buffers capture
     return jt.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
                           num_stages=num_stages, input_output_aliases=input_output_aliases, name=name,
                           **_for_target(constexprs, _device_is_nvidia()))

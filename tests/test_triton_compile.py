@@ -146,3 +146,42 @@ def test_a_launch_tells_an_nvidia_gpu_from_jaxs_gpu_client(monkeypatch):
             assert tc._device_is_nvidia() is nvidia
     finally:
         tc._device_is_nvidia.cache_clear()
+
+
+def test_a_legacy_triton_call_becomes_the_ffi_call_on_the_same_buffers():
+    """`triton_ffi.as_ffi_call` turns jax-triton's legacy custom call (the compressed kernel proto in backend_config)
+    into jaxlib's typed-FFI Triton call, which XLA's command buffers can capture: the proto moves to the `opaque`
+    attribute byte for byte, and operands, results, layouts and the in-place alias stay as they were."""
+    import zlib
+
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.core import Primitive
+    from jax._src.interpreters import mlir
+
+    from pallas_kernels import triton_ffi
+
+    proto = zlib.compress(b"kernel-call proto \x00\x01\xff bytes")
+    prim = Primitive("fake_triton_launch")
+    prim.multiple_results = True
+    prim.def_abstract_eval(lambda x, y: [jax.core.ShapedArray(x.shape, x.dtype)])
+
+    def legacy_then_ffi(ctx, x, y):
+        out_type = mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])
+        legacy = mlir.custom_call(triton_ffi.LEGACY_TARGET, result_types=[out_type], operands=[x, y],
+                                  backend_config=proto, api_version=2,
+                                  operand_output_aliases={1: 0}, operand_layouts=[(0,), (0,)], result_layouts=[(0,)])
+        return triton_ffi.as_ffi_call(legacy, "my_kernel")
+
+    mlir.register_lowering(prim, legacy_then_ffi, platform="cpu")
+    x = jnp.zeros(8, jnp.float32)
+    text = jax.jit(lambda a, b: prim.bind(a, b)[0]).lower(x, x).as_text()
+    assert f"@{triton_ffi.FFI_TARGET}(" in text and f"@{triton_ffi.LEGACY_TARGET}(" not in text
+    assert 'name = "my_kernel"' in text and "opaque = " in text
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 1" \
+           in text
+    assert "operand_layouts" in text and "result_layouts" in text
+    # the proto itself, as MLIR escapes it in the opaque string
+    escaped = "".join(chr(c) if 32 <= c < 127 and chr(c) not in '"\\' else f"\\{c:02X}" for c in proto)
+    assert escaped in text
+    assert not triton_ffi.ffi_target_registered()  # a CPU jaxlib: launches would stay legacy
