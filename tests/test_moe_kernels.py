@@ -71,10 +71,8 @@ def _most_tiles(m, groups, bm):
 def test_tile_bounds_cover_every_routing_and_scale_with_rows_not_experts(bm, E):
     """The tile arrays and grids are sized by the rows: ceil(M/bm) + min(M, E) − 1 tiles hold any routing of M rows,
     so one token routed to 8 of 256 experts plans 8 tiles of 16 rows, not 257."""
-    from pallas_kernels.moe.mgpu_mxfp4.rows import max_tiles
-
     for m in range(0, 41):
-        assert max_tiles(m, E, bm) >= _most_tiles(m, E, bm)  # rows sorted by expert, no tail group
+        assert schedule.tiles_bound(m, E, bm) >= _most_tiles(m, E, bm)  # rows sorted by expert, no tail group
         assert schedule.num_group_tiles_bound(m, E, bm) >= _most_tiles(m, E + 1, bm)  # + the uncovered tail
         assert schedule.num_straddle_tiles_bound(-(-m // bm) * bm, E, bm) >= 1
     # the worst routing for group_tiles: m − 1 groups of one row, then the uncovered tail
@@ -82,7 +80,7 @@ def test_tile_bounds_cover_every_routing_and_scale_with_rows_not_experts(bm, E):
     sizes = jnp.asarray([1] * min(E, m - 1) + [0] * (E - min(E, m - 1)))
     tiles = schedule.group_tiles(sizes, m, bm_)
     assert int(tiles.num_tiles[0]) <= tiles.group.shape[0] == schedule.num_group_tiles_bound(m, E, bm_)
-    assert max_tiles(8, 256, 16) == 8 and schedule.num_group_tiles_bound(8, 256, 16) == 8
+    assert schedule.tiles_bound(8, 256, 16) == 8 and schedule.num_group_tiles_bound(8, 256, 16) == 8
 
 
 @pytest.mark.parametrize("sizes", [SIZES, [0, 0, 200, 0, 0], [1, 1, 1, 1, 196]])

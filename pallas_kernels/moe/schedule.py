@@ -40,17 +40,16 @@ def _with_tail(group_sizes, m_rows: int):
     return sizes_z, starts_z
 
 
-def nonempty_groups_bound(m_rows: int, num_groups: int) -> int:
-    """At most this many of E groups and the tail pseudo-group hold rows: M rows fill at most M groups. With n
-    non-empty groups, Σ_g ceil(s_g / bm) < M/bm + n, so at most ceil(M/bm) + n − 1 tiles (the bounds: ≥ 1)."""
-    return min(m_rows, num_groups + 1)
+def tiles_bound(m_rows: int, num_groups: int, bm: int) -> int:
+    """Tiles of `bm` rows enough for M rows split over any sizes of `num_groups` groups, each group padded to whole
+    tiles: at most n = min(M, groups) groups hold rows, and Σ_g ceil(s_g / bm) < M/bm + n, so ceil(M/bm) + n − 1;
+    ≥ 1. It scales with the rows, not the groups: one token routed to 8 of 256 experts, 8 tiles of 16 rows."""
+    return max(1, cdiv(m_rows, bm) + min(m_rows, num_groups) - 1)
 
 
 def num_group_tiles_bound(m_rows: int, num_groups: int, bm: int) -> int:
-    """Tiles of `group_tiles` for any sizes summing to M: ceil(M/bm) + min(M, E + 1) − 1 (`nonempty_groups_bound`) —
-    at one token routed to k experts, k + 1 tiles instead of E + 1: the grid and the tile arrays scale with the rows,
-    not with the experts."""
-    return max(1, cdiv(m_rows, bm) + nonempty_groups_bound(m_rows, num_groups) - 1)
+    """Tiles of `group_tiles` for any sizes summing to M: `tiles_bound` over the E groups and the tail pseudo-group."""
+    return tiles_bound(m_rows, num_groups + 1, bm)
 
 
 def group_tiles(group_sizes, m_rows: int, bm: int) -> GroupTiles:
@@ -100,8 +99,8 @@ class StraddleTiles(NamedTuple):
 
 def num_straddle_tiles_bound(m_rows: int, num_groups: int, bm: int) -> int:
     """Each boundary between two non-empty (pseudo-)groups adds at most one revisit of a block: at most
-    min(M, E + 1) − 1 of them (`nonempty_groups_bound`)."""
-    return max(1, cdiv(m_rows, bm) + nonempty_groups_bound(m_rows, num_groups) - 1)
+    min(M, E + 1) − 1 of them, as in `num_group_tiles_bound`."""
+    return tiles_bound(m_rows, num_groups + 1, bm)
 
 
 def straddle_tiles(group_sizes, m_rows: int, bm: int) -> StraddleTiles:

@@ -1,7 +1,7 @@
 """Row plans of the Mosaic GPU MXFP4 kernels (XLA side): rows sorted by expert padded per expert to whole tiles.
 
 `tile_plan` / `slot_tile_plan` -> `TilePlan` (src `[m_pad]`, tile -> expert `[t_max]`, live tiles `[1]`, padded
-row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + min(M, E) − 1 (`max_tiles`) and
+row of each row `[M]`, live mask `[M]`), with t_max = ceil(M / rows) + min(M, E) − 1 (`schedule.tiles_bound`) and
 m_pad = t_max · rows: the padded arrays scale with the rows, not with the experts (one token routed to 8 of 256
 experts: 8 tiles, not 257). `prepare_rows` gives the padded-plan kernels their x planes `[2, m_pad, K/2]` bf16;
 `gather_x` the tile layout's; `unpad_output` brings a padded result back to `[M, N]`.
@@ -24,12 +24,6 @@ def _group_of(ends, idx):
     return jnp.sum(idx[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
-def max_tiles(M: int, num_experts: int, rows: int) -> int:
-    """Tiles enough for any routing of M rows over E experts: at most n = min(M, E) experts hold rows, and
-    Σ_e ceil(s_e / rows) < M / rows + n, so ceil(M / rows) + n − 1 tiles; ≥ 1."""
-    return max(1, -(-M // rows) + min(M, num_experts) - 1)
-
-
 def _tiles(group_sizes, E: int, t_max: int, rows: int):
     """Per-group padding to `rows`: (tile -> group `[t_max]`, live tiles `[1]`, padded row start per group)."""
     sizes = group_sizes.astype(jnp.int32)
@@ -45,7 +39,7 @@ def _pad_plan(group_sizes, M: int, num_experts: int, rows: int):
     `[m_pad]` (M: a zero row), tile -> group `[t_max]`, live tiles `[1]`, padded row of each input row `[M]`, live
     row mask `[M]`)."""
     E = num_experts
-    t_max = max_tiles(M, E, rows)
+    t_max = schedule.tiles_bound(M, E, rows)
     m_pad = t_max * rows
     tile_group, num_tiles, pad_start = _tiles(group_sizes, E, t_max, rows)
     sizes = group_sizes.astype(jnp.int32)
@@ -112,7 +106,7 @@ def slot_tile_plan(expert_idx_nk, num_experts: int, rows: int) -> TilePlan:
     expert = expert_idx_nk.reshape(-1).astype(jnp.int32)
     pairs = expert.shape[0]
     rank, sizes = schedule.expert_ranks(expert, num_experts)
-    t_max = max_tiles(pairs, num_experts, rows)
+    t_max = schedule.tiles_bound(pairs, num_experts, rows)
     tile_group, num_tiles, pad_start = _tiles(sizes, num_experts, t_max, rows)
     pad_row = pad_start[expert] + rank
     src = jnp.full((t_max * rows,), pairs, jnp.int32).at[pad_row].set(jnp.arange(pairs, dtype=jnp.int32),
