@@ -406,7 +406,6 @@ def bench_mla(bw):
             f"new {kern.get(NEW)}" + (f"; new with the XLA merge {extra['us_new_merge_xla'] or float('nan'):.1f} us"
                                       if extra else ""))
 
-
     # what the engine runs: the storage preset with no impl given, so each side's own choice of kernel (the Mosaic
     # one-launch kernel at B >= MGPU_MIN_BATCH, its Triton kernel below), and the Mosaic kernel itself beside them
     # (the batch where it overtakes the native Triton kernel is where the native path should switch)

@@ -1,12 +1,11 @@
 """jax-triton launches as jaxlib's typed-FFI Triton call, which XLA's command buffers (CUDA graphs) can capture.
 
 jax-triton 0.3.1 lowers each launch to the legacy custom call `triton_kernel_call` (API version 2, the kernel-call
-proto zlib-compressed in `backend_config`). XLA keeps legacy custom calls out of its command buffers. On every call
-jaxlib's handler finds its kernel by hashing that whole compressed proto. On an H100 the native sparse-MLA decode
-ran 2–3× slower than its Pallas Triton twin at B ≤ 8 (15 → 50 µs at B = 1), with times that varied run to run.
-jaxlib also registers `triton_kernel_call_ffi` (typed FFI: the same proto as an `opaque` attribute, the kernel
-loaded once in an initialize step). JAX's own Pallas Triton lowering emits that call, and XLA can record it into a
-command buffer.
+proto zlib-compressed in `backend_config`). XLA keeps legacy custom calls out of its command buffers, and on every
+call jaxlib's handler finds its kernel by hashing that whole compressed proto: host time per launch, which short
+kernels pay in full (docs/gpu.md, docs/performance.md). jaxlib also registers `triton_kernel_call_ffi` (typed FFI:
+the same proto as an `opaque` attribute, the kernel loaded once in an initialize step). JAX's own Pallas Triton
+lowering emits that call, and XLA can record it into a command buffer.
 
 `install()` re-registers jax-triton's CUDA lowering. It runs jax-triton's own lowering (which compiles the kernel
 and builds the proto), then replaces the legacy op it emitted by the FFI op, with the same operands, results,

@@ -151,21 +151,19 @@ def draw(pr: Processed, keys):
     return jnp.where(pr.hot, sampled, pr.greedy)
 
 
-def top_logprobs(raw_lp_bv, asked_b=None):
+def top_logprobs(raw_lp_bv, asked):
     """(ids ``[B, k]`` int32, log-probs ``[B, k]`` f32) of the k = ``MAX_TOP_LOGPROBS`` most likely tokens per row
-    of ``raw_lp_bv [B, V]`` (raw distribution). With ``asked_b [B]`` (top log-probs each row returns): only when
-    some row asks (``lax.cond``), else zeros -- XLA's top-20 over a 163,840-token vocabulary is a segmented radix
-    sort, 1.1 ms of a 32-row decode step of Kimi-Linear-48B on an H100."""
+    of ``raw_lp_bv [B, V]`` (raw distribution), computed only when some sequence asks (``asked``: the top log-probs
+    each sequence returns, ``Rows.top_logprobs``), else zeros: on an accelerator the top-k over the vocabulary is a
+    full sort (``lax.cond``)."""
     k = min(MAX_TOP_LOGPROBS, raw_lp_bv.shape[-1])
 
     def top(lp):
         top_lp, top_ids = jax.lax.top_k(lp, k)
         return top_ids.astype(jnp.int32), top_lp
 
-    if asked_b is None:
-        return top(raw_lp_bv)
     none = lambda lp: (jnp.zeros(lp.shape[:-1] + (k,), jnp.int32), jnp.zeros(lp.shape[:-1] + (k,), lp.dtype))
-    return jax.lax.cond(jnp.any(asked_b > 0), top, none, raw_lp_bv)
+    return jax.lax.cond(jnp.any(asked > 0), top, none, raw_lp_bv)
 
 
 def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables):

@@ -135,7 +135,7 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     tokens = jnp.where(pos[None] < n_acc[:, None], padded, jnp.where(pos[None] == n_acc[:, None], extra[:, None], 0))
     raw_lp = jnp.swapaxes(pr.raw_lp, 0, 1)  # [B, k+1, V]
     logprob = jnp.take_along_axis(raw_lp, tokens[..., None], axis=-1)[..., 0]
-    top_ids, top_lp = top_logprobs(raw_lp.reshape(B * K1, V), jnp.repeat(rows.top_logprobs, K1))
+    top_ids, top_lp = top_logprobs(raw_lp.reshape(B * K1, V), rows.top_logprobs)
     n = n_acc + 1
     add = (pos[None] < n[:, None]) & ctl.emit[:, None]
     counts = counts_bv.at[jnp.arange(B)[:, None], tokens].add(add.astype(counts_bv.dtype))
