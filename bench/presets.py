@@ -80,6 +80,11 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                            "--server-arg=--random-experts=mxfp4 --max-num-seqs 32 --max-model-len 512 "
                            "--prefill-chunk-sizes 128 --prompt-tokens 129 --max-tokens 256 --clients 1,32 "
                            "--requests-per-client 1 --startup-timeout 900 --profile 1"]),
+    "serve-48b-long-profile": ("device traces of the real-size model on an 8K prompt: its prefill per chunk and its "
+                               "one-stream decode per step at that context (bench/trace_summary.py)", "1 GPU",
+                               ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 "
+                                "--server-arg=--random-experts=mxfp4 --scenario long --long-lengths 8193 "
+                                "--prefill-chunk-sizes 4096 --max-tokens 32 --startup-timeout 900 --profile 1"]),
     "serve-cpu": ("the real server, tiny float32, 1 / 8 / 32 clients", "CPU", ["bench/serve.py"]),
     "spec-decode": ("speculative decoding, adaptive policy vs always, repetitive and rejected drafts", "1 GPU",
                     ["bench/spec_decode.py --gpu --max-tokens 96 --scenarios repeat,reject"]),

@@ -105,7 +105,9 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
 
 
 # ================================================================================================== load
-async def _one_request(client, model, prompt_ids, max_tokens, seed):
+async def _one_request(client, model, prompt_ids, max_tokens, seed, on_first=None):
+    """One streamed completion: its TTFT, TPOT, end-to-end time and tokens. `on_first()`: called (in a thread)
+    when the first token arrives, before the rest is read."""
     t0 = time.perf_counter()
     first = last = None
     usage = None
@@ -117,6 +119,8 @@ async def _one_request(client, model, prompt_ids, max_tokens, seed):
             usage = chunk.usage
         if chunk.choices:
             now = time.perf_counter()
+            if first is None and on_first is not None:
+                await asyncio.to_thread(on_first)
             first = now if first is None else first
             last = now
     t_end = time.perf_counter()
@@ -544,22 +548,24 @@ class LaunchedServer:
 TRACE_ROOT = "/tmp/kimi_jax_traces"  # --profile: where the server writes its traces (large; not under $OUT)
 
 
-def _summarise_trace(trace: dict, clients: int, out_dir) -> None:
-    """Print a level's trace summary per decode step, keep it as $OUT/trace_<clients>.md and its rows in the level's
-    JSON row (`trace["summary"]`)."""
+def _summarise_trace(trace: dict, label, out_dir, per: str = "decode step") -> None:
+    """Print a trace's summary per decode step (or per `per`: `trace["steps"]` counts them), keep it as
+    $OUT/trace_<label>.md and its rows in the level's JSON row (`trace["summary"]`)."""
     import trace_summary
 
     path = trace_summary.find_trace(trace["trace_dir"])
     steps = max(trace["steps"], 1)
     rows = trace_summary.summarise(trace_summary.load_events(path), top=30, steps=steps)
     cut = " (the level ended first)" if trace["cut_short"] else ""
-    head = (f"# {clients} clients: {trace['seconds']:.1f} s traced{cut}, {trace['steps']} decode steps, "
-            f"{trace['prefill_chunks']} prefill chunks ({path})")
+    what = (f"{trace['steps']} decode steps, {trace['prefill_chunks']} prefill chunks" if per == "decode step" else
+            f"{trace['prefill_chunks']} prefill chunks, {trace.get('decode_steps', 0)} decode steps; per {per}")
+    unit = " clients" if isinstance(label, int) else ""
+    head = f"# {label}{unit}: {trace['seconds']:.1f} s traced{cut}, {what} ({path})"
     text = head + "\n" + trace_summary.render(rows)
     print(text, flush=True)
     trace["summary"] = rows
     if out_dir:
-        (out_dir / f"trace_{clients}.md").write_text(text + "\n")
+        (out_dir / f"trace_{label}.md").write_text(text + "\n")
 
 
 # ================================================================================================== report
@@ -641,7 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=float, default=None, metavar="S",
                    help="load, --launch / --gpu: in each level, once every slot it fills decodes, a device trace of "
                         "S seconds (the server gets --profile-dir); its summary per decode step "
-                        "(bench/trace_summary.py) is printed and written to $OUT/trace_<clients>.md")
+                        "(bench/trace_summary.py) is printed and written to $OUT/trace_<clients>.md. long: the "
+                        "first prompt's prefill and decode are traced in two extra requests (S is ignored), "
+                        "summarised per prefill chunk / decode step in $OUT/trace_{prefill,decode}_<tokens>.md")
     p.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
     return p
 
@@ -861,8 +869,10 @@ def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
     rng = np.random.default_rng(7)
     asyncio.run(run_level(url, args.model, 1, 1, 65, 4, args.prompt_vocab))  # warm-up
     rows = []
-    for n in lengths:
+    for i, n in enumerate(lengths):
         ids = rng.integers(0, args.prompt_vocab, n).tolist()
+        if args.profile and i == 0:  # the shortest prompt traced twice before its measured request
+            _trace_long_request(url, args.model, ids, args.max_tokens, n, out_dir)
         r = asyncio.run(_long_request(url, args.model, ids, args.max_tokens))
         flops = prefill_flops(cfg, n - 1) if cfg is not None else None
         row = {"prompt_tokens": n, "ttft_s": r["ttft"], "prefill_tok_s": (n - 1) / r["ttft"],
@@ -901,12 +911,41 @@ def _long_context(args, url, cfg, copy_bw, setup, out_dir, t_start) -> int:
     return 0
 
 
-async def _long_request(url, model, ids, max_tokens) -> dict:
+def _trace_long_request(url, model, ids, max_tokens, n, out_dir) -> None:
+    """Two device traces of one long prompt: its prefill (a request for one token, traced whole: summarised per
+    prefill chunk in $OUT/trace_prefill_<n>.md) and its decode (the same prompt again, traced from the first token to
+    the last: per decode step in $OUT/trace_decode_<n>.md)."""
+    s0 = get_json(url + "/stats")
+    started = post_json(url + "/start_profile")
+    asyncio.run(_long_request(url, model, ids, 1))
+    s1 = get_json(url + "/stats")
+    stopped = post_json(url + "/stop_profile", timeout=600)
+    chunks = s1["num_prefill_chunks"] - s0["num_prefill_chunks"]
+    _summarise_trace({"trace_dir": started["trace_dir"], "seconds": stopped["seconds"], "cut_short": False,
+                      "steps": chunks, "prefill_chunks": chunks, "decode_steps": s1["num_steps"] - s0["num_steps"]},
+                     f"prefill_{n}", out_dir, per="prefill chunk")
+
+    marks = {}
+
+    def on_first_token():
+        marks["s0"] = get_json(url + "/stats")
+        marks["started"] = post_json(url + "/start_profile")
+
+    asyncio.run(_long_request(url, model, ids, max_tokens, on_first=on_first_token))
+    s1 = get_json(url + "/stats")
+    stopped = post_json(url + "/stop_profile", timeout=600)
+    steps = s1["num_steps"] - marks["s0"]["num_steps"]
+    _summarise_trace({"trace_dir": marks["started"]["trace_dir"], "seconds": stopped["seconds"], "cut_short": False,
+                      "steps": steps, "prefill_chunks": s1["num_prefill_chunks"] - marks["s0"]["num_prefill_chunks"]},
+                     f"decode_{n}", out_dir)
+
+
+async def _long_request(url, model, ids, max_tokens, on_first=None) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
     try:
-        return await _one_request(client, model, ids, max_tokens, seed=0)
+        return await _one_request(client, model, ids, max_tokens, seed=0, on_first=on_first)
     finally:
         await client.close()
 

@@ -140,8 +140,13 @@ def copy_bandwidth() -> float:
 
 
 def random_fp8(key, shape):
-    """e4m3 codes with random sign, exponent ≤ 7, mantissa: |x| ≤ 1.875, never NaN (bit 6 cleared)."""
-    return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8) & jnp.uint8(0xBF), jnp.float8_e4m3fn)
+    """e4m3 codes with random sign, exponent ≤ 7, mantissa: |x| ≤ 1.875, never NaN (bit 6 cleared). Drawn as uint32
+    words split into bytes: `random.bits(..., uint8)` widens every byte to a uint32 on the way (8 GiB for a 2 GiB
+    pool, which ran an H100 out of memory)."""
+    assert shape[-1] % 4 == 0, shape
+    words = jax.random.bits(key, tuple(shape[:-1]) + (shape[-1] // 4,), jnp.uint32)
+    codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
+    return jax.lax.bitcast_convert_type(codes & jnp.uint8(0xBF), jnp.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------------------------ indexer
