@@ -256,6 +256,32 @@ def test_kda_module_vs_ref_and_cache():
     assert max_rel(c.state_bhkv, cache.state_bhkv) < 1e-4
 
 
+def test_kda_module_in_bf16_hands_q_k_v_to_the_delta_rule_in_bf16(monkeypatch):
+    """As transformers' conv (cast back to the hidden states' dtype) and fla's in-kernel l2norm leave them: a bf16
+    layer's q, k (L2-normalised) and v reach the chunked and the recurrent op in bf16 (the GPU kernels' products
+    then run on the tensor cores), the gate g and β in float32; a float32 layer keeps float32 throughout."""
+    from sharding import kda as kda_sharded
+
+    seen = []
+    for op in ("chunk", "recurrent"):
+        real = getattr(kda_sharded, op)
+
+        def spy(ctx, q, k, v, g, beta, state, real=real, op=op):
+            seen.append((op, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype))
+            return real(ctx, q, k, v, g, beta, state)
+
+        monkeypatch.setattr(kda_sharded, op, spy)
+    cfg, D = TINY.kda, TINY.hidden_size
+    x = np.random.default_rng(3).standard_normal((1, 5, D)).astype(np.float32)
+    for dt in (jnp.bfloat16, jnp.float32):
+        mod = KimiDeltaAttention(D, cfg, rngs=nnx.Rngs(0), dtype=dt)
+        _, cache = mod(jnp.asarray(x, dt))
+        mod(jnp.asarray(x[:, :1], dt), cache)
+        f32 = jnp.dtype(jnp.float32)
+        assert seen == [(op, jnp.dtype(dt), jnp.dtype(dt), jnp.dtype(dt), f32, f32) for op in ("chunk", "recurrent")]
+        seen.clear()
+
+
 # ================================================================================================ MLA module (§5)
 
 def _mla_module(q_lora: bool, gate: bool, indexer: bool, seed: int):

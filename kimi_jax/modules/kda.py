@@ -122,16 +122,21 @@ class KimiDeltaAttention(nnx.Module):
         if defer and ctx.context_parallel:
             raise ValueError("speculative verification (defer=True) does not run under context parallelism")
 
+        # q, k, v enter the delta rule in the activation dtype, as transformers' conv (its output cast back to the
+        # hidden states' dtype) and fla's in-kernel l2norm leave them: in bf16 the GPU kernels' products run on
+        # the tensor cores at full rate; in float32 (the exactness tests) nothing changes
+        act = x_btd.dtype
+
         def branch(proj, conv_w, tail):
-            """-> (conv + SiLU output `[B, T, H, d]`, new tail, the projection that entered the conv)."""
+            """-> (conv + SiLU output `[B, T, H, d]` in `act`, new tail, the projection that entered the conv)."""
             x_btp = proj(x_btd)
             y, new_tail = kda_sharded.causal_conv(ctx, x_btp, conv_w[...], tail)
-            return jax.nn.silu(y).reshape(B, T, H, d), new_tail, x_btp
+            return jax.nn.silu(y).astype(act).reshape(B, T, H, d), new_tail, x_btp
 
         q, q_tail, q_in = branch(self.q_proj, self.q_conv1d, cache.q_tail_bkp)
         k, k_tail, k_in = branch(self.k_proj, self.k_conv1d, cache.k_tail_bkp)
         v, v_tail, v_in = branch(self.v_proj, self.v_conv1d, cache.v_tail_bkp)
-        q, k = kda_ops.l2norm(q), kda_ops.l2norm(k)
+        q, k = kda_ops.l2norm(q).astype(act), kda_ops.l2norm(k).astype(act)
         f = self.f_b_proj(self.f_a_proj(x_btd), out_dtype=jnp.float32).reshape(B, T, H, d)
         g = kda_ops.gate(f, self.A_log[...][:H], self.dt_bias[...].reshape(H, d), cfg.gate_form,
                          cfg.gate_lower_bound)
