@@ -49,12 +49,12 @@ def oracle(q, parts, bt, pos_bt, fmt, layer_scale):
                              backend="reference")
 
 
-def assert_equal_attention(got, want, bar):
+def assert_equal_attention(got, want, bar, lse_rtol=0.0):
     (o, lse), (o_w, lse_w) = got, want
     lse, lse_w = np.asarray(lse), np.asarray(lse_w)
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_w))
     fin = np.isfinite(lse_w)
-    np.testing.assert_allclose(lse[fin], lse_w[fin], rtol=0, atol=bar)
+    np.testing.assert_allclose(lse[fin], lse_w[fin], rtol=lse_rtol, atol=0 if lse_rtol else bar)
     assert rel_rms(o, o_w) < bar
     np.testing.assert_array_equal(np.asarray(o)[~fin], 0.0)
 
@@ -105,6 +105,49 @@ def test_prefill_reference_equals_sparse_mla():
     assert_equal_attention(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_prefill_at_storage_precision_is_within_the_storage_bar(kv_dtype):
+    """precision="storage" (bf16 operands, fp32 accumulation: the tensor-core form) stays within the quantised
+    formats' 5e-3 bar of the exact definition, keeps padding queries at o = 0, lse = −inf, and takes a whole chunk
+    of queries in one slice."""
+    fmt, parts, q, ls = case(kv_dtype, seed=11, B=2, T=5)
+    pos = np.array([[40, 41, 42, 43, 44], [13, 14, 15, 16, -1]], np.int32)
+    bt = BT[:2]
+    want = oracle(q, parts, bt, pos, fmt, ls)
+    for pages_per_step in (None, 3):
+        got = paged_dense.reference(q, parts, bt, pos, ls, fmt=fmt, scale=SCALE, value_dim=R,
+                                    pages_per_step=pages_per_step, precision="storage")
+        assert_equal_attention(got, want, 5e-3, lse_rtol=5e-3)
+    got = paged_dense.dense_paged_mla(q, parts, bt, pos, fmt=fmt, scale=SCALE, value_dim=R, layer_scale=ls,
+                                      precision="storage")
+    assert_equal_attention(got, want, 5e-3, lse_rtol=5e-3)
+    with pytest.raises(ValueError, match="precision"):
+        paged_dense.dense_paged_mla(q, parts, bt, pos, fmt=fmt, scale=SCALE, value_dim=R, precision="fast")
+
+
+def test_storage_precision_runs_its_products_in_bf16_over_a_whole_prefill_chunk():
+    """The storage form's two products take bf16 operands with fp32 results, and a 4,096-query chunk of 32 heads
+    is one query slice (the exact form's 64 MiB budget cuts it into many, each a serial loop over the pages)."""
+    fmt = Q.LatentFormat("bf16", 512, 64)
+    T, H_ = 4096, 32
+    q = jax.ShapeDtypeStruct((1, T, H_, 576), jnp.bfloat16)
+    parts = (jax.ShapeDtypeStruct((80, 64, 576), jnp.bfloat16),)
+    bt = jax.ShapeDtypeStruct((1, 80), jnp.int32)
+    pos = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+    def hlo(precision):  # the lowered program's text
+        f = functools.partial(paged_dense.reference, fmt=fmt, scale=0.1, value_dim=512, precision=precision)
+        return jax.jit(f).lower(q, parts, bt, pos, 1.0).as_text()
+
+    storage = [ln for ln in hlo("storage").splitlines() if "dot_general" in ln]
+    assert [ln.split(" : ")[-1] for ln in storage] == [
+        "(tensor<1x4096x32x576xbf16>, tensor<1x512x576xbf16>) -> tensor<1x4096x32x512xf32>",  # q · keys
+        "(tensor<1x4096x32x512xbf16>, tensor<1x512x512xbf16>) -> tensor<1x4096x32x512xf32>"]  # weights · values
+    exact = [ln for ln in hlo("exact").splitlines() if "dot_general" in ln]
+    assert all("HIGHEST" in ln and "tensor<1x256x32x576xf32>" in ln or "tensor<1x256x32x512xf32>, " in ln
+               for ln in exact)
+
+
 def test_prefill_reference_reads_only_the_pages_before_its_queries():
     """A chunk early in a long table: what the pages past its furthest query hold (here NaN) cannot reach the
     result (the reference stops at the furthest query's page: its cost follows the queries, not the table's
@@ -151,3 +194,23 @@ def test_kernel_exports_for_tpu(H, R_, rope, kv_dtype, B, max_blocks):
     exp = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
     assert "tpu_custom_call" in exp.mlir_module()
     assert paged_dense_tpu.vmem_bytes(H, R_ + rope, R_, 64, 8, fmt.parts[0].dtype) <= budget.VMEM_BUDGET
+
+
+@pytest.mark.parametrize("precision", ["exact", "storage"])
+def test_a_gpu_prefill_chunk_reads_pages_not_an_index_over_the_table(precision):
+    """`sharding.dsa.dense_attention` for a GPU: a prefill chunk (T > 1) takes the paged reference — keys read page
+    by page, shared by the chunk's queries, at the configured precision — not the sparse op over an index of every
+    table position per query (`[B, T, table width]`, a gather per query); the result is the same attention."""
+    from sharding import dsa
+    from sharding.context import ForwardContext, KernelConfig
+
+    fmt, parts, q, ls = case("fp8", seed=5, B=2, T=5)
+    pos = np.array([[40, 41, 42, 43, 44], [13, 14, 15, 16, -1]], np.int32)
+    bt = BT[:2]
+    ctx = ForwardContext(kernels=KernelConfig(dsa_precision=precision), platform="gpu")
+    run = lambda q: dsa.dense_attention(ctx, q, parts, bt, pos, ls, fmt=fmt, scale=SCALE, value_dim=R)  # noqa: E731
+    bar = 1e-5 if precision == "exact" else 5e-3
+    assert_equal_attention(run(q), oracle(q, parts, bt, pos, fmt, ls), bar, lse_rtol=0.0 if bar == 1e-5 else bar)
+    width = bt.shape[1] * PAGE
+    jaxpr = str(jax.make_jaxpr(run)(q))
+    assert f"i32[2,5,{width}]" not in jaxpr and "gather" in jaxpr  # pages gathered, no per-query index
