@@ -109,16 +109,28 @@ class Model:
         self.graphdef, self.params = nnx.split(module)
         if mesh is not None:
             self.params = shard_params(self.params, mesh)
-        ctx = self.ctx
+        self._jit_forward()
+        self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
+        self._inflight = InflightBound.for_mesh(mesh)  # CPU: a wait every few programs of a loop (inflight.py)
+
+    def _jit_forward(self):
+        """The jitted forward of this model's graph under `self.ctx` (full / prefill and the donating step)."""
+        graphdef, ctx = self.graphdef, self.ctx
 
         def forward(params, ids, cache, mla_form="absorbed", mm=None):
-            m = nnx.merge(self.graphdef, params)
+            m = nnx.merge(graphdef, params)
             return m(ids, cache, ctx=ctx, mla_form=mla_form, mm=mm)
 
         self._forward = jax.jit(forward, static_argnames=("mla_form",))
         self._step = jax.jit(forward, donate_argnums=(2,))
-        self.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
-        self._inflight = InflightBound.for_mesh(mesh)  # CPU: a wait every few programs of a loop (inflight.py)
+
+    def with_kernels(self, kernels: KernelConfig) -> "Model":
+        """The same parameters (shared, not copied) run with other kernels / precisions (`KernelConfig`)."""
+        other = copy.copy(self)
+        other.kernels = kernels
+        other.ctx = self.ctx.replace(kernels=kernels)
+        other._jit_forward()
+        return other
 
     @property
     def module(self) -> KimiForCausalLM:

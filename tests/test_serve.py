@@ -7,6 +7,7 @@ max_tokens stay small: every decode step serves all 32 slots of the tiny model o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -529,6 +530,28 @@ def test_engine_death_gives_503(served, tiny_model):
 
 
 # ================================================================================================== CLI
+def test_attention_precision_follows_the_model_dtype_unless_named():
+    """--attention-precision auto: bf16 products for a bfloat16 model (as its dtype asks; the prefill attention
+    then runs on the tensor cores), float32 products for a float32 one; an explicit choice wins. The model it
+    yields shares its parameters and runs its forward at that precision."""
+    import jax.numpy as jnp
+
+    from kimi_jax import load_model
+    from kimi_jax.serve.__main__ import attention_precision, build_parser
+
+    assert attention_precision("auto", jnp.bfloat16) == "storage"
+    assert attention_precision("auto", jnp.float32) == "exact"
+    assert attention_precision("exact", jnp.bfloat16) == "exact"
+    assert attention_precision("storage", jnp.float32) == "storage"
+    assert build_parser().parse_args([]).attention_precision == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--attention-precision", "fast"])
+    model = load_model("tiny")
+    other = model.with_kernels(dataclasses.replace(model.kernels, dsa_precision="storage"))
+    assert other.ctx.kernels.dsa_precision == "storage" and model.ctx.kernels.dsa_precision == "exact"
+    assert other.params is model.params and other.ctx.mesh is model.ctx.mesh
+
+
 def test_cli_help_and_refusals(capsys):
     r = subprocess.run([sys.executable, "-m", "kimi_jax.serve", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -65,6 +66,16 @@ log = logging.getLogger("kimi_jax.serve")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kimi_jax", "jax_cache")
 
 
+def attention_precision(flag: str, dtype) -> str:
+    """`--attention-precision` resolved against the model's activation dtype: "auto" is "storage" for bfloat16
+    (its products then take bf16 operands, as the model's own dtype asks) and "exact" otherwise."""
+    import numpy as np
+
+    if flag != "auto":
+        return flag
+    return "storage" if np.dtype(dtype).name == "bfloat16" else "exact"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kimi_jax.serve", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the youngest sequence is preempted and recomputed later")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter / activation dtype (default: float32 for presets, the checkpoint's otherwise)")
+    p.add_argument("--attention-precision", default="auto", choices=["auto", "exact", "storage"],
+                   help="the MLA attention's products (the model's DSA / dense paged ops, KernelConfig."
+                        "dsa_precision): exact (float32 products against the cache), storage (bf16 operands with "
+                        "float32 accumulation on the tensor cores / MXU, within the quantised formats' 5e-3 bar; "
+                        "what a bf16 model runs in transformers or vLLM), or auto (default): storage when the "
+                        "model runs in bfloat16, exact in float32")
     p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: $KIMI_JAX_API_KEY, else no key)")
@@ -429,6 +446,11 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     cfg = model.config
     log.info("loaded %s (%s, %d layers, vocab %d) in %.1fs; tokenizer %s", what, cfg.architecture, cfg.num_layers,
              cfg.vocab_size, time.perf_counter() - t0, tokenizer)
+    precision = attention_precision(args.attention_precision, model.dtype)
+    if precision != model.kernels.dsa_precision:
+        model = model.with_kernels(dataclasses.replace(model.kernels, dsa_precision=precision))
+    log.info("attention products at %s precision (--attention-precision %s, %s model)", precision,
+             args.attention_precision, getattr(model.dtype, "__name__", str(model.dtype)))
     max_len = args.max_model_len if args.max_model_len is not None else min(cfg.max_position_embeddings, 2048)
     draft = None
     if args.speculative_model:
