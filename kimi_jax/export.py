@@ -15,6 +15,7 @@ starts).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from .config import PRESETS, get_preset, load_config
 from .engine.engine import DEFAULT_TOKEN_SPLIT_MIN_TOKENS
 from .engine.guide import class_table_rows
 from .engine.runner import ModelRunner
+from .kernels import ATTENTION_PRECISIONS, attention_precision
 from .model import _parse_dtype, abstract_model
 
 log = logging.getLogger("kimi_jax.export")
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
                    help="kernel implementation of every op family; auto = what auto picks on --platform")
     p.add_argument("--dtype", default="bf16", help="parameter / activation dtype (bf16, fp32)")
+    p.add_argument("--attention-precision", default="auto", choices=ATTENTION_PRECISIONS,
+                   help="the MLA attention's products, as `serve --attention-precision`: auto (default) = storage "
+                        "(bf16 operands, fp32 accumulation) for bf16, exact for fp32")
     p.add_argument("--max-num-seqs", type=int, default=8, help="decode batch slots (default 8)")
     p.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--prefill-chunk-sizes", default=None,
@@ -79,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def kernel_config(choice: str):
-    """--kernels -> KernelConfig: one implementation for every op family."""
+def kernel_config(choice: str, precision: str = "exact"):
+    """--kernels, --attention-precision (resolved) -> KernelConfig: one implementation for every op family."""
     if choice == "auto":
-        return KernelConfig()
+        return KernelConfig(dsa_precision=precision)
     if choice == "reference":
-        return KernelConfig.reference()
-    return KernelConfig(kda=choice, moe=choice, dsa=choice)
+        return dataclasses.replace(KernelConfig.reference(), dsa_precision=precision)
+    return KernelConfig(kda=choice, moe=choice, dsa=choice, dsa_precision=precision)
 
 
 def kernel_names(mlir_text: str) -> list:
@@ -111,7 +116,8 @@ def export_programs(args) -> dict:
     cfg = get_preset(args.model) if args.model in PRESETS else load_config(args.model)
     dtype = _parse_dtype(args.dtype)
     # a 1x1 mesh is a mesh of one device: the same partitioned programs as any other
-    model = abstract_model(cfg, dtype=dtype, mesh=args.mesh, kernels=kernel_config(args.kernels),
+    precision = attention_precision(args.attention_precision, dtype)
+    model = abstract_model(cfg, dtype=dtype, mesh=args.mesh, kernels=kernel_config(args.kernels, precision),
                            platform="gpu" if platform in ("cuda", "rocm") else platform)
     chunks = (tuple(int(c) for c in args.prefill_chunk_sizes.split(",")) if args.prefill_chunk_sizes
               else DEFAULT_CHUNKS[platform])
@@ -124,7 +130,7 @@ def export_programs(args) -> dict:
                          token_split_min_tokens=args.token_split_min_tokens)
     os.makedirs(args.out, exist_ok=True)
     summary = {"platform": platform, "model": args.model, "architecture": cfg.architecture, "mesh": args.mesh,
-               "devices": int(model.mesh.size), "kernels": args.kernels,
+               "devices": int(model.mesh.size), "kernels": args.kernels, "attention_precision": precision,
                "dtype": jnp.dtype(dtype).name, "kv_dtype": runner.kv_dtype, "index_dtype": runner.index_dtype,
                "max_num_seqs": runner.B, "dcp": runner.dcp,
                "cache_bytes_per_device": runner.cache_bytes_per_device(), "max_cached_tokens": runner.max_cached_tokens,

@@ -121,6 +121,7 @@ def test_cli_writes_serialized_programs_and_a_summary(tmp_path):
     assert step.platforms == ("tpu",) and step.nr_devices == 8
     assert len(step.in_avals) == len(summary["programs"]["step"]["inputs"])
     assert "kda_recurrent_tpu" in summary["programs"]["step"]["kernel_names"]
+    assert summary["dtype"] == "bfloat16" and summary["attention_precision"] == "storage"  # what serve would run
 
 
 def test_cli_reference_kernels_hold_no_mosaic_call(tmp_path):

@@ -537,7 +537,8 @@ def test_attention_precision_follows_the_model_dtype_unless_named():
     import jax.numpy as jnp
 
     from kimi_jax import load_model
-    from kimi_jax.serve.__main__ import attention_precision, build_parser
+    from kimi_jax.kernels import attention_precision
+    from kimi_jax.serve.__main__ import build_parser
 
     assert attention_precision("auto", jnp.bfloat16) == "storage"
     assert attention_precision("auto", jnp.float32) == "exact"

@@ -18,6 +18,7 @@ from ..config import PRESETS
 from ..engine import Engine, EngineConfig
 from ..engine.engine import DEFAULT_TOKEN_SPLIT_MIN_TOKENS, default_decode_buckets
 from ..engine.runner import resolve_kv_dtype
+from ..kernels import ATTENTION_PRECISIONS, attention_precision
 from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, run_server
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
 
@@ -64,16 +65,6 @@ schedules; the others run the same programs on their devices.  For example, 2 pr
 
 log = logging.getLogger("kimi_jax.serve")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kimi_jax", "jax_cache")
-
-
-def attention_precision(flag: str, dtype) -> str:
-    """`--attention-precision` resolved against the model's activation dtype: "auto" is "storage" for bfloat16
-    (its products then take bf16 operands, as the model's own dtype asks) and "exact" otherwise."""
-    import numpy as np
-
-    if flag != "auto":
-        return flag
-    return "storage" if np.dtype(dtype).name == "bfloat16" else "exact"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the youngest sequence is preempted and recomputed later")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter / activation dtype (default: float32 for presets, the checkpoint's otherwise)")
-    p.add_argument("--attention-precision", default="auto", choices=["auto", "exact", "storage"],
+    p.add_argument("--attention-precision", default="auto", choices=ATTENTION_PRECISIONS,
                    help="the MLA attention's products (the model's DSA / dense paged ops, KernelConfig."
                         "dsa_precision): exact (float32 products against the cache), storage (bf16 operands with "
                         "float32 accumulation on the tensor cores / MXU, within the quantised formats' 5e-3 bar; "
