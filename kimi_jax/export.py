@@ -84,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def kernel_config(choice: str, precision: str = "exact"):
-    """--kernels, --attention-precision (resolved) -> KernelConfig: one implementation for every op family."""
+def kernel_config(choice: str):
+    """--kernels -> KernelConfig: one implementation for every op family."""
     if choice == "auto":
-        return KernelConfig(dsa_precision=precision)
+        return KernelConfig()
     if choice == "reference":
-        return dataclasses.replace(KernelConfig.reference(), dsa_precision=precision)
-    return KernelConfig(kda=choice, moe=choice, dsa=choice, dsa_precision=precision)
+        return KernelConfig.reference()
+    return KernelConfig(kda=choice, moe=choice, dsa=choice)
 
 
 def kernel_names(mlir_text: str) -> list:
@@ -117,7 +117,8 @@ def export_programs(args) -> dict:
     dtype = _parse_dtype(args.dtype)
     # a 1x1 mesh is a mesh of one device: the same partitioned programs as any other
     precision = attention_precision(args.attention_precision, dtype)
-    model = abstract_model(cfg, dtype=dtype, mesh=args.mesh, kernels=kernel_config(args.kernels, precision),
+    kernels = dataclasses.replace(kernel_config(args.kernels), dsa_precision=precision)
+    model = abstract_model(cfg, dtype=dtype, mesh=args.mesh, kernels=kernels,
                            platform="gpu" if platform in ("cuda", "rocm") else platform)
     chunks = (tuple(int(c) for c in args.prefill_chunk_sizes.split(",")) if args.prefill_chunk_sizes
               else DEFAULT_CHUNKS[platform])

@@ -2,11 +2,12 @@
 `sharding.context`, which carries it into every forward), and the attention precision a server or an export picks
 for a model's dtype."""
 
+from pallas_kernels.paged import DSA_PRECISIONS
 from sharding.context import KernelConfig
 
 __all__ = ["ATTENTION_PRECISIONS", "KernelConfig", "attention_precision"]
 
-ATTENTION_PRECISIONS = ("auto", "exact", "storage")
+ATTENTION_PRECISIONS = ("auto",) + DSA_PRECISIONS
 
 
 def attention_precision(flag: str, dtype) -> str:

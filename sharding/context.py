@@ -51,7 +51,8 @@ class KernelConfig:
       tpu | gpu_interpret | triton_interpret | tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an
       operator's override.
     * dsa_precision: "exact" (≈ fp32 against the dequantised cache) or "storage" (the GPU kernels' single-pass
-      settings, within the quantised formats' 5e-3 bar). Only the GPU kernels differ.
+      settings and the dense paged reference's bf16 products, within the quantised formats' 5e-3 bar). The TPU
+      kernels and the other references do not differ.
     """
 
     kda: str = "auto"

@@ -85,7 +85,7 @@ def reference(q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale=1.0, *, 
     `q_chunk` (default: four copies of one step's logits `[B, Tq, H, P·page]` float32 within 64 MiB, 1 GiB at
     `precision="storage"`: bf16 operands, fp32 accumulation, see `_online_softmax_pages`)."""
     check_precision(precision)
-    B, T, H, c = q_bthc.shape
+    B, T, H, _ = q_bthc.shape
     page = kv_parts[0].shape[1]
     P = max(1, min(pages_per_step or PAGES_PER_STEP, block_tables.shape[1]))
     if q_chunk is None:
