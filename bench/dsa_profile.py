@@ -7,6 +7,8 @@ once more between cudaProfilerStart / Stop, so ncu sees only that call's kernels
     ncu --profile-from-start off --clock-control none --section SpeedOfLight python3 bench/dsa_profile.py
     ncu --profile-from-start off --clock-control none -k regex:sparse_mla_decode --set full python3 bench/dsa_profile.py
 
+The kernels are the GPU backend's (native Triton through jax-triton: `indexer.gpu_triton`, `mla.sparse_gpu_triton`).
+
 With --time it also prints each op's device time per call (bench/_timing: a chain of 16 calls in one program, each on
 pages / rows of its own), so the sum of the kernels' durations can be set against the op's time.
 """
@@ -29,8 +31,8 @@ import numpy as np  # noqa: E402
 
 from _timing import device_seconds  # noqa: E402
 from kimi_jax import quant as Q  # noqa: E402
-from pallas_kernels.indexer import gpu as igpu  # noqa: E402
-from pallas_kernels.mla import sparse_gpu  # noqa: E402
+from pallas_kernels.indexer import gpu_triton as igpu  # noqa: E402
+from pallas_kernels.mla import sparse_gpu_triton  # noqa: E402
 
 PAGE = 64
 CHAIN = 16
@@ -62,7 +64,7 @@ def main():
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--ops", default="indexer,sparse", help="comma-separated: indexer, sparse")
     ap.add_argument("--ix-kw", default=json.dumps(igpu.FAST["sp128_qk_s5_pf"]))
-    ap.add_argument("--mla-kw", default=json.dumps(dict(sparse_gpu.WIDE["sr16_bk32_s5"], splits=8)))
+    ap.add_argument("--mla-kw", default=json.dumps(dict(sparse_gpu_triton.WIDE["sr16_bk32_s5"], splits=8)))
     ap.add_argument("--time", action="store_true", help="also print each op's chained device time per call")
     a = ap.parse_args()
     B, ctx, H = a.batch, a.ctx, a.heads
@@ -95,8 +97,8 @@ def main():
         idx_all = jnp.asarray(np.stack([[np.sort(r.choice(ctx, k, replace=False)) for _ in range(B)]
                                         for _ in range(copies)]), jnp.int32)
         kw = json.loads(a.mla_kw)
-        calls["sparse"] = (jax.jit(lambda q, p, t, i, fmt=fmt, kw=kw: sparse_gpu.decode(q, p, t, i, fmt=fmt, scale=192 ** -0.5,
-                                                                        value_dim=512, layer_scale=0.5, **kw)),
+        calls["sparse"] = (jax.jit(lambda q, p, t, i, fmt=fmt, kw=kw: sparse_gpu_triton.decode(
+                               q, p, t, i, fmt=fmt, scale=192 ** -0.5, value_dim=512, layer_scale=0.5, **kw)),
                            (q, parts, bt, idx_all[0]), (q, parts, bt, idx_all), B * k * fmt.bytes_per_token)
     for fn, args, _, _ in calls.values():
         jax.block_until_ready(fn(*args))

@@ -1,4 +1,5 @@
-"""KDA kernels on a GPU: ours (Pallas Triton) and the XLA reference vs fla-core, in one run.
+"""KDA kernels on a GPU: ours (native Triton through jax-triton, `pallas_kernels.kda.gpu_triton`) and the XLA
+reference vs fla-core, in one run.
 
     python3 bench/kda.py [--quick]
 
@@ -35,7 +36,7 @@ ROWS = []
 INFO = {}
 T0 = time.time()
 BUDGET = [1e9]
-EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False, intra_split=False)  # the variant every other one falls back to
+EXACT = dict(fast_diag=False, fast_inverse=False)  # the variant every other one falls back to
 
 
 def left():
@@ -115,7 +116,7 @@ def _compiles(fn, *args):
 
 
 def bench_prefill(quick):
-    from pallas_kernels.kda import gpu
+    from pallas_kernels.kda import gpu_triton as gpu
     Ts = [8192, 32768] if quick else [8192, 32768, 131072]
     ours = jax.jit(lambda q, k, v, g, b: ops.chunk(q, k, v, g, b, backend="gpu"))
     xla_ref = jax.jit(lambda q, k, v, g, b: ops.chunk(q, k, v, g, b, backend="reference"))
@@ -249,11 +250,11 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: later cases are skipped, the table printed")
     ap.add_argument("--tuning", default=None, help="JSON file with a `best_tuning` dict (bench/kda_gpu_diag.py) "
-                    "applied to pallas_kernels.kda.gpu.TUNING before timing")
+                    "applied to pallas_kernels.kda.gpu_triton.TUNING before timing")
     a = ap.parse_args()
     BUDGET[0] = a.budget
     if a.tuning and os.path.exists(a.tuning):
-        from pallas_kernels.kda import gpu
+        from pallas_kernels.kda import gpu_triton as gpu
         with open(a.tuning) as f:
             best = json.load(f).get("best_tuning", {})
         gpu.TUNING.update({k: v for k, v in best.items() if k in gpu.TUNING})

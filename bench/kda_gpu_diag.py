@@ -1,25 +1,25 @@
-"""One-shot GPU diagnostics for the KDA kernels (run on the H200 host before bench/kda.py; ≈ 2 min).
+"""One-shot GPU diagnostics for the KDA kernels (native Triton, `pallas_kernels.kda.gpu_triton`; run on the H200 host
+before bench/kda.py; ≈ 2 min).
 
     python3 bench/kda_gpu_diag.py [--budget SECONDS]
 
 Prints one compact line per check and writes $OUT/kda_diag.json (with the chosen tuning in `best_tuning`), so that
 `bench/kda.py --tuning $OUT/kda_diag.json` times the fastest measured configuration. Sections:
 
-  1. precision   tiny and K3 shapes, fp32: our kernel, the XLA reference (`reference.chunk`) with HIGHEST products
-                 (now) and at the platform default (the old reference: TF32 on Hopper), all against a float64 numpy
-                 recurrence (ground truth);
-                 compiled Triton kernel vs the same kernel in Pallas interpret mode on the device (lowering fidelity);
-                 decode with / without the pool donated.
-  2. model       tiny model logits, kernel path vs reference path, with the reference's products at the platform
-                 default (the old reference: TF32) and at HIGHEST (now); prefill → continued prefill → 3 decode steps.
-  3. prefill     T = 8K, H = 96, d = 128, bf16: kernel A alone, the whole op, for a small sweep of TUNING
-                 (split kernel A `intra_split` with its rows_form / wu_form / intra_mm / wu_cols / warps, fast_diag,
-                 fast_inverse, intra_warps, split_o, state_bv, state_warps); the fastest correct one is kept. Every
-                 variant is compiled and run inside its own try: one that fails to compile is reported and skipped,
-                 and `best_tuning` falls back to the exact variant (fast_diag=False, fast_inverse=False) when no
-                 faster one worked, so bench/kda.py always gets a tuning that compiled here.
+  1. precision   tiny and K3 shapes, fp32: our kernels (default TUNING and the exact diagonal / inverse variants),
+                 the XLA reference (`reference.chunk`) with HIGHEST products, all against a float64 numpy recurrence
+                 (ground truth); decode with / without the pool donated.
+  2. model       tiny model logits, kernel path vs reference path, all products at HIGHEST; prefill → continued
+                 prefill → 3 decode steps.
+  3. prefill     T = 8K, H = 96, d = 128, bf16: the whole op for a small sweep of TUNING (fast_diag, fast_inverse,
+                 intra_mm, wu_cols, A1 / A2 warps, state_bv / state_warps / state_stages); the fastest correct one is
+                 kept. Every variant is compiled and run inside its own try: one that fails to compile is reported
+                 and skipped, and `best_tuning` falls back to the exact variant (fast_diag=False,
+                 fast_inverse=False) when no faster one worked, so bench/kda.py always gets a tuning that compiled
+                 here.
   4. decode      B = 64 (and B = 256 for the default only): HLO copies around the aliased pool (donation check),
-                 time per step with pipelined dispatch, sweep of (dec_bv, dec_warps, dec_heads); state bytes/s vs an XLA pass.
+                 time per step with pipelined dispatch, sweep of (dec_bv, dec_warps, dec_heads); state bytes/s vs an
+                 XLA pass.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.kda import gpu, ops, reference as R  # noqa: E402
+from pallas_kernels.kda import gpu_triton as gpu, ops, reference as R  # noqa: E402
 
 T0 = time.time()
 RES: dict = {}
 BUDGET = [125.0]
-EXACT = dict(fast_diag=False, fast_inverse=False, split_o=False, intra_split=False)
+EXACT = dict(fast_diag=False, fast_inverse=False)  # the variant every other one falls back to
 
 
 DECODE_RESERVE = [50.0]  # seconds the prefill sweep leaves for the decode section (0 when it is skipped)
@@ -131,9 +131,9 @@ def precision_checks():
         row = {}
         o2, s2 = jax.jit(lambda *a: R.chunk(*a[:5], a[5]))(*args)
         row["ref_chunk"] = (rel(o2, o_t), rel(s2, s_t))
-        # our kernel: default TUNING, then the exact / split / loop-free-inverse variants (each on its own)
-        tunings = [{}, dict(EXACT), {"intra_split": True}] + (
-            [{"split_o": True}, {"fast_inverse": True}, dict(intra_split=True, fast_inverse=True, wu_cols=2)]
+        # our kernels: default TUNING, then the exact diagonal / substitution-inverse variants (each on its own)
+        tunings = [{}, dict(EXACT)] + (
+            [{"fast_inverse": False}, {"fast_diag": False}, dict(fast_inverse=True, wu_cols=2)]
             if label == "tiny" else [])
         for tn in tunings:
             name = "kernel" + ("" if not tn else "_" + ",".join(f"{x}={y}" for x, y in tn.items()))
@@ -217,67 +217,35 @@ def prefill_sweep():
     base = dict(gpu.TUNING)
     RES.setdefault("best_tuning", {}).update(EXACT)  # until something faster is measured and correct
 
-    def run(tn, intra_only=False):  # intra_only: True = kernel A only, "rows" = the split A1 only
-        tn = dict(tn, intra_only=intra_only)
+    def run(tn):
         f = jax.jit(lambda *a: gpu.chunk(*a, cu, None, tuning=tn))
         t = time_fn(f, q, k, v, g, beta)
-        err = None
-        if not intra_only:
-            o, s = f(q, k, v, g, beta)
-            err = (rel(o, o_ref), rel(s, s_ref))
-        return t, err
+        o, s = f(q, k, v, g, beta)
+        return t, (rel(o, o_ref), rel(s, s_ref))
 
-    # the default (tiled A1) and its neighbours, then older forms
-    sp = dict(intra_split=True, fast_diag=True)
-    tiled = dict(sp, fast_inverse=True, rows_form="tiled")
-    for tn in (tiled, dict(tiled, rows_warps=4)):  # A1 alone: how kernel A's time splits
-        res = attempt(f"prefill 8K A1 only {tn}", run, tn, intra_only="rows")
-        if res is not None:
-            say(f"prefill 8K A1 only {tn}: {res[0] * 1e3:.2f} ms")
-            results.append(dict(kernel="A1", tuning=tn, ms=res[0] * 1e3))
-    intra = [tiled,
-             dict(tiled, rows_warps=4),
-             dict(tiled, wu_form="inverse"),
-             dict(tiled, wu_warps=4),
-             dict(sp, fast_inverse=True, rows_form="full"),
-             dict(sp, fast_inverse=False),
-             dict(intra_split=False, fast_diag=True, fast_inverse=False, intra_warps=4)]
-    a_times = {}
-    for tn in intra:
-        if left() < 60 + DECODE_RESERVE[0]:  # leave time for the whole-op runs and the decode section
-            break
-        res = attempt(f"prefill 8K kernel A {tn}", run, tn, intra_only=True)
-        if res is None:
-            continue
-        t = res[0]
-        say(f"prefill 8K kernel A {tn}: {t * 1e3:.2f} ms")
-        results.append(dict(kernel="A", tuning=tn, ms=t * 1e3))
-        a_times[json.dumps(tn, sort_keys=True)] = (t, tn)
-    ranked = [tn for _, tn in sorted(a_times.values(), key=lambda x: x[0])]
-    if not ranked:
-        ranked = [dict(EXACT)]
-    best_a = ranked[0]
-    whole = [dict(), dict(state_stages=2), dict(state_bv=32), dict(state_bv=128, state_warps=8), dict(split_o=True)]
+    # the default and its neighbours: A1 / A2 launch shapes and products, then kernel B's state tile and pipeline
+    tries = [dict(), dict(rows_warps=4), dict(wu_warps=4), dict(wu_cols=2), dict(fast_inverse=False),
+             dict(intra_mm="tf32"), dict(intra_mm="bf16_rows"), dict(state_stages=2), dict(state_bv=32),
+             dict(state_bv=128, state_warps=8), dict(EXACT)]
     best, best_w = None, 1e9
-    # the fastest kernel A with each kernel-B form, then the runners-up with the default B
-    tries = [dict(best_a, **tn) for tn in whole] + [dict(tn, split_o=False) for tn in ranked[1:3]]
     for tt in tries:
         if left() < 10 + DECODE_RESERVE[0]:  # leave time for the decode section
             break
-        res = attempt(f"prefill 8K whole {tt}", run, tt)
+        res = attempt(f"prefill 8K {tt}", run, tt)
         if res is None:
             continue
         t, err = res
         ok = err[0] < 5e-3 and err[1] < 5e-3
-        say(f"prefill 8K whole {tt}: {t * 1e3:.2f} ms = {T / t / 1e6:.2f} M tok/s, "
+        say(f"prefill 8K {tt}: {t * 1e3:.2f} ms = {T / t / 1e6:.2f} M tok/s, "
             f"rel err o {err[0]:.1e} state {err[1]:.1e}{'' if ok else ' FAIL'}")
-        results.append(dict(kernel="whole", tuning=tt, ms=t * 1e3, err=err))
+        results.append(dict(tuning=tt, ms=t * 1e3, err=err))
         if ok and t < best_w:
             best, best_w = tt, t
     RES["prefill"] = results
     if best is not None:
-        RES["best_tuning"].update({k: v for k, v in best.items() if k in base and k != "intra_only"})
-    say(f"prefill best: {best} {best_w * 1e3:.2f} ms" if best else "prefill: no whole variant passed; exact kept")
+        RES["best_tuning"].update({k: v for k, v in dict(base, **best).items() if k in base})
+    say(f"prefill best: {best} {best_w * 1e3:.2f} ms" if best is not None else
+        "prefill: no variant passed; exact kept")
 
 
 def decode_one(B, tn, q, k, v, g, beta, pool, slots, o_r, p_r, nbytes, first=False):

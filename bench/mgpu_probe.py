@@ -2,9 +2,9 @@
 
     python3 bench/mgpu_probe.py [--rows 16,32] [--budget 120]      (an H100/H200; jax with Mosaic GPU)
 
-Why: the MXFP4 grouped matmul (`pallas_kernels.moe.gpu`, Pallas Triton) is issue-bound at 0.46 of copy bandwidth
-(bar 0.70). The CPU screen (`bench/triton_regs.py --op moe --sass`) puts every Triton tile shape at 0.14–0.15 warp
-instructions per weight element, of which the e2m1 decode is about half: the rest are Triton's operand shuffles,
+Why: the MXFP4 grouped matmul in Triton (`pallas_kernels.moe.gpu_triton`; measured when it was a Pallas Triton
+kernel) is issue-bound at 0.46 of copy bandwidth (bar 0.70). A CPU screen of its SASS (ptxas on the pip triton) put
+every Triton tile shape at 0.14–0.15 warp instructions per weight element, of which the e2m1 decode is about half: the rest are Triton's operand shuffles,
 register moves and address arithmetic. A hand-scheduled Hopper kernel (TMA loads, weights converted in registers
 straight into the wgmma A operand, warp-specialised pipeline) is the known way around that, and JAX ships one:
 `jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu` (int8 × bf16). Mosaic GPU's fp4 conversions are

@@ -1,5 +1,5 @@
-"""Sparse MLA decode on the GPU: the Mosaic GPU kernel (`pallas_kernels.mla.sparse_mgpu`) vs the Pallas Triton
-kernel at its storage preset, fp8 latent rows, latent bytes gathered per second vs copy bandwidth (BENCHMARKS.md:
+"""Sparse MLA decode on the GPU: the Mosaic GPU kernel (`pallas_kernels.mla.sparse_mgpu`) vs the Triton kernel
+(`mla.sparse_gpu_triton`) at its storage preset, fp8 latent rows, latent bytes gathered per second vs copy bandwidth (BENCHMARKS.md:
 ≥ 0.60). Every timed op is checked against the reference on the dequantised rows first (storage bar 5e-3).
 
     python3 bench/mla_mgpu.py [--contexts 32768] [--batches 32] [--heads 12] [--configs '[{}, {"splits": 4}]']
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _timing import device_seconds, torch_copy_bandwidth  # noqa: E402
 
 from kimi_jax import quant as Q  # noqa: E402
-from pallas_kernels.mla import sparse, sparse_gpu  # noqa: E402
+from pallas_kernels.mla import sparse, sparse_gpu_triton  # noqa: E402
 from mla_trace import trace_phases  # noqa: E402
 from pallas_kernels.mla import sparse_mgpu as sm  # noqa: E402
 
@@ -159,7 +159,7 @@ def main():
                         float("nan"))
                 if "op" in what:
                     if not ARGS.no_triton:
-                        time_op(sparse_gpu.storage_preset(B, H), "triton storage preset (op)")
+                        time_op(sparse_gpu_triton.storage_preset(B, H), "triton storage preset (op)")
                     for cfg in json.loads(ARGS.op_configs) if ARGS.op_configs else configs:
                         time_op(dict(cfg, impl="mgpu"), f"mgpu op {json.dumps(cfg, separators=(',', ':'))}")
     out = os.environ.get("OUT")

@@ -3,12 +3,11 @@
 
     python3 bench/moe.py [--sweep] [--budget SECONDS] [--no-ep]
 
-1. bf16 grouped matmul, 112 local experts, 16384 routed rows (random group sizes), 3584 -> 3072: ours (Pallas →
-   Triton, `pallas_kernels.moe.gpu`) vs a dense matmul of the same FLOPs (bar ≥ 0.9×) in two forms — one
-   [M, K] x [K, N] matmul (reads one expert's weight) and a batched matmul of E even groups (reads all E weights,
-   as a grouped matmul must) — and for reference
-   torch._grouped_mm, XLA ragged_dot, JAX's bundled Mosaic GPU ragged_dot_mgpu. Also the fused gate+up+SiTU kernel
-   against two grouped matmuls and the activation in XLA.
+1. bf16 grouped matmul, 112 local experts, 16384 routed rows (random group sizes), 3584 -> 3072: ours (native
+   Triton through jax-triton, `pallas_kernels.moe.gpu_triton`) vs a dense matmul of the same FLOPs (bar ≥ 0.9×) in
+   two forms — one [M, K] x [K, N] matmul (reads one expert's weight) and a batched matmul of E even groups (reads
+   all E weights, as a grouped matmul must) — and for reference torch._grouped_mm, XLA ragged_dot, JAX's bundled
+   Mosaic GPU ragged_dot_mgpu (`pallas_kernels.moe.mgpu_ragged`).
 2. MXFP4 weights (packed [E, N, K/2] + E8M0 [E, N, K/32], decoded in the kernel) at decode-sized groups (8 rows per
    expert; 32 and 64 for information): weight bytes read per second vs the measured copy bandwidth (bytes read +
    written per second of a device-to-device copy) — bar ≥ 70%.
@@ -36,6 +35,8 @@ import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for the torch peers
+if "--smoke" in sys.argv:  # the kernels in Triton's interpreter, which must be on before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,14 +46,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from _timing import pipelined_seconds, torch_event_seconds  # noqa: E402
-from pallas_kernels.moe import gpu as moe_gpu  # noqa: E402
+from pallas_kernels.moe import gpu_triton as moe_gpu  # noqa: E402
+from pallas_kernels.moe import mgpu_ragged  # noqa: E402
 from pallas_kernels.moe import mgpu_mxfp4 as mgpu_mx  # noqa: E402
 from pallas_kernels.experimental import mxfp4_fp8_mma as fp8_mma  # noqa: E402
 from pallas_kernels.moe import mxfp4 as mx  # noqa: E402
 from pallas_kernels.moe import ops  # noqa: E402
 
 E, M, K, N = 112, 16384, 3584, 3072
-KW = {"backend": "gpu"}  # --smoke: the same code paths through the Pallas interpreter on CPU, tiny shapes
+KW = {"backend": "gpu"}  # --smoke: the same code paths through Triton's interpreter on CPU, tiny shapes
 ROWS: list[dict] = []
 INFO: dict = {"notes": []}
 T0 = time.time()
@@ -146,14 +148,14 @@ GPU_SWEEP = [  # 64x256 (w4/w8), 128x128 (w4), 64x128x128 were also timed on the
     moe_gpu.GpuConfig(bm=256, bn=128, bk=64, num_warps=8, num_stages=4),  # 196 KB shared
 ]
 MGPU_SWEEP = [  # run 1: (128,128,64,4,2) best of (128,128,64,4,1), (64,128,64,4,1), (128,256,64,3,1) too
-    moe_gpu.MgpuConfig(128, 128, 64, 4, 2),
-    moe_gpu.MgpuConfig(128, 128, 64, 4, 1),
+    mgpu_ragged.MgpuConfig(128, 128, 64, 4, 2),
+    mgpu_ragged.MgpuConfig(128, 128, 64, 4, 1),
 ]
 
 
 def bench_bf16(args):
     key = jax.random.key(0)
-    kx, kw, ks, kw3 = jax.random.split(key, 4)
+    kx, kw, ks, _ = jax.random.split(key, 4)
     x = jax.random.normal(kx, (M, K), jnp.bfloat16)
     w = (jax.random.normal(kw, (E, K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
     sizes = random_sizes(ks, M, E)
@@ -254,7 +256,7 @@ def bench_bf16(args):
             break
 
         def mg(mc=mc):
-            f = jax.jit(lambda a, b, g: moe_gpu.mgpu_grouped_matmul(a, b, g, out_dtype=jnp.bfloat16, config=mc))
+            f = jax.jit(lambda a, b, g: mgpu_ragged.mgpu_grouped_matmul(a, b, g, out_dtype=jnp.bfloat16, config=mc))
             err = rel_err(f(x, w, sizes), ref)
             if err > 2e-2:
                 raise AssertionError(f"wrong result, rel err {err:.3g}")
@@ -266,39 +268,15 @@ def bench_bf16(args):
             t_mgpu = t
     row("grouped_matmul bf16 vs ragged_dot_mgpu (best)", shape, t_ours and flops / t_ours / 1e12,
         t_mgpu and flops / t_mgpu / 1e12, 1.0, "TFLOP/s", info=True)
-
-    # fused gate+up+activation vs two grouped matmuls + XLA activation
-    if cfg_best is not None and left(args.budget) > 45:
-        def fused():
-            w3 = (jax.random.normal(kw3, (E, K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
-            ff = jax.jit(lambda a, g_, u_, gs: ops.gated_grouped_matmul(a, g_, u_, gs, situ, **KW))
-            fu = jax.jit(lambda a, g_, u_, gs: situ(
-                ops.grouped_matmul(a, g_, gs, **KW, config=cfg_best),
-                ops.grouped_matmul(a, u_, gs, **KW, config=cfg_best)).astype(jnp.bfloat16))
-            hr = situ(ref, jax.lax.ragged_dot(x, w3, sizes, preferred_element_type=jnp.float32))
-            err = rel_err(ff(x, w, w3, sizes), hr)
-            if err > 2e-2:
-                raise AssertionError(f"fused gate/up wrong, rel err {err:.3g}")
-            tf, tu = time_jax(ff, x, w, w3, sizes), time_jax(fu, x, w, w3, sizes)
-            log(f"gate+up+SiTU fused {2 * flops / tf / 1e12:.0f} TFLOP/s ({tf * 1e3:.3f} ms) vs unfused "
-                f"{tu * 1e3:.3f} ms")
-            return tf, tu
-        r = attempt("fused gate/up", fused)
-        if r:
-            row("gate+up+SiTU fused vs 2 matmuls + XLA act", shape.replace("bf16", "x2 bf16"),
-                2 * flops / r[0] / 1e12, 2 * flops / r[1] / 1e12, 1.0, "TFLOP/s", info=True)
     return cfg_best
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4 section
 
-Q_SWEEP = [  # 8 rows/expert. 2026-11-30 (f16-trick decode): "2d" 16x64x256 w4 best at 489 us; 3d, swap_ab, wider
-    # or deeper tiles and 8 warps slower. Then the PTX byte-permute decodes ("asm", "asm_sign"); the
-    # codes on fp8 tensor cores ("fp8", swap_ab: the weights the wgmma's register operand): correct but 2.4x slower
-    # (H200: 0.82 TB/s at 16x128x256 w8, 0.78 at 16x64x256 w4, 0.44-0.73 for the other shapes; 32 / 64
-    # rows 0.55 / 0.33): every small wgmma is waited for. Its best two stay in the sweep.
-    moe_gpu.GpuConfig(bm=16, bn=128, bk=256, num_warps=8, num_stages=3, swap_ab=True, dequant="fp8"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="fp8"),
+Q_SWEEP = [  # 8 rows/expert, the PTX byte-permute decodes ("asm", "asm_sign") and the arithmetic one ("bf16").
+    # Measured with the Pallas Triton kernel these replaced: an f16-trick decode ("2d": 489 us at 16x64x256 w4)
+    # and the codes on fp8 tensor cores ("fp8": correct but 2.4x slower, every small wgmma waited for) lost to them
+    # and went with that kernel.
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="asm_sign"),  # +4% over "asm" (H200)
     moe_gpu.GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant="asm_sign"),
@@ -310,7 +288,6 @@ Q_SWEEP = [  # 8 rows/expert. 2026-11-30 (f16-trick decode): "2d" 16x64x256 w4 b
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=8, num_stages=3, dequant="asm"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, swap_ab=True, dequant="asm"),
     moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="bf16"),
-    moe_gpu.GpuConfig(bm=16, bn=64, bk=256, num_warps=4, num_stages=3, dequant="2d"),
 ]
 
 
@@ -339,7 +316,7 @@ def bench_mxfp4(args, copy_bw):
             sweep = Q_SWEEP
         else:
             d = moe_gpu.default_config(m, E, K, N, True)
-            sweep = [d, dataclasses.replace(d, bn=64, bk=256), dataclasses.replace(d, dequant="2d")]
+            sweep = [d, dataclasses.replace(d, bn=64, bk=256), dataclasses.replace(d, dequant="asm")]
         best = (None, None)
         for cfg in sweep:
             if left(args.budget) < 25:

@@ -36,8 +36,6 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "moe-parts": ("the MXFP4 FFN's two kernels with one part taken out at a time", "1 GPU",
                   ["bench/moe_parts.py --rows 32", "bench/moe_parts.py --rows 64"]),
     "moe-tokamax": ("tokamax ragged_dot (bf16, 4-bit) beside ours", "1 GPU", ["bench/moe_tokamax.py"]),
-    "triton-port": ("native Triton kernels (jax-triton) vs their Pallas Triton twins vs peer / ceiling, per family",
-                    "1 GPU", ["bench/triton_port.py"]),
     "dsa-indexer": ("DSA indexer key bytes vs copy at 32K / 128K / 1M x 32 (storage presets)", "1 GPU",
                     ["bench/dsa.py --batches 32 --heads 12 --contexts 32768,131072,1048576 --ix-storage --no-tune"]),
     "sparse-mla": ("Mosaic sparse MLA decode op at B=32, H=12, 32K, beside the timing chain's own floor", "1 GPU",

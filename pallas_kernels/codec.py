@@ -109,6 +109,12 @@ def e2m1_value(code_i32):
     return jnp.where((code_i32 & 8) != 0, -v, v)
 
 
+def e8m0_value(byte_i32):
+    """E8M0 scale bytes (int32) -> 2^(byte − 127) float32, built from the exponent bits (exact, lowers inside Pallas
+    kernels; byte 0 -> 0, byte 255 -> inf, unlike `mxfp4_dequantize`'s NaN)."""
+    return jax.lax.bitcast_convert_type(byte_i32 << 23, jnp.float32)
+
+
 @jax.jit
 def to_e4m3(x):
     """Saturating round-to-nearest-even cast to float8_e4m3fn (|x| > 448 -> ±448; NaN stays NaN)."""

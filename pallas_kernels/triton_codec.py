@@ -27,6 +27,6 @@ def e8m0_value(byte):
 @jit
 def pow2_at_least(m):
     """m ≥ 0 (f32) -> 2^(e+1) for m's binary exponent e (> m), 1 where m = 0: `jnp.frexp`'s ldexp(1, E) for normal
-    m, as `indexer.gpu.pow2_scale` computes it outside the kernels."""
+    m, as `gpu_prep.pow2_scale` computes it outside the kernels."""
     e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
     return tl.where(m > 0, ((e + 1) << 23).to(tl.float32, bitcast=True), 1.0)

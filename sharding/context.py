@@ -41,14 +41,15 @@ DEFAULT_MAX_CHUNK_BYTES = 512 << 20
 class KernelConfig:
     """Which implementation each op family runs: execution policy as data, separate from the architecture.
 
-    "auto" picks per target platform inside each family's entry point: the Pallas TPU kernel on TPU, the GPU kernel
-    on GPU, the plain-jnp reference elsewhere (CPU). "reference" forces the jnp definition everywhere; the
-    "*_interpret" variants run a kernel's code in the Pallas interpreter (CPU tests). "triton" names the native
-    Triton GPU kernels (jax-triton, issue #48) where a family has one ("triton_interpret": Triton's interpreter).
-    * kda: auto | reference | gpu | triton | tpu | gpu_interpret | triton_interpret | tpu_interpret
-    * moe: auto | reference | gpu | triton | mgpu | tpu  (`moe_interpret` runs the chosen MoE kernel interpreted)
-    * dsa: the paged MLA path (indexer top-k, sparse and dense paged attention): auto | reference | gpu | triton |
-      tpu | gpu_interpret | triton_interpret | tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an
+    "auto" picks per target platform inside each family's entry point: the Pallas TPU kernel on TPU, the GPU kernels
+    (native Triton through jax-triton, Pallas Mosaic GPU where a family has one) on GPU where jax-triton can launch,
+    the plain-jnp reference elsewhere (CPU). "reference" forces the jnp definition everywhere; the "*_interpret"
+    variants run a kernel's code interpreted (CPU tests: TPU kernels in the Pallas interpreter, GPU kernels in
+    Triton's). "triton" / "triton_interpret" are other names of "gpu" / "gpu_interpret".
+    * kda: auto | reference | gpu | tpu | gpu_interpret | tpu_interpret
+    * moe: auto | reference | gpu | mgpu | tpu  (`moe_interpret` runs the chosen MoE kernel interpreted)
+    * dsa: the paged MLA path (indexer top-k, sparse and dense paged attention): auto | reference | gpu | tpu |
+      gpu_interpret | tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an
       operator's override.
     * dsa_precision: "exact" (≈ fp32 against the dequantised cache) or "storage" (the GPU kernels' single-pass
       settings and the dense paged reference's bf16 products, within the quantised formats' 5e-3 bar). The TPU

@@ -1,9 +1,12 @@
-"""DSA kernels (issue #5) against their references: the indexer's decode-score kernels (GPU: Pallas Triton lowering,
-TPU: Mosaic) and the GPU sparse-MLA decode kernel (the TPU one is in tests/test_dsa_ops.py).
+"""DSA kernels (issue #5) against their references: the indexer's decode-score kernels (GPU: native Triton, TPU:
+Mosaic) and the GPU sparse-MLA decode kernel (the TPU one is in tests/test_dsa_ops.py), their presets and the
+precision policy; the geometry and helpers shared with tests/test_triton_{indexer,sparse_mla}.py, which hold the
+GPU kernels' own checks.
 
-CPU: the kernels run in Pallas interpret mode (GPU kernels: `interpret=True`, TPU kernels: TPU interpret mode) on
-small shapes, and lower to Triton / Mosaic at the K3.1 shapes (no device needed). `gpu`-marked tests run the GPU
-kernels on a real device (skipped without one): `JAX_PLATFORMS=cuda python -m pytest tests/test_dsa_kernels.py -m gpu`.
+CPU: the GPU kernels run in Triton's interpreter (backend "gpu_interpret"; tests/conftest.py sets TRITON_INTERPRET=1),
+the TPU kernels in TPU interpret mode, on small shapes; the TPU kernels also lower to Mosaic at the K3.1 shapes (the
+GPU kernels' compile for sm_90 is tests/test_triton_compile.py). `gpu`-marked tests run the GPU kernels on a real
+device (skipped without one): `JAX_PLATFORMS=cuda python -m pytest tests/test_dsa_kernels.py -m gpu`.
 Bars: fp32 math ≤ 1e-4 relative RMS (indexer scores 1e-5) vs the reference on the same (dequantised) rows; the selected
 top-k set equals the reference's on untied scores. On the device: the issue's 5e-3 storage-format bar, plus the fp32
 bars for exact mode (see STORAGE_BAR).
@@ -12,7 +15,6 @@ bars for exact mode (see STORAGE_BAR).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +22,10 @@ import numpy as np
 import pytest
 
 from kimi_jax import quant as Q
-from pallas_kernels import codec
-from pallas_kernels.indexer import gpu as igpu
+from pallas_kernels import codec, gpu_prep
+from pallas_kernels.indexer import gpu_triton as igpu
 from pallas_kernels.indexer import paged as ipaged
-from pallas_kernels.mla import sparse, sparse_gpu
+from pallas_kernels.mla import sparse, sparse_gpu_triton
 from pallas_kernels.paged import gather_pages, resolve_dsa_backend
 
 # small CPU geometry: 12-page pools of 16 tokens, three sequences with interleaved pages and a short one
@@ -79,63 +81,23 @@ def index_case(index_dtype, seed=0, B=3, bt=BT, pos=POS, nb=NB, page=PAGE, hi=HI
     return fmt, parts, q, w, index_scores_f64(q, w, keys, pos)
 
 
-KERNEL_KW = {"gpu_interpret": dict(block_n=16, tokens_per_program=32), "tpu_interpret": {}}
-
-
 # ------------------------------------------------------------------------------------------------ indexer
 
 @pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4", "bf16"])
-@pytest.mark.parametrize("backend", ["gpu_interpret", "tpu_interpret"])
-def test_indexer_kernel_scores_and_topk_match_reference(index_dtype, backend):
+def test_tpu_indexer_kernel_scores_and_topk_match_reference(index_dtype):
+    """The TPU score kernel (the GPU one: tests/test_triton_indexer.py)."""
+    backend = "tpu_interpret"
     fmt, parts, q, w, s_ref = index_case(index_dtype)
-    s = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend, **KERNEL_KW[backend]))
+    s = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend))
     fin = np.isfinite(s_ref)
     np.testing.assert_array_equal(np.isfinite(s), fin)  # causal / length mask, both sequences' tails
     assert (s[~fin] == -np.inf).all() and rel_rms(s[fin], s_ref[fin]) <= 1e-5
     topk = 8
-    idx = ipaged.decode(q, w, parts, BT, POS + 1, topk, fmt=fmt, backend=backend, kernel_kw=KERNEL_KW[backend])
+    idx = ipaged.decode(q, w, parts, BT, POS + 1, topk, fmt=fmt, backend=backend)
     assert idx.shape == (3, topk) and idx.dtype == jnp.int32
     assert_same_topk(idx, s_ref, topk)
     ref = ipaged.decode(q, w, parts, BT, POS + 1, topk, fmt=fmt, backend="reference")
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref))
-
-
-@pytest.mark.parametrize("kw", [dict(orient="qk"), dict(orient="kq", dot_dtype="bf16"), dict(orient="qk", num_stages=1),
-                                dict(tokens_per_program=None), dict(orient="qk", prefetch=True)])
-def test_indexer_kernel_knobs_give_the_same_scores(kw):
-    fmt, parts, q, w, s_ref = index_case("fp8", seed=5)
-    q = q * 300.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
-    s_ref = s_ref * 300.0
-    s = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret",
-                                        **dict(dict(block_n=16, tokens_per_program=32), **kw)))
-    fin = np.isfinite(s_ref)
-    np.testing.assert_array_equal(np.isfinite(s), fin)
-    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5
-
-
-def test_indexer_kernel_is_safe_against_garbage_table_entries():
-    """Table entries past a sequence's pages (never scored) may hold anything: ids past the pool, negative ids.
-    The kernel clamps block ids into the pool and does not read chunks past the query position."""
-    fmt, parts, q, w, s_ref = index_case("fp8", seed=6)
-    pos = np.array([20, 3, 40], np.int32)
-    bt = BT.copy()
-    bt[0, 2:] = [10**6, -7]  # sequence 0 ends in page 1
-    bt[1, 1:] = [-1, 2**30, 5]
-    s_ref = np.where(np.arange(s_ref.shape[1])[None] <= pos[:, None], s_ref, -np.inf)
-    s = np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="gpu_interpret",
-                                        block_n=16, tokens_per_program=32))
-    fin = np.isfinite(s_ref)
-    np.testing.assert_array_equal(np.isfinite(s), fin)
-    assert rel_rms(s[fin], s_ref[fin]) <= 1e-5
-
-
-def test_indexer_kernel_short_sequence_keeps_every_key_and_pads():
-    fmt, parts, q, w, s_ref = index_case("fp8", seed=1)
-    pos = np.array([5, 0, -1], np.int32)  # 6 keys, 1 key, a padding query
-    idx = np.asarray(ipaged.topk_indices(q[:, None], w[:, None], parts, BT, pos[:, None], 8, fmt=fmt,
-                                         backend="gpu_interpret", kernel_kw=KERNEL_KW["gpu_interpret"]))[:, 0]
-    np.testing.assert_array_equal(np.sort(idx[0, :6]), np.arange(6))
-    assert (idx[0, 6:] == -1).all() and idx[1, 0] == 0 and (idx[1, 1:] == -1).all() and (idx[2] == -1).all()
 
 
 @pytest.mark.parametrize("group", [8, 16])
@@ -169,57 +131,21 @@ def mla_case(kv_dtype, seed=3, B=3, k=40, bt=BT, pos=POS, nb=NB, page=PAGE, r=R,
     return parts, idx, q, kw
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
-def test_sparse_gpu_kernel_matches_reference_on_dequantised_rows(kv_dtype):
-    parts, idx, q, kw = mla_case(kv_dtype)
-    idx[0, 5] = -1  # an empty slot inside a block
-    o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw)
-    # 3 key blocks of 16 (the kernel's smallest) over 2 splits (the second padded with empty slots), merged on the lse
-    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, splits=2), **kw)
-    assert o.shape == (3, H, R) and lse.shape == (3, H)
-    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
-
-
-def test_sparse_gpu_kernel_fast_mode_and_empty_rows():
-    parts, idx, q, kw = mla_case("fp8", seed=4)
-    idx[2] = -1  # a sequence with no selected key: o = 0, lse = −inf
-    o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw)
-    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, exact=False), **kw)
-    o, lse = np.asarray(o), np.asarray(lse)
-    assert (o[2] == 0).all() and (lse[2] == -np.inf).all()
-    assert rel_rms(o[:2], np.asarray(o_r)[:2]) <= 5e-3  # bf16 q and p
-    np.testing.assert_allclose(lse[:2], np.asarray(lse_r)[:2], rtol=5e-3)
-
-
-@pytest.mark.parametrize("kv_dtype,kw", [("fp8", dict(dot_dtype="bf16")), ("nvfp4", dict(dot_dtype="f16")),
-                                         ("fp8", dict(block_h=32, num_warps=8)),
-                                         ("fp8", dict(slots_outside=True, value_reload=True)),
-                                         ("nvfp4", dict(slots_outside=True, value_reload=True))])
-def test_sparse_gpu_kernel_knobs_and_garbage_indices(kv_dtype, kw):
-    parts, idx, q, kw_ = mla_case(kv_dtype, seed=7)
-    q = q * 100.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
-    o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw_)
-    o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, **kw), **kw_)
-    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
-    bt = BT.copy()
-    bt[1, 2:] = [10**6, -3]  # pages sequence 1 never selects: garbage must not matter
-    o2, lse2 = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, **kw), **kw_)
-    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
-
-
 @pytest.mark.parametrize("cdt,bound", [(jnp.float16, 2.0 ** -22), (jnp.bfloat16, 2.0 ** -16)])
 def test_split_hi_lo_is_exact_and_has_no_foldable_round_trip(cdt, bound):
-    """|q| ≤ 1 (per-head normalised): q = hi + lo to 2^-22 (f16) / 2^-16 (bf16) absolute, built without an f32 -> cdt -> f32 convert pair (XLA on GPU
-    folds such pairs under its default xla_allow_excess_precision, which zeroed lo on the H200)."""
+    """|q| ≤ 1 (per-head normalised): q = hi + lo to 2^-22 (f16) / 2^-16 (bf16) absolute, built without an
+    f32 -> cdt -> f32 convert pair (XLA on GPU folds such pairs under its default xla_allow_excess_precision, which
+    zeroed lo on the H200)."""
     x = np.random.default_rng(0).uniform(-1, 1, 4096).astype(np.float32)
     x[:8] *= 1e-6  # f16-subnormal magnitudes: all in lo
-    f = jax.jit(lambda v: sparse_gpu.split_hi_lo(v, cdt))
+    f = jax.jit(lambda v: gpu_prep.split_hi_lo(v, cdt))
     hi, lo = f(x)
     r = np.asarray(hi, np.float64) + np.asarray(lo, np.float64)
     assert np.max(np.abs(r - x)) <= bound
     hlo = f.lower(x).as_text()
     name = {jnp.float16: "f16", jnp.bfloat16: "bf16"}[cdt]
-    assert not any(f"tensor<4096x{name}>) -> tensor<4096xf32>" in line for line in hlo.splitlines() if "convert" in line)
+    assert not any(f"tensor<4096x{name}>) -> tensor<4096xf32>" in line
+                   for line in hlo.splitlines() if "convert" in line)
 
 
 def test_e2m1_arithmetic_decode_equals_the_table():
@@ -233,14 +159,15 @@ def test_auto_backend_is_the_reference_on_cpu_and_errors_are_clear():
     assert resolve_dsa_backend("auto", op="indexer", supported=lambda kind: True) == "reference"  # CPU
     assert resolve_dsa_backend("interpret", op="x", supported=None) == "tpu_interpret"  # older names
     assert resolve_dsa_backend("pallas_tpu", op="x", supported=None) == "tpu"
+    assert resolve_dsa_backend("triton", op="x", supported=None) == "gpu"  # other names of the GPU kernels
+    assert resolve_dsa_backend("triton_interpret", op="x", supported=None) == "gpu_interpret"
     # what "auto" would take on a GPU: the kernels at K3.1 shapes; the indexer kernel for any head count (padded to
     # ≥ 16), not for keys narrower than 16; sparse MLA not for the tiny preset's rope of 8
-    from pallas_kernels.indexer import gpu as igpu
-
     assert igpu.fits(Q.IndexKeyFormat("fp8", 128), 32, 128) and igpu.fits(Q.IndexKeyFormat("mxfp4", 128), 32, 128)
     assert igpu.fits(Q.IndexKeyFormat("fp8", 16), 2, 16) and not igpu.fits(Q.IndexKeyFormat("fp8", 8), 2, 8)
     assert igpu.padded_heads(2) == igpu.padded_heads(16) == 16 and igpu.padded_heads(24) == 32
-    assert sparse_gpu.fits(Q.LatentFormat("nvfp4", 512, 64)) and not sparse_gpu.fits(Q.LatentFormat("fp8", 32, 8))
+    assert sparse_gpu_triton.fits(Q.LatentFormat("nvfp4", 512, 64))
+    assert not sparse_gpu_triton.fits(Q.LatentFormat("fp8", 32, 8))
     with pytest.raises(ValueError, match="unknown indexer backend"):
         ipaged.topk_indices(np.zeros((1, 1, HI, DI), np.float32), np.zeros((1, 1, HI), np.float32), (), BT[:1],
                             np.zeros((1, 1), np.int32), 4, fmt=None, backend="cuda")
@@ -249,8 +176,9 @@ def test_auto_backend_is_the_reference_on_cpu_and_errors_are_clear():
         ipaged.topk_indices(np.zeros((3, 2, HI, DI), np.float32), np.zeros((3, 2, HI), np.float32), parts, BT,
                             np.zeros((3, 2), np.int32), 4, fmt=fmt, backend="gpu_interpret")
     with pytest.raises(ValueError, match="powers of two"):
-        sparse_gpu.decode(np.zeros((1, H, 56), np.float32), (np.zeros((2, PAGE, 56), np.float32),), BT[:1],
-                          np.zeros((1, 4), np.int32), fmt=Q.LatentFormat("fp8", 48, 8), scale=1.0, value_dim=48)
+        sparse_gpu_triton.decode(np.zeros((1, H, 56), np.float32), (np.zeros((2, PAGE, 56), np.float32),), BT[:1],
+                                 np.zeros((1, 4), np.int32), fmt=Q.LatentFormat("fp8", 48, 8), scale=1.0,
+                                 value_dim=48)
 
 
 # ------------------------------------------------------------------------------------------------ lowering (no device)
@@ -260,88 +188,15 @@ def _sds(shape, dtype):
 
 
 @pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
-def test_indexer_kernels_lower_at_k31_shapes(index_dtype):
-    from pallas_kernels.indexer import gpu, tpu
+def test_tpu_indexer_kernel_lowers_at_k31_shapes(index_dtype):
+    from pallas_kernels.indexer import tpu
 
     fmt = Q.IndexKeyFormat(index_dtype, 128)
     args = (_sds((2, 32, 128), jnp.float32), _sds((2, 32), jnp.float32),
             tuple(_sds((100, 64, p.width), p.dtype) for p in fmt.parts), _sds((2, 40), jnp.int32),
             _sds((2,), jnp.int32))
-    txt = jax.jit(functools.partial(gpu.scores, fmt=fmt)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in txt
     txt = jax.jit(functools.partial(tpu.scores, fmt=fmt)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in txt
-
-
-@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
-def test_sparse_gpu_kernel_lowers_to_triton_at_k31_shapes(kv_dtype):
-    fmt = Q.LatentFormat(kv_dtype, 512, 64)
-    f = functools.partial(sparse_gpu.decode, fmt=fmt, scale=192 ** -0.5, value_dim=512)
-    args = (_sds((2, 96, 576), jnp.float32), tuple(_sds((100, 64, p.width), p.dtype) for p in fmt.parts),
-            _sds((2, 40), jnp.int32), _sds((2, 2048), jnp.int32))
-    assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize("kw", [dict(orient="qk"), dict(orient="kq"), dict(orient="kq", dot_dtype="bf16", exact=False)])
-def test_indexer_gpu_kernel_knobs_lower(kw):
-    from pallas_kernels.indexer import gpu
-
-    fmt = Q.IndexKeyFormat("fp8", 128)
-    args = (_sds((2, 32, 128), jnp.float32), _sds((2, 32), jnp.float32),
-            tuple(_sds((100, 64, p.width), p.dtype) for p in fmt.parts), _sds((2, 40), jnp.int32),
-            _sds((2,), jnp.int32))
-    f = functools.partial(gpu.scores, fmt=fmt, **kw)
-    assert "xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _offset_types(fn, args):
-    """Lower fn for CUDA and record, per ref shape, the integer type of the flat offsets the Pallas Triton lowering
-    builds (i32 / i64)."""
-    from jax._src.pallas.triton import lowering as tl
-
-    from pallas_kernels.paged import ensure_triton_wide_offsets
-
-    assert ensure_triton_wide_offsets()
-    inner = tl._compute_offsets_from_indices
-    seen = {}
-
-    def spy(block_info, nd_indexer, *a, **k):
-        r = inner(block_info, nd_indexer, *a, **k)
-        seen.setdefault(tuple(block_info.full_shape_dtype.shape), set()).add("i64" if "i64" in str(r.type) else "i32")
-        return r
-
-    tl._compute_offsets_from_indices = spy
-    try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        tl._compute_offsets_from_indices = inner
-    return seen
-
-
-def test_big_byte_pools_get_64bit_offsets_in_the_triton_lowering():
-    """The H200 crash: an fp8 latent pool of 2^31…2^32 bytes (128K × 32 sequences: 65,537 pages × 64 × 576 B =
-    2.4 GB) got int32 element offsets from the lowering (it switches to int64 only above 2^32 BYTES), which wrap
-    past row 3.73M. With the fix every such part is addressed with i64; small parts keep i32."""
-    from pallas_kernels.indexer import gpu
-    from pallas_kernels.paged import _needs_wide
-
-    assert _needs_wide((65537 * 64, 576), 1) and not _needs_wide((65537 * 64, 576), 2)
-    assert not _needs_wide((2**31 - 1,), 1) and _needs_wide((2**31,), 1) and not _needs_wide((2**32 + 1,), 1)
-    fmt = Q.LatentFormat("fp8", 512, 64)
-    f = functools.partial(sparse_gpu.decode, fmt=fmt, scale=192 ** -0.5, value_dim=512)
-    for nb, want in ((65537, "i64"), (600, "i32")):
-        args = (_sds((32, 96, 576), jnp.float32), tuple(_sds((nb, 64, p.width), p.dtype) for p in fmt.parts),
-                _sds((32, 2048), jnp.int32), _sds((32, 2048), jnp.int32))
-        seen = _offset_types(f, args)
-        assert seen[(nb * 64, 576)] == {want}, seen
-    # the indexer: fp8 codes of 2^31…2^32 bytes (e.g. 256K × 64 sequences, or 1M × 16)
-    fmt = Q.IndexKeyFormat("fp8", 128)
-    nb = 2**31 // (64 * 128) + 5
-    args = (_sds((16, 32, 128), jnp.float32), _sds((16, 32), jnp.float32),
-            tuple(_sds((nb, 64, p.width), p.dtype) for p in fmt.parts), _sds((16, 16384), jnp.int32),
-            _sds((16,), jnp.int32))
-    seen = _offset_types(functools.partial(gpu.scores, fmt=fmt), args)
-    assert seen[(nb * 64, 128)] == {"i64"} and seen[(nb * 64, 1)] == {"i32"}, seen
 
 
 # ------------------------------------------------------------------------------------------------ real GPU
@@ -360,7 +215,7 @@ def _big_pool(rng, n_seq, blocks_per_seq, extra=3):
 # is 5e-3 relative RMS; bf16 latent rows are a storage format too (bf16, not fp32, in the cache) and get the same bar.
 # Separately, `exact=True` (the default) promises fp32-level math on those rows — q split into hi + lo halves — so the
 # *_exact tests hold the fp32 bars (1e-5 scores, 1e-4 MLA): they caught the lo half being folded to 0 by XLA on GPU
-# (`sparse_gpu.split_hi_lo`), which left q at f16 (1.6e-4 … 2.9e-4) / bf16 (2.3e-3, 6.6e-5 for mxfp4 keys) precision.
+# (`gpu_prep.split_hi_lo`), which left q at f16 (1.6e-4 … 2.9e-4) / bf16 (2.3e-3, 6.6e-5 for mxfp4 keys) precision.
 STORAGE_BAR = 5e-3
 
 
@@ -387,13 +242,6 @@ def test_gpu_indexer_decode_device(index_dtype):
     assert_same_topk(idx, s_ref, topk, rel_tol=max(1e-5, 2 * err))  # disagreements only at near-ties
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
-def test_gpu_indexer_exact_mode_is_fp32_level(index_dtype):
-    *_, err = _gpu_index_case(index_dtype)
-    assert err <= 1e-5, f"hi/lo q split lost on the device? rel rms {err:.2e}"
-
-
 def _gpu_mla_case(kv_dtype, heads, **kernel_kw):
     rng = np.random.default_rng(12)
     B, nbs, page = 3, 64, 64  # 4K tokens per sequence
@@ -417,86 +265,11 @@ def test_gpu_sparse_mla_decode_device(kv_dtype, heads):
     assert e_o <= STORAGE_BAR
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
-def test_gpu_sparse_mla_exact_mode_is_fp32_level(kv_dtype):
-    e_o, e_lse = _gpu_mla_case(kv_dtype, 96)
-    assert e_o <= 1e-4 and e_lse <= 1e-4, f"hi/lo q split lost on the device? rel rms {e_o:.2e} / {e_lse:.2e}"
-
-
 # The tiny model's DSA shapes (8 index heads of 16, latent 32 + rope 16, top-8, 2 pages): dots with a side < 16.
 # On the H200 both kernels gave wrong results there (the model-level test caught it) until the wrappers padded:
-# index heads to ≥ 16, the sparse-MLA key block to ≥ 16 slots. Checked in interpret mode here and on the device.
+# index heads to ≥ 16, the sparse-MLA key block to ≥ 16 slots (tests/test_triton_{indexer,sparse_mla}.py, `pads`).
 SMALL_BT = np.array([[3, 1], [2, 4]], np.int32)
 SMALL_POS = np.array([64, 20], np.int32)
-
-
-@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("hi", [2, 8])
-def test_gpu_indexer_pads_few_heads(backend, exact, hi):
-    fmt, parts, q, w, s_ref = index_case("fp8", seed=21, B=2, bt=SMALL_BT, pos=SMALL_POS, nb=5, page=64, hi=hi, d=16)
-    s = np.asarray(ipaged.kernel_scores(q, w, parts, SMALL_BT, SMALL_POS, fmt=fmt, backend=backend, exact=exact,
-                                        orient="qk" if not exact else "kq"))
-    fin = np.isfinite(s_ref)
-    np.testing.assert_array_equal(np.isfinite(s), fin)
-    assert rel_rms(s[fin], s_ref[fin]) <= (1e-5 if exact else STORAGE_BAR)
-
-
-@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("kw", [{}, dict(sparse_gpu.storage_preset(8, 2))])
-def test_gpu_sparse_mla_pads_a_short_selection(backend, kw):
-    parts, idx, q, mkw = mla_case("fp8", seed=22, B=2, k=8, bt=SMALL_BT, pos=SMALL_POS, nb=5, page=64, r=32,
-                                  rope=16, h=2)
-    o_r, lse_r = sparse.decode(q, parts, SMALL_BT, idx, backend="reference", **mkw)
-    o, lse = sparse.decode(q, parts, SMALL_BT, idx, backend=backend, kernel_kw=kw or None, **mkw)
-    bound = 1e-4 if kw.get("exact", True) else STORAGE_BAR
-    assert rel_rms(o, o_r) <= bound and rel_rms(lse, lse_r) <= bound
-
-
-@pytest.mark.gpu
-def test_gpu_kernels_address_the_top_of_pools_over_2gib():
-    """Pools past 2^31 bytes (the first H200 run faulted at 2.4 GB): fp8 latent 65,600 pages × 64 × 576 B = 2.42 GB
-    and fp8 index codes 32,800 pages × 64 × 128 B + fp32 scales... sized over 2^31 B too (262,200 pages = 2.15 GB);
-    sequences live in the top pages (rows ≥ 3.73M / 16.7M), results vs the reference."""
-    rng = np.random.default_rng(20)
-    page = 64
-    # sparse MLA over a 2.42 GB fp8 latent pool
-    fmt = Q.LatentFormat("fp8", 512, 64)
-    nb = 65600
-    bits = jax.random.bits(jax.random.PRNGKey(0), (nb, page, fmt.width), jnp.uint8) & jnp.uint8(0xBF)
-    parts = (jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn),)
-    del bits
-    assert parts[0].nbytes > 2**31
-    B, nbs = 2, 64
-    bt = np.stack([nb - 1 - np.arange(nbs), np.concatenate([[1, 2], nb - 100 - rng.permutation(nbs - 2)])]).astype(np.int32)
-    idx = np.stack([rng.permutation(nbs * page)[:2048] for _ in range(B)]).astype(np.int32)
-    idx[1, -5:] = -1
-    q = rng.standard_normal((B, 96, 576)).astype(np.float32)
-    kw = dict(fmt=fmt, layer_scale=jnp.float32(0.5), scale=192 ** -0.5, value_dim=512)
-    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o, lse = sparse.decode(q, parts, bt, idx, backend="gpu", **kw)
-    assert rel_rms(o, o_r) <= STORAGE_BAR and rel_rms(lse, lse_r) <= STORAGE_BAR  # fp8 rows: the storage bar
-    del parts
-    # indexer over 2.15 GB of fp8 codes
-    fmt = Q.IndexKeyFormat("fp8", 128)
-    nb = 2**31 // (page * 128) + 100
-    bits = jax.random.bits(jax.random.PRNGKey(1), (nb, page, 128), jnp.uint8) & jnp.uint8(0xBF)
-    codes = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
-    del bits
-    sc = jnp.exp2(jax.random.randint(jax.random.PRNGKey(2), (nb, page, 1), -6, -1).astype(jnp.float32))
-    parts = (codes, sc)
-    assert codes.nbytes > 2**31
-    bt = np.stack([nb - 1 - np.arange(nbs), nb - 1 - nbs - rng.permutation(nbs)]).astype(np.int32)
-    pos = np.array([nbs * page - 1, 3000], np.int32)
-    qi = (0.5 + np.abs(rng.standard_normal((B, 32, 128)))).astype(np.float32)
-    wi = (np.abs(rng.standard_normal((B, 32))) * (32 * 128) ** -0.5).astype(np.float32)
-    keys = np.asarray(fmt.dequantize(gather_pages(parts, bt)))
-    s_ref = index_scores_f64(qi, wi, keys, pos)
-    s = np.asarray(ipaged.kernel_scores(qi, wi, parts, bt, pos, fmt=fmt, backend="gpu"))
-    fin = np.isfinite(s_ref)
-    np.testing.assert_array_equal(np.isfinite(s), fin)
-    assert rel_rms(s[fin], s_ref[fin]) <= STORAGE_BAR  # fp8 keys: the storage bar (the addressing is the point here)
 
 
 # ------------------------------------------------------------------------------------------------ opt-in fast variants
@@ -510,27 +283,27 @@ def _small(kw):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
-@pytest.mark.parametrize("name", sorted(sparse_gpu.WIDE))
+@pytest.mark.parametrize("name", sorted(sparse_gpu_triton.WIDE))
 def test_sparse_gpu_wide_presets_meet_the_storage_bar(kv_dtype, name):
-    """The all-heads / single-pass presets (sparse_gpu.WIDE) vs the reference on the dequantised rows: the issue's
-    storage-format bar (5e-3 relative RMS), with 2 splits merged by the Pallas merge kernel and an empty slot."""
+    """The all-heads / single-pass presets (sparse_gpu_triton.WIDE) vs the reference on the dequantised rows: the
+    issue's storage-format bar (5e-3 relative RMS), with 2 splits merged by the merge kernel and an empty slot."""
     parts, idx, q, kw = mla_case(kv_dtype, seed=21)
     idx[0, 5] = -1
     idx[2, 30:] = -1
     o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw)
-    kk = dict(_small(sparse_gpu.WIDE[name]), block_k=16, splits=2)
+    kk = dict(_small(sparse_gpu_triton.WIDE[name]), block_k=16, splits=2)
     o, lse = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=kk, **kw)
     assert o.shape == (3, H, R) and lse.shape == (3, H)
     assert rel_rms(o, o_r) <= 5e-3 and rel_rms(lse, lse_r) <= 5e-3
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "nvfp4"])
-@pytest.mark.parametrize("kw", [dict(block_h=64, block_v=32, splits=4, merge="pallas"),
-                                dict(block_h=16, block_v=16, orient="kq", q_reload=True, splits=2, merge="pallas"),
-                                dict(block_h=128, orient="kq", splits=1, merge="pallas")])
+@pytest.mark.parametrize("kw", [dict(block_h=64, block_v=32, splits=4, merge="triton"),
+                                dict(block_h=16, block_v=16, splits=2, merge="pallas"),
+                                dict(block_h=128, splits=1, merge="triton")])
 def test_sparse_gpu_variant_knobs_are_fp32_exact(kv_dtype, kw):
-    """The structural knobs (value blocks, rows·qᵀ orientation, q re-read, Pallas merge) keep exact mode at the fp32
-    bar (1e-4): only exact=False trades precision."""
+    """The structural knobs (value blocks, head blocks past H, the merge kernel under either name) keep exact mode
+    at the fp32 bar (1e-4): only exact=False trades precision."""
     parts, idx, q, kw_ = mla_case(kv_dtype, seed=22)
     idx[1, 3] = -1
     o_r, lse_r = sparse.decode(q, parts, BT, idx, backend="reference", **kw_)
@@ -539,13 +312,14 @@ def test_sparse_gpu_variant_knobs_are_fp32_exact(kv_dtype, kw):
 
 
 def test_pow2_from_exponent_bits_equals_frexp_for_normal_numbers():
-    """The in-kernel q normalisation (`_pow2_at_least`) gives `pow2_scale`'s power of two (frexp) for every normal
-    magnitude, powers of two included (2^e -> 2^(e+1)), and 1 for 0."""
+    """The q normalisation from the exponent bits (`gpu_prep.pow2_at_least`, the kernels' in-kernel twin) gives
+    `pow2_scale`'s power of two (frexp) for every normal magnitude, powers of two included (2^e -> 2^(e+1)), and 1
+    for 0."""
     rng = np.random.default_rng(0)
     m = np.concatenate([np.exp2(rng.uniform(-125, 126, 4000)), np.exp2(np.arange(-125.0, 127.0)), [0.0, 1.0, 3.0]])
     m = jnp.asarray(m, jnp.float32)
-    want = igpu.pow2_scale(m[:, None])[:, 0]
-    np.testing.assert_array_equal(np.asarray(sparse_gpu._pow2_at_least(m)), np.asarray(want))
+    want = gpu_prep.pow2_scale(m[:, None])[:, 0]
+    np.testing.assert_array_equal(np.asarray(gpu_prep.pow2_at_least(m)), np.asarray(want))
 
 
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -567,8 +341,9 @@ def test_gpu_indexer_q_prepared_in_the_kernel_equals_q_prepared_outside(backend,
     else:
         assert rel_rms(b[fin], a[fin]) <= 1e-6
     assert rel_rms(b[fin], 50.0 * s_ref[fin]) <= STORAGE_BAR  # scores are positively homogeneous in q
-    ex = [np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret", exact=True,
-                                          block_n=16, tokens_per_program=32, **extra)) for extra in ({}, dict(q_inside=True))]
+    ex = [np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend=backend, exact=True,
+                                          block_n=16, tokens_per_program=32, **extra))
+          for extra in ({}, dict(q_inside=True))]
     np.testing.assert_array_equal(ex[0], ex[1])
 
 
@@ -605,7 +380,7 @@ def test_sparse_gpu_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, 
     # large q in interpret mode (a power of two of 512 per head). Not at K3 width on the device: there single-pass
     # bf16 logits of std ≈ 86 err by ≈ 0.1, which moves a near-argmax softmax by 12% (H200, both q paths alike)
     q = q * (100.0 if backend == "gpu_interpret" else 1.0)
-    base = dict(exact=False, block_k=16, splits=2, merge="pallas", slots_outside=True, value_reload=True)
+    base = dict(exact=False, block_k=16, splits=2, merge="triton", slots_outside=True, value_reload=True)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
     o1, l1 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=base, **kw)
     o2, l2 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, q_inside=True), **kw)
@@ -617,88 +392,12 @@ def test_sparse_gpu_q_prepared_in_the_kernel_equals_q_prepared_outside(backend, 
         np.testing.assert_array_equal(np.asarray(ex[0]), np.asarray(ex[1]))
 
 
-@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("extra", [dict(lazy=True), dict(qk_split=4), dict(lazy=True, qk_split=4)])
-def test_sparse_gpu_lazy_rescale_and_split_logits_keep_exact_mode_at_the_fp32_bar(backend, extra):
-    """Two loop-structure knobs change no math: lazy (the running max — and the accumulator's rescale — moves only
-    when a head's block max passes it by > LAZY_RESCALE; p ≤ e^8 meanwhile) and qk_split (the logits dot as
-    independent pieces over the latent columns). Exact mode stays within 1e-4 of the reference with logits spread
-    wide enough that both lazy branches run: some block raises a head's max by more than the threshold, and some by
-    less."""
-    parts, idx, q, kw, bt = backend_mla_case(backend, "fp8", seed=43, h=H, pool_seed=42)
-    B, k = idx.shape
-    page, r, rope = parts[0].shape[1], kw["fmt"].latent, kw["fmt"].rope
-    q = q * (10.0 if backend == "gpu_interpret" else 1.5)  # logits spread over tens of units
-    idx[1, 3] = -1
-    BK = 16
-    # the float64 logits per head in slot order: both lazy branches are taken (the test is not vacuous)
-    rows = np.asarray(kw["fmt"].dequantize(parts, kw["layer_scale"]), np.float64).reshape(-1, r + rope)
-    slot_rows = np.asarray(bt)[np.arange(B)[:, None], np.maximum(idx, 0) // page] * page + np.maximum(idx, 0) % page
-    logits = np.einsum("bhc,bkc->bhk", np.asarray(q, np.float64), rows[slot_rows]) * SCALE
-    logits = np.where(idx[:, None, :] >= 0, logits, -np.inf)
-    n_blk = -(-k // BK)
-    blk_max = np.stack([logits[..., j * BK:(j + 1) * BK].max(-1) for j in range(n_blk)], -1)  # [B, H, n_blk]
-    grow = np.diff(np.maximum.accumulate(blk_max, axis=-1), axis=-1)
-    assert (grow > sparse_gpu.LAZY_RESCALE).any() and ((grow > 0) & (grow <= sparse_gpu.LAZY_RESCALE)).any()
-    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    kk = dict(block_k=BK, splits=1, slots_outside=True, value_reload=True, **extra)
-    o, lse = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=kk, **kw)
-    assert rel_rms(o, o_r) <= 1e-4 and rel_rms(lse, lse_r) <= 1e-4
-
-
-@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("exact,once", [(True, True), (False, True), (False, "value")])
-def test_sparse_gpu_convert_once_changes_no_bits_of_the_rows(backend, exact, once):
-    """convert_once stages each fp8 row as f16 once for both dots (`triton_prims.fp8_e4m3_to_f16`, the hardware
-    e4m3 -> f16 conversion, exact). The result is the kernel's without it: the same bits in interpret mode, fp32
-    rounding apart on the device (other instruction order), and within the fp32 bar (exact) or the storage bar of
-    the reference, with an empty slot and 2 splits."""
-    parts, idx, q, kw, bt = backend_mla_case(backend, "fp8", seed=45, h=H, pool_seed=44)
-    idx[1, 3] = -1
-    base = dict(block_k=16, splits=2, merge="pallas", slots_outside=True, value_reload=True, exact=exact,
-                q_inside=not exact)
-    o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
-    o1, l1 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=base, **kw)
-    o2, l2 = sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, convert_once=once), **kw)
-    assert_same_program_result(backend, (o2, l2), (o1, l1))
-    bar = 1e-4 if exact else STORAGE_BAR
-    assert rel_rms(o2, o_r) <= bar and rel_rms(l2, lse_r) <= bar
-    with pytest.raises(ValueError, match="convert_once"):
-        sparse.decode(q, parts, bt, idx, backend=backend, kernel_kw=dict(base, convert_once="keys"), **kw)
-
-
-def test_fp8_to_f16_primitive_is_the_exact_conversion_outside_triton():
-    """Every e4m3 byte (NaN included) converts to the f16 that XLA gives, eagerly and under jit (interpret mode
-    and plain XLA run the primitive's jnp twin; the PTX runs in the GPU tests above)."""
-    from pallas_kernels.triton_prims import fp8_e4m3_to_f16
-    codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
-    want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16))
-    for got in (fp8_e4m3_to_f16(codes), jax.jit(fp8_e4m3_to_f16)(codes),
-                fp8_e4m3_to_f16(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn))):
-        assert got.dtype == jnp.float16 and got.shape == (16, 16)
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
-    with pytest.raises(ValueError, match="uint8"):
-        fp8_e4m3_to_f16(codes.astype(jnp.int32))
-
-
-def test_sparse_gpu_qk_split_must_be_a_power_of_two_and_is_ignored_where_columns_split_otherwise():
-    parts, idx, q, kw = mla_case("fp8", seed=44)
-    for bad in (3, 0, 2.0):
-        with pytest.raises(ValueError, match="qk_split"):
-            sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(qk_split=bad), **kw)
-    # nvfp4 rows split their columns into [even | odd] planes already: the knob changes nothing there
-    parts, idx, q, kw = mla_case("nvfp4", seed=44)
-    a = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16), **kw)[0]
-    b = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(block_k=16, qk_split=4), **kw)[0]
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_sparse_gpu_pallas_merge_empty_rows_and_pallas_equals_xla_merge():
+def test_sparse_gpu_merge_kernel_empty_rows_and_merge_kernel_equals_xla_merge():
     parts, idx, q, kw = mla_case("fp8", seed=23)
     idx[2] = -1  # no key at all: o = 0, lse = −inf through the merge kernel
     kk = dict(block_h=16, block_k=16, splits=4)
     o_x, lse_x = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=kk, **kw)
-    o_p, lse_p = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(kk, merge="pallas"), **kw)
+    o_p, lse_p = sparse.decode(q, parts, BT, idx, backend="gpu_interpret", kernel_kw=dict(kk, merge="triton"), **kw)
     o_p, lse_p = np.asarray(o_p), np.asarray(lse_p)
     assert (o_p[2] == 0).all() and (lse_p[2] == -np.inf).all()
     np.testing.assert_allclose(o_p, np.asarray(o_x), rtol=1e-5, atol=1e-6)
@@ -733,12 +432,10 @@ def _gap_rule(idx_bk, s, s_ref, topk):
 @pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("name", ["sp128", "sp256_qk", "sp128_kq_s5_pf_qi"])
 def test_indexer_single_pass_presets_select_the_reference_set_on_untied_scores(index_dtype, name):
-    """Single-pass (no lo half) presets of `indexer.gpu.FAST`: scores to the storage bar, and the selected set equals
-    the exact top-k of the float64 reference wherever the k-th/(k+1)-th gap exceeds twice the score error."""
-    from pallas_kernels.indexer import gpu
-
+    """Single-pass (no lo half) presets of `indexer.gpu_triton.FAST`: scores to the storage bar, and the selected set
+    equals the exact top-k of the float64 reference wherever the k-th/(k+1)-th gap exceeds twice the score error."""
     fmt, parts, q, w, s_ref = index_case(index_dtype, seed=31)
-    kk = dict(gpu.FAST[name], block_n=16, tokens_per_program=32)
+    kk = dict(igpu.FAST[name], block_n=16, tokens_per_program=32)
     s = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret", **kk))
     fin = np.isfinite(s_ref)
     np.testing.assert_array_equal(np.isfinite(s), fin)
@@ -754,7 +451,7 @@ def test_indexer_single_pass_presets_select_the_reference_set_on_untied_scores(i
 @pytest.mark.parametrize("hi", [32, 20])
 def test_indexer_fp8_dots_meet_the_storage_bar_and_select_the_reference_set(backend, hi):
     """dot_dtype="fp8": the stored e4m3 codes meet q as two e4m3 planes (hi + lo of q·256/s_h) in fp8 tensor-core
-    dots with fast accumulation. Scores within the storage bar of the float64 reference, and the selected set equals
+    dots. Scores within the storage bar of the float64 reference, and the selected set equals
     the reference's wherever the cut is untied (the single-pass rule); 20 heads pad to 32 inside the kernel. On the
     device at K3 widths (32 heads × 128, 128-key blocks: the wgmma path). Without q prepared in the kernel, and for
     mxfp4 keys, the knob falls back to the default dot dtype."""
@@ -786,81 +483,27 @@ def test_indexer_fp8_dots_meet_the_storage_bar_and_select_the_reference_set(back
                                         **dict(kk, dot_dtype="auto"))))
 
 
-def test_fp8_dot_primitive_is_the_exact_product_outside_triton():
-    """`triton_prims.fp8_dot_nt` outside a Triton kernel: the exact fp32 product of the e4m3 values; bad operands
-    are refused."""
-    from pallas_kernels.triton_prims import fp8_dot_nt
-    a = jax.random.normal(jax.random.key(0), (64, 128)).astype(jnp.float8_e4m3fn)
-    b = jax.random.normal(jax.random.key(1), (32, 128)).astype(jnp.float8_e4m3fn)
-    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
-    for got in (fp8_dot_nt(a, b), jax.jit(fp8_dot_nt)(a, b)):
-        assert got.shape == (64, 32) and got.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        fp8_dot_nt(a.astype(jnp.float16), b)
-
-
-@pytest.mark.parametrize("name", sorted(sparse_gpu.WIDE))
-def test_sparse_gpu_wide_presets_lower_and_verify_at_k31_shapes(name):
-    """Every WIDE preset lowers to Triton at K3.1 shapes (96 heads, R 512, rope 64, k 2048) for every latent format,
-    its modules (decode + merge) pass the MLIR verifier, and with `triton` importable the sm_90 TTGIR passes run."""
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_kda_kernels import _triton_backend_check, _triton_modules
-
-    kw = sparse_gpu.WIDE[name]
-    for kv in ("fp8", "nvfp4", "bf16"):
-        fmt = Q.LatentFormat(kv, 512, 64)
-        f = functools.partial(sparse_gpu.decode, fmt=fmt, scale=192 ** -0.5, value_dim=512, **kw)
-        args = (_sds((4, 96, 576), jnp.float32), tuple(_sds((100, 64, p.width), p.dtype) for p in fmt.parts),
-                _sds((4, 40), jnp.int32), _sds((4, 2048), jnp.int32))
-        mods = _triton_modules(lambda *a: f(*a), *args)
-        assert [n for n, _ in mods] == ["sparse_mla_decode", "sparse_mla_merge"], mods
-        for n, m in mods:
-            assert m.operation.verify(), (name, kv, n)
-        if kv == "fp8":
-            _triton_backend_check(mods[0][1].operation.get_asm(enable_debug_info=False), kw["num_warps"])
-
-
-@pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4"])
-def test_indexer_fast_presets_lower_and_verify_at_k31_shapes(index_dtype):
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_kda_kernels import _triton_backend_check, _triton_modules
-
-    from pallas_kernels.indexer import gpu
-
-    fmt = Q.IndexKeyFormat(index_dtype, 128)
-    args = (_sds((32, 32, 128), jnp.float32), _sds((32, 32), jnp.float32),
-            tuple(_sds((3000, 64, p.width), p.dtype) for p in fmt.parts), _sds((32, 2048), jnp.int32),
-            _sds((32,), jnp.int32))
-    for name, kw in sorted(gpu.FAST.items()):
-        mods = _triton_modules(functools.partial(gpu.scores, fmt=fmt, **kw), *args)
-        assert [n for n, _ in mods] == ["dsa_indexer_scores"] and mods[0][1].operation.verify(), name
-        _triton_backend_check(mods[0][1].operation.get_asm(enable_debug_info=False), kw["num_warps"])
-
-
 # ------------------------------------------------------------------------------------------------ precision policy
 
 def test_storage_precision_runs_the_single_pass_presets_within_the_storage_bar():
-    """precision="storage" = the GPU kernels' measured single-pass settings (sparse_gpu.storage_preset by batch and
-    heads; indexer gpu.FAST[gpu.storage_preset(tokens)] by the tables' span: 64-key fp8 dots up to 64K tokens,
-    256-key ones beyond); "exact" stays the default; any other value is refused."""
+    """precision="storage" = the GPU kernels' measured single-pass settings (sparse_gpu_triton.storage_preset by
+    batch and heads; indexer gpu_triton.FAST[gpu_triton.storage_preset(tokens)] by the tables' span: 64-key fp8 dots
+    up to 64K tokens, 256-key ones beyond); "exact" stays the default; any other value is refused."""
     B = 8
     bt, pos = np.tile(BT, (3, 1))[:B], np.tile(POS, 3)[:B]
     parts, idx, q, kw = mla_case("fp8", seed=31, B=B, bt=bt, pos=pos)
     o_r, lse_r = sparse.decode(q, parts, bt, idx, backend="reference", **kw)
     o, lse = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", precision="storage", **kw)
-    preset = sparse_gpu.storage_preset(B, H)
+    preset = sparse_gpu_triton.storage_preset(B, H)
     assert preset["exact"] is False and preset["splits"] == 8
     o_p, lse_p = sparse.decode(q, parts, bt, idx, backend="gpu_interpret", kernel_kw=preset, **kw)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_p))
     assert rel_rms(o, o_r) <= 5e-3 and rel_rms(lse, lse_r) <= 5e-3
     # one sequence: the same kernel settings with the automatic split count (14.8 vs 20.6 µs at B = 1 on the H200)
-    assert sparse_gpu.storage_preset(1, H) == sparse_gpu.WIDE["sr16_bk32_s5_qi"]
+    assert sparse_gpu_triton.storage_preset(1, H) == sparse_gpu_triton.WIDE["sr16_bk32_s5_qi"]
     o1, l1 = sparse.decode(q[:1], parts, bt[:1], idx[:1], backend="gpu_interpret", precision="storage", **kw)
     assert rel_rms(o1, o_r[:1]) <= 5e-3 and rel_rms(l1, lse_r[:1]) <= 5e-3
-    assert sparse_gpu.storage_preset(1, 96) == {}  # many heads, one sequence: nothing faster than the default measured
+    assert sparse_gpu_triton.storage_preset(1, 96) == {}  # many heads, one sequence: nothing faster than the default measured
 
     fmt, kparts, qi, w, s_ref = index_case("fp8", seed=32)
     topk = 8

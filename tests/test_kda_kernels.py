@@ -1,9 +1,11 @@
-"""KDA kernels (pallas_kernels/kda) against the reference recurrence.
+"""KDA kernels (pallas_kernels/kda) against the reference recurrence: the shared chunk math, the TPU kernels and the
+backend-independent contracts of `ops`; the GPU (native Triton) kernels' own checks, on CPU and on a device, are in
+tests/test_triton_kda.py (and their sm_90 compile in tests/test_triton_compile.py), which share this file's inputs.
 
-CPU: the TPU kernels run in Pallas TPU interpret mode, the GPU (Triton) kernels in Pallas interpret mode; the GPU
-kernels are also lowered to Triton IR and the TPU kernels to Mosaic for their real platforms (no device needed).
-Bars (issue #4): relative RMS error < 1e-4 on fp32 inputs, < 5e-3 on bf16 inputs, outputs and final states checked
-separately. GPU correctness on a real device: the `gpu`-marked tests (skipped without a GPU).
+CPU: the TPU kernels run in Pallas TPU interpret mode, the GPU kernels in Triton's interpreter (backend
+"gpu_interpret"; tests/conftest.py sets TRITON_INTERPRET=1); the TPU kernels are also lowered to Mosaic (no device
+needed). Bars (issue #4): relative RMS error < 1e-4 on fp32 inputs, < 5e-3 on bf16 inputs, outputs and final states
+checked separately.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import chunk_math, ops, reference as R
-from pallas_kernels.triton_tools import lowered_triton_modules as _triton_modules  # (name, module) per kernel
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 BARS = {jnp.float32: 1e-4, jnp.bfloat16: 5e-3}
@@ -135,7 +136,7 @@ def test_intra_chunk_fast_paths_equal_exact(g_lo):
 CU_MANY = np.array([0, 1, 9, 9, 26, 90, 93, 150])  # many short sequences, one empty, T = 150 (not a multiple of 64)
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", ["tpu_interpret"])  # the GPU kernels: tests/test_triton_kda.py
 def test_chunk_varlen_fp32_strong_decay(backend):
     q, k, v, g, beta = inputs(10, 1, 150, 2, 32, 16, -30.0, -5.0, jnp.float32)
     N = len(CU_MANY) - 1
@@ -147,69 +148,6 @@ def test_chunk_varlen_fp32_strong_decay(backend):
     assert rel_rms(o, o_r) < BARS[jnp.float32]
     assert rel_rms(sf, s_r) < BARS[jnp.float32]
     np.testing.assert_allclose(sf[2], s0[2])  # the empty sequence keeps its initial state
-
-
-@pytest.mark.parametrize("tuning", [dict(split_o=True, fast_inverse=True, state_bv=16, out_bv=16, intra_split=False),
-                                    dict(fast_diag=False, intra_split=False)])
-@pytest.mark.parametrize("g_lo,g_hi", [(-30.0, -5.0), (-4.0, -0.01)])
-def test_gpu_chunk_variants_fp32(tuning, g_lo, g_hi):
-    """The one-program kernel A's launch variants (split output kernel, loop-free inverse, exact diagonal loop) on
-    varlen fp32,
-    with strong decay (exact diagonal path) and K3-range decay (one-matmul diagonal path)."""
-    from pallas_kernels.kda import gpu
-    q, k, v, g, beta = inputs(16, 1, 150, 2, 32, 16, g_lo, g_hi, jnp.float32)
-    N = len(CU_MANY) - 1
-    s0 = jnp.asarray(np.random.default_rng(17).standard_normal((N, 2, 32, 16)), jnp.float32)
-    fn = lambda *a: gpu.chunk(*a[:5], CU_MANY, a[5], interpret=True, tuning=tuning)
-    o, sf = run_fast(fn, q, k, v, g, beta, s0)
-    o_r, s_r = R.recurrent_varlen(q, k, v, g, beta, CU_MANY, s0)
-    assert rel_rms(o, o_r) < BARS[jnp.float32] and rel_rms(sf, s_r) < BARS[jnp.float32]
-
-
-_SPLIT_TUNINGS = [dict(intra_split=True),
-                  dict(intra_split=True, rows_form="tiled"),
-                  dict(intra_split=True, rows_form="tiled", fast_inverse=False, wu_cols=2, intra_mm="tf32"),
-                  dict(intra_split=True, rows_form="tiled", wu_form="inverse", wu_cols=2),
-                  dict(intra_split=True, fast_diag=False, fast_inverse=True, wu_cols=2, intra_mm="tf32", split_o=True,
-                       state_bv=16, out_bv=16),
-                  dict(intra_split=True, fast_inverse=True, intra_mm="bf16_rows")]
-
-
-@pytest.mark.parametrize("tuning", _SPLIT_TUNINGS)
-@pytest.mark.parametrize("dtype,g_lo,g_hi", [(jnp.float32, -30.0, -5.0), (jnp.float32, -4.0, -0.01),
-                                             (jnp.bfloat16, -4.0, -0.01), (jnp.bfloat16, -30.0, -5.0)])
-def test_gpu_chunk_split_intra(tuning, dtype, g_lo, g_hi):
-    """The split kernel A (A1 per 16-row sub-block, whole-chunk or tiled; A2 W/U by block substitution or from T's
-    blocks) on varlen input with an initial
-    state, fp32 (IEEE products) and bf16 (bf16 / TF32 products), strong and K3-range decay; dk = dv = 32 so that
-    wu_cols = 2 splits W/U into two column tiles."""
-    from pallas_kernels.kda import gpu
-    q, k, v, g, beta = inputs(18, 1, 150, 2, 32, 32, g_lo, g_hi, dtype)
-    N = len(CU_MANY) - 1
-    s0 = jnp.asarray(np.random.default_rng(19).standard_normal((N, 2, 32, 32)), jnp.float32)
-    fn = lambda *a: gpu.chunk(*a[:5], CU_MANY, a[5], interpret=True, tuning=tuning)
-    o, sf = run_fast(fn, q, k, v, g, beta, s0)
-    o_r, s_r = R.recurrent_varlen(*f32(q, k, v), g, beta, CU_MANY, s0)
-    assert rel_rms(o, o_r) < BARS[dtype] and rel_rms(sf, s_r) < BARS[dtype]
-
-
-@pytest.mark.parametrize("rows_form", ["full", "tiled"])
-def test_gpu_chunk_split_intra_fused_gate_bf16(rows_form):
-    """Split kernel A with the K3 lower-bound gate computed in-kernel (A1 forms it; A2 too in the "full" form),
-    d = 128."""
-    from pallas_kernels.kda import gpu
-    B, T, H, d = 1, 100, 2, 128
-    q, k, v, f, beta = inputs(22, B, T, H, d, d, -4.0, 4.0, jnp.bfloat16)
-    r = np.random.default_rng(23)
-    A_log = jnp.asarray(np.log(r.uniform(1, 16, H)), jnp.float32)
-    dt_bias = jnp.asarray(r.standard_normal(H * d), jnp.float32)
-    cu = np.array([0, 37, 100])
-    fn = lambda *a: gpu.chunk(*a, cu, None, A_log=A_log, dt_bias=dt_bias, gate_form="lower_bound", interpret=True,
-                              tuning=dict(intra_split=True, wu_cols=4, rows_form=rows_form))
-    o, sf = run_fast(fn, q, k, v, f, beta)
-    g = R.gate(f, A_log, dt_bias.reshape(H, d), "lower_bound")
-    o_r, s_r = R.recurrent_varlen(*f32(q, k, v), g, beta, cu)
-    assert rel_rms(o, o_r) < BARS[jnp.bfloat16] and rel_rms(sf, s_r) < BARS[jnp.bfloat16]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -232,7 +170,7 @@ def test_chunk_batch_bf16_fused_gate(backend):
 @pytest.mark.parametrize("backend,H", [("tpu_interpret", 96), ("gpu_interpret", 8)])
 def test_chunk_k3_heads_bf16_short(backend, H):
     """d = 128 and H = 96 (K3 shape; H = 8 under the Triton interpreter, which copies whole buffers per grid step:
-    H = 96 there is the `gpu` device test and bench/kda.py), kept short: one 20-token sequence with an initial state,
+    H = 96 there is tests/test_triton_kda.py's `gpu` device test and bench/kda.py), kept short: one 20-token sequence with an initial state,
     g near −5 and below."""
     cu = np.array([0, 20])
     q, k, v, g, beta = inputs(14, 1, 20, H, 128, 128, -8.0, -4.5, jnp.bfloat16)
@@ -248,7 +186,7 @@ def test_chunk_k3_heads_bf16_short(backend, H):
 # decode kernels (interpret mode)
 # ------------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", ["tpu_interpret"])  # the GPU kernel: tests/test_triton_kda.py
 @pytest.mark.parametrize("dtype,form", [(jnp.float32, "plain"), (jnp.bfloat16, "lower_bound")])
 def test_recurrent_slots(backend, dtype, form):
     B, T, H, dk, dv, S = 3, 2, 2, 32, 64, 5
@@ -275,26 +213,6 @@ def test_recurrent_slots(backend, dtype, form):
     np.testing.assert_array_equal(new_pool[jnp.array([1, 3])], pool[jnp.array([1, 3])])
 
 
-@pytest.mark.parametrize("tuning", [dict(dec_heads=2, dec_bv=32, dec_warps=2), dict(dec_heads=2, dec_bv=64)])
-def test_gpu_recurrent_heads_per_program(tuning):
-    """Decode with two heads per program (dec_heads), in-kernel gate, T = 2 steps, slot-addressed pool."""
-    from pallas_kernels.kda import gpu
-    B, T, H, dk, dv, S = 3, 2, 4, 32, 64, 5
-    q, k, v, f, beta = inputs(24, B, T, H, dk, dv, -6.0, 2.0, jnp.float32)
-    r = np.random.default_rng(25)
-    pool = jnp.asarray(r.standard_normal((S, H, dk, dv)), jnp.float32)
-    slots = jnp.array([4, 0, 2], jnp.int32)
-    A_log = jnp.asarray(np.log(r.uniform(1, 16, H)), jnp.float32)
-    dt_bias = jnp.asarray(r.standard_normal(H * dk), jnp.float32)
-    fn = lambda *a: gpu.recurrent(*a, A_log=A_log, dt_bias=dt_bias, gate_form="lower_bound", interpret=True,
-                                  tuning=tuning)
-    o, new_pool = run_fast(fn, q, k, v, f, beta, pool, slots)
-    g = R.gate(f, A_log, dt_bias.reshape(H, dk), "lower_bound")
-    o_r, pool_r = R.recurrent_slots(q, k, v, g, beta, pool, slots)
-    assert rel_rms(o, o_r) < BARS[jnp.float32] and rel_rms(new_pool[slots], pool_r[slots]) < BARS[jnp.float32]
-    np.testing.assert_array_equal(new_pool[jnp.array([1, 3])], pool[jnp.array([1, 3])])
-
-
 def test_recurrent_donated_updates_in_place_shape():
     """The donated entry point keeps the pool's shape/dtype (the aliasing contract used by the engine)."""
     q, k, v, g, beta = inputs(30, 2, 1, 2, 16, 16, -1.0, 0.0, jnp.float32)
@@ -310,6 +228,7 @@ def test_recurrent_donated_updates_in_place_shape():
 def test_auto_backend_on_cpu_is_reference():
     if jax.default_backend() == "cpu":
         assert ops.resolve_backend("auto") == "reference"
+    assert ops.resolve_backend("triton") == "gpu" and ops.resolve_backend("triton_interpret") == "gpu_interpret"
     with pytest.raises(ValueError):
         ops.resolve_backend("cuda-ish")
 
@@ -359,112 +278,6 @@ def _sds(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def test_gpu_kernels_lower_to_triton():
-    from pallas_kernels.kda import gpu
-    H, d, T = 4, 128, 130
-    cu = np.array([0, 7, 130])
-    args = (_sds((1, T, H, d)), _sds((1, T, H, d)), _sds((1, T, H, d)), _sds((1, T, H, d), jnp.float32),
-            _sds((1, T, H), jnp.float32), _sds((2, H, d, d), jnp.float32))
-    f = lambda *a: gpu.chunk(*a[:5], cu, a[5], A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="lower_bound")
-    txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert txt.count("xla.gpu.triton") >= 2
-    f3 = lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=dict(split_o=True, fast_inverse=True, intra_split=False))
-    assert jax.jit(f3).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 3
-    f4 = lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=dict(intra_split=True))  # A1, A2, B
-    assert jax.jit(f4).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 3
-    dec = lambda *a: gpu.recurrent(*a[:5], a[5], a[6], A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="plain")
-    dargs = (_sds((8, 1, H, d)),) * 3 + (_sds((8, 1, H, d)), _sds((8, 1, H)), _sds((16, H, d, d), jnp.float32),
-                                         _sds((8,), jnp.int32))
-    txt = jax.jit(dec, donate_argnums=5).trace(*dargs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in txt
-
-
-def _triton_backend_check(text, num_warps):
-    """Where the `triton` package is importable (the GPU host; not needed here), run its TTIR → TTGIR passes for
-    sm_90 on the module text: the select/if-combining pass that broke the old kernel A runs there."""
-    try:
-        import triton
-        from triton._C.libtriton import ir as tir
-        from triton.backends.compiler import GPUTarget, Language
-        from triton.backends.nvidia.compiler import CUDABackend
-    except Exception:  # noqa: BLE001 - no triton (or an API we do not know): the MLIR verifier alone
-        return False
-    import tempfile
-    backend = CUDABackend(GPUTarget("cuda", 90, 32))
-    opts = backend.parse_options(dict(num_warps=num_warps, num_stages=1))
-    ctx = tir.context()
-    tir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as f:
-        f.write(text)
-        f.flush()
-        mod = tir.parse_mlir_module(f.name, ctx)
-    mod.context = ctx
-    stages = {}
-    backend.add_stages(stages, opts, Language.TRITON)
-    meta = {}
-    stages["ttgir"](stages["ttir"](mod, meta), meta)
-    del triton
-    return True
-
-
-# every launch variant of the prefill op (kernel A's diagonal/inverse forms × the split output), both precisions,
-# precomputed and fused gates; every decode tile shape the diagnostics sweep
-_CHUNK_VARIANTS = [dict(fast_diag=fd, fast_inverse=fi, split_o=so, intra_split=False)
-                   for fd in (True, False) for fi in (False, True) for so in (False, True)]
-# the split kernel A (kda_intra_rows + kda_intra_wu) in every form the diagnostics sweep
-_SPLIT_VARIANTS = [dict(intra_split=True, fast_diag=fd, fast_inverse=fi, split_o=so, intra_mm=mm, wu_cols=nc,
-                        rows_warps=rw, wu_warps=ww)
-                   for fd, fi, so, mm, nc, rw, ww in [(True, False, False, "bf16", 1, 4, 4),
-                                                      (True, True, False, "bf16", 2, 4, 4),
-                                                      (True, True, True, "tf32", 1, 2, 2),
-                                                      (False, False, False, "bf16", 4, 4, 8),
-                                                      (True, True, False, "bf16", 1, 2, 4),
-                                                      (True, False, True, "bf16", 2, 8, 4),
-                                                      (True, True, False, "bf16_rows", 1, 4, 4)]]
-_SPLIT_VARIANTS += [dict(v, rows_form="tiled") for v in _SPLIT_VARIANTS[:3]]
-_SPLIT_VARIANTS += [dict(v, rows_form="tiled", wu_form="inverse") for v in _SPLIT_VARIANTS[:3]]
-
-
-def test_gpu_triton_modules_verify_for_every_tuning():
-    """The Triton modules of every TUNING variant pass the MLIR verifier, and kernel A holds no `scf.if` (an
-    `scf.if` from a run-time `lax.cond` made the H200's Triton compile fail: "operand #1 does not dominate this
-    use" at a select). With the `triton` package importable, the sm_90 TTGIR passes run on kernel A too."""
-    from pallas_kernels.kda import gpu
-    H, d, T = 2, 128, 130
-    cu = np.array([0, 7, 130])
-    checked = set()
-    for dt in (jnp.bfloat16, jnp.float32):
-        args = (_sds((1, T, H, d), dt),) * 3 + (_sds((1, T, H, d), jnp.float32), _sds((1, T, H), jnp.float32),
-                                               _sds((2, H, d, d), jnp.float32))
-        for i, tn in enumerate(_CHUNK_VARIANTS + _SPLIT_VARIANTS):
-            if dt == jnp.float32 and i % 2:  # fp32: the kernel-A variants once each
-                continue
-            gate = dict(A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * d), gate_form="lower_bound") if i % 3 == 1 else {}
-            tune = dict(gpu.TUNING, **tn)
-            mods = _triton_modules(lambda *a: gpu.chunk(*a[:5], cu, a[5], tuning=tn, **gate), *args)
-            names = [n for n, _ in mods]
-            a_names = ["kda_intra_rows", "kda_intra_wu"] if tune["intra_split"] else ["kda_intra"]
-            assert names == a_names + (["kda_state_only", "kda_out"] if tn["split_o"] else ["kda_state"]), names
-            warps = {n: gpu.prefill_launch(tune)[n][0] for n in a_names}  # kernel A's launches
-            for name, m in mods:
-                assert m.operation.verify(), (tn, name)
-                if name in warps:
-                    text = m.operation.get_asm(enable_debug_info=False)
-                    assert "scf.if" not in text, tn
-                    key = (name, tn["fast_diag"], tn["fast_inverse"], tune["intra_mm"], tune["wu_cols"], warps[name],
-                           gate != {}, dt, tune["rows_form"], tune["wu_form"])
-                    if key not in checked:
-                        checked.add(key)
-                        _triton_backend_check(text, warps[name])
-    dargs = (_sds((8, 1, H, d)),) * 4 + (_sds((8, 1, H)), _sds((16, H, d, d), jnp.float32), _sds((8,), jnp.int32))
-    for bv, w, hp in [(None, None, 1), (16, 1, 1), (32, 2, 1), (32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 4, 1),
-                      (128, 8, 1), (64, 4, 2), (32, 2, 2), (32, 4, 2), (128, 8, 2)]:
-        tn = {} if bv is None else dict(dec_bv=bv, dec_warps=w, dec_heads=hp)
-        for name, m in _triton_modules(lambda *a: gpu.recurrent(*a, tuning=tn), *dargs):
-            assert name == "kda_decode" and m.operation.verify(), tn
-
-
 def test_tpu_kernels_lower_to_mosaic():
     from pallas_kernels.kda import tpu
     H, d, T = 2, 128, 130
@@ -478,62 +291,3 @@ def test_tpu_kernels_lower_to_mosaic():
     dargs = (_sds((4, 1, H, d)),) * 4 + (_sds((4, 1, H)), _sds((8, H, d, d), jnp.float32), _sds((4,), jnp.int32))
     txt = jax.jit(dec, donate_argnums=5).trace(*dargs).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in txt
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# real GPU (skipped without one)
-# ------------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_chunk_device(dtype):
-    cu = np.array([0, 1, 100, 100, 333, 1000])
-    q, k, v, g, beta = inputs(50, 1, 1000, 4, 128, 128, -20.0, -0.5, dtype)
-    s0 = jnp.asarray(np.random.default_rng(51).standard_normal((5, 4, 128, 128)) * 0.1, jnp.float32)
-    o, sf = jax.jit(lambda *a: ops.chunk(*a[:5], initial_state=a[5], cu_seqlens=cu, backend="gpu"))(
-        q, k, v, g, beta, s0)
-    o_r, s_r = R.recurrent_varlen(*f32(q, k, v), g, beta, cu, s0)
-    assert rel_rms(o, o_r) < BARS[dtype] and rel_rms(sf, s_r) < BARS[dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_recurrent_device(dtype):
-    q, k, v, f, beta = inputs(52, 16, 1, 8, 128, 128, -6.0, 2.0, dtype)
-    r = np.random.default_rng(53)
-    A_log = jnp.asarray(np.log(r.uniform(1, 16, 8)), jnp.float32)
-    dt_bias = jnp.asarray(r.standard_normal(8 * 128), jnp.float32)
-    pool = jnp.asarray(r.standard_normal((40, 8, 128, 128)), jnp.float32)
-    slots = jnp.asarray(r.permutation(40)[:16], jnp.int32)
-    o, new = ops.recurrent(q, k, v, f, beta, pool, slot_ids=slots, backend="gpu", A_log=A_log, dt_bias=dt_bias,
-                           gate_form="lower_bound")
-    g = R.gate(f, A_log, dt_bias.reshape(8, 128), "lower_bound")
-    o_r, pool_r = R.recurrent_slots(*f32(q, k, v), g, beta, pool, slots)
-    assert rel_rms(o, o_r) < BARS[dtype] and rel_rms(new, pool_r) < BARS[dtype]
-
-
-@pytest.mark.parametrize("rows_form,n_out", [("full", 6), ("tiled", 7)])
-def test_gpu_chunk_intra_only_rows_returns_a1_outputs(rows_form, n_out):
-    """Diagnostics hook of bench/kda_gpu_diag.py: `intra_only="rows"` stops after the split A1 and returns its
-    outputs (Akk, T_ii, Aqk, kg, qg, [β k e^Γ,] Γ_last)."""
-    from pallas_kernels.kda import gpu
-    q, k, v, g, beta = inputs(31, 1, 40, 2, 16, 16, -4.0, -0.01, jnp.float32)
-    outs = gpu.chunk(q, k, v, g, beta, np.array([0, 40]), None, interpret=True,
-                     tuning=dict(rows_form=rows_form, intra_only="rows"))
-    assert len(outs) == n_out and outs[-1].shape == (1, 2, 16)
-
-
-@pytest.mark.parametrize("dtype,tuning,want", [
-    (jnp.bfloat16, {}, jnp.bfloat16),                          # A2 casts Akk, T_ii, β k e^Γ to bf16 anyway
-    (jnp.bfloat16, dict(wu_form="inverse"), jnp.float32),      # the inverse form chains IEEE fp32 products on them
-    (jnp.bfloat16, dict(intra_mm="tf32"), jnp.float32),
-    (jnp.float32, {}, jnp.float32),                            # fp32 inputs: the 1e-4 bar
-])
-def test_gpu_a1_hands_a2_its_operands_in_the_product_dtype(dtype, tuning, want):
-    """Akk, T_ii and β k e^Γ (A1 -> A2, tiled form) are stored in bf16 exactly when A2 multiplies them in bf16."""
-    from pallas_kernels.kda import gpu
-    q, k, v, g, beta = inputs(32, 1, 40, 2, 16, 16, -4.0, -0.01, dtype)
-    akk, tii, aqk, kg, qg, rk, gl = gpu.chunk(q, k, v, g, beta, np.array([0, 40]), None, interpret=True,
-                                              tuning=dict(tuning, intra_only="rows"))
-    assert (akk.dtype, tii.dtype, rk.dtype) == (want,) * 3 and gl.dtype == jnp.float32

@@ -64,10 +64,10 @@ def assert_mosaic(f, *args):
 def test_auto_resolves_against_the_platform_argument():
     assert kops.resolve_backend("auto", platform="tpu") == "tpu"
     assert kops.resolve_backend("auto", platform="cpu") == "reference"
-    assert kops.resolve_backend("auto", platform="cuda") in ("gpu", "reference")  # no Triton lowering -> reference
+    assert kops.resolve_backend("auto", platform="cuda") in ("gpu", "reference")  # no jax-triton -> reference
     assert mops.resolve_backend("auto", platform="tpu") == "tpu"
     assert mops.resolve_backend("auto", platform="cpu") == "reference"
-    assert mops.resolve_backend("auto", platform="gpu") == mops.GPU_CHOICE["bf16"]
+    assert mops.resolve_backend("auto", platform="gpu") in (mops.GPU_CHOICE["bf16"], "reference")  # as KDA
     yes = lambda kind: True  # noqa: E731
     assert resolve_dsa_backend("auto", op="x", supported=yes, platform="tpu") == "tpu"
     assert resolve_dsa_backend("auto", op="x", supported=yes, platform="cuda") == "gpu"

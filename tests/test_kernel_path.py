@@ -1,5 +1,5 @@
-"""Model integration of the kernels: the tiny model's logits through the Pallas kernels (run in interpret mode on
-CPU) equal the jnp-reference path — prefill, prefill continued from a cache (KDA initial state), and step-by-step
+"""Model integration of the kernels: the tiny model's logits through the kernels (run in interpret mode on CPU: Pallas
+TPU interpret mode, Triton's interpreter for the GPU kernels) equal the jnp-reference path — prefill, prefill continued from a cache (KDA initial state), and step-by-step
 decode (slot-addressed recurrent kernel, cache donated)."""
 
 import dataclasses
@@ -47,7 +47,7 @@ def _prefill_continue_decode(model, ids, n_first, n_second, n_decode):
 
 @pytest.mark.parametrize("kda", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_gpu_kda_kernel_path_equals_reference_path(tiny_model, kda):
-    """GPU (Pallas Triton) KDA kernels — in interpret mode on CPU, compiled on a GPU: T = 70 (not a multiple of 64,
+    """GPU (native Triton) KDA kernels — in Triton's interpreter on CPU, compiled on a GPU: T = 70 (not a multiple of 64,
     two chunks), a continued prefill (initial state from the cache) and decode steps.
 
     Both models run with every product in IEEE fp32 (`default_matmul_precision("highest")`; a no-op on CPU). Under
@@ -104,11 +104,11 @@ def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bou
     over the same fp8 pages, to ≈ fp32 ("exact") or within the storage formats' bar ("storage": 8 sequences, so the
     sparse-MLA kernel takes its single-pass split preset). Both models run with IEEE fp32 products
     (`default_matmul_precision("highest")`, a no-op on CPU) so the bound measures the kernels, not TF32."""
-    from pallas_kernels.indexer import gpu as igpu
-    from pallas_kernels.mla import sparse_gpu
+    from pallas_kernels.indexer import gpu_triton as igpu
+    from pallas_kernels.mla import sparse_gpu_triton
 
     launched = []
-    for mod, name in ((sparse_gpu, "decode"), (igpu, "scores")):
+    for mod, name in ((sparse_gpu_triton, "decode"), (igpu, "scores")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k: launched.append((_n, k)) or _real(*a, **k))
     cfg = _tiny_with_gpu_dsa_shapes()
@@ -126,16 +126,16 @@ def test_gpu_dsa_kernels_in_the_paged_decode_equal_reference_path(precision, bou
 
 
 def test_storage_precision_sends_fp8_rows_with_few_heads_to_the_mosaic_gpu_kernel():
-    """The sparse-MLA GPU dispatch (`sparse._gpu_impl`): fp8 rows, storage precision, ≤ 16 heads, ≥ 16 sequences,
-    one pool part -> the one-launch Mosaic kernel; fewer sequences, exact products, more heads, other row formats,
-    interpret mode or Triton settings -> the Triton kernel; an explicit impl always wins."""
+    """The sparse-MLA GPU dispatch (`sparse._gpu_impl`): fp8 rows, storage precision, ≤ 16 heads, one pool part ->
+    the one-launch Mosaic kernel at any batch size; exact products, more heads, other row formats, interpret mode or
+    Triton settings -> the Triton kernel; an explicit impl always wins."""
     from kimi_jax.quant import LatentFormat
     from pallas_kernels.mla import sparse
 
     fp8, nvfp4 = LatentFormat("fp8", 512, 64), LatentFormat("nvfp4", 512, 64)
     one = (object(),)
     assert sparse._gpu_impl("gpu", {}, "storage", fp8, 32, 12, one) == "mgpu"
-    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 8, 12, one) == "triton"  # small batch: Triton is faster
+    assert sparse._gpu_impl("gpu", {}, "storage", fp8, 1, 12, one) == "mgpu"  # one sequence too (H100)
     assert sparse._gpu_impl("gpu", {}, "exact", fp8, 32, 12, one) == "triton"
     assert sparse._gpu_impl("gpu", {}, "storage", fp8, 32, 96, one) == "triton"
     assert sparse._gpu_impl("gpu", {}, "storage", nvfp4, 32, 12, (object(),) * 3) == "triton"

@@ -1,4 +1,4 @@
-"""The native Triton kernels (issue #48) compile for NVIDIA Hopper and AMD CDNA3 targets on a host without a GPU.
+"""The GPU kernels (native Triton) compile for NVIDIA Hopper and AMD CDNA3 targets on a host without a GPU.
 
 Triton's pip wheel compiles to a cubin (CUDA, sm_90) or an hsaco (ROCm, gfx942) on the CPU. A subprocess without
 TRITON_INTERPRET (conftest turns it on for this process) traces the kernels' JAX wrappers at K3.1-like shapes with
@@ -7,6 +7,7 @@ jax-triton would (`triton_call.compile_launch`). Hopper launches must fit its 22
 on gfx942 (64 KB of LDS per CU) the Hopper-tuned presets are only compiled, not held to a budget (docs/gpu.md, AMD),
 except sparse MLA's all-heads preset (128-head blocks), whose gfx942 compile takes minutes on this CPU. Inline PTX
 (`triton_call.ON_NVIDIA`) must reach the sm_90 binaries (the MoE MXFP4 decode) and stay out of the gfx942 ones.
+A second sm_90 run compiles every opt-in preset of the indexer (`FAST`) and sparse MLA (`WIDE`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     import pallas_kernels.triton_call as tc
     from kimi_jax import quant as Q
-    from pallas_kernels.indexer import gpu as igpu, gpu_triton as ix
+    from pallas_kernels.indexer import gpu_triton as ix
     from pallas_kernels.kda import gpu_triton as kda
-    from pallas_kernels.mla import sparse_gpu, sparse_gpu_triton as mla
+    from pallas_kernels.mla import sparse_gpu_triton as mla
     from pallas_kernels.moe import gpu_triton as moe, mxfp4 as mx
 
     backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    presets = len(sys.argv) > 4 and sys.argv[4] == "presets"
     launches = []
 
     def record(args, *, out_shape, **kw):
@@ -44,12 +46,27 @@ SCRIPT = textwrap.dedent("""
         return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
 
     S = jax.ShapeDtypeStruct
-    with mock.patch.object(tc, "_gpu_launch", record):
+
+    def preset_launches():
+        # every opt-in preset (`FAST`, `WIDE`) at K3.1 widths, fp8 keys / rows: the knob combinations they name
+        fmt = Q.IndexKeyFormat("fp8", 128)
+        parts = tuple(S((3000, 64, p.width), p.dtype) for p in fmt.parts)
+        for name, kw in sorted(ix.FAST.items()):
+            jax.eval_shape(lambda q, w, p, bt, pos: ix.scores(q, w, p, bt, pos, fmt=fmt, **kw),
+                           S((32, 32, 128), jnp.float32), S((32, 32), jnp.float32), parts, S((32, 2048), jnp.int32),
+                           S((32,), jnp.int32))
+        fmt = Q.LatentFormat("fp8", 512, 64)
+        parts = tuple(S((4096, 64, p.width), p.dtype) for p in fmt.parts)
+        for name, kw in sorted(mla.WIDE.items()):
+            jax.eval_shape(lambda q, p, bt, idx: mla.decode(q, p, bt, idx, fmt=fmt, scale=0.07, value_dim=512, **kw),
+                           S((4, 96, 576), jnp.float32), parts, S((4, 40), jnp.int32), S((4, 2048), jnp.int32))
+
+    def default_launches():
         B, H, d, page = 4, 32, 128, 64
         for dt in ("fp8", "mxfp4", "bf16"):
             fmt = Q.IndexKeyFormat(dt, d)
             parts = tuple(S((512, page, p.width), p.dtype) for p in fmt.parts)
-            for kw in ({}, igpu.FAST[igpu.STORAGE_PRESET], igpu.FAST[igpu.STORAGE_PRESET_SHORT],
+            for kw in ({}, ix.FAST[ix.STORAGE_PRESET], ix.FAST[ix.STORAGE_PRESET_SHORT],
                        dict(exact=False, orient="qk", q_inside=True, prefetch=True)):
                 jax.eval_shape(lambda q, w, p, bt, pos: ix.scores(q, w, p, bt, pos, fmt=fmt, **kw),
                                S((B, H, d), jnp.float32), S((B, H), jnp.float32), parts, S((B, 128), jnp.int32),
@@ -76,11 +93,14 @@ SCRIPT = textwrap.dedent("""
         for dt in ("bf16", "fp8", "nvfp4"):
             fmt = Q.LatentFormat(dt, 512, 64)
             parts = tuple(S((4096, 64, p.width), p.dtype) for p in fmt.parts)
-            wide = [(96, sparse_gpu.storage_preset(B, 96))] if backend == "cuda" else []  # minutes on gfx942
-            for H, kw in [(16, {}), (16, sparse_gpu.storage_preset(B, 16))] + wide:
+            wide = [(96, mla.storage_preset(B, 96))] if backend == "cuda" else []  # minutes on gfx942
+            for H, kw in [(16, {}), (16, mla.storage_preset(B, 16))] + wide:
                 jax.eval_shape(lambda q, p, bt, idx: mla.decode(q, p, bt, idx, fmt=fmt, scale=0.07, value_dim=512,
                                                                 **kw),
                                S((B, H, 576), jnp.float32), parts, S((B, 512), jnp.int32), S((B, k), jnp.int32))
+
+    with mock.patch.object(tc, "_gpu_launch", record):
+        preset_launches() if presets else default_launches()
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, warp)
     out = []
     for args, kw in launches:
@@ -93,11 +113,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _compile(backend: str, arch: str, warp: int) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _compile(backend: str, arch: str, warp: int, *mode: str) -> list[dict]:
+    # importing jax_triton (earlier tests in this worker may have) sets TRITON_CACHE_DIR to "", which Triton's own
+    # compile rejects ("Could not create or locate cache dir"): the subprocess gets Triton's default cache instead
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not (k == "TRITON_CACHE_DIR" and not v)}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", SCRIPT, backend, arch, str(warp)], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, backend, arch, str(warp), *mode], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.split("RESULT", 1)[1])
 
@@ -113,6 +135,22 @@ def test_native_kernels_compile_for_hopper():
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
     mxfp4 = [r for r in res if r["mxfp4"]]
     assert mxfp4 and all(r["prmt"] for r in mxfp4)  # the MXFP4 decode is the PTX byte-permute sequence on NVIDIA
+
+
+def test_every_preset_compiles_for_hopper():
+    """Every opt-in preset of the indexer (`FAST`) and sparse MLA (`WIDE`) at K3.1 widths with fp8 keys / rows,
+    compiled for sm_90 (each preset names a combination of knobs the default launches above do not all reach), within
+    Hopper's shared memory."""
+    from pallas_kernels.indexer import gpu_triton as ix
+    from pallas_kernels.mla import sparse_gpu_triton as mla
+
+    res = _compile("cuda", "90", 32, "presets")
+    names = [r["name"] for r in res]
+    assert names.count("dsa_indexer_scores_triton") == len(ix.FAST)
+    assert names.count("sparse_mla_decode_triton") == len(mla.WIDE)
+    too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
+    assert not too_big, too_big
+    assert all(r["wgmma"] for r in res if r["fp8_dot"])
 
 
 def test_native_kernels_compile_for_cdna3():

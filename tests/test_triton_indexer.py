@@ -1,6 +1,6 @@
-"""The native Triton DSA indexer kernel (`pallas_kernels.indexer.gpu_triton`, issue #48) against its reference.
+"""The GPU DSA indexer kernel (native Triton, `pallas_kernels.indexer.gpu_triton`) against its reference.
 
-CPU: Triton's interpreter (backend "triton_interpret"; tests/conftest.py sets TRITON_INTERPRET=1) on the small
+CPU: Triton's interpreter (backend "gpu_interpret"; tests/conftest.py sets TRITON_INTERPRET=1) on the small
 geometry of tests/test_dsa_kernels.py, at the same bars: exact mode 1e-5 relative RMS of the scores vs a float64
 transcription on the dequantised keys, the top-k equal to the reference's; single-pass settings at the storage
 formats' 5e-3 bar (the interpreter rounds f32 -> fp8 by truncation, so those q planes are coarser here than on a
@@ -22,7 +22,6 @@ from test_dsa_kernels import (  # noqa: E402  (the shared small geometry and hel
     BT, POS, SMALL_BT, SMALL_POS, STORAGE_BAR, _big_pool, assert_same_topk, index_case, index_scores_f64, rel_rms)
 
 from kimi_jax import quant as Q  # noqa: E402
-from pallas_kernels.indexer import gpu as igpu  # noqa: E402
 from pallas_kernels.indexer import gpu_triton  # noqa: E402
 from pallas_kernels.indexer import paged as ipaged  # noqa: E402
 from pallas_kernels.paged import gather_pages  # noqa: E402
@@ -42,10 +41,10 @@ def _check(s, s_ref, bar):
 @pytest.mark.parametrize("index_dtype", ["fp8", "mxfp4", "bf16"])
 def test_triton_indexer_scores_and_topk_match_reference(index_dtype):
     fmt, parts, q, w, s_ref = index_case(index_dtype)
-    s = ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="triton_interpret", **SMALL)
+    s = ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret", **SMALL)
     _check(s, s_ref, 1e-5)
     topk = 8
-    idx = ipaged.decode(q, w, parts, BT, POS + 1, topk, fmt=fmt, backend="triton_interpret", kernel_kw=SMALL)
+    idx = ipaged.decode(q, w, parts, BT, POS + 1, topk, fmt=fmt, backend="gpu_interpret", kernel_kw=SMALL)
     assert idx.shape == (3, topk) and idx.dtype == jnp.int32
     assert_same_topk(idx, s_ref, topk)
     ref = ipaged.decode(q, w, parts, BT, POS + 1, topk, fmt=fmt, backend="reference")
@@ -57,7 +56,7 @@ def test_triton_indexer_scores_and_topk_match_reference(index_dtype):
 def test_triton_indexer_knobs_give_the_same_scores(kw):
     fmt, parts, q, w, s_ref = index_case("fp8", seed=5)
     q = q * 300.0  # large q: the per-head power-of-two normalisation keeps the f16 halves in range
-    s = ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="triton_interpret", **dict(SMALL, **kw))
+    s = ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret", **dict(SMALL, **kw))
     _check(s, s_ref * 300.0, 1e-5)
 
 
@@ -67,19 +66,9 @@ def test_triton_indexer_storage_presets_meet_the_storage_bar(index_dtype, name):
     """The single-pass presets (q prepared in the kernel; fp8 dots on the stored codes) at the 5e-3 bar, with the
     same chunking as the GPU (block_n from the preset, capped by the table's span)."""
     fmt, parts, q, w, s_ref = index_case(index_dtype, seed=7)
-    s = ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="triton_interpret",
-                             **dict(igpu.FAST[name], tokens_per_program=32))
+    s = ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret",
+                             **dict(gpu_triton.FAST[name], tokens_per_program=32))
     _check(s, s_ref, STORAGE_BAR)
-
-
-def test_triton_indexer_equals_the_pallas_kernel_in_exact_mode():
-    """Same algorithm as the Pallas Triton kernel: the exact-mode scores agree to float32 rounding."""
-    fmt, parts, q, w, _ = index_case("fp8", seed=3)
-    a = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="triton_interpret", **SMALL))
-    b = np.asarray(ipaged.kernel_scores(q, w, parts, BT, POS, fmt=fmt, backend="gpu_interpret", **SMALL))
-    fin = np.isfinite(b)
-    np.testing.assert_array_equal(np.isfinite(a), fin)
-    assert np.abs(a[fin] - b[fin]).max() <= 1e-6 * np.abs(b[fin]).max()
 
 
 def test_triton_indexer_is_safe_against_garbage_table_entries():
@@ -90,7 +79,7 @@ def test_triton_indexer_is_safe_against_garbage_table_entries():
     bt[0, 2:] = [10**6, -7]
     bt[1, 1:] = [-1, 2**30, 5]
     s_ref = np.where(np.arange(s_ref.shape[1])[None] <= pos[:, None], s_ref, -np.inf)
-    s = ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="triton_interpret", **SMALL)
+    s = ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="gpu_interpret", **SMALL)
     _check(s, s_ref, 1e-5)
 
 
@@ -98,12 +87,12 @@ def test_triton_indexer_short_sequence_keeps_every_key_and_pads():
     fmt, parts, q, w, _ = index_case("fp8", seed=1)
     pos = np.array([5, 0, -1], np.int32)  # 6 keys, 1 key, a padding query
     idx = np.asarray(ipaged.topk_indices(q[:, None], w[:, None], parts, BT, pos[:, None], 8, fmt=fmt,
-                                         backend="triton_interpret", kernel_kw=SMALL))[:, 0]
+                                         backend="gpu_interpret", kernel_kw=SMALL))[:, 0]
     np.testing.assert_array_equal(np.sort(idx[0, :6]), np.arange(6))
     assert (idx[0, 6:] == -1).all() and idx[1, 0] == 0 and (idx[1, 1:] == -1).all() and (idx[2] == -1).all()
 
 
-@pytest.mark.parametrize("backend", ["triton_interpret", pytest.param("triton", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("hi", [2, 8])
 def test_triton_indexer_pads_few_heads(backend, exact, hi):
@@ -128,7 +117,7 @@ def _gpu_case(index_dtype, **kernel_kw):
     nb, bt = _big_pool(rng, B, nbs)
     pos = np.array([16383, 9000, 2047, 1000], np.int32)
     fmt, parts, q, w, s_ref = index_case(index_dtype, seed=11, B=B, bt=bt, pos=pos, nb=nb, page=page, hi=32, d=128)
-    s = np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="triton", **kernel_kw))
+    s = np.asarray(ipaged.kernel_scores(q, w, parts, bt, pos, fmt=fmt, backend="gpu", **kernel_kw))
     return fmt, parts, bt, pos, q, w, s_ref, _check(s, s_ref, STORAGE_BAR)
 
 
@@ -142,9 +131,9 @@ def test_gpu_triton_indexer_exact_mode_is_fp32_level(index_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [16384, 131072])
 def test_gpu_triton_indexer_storage_preset_selects_like_the_reference(tokens):
-    fmt, parts, bt, pos, q, w, s_ref, err = _gpu_case("fp8", **igpu.FAST[igpu.storage_preset(tokens)])
+    fmt, parts, bt, pos, q, w, s_ref, err = _gpu_case("fp8", **gpu_triton.FAST[gpu_triton.storage_preset(tokens)])
     topk = 2048
-    idx = ipaged.decode(q, w, parts, bt, pos + 1, topk, fmt=fmt, backend="triton", precision="storage")
+    idx = ipaged.decode(q, w, parts, bt, pos + 1, topk, fmt=fmt, backend="gpu", precision="storage")
     assert_same_topk(idx, s_ref, topk, rel_tol=max(1e-5, 2 * err))  # disagreements only at near-ties
 
 
@@ -165,5 +154,5 @@ def test_gpu_triton_indexer_addresses_the_top_of_a_pool_over_2gib():
     qi = (0.5 + np.abs(rng.standard_normal((B, 32, 128)))).astype(np.float32)
     wi = (np.abs(rng.standard_normal((B, 32))) * (32 * 128) ** -0.5).astype(np.float32)
     s_ref = index_scores_f64(qi, wi, np.asarray(fmt.dequantize(gather_pages(parts, bt))), pos)
-    s = np.asarray(ipaged.kernel_scores(qi, wi, parts, bt, pos, fmt=fmt, backend="triton"))
+    s = np.asarray(ipaged.kernel_scores(qi, wi, parts, bt, pos, fmt=fmt, backend="gpu"))
     _check(s, s_ref, STORAGE_BAR)

@@ -18,12 +18,13 @@ Tc = max(1, max_score_bytes // (B·Hi·S·4)) rows, one chunk at a time, so the 
 (a single query row larger than the bound is still processed, one row at a time). Decode is one chunk.
 
 `topk_indices` is the one public entry point; `backend` picks the implementation in one place
-(`pallas_kernels.paged.resolve_dsa_backend`): "reference" (the jnp path above), "gpu" (`gpu.py`, Pallas Triton
-lowering), "triton" (`gpu_triton.py`, native Triton through jax-triton), "tpu" (`tpu.py`, Mosaic TPU),
-"gpu_interpret" / "tpu_interpret" (those kernels in Pallas interpret mode, CPU tests), "triton_interpret" (the native
-Triton kernel in Triton's interpreter), "auto" (the platform's kernel for decode, T = 1, else the reference). The
-kernels write the decode score row `[B, S]` (keys dequantised in-kernel); top-k then runs in XLA over that row (`select_topk`: `lax.top_k`, in two
-exact stages when the row is long). Prefill (T > 1) always takes the reference path.
+(`pallas_kernels.paged.resolve_dsa_backend`): "reference" (the jnp path above), "gpu" (`gpu_triton.py`, native
+Triton through jax-triton), "tpu" (`tpu.py`, Mosaic TPU), "gpu_interpret" (the Triton kernel in Triton's
+interpreter) and "tpu_interpret" (the TPU kernel in Pallas interpret mode), for CPU tests, "auto" (the platform's
+kernel for decode, T = 1, else the reference); "triton" / "triton_interpret" are other names of "gpu" /
+"gpu_interpret". The kernels write the decode score row `[B, S]` (keys dequantised in-kernel); top-k then runs in
+XLA over that row (`select_topk`: `lax.top_k`, in two exact stages when the row is long). Prefill (T > 1) always
+takes the reference path.
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ import jax.numpy as jnp
 
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
 # __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
-import pallas_kernels.indexer.gpu as gpu
 import pallas_kernels.indexer.gpu_triton as gpu_triton
 import pallas_kernels.indexer.reference as reference
 import pallas_kernels.indexer.tpu as tpu
 
-from ..paged import DSA_BACKENDS, check_precision, gather_pages, resolve_dsa_backend
+from ..paged import DSA_BACKENDS, canonical_dsa_backend, check_precision, gather_pages, resolve_dsa_backend
 
 DEFAULT_MAX_SCORE_BYTES = 256 << 20
 BACKENDS = DSA_BACKENDS
@@ -114,20 +114,17 @@ def _kernel_supports(kind: str, fmt, q_shape, key_parts=()) -> bool:
     if T != 1:
         return False
     if kind == "gpu":
-        return gpu.available() and gpu.fits(fmt, Hi, d) and gpu.supports_pool(key_parts)
-    if kind == "triton":
         return gpu_triton.available() and gpu_triton.fits(fmt, Hi, d)
     return tpu.supports(fmt)
 
 
 def kernel_scores(q_bhd, w_bh, key_parts, block_tables, pos_b, *, fmt, backend: str, **kernel_kw):
-    """The decode score row `[B, max_blocks·page]` from a kernel backend ("gpu", "triton", "tpu", "*_interpret")."""
-    if backend.startswith("triton"):
-        return gpu_triton.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
-                                 interpret=backend == "triton_interpret", **kernel_kw)
+    """The decode score row `[B, max_blocks·page]` from a kernel backend ("gpu", "tpu", "*_interpret"; "triton" /
+    "triton_interpret" name the GPU ones too)."""
+    backend = canonical_dsa_backend(backend)
     if backend.startswith("gpu"):
-        return gpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
-                          interpret=backend == "gpu_interpret", **kernel_kw)
+        return gpu_triton.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
+                                 interpret=backend == "gpu_interpret", **kernel_kw)
     return tpu.scores(q_bhd, w_bh, tuple(key_parts), block_tables, pos_b, fmt=fmt,
                       interpret=backend == "tpu_interpret", **kernel_kw)
 
@@ -156,11 +153,10 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
     """Top-k cached positions per query: q `[B, T, Hi, d]`, w `[B, T, Hi]` (scales folded in), pos `[B, T]` int
     (position of each query in its sequence; keys at positions ≤ pos are allowed). Returns int32 `[B, T, topk]`.
     Kernel backends are decode-only (T = 1); `kernel_kw` goes to the kernel (e.g. the GPU kernel's block_n).
-    `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernels' single-pass
-    preset `gpu.FAST[gpu.storage_preset(tokens)]` for the tables' span: selections equal but for near-ties within 2×
-    the score error; explicit
-    kernel_kw still win; other backends unchanged). `platform` ("cpu" | "tpu" | "gpu" / "cuda"; None = the default
-    backend's) is what "auto" picks the kernel for."""
+    `precision`: "exact" (scores to ≈ fp32 against the dequantised keys) or "storage" (the GPU kernel's single-pass
+    preset `gpu_triton.FAST[gpu_triton.storage_preset(tokens)]` for the tables' span: selections equal but for
+    near-ties within 2× the score error; explicit kernel_kw still win; other backends unchanged). `platform`
+    ("cpu" | "tpu" | "gpu" / "cuda"; None = the default backend's) is what "auto" picks the kernel for."""
     T = q_bthd.shape[1]
     check_precision(precision)
     which = resolve_dsa_backend(backend, op="indexer",
@@ -171,9 +167,9 @@ def topk_indices(q_bthd, w_bth, key_parts, block_tables, pos_bt, topk: int, *, f
         if T != 1:
             raise ValueError(f"the {which} indexer kernel is decode-only (T = 1), got T = {T}")
         kernel_kw = dict(kernel_kw or {})
-        if precision == "storage" and which.startswith(("gpu", "triton")):
+        if precision == "storage" and which.startswith("gpu"):
             tokens = jnp.shape(block_tables)[1] * key_parts[0].shape[1]
-            kernel_kw = dict(gpu.FAST[gpu.storage_preset(tokens)], **kernel_kw)
+            kernel_kw = dict(gpu_triton.FAST[gpu_triton.storage_preset(tokens)], **kernel_kw)
         s = kernel_scores(q_bthd[:, 0], w_bth[:, 0], key_parts, block_tables, pos_bt[:, 0], fmt=fmt, backend=which,
                           **kernel_kw)
         return select_topk(s, topk)[:, None]

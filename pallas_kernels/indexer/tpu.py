@@ -36,8 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
 from .. import budget
-from ..codec import e2m1_value
-from .gpu import e8m0_value
+from ..codec import e2m1_value, e8m0_value
 
 SUPPORTED = ("fp8", "mxfp4", "bf16")
 FP8_GROUP = 128

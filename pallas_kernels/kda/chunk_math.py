@@ -1,7 +1,7 @@
 """Backend-neutral pieces of the KDA kernels: the chunk table for packed (varlen) batches and the intra-chunk math.
 
 The intra-chunk math (`intra_chunk`) works on Python lists of 16-row sub-blocks held as values, so the same code runs
-inside a Mosaic TPU kernel, a Pallas Triton kernel and plain jnp (which is how it is unit-tested). It never slices a
+inside a Mosaic TPU kernel and plain jnp (which is how it is unit-tested). It never slices a
 value: sub-blocks come from the caller's loads, rows are picked with masked reductions, and every exponent it takes is
 ≤ 0 (docs/model.md §4): off-diagonal sub-blocks use the cumulative decay at the end of the previous sub-block as the
 reference row, diagonal sub-blocks use exact pairwise exponents masked to c ≤ r *before* the exp.

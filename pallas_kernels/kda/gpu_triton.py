@@ -1,25 +1,23 @@
-"""Native Triton KDA kernels (launched through jax-triton; CPU tests: Triton's interpreter): chunked prefill and
-slot-addressed decode.
+"""KDA kernels for GPUs in native Triton (launched through jax-triton; CPU tests: Triton's interpreter): chunked
+prefill and slot-addressed decode. The reference is `reference.recurrent_varlen` / `reference.recurrent_slots`.
 
-The algorithm, launch knobs (`gpu.TUNING`) and outputs of the Pallas Triton kernels `gpu.py` in their measured
-default form (its docstring has the story and the H200 figures); the reference is `reference.recurrent_varlen` /
-`reference.recurrent_slots`. Prefill over the packed [Ttot] token axis, chunks of C = 64 aligned to sequence starts:
-  A1 `kda_intra_rows`  grid (chunks, H, 4): one 16-row sub-block i of chunk j — gates in base 2, the earlier
-      sub-blocks visited one [16, dk] tile at a time nearest first (every exponent ≤ 0), the Akk / Aqk row blocks,
-      the diagonal block (one matmul around a midpoint row when the decay range allows, else the exact pairwise
-      loop) and its inverse T_ii, kg = k e^{Γ_last−Γ}, qg = q e^Γ, β k e^Γ, Γ_last.
+Prefill over the packed [Ttot] token axis, chunks of C = 64 aligned to sequence starts (three launches):
+  A1 `kda_intra_rows`  grid (chunks, H, 4): one 16-row sub-block i of chunk j — gates in base 2 (exp2 is one MUFU
+      instruction, libdevice exp about eight), the earlier sub-blocks visited one [16, dk] tile at a time nearest
+      first with the decay carried backwards (every exponent ≤ 0; no [64, dk] value in registers), the Akk / Aqk
+      row blocks, the diagonal block (one matmul around a midpoint row when its decay range allows — always for the
+      K3 gate — else the exact pairwise loop, a branch-free select at run time) and its inverse T_ii (loop-free,
+      `chunk_math.unit_lower_inverse`, or by substitution), kg = k e^{Γ_last−Γ}, qg = q e^Γ, β k e^Γ, Γ_last.
   A2 `kda_intra_wu`    grid (chunks, H, wu_cols): W = T (β k e^Γ), U = T (β v) by block forward substitution
-      W_i = T_ii (rhs_i − Σ_{m<i} Akk_im W_m).
+      W_i = T_ii (rhs_i − Σ_{m<i} Akk_im W_m), reading Akk and T_ii from memory (no off-diagonal T blocks); column
+      tiles of dk / wu_cols.
   B  `kda_state`       grid (dv/BV, H, sequences), serial over a sequence's chunks, state [dk, BV] in registers:
       Vn = U − W S;  O = qg S + Aqk Vn;  S ← e^{Γ_last} S + kgᵀ Vn.
 Decode `kda_decode`: grid (B, H/dec_heads, dv/BV), the state tile read from and written back to the pool row of the
 slot (aliased: in place under donation), the gate formed in-kernel from raw f, A_log and dt_bias.
-
-What differs from the Pallas kernels:
-- Only the default forms: `intra_split`, `rows_form="tiled"`, `wu_form="substitute"`, `split_o=False` (the other
-  forms measured slower on the H200 and stay diagnostics of the Pallas module); other values raise.
-- Rows are int64 before they are multiplied by the row width, so no offset can wrap at long prefills.
-- Plain `tl` operations only: the kernels compile for ROCm too.
+Launch shapes and the knobs above: `TUNING` (measured on the H200; `tuning=` overrides it per call).
+Rows are int64 before they are multiplied by the row width, so no offset can wrap at long prefills. Plain `tl`
+operations only: the kernels compile for ROCm too.
 Products: fp32 inputs take IEEE fp32 dots (1e-4 bar); bf16 / f16 inputs take tensor-core dots on that dtype with
 fp32 accumulation (`intra_mm="bf16"`) or TF32, the inverse of a diagonal block always IEEE fp32.
 """
@@ -30,20 +28,40 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.kda.chunk_math as M  # not `from . import`: see kda/ops.py
-import pallas_kernels.kda.gpu as _pallas  # the tuning table and its launch shapes are shared with the Pallas kernels
 
 from ..triton_call import available as _launcher_available
 from ..triton_call import call, jit, tl
 
-__all__ = ["available", "chunk", "recurrent"]
+__all__ = ["TUNING", "available", "chunk", "recurrent"]
 
 C = 64
 SUB = M.SUB
 GATE_CODE = {None: 0, "lower_bound": 1, "plain": 2}
 # dot operand codes (`_mm`): IEEE fp32, bf16 tensor cores, TF32, f16 tensor cores; fp32 accumulation in all
 MM_IEEE, MM_BF16, MM_TF32, MM_F16 = 0, 1, 2, 3
-# the Pallas module's forms this port carries (the others raise)
-PORTED = dict(intra_split=True, rows_form="tiled", wu_form="substitute", split_o=False, intra_only=False)
+
+# Launch configuration and knobs, by measurement on the H200 (with the Pallas Triton kernels these replaced, issue
+# #48; callers may override per call through `tuning=`). rows_*: A1, wu_*: A2, state_*: B, dec_*: decode.
+TUNING = dict(
+    fast_diag=True,      # diagonal 16×16 blocks by one matmul when the decay range allows (chunk_math.FAST_DIAG_RANGE)
+    fast_inverse=True,   # diagonal blocks of (I+Akk)^-1 by chunk_math.unit_lower_inverse instead of substitution
+    # kernel B: one pipeline stage keeps its shared memory at 80 KB (144 KB with 2), two programs per SM; H200, 8K:
+    # whole op 2.94 vs 2.98 ms
+    state_bv=64, state_warps=4, state_stages=1,
+    # decode: H200 233 µs at B = 64 vs 242 µs for BV = 64; dec_warps=None: 4 if dk·BV ≥ 4096, else 2
+    dec_bv=128, dec_warps=4,
+    dec_heads=1,         # heads per decode program (grid (B, H/dec_heads, dv/BV); 1 if it does not divide H)
+    intra_mm="bf16",     # A1 / A2 products for bf16 inputs: "bf16" (tensor cores, fp32 acc.), "tf32", or
+                         # "bf16_rows" (bf16 in A1, TF32 in A2); fp32 inputs always use IEEE fp32
+    # A1 holds 255 registers per thread (ncu: 12.5% occupancy). An A1 that takes dk in 2–4 column parts (138–168
+    # registers): 2.59–2.79 ms alone against 1.7 ms — the re-reads and recomputation cost more than the occupancy
+    # gains — and is not kept; every register cap (`ttg.maxnreg`) spilled and was slower. H200, T = 8K, H = 96: A1
+    # and A2 at 2 warps each, base-2 gates and bf16 A1 -> A2 intermediates: kernel A 1.97 ms, whole op 2.63 ms (the
+    # first split form 3.49 ms, one program per chunk 6.80 ms). wu_cols: column tiles of W/U per (chunk, head), each
+    # dk/wu_cols wide
+    rows_warps=2, rows_stages=1,
+    wu_cols=1, wu_warps=2, wu_stages=1,
+)
 
 
 def available() -> bool:
@@ -384,11 +402,13 @@ def _decode_kernel(slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, 
 # ------------------------------------------------------------------------------------------------ wrappers
 
 def _tuning(overrides):
-    tune = _pallas._tuning(overrides)
-    other = {k: tune[k] for k, v in PORTED.items() if tune[k] != v}
-    if other:
-        raise ValueError(f"the native Triton KDA kernels carry the default forms {PORTED} only; got {other} "
-                         "(the Pallas kernels in kda/gpu.py have them)")
+    """`TUNING` with the per-call overrides applied; unknown keys raise."""
+    tune = dict(TUNING)
+    if overrides:
+        unknown = set(overrides) - set(tune)
+        if unknown:
+            raise ValueError(f"unknown KDA GPU tuning keys {sorted(unknown)}; the knobs are {sorted(tune)}")
+        tune.update(overrides)
     return tune
 
 
@@ -414,11 +434,11 @@ def _gate_arrays(H, dk, A_log, dt_bias, gate_form):
 
 def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log=None, dt_bias=None,
           gate_form=None, lower_bound=-5.0, interpret=False, tuning=None):
-    """Packed prefill, as `gpu.chunk`: q, k, g `[1, Ttot, H, dk]` (g: the raw forget projection f when `gate_form`
-    is set), v `[1, Ttot, H, dv]`, beta `[1, Ttot, H]`, cu_seqlens `[N+1]`, initial_state `[N, H, dk, dv]` or None.
-    Returns (o `[1, Ttot, H, dv]` in v.dtype, final states `[N, H, dk, dv]` float32). dk, dv: powers of two ≥ 16.
-    `tuning`: overrides of `gpu.TUNING` (launch shapes, fast_diag, fast_inverse, intra_mm, wu_cols, state_bv);
-    `interpret`: Triton's interpreter on the host."""
+    """Packed prefill on GPU: q, k, g `[1, Ttot, H, dk]` (g: the raw forget projection f when `gate_form` is set,
+    with A_log `[H]` and dt_bias `[H·dk]`), v `[1, Ttot, H, dv]`, beta `[1, Ttot, H]`, cu_seqlens `[N+1]`,
+    initial_state `[N, H, dk, dv]` or None. Returns (o `[1, Ttot, H, dv]` in v.dtype, final states `[N, H, dk, dv]`
+    float32). dk, dv: powers of two ≥ 16. `tuning`: overrides of `TUNING` (launch shapes, fast_diag, fast_inverse,
+    intra_mm, wu_cols, state_bv); `interpret`: Triton's interpreter on the host."""
     tune = _tuning(tuning)
     _, Tt, H, dk = q.shape
     dv = v.shape[-1]
@@ -429,10 +449,11 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
     f32 = jnp.float32
     idt = v.dtype if jnp.dtype(v.dtype) != f32 else f32
     a, dtb = _gate_arrays(H, dk, A_log, dt_bias, gate_form)
-    launch = _pallas.prefill_launch(tune)
     rows_mm = _mm_code(idt, "bf16" if tune["intra_mm"] == "bf16_rows" else tune["intra_mm"])
     wu_mm = _mm_code(idt, "tf32" if tune["intra_mm"] == "bf16_rows" else tune["intra_mm"])
-    # A1 -> A2 operands in the input dtype when A2 multiplies them in it anyway (gpu._intra_split says why)
+    # A1 -> A2 operands (Akk, T_ii, β k e^Γ) in the input dtype when A2 multiplies them in it anyway: Akk and T_ii
+    # are only A2's dot operands (same bits); β k e^Γ is rounded once more before A2 subtracts Σ Akk W from it (below
+    # the bf16 output's resolution: the same o at T = 8K on the H200). Half the bytes: kernel A 2.26 -> 1.97 ms.
     adt = idt if jnp.dtype(idt) != f32 and wu_mm in (MM_BF16, MM_F16) else f32
     akk, tii, aqk, kg, qg, rk, gl = call(
         tab.start, tab.length, q[0], k[0], g[0], beta[0], a, dtb,
@@ -441,7 +462,7 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
                    jax.ShapeDtypeStruct((Tt, H, C), idt), jax.ShapeDtypeStruct((Tt, H, dk), idt),
                    jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dk), adt),
                    jax.ShapeDtypeStruct((NCH, H, dk), f32)],
-        num_warps=launch["kda_intra_rows"][0], num_stages=launch["kda_intra_rows"][1],
+        num_warps=tune["rows_warps"], num_stages=tune["rows_stages"],
         H=H, DK=dk, SCALE=float(scale), GATE=GATE_CODE[gate_form], LOWER=float(lower_bound), MM=rows_mm,
         FAST_DIAG=bool(tune["fast_diag"]), FAST_INVERSE=bool(tune["fast_inverse"]), C=C, SUB=SUB)
     nc = max(1, min(tune["wu_cols"], dk // 16, dv // 16))  # column tiles of ≥ 16 (dk, dv: powers of two)
@@ -451,7 +472,7 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
         tab.start, tab.length, rk, v[0], beta[0], akk, tii,
         kernel=_intra_wu_kernel, grid=(NCH, H, nc), interpret=interpret, name="kda_intra_wu",
         out_shape=[jax.ShapeDtypeStruct((Tt, H, dk), idt), jax.ShapeDtypeStruct((Tt, H, dv), idt)],
-        num_warps=launch["kda_intra_wu"][0], num_stages=launch["kda_intra_wu"][1],
+        num_warps=tune["wu_warps"], num_stages=tune["wu_stages"],
         H=H, DK=dk, DV=dv, BK=dk // nc, BVW=dv // nc, MM=wu_mm, C=C, SUB=SUB)
 
     BV = min(tune["state_bv"], dv)
@@ -461,17 +482,17 @@ def chunk(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, *, A_log
         tab.seq_chunk0, tab.seq_nchunks, tab.start, tab.length, W, U, kg, qg, aqk, gl, s0,
         kernel=_state_kernel, grid=(dv // BV, H, N), interpret=interpret, name="kda_state",
         out_shape=[jax.ShapeDtypeStruct((Tt, H, dv), v.dtype), jax.ShapeDtypeStruct((N, H, dk, dv), f32)],
-        num_warps=launch["kda_state"][0], num_stages=launch["kda_state"][1],
+        num_warps=tune["state_warps"], num_stages=tune["state_stages"],
         H=H, DK=dk, DV=dv, BV=BV, MM=_mm_code(idt), HAS_INIT=has_init, C=C)
     return o[None], sf
 
 
 def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None, dt_bias=None, gate_form=None,
               lower_bound=-5.0, interpret=False, tuning=None):
-    """Decode T tokens (T small, unrolled), as `gpu.recurrent`: q, k, g `[B, T, H, dk]`, v `[B, T, H, dv]`,
-    beta `[B, T, H]` against `state_pool[slot_ids]` (pool `[S, H, dk, dv]` float32, slot ids `[B]` distinct).
+    """Decode T tokens (T small, unrolled) for B sequences: q, k, g `[B, T, H, dk]`, v `[B, T, H, dv]`, beta
+    `[B, T, H]` against `state_pool[slot_ids]` (pool `[S, H, dk, dv]` float32, slot ids `[B]` distinct).
     Returns (o `[B, T, H, dv]` in v.dtype, the pool updated; aliased: donate it under jit for an in-place update)."""
-    tune = _pallas._tuning(tuning)
+    tune = _tuning(tuning)
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale

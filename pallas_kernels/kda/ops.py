@@ -1,13 +1,13 @@
 """Public entry point of the KDA ops: `chunk` (prefill, optionally varlen) and `recurrent` (decode against a state
 pool). Both pick a backend in one place (`resolve_backend`):
 
-  "auto"       → the GPU kernel (Pallas Triton) on a GPU, the TPU kernel (Pallas Mosaic TPU) on a TPU, else the
-                 jnp reference; the platform is `platform=` ("cpu" | "tpu" | "gpu" / "cuda") or, when None, that of
-                 `jax.default_backend()` at trace time (pass it when exporting for another platform);
-  "gpu", "tpu", "reference"   → that path; "gpu_interpret", "tpu_interpret" → the kernel in Pallas interpret mode
-                 (CPU tests);
-  "triton"     → the native Triton kernels through jax-triton (`gpu_triton.py`, issue #48: they replace "gpu"'s Pallas
-                 Triton lowering once measured beside it); "triton_interpret" → those in Triton's interpreter (CPU).
+  "auto"       → the GPU kernels (native Triton through jax-triton) on a GPU where jax-triton imports, the TPU kernel
+                 (Pallas Mosaic TPU) on a TPU, else the jnp reference; the platform is `platform=` ("cpu" | "tpu" |
+                 "gpu" / "cuda") or, when None, that of `jax.default_backend()` at trace time (pass it when exporting
+                 for another platform);
+  "gpu", "tpu", "reference"   → that path (`gpu_triton.py`, `tpu.py`, `reference.py`); "gpu_interpret" → the Triton
+                 kernels in Triton's interpreter, "tpu_interpret" → the TPU kernel in Pallas interpret mode (CPU
+                 tests); "triton" / "triton_interpret" are other names of "gpu" / "gpu_interpret".
 
 Layout as in `reference.py`: q, k `[B, T, H, dk]` (L2-normalised), v `[B, T, H, dv]`, g `[B, T, H, dk]` log-decay ≤ 0,
 beta `[B, T, H]`, states `[., H, dk, dv]` float32; `scale` (default dk^-0.5) multiplies q.
@@ -26,15 +26,15 @@ import numpy as np
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
 # __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
 import pallas_kernels.kda.chunk_math as chunk_math
-import pallas_kernels.kda.gpu as gpu
 import pallas_kernels.kda.gpu_triton as gpu_triton
 import pallas_kernels.kda.reference as reference
 import pallas_kernels.kda.tpu as tpu
 
 from ..platform import resolve_platform
 
-BACKENDS = ("reference", "gpu", "triton", "tpu", "gpu_interpret", "triton_interpret", "tpu_interpret")
-# GPU: "auto" takes the Pallas Triton kernels. The model-level GPU check (tests/test_kernel_path.py, `gpu` case, and
+BACKENDS = ("reference", "gpu", "tpu", "gpu_interpret", "tpu_interpret", "triton", "triton_interpret")
+_ALIASES = {"triton": "gpu", "triton_interpret": "gpu_interpret"}
+# GPU: "auto" takes the Triton kernels. The model-level GPU check (tests/test_kernel_path.py, `gpu` case, and
 # bench/kda_gpu_diag.py "model") runs both paths with IEEE fp32 products: under XLA's TF32 default the other layers'
 # roundings and the tiny model's top-k selections amplify the kernels' 1e-6 difference (logit differences
 # of 0.28–0.31 at TF32 were that, not the kernels).
@@ -43,15 +43,16 @@ _PLATFORM_TO_BACKEND = {"gpu": "gpu", "tpu": "tpu"}
 
 def resolve_backend(backend: str = "auto", platform: Optional[str] = None) -> str:
     """The single place where a backend is chosen. "auto" takes the kernel of `platform` (None: the default
-    backend's platform); on "gpu" it falls back to the reference when the Pallas Triton lowering does not import."""
+    backend's platform); on "gpu" it falls back to the reference where jax-triton cannot launch (no triton, or a
+    jaxlib without GPU support, e.g. exporting for CUDA from a CPU host). Other names are resolved ("triton" ->
+    "gpu")."""
     if backend == "auto":
         backend = _PLATFORM_TO_BACKEND.get(resolve_platform(platform), "reference")
-        if backend == "gpu":
-            if not gpu.available():
-                backend = "reference"
+        if backend == "gpu" and not gpu_triton.available():
+            backend = "reference"
     if backend not in BACKENDS:
         raise ValueError(f"unknown KDA backend {backend!r}; expected 'auto' or one of {BACKENDS}")
-    return backend
+    return _ALIASES.get(backend, backend)
 
 
 def _pow2(n: int) -> bool:
@@ -127,7 +128,7 @@ def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, bac
     dv = v.shape[-1]
     _check_chunk_layout(B, T, H, dk, dv, initial_state, cu_seqlens)
     be = resolve_backend(backend, platform)
-    if (be.startswith(("gpu", "triton")) and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
+    if (be.startswith("gpu") and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
         be = "reference"  # no tokens: nothing for a kernel to do (the final states are the initial ones)
     if cu_seqlens is None:
         cu = chunk_math.uniform_cu_seqlens(B, T)
@@ -144,12 +145,9 @@ def chunk(q, k, v, g, beta, initial_state=None, scale=None, cu_seqlens=None, bac
         return reference.recurrent_varlen(q, k, v, gg, beta, cu, initial_state, scale=scale)
 
     interpret = be.endswith("_interpret")
-    if be.startswith("triton"):
+    if be.startswith("gpu"):
         o, s = gpu_triton.chunk(*args, cu, initial_state, scale, interpret=interpret,
                                 **_gate_kwargs(A_log, dt_bias, gate_form, lower_bound))
-    elif be.startswith("gpu"):
-        o, s = gpu.chunk(*args, cu, initial_state, scale, interpret=interpret,
-                         **_gate_kwargs(A_log, dt_bias, gate_form, lower_bound))
     else:
         qq, kk, vv, gg, bb = args
         gg = _reference_gate(gg, H, dk, A_log, dt_bias, gate_form, lower_bound)  # XLA fuses it into the gather
@@ -179,17 +177,15 @@ def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str =
     if state.shape[1:] != (H, dk, dv):
         raise ValueError(f"state must be [S, {H}, {dk}, {dv}]; got {state.shape}")
     be = resolve_backend(backend, platform)
-    if (be.startswith(("gpu", "triton")) and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
+    if (be.startswith("gpu") and not _gpu_shapes_ok(dk, dv)) or B * T == 0:
         be = "reference"  # no tokens: the pool is returned as it is
     if be == "reference":
         gg = _reference_gate(g, H, dk, A_log, dt_bias, gate_form, lower_bound)
         return reference.recurrent_slots(q, k, v, gg, beta, state, slot_ids, scale=scale)
     interpret = be.endswith("_interpret")
     kw = _gate_kwargs(A_log, dt_bias, gate_form, lower_bound)
-    if be.startswith("triton"):
-        return gpu_triton.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
     if be.startswith("gpu"):
-        return gpu.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
+        return gpu_triton.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
     return tpu.recurrent(q, k, v, g, beta, state, slot_ids, scale, interpret=interpret, **kw)
 
 

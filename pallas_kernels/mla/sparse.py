@@ -17,15 +17,15 @@ under `max_block_bytes`).
 (o, lse) over disjoint key sets merge exactly with `reference.merge_partials` — what decode context parallelism
 uses. Public entry point: `sparse_mla` (and `decode` / `prefill`); `backend` picks the implementation, in one place
 (`pallas_kernels.paged.resolve_dsa_backend`): "reference" (this jnp code), "tpu" (the Mosaic TPU decode kernel,
-`sparse_tpu.py`; bf16 / fp8 rows), "gpu" (the Pallas-Triton decode kernel, `sparse_gpu.py`; bf16 / fp8 / nvfp4 rows),
-"triton" (its native Triton twin through jax-triton, `sparse_gpu_triton.py`, issue #48), "tpu_interpret" /
-"gpu_interpret" (those kernels in Pallas interpret mode, for CPU tests), "triton_interpret" (the native kernel in
-Triton's interpreter), "auto" (the platform's
-kernel for decode (T = 1) when it reads the format, else the reference). "pallas_tpu" / "interpret" are kept as the
-older names of "tpu" / "tpu_interpret". Kernel-only keyword arguments go through `kernel_kw` (e.g. the GPU kernel's
-`block_h`, `splits`, `exact`). On the GPU, fp8 rows at `precision="storage"` with ≤ 16 heads and ≥ 16 sequences
-go to the Mosaic GPU kernel (`sparse_mgpu.py`, one launch; its keys are `MgpuSparseConfig` fields) and everything
-else to the Triton kernel; `kernel_kw={"impl": "mgpu" | "triton", ...}` picks one explicitly.
+`sparse_tpu.py`; bf16 / fp8 rows), "gpu" (the native Triton decode kernel through jax-triton,
+`sparse_gpu_triton.py`; bf16 / fp8 / nvfp4 rows), "tpu_interpret" (the TPU kernel in Pallas interpret mode) and
+"gpu_interpret" (the Triton kernel in Triton's interpreter), for CPU tests, "auto" (the platform's kernel for decode
+(T = 1) when it reads the format, else the reference). "triton" / "triton_interpret" are kept as other names of
+"gpu" / "gpu_interpret", "pallas_tpu" / "interpret" as the older names of "tpu" / "tpu_interpret". Kernel-only
+keyword arguments go through `kernel_kw` (e.g. the GPU kernel's `block_h`, `splits`, `exact`). On the GPU, fp8 rows
+at `precision="storage"` with ≤ 16 heads go to the Mosaic GPU kernel (`sparse_mgpu`, one launch;
+its keys are `MgpuSparseConfig` fields) and everything else to the Triton kernel; `kernel_kw={"impl": "mgpu" |
+"triton", ...}` picks one explicitly.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, check_precision, gather_parts, resolve_dsa_backend
-from . import sparse_gpu, sparse_gpu_triton, sparse_mgpu, sparse_tpu
+from . import sparse_gpu_triton, sparse_mgpu, sparse_tpu
 from .reference import PRECISION, online_softmax_finish, online_softmax_init, online_softmax_step
 
 BACKENDS = DSA_BACKENDS
@@ -102,28 +102,21 @@ def _reference_paged(q_bthc, kv_parts, block_tables, idx_btk, layer_scale, *, fm
 def _kernel_supports(kind: str, fmt, T: int, kv_parts=()) -> bool:
     if T != 1:
         return False
-    if kind == "gpu":
-        return sparse_gpu.available() and sparse_gpu.fits(fmt) and sparse_gpu.supports_pool(kv_parts)
-    if kind == "triton":  # int64 row addressing: any pool size
+    if kind == "gpu":  # int64 row addressing: any pool size
         return sparse_gpu_triton.available() and sparse_gpu_triton.fits(fmt)
     return sparse_tpu.supports(fmt)
 
 
-MGPU_MIN_BATCH = 16  # below this the Triton storage preset is faster (H200, H = 12, Triton vs Mosaic op: B = 1
-# 18.9 vs 25.5 µs, B = 8 26.9 vs 28.3, B = 16 29.7 vs 29.5 (a tie), B = 32 42.0 vs 33.5; H200)
-
-
 def _gpu_impl(which: str, kernel_kw: dict, precision: str, fmt, B: int, H: int, kv_parts) -> str:
     """Which GPU kernel: kernel_kw["impl"] when given; otherwise the Mosaic one-launch kernel for fp8 rows at
-    storage precision with ≤ 16 heads (one TP shard of K3's 96) and ≥ `MGPU_MIN_BATCH` sequences (H200,
-    H200: 33.5 µs vs the Triton storage preset's 42–48 at B = 32, H = 12, 32K), and
-    the Triton kernel for everything else (small batches, exact products, other formats, more heads, interpret
-    mode)."""
+    storage precision with ≤ 16 heads (one TP shard of K3's 96), at every batch size (it measured faster than the
+    native Triton storage preset at B = 1 … 32 on an H100, docs/performance.md), and the Triton kernel for everything
+    else (exact products, other formats, more heads, interpret mode). `B` is kept for callers that pass it."""
     if "impl" in kernel_kw:
         return kernel_kw["impl"]
     if kernel_kw:  # settings without an impl are the Triton kernel's (block_h, splits, ...), as before mgpu
         return "triton"
-    if which not in ("gpu", "triton") or precision != "storage" or B < MGPU_MIN_BATCH or H > 16 or len(kv_parts) != 1:
+    if which not in ("gpu", "triton") or precision != "storage" or H > 16 or len(kv_parts) != 1:
         return "triton"
     return "mgpu" if sparse_mgpu.supports(fmt, sparse_mgpu.MgpuSparseConfig()) else "triton"
 
@@ -143,8 +136,8 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
     Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32).
     `block_k` is the key block of the reference and TPU kernel (the GPU kernel takes its own via kernel_kw).
     `precision`: "exact" (products to ≈ fp32 against the dequantised rows) or "storage" (the GPU kernel's faster
-    single-pass settings, `sparse_gpu.storage_preset`, within the quantised formats' 5e-3 bar; explicit kernel_kw
-    still win; the reference and the TPU kernel are unchanged).
+    single-pass settings, `sparse_gpu_triton.storage_preset`, within the quantised formats' 5e-3 bar; explicit
+    kernel_kw still win; the reference and the TPU kernel are unchanged).
     `platform` ("cpu" | "tpu" | "gpu" / "cuda"; None = the default backend's) is what "auto" picks the kernel for.
     """
     B, T, H, c = q_bthc.shape
@@ -168,12 +161,11 @@ def sparse_mla(q_bthc, kv_parts, block_tables, idx_btk, *, fmt, scale: float, va
             o, lse = sparse_mgpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0], config=cfg,
                                         **common)
         else:
-            kernel_kw.pop("impl", None)  # "triton": the Triton kernel (native for the "triton" backends)
+            kernel_kw.pop("impl", None)  # "triton": the Triton kernel
             if precision == "storage":
-                kernel_kw = dict(sparse_gpu.storage_preset(B, H), **kernel_kw)
-            kernel = sparse_gpu_triton if which.startswith("triton") else sparse_gpu
-            o, lse = kernel.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],
-                                   interpret=which.endswith("_interpret"), **common, **kernel_kw)
+                kernel_kw = dict(sparse_gpu_triton.storage_preset(B, H), **kernel_kw)
+            o, lse = sparse_gpu_triton.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, idx_btk[:, 0],
+                                              interpret=which.endswith("_interpret"), **common, **kernel_kw)
         return o[:, None], lse[:, None]
     if q_chunk is None:
         q_chunk = default_q_chunk(B, H, c, min(block_k, idx_btk.shape[-1]), T)

@@ -1,21 +1,28 @@
-"""Native Triton GPU grouped matmul for MoE experts (launched through jax-triton; CPU tests: Triton's interpreter).
+"""GPU grouped matmul for MoE experts in native Triton (launched through jax-triton; CPU tests: Triton's interpreter).
 
-The algorithm of the Pallas Triton kernel `gpu.py` (its docstring has the story): `out = x @ W[g]` per row tile of
-one expert, tiles from `schedule.group_tiles` (never straddling two experts), a flat grid with the column blocks
-innermost so the programs in flight share a row tile and walk one expert's weight together, row windows clamped to
-[0, M) and masked at the store, a tile of ≤ `bm_small` rows on a shorter MMA, `swap_ab` for decode-sized groups.
-It takes the same `GpuConfig` (and `gpu.default_config`). Reference: `reference.grouped_matmul` (ragged_dot) on the
-exactly dequantised weights.
+One program computes one (row tile, column block) of `out = x @ W[g]` for the tile's expert g. Tiles come from
+`schedule.group_tiles`: a tile never straddles two experts, so the work is Σ_g ceil(rows_g / bm) tiles, with no
+masked-out recomputation at group boundaries. The grid is flat, column blocks innermost: the programs in flight at
+one time share the row tile (x stays in L2) and walk one expert's weight columns together, so each expert's weight
+is read from HBM about once. Programs past the live tile count exit at once. Row windows are clamped to [0, M)
+(`ws = min(row0, M - bm)`) and rows outside the tile's range are masked at the store, so no load or store leaves
+the arrays; expert offsets are int64, so weights past 2^31 elements need nothing special.
+Reference: `reference.grouped_matmul` (ragged_dot) on the exactly dequantised weights.
 
-What differs:
-- MXFP4 tiles: on NVIDIA targets the Pallas kernel's PTX decode (`GpuConfig.dequant` "asm_sign", the default, or
-  "asm": `mxfp4.PTX_DECODES`, byte permutes straight to scaled bf16) through `tl.inline_asm_elementwise`; elsewhere
-  (ROCm, the interpreter, any other `dequant`) by arithmetic (`triton_codec.e2m1_value` × the E8M0 scale, to bf16).
-  Both are exact, so the two paths give the same tile. The choice is made at compile time (`triton_call.ON_NVIDIA`).
-  The fp8 tensor-core path (`dequant="fp8"`, measured slower) is not ported.
-- One weight per launch: two weights (gate, up) run as two launches with the activation in XLA — on the H200 the
-  fused two-weight kernel measured 0.92× that (`ops.FUSE_GATE_UP` is off on GPU).
-- Expert offsets are int64, so weights past 2^31 elements need nothing special.
+Options (`GpuConfig`; `default_config` picks measured shapes):
+* Dense weights `[E, K, N]` (bf16) or MXFP4 (`MXFP4Weight`, packed `[E, N, K/2]` + E8M0 `[E, N, K/32]`): the packed
+  tile is decoded in registers, never the whole weight. x is split once (in XLA) into its even and odd input
+  elements, so the nibbles need no interleaving: out += x_even @ W_lo^T + x_odd @ W_hi^T. On NVIDIA targets the
+  decode is inline PTX (`dequant` "asm_sign", the default, or "asm": `mxfp4.PTX_DECODES`, byte permutes straight to
+  scaled bf16, < 2 integer ops per element) through `tl.inline_asm_elementwise`; elsewhere (ROCm, the interpreter,
+  `dequant="bf16"`) by arithmetic (`triton_codec.e2m1_value` × the E8M0 scale, to bf16). Both are exact, so the two
+  paths give the same tile. The choice is made at compile time (`triton_call.ON_NVIDIA`).
+* `bm_small`: a tile of ≤ bm_small rows (a group's last tile, a small group) runs a shorter MMA in the same program.
+* `swap_ab`: compute outᵀ = W_tile · x_tileᵀ, putting the (small) row count on the MMA's N side — for decode, where
+  an expert has only a handful of rows.
+* Two weights (gate, up) run as two launches with the activation in XLA: on the H200 a fused two-weight kernel
+  measured 0.92× that (two accumulators halve the column block that fits in registers; `ops.FUSE_GATE_UP` is off
+  on GPU).
 """
 
 from __future__ import annotations
@@ -30,10 +37,84 @@ import pallas_kernels.moe.mxfp4 as mx  # not `from . import`: see moe/ops.py
 from ..triton_call import available as _launcher_available
 from ..triton_call import ON_NVIDIA, call, jit, tl
 from ..triton_codec import e2m1_value, e8m0_value
-from .gpu import GpuConfig, _pow2_divisor, default_config
 from .schedule import group_tiles
 
-__all__ = ["GpuConfig", "available", "default_config", "grouped_matmul"]
+__all__ = ["DEQUANTS", "GpuConfig", "available", "default_config", "grouped_matmul"]
+
+DEQUANTS = ("asm_sign", "asm", "bf16")  # the MXFP4 tile decodes (`GpuConfig.dequant`)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    bm: int = 64  # rows per tile
+    bn: int = 256  # output columns per program
+    bk: int = 64  # contraction step
+    num_warps: int = 8
+    num_stages: int = 3
+    swap_ab: bool = False
+    # MXFP4 tile decode on NVIDIA targets: "asm" (PTX byte permutes straight to scaled bf16, `mx.DECODE_PTX`),
+    # "asm_sign" (one magnitude table + the sign bit ORed in, `mx.DECODE_PTX_SIGN`; 4% faster than "asm" on the
+    # H200), "bf16" (the same numbers by arithmetic, as on every other target)
+    dequant: str = "asm_sign"
+    # > 0: a tile holding at most bm_small rows (a group's last tile, or a small group) runs a bm_small-row MMA
+    # instead of bm rows (a second code path in the same program, picked per tile at run time). At K3 prefill's
+    # ~146 rows per expert, 128-row tiles compute 1.46x the rows and 128 + 64 mixed tiles 1.23x (bench/moe.py);
+    # one launch, so a group's tiles still follow each other and share its weights through L2. H200:
+    # 0.880 vs 0.915 ms (4%, not the 16% fewer rows: the 64-row wgmma path runs at a lower rate per row).
+    bm_small: int = 0
+
+
+# The decode used by `default_config` for MXFP4 weights: "asm_sign" (2026-12-01; H200 at 8 rows per
+# expert: 1.93 TB/s vs 1.86 for "asm"); faster than "asm" and the older "2d" decode.
+MXFP4_DECODE = "asm_sign"
+
+
+def _pow2_in(v: float, lo: int, hi: int) -> int:
+    """The smallest power of two ≥ v in [lo, hi] (lo and hi powers of two)."""
+    b = lo
+    while b < hi and b < v:
+        b *= 2
+    return b
+
+
+def default_config(m_rows: int, num_groups: int, k: int, n: int, quantized: bool, n_w: int = 1) -> GpuConfig:
+    """Block shapes by problem kind, from the H200 sweeps (`bench/moe.py --sweep`, run on the Pallas Triton kernel
+    this one replaced, issue #48; docs/performance.md has the native kernel's figures).
+
+    bf16, ~146 rows per expert (K3 prefill): 128x256x64 tiles, 8 warps, 3 stages (389 TFLOP/s; 64-row tiles, 128x128
+    and deeper pipelines were slower), a group's last tile on a 64-row MMA when it holds ≤ 64 rows (`bm_small`:
+    410 vs 395 TFLOP/s, 2026-12-01). Two weights (gate+up) hold two accumulators and two weight pipelines, so they
+    get 128x128 tiles (the two-weight kernel measured 0.92x the two single matmuls; see `ops.FUSE_GATE_UP`).
+    MXFP4: the tile decode, not the MMA or HBM, was the limit, so one row tile covers a whole decode-sized group
+    (bm >= rows per expert, up to 64) and each weight tile is decoded once; 64x256 weight tiles, 4 warps (with the
+    f16-trick "2d" decode: 1.34 TB/s at 8 rows per expert; 3d decode, wider/deeper tiles, 8 warps and swap_ab were
+    slower). The decode is now `MXFP4_DECODE` (PTX byte permutes, ~4x fewer ops per element; block shapes re-swept
+    on the H200: 16x64x256, 4 warps, 3 stages was still the best at 8 rows per expert; later:
+    512-wide steps 3% faster there). An fp8 tensor-core path (the codes shifted into e4m3) measured 2.4x slower and
+    was dropped."""
+    avg = m_rows / max(num_groups, 1)
+    if quantized:
+        dq = MXFP4_DECODE
+        if avg <= 16:  # 512-wide steps: 1.98 vs 1.92-1.95 TB/s at 8 rows per expert (H200)
+            return GpuConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3, dequant=dq)
+        if avg <= 32:
+            return GpuConfig(bm=32, bn=64, bk=256, num_warps=4, num_stages=3, dequant=dq)
+        if avg <= 64:
+            return GpuConfig(bm=64, bn=128, bk=128, num_warps=4, num_stages=3, dequant=dq)
+        return GpuConfig(bm=128, bn=128 if n_w == 1 else 64, bk=128, num_warps=8, num_stages=3, dequant=dq)
+    if avg <= 32:  # bf16 decode: 4.26 TB/s of weights at 8 rows per expert
+        return GpuConfig(bm=_pow2_in(avg, 16, 32), bn=64, bk=128, num_warps=4, num_stages=4, swap_ab=True)
+    if n_w == 2:
+        return GpuConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
+    # a group's last tile of ≤ 64 rows on the 64-row path: 0.880 vs 0.915 ms at K3 prefill (H200)
+    return GpuConfig(bm=128, bn=256, bk=64, num_warps=8, num_stages=3, bm_small=64)
+
+
+def _pow2_divisor(dim: int, pref: int, floor: int) -> int:
+    b = pref
+    while b > floor and dim % b:
+        b //= 2
+    return b
 
 
 def available() -> bool:
@@ -50,7 +131,7 @@ if tl is not None:
 @jit
 def _decode_ptx(packed, h, DECODE: tl.constexpr):
     """Packed bytes `[BN, KH]` uint8 and h = 2^(S−128) bf16 of the same shape -> (lo, hi) bf16 e2m1 · 2^(S−127)
-    (exact) through the PTX of `mxfp4.PTX_DECODES` (4 bytes per asm invocation, as in the Pallas kernel)."""
+    (exact) through the PTX of `mxfp4.PTX_DECODES` (4 bytes per asm invocation)."""
     if DECODE == 1:
         lo, hi = tl.inline_asm_elementwise(_PTX_ASM, "=r,=r,=r,=r,r,r,r", [packed, h],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -82,8 +163,8 @@ def _tile(x_ptr, x2_ptr, w_ptr, s_ptr, o_ptr, g, r0, r1, n0,
     if QUANT:
         KH: tl.constexpr = BK // 2
         kh = tl.arange(0, KH)
-        # int64 expert bases, int32 offsets inside one expert (as the Pallas kernel): with int64 offset tensors ptxas
-        # gave the 16 x 64 x 512 tile 255 registers instead of 171 (K3 shapes, sm_90; the Pallas kernel: 168)
+        # int64 expert bases, int32 offsets inside one expert: with int64 offset tensors ptxas gave the 16 x 64 x 512
+        # tile 255 registers instead of 171 (K3 shapes, sm_90)
         w_e = w_ptr + g.to(tl.int64) * (N * (K // 2))
         s_e = s_ptr + g.to(tl.int64) * (N * (K // 32))
         w_off = cols[:, None] * (K // 2) + kh[None, :]  # [BN, BK/2]
@@ -94,7 +175,7 @@ def _tile(x_ptr, x2_ptr, w_ptr, s_ptr, o_ptr, g, r0, r1, n0,
         for kk in range(0, K // BK):
             xe = tl.load(x_ptr + (x_off + kk * KH))  # [BM, BK/2] even input elements
             xo = tl.load(x2_ptr + (x_off + kk * KH))  # odd ones
-            if DECODE > 0:  # PTX: the group's scale broadcast in registers, as the Pallas kernel does
+            if DECODE > 0:  # PTX: the group's scale broadcast in registers
                 packed = tl.load(w_e + (w_off + kk * KH))  # [BN, BK/2] uint8
                 sg = cols[:, None] * (K // 32) + kk * (BK // 32) + tl.arange(0, BK // 32)[None, :]
                 h = _half_scale_bf16(tl.load(s_e + sg))  # [BN, BK/32]
@@ -201,10 +282,11 @@ def _one_weight(x, w, group_sizes, *, out_dtype, cfg: GpuConfig, interpret: bool
 
 def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.float32,
                    config: GpuConfig | None = None, interpret: bool = False, fill_uncovered: bool = True):
-    """As `gpu.grouped_matmul`: `x [M, K]` rows sorted by group; `weights` = (W,) or (W_gate, W_up), each dense
-    `[E, K, N]` (bf16) or `MXFP4Weight`. Returns `[M, N]` out_dtype: `x @ W[g]` per row (fp32 accumulation), or
-    `activation(x @ Wg, x @ Wu)` (fp32, in XLA) for two weights. Rows past Σ group_sizes are zeros (or left unwritten
-    with fill_uncovered=False)."""
+    """`x [M, K]` rows sorted by group; `weights` = (W,) or (W_gate, W_up), each dense `[E, K, N]` (bf16) or
+    `MXFP4Weight`; group_sizes `[E]`. Returns `[M, N]` out_dtype: `x @ W[g]` per row (fp32 accumulation), or
+    `activation(x @ Wg, x @ Wu)` (fp32, in XLA) for two weights. Rows past Σ group_sizes are zeros (or left
+    unwritten with fill_uncovered=False). `config`: block shapes (None: `default_config`); `interpret`: Triton's
+    interpreter on the host."""
     M, K = x.shape
     quantized = isinstance(weights[0], mx.MXFP4Weight)
     if quantized:
@@ -216,6 +298,8 @@ def grouped_matmul(x, weights, group_sizes, *, activation=None, out_dtype=jnp.fl
         if K2 != K:
             raise ValueError(f"weight [E, K, N] = {list(weights[0].shape)} does not match x [M, K] = {[M, K]}")
     cfg = config or default_config(M, E, K, N, quantized, len(weights))
+    if cfg.dequant not in DEQUANTS:
+        raise ValueError(f"GpuConfig.dequant must be one of {DEQUANTS}, got {cfg.dequant!r}")
     bk = _pow2_divisor(K, cfg.bk, 32 if quantized else 16)
     bn = _pow2_divisor(N, cfg.bn, 16)
     if K % bk or N % bn:

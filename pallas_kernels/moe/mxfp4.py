@@ -27,7 +27,6 @@ import numpy as np
 import pallas_kernels.codec as codec
 from ..codec import E2M1_VALUES, e2m1_value
 from ..codec import MXFP4_GROUP as GROUP  # elements per E8M0 scale
-from ..triton_prims import inline_asm_primitive
 
 
 class MXFP4Weight(NamedTuple):
@@ -181,7 +180,7 @@ lop3.b32 d4qh, d4p, d4n, d4sg, 0xD8;
 # rows per expert, 1.93 vs 1.86 TB/s of weights): one positive-magnitude
 # table instead of the signed pair, and the sign ORed into each bf16 lane afterwards from the code bytes (placed by
 # a byte permute under bits 15/31; a 4-bit shift brings the low nibbles' sign bits there). Same 21 working
-# instructions per 8 elements but six table/mask words instead of eight; in `bench/triton_regs.py --op moe --sass`
+# instructions per 8 elements but six table/mask words instead of eight; in the SASS of the (Pallas Triton) kernel
 # ptxas' uniform-register constant copies fall from 96 to 25 and the kernel from 952 to 880 SASS instructions (143
 # registers instead of 128). ncu showed the "asm" kernel issue-bound with ~25% of its instructions such copies. Code
 # 8 (−0) decodes to −0 here (to +0 in DECODE_PTX); products and sums are the same either way.
@@ -251,31 +250,11 @@ def scale_half_bf16(s_u8):
 
 
 def decode_lo_hi_bf16_ref(p_u8, h_bf16):
-    """`decode_lo_hi_bf16_asm` in jnp, same bits: (lo, hi) = e2m1 · 2h in bfloat16. `h_bf16` has p_u8's shape."""
+    """`PTX_DECODES` in jnp, same bits: (lo, hi) = e2m1 · 2h in bfloat16 for packed bytes `[...]` uint8 and
+    h = `scale_half_bf16` of their scales, broadcast to p_u8's shape."""
     lo, hi = decode_lo_hi_f32(p_u8)
     s2 = h_bf16.astype(jnp.float32) * 2.0
     return (lo * s2).astype(jnp.bfloat16), (hi * s2).astype(jnp.bfloat16)
-
-
-def decode_lo_hi_bf16_asm(p_u8, h_bf16, form: str = "asm"):
-    """Packed bytes `[..., n]` uint8 and h = `scale_half_bf16` broadcast to the same shape -> (lo, hi) bfloat16
-    values (e2m1 · 2^(S−127)), through `PTX_DECODES[form]` (Pallas Triton on CUDA only). Elementwise: each output
-    depends on its own byte and h only, so the result does not depend on how Triton groups elements into registers."""
-    return _decode_asm_p(form).bind(p_u8, h_bf16)
-
-
-def _check_decode_args(p, h):
-    if p.shape != h.shape or p.dtype != jnp.uint8 or h.dtype != jnp.bfloat16:
-        raise ValueError(f"decode_lo_hi_bf16_asm takes uint8 codes and bfloat16 scales of one shape, got "
-                         f"{p.dtype}{list(p.shape)} and {h.dtype}{list(h.shape)}")
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_asm_p(form: str = "asm"):
-    """A two-result inline-asm primitive (`pallas_kernels.triton_prims`): the PTX in the Pallas Triton lowering,
-    `decode_lo_hi_bf16_ref` (same bits) everywhere else."""
-    return inline_asm_primitive(f"moe_mxfp4_decode_{form}", PTX_DECODES[form], "=r,=r,=r,=r,r,r,r", 4,
-                                [jnp.bfloat16, jnp.bfloat16], decode_lo_hi_bf16_ref, check=_check_decode_args)
 
 
 # --------------------------------------------- e2m1 bits placed under bf16's exponent ("placed" weight layout)
@@ -375,7 +354,7 @@ def scale_placed_bf16(s_u8):
     return jax.lax.bitcast_convert_type(jnp.where(s == 0, 0, (s + 126) << 7).astype(jnp.uint16), jnp.bfloat16)
 
 
-# ------------------------------------------------------------- e2m1 -> e4m3 for the fp8 tensor cores (dequant="fp8")
+# ------------------------------------- e2m1 -> e4m3 for the fp8 tensor cores (`experimental.mxfp4_fp8_mma`)
 # Why: at decode-sized groups the bf16 decode above (21 instructions per 8 elements, plus the register shuffles
 # that build bf16 mma fragments from it) is what bounds the MXFP4 kernel, not HBM. Every e2m1 value times 2^−6 is an
 # e4m3 value with the same bit layout shifted: the code's three magnitude bits (e1 e0 m) placed as e4m3's lowest two
@@ -403,32 +382,14 @@ lop3.b32 $1, e4c, 0x1C1C1C1C, e4d, 0xEA;
 
 # A byte-permute table decode to normal e4m3 codes (0.5 = 0x30, unscaled; 9 instructions per 8 elements and two
 # table words) was timed beside this one on the H200: the same error, 3-5% slower; the tensor cores take
-# the subnormal codes exactly (`bench/moe_fp8_check.py`).
+# the subnormal codes exactly.
 
 
 def decode_lo_hi_e4m3_ref(p_u8):
     """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn: 2^−6 times the e2m1 values of the low / high nibbles
-    (exact; the smallest nonzero is an e4m3 subnormal; code 8 gives −0). The jnp twin of `decode_lo_hi_e4m3`."""
+    (exact; the smallest nonzero is an e4m3 subnormal; code 8 gives −0). The jnp twin of `DECODE_E4M3_PTX`."""
     lut = jnp.asarray(E2M1_VALUES * 2.0 ** -E4M3_DECODE_EXP).astype(jnp.float8_e4m3fn)
     return lut[(p_u8 & 0x0F).astype(jnp.int32)], lut[(p_u8 >> 4).astype(jnp.int32)]
-
-
-def _check_e4m3_args(p):
-    if p.dtype != jnp.uint8:
-        raise ValueError(f"decode_lo_hi_e4m3 takes uint8 codes, got {p.dtype}")
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_e4m3_p():
-    return inline_asm_primitive("moe_mxfp4_decode_e4m3", DECODE_E4M3_PTX, "=r,=r,r", 4,
-                                [jnp.float8_e4m3fn, jnp.float8_e4m3fn], decode_lo_hi_e4m3_ref,
-                                check=_check_e4m3_args)
-
-
-def decode_lo_hi_e4m3(p_u8):
-    """Packed bytes `[...]` uint8 -> (lo, hi) float8_e4m3fn, 2^−6 · e2m1: `DECODE_E4M3_PTX` in a Pallas Triton
-    kernel, `decode_lo_hi_e4m3_ref` (same bits) elsewhere. Elementwise per byte."""
-    return _decode_e4m3_p().bind(p_u8)
 
 
 def split_e4m3_planes(x):

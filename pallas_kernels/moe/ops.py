@@ -14,12 +14,13 @@ three FFN weights prepared, `expert_ffn_sorted` runs the FFN in one tile layout 
 of copy for the whole FFN at 8 rows per expert; a model on a GPU prepares its MXFP4 experts at load).
 
 Backends: "reference" (jax.lax.ragged_dot, fp32 accumulation; MXFP4 is dequantised whole — a definition, not a
-fast path), "gpu" (Pallas → Triton, `gpu.py`), "triton" (the native Triton kernel through jax-triton,
-`gpu_triton.py`; issue #48: it replaces "gpu"'s Pallas Triton lowering once measured beside it), "mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only), "tpu"
-(Pallas Mosaic TPU, `tpu.py`). "auto" picks by the platform through `GPU_CHOICE` / TPU / else reference; the
-platform is the ops' `platform=` argument ("cpu" | "tpu" | "gpu" / "cuda"), None meaning `jax.default_backend()`
-at trace time (pass it when exporting for another platform). `interpret=True` runs the Pallas kernels through their interpreters (GPU: the generic Pallas
-interpreter; TPU: `pltpu.InterpretParams()`), which is how CPU tests check them.
+fast path), "gpu" (the native Triton kernel through jax-triton, `gpu_triton.py`; "triton" is another name of it),
+"mgpu" (JAX's bundled Mosaic GPU ragged_dot, bf16 only, `mgpu_ragged.py`), "tpu" (Pallas Mosaic TPU, `tpu.py`).
+"auto" picks by the platform through `GPU_CHOICE` (where jax-triton can launch; else the reference) / TPU / else
+reference; the platform is the ops' `platform=` argument ("cpu" | "tpu" | "gpu" / "cuda"), None meaning
+`jax.default_backend()` at trace time (pass it when exporting for another platform). `interpret=True` runs the
+kernels through their interpreters (GPU: Triton's interpreter, under TRITON_INTERPRET=1; TPU:
+`pltpu.InterpretParams()`), which is how CPU tests check them.
 
 Determinism: routing is a stable sort of (token, slot) pairs by expert; the combine gathers each token's k expert
 outputs back into (token, slot) order and sums the k slots in order — no scatter-add, so no atomics on any
@@ -34,9 +35,9 @@ import jax.numpy as jnp
 
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
 # __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
-import pallas_kernels.moe.gpu as _gpu
 import pallas_kernels.moe.gpu_triton as _gpu_triton
 import pallas_kernels.moe.mgpu_mxfp4 as _mgpu_mx
+import pallas_kernels.moe.mgpu_ragged as _mgpu_ragged
 import pallas_kernels.moe.mxfp4 as mx
 import pallas_kernels.moe.reference as reference
 import pallas_kernels.moe.schedule as _schedule
@@ -46,29 +47,34 @@ from ..platform import resolve_platform
 from .activations import ACTIVATIONS
 from .routing import route
 
-BACKENDS = ("reference", "gpu", "triton", "mgpu", "tpu")
+BACKENDS = ("reference", "gpu", "mgpu", "tpu", "triton")
+_ALIASES = {"triton": "gpu"}
 
 # The GPU kernel used by backend="auto", per weight kind; chosen by measurement (bench/moe.py, docs/performance.md):
-# at K3 shapes on an H200 the Pallas→Triton kernel ran 389 TFLOP/s, JAX's ragged_dot_mgpu 270 (best of 4 configs).
+# at K3 shapes on an H200 the Triton kernel ran 389 TFLOP/s, JAX's ragged_dot_mgpu 270 (best of 4 configs).
 GPU_CHOICE = {"bf16": "gpu", "mxfp4": "gpu"}
 
 # Whether expert_ffn runs gate and up as one kernel with the activation in its epilogue, per backend. GPU: measured
-# 2.20 ms fused vs 2.02 ms for two 128x256-tile matmuls + XLA activation (H200, K3 shapes) -> off. TPU: unmeasured;
-# on paper the fused kernel saves writing and re-reading two fp32 [rows, F] tensors and keeps one x DMA per step.
-FUSE_GATE_UP = {"gpu": False, "triton": False, "tpu": True, "mgpu": False, "reference": False}
+# 2.20 ms fused vs 2.02 ms for two 128x256-tile matmuls + XLA activation (H200, K3 shapes) -> off (the Triton kernel
+# runs two weights as two launches anyway). TPU: unmeasured; on paper the fused kernel saves writing and re-reading
+# two fp32 [rows, F] tensors and keeps one x DMA per step.
+FUSE_GATE_UP = {"gpu": False, "tpu": True, "mgpu": False, "reference": False}
 
 
 def resolve_backend(backend: str = "auto", *, quantized: bool = False, platform: Optional[str] = None) -> str:
-    """The one place the MoE ops pick an implementation; "auto" by `platform` (None: the default backend's)."""
+    """The one place the MoE ops pick an implementation; "auto" by `platform` (None: the default backend's): on a
+    GPU `GPU_CHOICE` where jax-triton can launch (else the reference, e.g. exporting for CUDA from a CPU host).
+    Other names are resolved ("triton" -> "gpu")."""
     if backend == "auto":
         target = resolve_platform(platform)
         if target == "tpu":
             return "tpu"
-        if target == "gpu":
+        if target == "gpu" and _gpu_triton.available():
             return GPU_CHOICE["mxfp4" if quantized else "bf16"]
         return "reference"
     if backend not in BACKENDS:
         raise ValueError(f"unknown MoE backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'")
+    backend = _ALIASES.get(backend, backend)
     if backend == "mgpu" and quantized:
         return "gpu"  # the bundled Mosaic GPU kernel has no MXFP4 path
     return backend
@@ -123,16 +129,14 @@ def _gmm(x, weights, group_sizes, *, backend, activation=None, out_dtype=jnp.flo
     if b == "reference":
         return _reference_gmm(x, weights, group_sizes, activation, out_dtype)
     if b == "gpu":
-        return _gpu.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
-                                   config=config, interpret=interpret, fill_uncovered=fill_uncovered)
-    if b == "triton":
         return _gpu_triton.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
                                           config=config, interpret=interpret, fill_uncovered=fill_uncovered)
     if b == "tpu":
         return _tpu.grouped_matmul(x, weights, group_sizes, activation=activation, out_dtype=out_dtype,
                                    config=config, interpret=interpret)
     # mgpu: one matmul per weight, activation in XLA
-    outs = [_gpu.mgpu_grouped_matmul(x, w, group_sizes, out_dtype=jnp.float32, config=config) for w in weights]
+    outs = [_mgpu_ragged.mgpu_grouped_matmul(x, w, group_sizes, out_dtype=jnp.float32, config=config)
+            for w in weights]
     return (activation(*outs) if len(outs) == 2 else outs[0]).astype(out_dtype)
 
 
@@ -165,7 +169,8 @@ def grouped_matmul(x, w, group_sizes, *, w_scale=None, backend: str = "auto", ou
     `w`: dense `[E, K, N]`, or MXFP4 (`MXFP4Weight`, `(packed, scale)`, or `w=packed` uint8 `[E, N, K/2]` with
     `w_scale` uint8 E8M0 `[E, N, K/32]`, or a `mgpu_mxfp4.PreparedWeight`). Rows past Σ group_sizes are zeros (as
     `jax.lax.ragged_dot`).
-    `config`: block shapes for the chosen kernel (`gpu.GpuConfig`, `gpu.MgpuConfig`, `tpu.TpuConfig`).
+    `config`: block shapes for the chosen kernel (`gpu_triton.GpuConfig`, `mgpu_ragged.MgpuConfig`,
+    `mgpu_mxfp4.MgpuConfig`, `tpu.TpuConfig`).
     """
     w = _as_weight(w, w_scale)
     _check(x, w, group_sizes)
@@ -177,7 +182,7 @@ def gated_grouped_matmul(x, w_gate, w_up, group_sizes, activation, *, backend: s
                          out_dtype=jnp.bfloat16, interpret: bool = False, config=None,
                          platform: Optional[str] = None):
     """`activation(x @ Wg[e], x @ Wu[e])` per row, with the activation fused after the two fp32 accumulators
-    (one kernel, h stored once) on the Pallas backends."""
+    (one kernel, h stored once) on the TPU backend; on the others two matmuls and the activation in XLA."""
     w_gate, w_up = _as_weight(w_gate), _as_weight(w_up)
     _check(x, w_gate, group_sizes)
     _check(x, w_up, group_sizes)
@@ -247,7 +252,7 @@ def expert_ffn_sorted(x_rows, group_sizes, w_gate, w_up, w_down, activation, *, 
                       configs=None, token_of_row=None, out_rows=None, platform: Optional[str] = None):
     """The expert FFN on rows already sorted by expert: `down(act(gate x, up x))` `[rows, D]` float32.
 
-    `fuse=True` runs gate and up in one kernel with the activation in its epilogue (Pallas backends); None takes
+    `fuse=True` runs gate and up in one kernel with the activation in its epilogue (TPU); None takes
     `FUSE_GATE_UP[backend]`. `h_dtype`:
     the dtype h is stored in (default: the down weight's dtype, bf16 for MXFP4 — as the reference casts).
     `configs`: optional (gate/up config, down config). `token_of_row [rows]`: x_rows is then the `[N, D]` tokens

@@ -5,7 +5,7 @@
 `splits` slices of its slots: it translates them to pool rows once, then per block of 64 keys gathers the rows
 into a shared-memory stage (`stages` in flight), computes Sᵀ = rows · qᵀ on wgmma (keys as the M side), a softmax
 over the block in fp32, and outᵀ += Vᵀ · Pᵀ (latent dims as the M side) from the same shared-memory bytes.
-Partial (o, lse) per split are merged exactly in the kernel (`merge="last"`) or by `sparse_gpu`'s merge.
+Partial (o, lse) per split are merged exactly in the kernel (`merge="last"`) or by `sparse_gpu_triton.merge_splits`.
 Precision is the storage formats' (`precision="storage"`): q and P in f16, fp32 accumulation and softmax.
 Reached through `sparse.sparse_mla(..., backend="gpu")`; GPU only (the body lowers on CPU in the tests).
 

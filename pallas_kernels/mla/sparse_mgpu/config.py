@@ -39,7 +39,7 @@ class MgpuSparseConfig:
     # warps per SM, 128 CTAs at B = 32 (one wave); 4 caps ptxas at 128 registers (16 warps per SM) but was slower
     # (34.9 µs with one stage)
     warpgroups: int = 2
-    # how the splits' partials meet: "kernel" — written to gmem and merged by `sparse_gpu`'s Pallas merge kernel (a
+    # how the splits' partials meet: "kernel" — written to gmem and merged by `sparse_gpu_triton.merge_splits` (a
     # second launch); "last" — the same partials, merged in this kernel by the sequence's last CTA to finish (a
     # global atomic counter per sequence, `_last_merge_fn`; the partials come back from L2), which writes the final
     # o `[B, H, R]` itself: one launch fewer (faster with prep="kernel")

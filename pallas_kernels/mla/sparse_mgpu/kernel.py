@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla.sparse_gpu import _merge_pallas
+from pallas_kernels.mla.sparse_gpu_triton import merge_splits
 from .config import CHUNK, HEADS, KEYS, MgpuSparseConfig, P_SCALE, row_stride, supports
 from .gather import _init_barriers_fn, _stamp_fn, _translate_fn, _wait_fn, issue_fn
 from .operands import (_logits_operand_fn, _logits_operand_fp8_fn, _store_p_fp8_fn, _value_operand_fn,
@@ -290,10 +290,11 @@ def kernel_call(q, c2, slots, block_tables, pool_u8, *, R: int, page: int,
 @functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "config"))
 def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
            config: MgpuSparseConfig = MgpuSparseConfig()):
-    """`sparse_gpu.decode`'s contract for fp8 rows at storage precision: q `[B, H, c]` (H ≤ 16), kv_parts the
+    """`sparse_gpu_triton.decode`'s contract for fp8 rows at storage precision: q `[B, H, c]` (H ≤ 16), kv_parts the
     pool's one fp8 part `[num_blocks, page, c]`, block_tables `[B, max_blocks]`, idx `[B, k]` positions (−1 =
-    empty) -> (o `[B, H, R]` f32, lse `[B, H]` f32). The splits' partials are merged by `sparse_gpu`'s Pallas
-    merge kernel (one launch; it also drops the padded heads and applies the layer scale)."""
+    empty) -> (o `[B, H, R]` f32, lse `[B, H]` f32). The splits' partials are merged in this kernel
+    (`merge="last"`) or by `sparse_gpu_triton.merge_splits` (one launch; it also drops the padded heads and applies
+    the layer scale)."""
     if not supports(fmt):
         raise ValueError(f"the mgpu sparse MLA kernel reads fp8 rows with R in (128, 256, 512), not {fmt}")
     R = fmt.latent
@@ -323,4 +324,4 @@ def merge(o, lse, H: int, layer_scale, interpret: bool = False):
     """Per-split (o `[NS, B, 16, R]`, lse `[NS, B, 16]`) -> (o `[B, H, R]` · layer scale, lse `[B, H]`)."""
     if o.shape[0] == 1:
         return o[0, :, :H] * layer_scale, lse[0, :, :H]
-    return _merge_pallas(o, lse, layer_scale, H, interpret=interpret)
+    return merge_splits(o, lse, layer_scale, H, interpret=interpret)

@@ -8,10 +8,16 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels.moe.mgpu_mxfp4 import _fragment_slots
-from pallas_kernels.triton_prims import CVT_E4M3X4_F16_PTX
 from .config import CHUNK, HEADS, KEYS, P_SCALE
 from .gather import _key_of, _mlir
 
+# Four e4m3 bytes (one 32-bit register) -> four f16 (two registers): the hardware conversion, two per instruction.
+CVT_E4M3X4_F16_PTX = """{
+.reg .b16 e4lo, e4hi;
+mov.b32 {e4lo, e4hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, e4lo;
+cvt.rn.f16x2.e4m3x2 $1, e4hi;
+}"""
 
 # keys (a, b) -> dim pairs: bytes (a0 b0 a1 b1) and (a2 b2 a3 b3), each 16-bit half one f16x2 register
 _PAIR_CVT = """{

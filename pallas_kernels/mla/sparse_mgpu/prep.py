@@ -8,20 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.moe.mgpu_mxfp4 import x_permutation
+from pallas_kernels.gpu_prep import pow2_at_least
 from pallas_kernels.moe.mxfp4 import split_e4m3_planes
-from pallas_kernels.mla.sparse_gpu import _pow2_at_least
 from .config import HEADS, KEYS, LOG2E
 
 
 def prepare_q(q_bhc, qscale):
     """q `[B, H, c]` (any float) and the logit scale (scale · layer scale) -> (q `[B, 16, c]` f16 in the kernel's
     contraction order, heads zero-padded; c2 `[B, 16]` f32: each head's power of two times log2 e, which turns the
-    f16 dot back into log2-domain logits). The power of two is `sparse_gpu._pow2_at_least` of the head's max |q|."""
+    f16 dot back into log2-domain logits). The power of two is `gpu_prep.pow2_at_least` of the head's max |q|."""
     B, H, c = q_bhc.shape
     if H > HEADS:
         raise ValueError(f"the mgpu sparse MLA kernel takes ≤ {HEADS} heads per call, got {H}")
     q = q_bhc.astype(jnp.float32) * qscale
-    s = _pow2_at_least(jnp.max(jnp.abs(q), axis=-1))  # [B, H]
+    s = pow2_at_least(jnp.max(jnp.abs(q), axis=-1))  # [B, H]
     q = (q / s[..., None])[..., jnp.asarray(x_permutation(c))]
     q = jnp.pad(q, ((0, 0), (0, HEADS - H), (0, 0))).astype(jnp.float16)
     c2 = jnp.pad(s * LOG2E, ((0, 0), (0, HEADS - H)), constant_values=LOG2E)

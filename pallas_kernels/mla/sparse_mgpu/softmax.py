@@ -273,7 +273,7 @@ def _prep_q_fn(c: int, H: int, nw: int):
                 m = functools.reduce(arith.maximumf, [mlir_math.absf(x) for x in xs])
                 for d in (16, 8, 4, 2, 1):
                     m = arith.maximumf(m, mgu.shfl_bfly(m, d))
-                # `sparse_gpu._pow2_at_least`: 2^(e + 1) for m's exponent bits e, 1 where m = 0
+                # `gpu_prep.pow2_at_least`: 2^(e + 1) for m's exponent bits e, 1 where m = 0
                 e = arith.andi(arith.shrui(arith.bitcast(i32, m), mgu.c(23, i32)), mgu.c(0xFF, i32))
                 p2 = arith.bitcast(f32, arith.shli(arith.addi(e, mgu.c(1, i32)), mgu.c(23, i32)))
                 p2 = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, m, zero), p2, mgu.c(1.0, f32))
