@@ -651,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "first prompt's prefill and decode are traced in two extra requests (S is ignored), "
                         "summarised per prefill chunk / decode step in $OUT/trace_{prefill,decode}_<tokens>.md")
     p.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
+    p.add_argument("--xla-flags", default="", metavar="FLAGS",
+                   help="--launch / --gpu: appended to the server's XLA_FLAGS (and the copy probe's), e.g. which "
+                        "ops XLA's command buffers (CUDA graphs) capture; the JSON document records them")
+    p.add_argument("--label", default="", help="suffix of the files written to $OUT (serve_<label>.json, "
+                                               "serve_server_<label>.log): several runs in one $OUT")
     return p
 
 
@@ -696,6 +701,8 @@ def main(argv=None) -> int:
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")
     child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in child_env.get("PYTHONPATH", "").split(
         os.pathsep) if x])
+    if args.xla_flags:
+        child_env["XLA_FLAGS"] = " ".join(filter(None, [child_env.get("XLA_FLAGS"), args.xla_flags]))
     if args.profile:
         # traced programs run kernel by kernel: with XLA's command buffers (CUDA graphs) on, the 48B model's step
         # after /stop_profile failed with CUDA_ERROR_LAUNCH_FAILED on an H100 and left the context unusable (as in
@@ -718,7 +725,7 @@ def main(argv=None) -> int:
         print(f"copy bandwidth on {copy_bw['device']}: copy {copy_bw['copy_gb_s']:.0f} GB/s, elementwise "
               f"{copy_bw['elementwise_gb_s']:.0f} GB/s, torch {copy_bw.get('torch_copy_gb_s', float('nan')):.0f} "
               "GB/s", flush=True)
-        log_path = (out_dir or Path("/tmp")) / "serve_server.log"
+        log_path = (out_dir or Path("/tmp")) / _labelled("serve_server.log", args)
         launched = LaunchedServer(args, child_env, log_path)
         print(f"starting: {' '.join(launched.cmd)}  (log: {log_path})", flush=True)
         try:
@@ -729,7 +736,8 @@ def main(argv=None) -> int:
         url = launched.url
         setup = {"server_cmd": " ".join(launched.cmd[1:]), "ready_s": round(ready_s, 1),
                  "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-                 "dtype": args.dtype or "float32", "device": copy_bw["device"]}
+                 "dtype": args.dtype or "float32", "device": copy_bw["device"],
+                 "xla_flags": child_env.get("XLA_FLAGS", "")}
         print(f"server ready in {ready_s:.0f} s (load + compile)", flush=True)
     else:
         # in-process tiny server on CPU (the original mode of this script)
@@ -849,8 +857,17 @@ def _provenance(jax) -> dict:
             "versions": f"python {platform.python_version()}, jax {jax.__version__}"}
 
 
+def _labelled(name: str, args) -> str:
+    """`name` with `--label` before its extension (serve.json -> serve_<label>.json)."""
+    if not args.label:
+        return name
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}_{args.label}.{ext}" if dot else f"{name}_{args.label}"
+
+
 def _write_doc(doc: dict, args, out_dir, name: str) -> None:
-    """Print the JSON document and write it to --json and to $OUT/name."""
+    """Print the JSON document and write it to --json and to $OUT/name (labelled by --label)."""
+    name = _labelled(name, args)
     text = json.dumps(doc, indent=1, default=float)
     print()
     print(text)
