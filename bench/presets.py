@@ -22,6 +22,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+# the real-size model's decode line (serve-48b's second) and XLA's default command-buffer ops plus conditionals
+_SERVE_48B_DECODE = ("bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
+                     "--max-num-seqs 32 --max-model-len 512 --prefill-chunk-sizes 128 --prompt-tokens 129 "
+                     "--max-tokens 256 --clients 1,32 --requests-per-client 1 --startup-timeout 900")
+_CB_COND = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"
+
 # name -> (what it measures, card, the command lines)
 PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "kda": ("KDA prefill vs fla chunk_kda and decode state bytes vs copy (H=96, d=128, bf16)", "1 GPU",
@@ -69,9 +75,18 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                   "the roofline", "1 GPU",
                   ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
                    "--scenario long --long-lengths 8193,32769 --prefill-chunk-sizes 4096 --max-tokens 32 --startup-timeout 900",
-                   "bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
-                   "--max-num-seqs 32 --max-model-len 512 --prefill-chunk-sizes 128 --prompt-tokens 129 "
-                   "--max-tokens 256 --clients 1,32 --requests-per-client 1 --startup-timeout 900"]),
+                   _SERVE_48B_DECODE]),
+    "serve-48b-branches": ("the real-size model's decode at 1 and 32 streams: with the plain sampler (no lax.cond, "
+                           "the default on a GPU), with the sampler's two branches as XLA runs them by default (on "
+                           "the host, which waits for the device), and with the branches inside XLA's command "
+                           "buffers (CUDA conditional nodes); what each step program launches from the host "
+                           "(bench/hlo_summary.py on the first run's XLA dump). $OUT/serve_<label>.json", "1 GPU",
+                           [_SERVE_48B_DECODE + " --label plain '--xla-flags=--xla_dump_to=/tmp/kimi_jax_hlo "
+                            "--xla_dump_hlo_module_re=jit_step.*'",
+                            "bench/hlo_summary.py /tmp/kimi_jax_hlo",
+                            _SERVE_48B_DECODE + " --label branches --server-arg=--no-plain-sampling",
+                            _SERVE_48B_DECODE + " --label branches_in_graphs --server-arg=--no-plain-sampling "
+                            f"--xla-flags=--xla_gpu_enable_command_buffer={_CB_COND}"]),
     "serve-48b-profile": ("a device trace of the real-size model's steady decode at 1 and 32 streams, summarised per "
                           "step (top kernels): where its steps spend the time its bytes do not explain", "1 GPU",
                           ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 "

@@ -75,6 +75,11 @@ class EngineConfig:
     # before this one's tokens are read, so the host work between steps runs while the device computes. None: on
     # on an accelerator (one process or several), off on CPU (whose "device" is the host's own cores)
     async_scheduling: Optional[bool] = None
+    # a second build of every decode / verify program with the plain sampler (no top-k / top-p / min-p filter, no top
+    # log-probs: no lax.cond), run when no running sequence uses either (sampler.py). On a GPU each lax.cond runs on
+    # the host (XLA's command buffers leave conditionals out by default): it copies its predicate back and waits for
+    # the device, every step. None: on for a GPU, off elsewhere (a TPU branches on the device; a CPU runs in order)
+    plain_sampling: Optional[bool] = None
 
 
 def default_decode_buckets(max_num_seqs: int, data_ways: int = 1) -> tuple[int, ...]:

@@ -177,6 +177,8 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else mesh_platform(getattr(model, "mesh", None)) != "cpu")
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
+        plain_sampling = (cfg.plain_sampling if cfg.plain_sampling is not None
+                          else mesh_platform(getattr(model, "mesh", None)) == "gpu")
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
         if cfg.token_split_min_tokens < 0:
@@ -228,7 +230,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
                                  stop_mask=stop_mask, images=images, spec_tokens=cfg.speculative_tokens,
                                  draft_q=getattr(self.proposer, "samples", False), dcp=cfg.dcp,
                                  decode_buckets=cfg.decode_buckets,
-                                 token_split_min_tokens=cfg.token_split_min_tokens)
+                                 token_split_min_tokens=cfg.token_split_min_tokens, plain_sampling=plain_sampling)
         elif (runner.model is not model or runner.B != self.B or runner.L != self.max_model_len
               or runner.chunk_sizes != tuple(sorted(set(cfg.prefill_chunk_sizes), reverse=True))
               or runner.kv_dtype != kv_dtype or runner.spec.num_blocks != num_blocks
@@ -237,11 +239,13 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
               or runner.draft_q != bool(getattr(self.proposer, "samples", False)) or runner.dcp != cfg.dcp
               or runner.buckets != tuple(sorted(set(cfg.decode_buckets)))
               or runner.token_split_min_tokens != cfg.token_split_min_tokens
+              or runner.plain_sampling != plain_sampling
               or runner.tables.class_masks.shape != class_table.shape):
             raise ValueError("a shared runner must have this engine's model, max_num_seqs, max_model_len, prefill "
                              "chunk sizes, cache pool (kv / index dtype, num_blocks), image programs, "
                              "speculative_tokens and draft sample method (a verify program with q exactly for "
-                             "sampled drafts), dcp, token-split threshold and decode buckets")
+                             "sampled drafts), dcp, token-split threshold, decode buckets and plain-sampler "
+                             "programs")
         self.runner = mirror_runner(runner, self.mirror) if self.mirror.multiprocess else runner
         self._cache_bytes_per_device = runner.cache_bytes_per_device()
         self._checkpoint_bytes_per_device = runner.cache1_bytes_per_device()
@@ -282,6 +286,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         # counters (written by the engine thread, read anywhere)
         self.num_steps = 0
         self.steps_overlapped = 0  # decode steps dispatched before the previous step's tokens were read
+        self.steps_plain = 0  # decode / verify steps that ran the plain sampler
         self.steps_by_rows: dict[int, int] = {}  # decode / verify steps per program width (a bucket, or max_num_seqs)
         self.num_prefill_chunks = 0
         self.token_split_prefill_tokens = 0  # prompt tokens prefilled by token-split chunks
@@ -473,6 +478,7 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
             "num_steps": self.num_steps,
             "async_scheduling": self.async_scheduling,
             "steps_overlapped": self.steps_overlapped,
+            "steps_plain": self.steps_plain,  # decode / verify steps that ran the plain sampler (plain_sampling)
             "steps_by_rows": {str(k): v for k, v in sorted(self.steps_by_rows.items())},
             "num_prefill_chunks": self.num_prefill_chunks,
             # prompt tokens whose prefill chunk ran split by tokens over the context axis, and the sizes that do
@@ -694,11 +700,12 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         verified = bool(drafts) or (proposer is not None and self.config.speculative_batch_invariant)
         slots = self._bucket_slots()
         pick = (lambda a: a) if slots is None else (lambda a: a[slots])  # the bucket's rows of a [B, ...] input
+        plain = self._plain_sampler()
         if not verified:
             self._upload_dynamic_masks()
             rows = self.rows.device(self.runner.put_rows)
             step = self._dispatch(pick(tokens), pick(active), rows, Controls(*map(pick, ctl)), pick(tables), slots,
-                                  dict(self._running), c["emit"])
+                                  dict(self._running), c["emit"], plain)
             if proposer is None and self.async_scheduling:
                 self._inflight = step  # read by the next iteration, after it dispatches the step after it
                 return
@@ -710,9 +717,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             rows = self.rows.device(self.runner.put_rows)
             q = {k: pick(v) for k, v in q.items()}
+            self.steps_plain += plain
             self._state, out = self.runner.verify(self._state, pick(ids), pick(n_draft), pick(active), rows,
                                                   Controls(*map(pick, vctl)), pick(tables), **q,
-                                                  sampling_tables=self._tables, slots=slots)
+                                                  sampling_tables=self._tables, slots=slots, plain=plain)
             out = self._by_slot({k: np.asarray(v) for k, v in out._asdict().items()}, slots)
             self._count_verify(policy, drafts, n_draft, out["n"])
             self._advance(out, c["emit"], dict(self._running))
@@ -752,6 +760,11 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
             if seq.finish_reason is None:
                 for _ in range(n - 1):  # accepted drafts were fed already; only the last token is still to feed
                     seq.pending.popleft()
+
+    def _plain_sampler(self) -> bool:
+        """Whether this step may run the plain sampler: the runner has its programs and no running sequence samples
+        through the filter or returns top log-probs (the rows of free slots are never read)."""
+        return self.runner.plain_sampling and not self.rows.needs_branches(self._running)
 
     def _count_width(self, slots: Optional[np.ndarray]) -> None:
         """Count a decode or verify step under its program width (`steps_by_rows`): its bucket, or all B rows."""

@@ -45,19 +45,21 @@ class _Step:
     active: np.ndarray  # bool, program rows (as passed)
     rows: object  # the uploaded sampling rows (device)
     ctl: Controls  # program rows (as passed)
+    plain: bool  # ran the plain sampler (its successor runs the same sequences: it may too)
 
 
 class OverlapMixin:
     """`Engine`'s overlapped steps: `_dispatch` runs a decode step and keeps its record, `_overlap` finishes the step
     in flight after dispatching its successor where one can chain (`_may_chain`, `_chain`)."""
 
-    def _dispatch(self, tokens, active, rows, ctl: Controls, tables, slots, seqs: dict, emit) -> _Step:
+    def _dispatch(self, tokens, active, rows, ctl: Controls, tables, slots, seqs: dict, emit, plain: bool) -> _Step:
         """Run the decode step over `slots` (None: all rows): tokens, active, ctl and tables in program rows
-        (tokens may be a device array)."""
+        (tokens may be a device array); `plain`: with the plain sampler (`Engine._plain_sampler`)."""
         self._count_width(slots)
+        self.steps_plain += plain
         self._state, out = self.runner.step(self._state, tokens, active, rows, ctl, tables,
-                                            sampling_tables=self._tables, slots=slots)
-        return _Step(out, seqs, emit, slots, active, rows, ctl)
+                                            sampling_tables=self._tables, slots=slots, plain=plain)
+        return _Step(out, seqs, emit, slots, active, rows, ctl, plain)
 
     def _overlap(self) -> bool:
         """Finish the step in flight, first dispatching its successor where it can chain. True: a successor is in
@@ -106,4 +108,4 @@ class OverlapMixin:
         ctl = step.ctl._replace(gen_step=step.ctl.gen_step + 1)
         self.steps_overlapped += 1
         return self._dispatch(step.out.tokens, step.active, step.rows, ctl, tables, step.slots, dict(step.seqs),
-                              step.emit)
+                              step.emit, step.plain)

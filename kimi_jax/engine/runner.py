@@ -54,6 +54,7 @@ image size).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -113,7 +114,7 @@ class ModelRunner:
                  kv_dtype: Optional[str] = None, class_masks: np.ndarray, stop_mask: np.ndarray,
                  num_blocks: Optional[int] = None, index_dtype: Optional[str] = None, latent_scales=None,
                  images: bool = False, spec_tokens: int = 0, draft_q: bool = False, dcp: int = 1,
-                 decode_buckets: Sequence[int] = (), token_split_min_tokens: int = 0):
+                 decode_buckets: Sequence[int] = (), token_split_min_tokens: int = 0, plain_sampling: bool = False):
         """``kv_dtype``: fp32 | bf16 | fp8 | nvfp4 (None: the model's dtype); ``num_blocks``: pages per MLA pool
         (per DCP rank), the null page included (None: ``1 + max_num_seqs · max_blocks``, every slot full);
         ``dcp``: decode context parallelism — the pages split over that many ranks token by token (the mesh's
@@ -123,7 +124,10 @@ class ModelRunner:
         ``images``: also compile the image prefill programs (``prefill_img``); ``spec_tokens``: drafts per verify
         step (0: no ``verify`` program); ``draft_q``: the verify program takes the drafts' q (sampled drafts);
         ``decode_buckets``: row counts below ``max_num_seqs`` that get `step` (and `verify`) programs of their own
-        over just those slots, so a step with few sequences running computes few rows (`bucket_for`)."""
+        over just those slots, so a step with few sequences running computes few rows (`bucket_for`);
+        ``plain_sampling``: also compile every step and verify program with the plain sampler (`sampler.sample`'s
+        ``plain``: no ``lax.cond``), which `step` / `verify` run when told no running row needs the filter or top
+        log-probs."""
         cfg = model.config
         self.model = model
         self.images = bool(images)
@@ -140,6 +144,7 @@ class ModelRunner:
         self.V = cfg.vocab_size
         self.chunk_sizes = tuple(sorted({int(c) for c in prefill_chunk_sizes}, reverse=True))
         self.buckets = tuple(sorted({int(b) for b in decode_buckets}))
+        self.plain_sampling = bool(plain_sampling)
         if self.buckets and not 1 <= self.buckets[0] <= self.buckets[-1] < self.B:
             raise ValueError(f"decode buckets must lie in [1, max_num_seqs={self.B}), got {list(decode_buckets)}")
         if not self.chunk_sizes or self.chunk_sizes[-1] < 1:
@@ -238,20 +243,21 @@ class ModelRunner:
                            for p, o in zip(c.layers, one.layers))
             return one.replace(length=take(c.length).astype(one.length.dtype), layers=layers)
 
-        def step(params, state, tokens, active, rows, ctl, tables, block_tables):
+        def step(params, state, tokens, active, rows, ctl, tables, block_tables, plain=False):
             m = nnx.merge(graphdef, params)
             logits, cache = m(tokens[:, None], state.cache.replace(block_tables=block_tables), ctx=ctx)
             cache = cache.replace(length=jnp.where(active, cache.length, state.cache.length))
             cache = same_dtypes(cache, state.cache)
-            out, counts = sample(logits[:, 0], rows, ctl, state.counts, state.prompt_mask, tables)
+            out, counts = sample(logits[:, 0], rows, ctl, state.counts, state.prompt_mask, tables, plain)
             return DeviceState(cache, counts, state.prompt_mask), out
 
-        def verify(params, state, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None, has_q=None):
+        def verify(params, state, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None, has_q=None,
+                   plain=False):
             m = nnx.merge(graphdef, params)
             old = state.cache
             logits, pending = m(tokens, old.replace(block_tables=block_tables), ctx=ctx, defer_kda=True)
             out, counts = verify_sample(logits, tokens[:, 1:], n_draft, rows, ctl, state.counts, state.prompt_mask,
-                                        tables, q, has_q)
+                                        tables, q, has_q, plain)
             keep = jnp.where(active, out.n, 0)
             cache = m.commit_verify(pending, old.length, keep, ctx)
             cache = same_dtypes(cache, old)
@@ -286,16 +292,21 @@ class ModelRunner:
             return DeviceState(c.replace(length=put(c.length, n.length), layers=layers), put(state.counts, sub.counts),
                                state.prompt_mask)
 
-        def step_rows(params, state, slots, tokens, active, rows, ctl, tables, block_tables):
+        def step_rows(params, state, slots, tokens, active, rows, ctl, tables, block_tables, plain=False):
             sub, out = step(params, take_rows(state, slots), tokens, active, jax.tree.map(lambda a: a[slots], rows),
-                            ctl, tables, block_tables)
+                            ctl, tables, block_tables, plain)
             return put_rows(state, slots, sub), out
 
         def verify_rows(params, state, slots, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None,
-                        has_q=None):
+                        has_q=None, plain=False):
             sub, out = verify(params, take_rows(state, slots), tokens, n_draft, active,
-                              jax.tree.map(lambda a: a[slots], rows), ctl, tables, block_tables, q, has_q)
+                              jax.tree.map(lambda a: a[slots], rows), ctl, tables, block_tables, q, has_q, plain)
             return put_rows(state, slots, sub), out
+
+        def with_plain_sampler(fn):  # the same program without a lax.cond, named <fn>_plain (XLA: jit_<fn>_plain)
+            plain_fn = functools.partial(fn, plain=True)
+            plain_fn.__name__ = plain_fn.__qualname__ = fn.__name__ + "_plain"
+            return plain_fn
 
         # where every buffer lives (`state_shardings`): KDA states and conv tails split by heads as the KDA entry
         # point splits them, the MLA pools split over the DCP axis (else whole on every device), the rest whole
@@ -325,6 +336,9 @@ class ModelRunner:
             "step_rows": jax.jit(leaves_in(step_rows), donate_argnums=(1,), **out((st, replicated))),
             "verify_rows": jax.jit(leaves_in(verify_rows), donate_argnums=(1,), **out((st, replicated))),
         }
+        for fn in (step, verify, step_rows, verify_rows):
+            self._fns[fn.__name__ + "_plain"] = jax.jit(leaves_in(with_plain_sampler(fn)), donate_argnums=(1,),
+                                                        **out((st, replicated)))
         self._exe: dict = {}
         self._mask_uploads: dict = {}  # `update_class_masks` program per first row
         self.tables = Tables(jnp.asarray(class_masks), jnp.asarray(stop_mask))
@@ -396,7 +410,15 @@ class ModelRunner:
                 + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
                 + (["verify"] if self.spec_tokens else [])
                 + [f"step_{b}" for b in self.buckets]
-                + ([f"verify_{b}" for b in self.buckets] if self.spec_tokens else []))
+                + ([f"verify_{b}" for b in self.buckets] if self.spec_tokens else [])
+                + ([self._decode_name(n, True, b) for n in ("step", "verify")[:1 + bool(self.spec_tokens)]
+                    for b in (None,) + self.buckets] if self.plain_sampling else []))
+
+    @staticmethod
+    def _decode_name(kind: str, plain: bool, bucket: Optional[int]) -> str:
+        """The program of a decode (`kind` "step") or verify ("verify") step: ``step``, ``step_plain``,
+        ``step_8``, ``step_plain_8``, ..."""
+        return kind + ("_plain" if plain else "") + ("" if bucket is None else f"_{bucket}")
 
     def program_args(self) -> dict:
         """Every program as (jitted function, abstract arguments): `ShapeDtypeStruct`s with their shardings, the
@@ -451,6 +473,11 @@ class ModelRunner:
                 programs[f"verify_{b}"] = (f["verify_rows"], (
                     params, state, sds((b,), jnp.int32), sds((b, K1), jnp.int32), sds((b,), jnp.int32),
                     sds((b,), bool), rows, controls(b, K1), tables, sds((b, NB), jnp.int32), *qb))
+        if self.plain_sampling:  # each decode / verify program again with the plain sampler, on the same arguments
+            for kind in ("step", "verify")[:1 + bool(self.spec_tokens)]:
+                for b in (None,) + self.buckets:
+                    fn = f[kind + ("" if b is None else "_rows") + "_plain"]
+                    programs[self._decode_name(kind, True, b)] = (fn, programs[self._decode_name(kind, False, b)][1])
         for c in self.chunk_sizes:
             name = self._prefill_name(c)
             programs[name] = (f["prefill_split" if c in self.token_split_sizes else "prefill"],
@@ -584,27 +611,36 @@ class ModelRunner:
         """The fewest rows of a compiled bucket that hold ``running`` sequences; None: the full ``[B]`` step."""
         return next((b for b in self.buckets if b >= running), None)
 
+    def _decode_program(self, kind: str, plain: bool, slots) -> str:
+        if plain and not self.plain_sampling:
+            raise ValueError("this runner was built without the plain-sampler programs (plain_sampling=False)")
+        return self._decode_name(kind, plain, None if slots is None else len(slots))
+
     def step(self, state: DeviceState, tokens: np.ndarray, active: np.ndarray, rows, ctl: Controls,
-             block_tables: np.ndarray, sampling_tables: Optional[Tables] = None, slots: Optional[np.ndarray] = None):
+             block_tables: np.ndarray, sampling_tables: Optional[Tables] = None, slots: Optional[np.ndarray] = None,
+             plain: bool = False):
         """One decode token per row; ``sampling_tables``: the class table to sample with (None: the runner's own, as
         built; an engine passes its copy with its dynamic bitmask rows, `update_class_masks`). ``slots`` None: rows
         are the B slots; else int32 ``[b]`` distinct slots (b a bucket): tokens, active, ctl and block_tables then
-        hold b rows, one per listed slot, and so does the result; ``rows`` stays the ``[B]`` upload."""
+        hold b rows, one per listed slot, and so does the result; ``rows`` stays the ``[B]`` upload. ``plain``: the
+        program with the plain sampler (built with ``plain_sampling``), for steps where no row whose output is read
+        uses the filter or top log-probs (`RowParams.needs_branches`): the same outputs for those rows."""
         tables = self.tables if sampling_tables is None else sampling_tables
+        name = self._decode_program("step", plain, slots)
         if slots is None:
-            return self._call("step", self._param_leaves, state, tokens, active, rows, ctl, tables,
+            return self._call(name, self._param_leaves, state, tokens, active, rows, ctl, tables,
                               np.asarray(block_tables, np.int32))
-        return self._call(f"step_{len(slots)}", self._param_leaves, state, np.asarray(slots, np.int32), tokens,
+        return self._call(name, self._param_leaves, state, np.asarray(slots, np.int32), tokens,
                           active, rows, ctl, tables, np.asarray(block_tables, np.int32))
 
     def verify(self, state: DeviceState, tokens: np.ndarray, n_draft: np.ndarray, active: np.ndarray, rows,
                ctl: Controls, block_tables: np.ndarray, q=None, has_q=None, sampling_tables: Optional[Tables] = None,
-               slots: Optional[np.ndarray] = None):
+               slots: Optional[np.ndarray] = None, plain: bool = False):
         """One speculative step: tokens ``[B, k+1]`` (next token, then the drafts), n_draft ``[B]`` valid drafts,
         ``ctl`` with per-position constraints (allow_class ``[B, k+1]``, allow_ids ``[B, k+1, MAX_ALLOWED_IDS]``);
         with ``draft_q``, ``q`` float32 ``[B, k, V]`` (device array) and ``has_q`` bool ``[B, k]``: where a draft was
-        sampled from q (``spec_decode.verify_sample``).  ``slots``: as in `step`.  Returns (state, VerifyOut) --
-        the state passed in is donated."""
+        sampled from q (``spec_decode.verify_sample``).  ``slots``, ``plain``: as in `step`.  Returns (state,
+        VerifyOut) -- the state passed in is donated."""
         if (q is not None) != self.draft_q:
             raise ValueError("this runner's verify program takes the drafts' q exactly when built with draft_q=True")
         if q is not None and self._replicated is not None:  # the draft model's device -> the mesh, replicated
@@ -612,7 +648,7 @@ class ModelRunner:
         extra = (None, None) if q is None else (q, np.asarray(has_q, bool))
         tables = self.tables if sampling_tables is None else sampling_tables
         picked = () if slots is None else (np.asarray(slots, np.int32),)
-        return self._call("verify" if slots is None else f"verify_{len(slots)}", self._param_leaves, state, *picked,
+        return self._call(self._decode_program("verify", plain, slots), self._param_leaves, state, *picked,
                           np.asarray(tokens, np.int32), np.asarray(n_draft, np.int32), active, rows, ctl, tables,
                           np.asarray(block_tables, np.int32), *extra)
 

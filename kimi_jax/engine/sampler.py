@@ -13,7 +13,11 @@
      Gumbel-max trick from a per-row key ``fold_in(fold_in(PRNGKey(seed), choice), step)`` -- reproducible per
      request whatever else shares the batch.
 
-The filter (a full sort of each row) only runs when some row uses top-k / top-p / min-p (``lax.cond``).
+The filter (a full sort of each row) only runs when some row uses top-k / top-p / min-p, and the top log-probs
+(another sort) only when some row asks for them: two ``lax.cond``s on the rows' parameters. ``plain=True`` builds the
+sampler without either (for steps where the host knows no running row needs them, `RowParams.needs_branches`): on a
+GPU each ``lax.cond`` outside XLA's command buffers copies its predicate to the host and waits for the stream, which
+keeps the host from running ahead of the device.
 ``RowParams`` holds per-row parameters on the host (numpy) and uploads them when a row changes.
 """
 
@@ -29,7 +33,7 @@ from .guide import ALL, MAX_ALLOWED_IDS
 from .sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["Rows", "Controls", "Tables", "SampleOut", "Processed", "RowParams", "sample", "process", "row_keys",
-           "draw", "top_logprobs", "seed32"]
+           "draw", "top_logprobs", "seed32", "uses_filter"]
 
 
 class Rows(NamedTuple):
@@ -79,6 +83,12 @@ def seed32(seed: int) -> int:
     return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
+def uses_filter(temperature, top_k, top_p, min_p):
+    """Per row, whether it samples through the top-k / top-p / min-p filter (numpy or jax arrays ``[B]``): the
+    predicate of `process`'s ``lax.cond``, and its host twin in `RowParams.needs_branches`."""
+    return (temperature > 0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
+
+
 def _filter(xs, top_k, top_p, min_p):
     """Keep, per row, tokens at or above the tightest of the top-k, top-p and min-p thresholds."""
     V = xs.shape[-1]
@@ -106,8 +116,10 @@ class Processed(NamedTuple):
     hot: jax.Array  # bool [B]: the row samples (temperature > 0)
 
 
-def process(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables) -> Processed:
-    """Steps 1-5 up to the draw: raw log-probabilities, bias, penalties, constraints, temperature and filters."""
+def process(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables,
+            plain: bool = False) -> Processed:
+    """Steps 1-5 up to the draw: raw log-probabilities, bias, penalties, constraints, temperature and filters.
+    ``plain``: no filter (the caller knows no row uses one: `uses_filter` is False for every row it reads)."""
     B, V = logits_bv.shape
     logits = logits_bv.astype(jnp.float32)
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
@@ -129,8 +141,9 @@ def process(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tab
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
     hot = rows.temperature > 0
     xs = x / jnp.where(hot, rows.temperature, 1.0)[:, None]
-    need = jnp.any(hot & ((rows.top_k > 0) | (rows.top_p < 1.0) | (rows.min_p > 0)))
-    xs = jax.lax.cond(need, _filter, lambda a, *_: a, xs, rows.top_k, rows.top_p, rows.min_p)
+    if not plain:
+        need = jnp.any(uses_filter(rows.temperature, rows.top_k, rows.top_p, rows.min_p))
+        xs = jax.lax.cond(need, _filter, lambda a, *_: a, xs, rows.top_k, rows.top_p, rows.min_p)
     return Processed(raw_lp, greedy_tok, xs, hot)
 
 
@@ -151,11 +164,11 @@ def draw(pr: Processed, keys):
     return jnp.where(pr.hot, sampled, pr.greedy)
 
 
-def top_logprobs(raw_lp_bv, asked):
+def top_logprobs(raw_lp_bv, asked, plain: bool = False):
     """(ids ``[B, k]`` int32, log-probs ``[B, k]`` f32) of the k = ``MAX_TOP_LOGPROBS`` most likely tokens per row
     of ``raw_lp_bv [B, V]`` (raw distribution), computed only when some sequence asks (``asked``: the top log-probs
     each sequence returns, ``Rows.top_logprobs``), else zeros: on an accelerator the top-k over the vocabulary is a
-    full sort (``lax.cond``)."""
+    full sort (``lax.cond``). ``plain``: zeros, no ``lax.cond`` (the caller knows no row asks)."""
     k = min(MAX_TOP_LOGPROBS, raw_lp_bv.shape[-1])
 
     def top(lp):
@@ -163,16 +176,20 @@ def top_logprobs(raw_lp_bv, asked):
         return top_ids.astype(jnp.int32), top_lp
 
     none = lambda lp: (jnp.zeros(lp.shape[:-1] + (k,), jnp.int32), jnp.zeros(lp.shape[:-1] + (k,), lp.dtype))
+    if plain:
+        return none(raw_lp_bv)
     return jax.lax.cond(jnp.any(asked > 0), top, none, raw_lp_bv)
 
 
-def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables):
-    """One token per row. Returns (SampleOut, new counts) -- counts grow only on rows that emit."""
+def sample(logits_bv, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv, tables: Tables, plain: bool = False):
+    """One token per row. Returns (SampleOut, new counts) -- counts grow only on rows that emit. ``plain``: the
+    sampler without the filter and the top log-probs (no ``lax.cond``), for rows none of which uses them
+    (`RowParams.needs_branches`): the same outputs for those rows."""
     B = logits_bv.shape[0]
-    pr = process(logits_bv, rows, ctl, counts_bv, prompt_mask_bv, tables)
+    pr = process(logits_bv, rows, ctl, counts_bv, prompt_mask_bv, tables, plain)
     tok = draw(pr, row_keys(rows, ctl.gen_step))
     chosen_lp = jnp.take_along_axis(pr.raw_lp, tok[:, None], axis=-1)[:, 0]
-    top_ids, top_lp = top_logprobs(pr.raw_lp, rows.top_logprobs)
+    top_ids, top_lp = top_logprobs(pr.raw_lp, rows.top_logprobs, plain)
     counts = counts_bv.at[jnp.arange(B), tok].add(ctl.emit.astype(counts_bv.dtype))
     return SampleOut(tok, chosen_lp, top_ids, top_lp), counts
 
@@ -215,6 +232,13 @@ class RowParams:
             self.bias_ids[slot, j] = tid
             self.bias_vals[slot, j] = val
         self._device = None
+
+    def needs_branches(self, slots) -> bool:
+        """Whether any of ``slots`` (the running sequences' slots) samples through the filter or returns top
+        log-probs: else a step over them may run the ``plain`` sampler, whose outputs for those rows are the same."""
+        slots = np.asarray(list(slots), np.int64)
+        filt = uses_filter(self.temperature[slots], self.top_k[slots], self.top_p[slots], self.min_p[slots])
+        return bool(np.any(filt) or np.any(self.top_logprobs[slots] > 0))
 
     def abstract(self) -> Rows:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._host())

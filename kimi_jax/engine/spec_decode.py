@@ -66,7 +66,7 @@ class VerifyOut(NamedTuple):
 
 
 def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, counts_bv, prompt_mask_bv,
-                  tables: Tables, q_bkv=None, has_q_bk=None):
+                  tables: Tables, q_bkv=None, has_q_bk=None, plain: bool = False):
     """Acceptance of one verify pass, fused into the engine's verify program.
 
     logits ``[B, k+1, V]`` float32 at the positions of ``[last, d_1..d_k]``; drafts ``[B, k]`` int32; n_draft ``[B]``
@@ -78,7 +78,7 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     ``q_bkv`` float32 ``[B, k, V]`` and ``has_q_bk`` bool ``[B, k]`` (``draft_sample_method`` probabilistic): where
     ``has_q``, draft ``d_{i+1}`` was sampled from ``q[b, i]`` and is kept with probability min(1, p_i(d)/q_i(d)); at
     its rejection the emitted token is drawn from norm(max(0, p_i − q_i)).  Elsewhere (and when q is None) the draft
-    counts as deterministic (one-hot q): the same bits as without q.
+    counts as deterministic (one-hot q): the same bits as without q.  ``plain``: as in `sampler.sample`.
     Returns (VerifyOut, new counts -- the emitted tokens added on rows that emit).
     """
     B, K1, V = logits_bkv.shape
@@ -95,7 +95,7 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
 
     def at_position(logits_bv, counts_i, allow_class_i, allow_ids_i, i):
         c = ctl._replace(gen_step=ctl.gen_step + i, allow_class=allow_class_i, allow_ids=allow_ids_i)
-        return process(logits_bv, rows, c, counts_i, prompt_mask_bv, tables), row_keys(rows, c.gen_step)
+        return process(logits_bv, rows, c, counts_i, prompt_mask_bv, tables, plain), row_keys(rows, c.gen_step)
 
     pr, keys = jax.vmap(at_position, in_axes=(1, 1, 1, 1, 0))(logits_bkv, counts_at, allow_class, allow_ids, pos)
     # p_i(d_{i+1}) for i < k
@@ -135,7 +135,7 @@ def verify_sample(logits_bkv, drafts_bk, n_draft_b, rows: Rows, ctl: Controls, c
     tokens = jnp.where(pos[None] < n_acc[:, None], padded, jnp.where(pos[None] == n_acc[:, None], extra[:, None], 0))
     raw_lp = jnp.swapaxes(pr.raw_lp, 0, 1)  # [B, k+1, V]
     logprob = jnp.take_along_axis(raw_lp, tokens[..., None], axis=-1)[..., 0]
-    top_ids, top_lp = top_logprobs(raw_lp.reshape(B * K1, V), rows.top_logprobs)
+    top_ids, top_lp = top_logprobs(raw_lp.reshape(B * K1, V), rows.top_logprobs, plain)
     n = n_acc + 1
     add = (pos[None] < n[:, None]) & ctl.emit[:, None]
     counts = counts_bv.at[jnp.arange(B)[:, None], tokens].add(add.astype(counts_bv.dtype))

@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "inputs run while the device computes; the same tokens as one step at a time (default: on "
                         "an accelerator, in one process or several; off on CPU. Speculative decoding and guided rows "
                         "step one at a time)")
+    p.add_argument("--plain-sampling", action=argparse.BooleanOptionalAction, default=None,
+                   help="also compile every decode program without the sampler's two branches (top-k / top-p / "
+                        "min-p filter, top log-probs) and run it while no running request uses either: on a GPU "
+                        "each branch makes the host wait for the device once a step. The same tokens either way "
+                        "(default: on for a GPU, off elsewhere; it doubles the decode programs compiled at start)")
     p.add_argument("--prefill-token-budget", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps while sequences are running (default 256)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -465,7 +470,7 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
             num_blocks=args.num_blocks, dcp=args.dcp, token_split_min_tokens=args.token_split_min_tokens,
             decode_buckets=(default_decode_buckets(args.max_num_seqs, mesh.shape["data"] if mesh is not None else 1)
                             if buckets == "auto" and platform != "cpu" else () if buckets == "auto" else buckets),
-            async_scheduling=args.async_scheduling,
+            async_scheduling=args.async_scheduling, plain_sampling=args.plain_sampling,
             prefix_caching=args.enable_prefix_caching, prefix_checkpoints=args.prefix_cache_checkpoints,
             prefix_checkpoint_blocks=args.prefix_checkpoint_pages, vision_warmup=args.vision_warmup,
             vision_batch_images=args.vision_batch_images,
