@@ -174,11 +174,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         if self.mirror.multiprocess and draft_model is not None:
             raise ValueError("a draft model (--speculative-model) is not served across processes: it runs on process "
                              "0's first device; use prompt lookup drafts (--speculative-tokens alone)")
-        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else mesh_platform(getattr(model, "mesh", None)) != "cpu")
+        platform = mesh_platform(getattr(model, "mesh", None))
+        self.async_scheduling = cfg.async_scheduling if cfg.async_scheduling is not None else platform != "cpu"
         images = cfg.images if cfg.images is not None else getattr(model, "vision", None) is not None
-        plain_sampling = (cfg.plain_sampling if cfg.plain_sampling is not None
-                          else mesh_platform(getattr(model, "mesh", None)) == "gpu")
+        plain_sampling = cfg.plain_sampling if cfg.plain_sampling is not None else platform == "gpu"
         if cfg.dcp < 1:
             raise ValueError(f"dcp must be >= 1, got {cfg.dcp}")
         if cfg.token_split_min_tokens < 0:
@@ -711,13 +710,12 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
                 return
             self._finish_step(step)
         else:
-            self._count_width(slots)
+            self._count_step(slots, plain)
             ids, n_draft, vctl = self._verify_inputs(tokens, ctl, drafts, later)
             self._upload_dynamic_masks()
             q = self._draft_q(proposer, drafts) if self.runner.draft_q else {}
             rows = self.rows.device(self.runner.put_rows)
             q = {k: pick(v) for k, v in q.items()}
-            self.steps_plain += plain
             self._state, out = self.runner.verify(self._state, pick(ids), pick(n_draft), pick(active), rows,
                                                   Controls(*map(pick, vctl)), pick(tables), **q,
                                                   sampling_tables=self._tables, slots=slots, plain=plain)
@@ -766,8 +764,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         through the filter or returns top log-probs (the rows of free slots are never read)."""
         return self.runner.plain_sampling and not self.rows.needs_branches(self._running)
 
-    def _count_width(self, slots: Optional[np.ndarray]) -> None:
-        """Count a decode or verify step under its program width (`steps_by_rows`): its bucket, or all B rows."""
+    def _count_step(self, slots: Optional[np.ndarray], plain: bool) -> None:
+        """Count a decode or verify step under its program width (`steps_by_rows`): its bucket, or all B rows; and
+        in `steps_plain` when it runs the plain sampler."""
+        self.steps_plain += plain
         width = self.B if slots is None else len(slots)
         self.steps_by_rows[width] = self.steps_by_rows.get(width, 0) + 1
 

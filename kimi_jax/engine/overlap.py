@@ -55,8 +55,7 @@ class OverlapMixin:
     def _dispatch(self, tokens, active, rows, ctl: Controls, tables, slots, seqs: dict, emit, plain: bool) -> _Step:
         """Run the decode step over `slots` (None: all rows): tokens, active, ctl and tables in program rows
         (tokens may be a device array); `plain`: with the plain sampler (`Engine._plain_sampler`)."""
-        self._count_width(slots)
-        self.steps_plain += plain
+        self._count_step(slots, plain)
         self._state, out = self.runner.step(self._state, tokens, active, rows, ctl, tables,
                                             sampling_tables=self._tables, slots=slots, plain=plain)
         return _Step(out, seqs, emit, slots, active, rows, ctl, plain)

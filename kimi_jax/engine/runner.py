@@ -405,14 +405,16 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ compile
     @property
     def program_names(self) -> list[str]:
-        return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "take_cache1", "step", "copy_blocks"]
+        return (["zeros_state", "zeros_cache1", "copy_cache1", "insert", "take_cache1", "copy_blocks"]
                 + [self._prefill_name(c) for c in self.chunk_sizes]
                 + [f"prefill_img_{c}" for c in self.chunk_sizes if self.images]
-                + (["verify"] if self.spec_tokens else [])
-                + [f"step_{b}" for b in self.buckets]
-                + ([f"verify_{b}" for b in self.buckets] if self.spec_tokens else [])
-                + ([self._decode_name(n, True, b) for n in ("step", "verify")[:1 + bool(self.spec_tokens)]
-                    for b in (None,) + self.buckets] if self.plain_sampling else []))
+                + [self._decode_name(kind, plain, b) for kind in self._decode_kinds
+                   for plain in (False, True)[:1 + self.plain_sampling] for b in (None,) + self.buckets])
+
+    @property
+    def _decode_kinds(self) -> tuple[str, ...]:
+        """The decode programs' kinds: "step", and "verify" with speculative decoding."""
+        return ("step", "verify")[:1 + bool(self.spec_tokens)]
 
     @staticmethod
     def _decode_name(kind: str, plain: bool, bucket: Optional[int]) -> str:
@@ -474,7 +476,7 @@ class ModelRunner:
                     params, state, sds((b,), jnp.int32), sds((b, K1), jnp.int32), sds((b,), jnp.int32),
                     sds((b,), bool), rows, controls(b, K1), tables, sds((b, NB), jnp.int32), *qb))
         if self.plain_sampling:  # each decode / verify program again with the plain sampler, on the same arguments
-            for kind in ("step", "verify")[:1 + bool(self.spec_tokens)]:
+            for kind in self._decode_kinds:
                 for b in (None,) + self.buckets:
                     fn = f[kind + ("" if b is None else "_rows") + "_plain"]
                     programs[self._decode_name(kind, True, b)] = (fn, programs[self._decode_name(kind, False, b)][1])
