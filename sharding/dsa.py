@@ -65,15 +65,8 @@ def sparse_attention(ctx: ForwardContext, q_bthc, kv_parts, block_tables, idx_bt
 def _dense_local(ctx: ForwardContext, backend: str, q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale, *,
                  fmt, scale: float, value_dim: int):
     """Per device: absorbed attention of each query over every position of its pages up to `query_pos` — the dense
-    paged kernel (TPU decode) or reference (prefill chunks: keys read page by page, shared by the chunk's queries),
-    or for a GPU decode step (the GPU has no dense kernel) its sparse kernel with all those positions selected."""
-    on_gpu = (ctx.platform or jax.default_backend()) in ("gpu", "cuda")
-    if q_bthc.shape[1] == 1 and (backend.startswith(("gpu", "triton")) or (backend == "auto" and on_gpu)):
-        s = jnp.arange(block_tables.shape[1] * kv_parts[0].shape[1], dtype=jnp.int32)
-        idx_bts = jnp.where(s[None, None, :] <= query_pos_bt[:, :, None], s[None, None, :], -1)
-        return sparse_mla.sparse_mla(q_bthc, kv_parts, block_tables, idx_bts, fmt=fmt, scale=scale,
-                                     value_dim=value_dim, layer_scale=layer_scale, backend=backend,
-                                     precision=ctx.kernels.dsa_precision, **ctx.platform_kw())
+    paged decode kernel of the platform (TPU, GPU) or the reference (prefill chunks: keys read page by page, shared by
+    the chunk's queries)."""
     return paged_dense.dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, fmt=fmt, scale=scale,
                                        value_dim=value_dim, layer_scale=layer_scale, backend=backend,
                                        precision=ctx.kernels.dsa_precision, **ctx.platform_kw())

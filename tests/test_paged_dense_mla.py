@@ -1,9 +1,11 @@
 """Dense paged MLA (`pallas_kernels.mla.paged_dense`): each query attends to every cached position ≤ its own.
 
-The oracle is `sparse.sparse_mla` (reference backend) with idx = every position ≤ query_pos; the reference and the
-TPU decode kernel (TPU interpret mode on CPU) must both equal it: bf16 / fp32 / fp8 rows, lengths that end inside a
-page, on a page boundary, at position 0, padding queries (pos < 0: o = 0, lse = −inf) and a batch split into
-several kernel calls by the SMEM budget. The kernel also exports for TPU (`jax.export`) at tiny and full-size dims.
+The oracle is `sparse.sparse_mla` (reference backend) with idx = every position ≤ query_pos; the reference, the TPU
+decode kernel (TPU interpret mode on CPU) and the GPU one (Triton's interpreter) must all equal it: bf16 / fp32 / fp8
+rows (the GPU kernel: bf16 / fp8 / nvfp4), lengths that end inside a page, on a page boundary, at position 0, padding
+queries (pos < 0: o = 0, lse = −inf), a batch split into several kernel calls by the SMEM budget, and the GPU
+kernel's splits of each sequence's own length. The TPU kernel also exports for TPU (`jax.export`) at tiny and
+full-size dims.
 """
 
 from __future__ import annotations
@@ -72,6 +74,56 @@ def test_decode_equals_sparse_mla_over_every_position(kv_dtype, backend):
     assert got[0].shape == (4, 1, H, R) and got[1].shape == (4, 1, H)
     assert got[0].dtype == got[1].dtype == jnp.float32
     assert_equal_attention(got, oracle(q, parts, BT, POS, fmt, ls), 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_gpu_decode_equals_sparse_mla_over_every_position(kv_dtype):
+    fmt, parts, q, ls = case(kv_dtype)
+    got = paged_dense.dense_paged_mla(q, parts, BT, POS, fmt=fmt, scale=SCALE, value_dim=R, layer_scale=ls,
+                                      backend="gpu_interpret")
+    assert got[0].shape == (4, 1, H, R) and got[1].shape == (4, 1, H)
+    assert_equal_attention(got, oracle(q, parts, BT, POS, fmt, ls), 1e-4, lse_rtol=1e-4)
+
+
+def test_gpu_decode_splits_each_sequence_by_its_own_length():
+    """The GPU kernel walks positions 0 … p itself: however many splits share a sequence (one, more than its
+    blocks, a split count that leaves empty splits), and in both precisions, the result is the sparse kernel's over
+    the full selection. nvfp4 rows (two nibble planes) too."""
+    from pallas_kernels.mla import sparse_gpu_triton
+
+    pos = np.array([61, 31, 0, -1, 17], np.int32)
+    bt = np.concatenate([BT, BT[:1]])
+    for kv_dtype in ("fp8", "nvfp4"):
+        fmt, parts, q, ls = case(kv_dtype, seed=7, B=5)
+        want = oracle(q, parts, bt, pos[:, None], fmt, ls)
+        for kw in (dict(splits=1), dict(splits=3), dict(splits=8, block_k=16), dict(exact=False, merge="triton")):
+            o, lse = sparse_gpu_triton.causal_decode(q[:, 0], parts, bt, pos, fmt=fmt, scale=SCALE, value_dim=R,
+                                                     layer_scale=ls, interpret=True, **kw)
+            bar = 1e-4 if kw.get("exact", True) else 5e-3
+            assert_equal_attention((o[:, None], lse[:, None]), want, bar, lse_rtol=bar)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_gpu_decode_at_kimi_linear_width(kv_dtype):
+    """On the device at Kimi-Linear's MLA widths (R = 512, rope = 64, 32 heads, 64-token pages): "auto" takes the
+    GPU kernel for a decode step, which equals the reference within the exact bar (1e-4) and, at storage precision,
+    within 5e-3."""
+    rng = np.random.default_rng(2)
+    fmt, page, nb = Q.LatentFormat(kv_dtype, 512, 64), 64, 48
+    parts = fmt.quantize(jnp.asarray(rng.standard_normal((nb, page, 576)), jnp.float32), 0.05)
+    bt = np.stack([rng.permutation(nb)[:16] for _ in range(3)]).astype(np.int32)
+    pos = np.array([[1000], [64], [-1]], np.int32)
+    q = jnp.asarray(rng.standard_normal((3, 1, 32, 576)), jnp.float32)
+    kw = dict(fmt=fmt, scale=0.04, value_dim=512, layer_scale=0.05)
+    s = np.arange(16 * page)[None, None, :]
+    want = sparse.sparse_mla(q, parts, bt, np.where(s <= pos[..., None], s, -1).astype(np.int32),
+                             backend="reference", **kw)
+    assert paged_dense.resolve_dsa_backend("auto", op="t", supported=lambda k: paged_dense._kernel_supports(
+        k, fmt, 1, parts)) == "gpu"
+    for precision, bar in (("exact", 1e-4), ("storage", 5e-3)):
+        got = paged_dense.dense_paged_mla(q, parts, bt, pos, precision=precision, **kw)
+        assert_equal_attention(got, want, bar, lse_rtol=bar)
 
 
 def test_kernel_pages_per_step_and_batch_split():

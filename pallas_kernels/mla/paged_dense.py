@@ -13,10 +13,10 @@ Rows are read from the pool parts `[num_blocks, page, w]` in their stored form a
 `fmt.dequantize(parts, layer_scale)` (the `sparse.sparse_mla` contract, e.g. `kimi_jax.quant.LatentFormat`).
 `reference` (below) is the definition: an fp32 online softmax over the block table a few page columns at a time,
 up to the furthest query's page only, queries in chunks so that one step's logits stay bounded. The TPU kernel
-(`paged_dense_tpu.py`) runs decode (T = 1) for single-part row formats; "auto" takes it on TPU when it fits, and
-the reference everywhere else (a GPU decode step takes `sparse.sparse_mla`'s kernels with the full selection;
-`sharding.dsa`). Prefill chunks take the reference, whose `precision="storage"` form runs its products in bf16 with
-fp32 accumulation.
+(`paged_dense_tpu.py`) runs decode (T = 1) for single-part row formats, the GPU one (`sparse_gpu_triton.causal_decode`,
+the sparse kernel walking positions 0 … p itself) decode for bf16 / fp8 / nvfp4 rows; "auto" takes the platform's
+kernel when it fits and the reference everywhere else. Prefill chunks take the reference, whose `precision="storage"`
+form runs its products in bf16 with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ..paged import DSA_BACKENDS, check_precision, resolve_dsa_backend
-from . import paged_dense_tpu
+from . import paged_dense_tpu, sparse_gpu_triton
 from .reference import PRECISION, online_softmax_finish, online_softmax_init, online_softmax_step
 from .sparse import DEFAULT_MAX_BLOCK_BYTES, _chunked
 
@@ -101,9 +101,11 @@ def reference(q_bthc, kv_parts, block_tables, query_pos_bt, layer_scale=1.0, *, 
 
 
 def _kernel_supports(kind: str, fmt, T: int, kv_parts) -> bool:
-    if kind != "tpu" or T != 1:
+    if T != 1:
         return False
-    return paged_dense_tpu.supports(fmt, kv_parts)
+    if kind == "gpu":
+        return sparse_gpu_triton.available() and sparse_gpu_triton.fits(fmt)
+    return kind == "tpu" and paged_dense_tpu.supports(fmt, kv_parts)
 
 
 def dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, *, fmt, scale: float, value_dim: int,
@@ -115,21 +117,27 @@ def dense_paged_mla(q_bthc, kv_parts, block_tables, query_pos_bt, *, fmt, scale:
     parts `[num_blocks, page, w]` in format `fmt`, block_tables `[B, max_blocks]` int32, query_pos `[B, T]` int32
     (the query's sequence position; it attends to positions 0 … query_pos; < 0 = padding query).
     Returns (o `[B, T, H, value_dim]` float32, lse `[B, T, H]` float32); a query with no key gets o = 0, lse = −inf.
-    `backend`: "reference", "tpu" / "tpu_interpret" (decode only, T = 1, single-part rows), or "auto" (the TPU
-    kernel when `platform` — "cpu" | "tpu" | "gpu" / "cuda", None = the default backend's — is "tpu" and the call
-    fits it, else the reference). `precision`: the reference's "exact" (fp32 products) or "storage" (bf16 operands,
-    fp32 accumulation; within the quantised formats' 5e-3 bar) form; the TPU decode kernel is unchanged.
+    `backend`: "reference", "tpu" / "tpu_interpret" (decode only, T = 1, single-part rows), "gpu" / "triton" /
+    "gpu_interpret" (decode only, bf16 / fp8 / nvfp4 rows), or "auto" (the kernel of `platform` — "cpu" | "tpu" |
+    "gpu" / "cuda", None = the default backend's — when the call fits it, else the reference). `precision`: "exact"
+    (fp32 products) or "storage" (the reference in bf16 operands with fp32 accumulation, the GPU kernel's
+    `sparse_gpu_triton.storage_preset`; within the quantised formats' 5e-3 bar); the TPU decode kernel is unchanged.
     """
     B, T, H, c = q_bthc.shape
     which = resolve_dsa_backend(backend, op="dense paged MLA",
                                 supported=lambda kind: _kernel_supports(kind, fmt, T, tuple(kv_parts)),
                                 platform=platform)
-    if which.startswith(("gpu", "triton")):
-        raise ValueError("dense paged MLA has no GPU kernel; use backend='auto' or 'reference' (or sparse_mla)")
+    check_precision(precision)
     pos = jnp.asarray(query_pos_bt, jnp.int32)
+    if which != "reference" and T != 1:
+        raise ValueError(f"the {which} dense paged MLA kernel is decode-only (T = 1), got T = {T}")
+    if which.startswith("gpu"):
+        knobs = sparse_gpu_triton.storage_preset(B, H) if precision == "storage" else {}
+        o, lse = sparse_gpu_triton.causal_decode(q_bthc[:, 0], tuple(kv_parts), block_tables, pos[:, 0], fmt=fmt,
+                                                 scale=scale, value_dim=value_dim, layer_scale=layer_scale,
+                                                 interpret=which == "gpu_interpret", **knobs)
+        return o[:, None], lse[:, None]
     if which != "reference":
-        if T != 1:
-            raise ValueError(f"the {which} dense paged MLA kernel is decode-only (T = 1), got T = {T}")
         o, lse = paged_dense_tpu.decode(q_bthc[:, 0], tuple(kv_parts), block_tables, pos[:, 0], fmt=fmt,
                                         scale=scale, value_dim=value_dim, layer_scale=layer_scale,
                                         interpret=which == "tpu_interpret")

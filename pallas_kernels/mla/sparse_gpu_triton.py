@@ -49,7 +49,7 @@ from ..triton_call import call, jit, tl
 from ..triton_codec import e2m1_value, pow2_at_least
 from .reference import merge_partials
 
-__all__ = ["WIDE", "available", "decode", "fits", "merge_splits", "pool_rows", "storage_preset", "supports"]
+__all__ = ["WIDE", "available", "causal_decode", "decode", "fits", "merge_splits", "pool_rows", "storage_preset", "supports"]
 
 SUPPORTED = ("bf16", "fp8", "nvfp4")
 FMT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
@@ -231,12 +231,14 @@ def _sparse_kernel(bt_ptr, idx_ptr, q_ptr, qs_ptr, a_ptr, s_ptr, r_ptr, va_ptr, 
                    BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr, N_BLK: tl.constexpr,
                    NS: tl.constexpr, KP: tl.constexpr, PAGE: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                    NBLOCKS: tl.constexpr, EXACT: tl.constexpr, CDT: tl.constexpr, SLOTS_OUTSIDE: tl.constexpr,
-                   Q_INSIDE: tl.constexpr):
+                   Q_INSIDE: tl.constexpr, CAUSAL: tl.constexpr):
     """Program (sequence b, head block hb, split sp · NVB + value block vb).
 
     q: prepared `[B, HB, P, BH, R + ROPE]` in the dot dtype (P = 2 planes hi | lo when EXACT; nvfp4 latent columns
     [even | odd]) with the per-head powers of two qs `[B, HB·BH]` f32, or (Q_INSIDE) the raw q `[B, H, R + ROPE]` f32
-    and qs `[1]` = scale · layer scale. idx `[B, KP]`: positions (SLOTS_OUTSIDE: pool rows), −1 = empty. Pool parts
+    and qs `[1]` = scale · layer scale. idx `[B, KP]`: positions (SLOTS_OUTSIDE: pool rows), −1 = empty; CAUSAL:
+    idx `[B]` is each query's position p and the slots are positions 0 … p, split into NS near-equal runs of whole
+    BK blocks (a split past p runs no step: the work follows the sequence, not the table's width). Pool parts
     flattened to rows: bf16 / fp8 rows `[rows, R + ROPE]` (a); nvfp4 packed `[rows, R/2]` (a), e4m3 scales
     `[rows, R/16]` (s), rope `[rows, ROPE]` (r). va / vs: the same value parts, read by the PV dot as a second load
     (`value_reload`) or the same pointers. out o `[NS, B, HB·BH, R]` f32 (nvfp4: [even | odd] halves), lse
@@ -289,8 +291,19 @@ def _sparse_kernel(bt_ptr, idx_ptr, q_ptr, qs_ptr, a_ptr, s_ptr, r_ptr, va_ptr, 
         acc_a = tl.zeros([BH, PW], tl.float32)
     acc_o = tl.zeros([BH, PW], tl.float32)  # nvfp4's odd plane (unused otherwise)
     ar = tl.arange(0, BK)
-    for j in range(0, N_BLK):
-        pos_raw = tl.load(idx_ptr + b * KP + (sp * N_BLK + j) * BK + ar)  # [BK], −1 = empty
+    if CAUSAL:
+        count = tl.maximum(tl.load(idx_ptr + b) + 1, 0)  # positions 0 … p
+        per = tl.cdiv(tl.cdiv(count, NS), BK)  # blocks per split
+        first = sp * per * BK
+        n_steps = tl.minimum(tl.cdiv(tl.maximum(count - first, 0), BK), per)
+    else:
+        n_steps = N_BLK
+    for j in range(0, n_steps):
+        if CAUSAL:
+            pos_raw = first + j * BK + ar
+            pos_raw = tl.where(pos_raw < count, pos_raw, -1)
+        else:
+            pos_raw = tl.load(idx_ptr + b * KP + (sp * N_BLK + j) * BK + ar)  # [BK], −1 = empty
         ok = pos_raw >= 0
         if SLOTS_OUTSIDE:
             slot = tl.minimum(tl.maximum(pos_raw, 0), NBLOCKS * PAGE - 1)
@@ -401,15 +414,7 @@ def merge_splits(o, lse, ls, H: int, *, interpret: bool = False, num_warps: int 
                 NS=NS, B=B, HP=Hp, H=H, R=R, BM=BM, BR=BR)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "block_h", "block_k", "splits", "exact",
-                                             "interpret", "num_warps", "num_stages", "dot_dtype", "block_v",
-                                             "merge", "target_programs", "slots_outside", "value_reload",
-                                             "q_inside"))
-def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0,
-           block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
-           num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, merge: str = "xla",
-           target_programs: int = 264, slots_outside: bool = False, value_reload: bool = False,
-           q_inside: bool = False):
+def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_dim: int, layer_scale=1.0, **knobs):
     """q `[B, H, c]` (absorbed query), kv_parts: the pool's latent parts `[num_blocks, page, w]` (fmt.parts),
     block_tables `[B, max_blocks]` int, idx `[B, k]` positions (−1 = empty)
     -> (o `[B, H, value_dim]` float32, lse `[B, H]` float32).
@@ -427,6 +432,33 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     (q scaled, normalised per head, padded and converted in the kernel instead of by `_prep_q`, same bits; applies
     with exact=False and fp8 / bf16 rows, ignored otherwise), Triton num_warps / num_stages. `interpret`: Triton's
     interpreter on the host (CPU tests)."""
+    return _decode(q_bhc, tuple(kv_parts), block_tables, idx_bk, layer_scale, fmt=fmt, scale=scale,
+                   value_dim=value_dim, causal=False, **knobs)
+
+
+def causal_decode(q_bhc, kv_parts, block_tables, query_pos_b, *, fmt, scale: float, value_dim: int,
+                  layer_scale=1.0, **knobs):
+    """Dense causal decode (`paged_dense.dense_paged_mla` with T = 1): each query attends to every position
+    0 … query_pos of its sequence, read through its block table. q `[B, H, c]`, query_pos `[B]` int32 (< 0: a padding
+    query, o = 0 and lse = −inf) -> (o `[B, H, value_dim]`, lse `[B, H]`) float32, equal to `decode` with
+    idx = [0 … query_pos, −1 …]. Nothing is built per position: the kernel walks the positions itself, and the NS
+    splits share each sequence's own length (a program past it runs no step), so a step's cost follows the
+    sequences' lengths, not the block table's width. Knobs as `decode` (slots_outside does not apply)."""
+    knobs["slots_outside"] = False
+    return _decode(q_bhc, tuple(kv_parts), block_tables, query_pos_b, layer_scale, fmt=fmt, scale=scale,
+                   value_dim=value_dim, causal=True, **knobs)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "scale", "value_dim", "causal", "block_h", "block_k", "splits",
+                                             "exact", "interpret", "num_warps", "num_stages", "dot_dtype",
+                                             "block_v", "merge", "target_programs", "slots_outside",
+                                             "value_reload", "q_inside"))
+def _decode(q_bhc, kv_parts, block_tables, idx, layer_scale, *, fmt, scale: float, value_dim: int, causal: bool,
+            block_h: int = 16, block_k: int = 32, splits=None, exact: bool = True, interpret: bool = False,
+            num_warps: int = 4, num_stages: int = 2, dot_dtype: str = "auto", block_v=None, merge: str = "xla",
+            target_programs: int = 264, slots_outside: bool = False, value_reload: bool = False,
+            q_inside: bool = False):
+    """`decode` (idx `[B, k]` positions) or, `causal`, `causal_decode` (idx `[B]` query positions)."""
     if not supports(fmt):
         raise ValueError(f"the GPU sparse MLA kernel reads {SUPPORTED} rows, not {fmt}")
     R, rope = fmt.latent, fmt.rope
@@ -445,7 +477,7 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     nblocks, page = kv_parts[0].shape[:2]
     bt = jnp.asarray(block_tables, jnp.int32)
     max_blocks = bt.shape[1]
-    k = idx_bk.shape[-1]
+    k = max_blocks * page if causal else idx.shape[-1]  # the most slots a query can have
     BK = max(MIN_DOT, min(block_k, 1 << (k - 1).bit_length()))  # ≥ 16: BK is the K side of the PV dot
     n_total = -(-k // BK)
     BH = block_h
@@ -453,7 +485,10 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
     NVB = R // BV if BV else 1
     NS = max(1, min(_pick_splits(B, HB * NVB, n_total, target_programs) if splits is None else splits, n_total))
     n_blk = -(-n_total // NS)  # key blocks per split; the slot list is padded with empty (−1) slots
-    idx = jnp.pad(jnp.asarray(idx_bk, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
+    if causal:
+        idx = jnp.asarray(idx, jnp.int32).reshape(B)
+    else:
+        idx = jnp.pad(jnp.asarray(idx, jnp.int32), ((0, 0), (0, NS * n_blk * BK - k)), constant_values=-1)
     if slots_outside:
         idx = pool_rows(bt, idx, page, nblocks)
     ls = jnp.asarray(1.0 if fmt.kv_dtype == "bf16" else layer_scale, jnp.float32)  # bf16 rows are unscaled
@@ -473,8 +508,8 @@ def decode(q_bhc, kv_parts, block_tables, idx_bk, *, fmt, scale: float, value_di
                   out_shape=[jax.ShapeDtypeStruct((NS, B, HB * BH, R), jnp.float32),
                              jax.ShapeDtypeStruct((NS, B, HB * BH), jnp.float32)],
                   FMT=FMT_CODE[fmt.kv_dtype], R=R, ROPE=rope, H=H, HB=HB, BH=BH, BK=BK, BV=BV or 16, NVB=NVB,
-                  N_BLK=n_blk, NS=NS, KP=idx.shape[1], PAGE=page, MAX_BLOCKS=max_blocks, NBLOCKS=nblocks,
-                  EXACT=exact, CDT=CDT_CODE[jnp.dtype(cdt)], SLOTS_OUTSIDE=slots_outside, Q_INSIDE=q_inside)
+                  N_BLK=n_blk, NS=NS, KP=idx.shape[-1], PAGE=page, MAX_BLOCKS=max_blocks, NBLOCKS=nblocks,
+                  EXACT=exact, CDT=CDT_CODE[jnp.dtype(cdt)], SLOTS_OUTSIDE=slots_outside, Q_INSIDE=q_inside, CAUSAL=causal)
     if merge != "xla" and NS > 1:
         o, lse = merge_splits(o, lse, ls, H, interpret=interpret)
     else:
