@@ -106,11 +106,11 @@ def decode_main(args) -> int:
     row_bytes = sum(np.dtype(p.dtype).itemsize * p.shape[-1] for p in fmt.quantize(jnp.zeros((1, 1, args.latent
                                                                                                 + args.rope)), 1.0))
     kw = dict(fmt=fmt, scale=0.1, value_dim=args.latent, layer_scale=1.0, precision="storage")
+    live = -(-(args.start + 1) // PAGE_TOKENS)  # pages holding positions 0 … start
     for batch in (int(b) for b in args.batches.split(",")):
-        pages_per_seq = -(-widths[-1] // PAGE_TOKENS)
-        rows = jnp.asarray(rng.standard_normal((batch * pages_per_seq, PAGE_TOKENS, args.latent + args.rope)),
-                           jnp.bfloat16)
-        parts = fmt.quantize(rows.astype(jnp.float32), 1.0)
+        # each sequence's own live pages after page 0, which every table entry past them names (never read)
+        rows = jax.random.normal(jax.random.PRNGKey(batch), (1 + batch * live, PAGE_TOKENS, args.latent + args.rope))
+        parts = fmt.quantize(rows, 1.0)
         del rows
         q = jnp.asarray(rng.standard_normal((args.chain, batch, 1, args.heads, args.latent + args.rope)),
                         jnp.bfloat16)
@@ -119,8 +119,8 @@ def decode_main(args) -> int:
         copy = _copy_rate(max(read, 1 << 28))
         for width in widths:
             n_pages = -(-width // PAGE_TOKENS)
-            table = (jnp.arange(batch, dtype=jnp.int32)[:, None] * pages_per_seq
-                     + jnp.arange(n_pages, dtype=jnp.int32)[None])
+            j = jnp.arange(n_pages, dtype=jnp.int32)[None]
+            table = jnp.where(j < live, 1 + jnp.arange(batch, dtype=jnp.int32)[:, None] * live + j, 0)
             s = jnp.arange(n_pages * PAGE_TOKENS, dtype=jnp.int32)
             idx = jnp.where(s[None, None] <= pos[..., None], s[None, None], -1)  # [B, 1, S]
             paths = {

@@ -15,7 +15,9 @@ a chain of distinct weights (more bytes than L2 holds) and reports weight bytes/
   xla_nk   the weight stored `[N, K]`, `x @ w.T` (at one row: a reduction along contiguous rows)
   torch    `torch.nn.functional.linear` on the `[N, K]` weight (cuBLAS), CUDA events
 
-Writes the table and $OUT/gemv.json.
+Writes the table and $OUT/gemv.json. Run it under other XLA_FLAGS (`--label` keeps each run's file) to see what XLA's
+GPU options change, e.g. `--xla_gpu_enable_dot_strength_reduction=false` (one row stays a dot) or
+`--xla_gpu_enable_triton_gemm=false` (cuBLAS for every dot).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import sys
 ap = argparse.ArgumentParser()
 ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no figures")
 ap.add_argument("--rows", default="1,2,8,32", help="comma-separated decode rows M")
+ap.add_argument("--forms", default="xla,xla_m2,xla_nk,torch", help="comma-separated forms to time (below)")
+ap.add_argument("--label", default="", help="suffix of $OUT/gemv<_label>.json: runs under other XLA_FLAGS side by side")
 ARGS = ap.parse_args()
 if ARGS.smoke:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -90,12 +94,12 @@ def main():
             x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.bfloat16)
             want = jnp.dot(x.astype(jnp.float32), w_kn[0].astype(jnp.float32))
             times = {}
-            for fname, f in forms().items():
+            for fname, f in ((k, v) for k, v in forms().items() if k in ARGS.forms.split(",")):
                 got = jax.jit(f)(x, w_kn[0], w_nk[0]).astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 assert err < 2e-2, (name, M, fname, err)
                 times[fname] = device_seconds(f, x, w_kn, w_nk, stacked=(1, 2))[0]
-            t_torch = None if ARGS.smoke else torch_seconds(x, w_nk)
+            t_torch = None if ARGS.smoke or "torch" not in ARGS.forms.split(",") else torch_seconds(x, w_nk)
             if t_torch:
                 times["torch"] = t_torch
             row = {"shape": name, "K": K, "N": N, "M": M, "copy_TBps": bw / 1e12,
@@ -104,11 +108,14 @@ def main():
             rows_out.append(row)
             print(f"{name:16s} {K}x{N} M={M:3d}: " + ", ".join(
                 f"{k} {v * 1e6:7.1f} us ({nbytes / v / bw:.2f} of copy)" for k, v in times.items()), flush=True)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; jax {jax.__version__}, {jax.devices()[0]}")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; jax {jax.__version__}, {jax.devices()[0]}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "gemv.json"), "w") as fh:
-            json.dump(dict(rows=rows_out, jax=jax.__version__, device=str(jax.devices()[0])), fh, indent=1)
+        name = f"gemv_{ARGS.label}.json" if ARGS.label else "gemv.json"
+        with open(os.path.join(out, name), "w") as fh:
+            json.dump(dict(rows=rows_out, jax=jax.__version__, device=str(jax.devices()[0]),
+                           xla_flags=os.environ.get("XLA_FLAGS", "")), fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@ what runs outside them, from an XLA dump.
     python3 bench/hlo_summary.py /tmp/dump --module step      # modules whose file name contains "step"
 
 (`bench/serve.py --xla-flags=...` passes the dump flags to the server it launches.) Per module, the entry
-computation's instructions by opcode -- each is a thunk the GPU runtime launches from the host, one by one --
-with bookkeeping (parameter, constant, tuple, get-tuple-element, bitcast) left out; for `call`s the callee (XLA
-outlines each command buffer as a call of a `command_buffer` computation) with the instructions it holds; the
-custom-call targets; and every conditional and while loop outside a command buffer with the op name of its source
-(a conditional there copies its predicate to the host and waits for the device, once per run).
+computation's instructions by opcode -- each becomes a thunk of the GPU runtime -- with bookkeeping (parameter,
+constant, tuple, get-tuple-element, bitcast) left out; for `call`s the callee (older XLA outlines each command buffer
+as a call of a `command_buffer` computation) with the instructions it holds; the custom-call targets; and every
+conditional and while loop outside a command buffer with the op name of its source (a conditional there copies its
+predicate to the host and waits for the device, once per run). XLA as of jax 0.11 forms its command buffers from
+the thunk sequence after this HLO (no `command_buffer` calls appear): there a conditional is outside them unless
+CONDITIONAL is among `--xla_gpu_enable_command_buffer`'s types, and runs of fusions and custom calls are inside.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     for path in files:
         with open(path, encoding="utf-8") as f:
             s = summarise(f.read())
-        print(f"## {os.path.basename(path)}: {s['thunks']} top-level instructions (thunks launched from the host)")
+        print(f"## {os.path.basename(path)}: {s['thunks']} top-level instructions (thunks)")
         print("  by opcode: " + ", ".join(f"{k} {v}" for k, v in s["ops"].items()))
         for kind, n in s["calls"].items():
             print(f"  calls of {kind}: {n}, holding {s['instructions_in_calls'][kind]} instructions")

@@ -4,6 +4,7 @@
     python3 bench/presets.py                 # list the presets
     python3 bench/presets.py NAME [NAME ...] # run them one after the other (from the repository root)
     python3 bench/presets.py --dry-run NAME  # print the commands only
+    python3 bench/presets.py NAME --lines 2,3  # only some of its command lines (1-based, in order)
 
 Each preset is one or more command lines of the scripts in bench/; their options select the shapes, so a measurement
 is repeated by name rather than by a copied script. On a GPU host `source bench/device_env.sh` first (it installs the
@@ -52,6 +53,11 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
     "cp": ("context parallelism on 2 GPUs: token- vs head-split prefill, DCP2 vs TP2 decode, capacity", "2 GPUs",
            ["bench/cp.py --reps 2 --budget 155",
             "bench/cp.py --tokens 131072 --skip decode,capacity --reps 2 --budget 280 --grace 20"]),
+    "dense-mla-decode": ("dense (no indexer) MLA decode at Kimi-Linear-48B's widths: the GPU kernel walking each "
+                         "sequence's own positions beside the sparse kernel over the whole block table, 1 and 32 "
+                         "sequences at 8K in tables of 16K and 128K positions", "1 GPU",
+                         ["bench/dense_mla.py --decode --batches 1,32 --start 8192 --widths 16384,131072 --heads 32 "
+                          "--latent 512 --rope 64"]),
     "serve-gpu": ("the real server, kimi-k3.1-reduced bf16, 1 and 32 clients, decode vs bytes roofline", "1 GPU",
                   ["bench/serve.py --gpu"]),
     "serve-profile": ("a device trace of steady decode at 1 and 32 clients, summarised per step (top kernels)",
@@ -131,6 +137,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="presets to run (none: list them)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--lines", default=None,
+                    help="run only these command lines of a single preset, 1-based and comma-separated (e.g. 2,3: "
+                         "a long preset split across GPU calls)")
     args = ap.parse_args(argv)
     if not args.names:
         for name, (what, card, lines) in PRESETS.items():
@@ -141,11 +150,17 @@ def main(argv=None) -> int:
     unknown = [n for n in args.names if n not in PRESETS]
     if unknown:
         ap.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(PRESETS)}")
-    if extra and len(args.names) > 1:
-        ap.error("arguments after -- apply to a single preset")
+    if (extra or args.lines) and len(args.names) > 1:
+        ap.error("arguments after -- and --lines apply to a single preset")
     rc = 0
     for name in args.names:
-        for cmd in commands(name, extra):
+        cmds = commands(name, extra)
+        if args.lines:
+            keep = [int(i) for i in args.lines.split(",")]
+            if not all(1 <= i <= len(cmds) for i in keep):
+                ap.error(f"--lines {args.lines}: {name} has lines 1 … {len(cmds)}")
+            cmds = [cmds[i - 1] for i in keep]
+        for cmd in cmds:
             print("+ " + shlex.join(["python3", *cmd[1:]]), flush=True)
             if not args.dry_run:
                 rc = subprocess.call(cmd, cwd=ROOT) or rc
