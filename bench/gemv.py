@@ -13,7 +13,6 @@ a chain of distinct weights (more bytes than L2 holds) and reports weight bytes/
   xla      `jnp.dot(x [M, K], w [K, N])`, float32 accumulation: what `Linear` runs today
   xla_m2   the same with one row padded to two (not a vector: the dot stays a matmul) and the row sliced back
   xla_nk   the weight stored `[N, K]`, `x @ w.T` (at one row: a reduction along contiguous rows)
-  triton   `pallas_kernels.linear_gpu_triton.skinny_matmul` on the `[K, N]` weight (split-K, tiles by (K, N))
   torch    `torch.nn.functional.linear` on the `[N, K]` weight (cuBLAS), CUDA events
 
 Writes the table and $OUT/gemv.json. Run it under other XLA_FLAGS (`--label` keeps each run's file) to see what XLA's
@@ -31,7 +30,7 @@ import sys
 ap = argparse.ArgumentParser()
 ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no figures")
 ap.add_argument("--rows", default="1,2,8,32", help="comma-separated decode rows M")
-ap.add_argument("--forms", default="xla,xla_m2,xla_nk,triton,torch", help="comma-separated forms to time (below)")
+ap.add_argument("--forms", default="xla,xla_m2,xla_nk,torch", help="comma-separated forms to time (below)")
 ap.add_argument("--label", default="", help="suffix of $OUT/gemv<_label>.json: runs under other XLA_FLAGS side by side")
 ARGS = ap.parse_args()
 if ARGS.smoke:
@@ -64,19 +63,7 @@ def forms():
     def xla_nk(x, w_kn, w_nk):
         return jnp.einsum("mk,nk->mn", x, w_nk, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    def triton(x, w_kn, w_nk):
-        from pallas_kernels import linear_gpu_triton
-
-        return linear_gpu_triton.skinny_matmul(x, w_kn, interpret=ARGS.smoke)
-
-    def triton_bn128(x, w_kn, w_nk):  # twice the columns per program, half the K runs: the same program count
-        from pallas_kernels import linear_gpu_triton
-
-        BN, BK, split = linear_gpu_triton.plan(*w_kn.shape)
-        return linear_gpu_triton.skinny_matmul(x, w_kn, interpret=ARGS.smoke, tiles=(2 * BN, BK, max(1, split // 2)),
-                                               num_warps=8)
-
-    return {"xla": xla, "xla_m2": xla_m2, "xla_nk": xla_nk, "triton": triton, "triton_bn128": triton_bn128}
+    return {"xla": xla, "xla_m2": xla_m2, "xla_nk": xla_nk}
 
 
 def torch_seconds(x, w_nk_stack):

@@ -35,7 +35,6 @@ from .mesh import expert_axes
 MODES = ("plain", "prefill_token_split", "prefill_head_split", "decode_dcp", "decode_tp")
 LAYOUTS = ("contiguous", "round_robin")
 DEFAULT_MAX_CHUNK_BYTES = 512 << 20
-LINEAR_BACKENDS = ("auto", "reference", "gpu", "gpu_interpret", "triton", "triton_interpret")
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,6 @@ class KernelConfig:
     * dsa_precision: "exact" (≈ fp32 against the dequantised cache) or "storage" (the GPU kernels' single-pass
       settings and the dense paged reference's bf16 products, within the quantised formats' 5e-3 bar). The TPU
       kernels and the other references do not differ.
-    * linear: the dense projections (`Linear`) of decode-size inputs (≤ 64 rows): auto | reference | gpu |
-      gpu_interpret. "auto" takes the GPU kernel (`pallas_kernels.linear_gpu_triton`) on a GPU for a program on
-      one device, XLA's dot everywhere else (`sharding.linear`).
     """
 
     kda: str = "auto"
@@ -65,16 +61,13 @@ class KernelConfig:
     moe_interpret: bool = False
     dsa: str = "auto"
     dsa_precision: str = "exact"
-    linear: str = "auto"
 
     def __post_init__(self):
         check_precision(self.dsa_precision)  # a typo fails here, not at the first decode step
-        if self.linear not in LINEAR_BACKENDS:
-            raise ValueError(f"unknown linear backend {self.linear!r}; choose one of {LINEAR_BACKENDS}")
 
     @staticmethod
     def reference() -> "KernelConfig":
-        return KernelConfig(kda="reference", moe="reference", dsa="reference", linear="reference")
+        return KernelConfig(kda="reference", moe="reference", dsa="reference")
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class DecoderLayer(nnx.Module):
 
     def ffn(self, h, ctx: ForwardContext):
         x = self.post_attention_layernorm(h)
-        return self.mlp(x, ctx) if self.mlp is not None else self.block_sparse_moe(x, ctx)
+        return self.mlp(x) if self.mlp is not None else self.block_sparse_moe(x, ctx)
 
 
 class KimiForCausalLM(nnx.Module):
@@ -242,14 +242,13 @@ class KimiForCausalLM(nnx.Module):
             return cache.replace(length=length, layers=layers)
         return ModelCache(length, layers)
 
-    def logits(self, h_btd, ctx: Optional[ForwardContext] = None):
-        """float32 logits `[B, T, V]` of final hidden states `[B, T, D]` (tied embeddings or lm_head; `ctx` picks
-        the projection's implementation, `Linear`)."""
+    def logits(self, h_btd):
+        """float32 logits `[B, T, V]` of final hidden states `[B, T, D]` (tied embeddings or lm_head)."""
         if self.lm_head is None:
             return jnp.dot(h_btd, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
-        return self.lm_head(h_btd, out_dtype=jnp.float32, ctx=ctx)
+        return self.lm_head(h_btd, out_dtype=jnp.float32)
 
     def __call__(self, ids_bt, cache: Optional[AnyCache] = None, *, ctx: ForwardContext = ForwardContext(),
                  mla_form: str = "absorbed", mm=None, defer_kda: bool = False):
         h, new_cache = self.hidden_states(ids_bt, cache, ctx=ctx, mla_form=mla_form, mm=mm, defer_kda=defer_kda)
-        return self.logits(h, ctx), new_cache
+        return self.logits(h), new_cache

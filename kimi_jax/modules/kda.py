@@ -129,7 +129,7 @@ class KimiDeltaAttention(nnx.Module):
 
         def branch(proj, conv_w, tail):
             """-> (conv + SiLU output `[B, T, H, d]` in `act`, new tail, the projection that entered the conv)."""
-            x_btp = proj(x_btd, ctx=ctx)
+            x_btp = proj(x_btd)
             y, new_tail = kda_sharded.causal_conv(ctx, x_btp, conv_w[...], tail)
             return jax.nn.silu(y).astype(act).reshape(B, T, H, d), new_tail, x_btp
 
@@ -137,10 +137,10 @@ class KimiDeltaAttention(nnx.Module):
         k, k_tail, k_in = branch(self.k_proj, self.k_conv1d, cache.k_tail_bkp)
         v, v_tail, v_in = branch(self.v_proj, self.v_conv1d, cache.v_tail_bkp)
         q, k = kda_ops.l2norm(q).astype(act), kda_ops.l2norm(k).astype(act)
-        f = self.f_b_proj(self.f_a_proj(x_btd, ctx=ctx), out_dtype=jnp.float32, ctx=ctx).reshape(B, T, H, d)
+        f = self.f_b_proj(self.f_a_proj(x_btd), out_dtype=jnp.float32).reshape(B, T, H, d)
         g = kda_ops.gate(f, self.A_log[...][:H], self.dt_bias[...].reshape(H, d), cfg.gate_form,
                          cfg.gate_lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x_btd, out_dtype=jnp.float32, ctx=ctx))
+        beta = jax.nn.sigmoid(self.b_proj(x_btd, out_dtype=jnp.float32))
         if use_chunk is None:
             use_chunk = T > 1 and not defer
         pending = None
@@ -159,11 +159,11 @@ class KimiDeltaAttention(nnx.Module):
         o = o.astype(jnp.float32)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.o_norm_eps) * self.o_norm[...]
         if cfg.output_gate_rank is None:
-            gate = self.g_proj(x_btd, out_dtype=jnp.float32, ctx=ctx)
+            gate = self.g_proj(x_btd, out_dtype=jnp.float32)
         else:
-            gate = self.g_b_proj(self.g_a_proj(x_btd, ctx=ctx), out_dtype=jnp.float32, ctx=ctx)
+            gate = self.g_b_proj(self.g_a_proj(x_btd), out_dtype=jnp.float32)
         o = o * jax.nn.sigmoid(gate.reshape(B, T, H, d))
-        out = self.o_proj(o.reshape(B, T, H * d).astype(x_btd.dtype), ctx=ctx)
+        out = self.o_proj(o.reshape(B, T, H * d).astype(x_btd.dtype))
         if pending is not None:
             return out, pending
         return out, KDACache(state, q_tail, k_tail, v_tail)

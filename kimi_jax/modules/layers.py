@@ -6,14 +6,9 @@ non-degenerate logits; real weights come from checkpoints.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from sharding import linear as linear_sharded
-from sharding.context import ForwardContext
 
 # the gated activations are defined beside the expert kernels that fuse them
 from pallas_kernels.moe.activations import clamped_swiglu, situ, swiglu  # noqa: F401
@@ -32,17 +27,13 @@ def normal_init(rngs: nnx.Rngs, shape, std: float, dtype):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel `[in, out]` (torch stores `[out, in]`). Accumulates in float32, returns x.dtype (or
-    `out_dtype`). With a `ctx`, `sharding.linear.project` picks XLA's dot or the decode-size GPU kernel
-    (`KernelConfig.linear`); without one, XLA's dot."""
+    """y = x @ kernel, kernel `[in, out]` (torch stores `[out, in]`). Accumulates in float32, returns x.dtype."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32, std=None):
         std = in_features ** -0.5 if std is None else std
         self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), std, dtype))
 
-    def __call__(self, x, out_dtype=None, ctx: Optional[ForwardContext] = None):
-        if ctx is not None:
-            return linear_sharded.project(ctx, x, self.kernel[...], out_dtype)
+    def __call__(self, x, out_dtype=None):
         y = jnp.dot(x.astype(self.kernel.dtype), self.kernel[...], preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)
 

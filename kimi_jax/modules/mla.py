@@ -101,24 +101,24 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(cfg.head_dim, cfg.norm_eps, rngs=rngs, dtype=dtype)
         self.weights_proj = Linear(hidden, cfg.num_heads, rngs=rngs, dtype=dtype)
 
-    def keys(self, x_btd, cos_sin, ctx: Optional[ForwardContext] = None):
-        k = self.k_norm(self.wk(x_btd, ctx=ctx))
+    def keys(self, x_btd, cos_sin):
+        k = self.k_norm(self.wk(x_btd))
         if self.cfg.rope_dims and cos_sin is not None:
             r = self.cfg.rope_dims
             k = jnp.concatenate([apply_rope(k[..., :r], *cos_sin, interleaved=False), k[..., r:]], axis=-1)
         return hadamard(k) if self.cfg.hadamard_rotate else k
 
-    def queries(self, x_btd, cq_btr, cos_sin, ctx: Optional[ForwardContext] = None):
+    def queries(self, x_btd, cq_btr, cos_sin):
         """Index queries `[B, T, Hi, d]` and head weights float32 `[B, T, Hi]` (Hi^-0.5 · d^-0.5 folded in)."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
-        q = self.wq_b(cq_btr, ctx=ctx).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        q = self.wq_b(cq_btr).reshape(B, T, cfg.num_heads, cfg.head_dim)
         if cfg.rope_dims and cos_sin is not None:
             r = cfg.rope_dims
             q = jnp.concatenate([apply_rope(q[..., :r], *cos_sin, interleaved=False), q[..., r:]], axis=-1)
         if cfg.hadamard_rotate:  # docs/model.md §6: rotate both q and k or neither (keys in `keys`)
             q = hadamard(q)
-        w = self.weights_proj(x_btd, out_dtype=jnp.float32, ctx=ctx) * (cfg.num_heads ** -0.5 * cfg.head_dim ** -0.5)
+        w = self.weights_proj(x_btd, out_dtype=jnp.float32) * (cfg.num_heads ** -0.5 * cfg.head_dim ** -0.5)
         return q, w
 
     def keep_mask(self, x_btd, cq_btr, keys_bsd, allowed_bts, cos_sin):
@@ -129,7 +129,7 @@ class Indexer(nnx.Module):
 
     def topk_paged(self, ctx: ForwardContext, x_btd, cq_btr, cache: PagedMLACache, query_pos_bt, cos_sin):
         """Top-k positions int32 `[B, T, topk]` (−1 = empty) over the paged index keys; query_pos −1 = padding."""
-        q, w = self.queries(x_btd, cq_btr, cos_sin, ctx)
+        q, w = self.queries(x_btd, cq_btr, cos_sin)
         return dsa.topk_indices(ctx, q, w, cache.pool.index, cache.block_tables, query_pos_bt, self.cfg.topk,
                                 fmt=cache.spec.index_format)
 
@@ -172,10 +172,10 @@ class MultiHeadLatentAttention(nnx.Module):
             if form != "absorbed":
                 raise ValueError(f"the paged MLA cache runs the absorbed form only, got form={form!r}")
             o_lat, new_cache = self.attend_paged(ctx, x_btd, p, cache, lengths)
-            return self.output(x_btd, self.up_values(o_lat), ctx), new_cache
+            return self.output(x_btd, self.up_values(o_lat)), new_cache
         if ctx.splits_mla:  # the context-parallel programs: token / head split prefill, DCP / TP decode
             o_bthv, new_cache = self.attend_context_parallel(ctx, x_btd, p, cache)
-            return self.output(x_btd, o_bthv, ctx), new_cache
+            return self.output(x_btd, o_bthv), new_cache
         if lengths is not None:
             raise ValueError("lengths (padding rows) is supported with the paged cache only")
         if cache is None:
@@ -188,7 +188,7 @@ class MultiHeadLatentAttention(nnx.Module):
             if p.index_k is not None:
                 keys = _write_rows(keys, p.index_k, starts_b)
             new_cache = MLACache(kv_bsc, keys)
-        return self.output(x_btd, self.attend_contiguous(x_btd, p, kv_bsc, keys, form), ctx), new_cache
+        return self.output(x_btd, self.attend_contiguous(x_btd, p, kv_bsc, keys, form)), new_cache
 
     def project(self, x_btd, start, ctx: ForwardContext = ForwardContext()) -> Projected:
         """Queries, the new latent rows and index keys of x `[B, T, D]` at positions start…start+T−1 — under the
@@ -199,13 +199,13 @@ class MultiHeadLatentAttention(nnx.Module):
         H, R, nope, rope_d = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
             cq = None
-            q = self.q_proj(x_btd, ctx=ctx)
+            q = self.q_proj(x_btd)
         else:
-            cq = self.q_a_layernorm(self.q_a_proj(x_btd, ctx=ctx))
-            q = self.q_b_proj(cq, ctx=ctx)
+            cq = self.q_a_layernorm(self.q_a_proj(x_btd))
+            q = self.q_b_proj(cq)
         q = q.reshape(B, T, H, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
-        ckv = self.kv_a_proj_with_mqa(x_btd, ctx=ctx)
+        ckv = self.kv_a_proj_with_mqa(x_btd)
         lat, k_rope = self.kv_a_layernorm(ckv[..., :R]), ckv[..., R:]
         first = jnp.asarray(start, jnp.int32) + ctx.first_token(T)
         positions = jnp.broadcast_to(first, (B,))[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
@@ -215,7 +215,7 @@ class MultiHeadLatentAttention(nnx.Module):
             q_rope = apply_rope(q_rope, *cos_sin, interleaved=cfg.rope.interleaved)
             k_rope = apply_rope(k_rope, *cos_sin, interleaved=cfg.rope.interleaved)
         row = jnp.concatenate([lat, k_rope], axis=-1)
-        index_k = self.indexer.keys(x_btd, cos_sin, ctx) if self.indexer is not None else None
+        index_k = self.indexer.keys(x_btd, cos_sin) if self.indexer is not None else None
         return Projected(q_nope, q_rope, row, index_k, cq, cos_sin, positions)
 
     def absorbed_query(self, p: Projected):
@@ -274,12 +274,12 @@ class MultiHeadLatentAttention(nnx.Module):
             chunk = lambda a: jax.lax.all_gather(a, ctx.axes.context, axis=1, tiled=True)
             # the indexer queries from this device's x and q latent, then gathered
             index_queries = None if self.indexer is None else tuple(
-                chunk(a) for a in self.indexer.queries(x_btd, p.cq, p.cos_sin, ctx))
+                chunk(a) for a in self.indexer.queries(x_btd, p.cq, p.cos_sin))
             p = p._replace(q_nope=chunk(p.q_nope), q_rope=chunk(p.q_rope), row=chunk(p.row),
                            index_k=None if p.index_k is None else chunk(p.index_k), positions=chunk(p.positions),
                            cq=None, cos_sin=None)  # (those two served this device's tokens above)
         elif ctx.dcp > 1 and self.indexer is not None:
-            index_queries = self.indexer.queries(x_btd, p.cq, p.cos_sin, ctx)
+            index_queries = self.indexer.queries(x_btd, p.cq, p.cos_sin)
         B, T = p.positions.shape
         starts_b = p.positions[:, 0]
         if ctx.dcp > 1:  # the pages split over the DCP axis token by token: each rank stores the tokens it owns
@@ -344,7 +344,7 @@ class MultiHeadLatentAttention(nnx.Module):
         ki_all = None
         if self.indexer is not None:
             ki_all = gather(p.index_k)
-            qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin, ctx)
+            qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin)
             kw.update(qi_bthd=qi, ki_bsd=ki_all, w_bth=w, topk=self.indexer.cfg.topk)
         # the absorbed float32 query is formed per query chunk from the bf16 q_nope / q_rope: for all tokens at once
         # it is T·H·(R + rope)·4 bytes (13.5 GiB at 64K tokens, 96 heads)
@@ -368,7 +368,7 @@ class MultiHeadLatentAttention(nnx.Module):
         ki, qi, w, topk = cache.index_k_bsd, None, None, None
         if self.indexer is not None:
             ki = write(ki, p.index_k[:, 0])
-            qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin, ctx)
+            qi, w = self.indexer.queries(x_btd, p.cq, p.cos_sin)
             qi, w, topk = qi[:, 0], w[:, 0], self.indexer.cfg.topk
         q = self.absorbed_query(p)[:, 0]
         kw = dict(scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank, topk=topk)
@@ -378,14 +378,14 @@ class MultiHeadLatentAttention(nnx.Module):
             o, _, _ = cp.head_split_decode_shard(q, kv, pos_b + 1, qi, ki, w, **kw)
         return self.up_values(o[:, None]), MLACache(kv, ki)
 
-    def output(self, x_btd, o_bthv, ctx: Optional[ForwardContext] = None):
+    def output(self, x_btd, o_bthv):
         """Per-head values `[B, T, H, v]` -> output gate (K3) -> o_proj -> `[B, T, D]` in x's dtype."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
         o = o_bthv.reshape(B, T, cfg.num_heads * cfg.v_head_dim)
         if cfg.output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x_btd, out_dtype=jnp.float32, ctx=ctx))
-        return self.o_proj(o.astype(x_btd.dtype), ctx=ctx)
+            o = o * jax.nn.sigmoid(self.g_proj(x_btd, out_dtype=jnp.float32))
+        return self.o_proj(o.astype(x_btd.dtype))
 
 
 def _fill_slots(ctx: ForwardContext, buf_blc, rows_btc):

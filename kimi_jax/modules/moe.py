@@ -27,9 +27,9 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(hidden, intermediate, rngs=rngs, dtype=dtype)
         self.down_proj = Linear(intermediate, hidden, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x, ctx: Optional[ForwardContext] = None):
-        h = self.act(self.gate_proj(x, out_dtype=jnp.float32, ctx=ctx), self.up_proj(x, out_dtype=jnp.float32, ctx=ctx))
-        return self.down_proj(h.astype(x.dtype), ctx=ctx)
+    def __call__(self, x):
+        h = self.act(self.gate_proj(x, out_dtype=jnp.float32), self.up_proj(x, out_dtype=jnp.float32))
+        return self.down_proj(h.astype(x.dtype))
 
 
 class MoE(nnx.Module):
@@ -79,7 +79,7 @@ class MoE(nnx.Module):
         B, T, D = x_btd.shape
         x = x_btd.reshape(B * T, D)
         w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
-        xr = self.routed_expert_down_proj(x, ctx=ctx) if cfg.latent_size else x
+        xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
         # where each expert lives (`sharding.moe`): GSPMD cannot split a kernel's custom call
         y = moe_sharded.routed_experts(ctx, xr, idx, w, self.expert_weights(), self.act,
                                        num_experts=cfg.num_experts)
@@ -87,9 +87,9 @@ class MoE(nnx.Module):
         if cfg.latent_size:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y, ctx=ctx)
+            y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x, ctx)
+            y = y + self.shared_experts(x)
         return y.reshape(B, T, D)
 
 

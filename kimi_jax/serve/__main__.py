@@ -123,10 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 accumulation on the tensor cores / MXU, within the quantised formats' 5e-3 bar; "
                         "what a bf16 model runs in transformers or vLLM), or auto (default): storage when the "
                         "model runs in bfloat16, exact in float32")
-    p.add_argument("--linear-kernel", default="auto", choices=["auto", "reference", "gpu"],
-                   help="the dense projections of decode-size inputs (≤ 64 rows; KernelConfig.linear): gpu (a "
-                        "split-K Triton kernel that reads each weight once), reference (XLA's dot), or auto "
-                        "(default): the kernel on one GPU, XLA's dot on a mesh of several devices and elsewhere")
     p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: $KIMI_JAX_API_KEY, else no key)")
@@ -447,9 +443,8 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     log.info("loaded %s (%s, %d layers, vocab %d) in %.1fs; tokenizer %s", what, cfg.architecture, cfg.num_layers,
              cfg.vocab_size, time.perf_counter() - t0, tokenizer)
     precision = attention_precision(args.attention_precision, model.dtype)
-    if precision != model.kernels.dsa_precision or args.linear_kernel != model.kernels.linear:
-        model = model.with_kernels(dataclasses.replace(model.kernels, dsa_precision=precision,
-                                                       linear=args.linear_kernel))
+    if precision != model.kernels.dsa_precision:
+        model = model.with_kernels(dataclasses.replace(model.kernels, dsa_precision=precision))
     log.info("attention products at %s precision (--attention-precision %s, %s model)", precision,
              args.attention_precision, getattr(model.dtype, "__name__", str(model.dtype)))
     max_len = args.max_model_len if args.max_model_len is not None else min(cfg.max_position_embeddings, 2048)
