@@ -206,6 +206,9 @@ def _decode_roofline(args, cfg, copy_bw: dict, row: dict, slots: int) -> dict:
         done = ((win["gen_start"] + win["gen_end"]) / 2 - samples[0]["generation_tokens_total"]) / slots
         context = args.prompt_tokens + done % args.max_tokens
         ours, how = win["tok_s"], f"/stats window {win['seconds']:.1f} s, {win['steps']} steps"
+        if win.get("dispatch_ms") is not None:
+            how += (f", {win['step_ms']:.2f} ms a step: host {win['dispatch_ms']:.2f} dispatching, "
+                    f"{win['wait_ms']:.2f} waiting for tokens")
     else:  # no clean window (or counters missing)
         context = args.prompt_tokens + args.max_tokens / 2
         ours, how = slots / (row["tpot_p50_ms"] / 1e3), "slots / TPOT p50"
@@ -245,8 +248,12 @@ def decode_window(samples: list, slots: int) -> dict | None:
         return None
     # the share of those steps dispatched before the previous step's tokens were read (async scheduling)
     overlapped = (b["steps_overlapped"] - a["steps_overlapped"]) / steps if "steps_overlapped" in a else None
+    # where the engine's loop spends a step on the host: dispatching it (the jitted call) and blocked reading its
+    # tokens; dispatch near step_ms with no wait is a host-bound loop, a long wait a device-bound one
+    per_step = lambda key: 1e3 * (b[key] - a[key]) / steps if key in a else None  # noqa: E731
     return {"seconds": dt, "steps": steps, "tokens": toks, "tok_s": toks / dt, "step_ms": 1e3 * dt / steps,
-            "overlapped_share": overlapped,
+            "overlapped_share": overlapped, "dispatch_ms": per_step("step_dispatch_seconds"),
+            "wait_ms": per_step("step_wait_seconds"),
             "gen_start": a["generation_tokens_total"], "gen_end": b["generation_tokens_total"]}
 
 
@@ -814,6 +821,11 @@ def main(argv=None) -> int:
             bar_rows.append(("decode tok/s vs bytes-per-step roofline", shape, f"{roof['decode_tok_s']:.1f}",
                              f"{roof['roofline_tok_s']:.1f}", f"{roof['ratio']:.2f}",
                              "" if bar is None else f"≥ {bar:.2f}", verdict))
+            win = roof["window"] or {}
+            if win.get("dispatch_ms") is not None:
+                bar_rows.append(("decode step on the host (ms): dispatch / waiting for tokens / step",
+                                 f"B={roof['slots']}", f"{win['dispatch_ms']:.2f} / {win['wait_ms']:.2f} / "
+                                 f"{win['step_ms']:.2f}", "", "", "", "info"))
     for r in rows:
         shp = f"{r['clients']} clients, prompt {args.prompt_tokens}, {args.max_tokens} out"
         bar_rows += [(f"throughput (output tok/s)", shp, f"{r['output_tok_s']:.1f}", "", "", "", "info"),

@@ -94,6 +94,9 @@ def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(engines, served)
     st = overlapped.stats()
     assert st["async_scheduling"] and st["steps_overlapped"] > 0, st
     assert one_at_a_time.stats()["steps_overlapped"] == 0
+    for engine in engines:  # the host's share of the decode steps: dispatching them, blocked reading their tokens
+        st_ = engine.stats()
+        assert st_["step_dispatch_seconds"] > 0 and st_["step_wait_seconds"] > 0, st_
     assert st["compilations"] == st["compilations_at_start"]
     assert st["running_seqs"] == 0 and st["used_blocks"] == st["prefix_cache_blocks"]  # every page given back
 

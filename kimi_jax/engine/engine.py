@@ -286,6 +286,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
         self.num_steps = 0
         self.steps_overlapped = 0  # decode steps dispatched before the previous step's tokens were read
         self.steps_plain = 0  # decode / verify steps that ran the plain sampler
+        # host seconds spent dispatching one-token decode steps (the jitted call: argument handling, XLA's launch of
+        # the program and its command buffers) and blocked reading their tokens (the device still running them)
+        self.step_dispatch_seconds = 0.0
+        self.step_wait_seconds = 0.0
         self.steps_by_rows: dict[int, int] = {}  # decode / verify steps per program width (a bucket, or max_num_seqs)
         self.num_prefill_chunks = 0
         self.token_split_prefill_tokens = 0  # prompt tokens prefilled by token-split chunks
@@ -478,6 +482,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
             "async_scheduling": self.async_scheduling,
             "steps_overlapped": self.steps_overlapped,
             "steps_plain": self.steps_plain,  # decode / verify steps that ran the plain sampler (plain_sampling)
+            # one-token decode steps: host seconds in their dispatch, and blocked reading their tokens; per step
+            # against the step period, a host-bound loop dispatches most of the time and barely waits
+            "step_dispatch_seconds": round(self.step_dispatch_seconds, 6),
+            "step_wait_seconds": round(self.step_wait_seconds, 6),
             "steps_by_rows": {str(k): v for k, v in sorted(self.steps_by_rows.items())},
             "num_prefill_chunks": self.num_prefill_chunks,
             # prompt tokens whose prefill chunk ran split by tokens over the context axis, and the sizes that do
@@ -732,7 +740,10 @@ class Engine(SchedulerMixin, SpeculationMixin, OutputMixin, OverlapMixin):
 
     def _finish_step(self, step) -> None:
         """Read a decode step's tokens (waiting for it) and hand them out."""
-        out = self._by_slot({k: np.asarray(v)[:, None] for k, v in step.out._asdict().items()}, step.slots)
+        t0 = time.perf_counter()
+        host = {k: np.asarray(v)[:, None] for k, v in step.out._asdict().items()}
+        self.step_wait_seconds += time.perf_counter() - t0
+        out = self._by_slot(host, step.slots)
         out["n"] = np.ones(self.B, np.int32)  # one position per row
         self._advance(out, step.emit, step.seqs)
 

@@ -26,6 +26,7 @@ step produced, so every process runs the same calls in the same order.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,8 +57,10 @@ class OverlapMixin:
         """Run the decode step over `slots` (None: all rows): tokens, active, ctl and tables in program rows
         (tokens may be a device array); `plain`: with the plain sampler (`Engine._plain_sampler`)."""
         self._count_step(slots, plain)
+        t0 = time.perf_counter()
         self._state, out = self.runner.step(self._state, tokens, active, rows, ctl, tables,
                                             sampling_tables=self._tables, slots=slots, plain=plain)
+        self.step_dispatch_seconds += time.perf_counter() - t0
         return _Step(out, seqs, emit, slots, active, rows, ctl, plain)
 
     def _overlap(self) -> bool:
