@@ -93,6 +93,17 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                             _SERVE_48B_DECODE + " --label branches --server-arg=--no-plain-sampling",
                             _SERVE_48B_DECODE + " --label branches_in_graphs --server-arg=--no-plain-sampling "
                             f"--xla-flags=--xla_gpu_enable_command_buffer={_CB_COND}"]),
+    "serve-48b-graphs": ("the real-size model's decode at 1 and 32 streams under XLA's command-buffer update modes: "
+                         "by default a custom call (our Triton and Mosaic GPU kernels, ≈ 112 a step) is re-traced on "
+                         "the host whenever the addresses of its buffers miss a 16-entry cache "
+                         "(traced_command_buffer.cc); SKIP_TEMP keeps the temp buffer at one virtual address, "
+                         "CAPTURE_CMD_NEVER_UPDATE every traced command's buffers (VMM allocator). Each line prints "
+                         "the host's dispatch / wait ms per step. $OUT/serve_<label>.json", "1 GPU",
+                         [_SERVE_48B_DECODE + " --label graphs_default",
+                          _SERVE_48B_DECODE + " --label graphs_skip_temp "
+                          "--xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+                          _SERVE_48B_DECODE + " --label graphs_capture_never "
+                          "--xla-flags=--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE"]),
     "serve-48b-profile": ("a device trace of the real-size model's steady decode at 1 and 32 streams, summarised per "
                           "step (top kernels): where its steps spend the time its bytes do not explain", "1 GPU",
                           ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 "
