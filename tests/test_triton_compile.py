@@ -98,6 +98,13 @@ SCRIPT = textwrap.dedent("""
                 jax.eval_shape(lambda q, p, bt, idx: mla.decode(q, p, bt, idx, fmt=fmt, scale=0.07, value_dim=512,
                                                                 **kw),
                                S((B, H, 576), jnp.float32), parts, S((B, 512), jnp.int32), S((B, k), jnp.int32))
+        for dt in ("bf16", "fp8"):  # its causal mode (dense MLA decode) at Kimi-Linear's 32 heads, 8K-position tables
+            fmt = Q.LatentFormat(dt, 512, 64)
+            parts = tuple(S((4096, 64, p.width), p.dtype) for p in fmt.parts)
+            for kw in [{}] + ([mla.storage_preset(B, 32)] if backend == "cuda" else []):  # 128 heads: see `wide`
+                jax.eval_shape(lambda q, p, bt, pos: mla.causal_decode(q, p, bt, pos, fmt=fmt, scale=0.07,
+                                                                       value_dim=512, **kw),
+                               S((B, 32, 576), jnp.float32), parts, S((B, 128), jnp.int32), S((B,), jnp.int32))
 
     with mock.patch.object(tc, "_gpu_launch", record):
         preset_launches() if presets else default_launches()
@@ -129,7 +136,7 @@ def test_native_kernels_compile_for_hopper():
     assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
                                         "kda_intra_wu", "kda_state", "kda_decode", "sparse_mla_decode_triton",
                                         "sparse_mla_merge_triton"}
-    assert len(res) == 40
+    assert len(res) == 46
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -160,7 +167,7 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 34
+    assert len(res) == 36
     assert any(r["mxfp4"] for r in res)  # compiled on the arithmetic decode (no PTX on AMD)
 
 
