@@ -87,8 +87,9 @@ def test_gpu_decode_equals_sparse_mla_over_every_position(kv_dtype):
 
 def test_gpu_decode_splits_each_sequence_by_its_own_length():
     """The GPU kernel walks positions 0 … p itself: however many splits share a sequence (one, more than its
-    blocks, a split count that leaves empty splits), and in both precisions, the result is the sparse kernel's over
-    the full selection. nvfp4 rows (two nibble planes) too."""
+    blocks, a split count that leaves empty splits), in both precisions and with the storage preset that prepares q
+    inside the kernel, the result is the sparse kernel's over the full selection. nvfp4 rows (two nibble planes)
+    too."""
     from pallas_kernels.mla import sparse_gpu_triton
 
     pos = np.array([61, 31, 0, -1, 17], np.int32)
@@ -96,7 +97,9 @@ def test_gpu_decode_splits_each_sequence_by_its_own_length():
     for kv_dtype in ("fp8", "nvfp4"):
         fmt, parts, q, ls = case(kv_dtype, seed=7, B=5)
         want = oracle(q, parts, bt, pos[:, None], fmt, ls)
-        for kw in (dict(splits=1), dict(splits=3), dict(splits=8, block_k=16), dict(exact=False, merge="triton")):
+        presets = [dict(sparse_gpu_triton.WIDE["sr16_bk32_s5_qi"], splits=4)] if kv_dtype == "fp8" else []  # q inside
+        for kw in [dict(splits=1), dict(splits=3), dict(splits=8, block_k=16), dict(exact=False, merge="triton")] + \
+                presets:
             o, lse = sparse_gpu_triton.causal_decode(q[:, 0], parts, bt, pos, fmt=fmt, scale=SCALE, value_dim=R,
                                                      layer_scale=ls, interpret=True, **kw)
             bar = 1e-4 if kw.get("exact", True) else 5e-3
