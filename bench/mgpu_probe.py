@@ -2,15 +2,15 @@
 
     python3 bench/mgpu_probe.py [--rows 16,32] [--budget 120]      (an H100/H200; jax with Mosaic GPU)
 
-Why: the MXFP4 grouped matmul in Triton (`pallas_kernels.moe.gpu_triton`; measured when it was a Pallas Triton
-kernel) is issue-bound at 0.46 of copy bandwidth (bar 0.70). A CPU screen of its SASS (ptxas on the pip triton) put
-every Triton tile shape at 0.14–0.15 warp instructions per weight element, of which the e2m1 decode is about half: the rest are Triton's operand shuffles,
-register moves and address arithmetic. A hand-scheduled Hopper kernel (TMA loads, weights converted in registers
-straight into the wgmma A operand, warp-specialised pipeline) is the known way around that, and JAX ships one:
-`jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu` (int8 × bf16). Mosaic GPU's fp4 conversions are
-Blackwell-only, so an MXFP4 version would need its own decode; this probe first measures the machinery with int8
-weights at our decode shape — all 112 experts' 3072 × 3584 weights stacked as one LHS (the same bytes a decode step
-streams), x as a 16- or 32-column RHS — as weight bytes/s vs the copy bandwidth measured in the same run. It is a
+Why: the MXFP4 grouped matmul in Triton (`pallas_kernels.moe.gpu_triton`; measured when it was a Pallas Triton kernel)
+is issue-bound at 0.46 of copy bandwidth (bar 0.70). A CPU screen of its SASS (ptxas on the pip triton) put every Triton
+tile shape at 0.14–0.15 warp instructions per weight element, of which the e2m1 decode is about half: the rest are
+Triton's operand shuffles, register moves and address arithmetic. A hand-scheduled Hopper kernel (TMA loads, weights
+converted in registers straight into the wgmma A operand, warp-specialised pipeline) is the known way around that, and
+JAX ships one: `jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu` (int8 × bf16). Mosaic GPU's fp4
+conversions are Blackwell-only, so an MXFP4 version would need its own decode; this probe first measures the machinery
+with int8 weights at our decode shape — all 112 experts' 3072 × 3584 weights stacked as one LHS (the same bytes a decode
+step streams), x as a 16- or 32-column RHS — as weight bytes/s vs the copy bandwidth measured in the same run. It is a
 ceiling indicator, not a result for the bar: int8 carries one element per byte, MXFP4 two.
 """
 

@@ -1,6 +1,7 @@
 """Sparse MLA decode on the GPU: the Mosaic GPU kernel (`pallas_kernels.mla.sparse_mgpu`) vs the Triton kernel
-(`mla.sparse_gpu_triton`) at its storage preset, fp8 latent rows, latent bytes gathered per second vs copy bandwidth (BENCHMARKS.md:
-≥ 0.60). Every timed op is checked against the reference on the dequantised rows first (storage bar 5e-3).
+(`mla.sparse_gpu_triton`) at its storage preset, fp8 latent rows, latent bytes gathered per second vs copy bandwidth
+(BENCHMARKS.md: ≥ 0.60). Every timed op is checked against the reference on the dequantised rows first (storage bar
+5e-3).
 
     python3 bench/mla_mgpu.py [--contexts 32768] [--batches 32] [--heads 12] [--configs '[{}, {"splits": 4}]']
 

@@ -503,7 +503,8 @@ def test_storage_precision_runs_the_single_pass_presets_within_the_storage_bar()
     assert sparse_gpu_triton.storage_preset(1, H) == sparse_gpu_triton.WIDE["sr16_bk32_s5_qi"]
     o1, l1 = sparse.decode(q[:1], parts, bt[:1], idx[:1], backend="gpu_interpret", precision="storage", **kw)
     assert rel_rms(o1, o_r[:1]) <= 5e-3 and rel_rms(l1, lse_r[:1]) <= 5e-3
-    assert sparse_gpu_triton.storage_preset(1, 96) == {}  # many heads, one sequence: nothing faster than the default measured
+    # many heads, one sequence: nothing faster than the default measured
+    assert sparse_gpu_triton.storage_preset(1, 96) == {}
 
     fmt, kparts, qi, w, s_ref = index_case("fp8", seed=32)
     topk = 8

@@ -170,8 +170,8 @@ def test_chunk_batch_bf16_fused_gate(backend):
 @pytest.mark.parametrize("backend,H", [("tpu_interpret", 96), ("gpu_interpret", 8)])
 def test_chunk_k3_heads_bf16_short(backend, H):
     """d = 128 and H = 96 (K3 shape; H = 8 under the Triton interpreter, which copies whole buffers per grid step:
-    H = 96 there is tests/test_triton_kda.py's `gpu` device test and bench/kda.py), kept short: one 20-token sequence with an initial state,
-    g near −5 and below."""
+    H = 96 there is tests/test_triton_kda.py's `gpu` device test and bench/kda.py), kept short: one 20-token sequence
+    with an initial state, g near −5 and below."""
     cu = np.array([0, 20])
     q, k, v, g, beta = inputs(14, 1, 20, H, 128, 128, -8.0, -4.5, jnp.bfloat16)
     s0 = jnp.asarray(np.random.default_rng(15).standard_normal((1, H, 128, 128)) * 0.1, jnp.float32)

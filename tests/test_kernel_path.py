@@ -1,6 +1,7 @@
 """Model integration of the kernels: the tiny model's logits through the kernels (run in interpret mode on CPU: Pallas
-TPU interpret mode, Triton's interpreter for the GPU kernels) equal the jnp-reference path — prefill, prefill continued from a cache (KDA initial state), and step-by-step
-decode (slot-addressed recurrent kernel, cache donated)."""
+TPU interpret mode, Triton's interpreter for the GPU kernels) equal the jnp-reference path — prefill, prefill
+continued from a cache (KDA initial state), and step-by-step decode (slot-addressed recurrent kernel, cache
+donated)."""
 
 import dataclasses
 
@@ -47,8 +48,8 @@ def _prefill_continue_decode(model, ids, n_first, n_second, n_decode):
 
 @pytest.mark.parametrize("kda", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_gpu_kda_kernel_path_equals_reference_path(tiny_model, kda):
-    """GPU (native Triton) KDA kernels — in Triton's interpreter on CPU, compiled on a GPU: T = 70 (not a multiple of 64,
-    two chunks), a continued prefill (initial state from the cache) and decode steps.
+    """GPU (native Triton) KDA kernels — in Triton's interpreter on CPU, compiled on a GPU: T = 70 (not a multiple of
+    64, two chunks), a continued prefill (initial state from the cache) and decode steps.
 
     Both models run with every product in IEEE fp32 (`default_matmul_precision("highest")`; a no-op on CPU). Under
     the GPU's TF32 default the non-KDA layers round their inputs to 10 mantissa bits, and the tiny model's top-8 index

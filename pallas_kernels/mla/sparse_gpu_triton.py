@@ -49,7 +49,8 @@ from ..triton_call import call, jit, tl
 from ..triton_codec import e2m1_value, pow2_at_least
 from .reference import merge_partials
 
-__all__ = ["WIDE", "available", "causal_decode", "decode", "fits", "merge_splits", "pool_rows", "storage_preset", "supports"]
+__all__ = ["WIDE", "available", "causal_decode", "decode", "fits", "merge_splits", "pool_rows", "storage_preset",
+           "supports"]
 
 SUPPORTED = ("bf16", "fp8", "nvfp4")
 FMT_CODE = {"bf16": 0, "fp8": 1, "nvfp4": 2}
@@ -509,7 +510,8 @@ def _decode(q_bhc, kv_parts, block_tables, idx, layer_scale, *, fmt, scale: floa
                              jax.ShapeDtypeStruct((NS, B, HB * BH), jnp.float32)],
                   FMT=FMT_CODE[fmt.kv_dtype], R=R, ROPE=rope, H=H, HB=HB, BH=BH, BK=BK, BV=BV or 16, NVB=NVB,
                   N_BLK=n_blk, NS=NS, KP=idx.shape[-1], PAGE=page, MAX_BLOCKS=max_blocks, NBLOCKS=nblocks,
-                  EXACT=exact, CDT=CDT_CODE[jnp.dtype(cdt)], SLOTS_OUTSIDE=slots_outside, Q_INSIDE=q_inside, CAUSAL=causal)
+                  EXACT=exact, CDT=CDT_CODE[jnp.dtype(cdt)], SLOTS_OUTSIDE=slots_outside, Q_INSIDE=q_inside,
+                  CAUSAL=causal)
     if merge != "xla" and NS > 1:
         o, lse = merge_splits(o, lse, ls, H, interpret=interpret)
     else:
