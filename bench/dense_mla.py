@@ -100,8 +100,7 @@ def decode_main(args) -> int:
     fmt = quant.LatentFormat(args.kv_dtype, args.latent, args.rope)
     widths = sorted(int(w) for w in args.widths.split(","))
     if args.start >= widths[0]:
-        ap_error = f"--start {args.start} must be inside the narrowest table ({widths[0]})"
-        raise SystemExit(ap_error)
+        raise SystemExit(f"--start {args.start} must be inside the narrowest table ({widths[0]})")
     rng = np.random.default_rng(0)
     row_bytes = sum(np.dtype(p.dtype).itemsize * p.shape[-1] for p in fmt.quantize(jnp.zeros((1, 1, args.latent
                                                                                                 + args.rope)), 1.0))

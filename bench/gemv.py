@@ -33,6 +33,7 @@ ap.add_argument("--rows", default="1,2,8,32", help="comma-separated decode rows 
 ap.add_argument("--forms", default="xla,xla_m2,xla_nk,torch", help="comma-separated forms to time (below)")
 ap.add_argument("--label", default="", help="suffix of $OUT/gemv<_label>.json: runs under other XLA_FLAGS side by side")
 ARGS = ap.parse_args()
+FORMS = ARGS.forms.split(",")
 if ARGS.smoke:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -94,12 +95,12 @@ def main():
             x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.bfloat16)
             want = jnp.dot(x.astype(jnp.float32), w_kn[0].astype(jnp.float32))
             times = {}
-            for fname, f in ((k, v) for k, v in forms().items() if k in ARGS.forms.split(",")):
+            for fname, f in ((k, v) for k, v in forms().items() if k in FORMS):
                 got = jax.jit(f)(x, w_kn[0], w_nk[0]).astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 assert err < 2e-2, (name, M, fname, err)
                 times[fname] = device_seconds(f, x, w_kn, w_nk, stacked=(1, 2))[0]
-            t_torch = None if ARGS.smoke or "torch" not in ARGS.forms.split(",") else torch_seconds(x, w_nk)
+            t_torch = None if ARGS.smoke or "torch" not in FORMS else torch_seconds(x, w_nk)
             if t_torch:
                 times["torch"] = t_torch
             row = {"shape": name, "K": K, "N": N, "M": M, "copy_TBps": bw / 1e12,

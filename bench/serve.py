@@ -206,9 +206,6 @@ def _decode_roofline(args, cfg, copy_bw: dict, row: dict, slots: int) -> dict:
         done = ((win["gen_start"] + win["gen_end"]) / 2 - samples[0]["generation_tokens_total"]) / slots
         context = args.prompt_tokens + done % args.max_tokens
         ours, how = win["tok_s"], f"/stats window {win['seconds']:.1f} s, {win['steps']} steps"
-        if win.get("dispatch_ms") is not None:
-            how += (f", {win['step_ms']:.2f} ms a step: host {win['dispatch_ms']:.2f} dispatching, "
-                    f"{win['wait_ms']:.2f} waiting for tokens")
     else:  # no clean window (or counters missing)
         context = args.prompt_tokens + args.max_tokens / 2
         ours, how = slots / (row["tpot_p50_ms"] / 1e3), "slots / TPOT p50"
