@@ -23,7 +23,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# the real-size model's decode line (serve-48b's second) and XLA's default command-buffer ops plus conditionals
+# the real-size model's decode line (serve-48b's second; the other serve-48b-* presets vary it) and XLA's default
+# command-buffer ops plus conditionals
 _SERVE_48B_DECODE = ("bench/serve.py --launch kimi-linear-48b --dtype bfloat16 --server-arg=--random-experts=mxfp4 "
                      "--max-num-seqs 32 --max-model-len 512 --prefill-chunk-sizes 128 --prompt-tokens 129 "
                      "--max-tokens 256 --clients 1,32 --requests-per-client 1 --startup-timeout 900")
@@ -106,10 +107,7 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                           "--xla-flags=--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE"]),
     "serve-48b-profile": ("a device trace of the real-size model's steady decode at 1 and 32 streams, summarised per "
                           "step (top kernels): where its steps spend the time its bytes do not explain", "1 GPU",
-                          ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 "
-                           "--server-arg=--random-experts=mxfp4 --max-num-seqs 32 --max-model-len 512 "
-                           "--prefill-chunk-sizes 128 --prompt-tokens 129 --max-tokens 256 --clients 1,32 "
-                           "--requests-per-client 1 --startup-timeout 900 --profile 1"]),
+                          [_SERVE_48B_DECODE + " --profile 1"]),
     "serve-48b-long-profile": ("device traces of the real-size model on an 8K prompt: its prefill per chunk and its "
                                "one-stream decode per step at that context (bench/trace_summary.py)", "1 GPU",
                                ["bench/serve.py --launch kimi-linear-48b --dtype bfloat16 "
