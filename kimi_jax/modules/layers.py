@@ -6,6 +6,8 @@ non-degenerate logits; real weights come from checkpoints.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,8 +36,25 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), std, dtype))
 
     def __call__(self, x, out_dtype=None):
-        y = jnp.dot(x.astype(self.kernel.dtype), self.kernel[...], preferred_element_type=jnp.float32)
-        return y.astype(out_dtype or x.dtype)
+        return matmul(x.astype(self.kernel.dtype), self.kernel[...]).astype(out_dtype or x.dtype)
+
+
+def matmul(x_mk, w_kn):
+    """`x [..., K] @ w [K, N]` -> float32 `[..., N]`, computed as a matrix product even for one row.
+
+    XLA's GPU compiler rewrites a dot whose one side is a vector, against a matrix of under 10M elements, into a
+    broadcast multiply and a reduction (its DotStrengthReduction pass, not switchable by a flag). At one decode row
+    that turns each projection of Kimi-Linear-48B into two to four kernels, some writing the float32 product `[K,
+    N]` out before reducing it (twice the weight's bytes written and read again). A single row is therefore padded
+    to two and the result sliced back: the dot stays a matmul (one GEMM fusion, which also merges the projections
+    sharing an input). Other backends compute the same values either way."""
+    rows = math.prod(x_mk.shape[:-1])
+    if rows != 1:
+        return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32)
+    x_1k = x_mk.reshape(1, x_mk.shape[-1])
+    x_2k = jnp.concatenate([x_1k, jnp.zeros_like(x_1k)])
+    y_2n = jnp.dot(x_2k, w_kn, preferred_element_type=jnp.float32)
+    return y_2n[:1].reshape(*x_mk.shape[:-1], w_kn.shape[-1])
 
 
 class RMSNorm(nnx.Module):
