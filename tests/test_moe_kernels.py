@@ -664,7 +664,7 @@ def test_mgpu_mxfp4_kernel_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((32, K), jnp.bfloat16)
     codes, scales_t = jax.ShapeDtypeStruct((E, N, K // 2), jnp.uint8), jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8)
     natural = mm.PreparedWeight(codes, scales_t)
-    placed = mm.PreparedWeight(codes, scales_t, jax.ShapeDtypeStruct((E,), jnp.int32), layout="placed")
+    placed = mm.PreparedWeight(codes, scales_t, jax.ShapeDtypeStruct((E,), jnp.float32), layout="placed")
     gs = jax.ShapeDtypeStruct((E,), jnp.int32)
     for w, cfg in ((natural, mm.MgpuConfig()), (placed, mm.MgpuConfig()), (placed, mm.MgpuConfig(kh=256, rows=32)),
                    (placed, mm.MgpuConfig(rows=8, plan="kernel")), (natural, mm.default_config(8)),
@@ -702,11 +702,11 @@ def test_warp_specialised_register_split_fits_the_ctas_pool():
     assert [mm.ws_compute_registers(W) for W in (2, 3, 4)] == [232, 152, 104]
     sds = jax.ShapeDtypeStruct
     E, D, F = 4, 512, 256
-    w = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32))
+    w = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.float32))
     for W in mm.WS_WARPGROUPS:
         cfg = mm.MgpuConfig(rows=40, kh=64, steps=4, ctas_per_sm=1, plan="xla", warpgroups=W)
         n = 192 * 2 if W == 3 else F  # whole items of 64·W columns
-        w_ = mm.PreparedWeight(sds((E, n, D // 2), jnp.uint8), sds((E, D // 32, n), jnp.uint8), sds((E,), jnp.int32))
+        w_ = mm.PreparedWeight(sds((E, n, D // 2), jnp.uint8), sds((E, D // 32, n), jnp.uint8), sds((E,), jnp.float32))
         jaxpr = str(jax.make_jaxpr(lambda x, g, w_: mm.grouped_matmul(x, w_, g, config=cfg))(
             sds((40, D), jnp.bfloat16), sds((E,), jnp.int32), w_))
         asked = set(re.findall(r"set_max_registers_p\[action=(\w+)\] (\d+)", jaxpr))
@@ -714,7 +714,7 @@ def test_warp_specialised_register_split_fits_the_ctas_pool():
     # the FFN with down on a config of its own: the fused kernel at W = 2, down at W = 4
     cfg = dataclasses.replace(mm.tiled_config(32), down_config=mm.MgpuConfig(
         rows=40, kh=64, steps=2, ctas_per_sm=1, plan="xla", warpgroups=4))
-    w_down = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32))
+    w_down = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.float32))
     jaxpr = str(jax.make_jaxpr(lambda x, g, a, b, c: mm.expert_ffn_tiled(x, g, a, b, c, situ, config=cfg))(
         sds((40, D), jnp.bfloat16), sds((E,), jnp.int32), w, w, w_down))
     increases = re.findall(r"set_max_registers_p\[action=increase\] (\d+)", jaxpr)  # each kernel: 2 pipelines
@@ -728,9 +728,9 @@ def _tiled_ffn_cuda_text(cfg, E=4, D=512, F=256, M=40, gate_up_order="natural", 
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     sds = jax.ShapeDtypeStruct
-    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
+    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.float32),
                              layout="placed", out_order=gate_up_order)
-    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
+    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.float32),
                               layout="placed")
     if tokens:
         return jax.jit(lambda a, g, t, w1, w3, w2: mm.expert_ffn_tiled(a, g, w1, w3, w2, situ, config=cfg,
@@ -805,7 +805,7 @@ def test_mgpu_group_bounds():
 def test_mgpu_placed_weight_keeps_every_value():
     """`prepare_weight(w, "placed")`: the codes are a bit permutation of each word (`mxfp4.PLACED_SOURCES`), and an
     expert with scale codes above 128 is lowered as a whole by its excess, which the output gets back as
-    2^exp_offset — so codes, lowered scales and offsets together still dequantise to exactly the same weight."""
+    `out_scale` = 2^excess — so codes, lowered scales and that factor still dequantise to exactly the same weight."""
     from pallas_kernels.moe import mgpu_mxfp4 as mm
 
     E, K, N = 3, 128, 8
@@ -815,14 +815,15 @@ def test_mgpu_placed_weight_keeps_every_value():
     scale[2, 0, 0] = 0  # a zero scale stays zero
     w = mx.MXFP4Weight(w.packed, jnp.asarray(scale))
     p = mm.prepare_weight(w)
-    assert p.layout == "placed" and list(np.asarray(p.exp_offset)) == [0, scale[1].max() - 128, 0]
+    offset = [0, scale[1].max() - 128, 0]
+    assert p.layout == "placed" and list(np.asarray(p.out_scale)) == [2.0 ** o for o in offset]
     assert int(np.asarray(p.scales_t).max()) <= mm.PLACED_MAX_SCALE
     words = np.asarray(p.codes).view("<u4").astype(np.int64)  # [E, N, K/8]
     natural_words = sum(((words >> pos) & 1) << int(src) for pos, src in enumerate(mx.PLACED_SOURCES))
     natural = natural_words.astype("<u4").view(np.uint8).reshape(w.packed.shape)
     np.testing.assert_array_equal(natural, np.asarray(w.packed))
     scales_back = np.where(np.asarray(p.scales_t) == 0, 0,
-                           np.asarray(p.scales_t) + np.asarray(p.exp_offset)[:, None, None])
+                           np.asarray(p.scales_t) + np.asarray(offset)[:, None, None])
     np.testing.assert_array_equal(scales_back, np.swapaxes(scale, 1, 2))
     np.testing.assert_array_equal(np.asarray(mm.prepare_weight(w, "natural").codes), np.asarray(w.packed))
     with pytest.raises(ValueError, match="layout must be one of"):
@@ -1047,9 +1048,9 @@ def test_tiled_config_and_the_ffn_lower_for_cuda():
     # and `ops` sends K3's FFN down that path at every size: down is checked against its own config
     sds = jax.ShapeDtypeStruct
     E, D, F = 112, 3584, 3072
-    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.int32),
+    w_in = mm.PreparedWeight(sds((E, F, D // 2), jnp.uint8), sds((E, D // 32, F), jnp.uint8), sds((E,), jnp.float32),
                              layout="placed", out_order="planes")
-    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.int32),
+    w_out = mm.PreparedWeight(sds((E, D, F // 2), jnp.uint8), sds((E, F // 32, D), jnp.uint8), sds((E,), jnp.float32),
                               layout="placed")
     with mock.patch.object(jax, "default_backend", lambda: "gpu"):
         for r in (8, 24, 32, 64, 146):
@@ -1366,9 +1367,9 @@ def test_moe_layer_relays_mxfp4_experts_for_the_mosaic_kernel_exactly():
     flat = _flat(nnx.state(m, nnx.Param))
     assert not any(k.endswith(".packed") for k in flat)
     assert (flat["experts.gate.codes"].shape, flat["experts.gate.scales_t"].shape,
-            flat["experts.gate.exp_offset"].shape) == ((4, 128, 64), (4, 4, 128), (4,))
+            flat["experts.gate.out_scale"].shape) == ((4, 128, 64), (4, 4, 128), (4,))
     np.testing.assert_array_equal(np.asarray(m(x)), want)
-    for name in ("gate.codes", "down.scales_t", "up.exp_offset"):
+    for name in ("gate.codes", "down.scales_t", "up.out_scale"):
         shape = flat["experts." + name].shape
         assert param_partition_spec(f"layers.3.block_sparse_moe.experts.{name}", shape, 2)[0] == "model"
     assert prepare_experts(layer(latent=64), KernelConfig(moe="gpu"), "gpu") == 0  # K = 64: not a multiple of 128

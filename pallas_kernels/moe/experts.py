@@ -92,8 +92,8 @@ class MXFP4Experts:
 @_pytree
 class MosaicMXFP4Experts:
     """MXFP4 expert weights laid out for the Mosaic GPU MXFP4 kernel: each an `mgpu_mxfp4.PreparedWeight`
-    ("placed": codes `[E, N, K/2]` uint8 with each word's bits permuted, scales `[E, K/32, N]` uint8, exponent
-    offsets `[E]` int32); gate and up in `ffn_out_orders`' output order."""
+    ("placed": codes `[E, N, K/2]` uint8 with each word's bits permuted, scales `[E, K/32, N]` uint8, output
+    factors `[E]` float32); gate and up in `ffn_out_orders`' output order."""
 
     gate: _mgpu_mx.PreparedWeight
     up: _mgpu_mx.PreparedWeight

@@ -32,7 +32,7 @@ def _tile_layout_operands(x_pad, w: PreparedWeight, config: MgpuConfig):
 def tiled_matmul(x_pad, plan: TilePlan, w: PreparedWeight, config: MgpuConfig, out_dtype=jnp.float32):
     """One grouped matmul in the tile layout: `x_pad [m_pad, K]` (rows as `plan` pads them; or their planes
     `[2, m_pad, K/2]`) -> `[m_pad, N]` (columns in `w`'s output order), each live tile's rows times its expert's
-    weight (placed layout: times 2^exp_offset, in fp32), accumulated in fp32 and written by the kernel in
+    weight (placed layout: times `out_scale`, in fp32), accumulated in fp32 and written by the kernel in
     `out_dtype` (fp32 or bf16). Rows of dead tiles are left unwritten (never read back). The x plane transpose
     here is elementwise XLA work that fuses into whatever produced x_pad (the dispatch gather, the activation).
     The placed layout's expert factor is applied by the kernel to its fp32 accumulators."""

@@ -76,7 +76,7 @@ def prepare_grouped(x, group_sizes, config: MgpuConfig):
 def kernel_call_grouped(xs, bounds, w: PreparedWeight, config: MgpuConfig, row_scale=None, *, out_rows=None):
     """The kernel with its group plan inside (`MgpuConfig.plan="kernel"`): x planes `[2, M, K/2]` bf16 in the
     contraction order (`prepare_grouped`, rows as sorted), `group_bounds` `[E + 2]`, the weight, and for the placed
-    layout each expert's fp32 output factor `row_scale [E]` (2^exp_offset) -> out `[out_rows, N]` fp32 (default M).
+    layout each expert's fp32 output factor `row_scale [E]` (`out_scale`) -> out `[out_rows, N]` fp32 (default M).
 
     Work item (expert e, 64-column block nb), looping over e's rows: each tile fetches R + 8 x rows from its first
     row rounded down to a multiple of 8 (TMA into the 8-row-tiled smem operand needs that; the MMA's N side is
@@ -181,7 +181,7 @@ def grouped_matmul(x, w: PreparedWeight, group_sizes, *, config: MgpuConfig | No
         xs, tile_group, num_tiles, pad_row, live = prepare_rows(x, group_sizes, w.num_experts, config.rows)
         out = kernel_call(xs, tile_group, num_tiles, w, config)
         row_scale = None
-        if w.layout == "placed":  # each padded row's expert's 2^exp_offset (1 for real checkpoints)
+        if w.layout == "placed":  # each padded row's expert's `out_scale` (1 for real checkpoints)
             row_scale = jnp.repeat(expert_scale(w)[tile_group], config.rows)
         return unpad_output(out, pad_row, live, out_dtype, row_scale=row_scale)
     raise ValueError(f"MgpuConfig.mma must be 'bf16' or 'fp8', got {config.mma!r}")

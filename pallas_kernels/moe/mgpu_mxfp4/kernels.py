@@ -145,7 +145,7 @@ def kernel_call(xs, tile_group, num_tiles, w: PreparedWeight, config: MgpuConfig
     """The Mosaic GPU kernel alone: `prepare_rows`' outputs and the weight -> out `[m_pad, N]` in `out_dtype`, fp32 or
     bf16 (fp32 accumulation either way; rows of dead tiles unwritten); warpgroups > 1: `kernel_call_ws`.
 
-    `scale` `[E]` fp32: each expert's output factor (the placed layout's 2^exp_offset, `expert_scale`), applied to
+    `scale` `[E]` fp32: each expert's output factor (the placed layout's `out_scale`, `expert_scale`), applied to
     the fp32 accumulator before the store, so no XLA pass over the output is needed for it."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -219,7 +219,7 @@ def kernel_call_gated_ws(xs, tile_group, num_tiles, w_gate: PreparedWeight, w_up
     x planes, two weights of one shape, layout and output order -> h `[m_pad, F]` `out_dtype` (fp32 or bf16, rounded
     to nearest even) = activation(x·Wgᵀ·sg, x·Wuᵀ·su) per padded row of a live tile (weights with
     out_order="planes": the down matmul's x planes `[2, m_pad, F/2]`), with `gate_scale` / `up_scale` `[E]` each
-    expert's fp32 output factor (the placed layout's 2^exp_offset) or None. As `kernel_call_ws`, with each step's
+    expert's fp32 output factor (the placed layout's `out_scale`) or None. As `kernel_call_ws`, with each step's
     stage holding both weights' blocks beside the one x tile and each compute warpgroup two accumulators (gate, up)
     for its 64 columns; `activation(g, u)` runs on them in the epilogue (it must lower in Mosaic GPU: elementwise
     arithmetic, tanh, logistic, exp), so gate and up are never written to memory."""

@@ -32,8 +32,10 @@ class PreparedWeight:
     `layout` "natural": codes as stored, decoded through the byte-permute table (`mxfp4.DECODE_PTX_SIGN_OPERANDS`).
     "placed": each 32-bit word's bits permuted (`mxfp4.place_codes`) for the table-free decode
     (`mxfp4.DECODE_PTX_PLACED`, 15 instead of 20 instructions per 8 weights); its multiplier 2^(S−1) must fit
-    bf16, so an expert whose largest scale code exceeds 128 has all its codes lowered by `exp_offset[e]` (their
-    excess) and its output multiplied back by 2^exp_offset[e] in fp32. Real checkpoints have exp_offset 0.
+    bf16, so an expert whose largest scale code exceeds 128 has all its codes lowered by their excess o[e] and its
+    output multiplied back by `out_scale[e]` = 2^o[e] in fp32 (kept as that factor, so a step feeds it to the
+    kernels as it is rather than computing it in a kernel of its own per weight and layer). Real checkpoints
+    have o = 0, a factor of 1.
 
     `out_order` "natural": output column n is the checkpoint's column n. "planes" (an FFN's gate and up,
     `prepare_ffn_weights`): the output columns are stored permuted by `planes_column_order(N)`, so the kernel's
@@ -42,7 +44,7 @@ class PreparedWeight:
     transpose between the two kernels."""
     codes: jax.Array
     scales_t: jax.Array
-    exp_offset: jax.Array | None = None  # [E] int32, "placed" only
+    out_scale: jax.Array | None = None  # [E] float32, powers of two, "placed" only
     layout: str = "natural"
     out_order: str = "natural"
 
@@ -65,7 +67,7 @@ class PreparedWeight:
         return self.codes.shape[2] * 2
 
 
-jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t", "exp_offset"],
+jax.tree_util.register_dataclass(PreparedWeight, data_fields=["codes", "scales_t", "out_scale"],
                                  meta_fields=["layout", "out_order"])
 
 
@@ -92,7 +94,7 @@ def prepare_weight(w: mx.MXFP4Weight, layout: str = "placed", out_order: str = "
     s = scales_t.astype(jnp.int32)
     offset = jnp.maximum(jnp.max(s, axis=(1, 2)) - PLACED_MAX_SCALE, 0)  # [E]
     lowered = jnp.where(s == 0, 0, jnp.maximum(s - offset[:, None, None], 0)).astype(jnp.uint8)
-    return PreparedWeight(mx.place_codes(packed), lowered, offset.astype(jnp.int32), layout="placed",
+    return PreparedWeight(mx.place_codes(packed), lowered, jnp.ldexp(jnp.float32(1), offset), layout="placed",
                           out_order=out_order)
 
 
@@ -118,7 +120,8 @@ def unprepare_weight(p: PreparedWeight) -> mx.MXFP4Weight:
     codes = p.codes
     if p.layout == "placed":
         s32 = s.astype(jnp.int32)
-        s = jnp.where(s32 == 0, 0, s32 + p.exp_offset[:, None, None]).astype(jnp.uint8)
+        offset = jnp.frexp(p.out_scale)[1] - 1  # 2^o = 0.5 · 2^(o+1), exactly
+        s = jnp.where(s32 == 0, 0, s32 + offset[:, None, None]).astype(jnp.uint8)
         codes = mx.unplace_codes(codes)
     packed, scale = codes, jnp.swapaxes(s, 1, 2)
     if p.out_order == "planes":
@@ -191,6 +194,6 @@ def _planes_in_contraction_order(x_rows):
 
 
 def expert_scale(w: PreparedWeight):
-    """Each expert's fp32 output factor 2^exp_offset `[E]` for the placed layout (1 for real checkpoints), None for
-    the natural layout, which needs none."""
-    return jnp.ldexp(jnp.float32(1), w.exp_offset) if w.layout == "placed" else None
+    """Each expert's fp32 output factor `[E]` for the placed layout (`PreparedWeight.out_scale`: 1 for real
+    checkpoints), None for the natural layout, which needs none."""
+    return w.out_scale if w.layout == "placed" else None

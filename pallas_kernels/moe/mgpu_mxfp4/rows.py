@@ -128,7 +128,7 @@ def gather_x(x, src, token_of_row=None):
 
 def unpad_output(out_pad, pad_row, live, out_dtype, row_scale=None):
     """The kernel's out `[m_pad, N]` -> `[M, N]` `out_dtype`: each input row's padded row (`pad_row [M]`), times
-    `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed layout's 2^exp_offset), zeros where
+    `row_scale[padded row]` if given (the fp8 path's 1/row scale, the placed layout's `out_scale`), zeros where
     `live [M]` is false."""
     out = out_pad[pad_row]
     if row_scale is not None:
