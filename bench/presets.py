@@ -94,17 +94,21 @@ PRESETS: dict[str, tuple[str, str, list[str]]] = {
                             _SERVE_48B_DECODE + " --label branches --server-arg=--no-plain-sampling",
                             _SERVE_48B_DECODE + " --label branches_in_graphs --server-arg=--no-plain-sampling "
                             f"--xla-flags=--xla_gpu_enable_command_buffer={_CB_COND}"]),
-    "serve-48b-graphs": ("the real-size model's decode at 1 and 32 streams under XLA's command-buffer update modes: "
-                         "by default a custom call (our Triton and Mosaic GPU kernels, ≈ 112 a step) is re-traced on "
-                         "the host whenever the addresses of its buffers miss a 16-entry cache "
-                         "(traced_command_buffer.cc); SKIP_TEMP keeps the temp buffer at one virtual address, "
-                         "CAPTURE_CMD_NEVER_UPDATE every traced command's buffers (VMM allocator). Each line prints "
-                         "the host's dispatch / wait ms per step. $OUT/serve_<label>.json", "1 GPU",
+    "serve-48b-graphs": ("the real-size model's decode at 1 and 32 streams under XLA's command-buffer VA remapping: "
+                         "with async scheduling two steps are in flight, 12 of the step's buffers change address "
+                         "from one step to the next, and XLA re-records every command of the step's command buffer "
+                         "(1,581 at one stream) on the host each step (TF_CPP_VMODULE=command_buffer_thunk=3 shows "
+                         "it); VA remapping maps those buffers at fixed virtual addresses so the recorded graph can "
+                         "stay (SKIP_TEMP: the temp buffer; SKIP_PROFILED: the buffers a few profiling runs see "
+                         "move). Each line prints the host's dispatch / wait ms per step. $OUT/serve_<label>.json",
+                         "1 GPU",
                          [_SERVE_48B_DECODE + " --label graphs_default",
-                          _SERVE_48B_DECODE + " --label graphs_skip_temp "
-                          "--xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
-                          _SERVE_48B_DECODE + " --label graphs_capture_never "
-                          "--xla-flags=--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE"]),
+                          _SERVE_48B_DECODE + " --label graphs_va_skip_temp '--xla-flags="
+                          "--xla_gpu_enable_command_buffer_va_remapping=true "
+                          "--xla_gpu_command_buffer_update_mode=SKIP_TEMP'",
+                          _SERVE_48B_DECODE + " --label graphs_va_skip_profiled '--xla-flags="
+                          "--xla_gpu_enable_command_buffer_va_remapping=true "
+                          "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED'"]),
     "serve-48b-profile": ("a device trace of the real-size model's steady decode at 1 and 32 streams, summarised per "
                           "step (top kernels): where its steps spend the time its bytes do not explain", "1 GPU",
                           [_SERVE_48B_DECODE + " --profile 1"]),

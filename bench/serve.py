@@ -707,6 +707,10 @@ def main(argv=None) -> int:
         os.pathsep) if x])
     if args.xla_flags:
         child_env["XLA_FLAGS"] = " ".join(filter(None, [child_env.get("XLA_FLAGS"), args.xla_flags]))
+    if "JAX_PLATFORMS" not in child_env and os.path.exists("/dev/nvidia0"):
+        # on a GPU host the server must run on the GPU: a CUDA plugin that fails to start (an XLA flag it rejects)
+        # then stops it with the plugin's reason instead of JAX quietly falling back to the CPU
+        child_env["JAX_PLATFORMS"] = "cuda"
     if args.profile:
         # traced programs run kernel by kernel: with XLA's command buffers (CUDA graphs) on, the 48B model's step
         # after /stop_profile failed with CUDA_ERROR_LAUNCH_FAILED on an H100 and left the context unusable (as in
