@@ -71,14 +71,24 @@ def chunk(ctx: ForwardContext, q, k, v, g, beta, state):
     return shard_call(ctx, body, (q, k, v, g, beta, state), (qk, qk, vo, qk, per_head, st), (vo, st))
 
 
-def recurrent(ctx: ForwardContext, q, k, v, g, beta, state):
-    """The token recurrence over T (usually 1) tokens per sequence from `state`."""
+def recurrent(ctx: ForwardContext, q, k, v, g, beta, state, slot_ids=None):
+    """The token recurrence over T (usually 1) tokens per sequence from `state`. With `slot_ids` `[B]` (distinct):
+    sequence b reads and writes `state[slot_ids[b]]` of a pool `[S, H, dk, dv]`, in place; the pool's slots are
+    not split over the data axis (which must then be 1: a slot's row would live on another device)."""
     if ctx.token_split:
         raise ValueError("the token-split prefill runs the chunked KDA op, not the recurrence")
     backend = _backend(ctx)
-    body = lambda *a: kda_ops.recurrent(*a, backend=backend)
     qk, vo, per_head, st = _dims(ctx, q.shape[2], v.shape[3])
-    return shard_call(ctx, body, (q, k, v, g, beta, state), (qk, qk, vo, qk, per_head, st), (vo, st))
+    if slot_ids is None:
+        body = lambda *a: kda_ops.recurrent(*a, backend=backend)
+        return shard_call(ctx, body, (q, k, v, g, beta, state), (qk, qk, vo, qk, per_head, st), (vo, st))
+    if ctx.axis_size(ctx.axes.data) > 1:
+        raise ValueError("a slot-indexed KDA state needs the data axis to be 1 (each device holds every slot)")
+    body = lambda q, k, v, g, beta, pool, slots: kda_ops.recurrent(q, k, v, g, beta, pool, slot_ids=slots,
+                                                                   backend=backend)
+    pool = (None,) + tuple(st[1:])
+    return shard_call(ctx, body, (q, k, v, g, beta, state, slot_ids), (qk, qk, vo, qk, per_head, pool, (None,)),
+                      (vo, pool))
 
 
 def causal_conv(ctx: ForwardContext, x_btp, w_kp, tail_bkp):

@@ -77,3 +77,77 @@ def test_overlapped_bucket_steps_give_the_tokens_of_one_step_at_a_time(model):
     assert tokens == want_tokens
     for a, b in zip(lps, want_lps):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_kda_layer_over_slots_equals_it_over_the_gathered_rows(model):
+    """A bucket's decode step runs KDA against its slots of the whole per-slot cache (`KDASlots`): the outputs and
+    the new rows of slots [3, 0] of a 5-slot cache are those of the same step on the two rows gathered, and the
+    other slots keep what they held."""
+    import jax
+    import jax.numpy as jnp
+
+    from kimi_jax.modules.kda import KDACache, KDASlots
+
+    layer = model.module.layers[0].self_attn
+    cfg = layer.cfg
+    keys = iter(jax.random.split(jax.random.key(7), 8))
+    tail = lambda: jax.random.normal(next(keys), (5, cfg.conv_kernel - 1, cfg.num_heads * cfg.head_dim))
+    pool = KDACache(0.1 * jax.random.normal(next(keys), (5, cfg.num_heads, cfg.head_dim, cfg.head_dim)),
+                    tail(), tail(), tail())
+    slots = jnp.array([3, 0], jnp.int32)
+    x = jax.random.normal(next(keys), (2, 1, model.config.hidden_size))
+
+    want_out, want = layer(x, jax.tree.map(lambda a: a[slots], pool))
+    got_out, got = layer(x, KDASlots(pool, slots))
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
+    assert isinstance(got, KDASlots) and np.array_equal(np.asarray(got.slots), [3, 0])
+    for new_pool, new_rows, old in zip(got.pool, want, pool):
+        np.testing.assert_allclose(np.asarray(new_pool)[[3, 0]], np.asarray(new_rows), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(new_pool)[[1, 2, 4]], np.asarray(old)[[1, 2, 4]])
+    with pytest.raises(ValueError, match="for decode"):
+        layer(jnp.concatenate([x, x], axis=1), KDASlots(pool, slots), use_chunk=True)
+
+
+MESH_SCRIPT = r"""
+import json, sys
+import numpy as np
+from kimi_jax.config import get_preset
+from kimi_jax.engine import Engine, EngineConfig, SamplingParams
+from kimi_jax.model import random_model
+from kimi_jax.tokenizer import Tokenizer
+
+def run(model, buckets):
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=256, prefill_chunk_sizes=(64, 1), decode_buckets=buckets)
+    eng = Engine(model, Tokenizer.tiny(), cfg).start()
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
+    outs = [eng.submit([5 + i, 40, 7 * i + 3, 9], params).collect(1)[0][0] for i in range(2)]
+    rows = eng.stats()["steps_by_rows"]
+    eng.shutdown()
+    return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs], rows
+
+cfg = get_preset("tiny")
+one = run(random_model(cfg), ())
+meshed = run(random_model(cfg, mesh=sys.argv[1]), (2,))
+print(json.dumps({"tokens_equal": one[0] == meshed[0], "rows": meshed[2],
+                  "max_dlogprob": max(float(np.abs(np.subtract(a, b)).max()) for a, b in zip(one[1], meshed[1]))}))
+"""
+
+
+@pytest.mark.parametrize("mesh", ["8x1", "4x2"])
+def test_buckets_on_a_mesh_equal_one_device(mesh):
+    """Bucket steps on 8 faked CPU devices give one device's tokens: over 8 tensor ways each device updates its
+    heads' columns of the bucket's slots in place; with a data axis of 2 the bucket's rows are gathered (a slot's
+    KDA state lives on one data shard)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from server_process import cpu_devices_env
+
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT, mesh], cwd=Path(__file__).resolve().parents[1],
+                         env=cpu_devices_env(8), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tokens_equal"] and result["max_dlogprob"] < 1e-4, result
+    assert result["rows"].get("2", 0) > 0, result

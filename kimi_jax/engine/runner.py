@@ -71,6 +71,7 @@ from sharding.partition import placement
 from ..cache import PAGE_TOKENS
 from ..inflight import InflightBound
 from ..modules.decoder import PagedModelCache
+from ..modules.kda import KDASlots
 from ..parallel import check_token_split_chunk, token_split_chunk
 from ..paged_cache import LayerPool, PagedCacheSpec
 from .guide import MAX_ALLOWED_IDS
@@ -277,24 +278,40 @@ class ModelRunner:
             layers = tuple(copy(p) for p in state.cache.layers)
             return state._replace(cache=state.cache.replace(layers=layers))
 
-        def take_rows(state, slots):  # the slots' rows of every per-slot buffer (the page pools are shared)
+        # a decode step over a bucket's slots runs KDA against those slots of the whole per-slot state (the kernel
+        # updates them in place, `KDASlots`) rather than on a gathered copy written back after: unless the batch
+        # splits over a data axis, where a slot's state lives on one device only
+        kda_in_place = ctx.axis_size(ctx.axes.data) == 1
+
+        def take_rows(state, slots, in_place=False):  # the slots' rows of every per-slot buffer (pools are shared)
             take = lambda a: a[slots]
             c = state.cache
-            layers = tuple(p if isinstance(p, LayerPool) or p is None else jax.tree.map(take, p) for p in c.layers)
+
+            def view(p):
+                if isinstance(p, LayerPool) or p is None:
+                    return p
+                return KDASlots(p, slots) if in_place else jax.tree.map(take, p)
+
+            layers = tuple(view(p) for p in c.layers)
             return DeviceState(c.replace(length=c.length[slots], layers=layers), state.counts[slots],
                                state.prompt_mask[slots])
 
         def put_rows(state, slots, sub):  # `take_rows` undone: the rows written back, the pools as the step left them
             put = lambda dst, src: dst.at[slots].set(src)
             c, n = state.cache, sub.cache
-            layers = tuple(q if isinstance(q, LayerPool) or q is None else jax.tree.map(put, p, q)
-                           for p, q in zip(c.layers, n.layers))
+
+            def back(p, q):
+                if isinstance(q, LayerPool) or q is None:
+                    return q
+                return q.pool if isinstance(q, KDASlots) else jax.tree.map(put, p, q)
+
+            layers = tuple(back(p, q) for p, q in zip(c.layers, n.layers))
             return DeviceState(c.replace(length=put(c.length, n.length), layers=layers), put(state.counts, sub.counts),
                                state.prompt_mask)
 
         def step_rows(params, state, slots, tokens, active, rows, ctl, tables, block_tables, plain=False):
-            sub, out = step(params, take_rows(state, slots), tokens, active, jax.tree.map(lambda a: a[slots], rows),
-                            ctl, tables, block_tables, plain)
+            sub, out = step(params, take_rows(state, slots, kda_in_place), tokens, active,
+                            jax.tree.map(lambda a: a[slots], rows), ctl, tables, block_tables, plain)
             return put_rows(state, slots, sub), out
 
         def verify_rows(params, state, slots, tokens, n_draft, active, rows, ctl, tables, block_tables, q=None,

@@ -45,6 +45,17 @@ class KDACache(NamedTuple):
         return KDACache(jnp.zeros((batch, H, d, d), jnp.float32), tail(), tail(), tail())
 
 
+class KDASlots(NamedTuple):
+    """A batch's view of a KDA cache kept per slot, for decode: `pool` a `KDACache` over all S slots, `slots` `[B]`
+    int32 distinct slot ids. Row b reads and writes `pool`'s slot `slots[b]`: the recurrent kernel updates its state
+    in place, the conv tails are read by row and written back by row, so a step over a few of the slots moves only
+    their rows (no gathered copy of the states going in and back out). The layer returns a `KDASlots` over the
+    updated pool."""
+
+    pool: KDACache
+    slots: jax.Array
+
+
 class KDAPending(NamedTuple):
     """A verify pass's uncommitted KDA update: the cache before it and, for its T tokens, the recurrence inputs
     (q, k `[B, T, H, dk]` L2-normalised, v `[B, T, H, dv]`, log-decay g `[B, T, H, dk]` float32, beta `[B, T, H]`
@@ -113,10 +124,18 @@ class KimiDeltaAttention(nnx.Module):
         """x `[B, T, D]` (after input_layernorm) -> (out `[B, T, D]`, new KDACache).
 
         `defer`: speculative verification — run the T tokens with the recurrent op and return a `KDAPending`
-        instead of the new cache (`commit` turns it into one once the kept length is known)."""
+        instead of the new cache (`commit` turns it into one once the kept length is known). `cache` a `KDASlots`:
+        decode against those slots of a pool, returning the `KDASlots` of the updated pool."""
         cfg = self.cfg
         B, T, _ = x_btd.shape
         H, d = cfg.num_heads, cfg.head_dim
+        slots = None
+        if isinstance(cache, KDASlots):
+            if defer or use_chunk or ctx.token_split:
+                raise ValueError("a KDASlots cache is for decode (the recurrent op), not prefill or verification")
+            pool, slots = cache
+            use_chunk = False
+            cache = KDACache(pool.state_bhkv, pool.q_tail_bkp[slots], pool.k_tail_bkp[slots], pool.v_tail_bkp[slots])
         if cache is None:
             cache = KDACache.zeros(B, cfg, x_btd.dtype)
         if defer and ctx.context_parallel:
@@ -154,7 +173,7 @@ class KimiDeltaAttention(nnx.Module):
         if use_chunk or ctx.token_split:
             o, state = kda_sharded.chunk(ctx, q, k, v, g, beta, cache.state_bhkv)
         else:
-            o, state = kda_sharded.recurrent(ctx, q, k, v, g, beta, cache.state_bhkv)
+            o, state = kda_sharded.recurrent(ctx, q, k, v, g, beta, cache.state_bhkv, slot_ids=slots)
         # gated per-head RMSNorm, float32
         o = o.astype(jnp.float32)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.o_norm_eps) * self.o_norm[...]
@@ -166,4 +185,8 @@ class KimiDeltaAttention(nnx.Module):
         out = self.o_proj(o.reshape(B, T, H * d).astype(x_btd.dtype))
         if pending is not None:
             return out, pending
+        if slots is not None:
+            put = lambda pool_tail, tail: pool_tail.at[slots].set(tail.astype(pool_tail.dtype))
+            return out, KDASlots(KDACache(state, put(pool.q_tail_bkp, q_tail), put(pool.k_tail_bkp, k_tail),
+                                          put(pool.v_tail_bkp, v_tail)), slots)
         return out, KDACache(state, q_tail, k_tail, v_tail)
