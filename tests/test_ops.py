@@ -266,9 +266,9 @@ def test_kda_module_in_bf16_hands_q_k_v_to_the_delta_rule_in_bf16(monkeypatch):
     for op in ("chunk", "recurrent"):
         real = getattr(kda_sharded, op)
 
-        def spy(ctx, q, k, v, g, beta, state, real=real, op=op):
+        def spy(ctx, q, k, v, g, beta, state, real=real, op=op, **kw):
             seen.append((op, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype))
-            return real(ctx, q, k, v, g, beta, state)
+            return real(ctx, q, k, v, g, beta, state, **kw)
 
         monkeypatch.setattr(kda_sharded, op, spy)
     cfg, D = TINY.kda, TINY.hidden_size

@@ -47,7 +47,7 @@ def matmul(x_mk, w_kn):
     that turns each projection of Kimi-Linear-48B into two to four kernels, some writing the float32 product `[K,
     N]` out before reducing it (twice the weight's bytes written and read again). A single row is therefore padded
     to two and the result sliced back: the dot stays a matmul (one GEMM fusion, which also merges the projections
-    sharing an input). Other backends compute the same values either way."""
+    sharing an input). Elsewhere the padding changes at most the summation order."""
     rows = math.prod(x_mk.shape[:-1])
     if rows != 1:
         return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32)
