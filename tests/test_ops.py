@@ -522,3 +522,24 @@ def test_op_interface_names_of_design():
     assert indexer.decode is paged.decode and indexer.prefill is paged.prefill
     assert sparse_mla.decode is sparse.decode and sparse_mla.sparse_mla is sparse.sparse_mla
     assert moe.grouped_matmul is ops.grouped_matmul and moe.expert_ffn is ops.expert_ffn
+
+
+def test_a_one_row_linear_stays_a_matmul_when_lowered_for_a_gpu():
+    """XLA's GPU compiler turns a one-row dot into a multiply and a reduction; `layers.matmul` lowers a single row
+    for a GPU as a two-row dot (the zero row sliced away) and elsewhere as the plain dot, with the same values."""
+    import re
+
+    from kimi_jax.modules.layers import matmul
+
+    x = jax.random.normal(jax.random.key(0), (1, 1, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 96))
+    np.testing.assert_array_equal(np.asarray(matmul(x, w)), np.asarray(jnp.dot(x, w)))
+    fn = jax.jit(matmul)
+
+    def dot_lhs_shapes(platform):
+        text = jax.export.export(fn, platforms=[platform])(x, w).mlir_module()
+        return set(re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<([0-9x]+)xf32>", text))
+
+    assert dot_lhs_shapes("cuda") == {"2x64"}
+    assert dot_lhs_shapes("tpu") == {"1x1x64"}
+    assert matmul(jnp.ones((3, 64)), w).shape == (3, 96)  # more rows: the plain dot everywhere

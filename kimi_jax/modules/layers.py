@@ -40,21 +40,26 @@ class Linear(nnx.Module):
 
 
 def matmul(x_mk, w_kn):
-    """`x [..., K] @ w [K, N]` -> float32 `[..., N]`, computed as a matrix product even for one row.
+    """`x [..., K] @ w [K, N]` -> float32 `[..., N]`, on a GPU a matrix product even for one row.
 
     XLA's GPU compiler rewrites a dot whose one side is a vector, against a matrix of under 10M elements, into a
     broadcast multiply and a reduction (its DotStrengthReduction pass, not switchable by a flag). At one decode row
-    that turns each projection of Kimi-Linear-48B into two to four kernels, some writing the float32 product `[K,
-    N]` out before reducing it (twice the weight's bytes written and read again). A single row is therefore padded
-    to two and the result sliced back: the dot stays a matmul (one GEMM fusion, which also merges the projections
-    sharing an input). Elsewhere the padding changes at most the summation order."""
-    rows = math.prod(x_mk.shape[:-1])
-    if rows != 1:
+    that turns each projection into two to four kernels, some writing the float32 product `[K, N]` out before
+    reducing it (twice the weight's bytes written and read again). Lowered for a GPU, a single row is therefore
+    padded to two and the result sliced back: the dot stays a matmul (one GEMM fusion, which also merges the
+    projections sharing an input). Other platforms lower the plain dot (`jax.lax.platform_dependent`)."""
+    if math.prod(x_mk.shape[:-1]) != 1:
         return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32)
-    x_1k = x_mk.reshape(1, x_mk.shape[-1])
-    x_2k = jnp.concatenate([x_1k, jnp.zeros_like(x_1k)])
-    y_2n = jnp.dot(x_2k, w_kn, preferred_element_type=jnp.float32)
-    return y_2n[:1].reshape(*x_mk.shape[:-1], w_kn.shape[-1])
+
+    def plain(x, w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    def two_rows(x, w):
+        x_1k = x.reshape(1, x.shape[-1])
+        y_2n = jnp.dot(jnp.concatenate([x_1k, jnp.zeros_like(x_1k)]), w, preferred_element_type=jnp.float32)
+        return y_2n[:1].reshape(*x.shape[:-1], w.shape[-1])
+
+    return jax.lax.platform_dependent(x_mk, w_kn, cuda=two_rows, rocm=two_rows, default=plain)
 
 
 class RMSNorm(nnx.Module):
