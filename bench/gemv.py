@@ -10,14 +10,15 @@ layout) that is a column reduction. A device trace of Kimi-Linear-48B decoding o
 2304 × 4096 projections in such reductions at 0.3-0.45 of the copy rate. Per shape and row count, each form times
 a chain of distinct weights (more bytes than L2 holds) and reports weight bytes/s over the copy bandwidth:
 
-  xla      `jnp.dot(x [M, K], w [K, N])`, float32 accumulation: what `Linear` runs today
-  xla_m2   the same with one row padded to two (not a vector: the dot stays a matmul) and the row sliced back
+  xla      `jnp.dot(x [M, K], w [K, N])`, float32 accumulation: the plain dot
+  xla_m2   what `Linear` runs (`kimi_jax.modules.layers.matmul`): on a GPU one row padded to two (not a vector: the
+           dot stays a matmul) and the row sliced back; more rows the plain dot
   xla_nk   the weight stored `[N, K]`, `x @ w.T` (at one row: a reduction along contiguous rows)
   torch    `torch.nn.functional.linear` on the `[N, K]` weight (cuBLAS), CUDA events
 
 Writes the table and $OUT/gemv.json. Run it under other XLA_FLAGS (`--label` keeps each run's file) to see what XLA's
-GPU options change, e.g. `--xla_gpu_enable_dot_strength_reduction=false` (one row stays a dot) or
-`--xla_gpu_enable_triton_gemm=false` (cuBLAS for every dot).
+GPU options change, e.g. `--xla_gpu_enable_triton_gemm=false` (cuBLAS for every dot). The strength reduction has
+no flag (jaxlib 0.11: its DebugOptions field is gone), hence `xla_m2`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from _timing import device_seconds, torch_copy_bandwidth  # noqa: E402
 
+from kimi_jax.modules.layers import matmul  # noqa: E402
+
 # (name, K, N): Kimi-Linear-48B's KDA q / k / v and o projections, its shared expert's gate; K3.1's q_a (> 10M)
 SHAPES = [("48b kda q", 2304, 4096), ("48b kda o", 4096, 2304), ("48b shared gate", 2304, 1024),
           ("k3.1 q_a", 7168, 1536)]
@@ -56,10 +59,7 @@ def forms():
         return jnp.dot(x, w_kn, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def xla_m2(x, w_kn, w_nk):
-        if x.shape[0] != 1:
-            return xla(x, w_kn, w_nk)
-        x2 = jnp.concatenate([x, jnp.zeros_like(x)])
-        return jnp.dot(x2, w_kn, preferred_element_type=jnp.float32)[:1].astype(x.dtype)
+        return matmul(x, w_kn).astype(x.dtype)
 
     def xla_nk(x, w_kn, w_nk):
         return jnp.einsum("mk,nk->mn", x, w_nk, preferred_element_type=jnp.float32).astype(x.dtype)
