@@ -21,7 +21,9 @@ import math
 
 import jax
 
+from pallas_kernels.moe import gpu_route
 from pallas_kernels.moe import ops as moe_ops
+from pallas_kernels.moe import routing
 from pallas_kernels.moe.experts import ExpertWeights
 
 from .context import ForwardContext
@@ -42,6 +44,24 @@ def _expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation
     tenths of a second of Python)."""
     return moe_ops.expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation, backend=backend,
                               interpret=interpret)
+
+
+def select_experts(ctx: ForwardContext, logits_ne, bias_e, cfg, *, quantized: bool):
+    """The routing of `logits_ne [N, E]` float32 with the selection bias `bias_e [E]` -> (weights `[N, k]` float32,
+    expert ids `[N, k]` int32), `routing.select_experts`. Where the MoE kernels run natively on a GPU (or through
+    Triton's interpreter) and the batch fits one program, it is one kernel (`gpu_route.select_experts`), run on
+    every device with its arguments whole; elsewhere the XLA ops, which GSPMD partitions. `quantized`: whether the
+    routed experts are MXFP4 (the backend choice depends on it)."""
+    backend = moe_ops.resolve_backend(ctx.kernels.moe, quantized=quantized, platform=ctx.platform)
+    interpret = ctx.kernels.moe_interpret
+    N, E = logits_ne.shape
+    if backend != "gpu" or not gpu_route.takes(N, E) or not (interpret or gpu_route.available()):
+        return routing.select_experts(logits_ne, bias_e, cfg)
+    body = lambda logits, bias: gpu_route.select_experts(logits, bias, cfg, interpret=interpret)
+    if ctx.mesh is None:
+        return body(logits_ne, bias_e)
+    return shard_call(ctx, body, (logits_ne, bias_e), (None, None), (None, None),
+                      out_shapes=((N, cfg.top_k), (N, cfg.top_k)))
 
 
 def routed_experts(ctx: ForwardContext, x_nd, expert_idx_nk, weight_nk, experts: ExpertWeights, activation, *,

@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent("""
     from pallas_kernels.indexer import gpu_triton as ix
     from pallas_kernels.kda import gpu_triton as kda
     from pallas_kernels.mla import sparse_gpu_triton as mla
-    from pallas_kernels.moe import gpu_triton as moe, mxfp4 as mx
+    from pallas_kernels.moe import gpu_route as route, gpu_triton as moe, mxfp4 as mx
+    from kimi_jax.config import MoEConfig
 
     backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     presets = len(sys.argv) > 4 and sys.argv[4] == "presets"
@@ -78,6 +79,11 @@ SCRIPT = textwrap.dedent("""
             for rows in (8, 32, 146):
                 jax.eval_shape(lambda x, w, g: moe.grouped_matmul(x, (w,), g, out_dtype=jnp.bfloat16),
                                S((E * rows, K), jnp.bfloat16), w, S((E,), jnp.int32))
+        # decode routing and tile plan: Kimi-Linear (256 experts, top-8), DeepSeek (8 groups), K3.1 (896, top-16)
+        for E, k, G, N in ((256, 8, 1, 1), (256, 8, 1, 32), (256, 8, 8, 32), (896, 16, 1, 32)):
+            cfg = MoEConfig(num_experts=E, top_k=k, intermediate_size=64, num_groups=G, topk_groups=max(1, G // 2))
+            jax.eval_shape(lambda lg, b: route.select_experts(lg, b, cfg), S((N, E), jnp.float32), S((E,), jnp.float32))
+            jax.eval_shape(lambda i: route.slot_tile_plan(i, E, 16), S((N, k), jnp.int32))
         H, d, T, cu = 96, 128, 1024, np.array([0, 300, 1024])  # K3's KDA heads, its lower-bound gate fused
         gate = (S((H,), jnp.float32), S((H * d,), jnp.float32))
         for dt in (jnp.bfloat16, jnp.float32):  # prefill: A1, A2, B
@@ -135,8 +141,8 @@ def test_native_kernels_compile_for_hopper():
     res = _compile("cuda", "90", 32)
     assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
                                         "kda_intra_wu", "kda_state", "kda_decode", "sparse_mla_decode_triton",
-                                        "sparse_mla_merge_triton"}
-    assert len(res) == 46
+                                        "sparse_mla_merge_triton", "moe_select_experts", "moe_slot_tile_plan"}
+    assert len(res) == 54
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -167,7 +173,7 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 36
+    assert len(res) == 44
     assert any(r["mxfp4"] for r in res)  # compiled on the arithmetic decode (no PTX on AMD)
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from pallas_kernels.moe import experts as expert_formats
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe.experts import FORMATS, DenseExperts, ExpertWeights
-from pallas_kernels.moe.routing import route
+from pallas_kernels.moe.routing import route, router_logits  # noqa: F401  (route: this module's API)
 from sharding import moe as moe_sharded
 from sharding.context import ForwardContext, KernelConfig
 
@@ -78,7 +78,9 @@ class MoE(nnx.Module):
         cfg = self.cfg
         B, T, D = x_btd.shape
         x = x_btd.reshape(B * T, D)
-        w, idx = route(x, self.gate[...], self.e_score_correction_bias[...], cfg)
+        # the router's matmul in XLA; the selection as one kernel where the MoE kernels run on a GPU
+        w, idx = moe_sharded.select_experts(ctx, router_logits(x, self.gate[...]), self.e_score_correction_bias[...],
+                                            cfg, quantized=self.experts.quantized)
         xr = self.routed_expert_down_proj(x) if cfg.latent_size else x
         # where each expert lives (`sharding.moe`): GSPMD cannot split a kernel's custom call
         y = moe_sharded.routed_experts(ctx, xr, idx, w, self.expert_weights(), self.act,

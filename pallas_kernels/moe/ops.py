@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 # the package's own modules by their full name: `from . import x` would make this module import the package, whose
 # __init__ imports this module (tests/test_import_layers.py counts that as a cycle)
+import pallas_kernels.moe.gpu_route as _gpu_route
 import pallas_kernels.moe.gpu_triton as _gpu_triton
 import pallas_kernels.moe.mgpu_mxfp4 as _mgpu_mx
 import pallas_kernels.moe.mgpu_ragged as _mgpu_ragged
@@ -306,7 +307,9 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
         cfg = c_up if isinstance(c_up, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
             N * k / E, (w_gate.out_features, w_down.out_features))
         if N * k:
-            plan = _mgpu_mx.slot_tile_plan(expert_idx_nk, E, cfg.rows)
+            # decode-sized batches plan in one kernel (`gpu_route`), larger ones in XLA: the same plan
+            plan = (_gpu_route.slot_tile_plan(expert_idx_nk, E, cfg.rows) if _gpu_route.takes(N, E)
+                    else _mgpu_mx.slot_tile_plan(expert_idx_nk, E, cfg.rows))
             y = _mgpu_mx.expert_ffn_tiled(x_nd, None, w_gate, w_up, w_down, resolve_activation(activation),
                                           h_dtype=x_nd.dtype, config=cfg, plan=plan,
                                           token_of_row=jnp.arange(N * k, dtype=jnp.int32) // k)
