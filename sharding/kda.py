@@ -91,6 +91,38 @@ def recurrent(ctx: ForwardContext, q, k, v, g, beta, state, slot_ids=None):
                       (vo, pool))
 
 
+def decode_step_splits(ctx: ForwardContext, heads: int, dv: int) -> bool:
+    """Whether `decode_step` runs on this context: whole heads on each device (`state_dims` splits the heads, or
+    nothing) and the data axis 1 (a slot's rows live on every device)."""
+    return ctx.axis_size(ctx.axes.data) == 1 and (ctx.axis_size(ctx.axes.tensor) == 1
+                                                   or state_dims(ctx, heads, dv)[1] == ctx.axes.tensor)
+
+
+def decode_step(ctx: ForwardContext, x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, pools, slot_ids,
+                **kw):
+    """`kda_ops.decode_step` (one decode token per sequence, from the projections to the o_proj input, against the
+    slots of the layer's pools) with the heads over the tensor axis: the `[B, P]` / `[K, P]` / `[S, K−1, P]` arrays
+    split along P by heads, the state pool along H. `decode_step_splits(ctx, …)` must hold. `kw`: gate_form,
+    lower_bound, o_norm_eps, scale."""
+    t = ctx.axes.tensor
+    state, *tails = pools
+    if not decode_step_splits(ctx, A_log.shape[0], state.shape[-1]):
+        raise ValueError("decode_step needs whole heads per device and a data axis of 1")
+    backend = _backend(ctx)
+
+    def body(x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, state, tails, slot_ids):
+        o, (state, *tails) = kda_ops.decode_step(x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm,
+                                                 (state, *tails), slot_ids, backend=backend, **kw)
+        return o, state, tuple(tails)
+
+    cols = (None, t)
+    o, state, tails = shard_call(
+        ctx, body, (x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, state, tuple(tails), slot_ids),
+        (cols, cols, cols, cols, cols, (t,), (t,), (None,), (None, t, None, None), (None, None, t), (None,)),
+        (cols, (None, t, None, None), (None, None, t)))
+    return o, (state, *tails)
+
+
 def causal_conv(ctx: ForwardContext, x_btp, w_kp, tail_bkp):
     """The short causal conv of q, k or v: (out `[B, T, P]` float32, new tail `[B, K−1, P]`). Under the token split
     the K−1 halo comes from the previous device and the tail is the whole (unpadded) prompt's."""

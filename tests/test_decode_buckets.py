@@ -71,12 +71,13 @@ def test_buckets_give_the_full_steps_tokens(model):
 def test_overlapped_bucket_steps_give_the_tokens_of_one_step_at_a_time(model):
     """Async scheduling over buckets: a chained step takes the bucket's tokens as the step before left them (its
     rows in the bucket's slot order) and the bucket's rows of the block table. (Which bucket runs a given token
-    depends on when the later requests join, so log-probs agree to the buckets' 1e-5.)"""
+    depends on when the later requests join, and a bucket's width changes the projections' summation order: the
+    log-probs agree to 3e-5.)"""
     want_tokens, want_lps = _run(model, (1, 2), 0)
     tokens, lps = _run(model, (1, 2), 0, async_scheduling=True)
     assert tokens == want_tokens
     for a, b in zip(lps, want_lps):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, b, atol=3e-5)
 
 
 def test_a_kda_layer_over_slots_equals_it_over_the_gathered_rows(model):

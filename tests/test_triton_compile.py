@@ -95,6 +95,15 @@ SCRIPT = textwrap.dedent("""
             q, k, v, f, b, pool, slots, A_log=a, dt_bias=dtb, gate_form="lower_bound"),
                        *[S((64, 1, H, d), jnp.bfloat16)] * 3, S((64, 1, H, d), jnp.float32),
                        S((64, 1, H), jnp.float32), S((80, H, d, d), jnp.float32), S((64,), jnp.int32), *gate)
+        # the whole decode step after the projections at Kimi-Linear's 32 heads of 128, 32 sequences (bf16)
+        P, K = 32 * 128, 4
+        jax.eval_shape(lambda x, f, b, g, c, a, dtb, on, pools, slots: kda.decode_step(
+            x, f, b, g, c, a, dtb, on, pools, slots, gate_form="plain"),
+                       (S((32, P), jnp.bfloat16),) * 3, S((32, P), jnp.float32), S((32, 32), jnp.float32),
+                       S((32, P), jnp.float32), (S((K, P), jnp.float32),) * 3, S((32,), jnp.float32),
+                       S((P,), jnp.float32), S((128,), jnp.float32),
+                       (S((33, 32, 128, 128), jnp.float32),) + (S((33, K - 1, P), jnp.bfloat16),) * 3,
+                       S((32,), jnp.int32))
         B, k = 32, 2048  # sparse MLA at K3.1's latent (512 + 64), top-2048: exact default and the storage presets
         for dt in ("bf16", "fp8", "nvfp4"):
             fmt = Q.LatentFormat(dt, 512, 64)
@@ -140,9 +149,10 @@ def _compile(backend: str, arch: str, warp: int, *mode: str) -> list[dict]:
 def test_native_kernels_compile_for_hopper():
     res = _compile("cuda", "90", 32)
     assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
-                                        "kda_intra_wu", "kda_state", "kda_decode", "sparse_mla_decode_triton",
-                                        "sparse_mla_merge_triton", "moe_select_experts", "moe_slot_tile_plan"}
-    assert len(res) == 54
+                                        "kda_intra_wu", "kda_state", "kda_decode", "kda_decode_step",
+                                        "sparse_mla_decode_triton", "sparse_mla_merge_triton", "moe_select_experts",
+                                        "moe_slot_tile_plan"}
+    assert len(res) == 55
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -173,7 +183,7 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 44
+    assert len(res) == 45
     assert any(r["mxfp4"] for r in res)  # compiled on the arithmetic decode (no PTX on AMD)
 
 

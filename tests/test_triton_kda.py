@@ -127,6 +127,56 @@ def test_triton_recurrent_through_ops():
 
 # ------------------------------------------------------------------------------------------------ device
 
+def _np32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def _decode_step_case(dtype, seed=0, B=3, H=4, d=32, K=4, S=6):
+    """One decode token for slots [4, 0, 2] of 6: projections, conv weights, gate parameters and pools."""
+    r = np.random.default_rng(seed)
+    rand = lambda *shape: r.standard_normal(shape).astype(np.float32)  # noqa: E731
+    P = H * d
+    x_in = tuple(jnp.asarray(rand(B, P), dtype) for _ in range(3))
+    proj = (jnp.asarray(rand(B, P)), jnp.asarray(rand(B, H)), jnp.asarray(rand(B, P)))  # f, β and gate logits
+    conv = tuple(jnp.asarray(rand(K, P) / 2) for _ in range(3))
+    A_log, dt_bias = _gate_case(seed, H, d)
+    o_norm = jnp.asarray(1 + 0.1 * rand(d))
+    pools = (jnp.asarray(rand(S, H, d, d) / 4), *(jnp.asarray(rand(S, K - 1, P), dtype) for _ in range(3)))
+    return (x_in, *proj, conv, A_log, dt_bias, o_norm, pools, jnp.asarray([4, 0, 2][:B], jnp.int32))
+
+
+@pytest.mark.parametrize("dtype,form,K", [(jnp.float32, "plain", 4), (jnp.float32, "lower_bound", 4),
+                                          (jnp.bfloat16, "lower_bound", 4), (jnp.bfloat16, "plain", 2)])
+def test_the_decode_step_kernel_is_the_layer_after_its_projections(dtype, form, K):
+    """`gpu_triton.decode_step` (conv + SiLU over the slots' tails, L2 norms, the gate from raw f, one delta-rule
+    step, the gated output norm; the slots' states and tails updated) = `reference.decode_step`: the same bf16
+    outputs and tails, float32 to 1e-6; the other slots untouched."""
+    args = _decode_step_case(dtype, K=K)
+    kw = dict(gate_form=form, lower_bound=-5.0, o_norm_eps=1e-5)
+    o, pools = gpu_triton.decode_step(*args, interpret=True, **kw)
+    o_r, pools_r = R.decode_step(*args, **kw)
+    assert o.dtype == dtype and o.shape == o_r.shape == (3, 128)
+    np.testing.assert_allclose(_np32(o), _np32(o_r), rtol=1e-6, atol=1e-6)
+    for got, want, before in zip(pools, pools_r, args[-2]):
+        assert got.dtype == before.dtype and got.shape == before.shape
+        np.testing.assert_allclose(_np32(got), _np32(want), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(_np32(got)[[1, 3, 5]], _np32(before)[[1, 3, 5]])
+
+
+def test_the_decode_step_composes_every_backends_recurrence():
+    """`ops.decode_step` off the GPU kernel is the reference's steps around that backend's recurrence: the GPU
+    kernel, the Triton recurrence under the composed steps and the reference agree."""
+    args = _decode_step_case(jnp.float32, seed=3)
+    kw = dict(gate_form="plain", o_norm_eps=1e-6)
+    fused = ops.decode_step(*args, backend="gpu_interpret", **kw)
+    composed = R.decode_step(*args, recurrent_fn=lambda q, k, v, g, b, pool, slots, scale: ops.recurrent(
+        q, k, v, g, b, pool, scale, slot_ids=slots, backend="gpu_interpret"), **kw)
+    ref = ops.decode_step(*args, backend="reference", **kw)
+    for a, b in ((fused, ref), (composed, ref)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(_np32(x), _np32(y), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_triton_chunk_device(dtype):

@@ -135,6 +135,8 @@ class KimiDeltaAttention(nnx.Module):
                 raise ValueError("a KDASlots cache is for decode (the recurrent op), not prefill or verification")
             pool, slots = cache
             use_chunk = False
+            if T == 1 and kda_sharded.decode_step_splits(ctx, H, d):
+                return self._decode_step(x_btd, pool, slots, ctx)
             cache = KDACache(pool.state_bhkv, pool.q_tail_bkp[slots], pool.k_tail_bkp[slots], pool.v_tail_bkp[slots])
         if cache is None:
             cache = KDACache.zeros(B, cfg, x_btd.dtype)
@@ -175,13 +177,8 @@ class KimiDeltaAttention(nnx.Module):
         else:
             o, state = kda_sharded.recurrent(ctx, q, k, v, g, beta, cache.state_bhkv, slot_ids=slots)
         # gated per-head RMSNorm, float32
-        o = o.astype(jnp.float32)
-        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.o_norm_eps) * self.o_norm[...]
-        if cfg.output_gate_rank is None:
-            gate = self.g_proj(x_btd, out_dtype=jnp.float32)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(x_btd), out_dtype=jnp.float32)
-        o = o * jax.nn.sigmoid(gate.reshape(B, T, H, d))
+        o = kda_ops.gated_rmsnorm(o, self._output_gate(x_btd).reshape(B, T, H, d), self.o_norm[...],
+                                  cfg.o_norm_eps)
         out = self.o_proj(o.reshape(B, T, H * d).astype(x_btd.dtype))
         if pending is not None:
             return out, pending
@@ -190,3 +187,25 @@ class KimiDeltaAttention(nnx.Module):
             return out, KDASlots(KDACache(state, put(pool.q_tail_bkp, q_tail), put(pool.k_tail_bkp, k_tail),
                                           put(pool.v_tail_bkp, v_tail)), slots)
         return out, KDACache(state, q_tail, k_tail, v_tail)
+
+    def _output_gate(self, x):
+        """The output gate's logits `[..., H·dv]` float32."""
+        if self.cfg.output_gate_rank is None:
+            return self.g_proj(x, out_dtype=jnp.float32)
+        return self.g_b_proj(self.g_a_proj(x), out_dtype=jnp.float32)
+
+    def _decode_step(self, x_btd, pool: KDACache, slots, ctx: ForwardContext):
+        """One token per sequence against the slots `slots [B]` of `pool`: the projections, then the rest of the layer
+        up to o_proj as one op (`sharding.kda.decode_step`; one kernel on a GPU) -> (out `[B, 1, D]`, the
+        `KDASlots` of the updated pool)."""
+        cfg = self.cfg
+        B, _, D = x_btd.shape
+        x = x_btd.reshape(B, D)
+        o, pools = kda_sharded.decode_step(
+            ctx, (self.q_proj(x), self.k_proj(x), self.v_proj(x)),
+            self.f_b_proj(self.f_a_proj(x), out_dtype=jnp.float32), self.b_proj(x, out_dtype=jnp.float32),
+            self._output_gate(x), (self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]),
+            self.A_log[...][:cfg.num_heads], self.dt_bias[...], self.o_norm[...],
+            (pool.state_bhkv, pool.q_tail_bkp, pool.k_tail_bkp, pool.v_tail_bkp), slots,
+            gate_form=cfg.gate_form, lower_bound=cfg.gate_lower_bound, o_norm_eps=cfg.o_norm_eps)
+        return self.o_proj(o).reshape(B, 1, D), KDASlots(KDACache(*pools), slots)

@@ -32,7 +32,7 @@ import pallas_kernels.kda.chunk_math as M  # not `from . import`: see kda/ops.py
 from ..triton_call import available as _launcher_available
 from ..triton_call import call, jit, tl
 
-__all__ = ["TUNING", "available", "chunk", "recurrent"]
+__all__ = ["TUNING", "available", "chunk", "decode_step", "recurrent"]
 
 C = 64
 SUB = M.SUB
@@ -399,6 +399,69 @@ def _decode_kernel(slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, 
         tl.store(pool_out_ptr + state, s)
 
 
+@jit
+def _conv_silu(x_ptr, tail_ptr, w_ptr, b, slot, col, P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    """Sequence b's causal conv + SiLU at columns `col` of a [B, P] projection over its tail rows
+    `tail[slot, 0 … K−2, col]` (`reference.causal_conv`: taps summed in order, float32, the tail read in x's dtype)
+    -> (SiLU output float32 rounded to x's dtype, x, the slot's next tail `[KP, len(col)]`: rows 1 … K−2 moved up
+    one, x as row K−2, in the tail's dtype; rows ≥ K−1 unused)."""
+    x = tl.load(x_ptr + b * P + col)
+    y = tl.load(tail_ptr + slot * (K - 1) * P + col).to(x.dtype).to(tl.float32) * tl.load(w_ptr + col)
+    for j in tl.static_range(1, K - 1):
+        t_j = tl.load(tail_ptr + (slot * (K - 1) + j) * P + col)
+        y += t_j.to(x.dtype).to(tl.float32) * tl.load(w_ptr + j * P + col)
+    y += x.to(tl.float32) * tl.load(w_ptr + (K - 1) * P + col)
+    r = tl.arange(0, KP)[:, None]
+    later = tl.load(tail_ptr + (slot * (K - 1) + r + 1) * P + col[None, :], mask=r < K - 2, other=0.0)
+    next_tail = tl.where(r == K - 2, x[None, :].to(tail_ptr.dtype.element_ty), later)
+    return (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32), next_tail
+
+
+@jit
+def _store_tail(tail_ptr, next_tail, slot, col, P: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    r = tl.arange(0, KP)[:, None]
+    tl.store(tail_ptr + (slot * (K - 1) + r) * P + col[None, :], next_tail, mask=r < K - 1)
+
+
+@jit
+def _decode_step_kernel(slot_ptr, q_ptr, k_ptr, v_ptr, f_ptr, bl_ptr, gl_ptr, cq_ptr, ck_ptr, cv_ptr, a_ptr, dtb_ptr,
+                        on_ptr, pool_ptr, qt_ptr, kt_ptr, vt_ptr, o_ptr, pool_out_ptr, qt_out_ptr, kt_out_ptr,
+                        vt_out_ptr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+                        KP: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr,
+                        EPS: tl.constexpr):
+    """Program (sequence b, head h): `reference.decode_step` for one head of one token — conv + SiLU of q, k, v
+    over the slot's tails (updated in place), L2 norms, the gate from raw f, one delta-rule step on the state
+    `pool[slot[b], h]` [DK, DV] f32 (in place), the gated RMSNorm of o -> o `[B, H·DV]` in v's dtype."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    ck = h * DK + tl.arange(0, DK)
+    cv = h * DV + tl.arange(0, DV)
+    q, q_tail = _conv_silu(q_ptr, qt_ptr, cq_ptr, b, slot, ck, H * DK, K, KP)
+    k, k_tail = _conv_silu(k_ptr, kt_ptr, ck_ptr, b, slot, ck, H * DK, K, KP)
+    v, v_tail = _conv_silu(v_ptr, vt_ptr, cv_ptr, b, slot, cv, H * DV, K, KP)
+    act = o_ptr.dtype.element_ty
+    # L2 norms (eps 1e-6 inside the root), rounded to the activation dtype as the reference's q and k are
+    q = (q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)).to(act).to(tl.float32) * SCALE
+    k = (k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)).to(act).to(tl.float32)
+    a_h, dtb = _gate_params(a_ptr, dtb_ptr, h, GATE, DK)
+    g = _gate(tl.load(f_ptr + b * H * DK + ck).to(tl.float32), a_h, dtb, GATE, LOWER)
+    beta = tl.sigmoid(tl.load(bl_ptr + b * H + h).to(tl.float32))
+    state = ((slot * H + h) * DK + tl.arange(0, DK)[:, None]) * DV + tl.arange(0, DV)[None, :]
+    s = tl.load(pool_ptr + state) * tl.exp(g)[:, None]
+    ks = tl.sum(k[:, None] * s, axis=0)
+    s = s + k[:, None] * (beta * (v - ks))[None, :]
+    o = tl.sum(q[:, None] * s, axis=0).to(act).to(tl.float32)
+    tl.debug_barrier()  # every tail row is read before any is overwritten (other threads may hold them)
+    _store_tail(qt_out_ptr, q_tail, slot, ck, H * DK, K, KP)
+    _store_tail(kt_out_ptr, k_tail, slot, ck, H * DK, K, KP)
+    _store_tail(vt_out_ptr, v_tail, slot, cv, H * DV, K, KP)
+    tl.store(pool_out_ptr + state, s)
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + EPS) * tl.load(on_ptr + tl.arange(0, DV)).to(tl.float32)
+    o = o * tl.sigmoid(tl.load(gl_ptr + b * H * DV + cv).to(tl.float32))
+    tl.store(o_ptr + b * H * DV + cv, o.to(o_ptr.dtype.element_ty))
+
+
 # ------------------------------------------------------------------------------------------------ wrappers
 
 def _tuning(overrides):
@@ -507,3 +570,32 @@ def recurrent(q, k, v, g, beta, state_pool, slot_ids, scale=None, *, A_log=None,
         T=T, H=H, DK=dk, DV=dv, BV=BV, HP=hp, SCALE=float(scale), GATE=GATE_CODE[gate_form],
         LOWER=float(lower_bound))
     return o, pool
+
+
+def decode_step(x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, pools, slot_ids, *, gate_form,
+                lower_bound=-5.0, o_norm_eps=1e-6, scale=None, interpret=False, tuning=None):
+    """`reference.decode_step` as one kernel, grid (B, H): the conv, norms, gate, delta-rule step and output norm of
+    one token per sequence, the slots' states and tails updated in place (aliased: donate the pools under jit).
+    dk, dv: powers of two ≥ 16; `gate_form` "lower_bound" or "plain"."""
+    tune = _tuning(tuning)
+    q_in, k_in, v_in = x_in
+    state, q_tail, k_tail, v_tail = pools
+    H = A_log.shape[0]
+    B, Pv = v_in.shape
+    dk, dv = q_in.shape[1] // H, Pv // H
+    K = conv[0].shape[0]
+    if gate_form not in ("lower_bound", "plain") or K < 2:
+        raise ValueError(f"decode_step needs a gate form and a conv of ≥ 2 taps, got {gate_form!r}, K={K}")
+    scale = dk ** -0.5 if scale is None else scale
+    a, dtb = _gate_arrays(H, dk, A_log, dt_bias, gate_form)
+    f32 = jnp.float32
+    o, state, q_tail, k_tail, v_tail = call(
+        jnp.asarray(slot_ids, jnp.int32), q_in, k_in, v_in, f.astype(f32), b_logit.astype(f32), gate_logit.astype(f32),
+        *(w.astype(f32) for w in conv), a, dtb, o_norm.astype(f32), state.astype(f32), q_tail, k_tail, v_tail,
+        kernel=_decode_step_kernel, grid=(B, H), interpret=interpret, name="kda_decode_step",
+        out_shape=[jax.ShapeDtypeStruct((B, Pv), v_in.dtype), jax.ShapeDtypeStruct(state.shape, f32),
+                   *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q_tail, k_tail, v_tail))],
+        input_output_aliases={13: 1, 14: 2, 15: 3, 16: 4}, num_warps=tune["dec_warps"] or 4, num_stages=1,
+        H=H, DK=dk, DV=dv, K=K, KP=max(2, 1 << (K - 2).bit_length()), SCALE=float(scale),
+        GATE=GATE_CODE[gate_form], LOWER=float(lower_bound), EPS=float(o_norm_eps))
+    return o, (state, q_tail, k_tail, v_tail)

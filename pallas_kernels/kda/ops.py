@@ -194,3 +194,24 @@ recurrent_donated = jax.jit(recurrent, static_argnames=("scale", "backend", "gat
                             donate_argnames=("state",))
 
 __all__ = ["chunk", "recurrent", "recurrent_donated", "reference_varlen", "resolve_backend", "BACKENDS"]
+
+
+def decode_step(x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, pools, slot_ids, *, gate_form: str,
+                lower_bound: float = -5.0, o_norm_eps: float = 1e-6, scale=None, backend: str = "auto",
+                platform: Optional[str] = None):
+    """One decode token per sequence of a KDA layer from its projections to its o_proj input, against the slots
+    `slot_ids` of the layer's pools (shapes and result: `reference.decode_step`). On the GPU backend one kernel
+    (`gpu_triton.decode_step`: about a dozen XLA kernels fewer per layer); elsewhere the same steps as XLA ops around
+    this backend's `recurrent`. The pools are updated in place under donation."""
+    be = resolve_backend(backend, platform)
+    H = A_log.shape[0]
+    dk, dv = x_in[0].shape[1] // H, x_in[2].shape[1] // H
+    kw = dict(gate_form=gate_form, lower_bound=lower_bound, o_norm_eps=o_norm_eps, scale=scale)
+    args = (x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, pools, slot_ids)
+    if be.startswith("gpu") and _gpu_shapes_ok(dk, dv) and x_in[0].shape[0] and conv[0].shape[0] >= 2:
+        return gpu_triton.decode_step(*args, interpret=be.endswith("_interpret"), **kw)
+
+    def rec(q, k, v, g, beta, pool, slots, scale):
+        return recurrent(q, k, v, g, beta, pool, scale, slot_ids=slots, backend=be, platform=platform)
+
+    return reference.decode_step(*args, recurrent_fn=rec, **kw)

@@ -215,3 +215,45 @@ def recurrent_slots(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, state_pool_shkv, s
     S_bhkv = state_pool_shkv[slot_ids_b]
     o, S_bhkv = recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, S_bhkv, scale=scale)
     return o, state_pool_shkv.astype(jnp.float32).at[slot_ids_b].set(S_bhkv)
+
+
+def gated_rmsnorm(o_bthv, gate_bthv, weight_v, eps: float):
+    """The KDA output norm: per-head RMSNorm of o over dv, times `weight [dv]`, times sigmoid(gate), float32."""
+    o = o_bthv.astype(jnp.float32)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * weight_v
+    return o * jax.nn.sigmoid(gate_bthv.astype(jnp.float32))
+
+
+def decode_step(x_in, f_bp, b_logit_bh, gate_logit_bp, conv, A_log_h, dt_bias_p, o_norm_v, pools, slot_ids_b, *,
+                gate_form: str, lower_bound: float = -5.0, o_norm_eps: float = 1e-6, scale=None, recurrent_fn=None):
+    """One decode token per sequence of a KDA layer, from its projections to what its o_proj takes, against the
+    slots `slot_ids [B]` (distinct) of the layer's pools.
+
+    x_in: the q, k, v projections (`[B, H·dk]`, `[B, H·dk]`, `[B, H·dv]`, the activation dtype); f `[B, H·dk]` the
+    raw forget projection, b_logit `[B, H]` and gate_logit `[B, H·dv]` the β and output-gate projections (float32);
+    conv: the q, k, v conv weights `[K, P]`; A_log `[H]`, dt_bias `[H·dk]`, o_norm `[dv]`; pools: (state
+    `[S, H, dk, dv]` float32, q, k, v tails `[S, K−1, P]`). Per sequence: the causal conv + SiLU of q, k, v over its
+    tail, q and k L2-normalised, the delta rule on its state with the gate of `gate_form` and β = sigmoid(b_logit),
+    then `gated_rmsnorm`. Returns (o `[B, H·dv]` in the activation dtype, (state, q, k, v tails) with the slots'
+    rows updated). `recurrent_fn(q, k, v, g, beta, pool, slot_ids, scale)` runs the delta rule (default
+    `recurrent_slots`)."""
+    q_in, k_in, v_in = x_in
+    state, *tails = pools
+    H = A_log_h.shape[0]
+    B, Pv = v_in.shape
+    dk, dv = q_in.shape[1] // H, Pv // H
+    act = v_in.dtype
+
+    def branch(x_bp, w_kp, tail_pool, d):
+        y, new_tail = causal_conv(x_bp[:, None], w_kp, tail_pool[slot_ids_b])
+        return jax.nn.silu(y).astype(act).reshape(B, 1, H, d), tail_pool.at[slot_ids_b].set(new_tail.astype(
+            tail_pool.dtype))
+
+    (q, q_tail), (k, k_tail), (v, v_tail) = (branch(x, w, t, d) for x, w, t, d in zip(x_in, conv, tails,
+                                                                                       (dk, dk, dv)))
+    q, k = l2norm(q).astype(act), l2norm(k).astype(act)
+    g = gate(f_bp.reshape(B, 1, H, dk), A_log_h, dt_bias_p.reshape(H, dk), gate_form, lower_bound)
+    beta = jax.nn.sigmoid(b_logit_bh.astype(jnp.float32)).reshape(B, 1, H)
+    o, state = (recurrent_fn or recurrent_slots)(q, k, v, g, beta, state, slot_ids_b, scale)
+    o = gated_rmsnorm(o, gate_logit_bp.reshape(B, 1, H, dv), o_norm_v, o_norm_eps)
+    return o.reshape(B, Pv).astype(act), (state, q_tail, k_tail, v_tail)
