@@ -51,6 +51,8 @@ class KernelConfig:
     * dsa: the paged MLA path (indexer top-k, sparse and dense paged attention): auto | reference | gpu | tpu |
       gpu_interpret | tpu_interpret. Under "auto" the environment variable KIMI_JAX_DSA_BACKEND=reference is an
       operator's override.
+    * norm: RMSNorm (`pallas_kernels.norm`): auto | reference | gpu | gpu_interpret (one Triton kernel per norm for
+      decode-sized batches on a GPU instead of XLA's two)
     * dsa_precision: "exact" (≈ fp32 against the dequantised cache) or "storage" (the GPU kernels' single-pass
       settings and the dense paged reference's bf16 products, within the quantised formats' 5e-3 bar). The TPU
       kernels and the other references do not differ.
@@ -61,13 +63,14 @@ class KernelConfig:
     moe_interpret: bool = False
     dsa: str = "auto"
     dsa_precision: str = "exact"
+    norm: str = "auto"
 
     def __post_init__(self):
         check_precision(self.dsa_precision)  # a typo fails here, not at the first decode step
 
     @staticmethod
     def reference() -> "KernelConfig":
-        return KernelConfig(kda="reference", moe="reference", dsa="reference")
+        return KernelConfig(kda="reference", moe="reference", dsa="reference", norm="reference")
 
 
 @dataclass(frozen=True)

@@ -155,13 +155,13 @@ class DecoderLayer(nnx.Module):
             self.mlp_res = AttnResMix(D, eps, rngs=rngs, dtype=dtype)
 
     def attn(self, h, cache, start, ctx: ForwardContext, mla_form: str = "absorbed", defer_kda: bool = False):
-        x = self.input_layernorm(h)
+        x = self.input_layernorm(h, ctx)
         if self.kind == "kda":
             return self.self_attn(x, cache, ctx=ctx, defer=defer_kda)
         return self.self_attn(x, cache, start, ctx=ctx, form=mla_form)
 
     def ffn(self, h, ctx: ForwardContext):
-        x = self.post_attention_layernorm(h)
+        x = self.post_attention_layernorm(h, ctx)
         return self.mlp(x) if self.mlp is not None else self.block_sparse_moe(x, ctx)
 
 
@@ -220,7 +220,7 @@ class KimiForCausalLM(nnx.Module):
                 prefix = prefix + layer.ffn(prefix, ctx)
             new_layers.append(c.pool if isinstance(c, PagedMLACache) else c)
         h = self.output_attn_res(blocks + [prefix]) if block else prefix
-        h = self.norm(h)
+        h = self.norm(h, ctx)
         new_cache = None
         # tokens the cache gains: this device's ids, or under the token split the whole prompt / chunk's real tokens
         grown = None if cache is None else cache.length + (ctx.valid_len if ctx.token_split else ids_bt.shape[1])

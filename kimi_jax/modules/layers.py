@@ -14,6 +14,8 @@ from flax import nnx
 
 # the gated activations are defined beside the expert kernels that fuse them
 from pallas_kernels.moe.activations import clamped_swiglu, situ, swiglu  # noqa: F401
+from pallas_kernels.norm import rmsnorm_reference as rmsnorm  # noqa: F401  (the definition, beside its kernel)
+from sharding import norm as sharded_norm
 
 
 def param_key(rngs: nnx.Rngs):
@@ -70,14 +72,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.weight = nnx.Param((1.0 + 0.1 * jax.random.normal(param_key(rngs), (dim,))).astype(dtype))
 
-    def __call__(self, x):
-        return rmsnorm(x, self.weight[...], self.eps)
-
-
-def rmsnorm(x, weight, eps: float):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    def __call__(self, x, ctx=None):
+        """`x [..., dim]`; with a `ForwardContext`, by its norm backend (`sharding.norm`: one GPU kernel at decode)."""
+        if ctx is None:
+            return rmsnorm(x, self.weight[...], self.eps)
+        return sharded_norm.rmsnorm(ctx, x, self.weight[...], self.eps)
 
 
 class LayerNorm(nnx.Module):

@@ -201,12 +201,12 @@ class MultiHeadLatentAttention(nnx.Module):
             cq = None
             q = self.q_proj(x_btd)
         else:
-            cq = self.q_a_layernorm(self.q_a_proj(x_btd))
+            cq = self.q_a_layernorm(self.q_a_proj(x_btd), ctx)
             q = self.q_b_proj(cq)
         q = q.reshape(B, T, H, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         ckv = self.kv_a_proj_with_mqa(x_btd)
-        lat, k_rope = self.kv_a_layernorm(ckv[..., :R]), ckv[..., R:]
+        lat, k_rope = self.kv_a_layernorm(ckv[..., :R], ctx), ckv[..., R:]
         first = jnp.asarray(start, jnp.int32) + ctx.first_token(T)
         positions = jnp.broadcast_to(first, (B,))[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         cos_sin = None

@@ -88,7 +88,7 @@ class MoE(nnx.Module):
         y = y.astype(x.dtype)
         if cfg.latent_size:
             if self.routed_expert_norm is not None:
-                y = self.routed_expert_norm(y)
+                y = self.routed_expert_norm(y, ctx)
             y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
