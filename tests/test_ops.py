@@ -543,3 +543,10 @@ def test_a_one_row_linear_stays_a_matmul_when_lowered_for_a_gpu():
     assert dot_lhs_shapes("cuda") == {"2x64"}
     assert dot_lhs_shapes("tpu") == {"1x1x64"}
     assert matmul(jnp.ones((3, 64)), w).shape == (3, 96)  # more rows: the plain dot everywhere
+    # the MoE router's float32 matmul at one token takes the same form
+    from pallas_kernels.moe.routing import router_logits
+
+    fn = jax.jit(router_logits)
+    x = x.reshape(1, 64)
+    np.testing.assert_array_equal(np.asarray(fn(x, w)), np.asarray(jnp.dot(x, w, precision="highest")))
+    assert dot_lhs_shapes("cuda") == {"2x64"} and dot_lhs_shapes("tpu") == {"1x64"}

@@ -6,14 +6,13 @@ non-degenerate logits; real weights come from checkpoints.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 # the gated activations are defined beside the expert kernels that fuse them
 from pallas_kernels.moe.activations import clamped_swiglu, situ, swiglu  # noqa: F401
+from pallas_kernels.matmul import matmul  # noqa: F401  (one decode row stays a GEMM on a GPU)
 from pallas_kernels.norm import rmsnorm_reference as rmsnorm  # noqa: F401  (the definition, beside its kernel)
 from sharding import norm as sharded_norm
 
@@ -39,29 +38,6 @@ class Linear(nnx.Module):
 
     def __call__(self, x, out_dtype=None):
         return matmul(x.astype(self.kernel.dtype), self.kernel[...]).astype(out_dtype or x.dtype)
-
-
-def matmul(x_mk, w_kn):
-    """`x [..., K] @ w [K, N]` -> float32 `[..., N]`, on a GPU a matrix product even for one row.
-
-    XLA's GPU compiler rewrites a dot whose one side is a vector, against a matrix of under 10M elements, into a
-    broadcast multiply and a reduction (its DotStrengthReduction pass, not switchable by a flag). At one decode row
-    that turns each projection into two to four kernels, some writing the float32 product `[K, N]` out before
-    reducing it (twice the weight's bytes written and read again). Lowered for a GPU, a single row is therefore
-    padded to two and the result sliced back: the dot stays a matmul (one GEMM fusion, which also merges the
-    projections sharing an input). Other platforms lower the plain dot (`jax.lax.platform_dependent`)."""
-    if math.prod(x_mk.shape[:-1]) != 1:
-        return jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32)
-
-    def plain(x, w):
-        return jnp.dot(x, w, preferred_element_type=jnp.float32)
-
-    def two_rows(x, w):
-        x_1k = x.reshape(1, x.shape[-1])
-        y_2n = jnp.dot(jnp.concatenate([x_1k, jnp.zeros_like(x_1k)]), w, preferred_element_type=jnp.float32)
-        return y_2n[:1].reshape(*x.shape[:-1], w.shape[-1])
-
-    return jax.lax.platform_dependent(x_mk, w_kn, cuda=two_rows, rocm=two_rows, default=plain)
 
 
 class RMSNorm(nnx.Module):

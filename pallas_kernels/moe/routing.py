@@ -9,10 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..matmul import matmul
+
 
 def router_logits(x_nd, router_de):
-    """`x [N, D] @ router [D, E]` in float32 at full precision -> logits `[N, E]` float32."""
-    return jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    """`x [N, D] @ router [D, E]` in float32 at full precision -> logits `[N, E]` float32 (a GEMM on a GPU even at
+    one token: `pallas_kernels.matmul`)."""
+    return matmul(x_nd.astype(jnp.float32), router_de.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def select_experts(logits_ne, bias_e, cfg):
