@@ -1020,6 +1020,10 @@ def test_slot_tile_plan_is_the_sorted_plan_seen_from_the_pairs(tokens, k, expert
             x_nd, token_of_row, sizes, slot_row, *prepared)
         assert got.shape == (P, D)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # the pairs' tokens given as k (row i is token i // k, computed inside the gather): the same rows
+        by_k = jax.jit(lambda a, p, *w: mm.expert_ffn_tiled(a, None, *w, situ, config=cfg, plan=p, token_of_row=k,
+                                                            **stand_ins))(x_nd, plan, *prepared)
+        np.testing.assert_array_equal(np.asarray(by_k), np.asarray(got))
     with pytest.raises(ValueError, match="does not fit"):
         mm.expert_ffn_tiled(x_nd, None, *prepared, situ, config=dataclasses.replace(cfg, rows=rows * 2 + 8),
                             plan=plan, token_of_row=jnp.arange(P, dtype=jnp.int32) // k, **stand_ins)

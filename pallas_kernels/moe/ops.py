@@ -312,7 +312,7 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
                     else _mgpu_mx.slot_tile_plan(expert_idx_nk, E, cfg.rows))
             y = _mgpu_mx.expert_ffn_tiled(x_nd, None, w_gate, w_up, w_down, resolve_activation(activation),
                                           h_dtype=x_nd.dtype, config=cfg, plan=plan,
-                                          token_of_row=jnp.arange(N * k, dtype=jnp.int32) // k)
+                                          token_of_row=k)
             return combine_slots(y, weight_nk)
     _, token_of_row, sizes, slot_row = dispatch_plan(expert_idx_nk, E)
     # the FFN hands its rows back in (token, slot) order: on the tile-layout path one gather from the padded rows

@@ -62,7 +62,8 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     its own input row, so none of that reaches a real row.
 
     `token_of_row [M]`: x_rows is then the `[N, K]` tokens the sorted rows come from (sorted row i =
-    x_rows[token_of_row[i]]), and x's planes are made on them before the gather (`gather_x`).
+    x_rows[token_of_row[i]]), and x's planes are made on them before the gather (`gather_x`); an int k: row i is
+    token i // k (routed pairs in (token, slot) order).
     `out_rows [R]` int32: the result is those sorted rows, in that order (`y[out_rows]` `[R, D]`), gathered from the
     padded rows in one step (`ops.expert_ffn` asks for (token, slot) order, so its combine gathers nothing).
 
@@ -74,7 +75,10 @@ def expert_ffn_tiled(x_rows, group_sizes, w_gate: PreparedWeight, w_up: Prepared
     row's token in `token_of_row`); `group_sizes` is then unused and `config.rows` must be the plan's tile rows.
     `gate_up_dtype`: what the separate gate and up kernels write for the activation to read (fp32 accumulation
     either way; bf16 rounds each product before the activation, no faster as measured)."""
-    M = x_rows.shape[0] if token_of_row is None else token_of_row.shape[0]
+    if token_of_row is None:
+        M = x_rows.shape[0]
+    else:
+        M = x_rows.shape[0] * token_of_row if isinstance(token_of_row, int) else token_of_row.shape[0]
     E = w_gate.num_experts
     if w_up.out_order != w_gate.out_order or w_down.out_order != "natural":
         raise ValueError("expert_ffn_tiled: gate and up need one output order and down the natural one "

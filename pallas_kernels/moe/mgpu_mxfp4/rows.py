@@ -119,10 +119,15 @@ def gather_x(x, src, token_of_row=None):
     planes the kernel's wrapper makes (`_tile_layout_operands`: a transpose XLA fuses into this gather). With
     `token_of_row [M]`, `x [N, K]` is the tokens the sorted rows come from (sorted row i = x[token_of_row[i]]): the
     planes are made on the N tokens (k times fewer rows) and the gather moves contiguous half-rows -> planes
-    `[2, len(src), K/2]`, and the sorted rows `[M, K]` are never materialised."""
+    `[2, len(src), K/2]`, and the sorted rows `[M, K]` are never materialised. `token_of_row` an int k: the rows are
+    routed pairs in (token, slot) order, row i token i // k (computed inside the gather, not gathered itself)."""
     if token_of_row is None:
         return x.astype(jnp.bfloat16).at[src].get(mode="fill", fill_value=0)
-    tok = token_of_row.at[src].get(mode="fill", fill_value=x.shape[0])
+    N = x.shape[0]
+    if isinstance(token_of_row, int):
+        tok = jnp.where(src < N * token_of_row, src // token_of_row, N)
+    else:
+        tok = token_of_row.at[src].get(mode="fill", fill_value=N)
     return _planes_in_contraction_order(x.astype(jnp.bfloat16)).at[:, tok].get(mode="fill", fill_value=0)
 
 
