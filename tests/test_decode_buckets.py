@@ -120,17 +120,21 @@ from kimi_jax.tokenizer import Tokenizer
 def run(model, buckets):
     cfg = EngineConfig(max_num_seqs=4, max_model_len=256, prefill_chunk_sizes=(64, 1), decode_buckets=buckets)
     eng = Engine(model, Tokenizer.tiny(), cfg).start()
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=True, ignore_eos=True)
     outs = [eng.submit([5 + i, 40, 7 * i + 3, 9], params).collect(1)[0][0] for i in range(2)]
     rows = eng.stats()["steps_by_rows"]
     eng.shutdown()
     return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs], rows
 
 cfg = get_preset("tiny")
+kernels, TOKENS = None, 8
+if sys.argv[1] == "gpu-glue":  # the GPU decode-glue kernels (norms, expert selection, KDA step), interpreted: slow
+    from kimi_jax.kernels import KernelConfig
+    kernels, TOKENS = KernelConfig(kda="gpu_interpret", moe="gpu", moe_interpret=True, norm="gpu_interpret"), 4
 one = run(random_model(cfg), ())
 results = {}
-for mesh in sys.argv[1:]:
-    meshed = run(random_model(cfg, mesh=mesh), (2,))
+for mesh in sys.argv[2:]:
+    meshed = run(random_model(cfg, mesh=mesh, kernels=kernels), (2,))
     results[mesh] = {"tokens_equal": one[0] == meshed[0], "rows": meshed[2],
                      "max_dlogprob": max(float(np.abs(np.subtract(a, b)).max()) for a, b in zip(one[1], meshed[1]))}
 print(json.dumps(results))
@@ -141,6 +145,17 @@ def test_buckets_on_a_mesh_equal_one_device():
     """Bucket steps on 8 faked CPU devices give one device's tokens: over 8 tensor ways (8x1) each device updates
     its heads' columns of the bucket's slots in place; with a data axis of 2 (4x2) the bucket's rows are gathered
     (a slot's KDA state lives on one data shard)."""
+    _check_meshes("plain", "8x1", "4x2")
+
+
+def test_the_gpu_decode_glue_on_a_mesh_equals_one_device():
+    """The GPU kernels of a bucket step's glue (RMSNorm, the MoE's expert selection, the KDA decode step), here in
+    Triton's interpreter, on 8 faked devices: per device under shard_map, the KDA step on its heads over 8 tensor
+    ways, they give one device's tokens. (The norm over a data axis: tests/test_norm.py.)"""
+    _check_meshes("gpu-glue", "8x1")
+
+
+def _check_meshes(kernels: str, *meshes: str):
     import json
     import subprocess
     import sys
@@ -148,8 +163,9 @@ def test_buckets_on_a_mesh_equal_one_device():
 
     from server_process import cpu_devices_env
 
-    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT, "8x1", "4x2"], cwd=Path(__file__).resolve().parents[1],
-                         env=cpu_devices_env(8), capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT, kernels, *meshes],
+                         cwd=Path(__file__).resolve().parents[1], env=cpu_devices_env(8), capture_output=True,
+                         text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     for mesh, result in json.loads(out.stdout.strip().splitlines()[-1]).items():
         assert result["tokens_equal"] and result["max_dlogprob"] < 1e-4, (mesh, result)

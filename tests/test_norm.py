@@ -65,3 +65,34 @@ def test_the_model_decodes_through_the_norm_kernel(tiny_model, monkeypatch):
     assert len(launched) >= norms_per_step
     for got, want in zip(out[1], out[0]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+MESH_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from pallas_kernels import norm
+from sharding import make_mesh
+from sharding import norm as sharded_norm
+from sharding.context import ForwardContext, KernelConfig
+x = jax.random.normal(jax.random.key(0), (8, 1, 512), jnp.float32).astype(jnp.bfloat16)
+w = (1 + 0.1 * jax.random.normal(jax.random.key(1), (512,))).astype(jnp.bfloat16)
+want = np.asarray(norm.rmsnorm_reference(x, w, 1e-6), np.float32)
+for spec in ("4x2", "8x1"):
+    ctx = ForwardContext(mesh=make_mesh(spec), kernels=KernelConfig(norm="gpu_interpret"))
+    got = jax.jit(lambda x, w: sharded_norm.rmsnorm(ctx, x, w, 1e-6))(x, w)
+    assert np.array_equal(np.asarray(got, np.float32), want), spec
+print("ok")
+"""
+
+
+def test_the_norm_kernel_on_a_mesh_equals_one_device():
+    """On 8 faked devices — the rows split over a data axis of 2 (4x2), or whole over 8 tensor ways (8x1) — the kernel
+    runs per device on its rows under shard_map and gives one device's bits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from server_process import cpu_devices_env
+
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=Path(__file__).resolve().parents[1],
+                         env=cpu_devices_env(8), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]

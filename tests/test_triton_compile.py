@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent("""
     from pallas_kernels.kda import gpu_triton as kda
     from pallas_kernels.mla import sparse_gpu_triton as mla
     from pallas_kernels.moe import gpu_route as route, gpu_triton as moe, mxfp4 as mx
+    from pallas_kernels import norm
     from kimi_jax.config import MoEConfig
 
     backend, arch, warp = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -95,6 +96,9 @@ SCRIPT = textwrap.dedent("""
             q, k, v, f, b, pool, slots, A_log=a, dt_bias=dtb, gate_form="lower_bound"),
                        *[S((64, 1, H, d), jnp.bfloat16)] * 3, S((64, 1, H, d), jnp.float32),
                        S((64, 1, H), jnp.float32), S((80, H, d, d), jnp.float32), S((64,), jnp.int32), *gate)
+        for D in (2304, 7168):  # RMSNorm at Kimi-Linear's and K3.1's widths, 32 decode rows
+            jax.eval_shape(lambda x, w: norm.rmsnorm(x, w, 1e-6, "gpu"), S((32, 1, D), jnp.bfloat16),
+                           S((D,), jnp.bfloat16))
         # the whole decode step after the projections at Kimi-Linear's 32 heads of 128, 32 sequences (bf16)
         P, K = 32 * 128, 4
         jax.eval_shape(lambda x, f, b, g, c, a, dtb, on, pools, slots: kda.decode_step(
@@ -151,8 +155,8 @@ def test_native_kernels_compile_for_hopper():
     assert {r["name"] for r in res} == {"dsa_indexer_scores_triton", "moe_grouped_matmul_triton", "kda_intra_rows",
                                         "kda_intra_wu", "kda_state", "kda_decode", "kda_decode_step",
                                         "sparse_mla_decode_triton", "sparse_mla_merge_triton", "moe_select_experts",
-                                        "moe_slot_tile_plan"}
-    assert len(res) == 55
+                                        "moe_slot_tile_plan", "rmsnorm"}
+    assert len(res) == 57
     too_big = [r for r in res if r["shared"] > HOPPER_SHARED]
     assert not too_big, too_big
     assert all(r["wgmma"] for r in res if r["fp8_dot"])  # the fp8 codes go to Hopper's wgmma as stored
@@ -183,7 +187,7 @@ def test_native_kernels_compile_for_cdna3():
         if "amd" in str(e).lower() and ("No module" in str(e) or "not found" in str(e)):
             pytest.skip("this triton has no AMD backend")
         raise
-    assert len(res) == 45
+    assert len(res) == 47
     assert any(r["mxfp4"] for r in res)  # compiled on the arithmetic decode (no PTX on AMD)
 
 
