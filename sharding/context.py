@@ -72,6 +72,29 @@ class KernelConfig:
     def reference() -> "KernelConfig":
         return KernelConfig(kda="reference", moe="reference", dsa="reference", norm="reference")
 
+    def replaced(self, spec: str) -> "KernelConfig":
+        """This config with op families' implementations taken from `spec`, comma-separated FAMILY=BACKEND pairs
+        (the server's `--kernels norm=reference,moe=reference`): families kda, moe, dsa and norm, each backend one
+        its family names (`auto`, `reference`, `gpu`, `tpu`, ...). Raises ValueError naming what it does not know."""
+        if not spec.strip():
+            return self
+        from pallas_kernels import norm
+        from pallas_kernels.kda import ops as kda_ops
+        from pallas_kernels.moe import ops as moe_ops
+        from pallas_kernels.paged import DSA_BACKENDS
+
+        known = {"kda": ("auto",) + kda_ops.BACKENDS, "moe": ("auto",) + moe_ops.BACKENDS, "dsa": DSA_BACKENDS,
+                 "norm": ("auto",) + norm.BACKENDS}
+        fields = {}
+        for pair in filter(None, (part.strip() for part in spec.split(","))):
+            family, _, backend = (s.strip().lower() for s in pair.partition("="))
+            if family not in known:
+                raise ValueError(f"unknown kernel family {family!r} in {pair!r}; families: {', '.join(known)}")
+            if backend not in known[family]:
+                raise ValueError(f"unknown {family} backend {backend!r}; choose one of {', '.join(known[family])}")
+            fields[family] = backend
+        return dataclasses.replace(self, **fields)
+
 
 @dataclass(frozen=True)
 class AxisRoles:

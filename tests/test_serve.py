@@ -557,7 +557,8 @@ def test_cli_help_and_refusals(capsys):
     r = subprocess.run([sys.executable, "-m", "kimi_jax.serve", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     for flag in ("--checkpoint", "--model", "--mesh", "--host", "--port", "--max-num-seqs", "--max-model-len",
-                 "--kv-dtype", "--index-dtype", "--num-blocks", "--api-key", "xla_force_host_platform_device_count"):
+                 "--kv-dtype", "--index-dtype", "--num-blocks", "--api-key", "--kernels",
+                 "xla_force_host_platform_device_count"):
         assert flag in r.stdout
     from kimi_jax.serve.__main__ import main
 
@@ -565,6 +566,9 @@ def test_cli_help_and_refusals(capsys):
     err = capsys.readouterr().err
     assert "8 devices" in err and "XLA_FLAGS=--xla_force_host_platform_device_count=8" in err
     assert main(["--mesh", "banana"]) == 2 and "AxB" in capsys.readouterr().err
+    assert main(["--kernels", "norm=reference,attention=gpu"]) == 2 and "kernel family 'attention'" in (
+        capsys.readouterr().err)
+    assert main(["--kernels", "moe=cuda"]) == 2 and "unknown moe backend 'cuda'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # not a TCP port
         main(["--port", "99999"])
     assert "0–65535" in capsys.readouterr().err

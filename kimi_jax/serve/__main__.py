@@ -18,7 +18,7 @@ from ..config import PRESETS
 from ..engine import Engine, EngineConfig
 from ..engine.engine import DEFAULT_TOKEN_SPLIT_MIN_TOKENS, default_decode_buckets
 from ..engine.runner import resolve_kv_dtype
-from ..kernels import ATTENTION_PRECISIONS, attention_precision
+from ..kernels import ATTENTION_PRECISIONS, KernelConfig, attention_precision
 from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, run_server
 from .limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES
 
@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 accumulation on the tensor cores / MXU, within the quantised formats' 5e-3 bar; "
                         "what a bf16 model runs in transformers or vLLM), or auto (default): storage when the "
                         "model runs in bfloat16, exact in float32")
+    p.add_argument("--kernels", default="", metavar="FAMILY=BACKEND,...",
+                   help="the implementation of op families, e.g. 'norm=reference,moe=reference' (KernelConfig: kda, "
+                        "moe, dsa, norm; each auto | reference | gpu | tpu | ...; default auto: the platform's "
+                        "kernels where they apply). For taking one kernel family out, e.g. to measure what it buys")
     p.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: $KIMI_JAX_API_KEY, else no key)")
@@ -322,6 +326,10 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # refused before any model is loaded
+        KernelConfig().replaced(args.kernels)
+    except ValueError as e:
+        return _fail(f"--kernels: {e}")
     try:
         need = mesh_device_count(args.mesh)
     except ValueError as e:
@@ -443,6 +451,9 @@ def main(argv=None, *, auto_devices: bool = False) -> int:
     log.info("loaded %s (%s, %d layers, vocab %d) in %.1fs; tokenizer %s", what, cfg.architecture, cfg.num_layers,
              cfg.vocab_size, time.perf_counter() - t0, tokenizer)
     precision = attention_precision(args.attention_precision, model.dtype)
+    if args.kernels:
+        model = model.with_kernels(model.kernels.replaced(args.kernels))
+        log.info("kernels: %s (--kernels %s)", model.kernels, args.kernels)
     if precision != model.kernels.dsa_precision:
         model = model.with_kernels(dataclasses.replace(model.kernels, dsa_precision=precision))
     log.info("attention products at %s precision (--attention-precision %s, %s model)", precision,
