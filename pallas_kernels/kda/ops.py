@@ -193,8 +193,6 @@ def recurrent(q, k, v, g, beta, state, scale=None, slot_ids=None, backend: str =
 recurrent_donated = jax.jit(recurrent, static_argnames=("scale", "backend", "gate_form", "lower_bound", "platform"),
                             donate_argnames=("state",))
 
-__all__ = ["chunk", "recurrent", "recurrent_donated", "reference_varlen", "resolve_backend", "BACKENDS"]
-
 
 def decode_step(x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, pools, slot_ids, *, gate_form: str,
                 lower_bound: float = -5.0, o_norm_eps: float = 1e-6, scale=None, backend: str = "auto",
@@ -215,3 +213,7 @@ def decode_step(x_in, f, b_logit, gate_logit, conv, A_log, dt_bias, o_norm, pool
         return recurrent(q, k, v, g, beta, pool, scale, slot_ids=slots, backend=be, platform=platform)
 
     return reference.decode_step(*args, recurrent_fn=rec, **kw)
+
+
+__all__ = ["chunk", "decode_step", "recurrent", "recurrent_donated", "reference_varlen", "resolve_backend",
+           "BACKENDS"]

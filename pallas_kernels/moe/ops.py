@@ -307,8 +307,10 @@ def expert_ffn(x_nd, expert_idx_nk, weight_nk, w_gate, w_up, w_down, activation,
         cfg = c_up if isinstance(c_up, _mgpu_mx.MgpuConfig) else _mgpu_mx.tiled_config(
             N * k / E, (w_gate.out_features, w_down.out_features))
         if N * k:
-            # decode-sized batches plan in one kernel (`gpu_route`), larger ones in XLA: the same plan
-            plan = (_gpu_route.slot_tile_plan(expert_idx_nk, E, cfg.rows) if _gpu_route.takes(N, E)
+            # decode-sized batches plan in one Triton kernel (`gpu_route`, where jax-triton launches: the Mosaic
+            # FFN does not need it), larger ones in XLA: the same plan
+            plan = (_gpu_route.slot_tile_plan(expert_idx_nk, E, cfg.rows)
+                    if _gpu_route.takes(N, E) and _gpu_route.available()
                     else _mgpu_mx.slot_tile_plan(expert_idx_nk, E, cfg.rows))
             y = _mgpu_mx.expert_ffn_tiled(x_nd, None, w_gate, w_up, w_down, resolve_activation(activation),
                                           h_dtype=x_nd.dtype, config=cfg, plan=plan,
